@@ -1,0 +1,4 @@
+// PLACEHOLDER until the GGUF helper lands.
+#include "bindings.h"
+
+void bind_gguf(nb::module_& m) {}

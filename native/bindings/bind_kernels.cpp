@@ -1,0 +1,102 @@
+// Dot products and matrix products on numpy arrays, at a chosen SIMD level (tests compare levels).
+#include "bindings.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <nanobind/stl/string.h>
+
+#include "optiml/common.h"
+#include "optiml/kernels.h"
+#include "optiml/matmul.h"
+#include "optiml/threadpool.h"
+
+namespace {
+
+using namespace optiml;
+
+using Bytes1D = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Bytes2D = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Floats1D = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Floats2D = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+const KernelTable& table_for(const std::string& simd) {
+    if (simd.empty()) return kernel_table();
+    for (int l = 0; l < SIMD_LEVEL_COUNT; l++)
+        if (simd == simd_level_name((SimdLevel)l)) return kernel_table((SimdLevel)l);
+    throw ArgumentError(format("unknown SIMD level '%s' (expected scalar, avx2, avx512 or neon)", simd.c_str()));
+}
+
+// Pools of a given size, kept so that benchmarks at 1 and 2 threads do not create threads per call.
+std::shared_ptr<ThreadPool> pool_for(int n_threads) {
+    if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = the default pool)");
+    if (n_threads == 0) return default_pool();
+    static std::mutex mu;
+    static std::map<int, std::shared_ptr<ThreadPool>> pools;
+    std::lock_guard<std::mutex> lk(mu);
+    auto& p = pools[n_threads];
+    if (!p) p = std::make_shared<ThreadPool>(n_threads);
+    return p;
+}
+
+void check_row_bytes(int32_t wtype, int64_t cols, size_t have, const char* what) {
+    check_matmul_args(wtype, cols);
+    const size_t need = row_size(wtype, cols);
+    if (have != need)
+        throw ArgumentError(format("%s holds %zu bytes per row, but %lld elements of %s take %zu", what, have,
+                                   (long long)cols, type_traits(wtype).name, need));
+}
+
+nb::ndarray<nb::numpy, uint8_t> convert_activation(Floats1D x, int32_t wtype, const std::string& simd) {
+    const int64_t n = (int64_t)x.shape(0);
+    check_matmul_args(wtype, n);
+    const KernelTable& kt = table_for(simd);
+    const int32_t xtype = type_traits(wtype).vec_dot_type;
+    auto out = new_array<uint8_t>({row_size(xtype, n)});
+    kt.from_float[xtype](x.data(), out.data(), n);
+    return out;
+}
+
+float vec_dot_converted(int32_t wtype, Bytes1D w, Bytes1D xq, int64_t n, const std::string& simd) {
+    check_row_bytes(wtype, n, w.shape(0), "the weight row");
+    const int32_t xtype = type_traits(wtype).vec_dot_type;
+    if (xq.shape(0) != row_size(xtype, n))
+        throw ArgumentError(format("the converted activation holds %zu bytes, expected %zu for %lld elements of %s",
+                                   (size_t)xq.shape(0), row_size(xtype, n), (long long)n, type_traits(xtype).name));
+    float s = 0;
+    table_for(simd).vec_dot[wtype](n, &s, w.data(), xq.data());
+    return s;
+}
+
+nb::ndarray<nb::numpy, float> matmul_py(Bytes2D w, int32_t wtype, Floats2D x, const std::string& simd,
+                                     int n_threads) {
+    const int64_t rows = (int64_t)w.shape(0), cols = (int64_t)x.shape(1), n_tokens = (int64_t)x.shape(0);
+    check_row_bytes(wtype, cols, w.shape(1), "the weight matrix");
+    const KernelTable& kt = table_for(simd);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    auto y = new_array<float>({(size_t)n_tokens, (size_t)rows});
+    {
+        nb::gil_scoped_release release;
+        optiml::matmul(*pool, kt, wtype, w.data(), rows, cols, x.data(), n_tokens, y.data());
+    }
+    return y;
+}
+
+}  // namespace
+
+void bind_kernels(nb::module_& m) {
+    m.def("simd_levels", [] {
+        nb::list out;
+        for (int l = 0; l < SIMD_LEVEL_COUNT; l++)
+            if (simd_level_available((SimdLevel)l)) out.append(simd_level_name((SimdLevel)l));
+        return out;
+    });
+    m.def("convert_activation", &convert_activation, nb::arg("x"), nb::arg("wtype"), nb::arg("simd") = "",
+          "Converts float32 activations to the type that a dot product with `wtype` weights uses.");
+    m.def("vec_dot_converted", &vec_dot_converted, nb::arg("wtype"), nb::arg("w"), nb::arg("xq"), nb::arg("n"),
+          nb::arg("simd") = "", "Dot product of one weight row with an already converted activation row.");
+    m.def("matmul", &matmul_py, nb::arg("w"), nb::arg("wtype"), nb::arg("x"), nb::arg("simd") = "",
+          nb::arg("n_threads") = 0, "Y[t, r] = dot(W[r], X[t]) for weight rows W (bytes) and activations X.");
+}

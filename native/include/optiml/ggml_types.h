@@ -1,0 +1,156 @@
+// Tensor element types and quantized block layouts, byte-for-byte as ggml/llama.cpp store them in GGUF
+// files. This header is the one place these layouts are written down.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace optiml {
+
+// Numbering is ggml's (it is what GGUF tensor infos store). Gaps are types ggml removed.
+enum GGMLType : int32_t {
+    TYPE_F32 = 0,
+    TYPE_F16 = 1,
+    TYPE_Q4_0 = 2,
+    TYPE_Q4_1 = 3,
+    TYPE_Q5_0 = 6,
+    TYPE_Q5_1 = 7,
+    TYPE_Q8_0 = 8,
+    TYPE_Q8_1 = 9,
+    TYPE_Q2_K = 10,
+    TYPE_Q3_K = 11,
+    TYPE_Q4_K = 12,
+    TYPE_Q5_K = 13,
+    TYPE_Q6_K = 14,
+    TYPE_Q8_K = 15,
+    TYPE_IQ2_XXS = 16,
+    TYPE_IQ2_XS = 17,
+    TYPE_IQ3_XXS = 18,
+    TYPE_IQ1_S = 19,
+    TYPE_IQ4_NL = 20,
+    TYPE_IQ3_S = 21,
+    TYPE_IQ2_S = 22,
+    TYPE_IQ4_XS = 23,
+    TYPE_I8 = 24,
+    TYPE_I16 = 25,
+    TYPE_I32 = 26,
+    TYPE_I64 = 27,
+    TYPE_F64 = 28,
+    TYPE_IQ1_M = 29,
+    TYPE_BF16 = 30,
+    TYPE_TQ1_0 = 34,
+    TYPE_TQ2_0 = 35,
+    TYPE_MXFP4 = 39,
+    TYPE_COUNT = 40,
+};
+
+struct TypeTraits {
+    const char* name;       // ggml's name, e.g. "Q4_K"; nullptr for unknown type ids
+    int64_t block_size;     // elements per block (1 for plain types)
+    size_t type_size;       // bytes per block
+    bool quantized;
+    GGMLType vec_dot_type;  // what activations are converted to before a dot product with this type
+};
+
+// Traits of a type id; .name == nullptr when the id is not a ggml type.
+const TypeTraits& type_traits(int32_t type);
+bool type_is_known(int32_t type);
+// Bytes of a row of n elements; n must be a multiple of the block size (checked by the callers).
+inline size_t row_size(int32_t type, int64_t n) {
+    const TypeTraits& t = type_traits(type);
+    return (size_t)(n / t.block_size) * t.type_size;
+}
+// Looks a type up by ggml name ("q4_k" or "Q4_K"); returns -1 when unknown.
+int32_t type_from_name(const char* name);
+
+// ---- scalar half/bfloat16 conversion (exact, no rounding surprises) --------------------------
+typedef uint16_t fp16_t;
+typedef uint16_t bf16_t;
+
+inline float fp32_from_bits(uint32_t w) { float f; std::memcpy(&f, &w, 4); return f; }
+inline uint32_t fp32_to_bits(float f) { uint32_t w; std::memcpy(&w, &f, 4); return w; }
+
+inline float fp16_to_fp32(fp16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = 0xE0u << 23;
+    const float exp_scale = fp32_from_bits(0x7800000u);
+    const float normalized = fp32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+    const uint32_t magic_mask = 126u << 23;
+    const float magic_bias = 0.5f;
+    const float denormalized = fp32_from_bits((two_w >> 17) | magic_mask) - magic_bias;
+    const uint32_t denormalized_cutoff = 1u << 27;
+    const uint32_t result = sign | (two_w < denormalized_cutoff ? fp32_to_bits(denormalized)
+                                                                : fp32_to_bits(normalized));
+    return fp32_from_bits(result);
+}
+
+// Round-to-nearest-even, as numpy's astype(float16) and F16C do.
+inline fp16_t fp32_to_fp16(float f) {
+    const float scale_to_inf = fp32_from_bits(0x77800000u);
+    const float scale_to_zero = fp32_from_bits(0x08800000u);
+    float base = ((f < 0 ? -f : f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = fp32_to_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = fp32_from_bits((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = fp32_to_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (fp16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+inline float bf16_to_fp32(bf16_t h) { return fp32_from_bits((uint32_t)h << 16); }
+
+// Round-to-nearest-even; NaN stays NaN (as ggml and gguf-py do).
+inline bf16_t fp32_to_bf16(float f) {
+    uint32_t u = fp32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 64);
+    return (bf16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
+}
+
+// ---- block layouts ---------------------------------------------------------------------------
+#define OPTIML_QK4_0 32
+#define OPTIML_QK4_1 32
+#define OPTIML_QK5_0 32
+#define OPTIML_QK5_1 32
+#define OPTIML_QK8_0 32
+#define OPTIML_QK8_1 32
+#define OPTIML_QK_K 256
+#define OPTIML_K_SCALE_SIZE 12
+
+struct block_q4_0 { fp16_t d; uint8_t qs[16]; };
+struct block_q4_1 { fp16_t d; fp16_t m; uint8_t qs[16]; };
+struct block_q5_0 { fp16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct block_q5_1 { fp16_t d; fp16_t m; uint8_t qh[4]; uint8_t qs[16]; };
+struct block_q8_0 { fp16_t d; int8_t qs[32]; };
+// Activation format paired with Q4_1/Q5_1: s = d * sum(qs).
+struct block_q8_1 { fp16_t d; fp16_t s; int8_t qs[32]; };
+
+struct block_q2_K { uint8_t scales[16]; uint8_t qs[64]; fp16_t d; fp16_t dmin; };
+struct block_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; fp16_t d; };
+struct block_q4_K { fp16_t d; fp16_t dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct block_q5_K { fp16_t d; fp16_t dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; fp16_t d; };
+// Activation format paired with the k-quants: bsums[j] = sum of qs[16j .. 16j+15].
+struct block_q8_K { float d; int8_t qs[256]; int16_t bsums[16]; };
+
+static_assert(sizeof(block_q4_0) == 18, "block_q4_0 layout");
+static_assert(sizeof(block_q4_1) == 20, "block_q4_1 layout");
+static_assert(sizeof(block_q5_0) == 22, "block_q5_0 layout");
+static_assert(sizeof(block_q5_1) == 24, "block_q5_1 layout");
+static_assert(sizeof(block_q8_0) == 34, "block_q8_0 layout");
+static_assert(sizeof(block_q8_1) == 36, "block_q8_1 layout");
+static_assert(sizeof(block_q2_K) == 84, "block_q2_K layout");
+static_assert(sizeof(block_q3_K) == 110, "block_q3_K layout");
+static_assert(sizeof(block_q4_K) == 144, "block_q4_K layout");
+static_assert(sizeof(block_q5_K) == 176, "block_q5_K layout");
+static_assert(sizeof(block_q6_K) == 210, "block_q6_K layout");
+static_assert(sizeof(block_q8_K) == 292, "block_q8_K layout");
+
+}  // namespace optiml

@@ -1,0 +1,51 @@
+// Dot-product kernels and their run-time selection by SIMD level.
+//
+// A dot product of a weight row of type T with an activation vector works like llama.cpp's: the
+// activation is first converted to T's vec_dot_type (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1,
+// Q8_K for the k-quants, F16/BF16/F32 for the float types), then an integer or float dot runs block
+// by block.
+#pragma once
+
+#include <cstdint>
+
+#include "optiml/ggml_types.h"
+
+namespace optiml {
+
+enum SimdLevel : int {
+    SIMD_SCALAR = 0,  // portable reference, every platform
+    SIMD_AVX2 = 1,    // AVX2 + FMA + F16C
+    SIMD_AVX512 = 2,  // AVX-512 F/BW/VL/DQ + VNNI + BF16
+    SIMD_NEON = 3,    // aarch64 NEON (+ dotprod when present)
+    SIMD_LEVEL_COUNT = 4,
+};
+
+const char* simd_level_name(SimdLevel level);
+
+// *s = dot(w[0..n), x[0..n)); w is a row of the weight type, x is a row already in its vec_dot_type.
+typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
+// Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
+typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
+
+struct KernelTable {
+    SimdLevel level;
+    vec_dot_fn vec_dot[TYPE_COUNT];       // indexed by weight type
+    from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
+};
+
+// Each SIMD file fills in the entries it implements and leaves the others untouched.
+void fill_kernels_scalar(KernelTable& table);
+void fill_kernels_avx2(KernelTable& table);
+void fill_kernels_avx512(KernelTable& table);
+void fill_kernels_neon(KernelTable& table);
+
+// Is the level compiled into this build and supported by this CPU?
+bool simd_level_available(SimdLevel level);
+// The fastest available level (OPTIML_SIMD=scalar|avx2|avx512|neon in the environment lowers it).
+SimdLevel best_simd_level();
+// The table for a level: that level's kernels, with lower levels filling any gaps.
+// Throws ArgumentError when the level is not available.
+const KernelTable& kernel_table(SimdLevel level);
+inline const KernelTable& kernel_table() { return kernel_table(best_simd_level()); }
+
+}  // namespace optiml

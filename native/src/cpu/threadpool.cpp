@@ -1,0 +1,155 @@
+#include "optiml/threadpool.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <immintrin.h>
+#define OPTIML_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define OPTIML_PAUSE() __asm__ __volatile__("yield")
+#else
+#define OPTIML_PAUSE() ((void)0)
+#endif
+
+namespace optiml {
+
+namespace {
+// Spins this many times waiting for work before sleeping: long enough to cover the gap between two
+// kernels of one token, short enough not to burn a core while the interpreter is idle.
+constexpr int kSpinBeforeSleep = 1 << 16;
+thread_local bool tls_in_job = false;     // this thread is running a share of a job
+thread_local int tls_inline_depth = 0;     // ...of a job that run() is executing inline (nth = 1)
+}  // namespace
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+    workers_.reserve(n_threads_ - 1);
+    for (int i = 1; i < n_threads_; i++) workers_.emplace_back([this, i] { worker_main(i); });
+}
+
+ThreadPool::~ThreadPool() {
+    stop_.store(true);
+    {
+        std::lock_guard<std::mutex> lk(sleep_mutex_);
+        generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::execute(int ith) {
+    tls_in_job = true;
+    try {
+        (*job_)(ith, n_threads_);
+    } catch (...) {
+        std::lock_guard<std::mutex> lk(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+    }
+    tls_in_job = false;
+}
+
+void ThreadPool::worker_main(int ith) {
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t gen = generation_.load(std::memory_order_acquire);
+        for (int spin = 0; gen == seen && spin < kSpinBeforeSleep; spin++) {
+            OPTIML_PAUSE();
+            gen = generation_.load(std::memory_order_acquire);
+        }
+        if (gen == seen) {
+            std::unique_lock<std::mutex> lk(sleep_mutex_);
+            sleepers_.fetch_add(1);
+            wake_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+            sleepers_.fetch_sub(1);
+            gen = generation_.load(std::memory_order_acquire);
+        }
+        seen = gen;
+        if (stop_.load()) return;
+        execute(ith);
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+}
+
+void ThreadPool::run(const std::function<void(int, int)>& fn) {
+    if (tls_in_job || n_threads_ == 1) {
+        // Nested call from inside a job, or nothing to share: run inline as a single thread.
+        struct Depth {
+            Depth() { tls_inline_depth++; }
+            ~Depth() { tls_inline_depth--; }
+        } depth;
+        fn(0, 1);
+        return;
+    }
+    std::lock_guard<std::mutex> run_lock(run_mutex_);
+    job_ = &fn;
+    error_ = nullptr;
+    pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+    if (sleepers_.load() > 0) {
+        std::lock_guard<std::mutex> lk(sleep_mutex_);
+        wake_.notify_all();
+    }
+    execute(0);
+    while (pending_.load(std::memory_order_acquire) != 0) OPTIML_PAUSE();
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+void ThreadPool::barrier() {
+    if (n_threads_ == 1 || !tls_in_job || tls_inline_depth > 0) return;
+    // Sense-reversing barrier: the last thread to arrive resets the count and flips the phase.
+    const int phase = barrier_phase_.load(std::memory_order_acquire);
+    if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == n_threads_ - 1) {
+        barrier_count_.store(0, std::memory_order_relaxed);
+        barrier_phase_.fetch_add(1, std::memory_order_acq_rel);
+        return;
+    }
+    while (barrier_phase_.load(std::memory_order_acquire) == phase) OPTIML_PAUSE();
+}
+
+int physical_core_count() {
+    // Count distinct (package, core) pairs from sysfs; fall back to logical CPUs.
+    std::set<std::pair<std::string, std::string>> cores;
+    for (int cpu = 0; cpu < 4096; cpu++) {
+        const std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+        std::ifstream core(base + "core_id"), pkg(base + "physical_package_id");
+        if (!core) break;
+        std::string c, p;
+        core >> c;
+        pkg >> p;
+        cores.emplace(p, c);
+    }
+    int n = (int)cores.size();
+    if (n <= 0) n = (int)std::thread::hardware_concurrency();
+    return n > 0 ? n : 1;
+}
+
+namespace {
+std::mutex g_pool_mutex;
+std::shared_ptr<ThreadPool> g_pool;
+
+int threads_from_env() {
+    if (const char* env = std::getenv("OPTIML_NUM_THREADS")) {
+        int n = std::atoi(env);
+        if (n > 0) return n;
+    }
+    return physical_core_count();
+}
+}  // namespace
+
+std::shared_ptr<ThreadPool> default_pool() {
+    std::lock_guard<std::mutex> lk(g_pool_mutex);
+    if (!g_pool) g_pool = std::make_shared<ThreadPool>(threads_from_env());
+    return g_pool;
+}
+
+void set_default_threads(int n_threads) {
+    std::lock_guard<std::mutex> lk(g_pool_mutex);
+    g_pool = std::make_shared<ThreadPool>(n_threads > 0 ? n_threads : threads_from_env());
+}
+
+}  // namespace optiml

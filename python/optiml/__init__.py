@@ -1,0 +1,39 @@
+"""OptiML: run large language models fast on one machine.
+
+Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inactive are skipped.
+"""
+
+from . import _core
+from ._core import ArgumentError, GGUFError, OptimlError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "GGUFError",
+    "OptimlError",
+    "get_num_threads",
+    "set_num_threads",
+    "system_info",
+]
+
+
+def system_info() -> dict:
+    """What this build and machine offer.
+
+    Keys: ``simd`` (the SIMD level kernels use: scalar, avx2, avx512 or neon), ``simd_available``,
+    ``cpu_features``, ``n_threads`` (the default thread pool's size), ``physical_cores``,
+    ``cuda_compiled``, ``cuda_devices`` (a list of dicts: id, name, total_memory, free_memory,
+    compute_capability, multiprocessors) and, when that list is empty, ``cuda_note`` saying why.
+    """
+    return _core.system_info()
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the size of the default CPU thread pool (0 = the number of physical cores)."""
+    _core.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """The size of the default CPU thread pool."""
+    return _core.get_num_threads()
