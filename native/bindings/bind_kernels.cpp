@@ -8,6 +8,7 @@
 
 #include <nanobind/stl/string.h>
 
+#include "optiml/bandwidth.h"
 #include "optiml/common.h"
 #include "optiml/kernels.h"
 #include "optiml/matmul.h"
@@ -87,6 +88,16 @@ nb::ndarray<nb::numpy, float> matmul_py(Bytes2D w, int32_t wtype, Floats2D x, co
 }  // namespace
 
 void bind_kernels(nb::module_& m) {
+    m.def(
+        "measure_read_bandwidth",
+        [](size_t bytes, int repeats, int n_threads) {
+            if (bytes < 4096 || repeats < 1) throw ArgumentError("need bytes >= 4096 and repeats >= 1");
+            std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+            nb::gil_scoped_release release;
+            return measure_read_bandwidth(*pool, bytes, repeats);
+        },
+        nb::arg("bytes") = (size_t)1 << 30, nb::arg("repeats") = 5, nb::arg("n_threads") = 0,
+        "Best memory read bandwidth in bytes/s over `repeats` passes of a buffer of `bytes`.");
     m.def("simd_levels", [] {
         nb::list out;
         for (int l = 0; l < SIMD_LEVEL_COUNT; l++)

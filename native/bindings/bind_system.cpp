@@ -3,6 +3,9 @@
 
 #include <nanobind/stl/string.h>
 
+#include <atomic>
+#include <vector>
+
 #include "optiml/common.h"
 #include "optiml/cpu_features.h"
 #include "optiml/cuda.h"
@@ -62,6 +65,51 @@ nb::dict system_info() {
     return info;
 }
 
+// Exercises the pool the way kernels do (many short jobs, barriers between phases, an exception from
+// a worker) and reports what it saw, so the tests can check the pool from Python.
+nb::dict threadpool_selftest(int n_threads, int n_jobs) {
+    using namespace optiml;
+    if (n_threads < 1 || n_jobs < 1) throw ArgumentError("need n_threads >= 1 and n_jobs >= 1");
+    ThreadPool pool(n_threads);
+    std::vector<int64_t> slots(n_threads, 0);
+    int64_t barrier_violations = 0;
+    std::atomic<int64_t> arrived{0};
+    {
+        nb::gil_scoped_release release;
+        for (int j = 0; j < n_jobs; j++) {
+            arrived.store(0);
+            pool.run([&](int ith, int nth) {
+                slots[ith] += 1;
+                arrived.fetch_add(1);
+                pool.barrier();
+                // After the barrier every thread must have arrived.
+                if (arrived.load() != nth && ith == 0) barrier_violations++;
+                pool.barrier();
+            });
+        }
+    }
+    bool propagated = false;
+    try {
+        pool.run([&](int ith, int nth) {
+            if (ith == nth - 1) throw ArgumentError("thrown by the last thread");
+        });
+    } catch (const ArgumentError&) {
+        propagated = true;
+    }
+    // The pool must still work after a job threw.
+    std::atomic<int> after{0};
+    pool.run([&](int, int) { after.fetch_add(1); });
+
+    nb::dict out;
+    nb::list per_thread;
+    for (int64_t c : slots) per_thread.append(c);
+    out["jobs_per_thread"] = per_thread;
+    out["barrier_violations"] = barrier_violations;
+    out["exception_propagated"] = propagated;
+    out["threads_after_exception"] = after.load();
+    return out;
+}
+
 }  // namespace
 
 void bind_system(nb::module_& m) {
@@ -75,4 +123,5 @@ void bind_system(nb::module_& m) {
         nb::arg("n"), "Size of the default CPU thread pool (0 = physical cores).");
     m.def("get_num_threads", [] { return optiml::default_pool()->size(); });
     m.def("physical_core_count", &optiml::physical_core_count);
+    m.def("_threadpool_selftest", &threadpool_selftest, nb::arg("n_threads"), nb::arg("n_jobs"));
 }

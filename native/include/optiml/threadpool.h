@@ -35,7 +35,6 @@ public:
 private:
     void worker_main(int ith);
     void execute(int ith);
-    void spin_barrier();
 
     int n_threads_;
     std::vector<std::thread> workers_;

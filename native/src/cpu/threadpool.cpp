@@ -22,6 +22,22 @@ namespace {
 // Spins this many times waiting for work before sleeping: long enough to cover the gap between two
 // kernels of one token, short enough not to burn a core while the interpreter is idle.
 constexpr int kSpinBeforeSleep = 1 << 16;
+// Waits inside a job spin this many times before yielding the core, so a pool larger than the
+// free cores (oversubscription, a busy machine) still makes progress instead of starving.
+constexpr int kSpinBeforeYield = 1 << 10;
+
+// Spins until done() holds, yielding the core now and then.
+template <typename Done>
+inline void spin_until(Done done) {
+    for (int spin = 0; !done(); spin++) {
+        if (spin < kSpinBeforeYield) {
+            OPTIML_PAUSE();
+        } else {
+            std::this_thread::yield();
+            spin = 0;
+        }
+    }
+}
 thread_local bool tls_in_job = false;     // this thread is running a share of a job
 thread_local int tls_inline_depth = 0;     // ...of a job that run() is executing inline (nth = 1)
 }  // namespace
@@ -57,7 +73,8 @@ void ThreadPool::worker_main(int ith) {
     for (;;) {
         uint64_t gen = generation_.load(std::memory_order_acquire);
         for (int spin = 0; gen == seen && spin < kSpinBeforeSleep; spin++) {
-            OPTIML_PAUSE();
+            if (spin % kSpinBeforeYield == kSpinBeforeYield - 1) std::this_thread::yield();
+            else OPTIML_PAUSE();
             gen = generation_.load(std::memory_order_acquire);
         }
         if (gen == seen) {
@@ -94,7 +111,7 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
         wake_.notify_all();
     }
     execute(0);
-    while (pending_.load(std::memory_order_acquire) != 0) OPTIML_PAUSE();
+    spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
     job_ = nullptr;
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
@@ -108,7 +125,7 @@ void ThreadPool::barrier() {
         barrier_phase_.fetch_add(1, std::memory_order_acq_rel);
         return;
     }
-    while (barrier_phase_.load(std::memory_order_acquire) == phase) OPTIML_PAUSE();
+    spin_until([&] { return barrier_phase_.load(std::memory_order_acquire) != phase; });
 }
 
 int physical_core_count() {

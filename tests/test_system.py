@@ -1,0 +1,66 @@
+"""system_info(), thread settings and the persistent thread pool."""
+
+import pytest
+
+import optiml
+from optiml import _core
+
+
+def test_system_info_reports_simd_threads_and_cuda():
+    info = optiml.system_info()
+    assert info["simd"] in info["simd_available"]
+    assert "scalar" in info["simd_available"]
+    assert info["n_threads"] >= 1
+    assert info["physical_cores"] >= 1
+    assert isinstance(info["cuda_compiled"], bool)
+    assert isinstance(info["cuda_devices"], list)
+    for dev in info["cuda_devices"]:
+        assert dev["total_memory"] > 0 and len(dev["compute_capability"]) == 2
+    if not info["cuda_devices"]:
+        # With no GPU (or no driver) the module still imports and says why there is no device.
+        assert info["cuda_note"]
+
+
+def test_simd_level_matches_cpu_features():
+    info = optiml.system_info()
+    feats = info["cpu_features"]
+    if "avx512" in info["simd_available"]:
+        assert feats["avx512f"] and feats["avx512vnni"] and feats["avx512bf16"]
+    if "avx2" in info["simd_available"]:
+        assert feats["avx2"] and feats["fma"] and feats["f16c"]
+
+
+def test_set_num_threads_round_trip():
+    before = optiml.get_num_threads()
+    try:
+        optiml.set_num_threads(3)
+        assert optiml.get_num_threads() == 3
+        assert optiml.system_info()["n_threads"] == 3
+        optiml.set_num_threads(0)
+        assert optiml.get_num_threads() == optiml.system_info()["physical_cores"]
+    finally:
+        optiml.set_num_threads(before)
+
+
+def test_negative_thread_count_is_rejected():
+    with pytest.raises(optiml.ArgumentError, match="threads"):
+        optiml.set_num_threads(-2)
+    # ArgumentError is also a ValueError and an OptimlError.
+    with pytest.raises(ValueError):
+        optiml.set_num_threads(-1)
+    assert issubclass(optiml.ArgumentError, optiml.OptimlError)
+    assert issubclass(optiml.GGUFError, optiml.OptimlError)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 8])
+def test_thread_pool_runs_every_share_with_barriers(n_threads):
+    r = _core._threadpool_selftest(n_threads, 1000)
+    assert r["jobs_per_thread"] == [1000] * n_threads
+    assert r["barrier_violations"] == 0
+    assert r["exception_propagated"]
+    assert r["threads_after_exception"] == n_threads
+
+
+def test_measured_bandwidth_is_plausible():
+    bw = _core.measure_read_bandwidth(64 << 20, 2, 1)
+    assert 1e8 < bw < 1e13
