@@ -187,7 +187,7 @@ def reference_kquant_rmse(x: np.ndarray, name: str) -> float:
 
     Q4_K/Q5_K: per 32-weight sub-block, scale = (max - min)/nmax with min clipped to <= 0; scales and
     mins as 6-bit multiples of fp16 super-block factors. Q6_K: per 16-weight sub-block, symmetric
-    scale = absmax/31 (levels -32..31), as 8-bit multiples of an fp16 super-scale.
+    scale = (signed extreme)/-32 (levels -32..31), as signed 8-bit multiples of an fp16 super-scale.
     """
     blocks = x.reshape(-1, 256).astype(np.float32)
     if name in ("Q4_K", "Q5_K"):
@@ -207,12 +207,14 @@ def reference_kquant_rmse(x: np.ndarray, name: str) -> float:
         y = sc[..., None] * q - mm[..., None]
     else:  # Q6_K
         sb = blocks.reshape(-1, 16, 16)
-        scale = np.abs(sb).max(-1) / 31
-        d = ref_fp16(scale.max(-1, keepdims=True) / 127)
+        i = np.abs(sb).argmax(-1)[..., None]
+        scale = np.take_along_axis(sb, i, -1)[..., 0] / -32  # signed: the extreme lands on level -32
+        j = np.abs(scale).argmax(-1)[..., None]
+        d = ref_fp16(np.take_along_axis(scale, j, -1) / -128)
         with np.errstate(divide="ignore", invalid="ignore"):
-            ls = np.where(d > 0, np.clip(np.round(scale / d), 0, 127), 0)
+            ls = np.where(d != 0, np.clip(np.round(scale / d), -128, 127), 0)
             sc = d * ls
-            q = np.where(sc[..., None] > 0, np.clip(np.round(sb / sc[..., None]), -32, 31), 0)
+            q = np.where(sc[..., None] != 0, np.clip(np.round(sb / sc[..., None]), -32, 31), 0)
         y = sc[..., None] * q
     return float(np.sqrt(np.mean((y.reshape(x.shape) - x) ** 2)))
 
@@ -242,7 +244,7 @@ def test_kquant_round_trip_error_bounds(name, bound, rng):
     print(f"{name} normal(0,1): rmse {rmse:.5f}")
     assert rmse < bound
     assert_same_floats(quant.dequantize(data, name), y)
-    # Zero blocks stay exactly zero; re-quantizing the dequantized values is (nearly) a fixed point.
+    # Zero blocks stay exactly zero.
     z = quant.dequantize(quant.quantize(np.zeros((1, 512), np.float32), name), name)
     assert np.array_equal(z, np.zeros_like(z))
 
