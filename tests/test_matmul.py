@@ -1,0 +1,68 @@
+"""Multithreaded matrix-vector and matrix-matrix products (native/src/cpu/matmul.cpp)."""
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml import quant
+
+TYPES = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+
+
+def _weights(rows, cols, qtype, seed=0):
+    rng = np.random.default_rng(seed)
+    wf = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    return quant.quantize(wf, qtype)
+
+
+def test_f32_matvec_matches_float64():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((300, 512)).astype(np.float32)
+    x = rng.standard_normal(512).astype(np.float32)
+    y = quant.matmul(quant.quantize(w, "f32"), "f32", x)
+    ref = w.astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(w).sum(axis=1).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matmul_equals_rowwise_dot_and_is_thread_count_independent(qtype):
+    cols = 1024
+    w = _weights(77, cols, qtype, seed=2)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, cols)).astype(np.float32)
+    y1 = quant.matmul(w, qtype, x, n_threads=1)
+    assert y1.shape == (5, 77) and y1.dtype == np.float32
+    # Every row is computed by one thread in one order, so thread count cannot change any bit.
+    for n in (2, 3, 7):
+        np.testing.assert_array_equal(quant.matmul(w, qtype, x, n_threads=n), y1)
+    # A batch computes exactly what token-by-token matrix-vector products compute.
+    for t in range(5):
+        np.testing.assert_array_equal(quant.matmul(w, qtype, x[t], n_threads=2), y1[t])
+    # ... and what one dot product per row computes.
+    for r in (0, 40, 76):
+        assert quant.dot(w[r], qtype, x[2]) == y1[2, r]
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_k", "q8_0", "f16"])
+def test_matmul_close_to_float64_reference(qtype):
+    rows, cols = 64, 2048
+    w = _weights(rows, cols, qtype, seed=4)
+    wd = quant.dequantize(w, qtype).astype(np.float64)
+    x = np.random.default_rng(5).standard_normal((3, cols)).astype(np.float32)
+    y = quant.matmul(w, qtype, x)
+    ref = x.astype(np.float64) @ wd.T
+    # Activations are converted to 8 bits (Q8_0/Q8_K) or f16: relative error of a few 1e-3 at most.
+    scale = np.abs(wd).sum(axis=1) * np.abs(x).max()
+    assert np.all(np.abs(y - ref) <= 1e-2 * scale)
+
+
+def test_bad_arguments_are_clear_errors():
+    w = _weights(8, 64, "q4_0")
+    with pytest.raises(optiml.ArgumentError, match="bytes per row"):
+        quant.matmul(w[:, :-1].copy(), "q4_0", np.zeros(64, np.float32))
+    with pytest.raises(optiml.ArgumentError):
+        quant.matmul(w, "q4_0", np.zeros(48, np.float32))
+    with pytest.raises(optiml.ArgumentError):
+        quant.matmul(w, "no_such_type", np.zeros(64, np.float32))
+    with pytest.raises(optiml.ArgumentError):
+        quant.matmul(w, "q4_0", np.zeros(64, np.float32), n_threads=-1)

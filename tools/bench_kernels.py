@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Matrix-vector throughput per weight format, against this machine's measured read bandwidth.
+
+For each format and shape, a random weight matrix is quantized once, then y = W x is timed (median of
+--repeats runs) at each thread count. Throughput is weight bytes read per second; the fraction is that
+throughput over the memory read bandwidth measured in the same run with the same thread count.
+
+    python tools/bench_kernels.py                       # all formats, 4096x4096 and 4096x11008, 1 and 2 threads
+    python tools/bench_kernels.py --types q4_0 q4_k --threads 1 2 4 --simd avx2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import optiml
+from optiml import _core
+from optiml import quant
+
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0",
+           "q6_k", "q5_k", "q4_k", "q3_k", "q2_k"]
+SHAPES = [(4096, 4096), (4096, 11008)]
+
+
+def time_matvec(w: np.ndarray, qtype: str, x: np.ndarray, simd: str, n_threads: int, repeats: int) -> float:
+    quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)  # warm up: pool threads, page faults
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", nargs="*", default=FORMATS)
+    ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--simd", default="", help="scalar, avx2, avx512 or neon (default: the best available)")
+    args = ap.parse_args()
+
+    info = optiml.system_info()
+    simd = args.simd or info["simd"]
+    print(f"# simd={simd} physical_cores={info['physical_cores']} compiler={info['compiler']}")
+    bandwidth = {}
+    for n in args.threads:
+        bandwidth[n] = _core.measure_read_bandwidth(1 << 30, 5, n)
+        print(f"# memory read bandwidth, {n} thread(s): {bandwidth[n] / 1e9:.1f} GB/s")
+
+    rng = np.random.default_rng(0)
+    header = f"{'format':<6} {'shape':>11}" + "".join(
+        f" | {n}t ms  GB/s  of-bw" for n in args.threads)
+    print(header)
+    print("-" * len(header))
+    for rows, cols in SHAPES:
+        wf = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+        x = rng.standard_normal((1, cols), dtype=np.float32)
+        for qtype in args.types:
+            w = quant.quantize(wf, qtype)
+            line = f"{qtype:<6} {rows:>5}x{cols:<5}"
+            for n in args.threads:
+                s = time_matvec(w, qtype, x, simd, n, args.repeats)
+                gbs = w.nbytes / s / 1e9
+                line += f" | {s * 1e3:6.2f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:6.0%}"
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
