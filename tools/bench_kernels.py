@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Matrix-vector throughput per weight format, against this machine's measured read bandwidth.
 
-For each format and shape, a random weight matrix is quantized once, then y = W x is timed (median of
---repeats runs) at each thread count. Throughput is weight bytes read per second; the fraction is that
-throughput over the memory read bandwidth measured in the same run with the same thread count.
+For each format and shape, a random weight matrix is quantized once and copied until the copies span
+--span MiB (far beyond the last-level cache), then y = W x is timed over the copies in turn (median of
+--repeats passes), so every product streams its weights from memory as decoding a real model does.
+Throughput is weight bytes read per second; the fraction is that throughput over the memory read
+bandwidth measured in the same run with the same thread count.
 
     python tools/bench_kernels.py                       # all formats, 4096x4096 and 4096x11008, 1 and 2 threads
     python tools/bench_kernels.py --types q4_0 q4_k --threads 1 2 4 --simd avx2
@@ -26,21 +28,25 @@ FORMATS = ["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0",
 SHAPES = [(4096, 4096), (4096, 11008)]
 
 
-def time_matvec(w: np.ndarray, qtype: str, x: np.ndarray, simd: str, n_threads: int, repeats: int) -> float:
-    quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)  # warm up: pool threads, page faults
-    times = []
+def time_matvec(copies: list, qtype: str, x: np.ndarray, simd: str, n_threads: int, repeats: int) -> float:
+    """Median seconds of one matrix-vector product, cycling through copies so none stays cached."""
+    for w in copies:  # warm up: pool threads, page faults
+        quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
+    passes = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for w in copies:
+            quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
+        passes.append((time.perf_counter() - t0) / len(copies))
+    return statistics.median(passes)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", nargs="*", default=FORMATS)
     ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--span", type=int, default=512, help="MiB of weight copies cycled through (default 512)")
     ap.add_argument("--simd", default="", help="scalar, avx2, avx512 or neon (default: the best available)")
     args = ap.parse_args()
 
@@ -62,12 +68,14 @@ def main() -> int:
         x = rng.standard_normal((1, cols), dtype=np.float32)
         for qtype in args.types:
             w = quant.quantize(wf, qtype)
+            copies = [w] + [w.copy() for _ in range(max(1, -(-(args.span << 20) // w.nbytes)) - 1)]
             line = f"{qtype:<6} {rows:>5}x{cols:<5}"
             for n in args.threads:
-                s = time_matvec(w, qtype, x, simd, n, args.repeats)
+                s = time_matvec(copies, qtype, x, simd, n, args.repeats)
                 gbs = w.nbytes / s / 1e9
                 line += f" | {s * 1e3:6.2f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:6.0%}"
             print(line, flush=True)
+            del copies
     return 0
 
 
