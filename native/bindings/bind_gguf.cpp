@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cerrno>
 #include <cstring>
@@ -105,6 +106,27 @@ std::shared_ptr<GGUFFile> open_file(nb::bytes path) {
     }
 }
 
+// The typed getters engine code uses, reachable from Python so the tests can check them.
+nb::object typed_get(const GGUFFile& f, const std::string& kind, const std::string& key) {
+    if (kind == "string") return nb::cast(f.get_string(key));
+    if (kind == "u32") return nb::cast(f.get_u32(key));
+    if (kind == "u64") return nb::cast(f.get_u64(key));
+    if (kind == "i32") return nb::cast(f.get_i32(key));
+    if (kind == "i64") return nb::cast(f.get_i64(key));
+    if (kind == "f32") return nb::cast(f.get_f32(key));
+    if (kind == "f64") return nb::cast(f.get_f64(key));
+    if (kind == "bool") return nb::cast(f.get_bool(key));
+    if (kind == "string_array") {
+        nb::list out;
+        for (const std::string& s : f.get_string_array(key)) out.append(nb::bytes(s.data(), s.size()));
+        return out;
+    }
+    if (kind == "f32_array") return nb::cast(f.get_f32_array(key));
+    if (kind == "i32_array") return nb::cast(f.get_i32_array(key));
+    if (kind == "u32_array") return nb::cast(f.get_u32_array(key));
+    throw ArgumentError("unknown getter kind '" + kind + "'");
+}
+
 }  // namespace
 
 void bind_gguf(nb::module_& m) {
@@ -116,6 +138,9 @@ void bind_gguf(nb::module_& m) {
         .def_prop_ro("alignment", &GGUFFile::alignment)
         .def_prop_ro("data_offset", &GGUFFile::data_offset)
         .def_prop_ro("file_size", &GGUFFile::file_size)
+        .def("get", &typed_get, nb::arg("kind"), nb::arg("key"),
+             "Calls the C++ getter get_<kind>(key): string, u32, u64, i32, i64, f32, f64, bool, "
+             "string_array (as bytes), f32_array, i32_array, u32_array.")
         .def("metadata", [](const GGUFFile& f) {
             nb::dict out;
             for (const GGUFKeyValue& kv : f.metadata())
