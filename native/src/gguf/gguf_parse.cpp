@@ -252,7 +252,10 @@ void GGUFFile::parse() {
         if (t.ne[0] % tt.block_size != 0)
             throw GGUFError(format("%s: ne[0] = %" PRId64 " is not a multiple of the %s block size %"
                                    PRId64, what.c_str(), t.ne[0], tt.name, tt.block_size));
-        uint64_t row_bytes = (uint64_t)(t.ne[0] / tt.block_size) * tt.type_size;
+        uint64_t blocks = (uint64_t)(t.ne[0] / tt.block_size);
+        if (blocks > UINT64_MAX / tt.type_size)
+            throw GGUFError(format("%s: byte size overflows", what.c_str()));
+        uint64_t row_bytes = blocks * tt.type_size;
         if (rows != 0 && row_bytes > UINT64_MAX / (uint64_t)rows)
             throw GGUFError(format("%s: byte size overflows", what.c_str()));
         t.n_bytes = row_bytes * (uint64_t)rows;
