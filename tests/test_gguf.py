@@ -247,7 +247,7 @@ def test_typed_getters(tmp_path):
         f.get("nonsense", "t.u32")
 
 
-def test_crafted_file_every_type_matches_reader(tmp_path):
+def crafted_every_type() -> bytes:
     """Empty arrays, empty nested arrays and non-UTF-8 strings, which GGUFWriter will not write."""
     kvs = [
         ("general.alignment", VT.UINT32, 16),
@@ -260,10 +260,14 @@ def test_crafted_file_every_type_matches_reader(tmp_path):
         ("e.bytes", VT.STRING, b"\xff\xfe ok"),
         ("e.str_arr_bytes", VT.ARRAY, (VT.STRING, [b"ok", b"\xc3"])),
     ]
-    for vt, fmt in SCALAR_FMT.items():
+    for vt in SCALAR_FMT:
         kvs.append((f"s.{vt.name.lower()}", vt, True if vt == VT.BOOL else 1))
     data = np.arange(16, dtype=np.float32).tobytes()
-    blob = build(kvs, [("a", [4], QT.F32, 0), ("b", [4, 3], QT.F32, 16)], data, alignment=16)
+    return build(kvs, [("a", [4], QT.F32, 0), ("b", [4, 3], QT.F32, 16)], data, alignment=16)
+
+
+def test_crafted_file_every_type_matches_reader(tmp_path):
+    blob = crafted_every_type()
     path = write(tmp_path, blob)
     reader = gguf.GGUFReader(str(path))
     f = og.open(path)
@@ -390,6 +394,28 @@ def test_name_quoting_in_messages(tmp_path):
     name = "x" * 300 + "\x01"
     msg = expect_error(write(tmp_path, build(tensors=[(name, [3], 999, 0)])), "unknown tensor type 999")
     assert "\x01" not in msg and "..." in msg and len(msg) < 400 + len(str(tmp_path))
+
+
+def test_crafted_file_every_truncation_and_flip(tmp_path):
+    # Every prefix, and every byte xor-ed with a few patterns, of a file dense in structure.
+    blob = crafted_every_type()
+    path = tmp_path / "fuzz.gguf"
+    for n in range(len(blob)):
+        path.write_bytes(blob[:n])
+        with pytest.raises(optiml.GGUFError):
+            og.open(path)
+    opened = 0
+    for pos in range(len(blob) - 64):  # the header, not the tensor data
+        for x in (0x01, 0x80, 0xFF):
+            b = bytearray(blob)
+            b[pos] ^= x
+            path.write_bytes(b)
+            try:
+                og.open(path)
+                opened += 1
+            except optiml.GGUFError:
+                pass
+    assert opened > 0
 
 
 # ---- the real SmolLM2 file -----------------------------------------------------------------------
