@@ -5,6 +5,7 @@ Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inac
 
 from . import _core
 from ._core import ArgumentError, GGUFError, OptimlError
+from . import gguf, quant  # noqa: E402  (after the exception types they use)
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,8 @@ __all__ = [
     "GGUFError",
     "OptimlError",
     "get_num_threads",
+    "gguf",
+    "quant",
     "set_num_threads",
     "system_info",
 ]

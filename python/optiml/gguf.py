@@ -70,6 +70,14 @@ class GGUFFile:
             raise ValueError(f"{self.path}: GGUF file is closed")
         return self._f.tensor_data(name)
 
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor's values as float32, in numpy order (the ggml shape reversed)."""
+        from . import quant
+
+        t = self.tensor(name)
+        data = self.tensor_data(name)
+        return quant.dequantize(data, t.type, t.shape[0]).reshape(tuple(reversed(t.shape)))
+
     def close(self) -> None:
         """Drops the native file; views from tensor_data() stay valid."""
         self._f = None
