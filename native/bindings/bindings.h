@@ -15,6 +15,9 @@ void bind_system(nb::module_& m);
 void bind_kernels(nb::module_& m);
 void bind_quant(nb::module_& m);
 void bind_gguf(nb::module_& m);
+void bind_tokenizer(nb::module_& m);
+void bind_sampling(nb::module_& m);
+void bind_model(nb::module_& m);
 
 // A new C-contiguous numpy array of T that owns its memory (freed when numpy drops it).
 template <typename T>

@@ -4,7 +4,7 @@ Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inac
 """
 
 from . import _core
-from ._core import ArgumentError, GGUFError, OptimlError
+from ._core import ArgumentError, GGUFError, OptimlError, UnsupportedModelError
 from . import gguf, quant  # noqa: E402  (after the exception types they use)
 
 __version__ = "0.1.0"
@@ -13,6 +13,7 @@ __all__ = [
     "ArgumentError",
     "GGUFError",
     "OptimlError",
+    "UnsupportedModelError",
     "get_num_threads",
     "gguf",
     "quant",

@@ -1,6 +1,7 @@
 // Errors shared by the whole native core. Each becomes a Python exception in optiml._core
 // (see native/bindings/module.cpp): Error -> optiml.OptimlError, GGUFError -> optiml.GGUFError,
-// ArgumentError -> optiml.ArgumentError (also a ValueError).
+// UnsupportedModelError -> optiml.UnsupportedModelError, ArgumentError -> optiml.ArgumentError (also a
+// ValueError).
 #pragma once
 
 #include <cstdarg>
@@ -16,6 +17,11 @@ struct Error : std::runtime_error {
 
 // A malformed, truncated or unsupported GGUF file.
 struct GGUFError : Error {
+    using Error::Error;
+};
+
+// A valid file holding a model this build cannot run (architecture, tokenizer, tensor type).
+struct UnsupportedModelError : Error {
     using Error::Error;
 };
 
