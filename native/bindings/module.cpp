@@ -22,6 +22,7 @@ void bind_errors(nb::module_& m) {
     static nb::exception<optiml::Error> optiml_error(m, "OptimlError");
     static nb::exception<optiml::GGUFError> gguf_error(m, "GGUFError", optiml_error);
     static nb::exception<optiml::UnsupportedModelError> unsupported(m, "UnsupportedModelError", optiml_error);
+    static nb::exception<optiml::ContextOverflowError> overflow(m, "ContextOverflowError", optiml_error);
     // ArgumentError is both an OptimlError and a ValueError, so `except ValueError` works too.
     nb::object bases = nb::make_tuple(optiml_error, nb::handle(PyExc_ValueError));
     static PyObject* argument_error =

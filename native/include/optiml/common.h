@@ -25,6 +25,11 @@ struct UnsupportedModelError : Error {
     using Error::Error;
 };
 
+// More tokens than the context (n_ctx) holds.
+struct ContextOverflowError : Error {
+    using Error::Error;
+};
+
 // A caller passed something the function cannot accept (bad type, size, shape).
 struct ArgumentError : Error {
     using Error::Error;

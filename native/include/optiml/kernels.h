@@ -27,10 +27,19 @@ typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
+// y[0..n) += a * x[0..n), x a row of the table entry's type (attention's V accumulation today; the
+// column-sparse down projection later).
+typedef void (*axpy_fn)(int64_t n, float a, const void* x, float* y);
+// g[i] = act(g[i]) * u[i] (the gated FFN activation), in place.
+typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
+
 struct KernelTable {
     SimdLevel level;
     vec_dot_fn vec_dot[TYPE_COUNT];       // indexed by weight type
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
+    axpy_fn axpy[TYPE_COUNT];              // indexed by the type of x (F32, F16)
+    act_mul_fn silu_mul;                   // silu(g) * u, silu(x) = x / (1 + e^-x)
+    act_mul_fn relu_mul;                   // max(g, 0) * u
 };
 
 // Each SIMD file fills in the entries it implements and leaves the others untouched.
@@ -38,6 +47,9 @@ void fill_kernels_scalar(KernelTable& table);
 void fill_kernels_avx2(KernelTable& table);
 void fill_kernels_avx512(KernelTable& table);
 void fill_kernels_neon(KernelTable& table);
+// Element-wise ops (activations), native/src/cpu/ops*.cpp.
+void fill_ops_scalar(KernelTable& table);
+void fill_ops_avx2(KernelTable& table);
 
 // Is the level compiled into this build and supported by this CPU?
 bool simd_level_available(SimdLevel level);

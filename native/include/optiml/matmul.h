@@ -1,4 +1,4 @@
-// Matrix-vector and matrix-matrix products of a weight matrix in any supported type with float
+// Matrix-vector and matrix-matrix products of weight matrices in any supported type with float
 // activations, split across a thread pool by weight rows.
 #pragma once
 
@@ -9,11 +9,26 @@
 
 namespace optiml {
 
-// W: `rows` rows of `cols` elements of type `wtype`, row-major, rows packed (row_size(wtype, cols) apart).
-// X: n_tokens activation vectors of `cols` floats. Y: n_tokens output vectors of `rows` floats.
-// Y[t][r] = dot(W[r], X[t]). n_tokens == 1 is the matrix-vector product.
-void matmul(ThreadPool& pool, const KernelTable& kt, int32_t wtype, const void* W, int64_t rows,
-            int64_t cols, const float* X, int64_t n_tokens, float* Y);
+// `rows` rows of `cols` elements of `type`, row-major, rows packed row_size(type, cols) apart.
+struct WeightMatrix {
+    int32_t type;
+    int64_t rows;
+    int64_t cols;
+    const void* data;
+};
+
+// For each matrix m: Y[m][t][r] = dot(W[m] row r, X[t]) (or += with accumulate), for n_tokens
+// activation vectors X[t] of `cols` floats. The matrices share the input, so they must have the same
+// cols and vec_dot_type; the input is converted once and all rows go through one pool dispatch.
+// n_tokens == 1 is the matrix-vector product.
+void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w, float* const* y, int n_mats,
+                 const float* X, int64_t n_tokens, bool accumulate = false);
+
+inline void matmul(ThreadPool& pool, const KernelTable& kt, int32_t wtype, const void* W, int64_t rows,
+                   int64_t cols, const float* X, int64_t n_tokens, float* Y, bool accumulate = false) {
+    const WeightMatrix m{wtype, rows, cols, W};
+    matmul_many(pool, kt, &m, &Y, 1, X, n_tokens, accumulate);
+}
 
 // Checks that (wtype, cols) can be multiplied; throws ArgumentError naming the problem.
 void check_matmul_args(int32_t wtype, int64_t cols);

@@ -67,9 +67,12 @@ const KernelTable& kernel_table(SimdLevel level) {
             std::memset(&t, 0, sizeof(t));
             t.level = (SimdLevel)l;
             fill_kernels_scalar(t);
+            fill_ops_scalar(t);
         }
 #if defined(OPTIML_X86)
         fill_kernels_avx2(tables[SIMD_AVX2]);
+        fill_ops_avx2(tables[SIMD_AVX2]);
+        fill_ops_avx2(tables[SIMD_AVX512]);
         fill_kernels_avx2(tables[SIMD_AVX512]);  // AVX-512 overlays AVX2 where it has nothing better
         fill_kernels_avx512(tables[SIMD_AVX512]);
 #endif

@@ -20,47 +20,74 @@ void check_matmul_args(int32_t wtype, int64_t cols) {
                                    (long long)cols, (long long)need, wt.name));
 }
 
-void matmul(ThreadPool& pool, const KernelTable& kt, int32_t wtype, const void* W, int64_t rows,
-            int64_t cols, const float* X, int64_t n_tokens, float* Y) {
-    check_matmul_args(wtype, cols);
-    if (rows <= 0 || n_tokens <= 0) return;
-    const TypeTraits& wt = type_traits(wtype);
-    const int32_t xtype = wt.vec_dot_type;
-    const size_t w_row = row_size(wtype, cols);
+void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w, float* const* y, int n_mats,
+                 const float* X, int64_t n_tokens, bool accumulate) {
+    if (n_mats <= 0 || n_tokens <= 0) return;
+    const int64_t cols = w[0].cols;
+    const int32_t xtype = type_traits(w[0].type).vec_dot_type;
+    for (int m = 0; m < n_mats; m++) {
+        check_matmul_args(w[m].type, w[m].cols);
+        if (w[m].cols != cols || type_traits(w[m].type).vec_dot_type != xtype)
+            throw ArgumentError("matmul_many: matrices sharing an input need the same row length and vec_dot_type");
+    }
     const size_t x_row = row_size(xtype, cols);
-    const vec_dot_fn dot = kt.vec_dot[wtype];
     const from_float_fn convert = kt.from_float[xtype];
 
-    // Activations are converted once per call (F32 weights read X directly).
+    // Activations are converted once per call (F32 weights read X directly). The buffer belongs to
+    // the calling thread and is reused across calls.
+    static thread_local std::vector<uint8_t> xq_buf;
     const bool direct = xtype == TYPE_F32;
-    std::vector<uint8_t> xq(direct ? 0 : x_row * n_tokens);
-    const uint8_t* xbase = direct ? (const uint8_t*)X : xq.data();
-    const uint8_t* wbase = (const uint8_t*)W;
+    if (!direct && xq_buf.size() < x_row * n_tokens) xq_buf.resize(x_row * n_tokens);
+    uint8_t* xq = xq_buf.data();
+    const uint8_t* xbase = direct ? (const uint8_t*)X : xq;
 
     // Rows are handed out in chunks from a shared counter, so a thread slowed by the OS does not
     // hold the others up. A chunk of rows is applied to every token before moving on, keeping the
     // chunk's weights in cache across the batch.
     const int nth = pool.size();
-    int64_t chunk = rows / (nth * 8);
+    int64_t total_rows = 0;
+    for (int m = 0; m < n_mats; m++) total_rows += w[m].rows;
+    int64_t chunk = total_rows / (nth * 8);
     if (chunk < 16) chunk = 16;
     if (n_tokens > 1 && chunk > 64) chunk = 64;
-    const int64_t n_chunks = (rows + chunk - 1) / chunk;
+    int64_t chunk_start[8];  // first global chunk index of each matrix (n_mats is small)
+    if (n_mats > 7) throw ArgumentError("matmul_many takes at most 7 matrices");
+    int64_t n_chunks = 0;
+    for (int m = 0; m < n_mats; m++) {
+        chunk_start[m] = n_chunks;
+        n_chunks += (w[m].rows + chunk - 1) / chunk;
+    }
+    chunk_start[n_mats] = n_chunks;
     std::atomic<int64_t> next{0};
 
     pool.run([&](int ith, int nth_run) {
         if (!direct) {
             int64_t t0, t1;
             split_range(n_tokens, ith, nth_run, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) convert(X + t * cols, xq.data() + t * x_row, cols);
+            for (int64_t t = t0; t < t1; t++) convert(X + t * cols, xq + t * x_row, cols);
             pool.barrier();
         }
+        int m = 0;
         for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-            const int64_t r0 = c * chunk;
-            const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
+            while (c >= chunk_start[m + 1]) m++;
+            const WeightMatrix& W = w[m];
+            const vec_dot_fn dot = kt.vec_dot[W.type];
+            const size_t w_row = row_size(W.type, cols);
+            const int64_t r0 = (c - chunk_start[m]) * chunk;
+            const int64_t r1 = r0 + chunk < W.rows ? r0 + chunk : W.rows;
+            const uint8_t* wbase = (const uint8_t*)W.data;
             for (int64_t t = 0; t < n_tokens; t++) {
                 const uint8_t* x = xbase + t * x_row;
-                float* y = Y + t * rows;
-                for (int64_t r = r0; r < r1; r++) dot(cols, &y[r], wbase + r * w_row, x);
+                float* out = y[m] + t * W.rows;
+                if (accumulate) {
+                    for (int64_t r = r0; r < r1; r++) {
+                        float s;
+                        dot(cols, &s, wbase + r * w_row, x);
+                        out[r] += s;
+                    }
+                } else {
+                    for (int64_t r = r0; r < r1; r++) dot(cols, &out[r], wbase + r * w_row, x);
+                }
             }
         }
     });

@@ -1,0 +1,132 @@
+// A llama-family model (llama, mistral, qwen2) bound to the tensors of a mapped GGUF file, and the
+// per-conversation state (KV cache, scratch) that runs it. The forward pass reads top to bottom in
+// native/src/model/forward.cpp; the FFN of a layer is its own unit (ffn.cpp) so it can later be
+// split by neuron between devices and computed sparsely.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optiml/gguf.h"
+#include "optiml/kernels.h"
+#include "optiml/matmul.h"
+#include "optiml/threadpool.h"
+
+namespace optiml {
+
+enum RopeType { ROPE_NORM = 0, ROPE_NEOX = 2 };  // pairs (2i, 2i+1) or (i, i + n_rot/2)
+enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1 };  // act(gate) * up
+
+// Hyper-parameters, read once from `{arch}.*` metadata.
+struct HParams {
+    std::string arch;
+    int32_t n_vocab = 0;
+    int32_t n_ctx_train = 0;
+    int32_t n_embd = 0;
+    int32_t n_layer = 0;
+    int32_t n_head = 0;
+    int32_t n_head_kv = 0;
+    int32_t head_dim = 0;  // per head, for q, k and v
+    int32_t n_ff = 0;
+    int32_t n_rot = 0;  // rotated dimensions per head (<= head_dim)
+    float rms_eps = 1e-5f;
+    float rope_freq_base = 10000.0f;
+    float rope_freq_scale = 1.0f;  // 1 / linear scaling factor
+    RopeType rope_type = ROPE_NORM;
+    FFNActivation ffn_act = FFN_SILU;
+
+    int32_t n_embd_q() const { return n_head * head_dim; }
+    int32_t n_embd_kv() const { return n_head_kv * head_dim; }
+};
+
+// The architectures this build runs, for error messages: "llama, mistral, qwen2".
+const char* supported_architectures();
+
+// A 2-D weight bound into the mapping (or a 1-D vector: rows == 1).
+struct Weight {
+    const char* name = nullptr;  // points into the GGUF's tensor info
+    int32_t type = TYPE_F32;
+    int64_t cols = 0;  // ne[0]
+    int64_t rows = 0;  // ne[1]
+    const uint8_t* data = nullptr;
+    size_t row_bytes = 0;
+
+    bool present() const { return data != nullptr; }
+    const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
+    WeightMatrix matrix() const { return WeightMatrix{type, rows, cols, data}; }
+};
+
+struct FFNWeights {
+    Weight norm;  // RMSNorm scale, F32 [n_embd]
+    Weight gate;  // [n_embd -> n_ff]
+    Weight up;    // [n_embd -> n_ff]
+    Weight down;  // [n_ff -> n_embd]
+};
+
+struct LayerWeights {
+    Weight attn_norm;
+    Weight wq, wk, wv, wo;
+    Weight bq, bk, bv;  // optional biases (Qwen2), F32
+    FFNWeights ffn;
+};
+
+class Model {
+public:
+    // Reads hyper-parameters and binds every tensor, checking names, shapes and types.
+    // UnsupportedModelError for architectures or tensor types this build cannot run.
+    static std::shared_ptr<Model> load(std::shared_ptr<GGUFFile> file);
+
+    HParams hp;
+    Weight tok_embd;     // [n_embd -> n_vocab] rows are embeddings
+    Weight output_norm;  // F32 [n_embd]
+    Weight output;       // [n_embd -> n_vocab]; tok_embd when the embeddings are tied
+    Weight rope_freqs;   // optional F32 [n_rot/2]: per-dimension frequency divisors (Llama 3.1)
+    std::vector<LayerWeights> layers;
+    std::shared_ptr<GGUFFile> file;
+
+    // Bytes of weights, for reporting.
+    size_t weight_bytes() const;
+};
+
+// One conversation's state: the KV cache and the scratch buffers of the forward pass.
+// Not thread-safe: use one Session per thread (they can share a Model).
+class Session {
+public:
+    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory).
+    Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<ThreadPool> pool,
+            int32_t kv_type = TYPE_F16, int32_t n_batch = 512);
+
+    // Appends n tokens at positions n_past.. and runs them (in batches of n_batch). Writes the
+    // logits of the last token to `logits` ([n_vocab]) or, with all_logits, of every token
+    // ([n][n_vocab]). ContextOverflowError when the context cannot hold them.
+    void eval(const int32_t* tokens, int32_t n, bool all_logits, float* logits);
+
+    int32_t n_past() const { return n_past_; }
+    int32_t n_ctx() const { return n_ctx_; }
+    // Forgets everything after the first n positions (0 = reset); the cache beyond is overwritten.
+    void truncate(int32_t n);
+
+    const Model& model() const { return *model_; }
+    size_t kv_bytes() const { return k_cache_.size() + v_cache_.size(); }
+
+private:
+    void forward_batch(const int32_t* tokens, int32_t n, bool all_logits, float* logits);
+    void attention_layer(const LayerWeights& L, int layer, int32_t n);
+
+    std::shared_ptr<Model> model_;
+    std::shared_ptr<ThreadPool> pool_;
+    const KernelTable& kt_;
+    int32_t n_ctx_, n_batch_, kv_type_;
+    int32_t n_past_ = 0;
+
+    // KV cache, per layer [n_ctx][n_embd_kv] of kv_type_.
+    std::vector<uint8_t> k_cache_, v_cache_;
+    size_t kv_row_bytes_ = 0, kv_layer_bytes_ = 0;
+
+    // Scratch for a batch of up to n_batch tokens.
+    std::vector<float> x_, xn_, q_, k_, v_, attn_, ffn_gate_, ffn_up_, scores_;
+};
+
+}  // namespace optiml

@@ -1,0 +1,79 @@
+#include "optiml/ops.h"
+
+#include <cmath>
+
+#include "optiml/kernels.h"
+
+namespace optiml {
+
+void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
+    double sum = 0;  // double, as ggml does: n can be large and x^2 spans many magnitudes
+    for (int64_t i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    const float scale = (float)(1.0 / std::sqrt(sum / (double)n + (double)eps));
+    if (w) {
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] * scale;
+    }
+}
+
+void softmax(float* x, int64_t n) {
+    float max = -INFINITY;
+    for (int64_t i = 0; i < n; i++) max = x[i] > max ? x[i] : max;
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float e = x[i] == -INFINITY ? 0.0f : std::exp(x[i] - max);
+        x[i] = e;
+        sum += e;
+    }
+    const float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < n; i++) x[i] *= inv;
+}
+
+void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
+                  float* cos, float* sin) {
+    // theta in double: at positions in the tens of thousands, float products lose digits.
+    for (int64_t i = 0; i < n_rot / 2; i++) {
+        double theta = (double)pos * freq_scale * std::pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
+        if (freq_factors) theta /= freq_factors[i];
+        cos[i] = (float)std::cos(theta);
+        sin[i] = (float)std::sin(theta);
+    }
+}
+
+void rope(float* x, int64_t n_rot, const float* cos, const float* sin, bool neox) {
+    const int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float* a = neox ? &x[i] : &x[2 * i];
+        float* b = neox ? &x[i + half] : &x[2 * i + 1];
+        const float x0 = *a, x1 = *b;
+        *a = x0 * cos[i] - x1 * sin[i];
+        *b = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+namespace {
+void silu_mul_scalar(int64_t n, float* g, const float* u) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+void relu_mul_scalar(int64_t n, float* g, const float* u) {
+    for (int64_t i = 0; i < n; i++) g[i] = (g[i] > 0 ? g[i] : 0.0f) * u[i];
+}
+void axpy_f32_scalar(int64_t n, float a, const void* x, float* y) {
+    const float* xf = (const float*)x;
+    for (int64_t i = 0; i < n; i++) y[i] += a * xf[i];
+}
+void axpy_f16_scalar(int64_t n, float a, const void* x, float* y) {
+    const fp16_t* xh = (const fp16_t*)x;
+    for (int64_t i = 0; i < n; i++) y[i] += a * fp16_to_fp32(xh[i]);
+}
+}  // namespace
+
+void fill_ops_scalar(KernelTable& t) {
+    t.axpy[TYPE_F32] = axpy_f32_scalar;
+    t.axpy[TYPE_F16] = axpy_f16_scalar;
+    t.silu_mul = silu_mul_scalar;
+    t.relu_mul = relu_mul_scalar;
+}
+
+}  // namespace optiml

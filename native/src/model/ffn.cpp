@@ -1,0 +1,66 @@
+#include "ffn.h"
+
+#include "optiml/ops.h"
+
+namespace optiml {
+
+void matmul_shared_input(ThreadPool& pool, const KernelTable& kt, const Weight* const* w, float* const* y, int n_mats,
+                         const float* x, int32_t n, bool accumulate) {
+    WeightMatrix mats[4];
+    float* outs[4];
+    bool done[4] = {false, false, false, false};
+    for (int i = 0; i < n_mats; i++) {
+        if (done[i]) continue;
+        // Group every not yet done matrix whose activations convert the same way as matrix i.
+        int k = 0;
+        const int32_t xtype = type_traits(w[i]->type).vec_dot_type;
+        for (int j = i; j < n_mats; j++) {
+            if (done[j] || type_traits(w[j]->type).vec_dot_type != xtype) continue;
+            mats[k] = w[j]->matrix();
+            outs[k] = y[j];
+            done[j] = true;
+            k++;
+        }
+        matmul_many(pool, kt, mats, outs, k, x, n, accumulate);
+    }
+}
+
+void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) {
+    const float* scale = (const float*)w.data;
+    if (n == 1) {  // a decode step: not worth waking the pool
+        rms_norm(x, scale, out, dim, eps);
+        return;
+    }
+    pool.run([&](int ith, int nth) {
+        int64_t t0, t1;
+        split_range(n, ith, nth, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) rms_norm(x + t * dim, scale, out + t * dim, dim, eps);
+    });
+}
+
+void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
+               const FFNScratch& s) {
+    const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff;
+    rms_norm_rows(pool, x, w.norm, s.xn, n, n_embd, hp.rms_eps);
+
+    const Weight* gate_up[2] = {&w.gate, &w.up};
+    float* outs[2] = {s.gate, s.up};
+    matmul_shared_input(pool, kt, gate_up, outs, 2, s.xn, n);
+
+    const act_mul_fn act = hp.ffn_act == FFN_RELU ? kt.relu_mul : kt.silu_mul;
+    if (n == 1) {
+        act(n_ff, s.gate, s.up);
+    } else {
+        pool.run([&](int ith, int nth) {
+            int64_t t0, t1;
+            split_range(n, ith, nth, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) act(n_ff, s.gate + t * n_ff, s.up + t * n_ff);
+        });
+    }
+
+    // The down projection adds straight into the residual stream.
+    const Weight* down[1] = {&w.down};
+    matmul_shared_input(pool, kt, down, &x, 1, s.gate, n, /*accumulate=*/true);
+}
+
+}  // namespace optiml

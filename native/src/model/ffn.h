@@ -1,0 +1,26 @@
+// The feed-forward block of one layer, kept apart from the rest of the forward pass: this is the
+// unit that is split by neuron between CPU and GPU and computed sparsely.
+#pragma once
+
+#include "optiml/model.h"
+
+namespace optiml {
+
+struct FFNScratch {
+    float* xn;    // [n][n_embd]
+    float* gate;  // [n][n_ff]
+    float* up;    // [n][n_ff]
+};
+
+// x[t] += down(act(gate(rms_norm(x[t]))) * up(rms_norm(x[t]))) for t in [0, n).
+void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
+               const FFNScratch& s);
+
+// Matrices sharing one input: one conversion and one dispatch when their activation types agree.
+void matmul_shared_input(ThreadPool& pool, const KernelTable& kt, const Weight* const* w, float* const* y, int n_mats,
+                         const float* x, int32_t n, bool accumulate = false);
+
+// rms_norm of each of n rows of `dim` floats, rows split across the pool when there are many.
+void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps);
+
+}  // namespace optiml

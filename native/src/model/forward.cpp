@@ -1,0 +1,136 @@
+// The forward pass of a llama-family model for a batch of tokens, top to bottom:
+// embed -> per layer (attention, FFN) -> final norm -> logits.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ffn.h"
+#include "optiml/model.h"
+#include "optiml/ops.h"
+#include "optiml/quant.h"
+
+namespace optiml {
+
+void Session::forward_batch(const int32_t* tokens, int32_t n, bool all_logits, float* logits) {
+    const Model& M = *model_;
+    const HParams& hp = M.hp;
+    ThreadPool& pool = *pool_;
+    const int64_t n_embd = hp.n_embd;
+    float* x = x_.data();
+
+    // Embeddings: quantized rows are dequantized on lookup.
+    for (int32_t t = 0; t < n; t++)
+        dequantize_row(M.tok_embd.type, M.tok_embd.row(tokens[t]), x + t * n_embd, n_embd);
+
+    const FFNScratch ffn_scratch{xn_.data(), ffn_gate_.data(), ffn_up_.data()};
+    for (int il = 0; il < hp.n_layer; il++) {
+        const LayerWeights& L = M.layers[il];
+        attention_layer(L, il, n);
+        ffn_dense(pool, kt_, hp, L.ffn, x, n, ffn_scratch);
+    }
+    n_past_ += n;
+
+    if (!logits) return;
+    // Only the rows whose logits are wanted go through the output matrix.
+    const int32_t first = all_logits ? 0 : n - 1;
+    const int32_t rows = n - first;
+    rms_norm_rows(pool, x + first * n_embd, M.output_norm, xn_.data(), rows, n_embd, hp.rms_eps);
+    const Weight* out_w[1] = {&M.output};
+    matmul_shared_input(pool, kt_, out_w, &logits, 1, xn_.data(), rows);
+}
+
+void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
+    const HParams& hp = model_->hp;
+    ThreadPool& pool = *pool_;
+    const int64_t n_embd = hp.n_embd, n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv(), hd = hp.head_dim;
+    float* x = x_.data();
+    float* xn = xn_.data();
+    float* q = q_.data();
+    float* k = k_.data();
+    float* v = v_.data();
+    float* attn = attn_.data();
+    const int32_t pos0 = n_past_;
+
+    rms_norm_rows(pool, x, L.attn_norm, xn, n, n_embd, hp.rms_eps);
+    const Weight* qkv[3] = {&L.wq, &L.wk, &L.wv};
+    float* outs[3] = {q, k, v};
+    matmul_shared_input(pool, kt_, qkv, outs, 3, xn, n);
+
+    // Biases, rotary position embedding, and the new keys and values into the cache.
+    uint8_t* k_layer = k_cache_.data() + (size_t)il * kv_layer_bytes_;
+    uint8_t* v_layer = v_cache_.data() + (size_t)il * kv_layer_bytes_;
+    const from_float_fn to_kv = kt_.from_float[kv_type_];
+    const float* freq_factors = model_->rope_freqs.present() ? (const float*)model_->rope_freqs.data : nullptr;
+    const bool neox = hp.rope_type == ROPE_NEOX;
+    auto prepare = [&](int64_t t) {
+        float* qt = q + t * n_q;
+        float* kt = k + t * n_kv;
+        float* vt = v + t * n_kv;
+        if (L.bq.present()) {
+            const float* b = (const float*)L.bq.data;
+            for (int64_t i = 0; i < n_q; i++) qt[i] += b[i];
+        }
+        if (L.bk.present()) {
+            const float* b = (const float*)L.bk.data;
+            for (int64_t i = 0; i < n_kv; i++) kt[i] += b[i];
+        }
+        if (L.bv.present()) {
+            const float* b = (const float*)L.bv.data;
+            for (int64_t i = 0; i < n_kv; i++) vt[i] += b[i];
+        }
+        float cs[2 * 512];
+        float* cos = cs;
+        float* sin = cs + hp.n_rot / 2;
+        rope_cos_sin(pos0 + t, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, freq_factors, cos, sin);
+        for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, hp.n_rot, cos, sin, neox);
+        for (int h = 0; h < hp.n_head_kv; h++) rope(kt + h * hd, hp.n_rot, cos, sin, neox);
+        to_kv(kt, k_layer + (size_t)(pos0 + t) * kv_row_bytes_, n_kv);
+        to_kv(vt, v_layer + (size_t)(pos0 + t) * kv_row_bytes_, n_kv);
+    };
+    if (n == 1) {
+        prepare(0);
+    } else {
+        pool.run([&](int ith, int nth) {
+            int64_t t0, t1;
+            split_range(n, ith, nth, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) prepare(t);
+        });
+    }
+
+    // Causal attention: token t (at position pos0 + t) sees positions 0..pos0+t. One task per
+    // (token, head); a KV head serves n_head / n_head_kv query heads (grouped-query attention).
+    const int group = hp.n_head / hp.n_head_kv;
+    const float scale = 1.0f / std::sqrt((float)hd);
+    const vec_dot_fn dot = kt_.vec_dot[kv_type_];
+    const from_float_fn to_dot = kt_.from_float[type_traits(kv_type_).vec_dot_type];
+    const axpy_fn axpy = kt_.axpy[kv_type_];
+    const size_t head_bytes = row_size(kv_type_, hd);
+    const int64_t n_tasks = (int64_t)n * hp.n_head;
+    auto attend = [&](int64_t task, float* scores) {
+        const int64_t t = task / hp.n_head, h = task % hp.n_head;
+        const int64_t kvh = h / group;
+        const int64_t n_seen = pos0 + t + 1;
+        uint8_t qconv[512 * 4];
+        to_dot(q + t * n_q + h * hd, qconv, hd);
+        for (int64_t s = 0; s < n_seen; s++) {
+            dot(hd, &scores[s], k_layer + (size_t)s * kv_row_bytes_ + kvh * head_bytes, qconv);
+            scores[s] *= scale;
+        }
+        softmax(scores, n_seen);
+        float* out = attn + t * n_q + h * hd;
+        std::memset(out, 0, hd * sizeof(float));
+        for (int64_t s = 0; s < n_seen; s++)
+            axpy(hd, scores[s], v_layer + (size_t)s * kv_row_bytes_ + kvh * head_bytes, out);
+    };
+    pool.run([&](int ith, int nth) {
+        float* scores = scores_.data() + (size_t)ith * n_ctx_;
+        // Strided, not contiguous: later tokens see more positions, so this balances the work.
+        for (int64_t task = ith; task < n_tasks; task += nth) attend(task, scores);
+    });
+
+    // Output projection, added into the residual stream.
+    const Weight* wo[1] = {&L.wo};
+    matmul_shared_input(pool, kt_, wo, &x, 1, attn, n, /*accumulate=*/true);
+}
+
+}  // namespace optiml

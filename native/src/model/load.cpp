@@ -1,0 +1,198 @@
+// Model::load: hyper-parameters from `{arch}.*` metadata and every tensor bound by its llama.cpp
+// name, with shapes and types checked before anything runs.
+#include <cmath>
+#include <string>
+
+#include "optiml/common.h"
+#include "optiml/model.h"
+#include "optiml/quant.h"
+
+namespace optiml {
+
+namespace {
+
+struct ArchInfo {
+    const char* name;
+    RopeType rope;
+};
+
+// Mistral files written by llama.cpp usually say "llama"; some converters write "mistral".
+const ArchInfo kArchs[] = {
+    {"llama", ROPE_NORM},
+    {"mistral", ROPE_NORM},
+    {"qwen2", ROPE_NEOX},
+};
+
+const ArchInfo* find_arch(const std::string& name) {
+    for (const ArchInfo& a : kArchs)
+        if (name == a.name) return &a;
+    return nullptr;
+}
+
+int32_t positive_i32(const GGUFFile& f, const std::string& key, int64_t max = (int64_t)1 << 30) {
+    const int64_t v = f.get_i64(key);
+    if (v <= 0 || v > max)
+        throw GGUFError(format("%s: metadata %s = %lld is out of range", f.path().c_str(), key.c_str(), (long long)v));
+    return (int32_t)v;
+}
+
+HParams read_hparams(const GGUFFile& f) {
+    HParams hp;
+    hp.arch = f.get_string("general.architecture");
+    const ArchInfo* arch = find_arch(hp.arch);
+    if (!arch)
+        throw UnsupportedModelError(format("%s: architecture '%s' is not supported (supported: %s)",
+                                           f.path().c_str(), hp.arch.c_str(), supported_architectures()));
+    const std::string p = hp.arch + ".";
+    hp.n_embd = positive_i32(f, p + "embedding_length");
+    hp.n_layer = positive_i32(f, p + "block_count", 4096);
+    hp.n_ff = positive_i32(f, p + "feed_forward_length");
+    hp.n_head = positive_i32(f, p + "attention.head_count", 4096);
+    hp.n_head_kv = f.has(p + "attention.head_count_kv") ? positive_i32(f, p + "attention.head_count_kv", 4096)
+                                                          : hp.n_head;
+    hp.n_ctx_train = f.has(p + "context_length") ? positive_i32(f, p + "context_length") : 2048;
+    if (hp.n_head % hp.n_head_kv != 0)
+        throw GGUFError(format("%s: %d attention heads cannot share %d KV heads evenly", f.path().c_str(),
+                               hp.n_head, hp.n_head_kv));
+    hp.head_dim = f.has(p + "attention.key_length") ? positive_i32(f, p + "attention.key_length", 65536)
+                                                    : hp.n_embd / hp.n_head;
+    if (f.has(p + "attention.value_length") && positive_i32(f, p + "attention.value_length", 65536) != hp.head_dim)
+        throw UnsupportedModelError(format("%s: key and value head sizes differ; not supported", f.path().c_str()));
+    if (hp.head_dim > 512)
+        throw UnsupportedModelError(format("%s: head size %d is larger than the 512 this build supports",
+                                           f.path().c_str(), hp.head_dim));
+    hp.n_rot = f.has(p + "rope.dimension_count") ? positive_i32(f, p + "rope.dimension_count", 65536) : hp.head_dim;
+    if (hp.n_rot > hp.head_dim || hp.n_rot % 2)
+        throw GGUFError(format("%s: rope.dimension_count %d does not fit head size %d", f.path().c_str(), hp.n_rot,
+                               hp.head_dim));
+    hp.rms_eps = f.get_f32(p + "attention.layer_norm_rms_epsilon", 1e-5f);
+    hp.rope_freq_base = f.get_f32(p + "rope.freq_base", 10000.0f);
+    hp.rope_type = arch->rope;
+
+    const std::string scaling = f.get_string(p + "rope.scaling.type", "none");
+    float factor = f.get_f32(p + "rope.scaling.factor", 0.0f);
+    if (scaling == "linear" && factor > 0) {
+        hp.rope_freq_scale = 1.0f / factor;
+    } else if (f.has(p + "rope.scale_linear")) {  // older files
+        hp.rope_freq_scale = 1.0f / f.get_f32(p + "rope.scale_linear");
+    } else if (scaling != "none" && scaling != "linear" && factor > 1.0f) {
+        throw UnsupportedModelError(format("%s: rope scaling '%s' is not supported (none and linear are)",
+                                           f.path().c_str(), scaling.c_str()));
+    }
+    if (!(hp.rope_freq_base > 0) || !(hp.rope_freq_scale > 0) || !(hp.rms_eps > 0))
+        throw GGUFError(format("%s: rope freq base/scale and RMS epsilon must be positive", f.path().c_str()));
+
+    const std::string act = f.get_string("optiml.ffn.activation", "silu");
+    if (act == "silu") hp.ffn_act = FFN_SILU;
+    else if (act == "relu") hp.ffn_act = FFN_RELU;
+    else
+        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu)",
+                                           f.path().c_str(), act.c_str()));
+    return hp;
+}
+
+class Binder {
+public:
+    explicit Binder(const GGUFFile& f) : f_(f) {}
+
+    // A matrix [cols -> rows] whose type has dot-product kernels.
+    Weight matrix(const std::string& name, int64_t cols, int64_t rows, bool required = true) const {
+        Weight w = bind(name, required);
+        if (!w.present()) return w;
+        if (w.cols != cols || w.rows != rows)
+            throw GGUFError(format("%s: tensor %s has shape [%lld, %lld], expected [%lld, %lld]", f_.path().c_str(),
+                                   name.c_str(), (long long)w.cols, (long long)w.rows, (long long)cols,
+                                   (long long)rows));
+        try {
+            check_matmul_args(w.type, w.cols);
+        } catch (const ArgumentError& e) {
+            throw UnsupportedModelError(format("%s: tensor %s: %s", f_.path().c_str(), name.c_str(), e.what()));
+        }
+        return w;
+    }
+
+    // An F32 vector of n (norm scales, biases).
+    Weight vector(const std::string& name, int64_t n, bool required = true) const {
+        Weight w = bind(name, required);
+        if (!w.present()) return w;
+        if (w.type != TYPE_F32 || w.cols != n || w.rows != 1)
+            throw UnsupportedModelError(format("%s: tensor %s must be F32 of %lld values (it is %s [%lld, %lld])",
+                                               f_.path().c_str(), name.c_str(), (long long)n,
+                                               type_traits(w.type).name, (long long)w.cols, (long long)w.rows));
+        return w;
+    }
+
+private:
+    Weight bind(const std::string& name, bool required) const {
+        Weight w;
+        const GGUFTensorInfo* t = f_.find_tensor(name);
+        if (!t) {
+            if (required) throw GGUFError(format("%s: tensor %s is missing", f_.path().c_str(), name.c_str()));
+            return w;
+        }
+        if (t->ne[2] != 1 || t->ne[3] != 1)
+            throw GGUFError(format("%s: tensor %s has more than 2 dimensions", f_.path().c_str(), name.c_str()));
+        w.name = t->name.c_str();
+        w.type = t->type;
+        w.cols = t->ne[0];
+        w.rows = t->ne[1];
+        w.data = (const uint8_t*)f_.tensor_data(*t);
+        w.row_bytes = row_size(t->type, t->ne[0]);
+        return w;
+    }
+
+    const GGUFFile& f_;
+};
+
+}  // namespace
+
+const char* supported_architectures() { return "llama, mistral, qwen2"; }
+
+std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
+    auto model = std::make_shared<Model>();
+    Model& M = *model;
+    M.file = file;
+    const GGUFFile& f = *file;
+    HParams& hp = M.hp;
+    hp = read_hparams(f);
+    Binder b(f);
+
+    const GGUFTensorInfo* emb = f.find_tensor("token_embd.weight");
+    if (!emb) throw GGUFError(format("%s: tensor token_embd.weight is missing", f.path().c_str()));
+    hp.n_vocab = (int32_t)emb->ne[1];
+    M.tok_embd = b.matrix("token_embd.weight", hp.n_embd, hp.n_vocab);
+    if (!can_dequantize(M.tok_embd.type))
+        throw UnsupportedModelError(format("%s: token_embd.weight of type %s cannot be dequantized",
+                                           f.path().c_str(), type_traits(M.tok_embd.type).name));
+    M.output_norm = b.vector("output_norm.weight", hp.n_embd);
+    M.output = b.matrix("output.weight", hp.n_embd, hp.n_vocab, /*required=*/false);
+    if (!M.output.present()) M.output = M.tok_embd;  // tied embeddings
+    M.rope_freqs = b.vector("rope_freqs.weight", hp.n_rot / 2, /*required=*/false);
+
+    M.layers.resize(hp.n_layer);
+    for (int i = 0; i < hp.n_layer; i++) {
+        LayerWeights& L = M.layers[i];
+        const std::string p = "blk." + std::to_string(i) + ".";
+        L.attn_norm = b.vector(p + "attn_norm.weight", hp.n_embd);
+        L.wq = b.matrix(p + "attn_q.weight", hp.n_embd, hp.n_embd_q());
+        L.wk = b.matrix(p + "attn_k.weight", hp.n_embd, hp.n_embd_kv());
+        L.wv = b.matrix(p + "attn_v.weight", hp.n_embd, hp.n_embd_kv());
+        L.wo = b.matrix(p + "attn_output.weight", hp.n_embd_q(), hp.n_embd);
+        L.bq = b.vector(p + "attn_q.bias", hp.n_embd_q(), false);
+        L.bk = b.vector(p + "attn_k.bias", hp.n_embd_kv(), false);
+        L.bv = b.vector(p + "attn_v.bias", hp.n_embd_kv(), false);
+        L.ffn.norm = b.vector(p + "ffn_norm.weight", hp.n_embd);
+        L.ffn.gate = b.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
+        L.ffn.up = b.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
+        L.ffn.down = b.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
+    }
+    return model;
+}
+
+size_t Model::weight_bytes() const {
+    size_t n = 0;
+    for (const GGUFTensorInfo& t : file->tensors()) n += t.n_bytes;
+    return n;
+}
+
+}  // namespace optiml
