@@ -96,7 +96,8 @@ private:
     void apply_penalties();
     void drop_neg_inf_and_check();
     void top_k(int32_t k);
-    void top_p(float p);
+    void top_p(float p, double total);
+    double mass() const;  // sum of exp(logit - max_logit) over the candidates
     void min_p(float p);
     void sort_prefix(size_t m);  // makes cand_[0 .. m) the m best, in order
     void reseed();
