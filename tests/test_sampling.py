@@ -567,3 +567,12 @@ def test_min_p_and_top_p_together():
         ids, _ = Sampler(5, **params).probs(logits)
         assert ids.tolist() == expect, (top_p, min_p)
         assert_dist(Sampler(5, **params), logits, ref_dist(logits, **params))
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = random_logits(100, 13)
+    for t in (1e-45, 1e-30, 1e-6):
+        s = Sampler(100, **dict(PLAIN, temperature=t, seed=2))
+        assert all(s.sample(logits) == int(np.argmax(logits)) for _ in range(10))
+        ids, probs = s.probs(logits)
+        assert ids[0] == int(np.argmax(logits)) and abs(probs[0] - 1) < 1e-12

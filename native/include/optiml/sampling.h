@@ -8,8 +8,11 @@
 // Consequences worth knowing (same as llama.cpp):
 //  * top-p and min-p look at the distribution at temperature 1 (temperature comes after them), so the
 //    temperature reshapes only the probabilities among the survivors, never which tokens survive.
-//  * Greedy (temperature <= 0, NaN excluded) applies the penalties and then takes the argmax; ties go to
-//    the lowest token id. Filters are skipped because none of them can remove the argmax.
+//  * Greedy (temperature <= 0, or so small that 1/temperature overflows) applies the penalties and then
+//    takes the argmax; ties go to the lowest token id. Filters are skipped: none can remove the argmax.
+//  * top-p and min-p both keep a best-first prefix, so their result is the shorter prefix. The code runs
+//    min-p first (an O(n) filter) so that top-p sorts only min-p's survivors; top-p's threshold still
+//    refers to the mass before min-p, so the result is llama.cpp's top-p-then-min-p.
 //
 // Definitions (all on the candidates left by the previous step; logits are float32):
 //  * penalties: for each distinct token t among the last `repeat_last_n` accepted tokens, with c its
@@ -27,7 +30,8 @@
 //
 // Randomness: std::mt19937_64, whose output sequence the C++ standard fixes, and a uniform in [0, 1)
 // made from its top 53 bits here (std::uniform_real_distribution / discrete_distribution are
-// implementation-defined). Same seed + same logits + same accepted tokens = same tokens, on every
+// implementation-defined). Each sample() consumes exactly one RNG output, except when a single token
+// survives the chain (greedy included), which needs no draw. Same seed + same logits + same accepted tokens = same tokens, on every
 // standard library. (Probabilities use the platform's expf, so a draw landing within ~1e-7 of a bucket
 // edge could in principle differ between libms.)
 //

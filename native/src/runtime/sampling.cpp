@@ -208,7 +208,9 @@ void Sampler::prepare(const float* logits) {
     drop_neg_inf_and_check();
 
     const SamplingParams& p = params_;
-    if (p.temperature <= 0.0f) {
+    // A temperature so small that 1/T overflows would make (logit - max) / T = 0 * inf = NaN for the
+    // max; it means "greedy" anyway.
+    if (p.temperature <= 0.0f || !std::isfinite(1.0f / p.temperature)) {
         // Greedy: first maximum in id order (cand_ is still in id order) = lowest id among ties.
         size_t best = 0;
         for (size_t i = 1; i < n_cand_; i++)
@@ -257,8 +259,8 @@ void Sampler::probs(const float* logits, std::vector<int32_t>& ids, std::vector<
     const size_t n = n_cand_;
     if (n_sorted_ < n) {
         sort_prefix(n);
-        const float mx = max_logit_, inv_t = params_.temperature > 0 ? 1.0f / params_.temperature : 0.0f;
-        for (size_t i = 0; i < n && params_.temperature > 0; i++)
+        const float mx = max_logit_, inv_t = 1.0f / params_.temperature;  // not greedy: n_sorted_ would be 1
+        for (size_t i = 0; i < n; i++)
             weight_[i] = std::exp((cand_[i].logit - mx) * inv_t);
     }
     ids.resize(n);
