@@ -253,7 +253,14 @@ def test_kquant_round_trip_error_bounds(name, bound, rng):
 
 
 def ref_q8_0(x):
-    return np.asarray(gguf.quants.quantize(x.reshape(-1, 32), GT.Q8_0)).view(np.uint8).reshape(-1)
+    """Q8_0 activations as llama.cpp's x86 runtime converts them: id = 127/amax, ties to even."""
+    b = x.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(b).max(-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    qs = np.rint((b * inv[:, None]).astype(np.float32)).astype(np.int8)
+    return np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2), qs.view(np.uint8)], axis=1).reshape(-1)
 
 
 def ref_q8_1(x):
@@ -324,7 +331,7 @@ def test_activation_conversion_is_bit_exact(wname, rng):
     ties = np.zeros(1024, np.float32)
     ties[:] = rng.integers(-60, 60, 1024) + 0.5
     ties[::256] = 127.0  # Q8_K: iscale = -1 -> q = rint(-x), ties to even
-    ties[::32] = 127.0  # Q8_0/Q8_1: d = 1 -> q = round-half-away(x)
+    ties[::32] = 127.0  # Q8_0/Q8_1: id = 1 -> q = rint(x), ties to even
     cases.append(ties)
     for x in cases:
         for simd in _core.simd_levels():

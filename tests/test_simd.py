@@ -60,14 +60,13 @@ def bf16_bits(x):
 
 
 def ref_q8(x):
-    """Q8_0/Q8_1 quants: per 32 block d = amax/127, q = roundf(x * (1/d))."""
+    """Q8_0/Q8_1 activations: per 32 block d = amax/127, q = rint(x * (127/amax)) (ties to even)."""
     xb = x.reshape(-1, 32).astype(np.float32)
     amax = np.abs(xb).max(axis=1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = (xb * inv[:, None]).astype(np.float32).astype(np.float64)
-    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)  # exact in float64: half away from 0
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint((xb * inv[:, None]).astype(np.float32)).astype(np.int8)
     return d, q
 
 

@@ -30,6 +30,8 @@ typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 // y[0..n) += a * x[0..n), x a row of the table entry's type (attention's V accumulation today; the
 // column-sparse down projection later).
 typedef void (*axpy_fn)(int64_t n, float a, const void* x, float* y);
+// y[i] = e^(x[i] - max) for i < n; returns the sum of the y[i] (accumulated in double).
+typedef double (*softmax_exp_fn)(int64_t n, float* y, const float* x, float max);
 // g[i] = act(g[i]) * u[i] (the gated FFN activation), in place.
 typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
 
@@ -38,6 +40,11 @@ struct KernelTable {
     vec_dot_fn vec_dot[TYPE_COUNT];       // indexed by weight type
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
     axpy_fn axpy[TYPE_COUNT];              // indexed by the type of x (F32, F16)
+    // Attention's dot products (K.q and the weighted sum of V), for F16 and F32 rows. For F16 they sum
+    // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows
+    // llama.cpp's arithmetic (8-bit activations downstream make last bits decide close tokens).
+    vec_dot_fn attn_dot[TYPE_COUNT];
+    softmax_exp_fn softmax_exp;
     act_mul_fn silu_mul;                   // silu(g) * u, silu(x) = x / (1 + e^-x)
     act_mul_fn relu_mul;                   // max(g, 0) * u
 };
@@ -50,6 +57,7 @@ void fill_kernels_neon(KernelTable& table);
 // Element-wise ops (activations), native/src/cpu/ops*.cpp.
 void fill_ops_scalar(KernelTable& table);
 void fill_ops_avx2(KernelTable& table);
+void fill_ops_avx512(KernelTable& table);
 
 // Is the level compiled into this build and supported by this CPU?
 bool simd_level_available(SimdLevel level);

@@ -121,12 +121,14 @@ private:
     int32_t n_ctx_, n_batch_, kv_type_;
     int32_t n_past_ = 0;
 
-    // KV cache, per layer [n_ctx][n_embd_kv] of kv_type_.
+    // KV cache of kv_type_, per layer: keys [n_ctx][n_embd_kv], values transposed [n_embd_kv][n_ctx].
     std::vector<uint8_t> k_cache_, v_cache_;
     size_t kv_row_bytes_ = 0, kv_layer_bytes_ = 0;
 
     // Scratch for a batch of up to n_batch tokens.
-    std::vector<float> x_, xn_, q_, k_, v_, attn_, ffn_gate_, ffn_up_, scores_;
+    std::vector<float> x_, xn_, q_, k_, v_, attn_, ffn_gate_, ffn_up_;
+    std::vector<float> scores_;       // per thread: one row of attention scores
+    std::vector<uint8_t> attn_conv_;  // per thread: q or the weights converted for the dot products
 };
 
 }  // namespace optiml

@@ -73,6 +73,7 @@ const KernelTable& kernel_table(SimdLevel level) {
         fill_kernels_avx2(tables[SIMD_AVX2]);
         fill_ops_avx2(tables[SIMD_AVX2]);
         fill_ops_avx2(tables[SIMD_AVX512]);
+        fill_ops_avx512(tables[SIMD_AVX512]);
         fill_kernels_avx2(tables[SIMD_AVX512]);  // AVX-512 overlays AVX2 where it has nothing better
         fill_kernels_avx512(tables[SIMD_AVX512]);
 #endif

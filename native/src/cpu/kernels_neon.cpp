@@ -251,7 +251,7 @@ void vec_dot_q6_K(int64_t n, float* s, const void* w, const void* x) {
 }
 
 // ---- activation conversion -----------------------------------------------------------------------
-// One 32-block the Q8_0 way: d = amax/127, q = roundf(x * (1/d)) (vrndaq: ties away from zero).
+// One 32-block of activations as the scalar activation_row_q8_0: id = 127/amax, ties to even (vcvtnq).
 inline float quantize_block_q8(const float* x, int8_t* qs, int* qsum) {
     float32x4_t v[8];
     float32x4_t mx = vdupq_n_f32(0);
@@ -261,11 +261,11 @@ inline float quantize_block_q8(const float* x, int8_t* qs, int* qsum) {
     }
     const float amax = vmaxvq_f32(mx);
     const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     int32x4_t sum = vdupq_n_s32(0);
     for (int k = 0; k < 8; k += 2) {
-        const int32x4_t i0 = vcvtq_s32_f32(vrndaq_f32(vmulq_n_f32(v[k], id)));
-        const int32x4_t i1 = vcvtq_s32_f32(vrndaq_f32(vmulq_n_f32(v[k + 1], id)));
+        const int32x4_t i0 = vcvtnq_s32_f32(vmulq_n_f32(v[k], id));
+        const int32x4_t i1 = vcvtnq_s32_f32(vmulq_n_f32(v[k + 1], id));
         sum = vaddq_s32(sum, vaddq_s32(i0, i1));
         const int16x8_t s16 = vcombine_s16(vqmovn_s32(i0), vqmovn_s32(i1));
         vst1_s8(qs + 4 * k, vqmovn_s16(s16));

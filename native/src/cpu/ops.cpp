@@ -32,12 +32,17 @@ void softmax(float* x, int64_t n) {
 
 void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
                   float* cos, float* sin) {
-    // theta in double: at positions in the tens of thousands, float products lose digits.
+    // Float, with the angle advanced by one multiplication per pair, exactly as ggml computes it:
+    // activations are quantized to 8 bits downstream, so even last-bit differences here can change
+    // which token wins a close call, and matching llama.cpp's text is the goal.
+    const float theta_scale = std::pow(freq_base, -2.0f / (float)n_rot);
+    float theta = (float)pos;
     for (int64_t i = 0; i < n_rot / 2; i++) {
-        double theta = (double)pos * freq_scale * std::pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
-        if (freq_factors) theta /= freq_factors[i];
-        cos[i] = (float)std::cos(theta);
-        sin[i] = (float)std::sin(theta);
+        float t = theta * freq_scale;
+        if (freq_factors) t = theta / freq_factors[i] * freq_scale;
+        cos[i] = std::cos(t);
+        sin[i] = std::sin(t);
+        theta *= theta_scale;
     }
 }
 
@@ -67,9 +72,36 @@ void axpy_f16_scalar(int64_t n, float a, const void* x, float* y) {
     const fp16_t* xh = (const fp16_t*)x;
     for (int64_t i = 0; i < n; i++) y[i] += a * fp16_to_fp32(xh[i]);
 }
+double softmax_exp_scalar(int64_t n, float* y, const float* x, float max) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = std::exp(x[i] - max);
+        sum += y[i];
+    }
+    return sum;
+}
+
+void attn_dot_f32_scalar(int64_t n, float* s, const void* a, const void* b) {
+    const float* x = (const float*)a;
+    const float* y = (const float*)b;
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * y[i]);
+    *s = (float)sum;
+}
+
+void attn_dot_f16_scalar(int64_t n, float* s, const void* a, const void* b) {
+    const fp16_t* x = (const fp16_t*)a;
+    const fp16_t* y = (const fp16_t*)b;
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(fp16_to_fp32(x[i]) * fp16_to_fp32(y[i]));
+    *s = (float)sum;
+}
 }  // namespace
 
 void fill_ops_scalar(KernelTable& t) {
+    t.softmax_exp = softmax_exp_scalar;
+    t.attn_dot[TYPE_F32] = attn_dot_f32_scalar;
+    t.attn_dot[TYPE_F16] = attn_dot_f16_scalar;
     t.axpy[TYPE_F32] = axpy_f32_scalar;
     t.axpy[TYPE_F16] = axpy_f16_scalar;
     t.silu_mul = silu_mul_scalar;

@@ -1,5 +1,5 @@
-// AVX2 element-wise ops: a vectorized exp for silu (the FFN activation runs on every neuron of
-// every layer for every token, so a scalar expf per element would cost as much as a small matmul).
+// AVX2 element-wise ops. exp is ggml's vectorized expf (the ARM optimized-routines algorithm), so
+// silu and softmax give llama.cpp's bits; attention dots sum as llama.cpp's CPU GEMM does.
 #include <immintrin.h>
 
 #include <cmath>
@@ -11,25 +11,41 @@ namespace optiml {
 
 namespace {
 
-// e^x for 8 floats: x = k ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (relative error
-// ~2e-7, a couple of ulp), 2^k built in the exponent bits. Inputs are clamped to the float range.
-inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // r = x - k ln2, with ln2 split in two parts so the subtraction stays exact.
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 r2 = _mm256_mul_ps(r, r);
-    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+// e^x for 8 floats: n = round(x / ln2), b = x - n ln2 (two-part ln2), e^b by a degree-5 polynomial,
+// scaled by 2^n through the exponent bits, with the |n| > 126 cases handled apart (max error about
+// 1.5 ulp; overflow gives inf, underflow 0).
+inline __m256 exp_ps(__m256 x) {
+    const __m256 r = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+    const __m256 n = _mm256_sub_ps(z, r);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1))));
+    const __m256 abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), n);
+    const __m256 c = _mm256_cmp_ps(abs_n, _mm256_set1_ps(126), _CMP_GT_OQ);
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+    if (!_mm256_movemask_ps(c)) return _mm256_fmadd_ps(j, k, k);
+    // Some lane is near or past the float range: build 2^n from two factors so it cannot overflow early.
+    const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                                       _mm256_set1_epi32((int)0x82000000u));
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000)));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    const __m256 d = _mm256_cmp_ps(abs_n, _mm256_set1_ps(192), _CMP_GT_OQ);
+    const __m256 near = _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1);
+    const __m256 in_range = _mm256_blendv_ps(_mm256_fmadd_ps(k, j, k), near, c);
+    return _mm256_blendv_ps(in_range, _mm256_mul_ps(s1, s1), d);
+}
+
+inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
 void silu_mul_avx2(int64_t n, float* g, const float* u) {
@@ -37,7 +53,7 @@ void silu_mul_avx2(int64_t n, float* g, const float* u) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x));
         const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, e));
         _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
     }
@@ -51,6 +67,21 @@ void relu_mul_avx2(int64_t n, float* g, const float* u) {
         _mm256_storeu_ps(g + i, _mm256_mul_ps(x, _mm256_loadu_ps(u + i)));
     }
     for (; i < n; i++) g[i] = (g[i] > 0 ? g[i] : 0.0f) * u[i];
+}
+
+double softmax_exp_avx2(int64_t n, float* y, const float* x, float max) {
+    double sum = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(max)));
+        _mm256_storeu_ps(y + i, v);
+        sum += hsum_ps(v);
+    }
+    for (; i < n; i++) {
+        y[i] = std::exp(x[i] - max);
+        sum += y[i];
+    }
+    return sum;
 }
 
 void axpy_f32_avx2(int64_t n, float a, const void* x, float* y) {
@@ -73,11 +104,50 @@ void axpy_f16_avx2(int64_t n, float a, const void* x, float* y) {
     for (; i < n; i++) y[i] += a * fp16_to_fp32(xh[i]);
 }
 
+// One accumulator, 8 lanes at a time, horizontal sum at the end; a tail (n % 8) in double.
+void attn_dot_f32_avx2(int64_t n, float* s, const void* a, const void* b) {
+    const float* x = (const float*)a;
+    const float* y = (const float*)b;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
+    double sum = hsum_ps(acc);
+    for (; i < n; i++) sum += (double)(x[i] * y[i]);
+    *s = (float)sum;
+}
+
+// Four accumulators over steps of 32, folded (0+2)+(1+3), summed with hadd, then a tail in double:
+// ggml_vec_dot_f16's AVX2 order, which llama.cpp's attention follows.
+void attn_dot_f16_avx2(int64_t n, float* s, const void* a, const void* b) {
+    const fp16_t* x = (const fp16_t*)a;
+    const fp16_t* y = (const fp16_t*)b;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        for (int j = 0; j < 4; j++) {
+            const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + i + 8 * j)));
+            const __m256 yv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(y + i + 8 * j)));
+            acc[j] = _mm256_fmadd_ps(xv, yv, acc[j]);
+        }
+    }
+    acc[0] = _mm256_add_ps(acc[0], acc[2]);
+    acc[1] = _mm256_add_ps(acc[1], acc[3]);
+    acc[0] = _mm256_add_ps(acc[0], acc[1]);
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    double sum = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+    for (; i < n; i++) sum += (double)(fp16_to_fp32(x[i]) * fp16_to_fp32(y[i]));
+    *s = (float)sum;
+}
+
 }  // namespace
 
 void fill_ops_avx2(KernelTable& t) {
     t.axpy[TYPE_F32] = axpy_f32_avx2;
     t.axpy[TYPE_F16] = axpy_f16_avx2;
+    t.attn_dot[TYPE_F32] = attn_dot_f32_avx2;
+    t.attn_dot[TYPE_F16] = attn_dot_f16_avx2;
+    t.softmax_exp = softmax_exp_avx2;
     t.silu_mul = silu_mul_avx2;
     t.relu_mul = relu_mul_avx2;
 }

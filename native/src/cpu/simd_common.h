@@ -169,26 +169,30 @@ void vec_dot_bf16(int64_t n, float* s, const void* w, const void* x) {
 }
 
 // ---- 32-element block quants -------------------------------------------------------------------
-// Each block's integer dot is exact; it is scaled by d_w*d_x and accumulated in a float vector. Two
-// blocks per iteration into two accumulators hide the FMA latency.
+// Each block's integer dot is exact; it is scaled by d_w*d_x and added into one float vector, block
+// after block, then summed horizontally: the same order llama.cpp's 256-bit kernels use, so results
+// agree with it bit for bit (activations are 8-bit, so last-bit differences can flip a token).
 
-void vec_dot_q8_0(int64_t n, float* s, const void* w, const void* x) {
-    const block_q8_0* a = (const block_q8_0*)w;
-    const block_q8_0* b = (const block_q8_0*)x;
-    const int64_t nb = n / 32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
-        const __m256i p0 = dot_s8s8(_mm256_loadu_si256((const __m256i*)a[i].qs), _mm256_loadu_si256((const __m256i*)b[i].qs));
-        const __m256i p1 = dot_s8s8(_mm256_loadu_si256((const __m256i*)a[i + 1].qs), _mm256_loadu_si256((const __m256i*)b[i + 1].qs));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i + 1].d) * h2f(b[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
+template <typename BlockDot, typename WBlock, typename XBlock>
+inline float sum_blocks(const WBlock* a, const XBlock* b, int64_t nb, BlockDot block_dot) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256 d = _mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot(a[i], b[i])), acc);
     }
-    for (; i < nb; i++) {
-        const __m256i p0 = dot_s8s8(_mm256_loadu_si256((const __m256i*)a[i].qs), _mm256_loadu_si256((const __m256i*)b[i].qs));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    *s = hsum_ps(_mm256_add_ps(acc0, acc1));
+    return hsum_ps(acc);
+}
+
+// The min term of Q4_1/Q5_1: sum over blocks of m_w * s_x (s_x = d_x * sum(q_x), precomputed in Q8_1).
+template <typename WBlock>
+inline float sum_mins(const WBlock* a, const block_q8_1* b, int64_t nb) {
+    float summs = 0;
+    for (int64_t i = 0; i < nb; i++) summs += h2f(a[i].m) * h2f(b[i].s);
+    return summs;
+}
+
+inline __m256i q8_0_block_dot(const block_q8_0& a, const block_q8_0& b) {
+    return dot_s8s8(_mm256_loadu_si256((const __m256i*)a.qs), _mm256_loadu_si256((const __m256i*)b.qs));
 }
 
 // Q4_0: q - 8 in [-8, 7] as signed bytes, then the signed dot.
@@ -197,46 +201,9 @@ inline __m256i q4_0_block_dot(const block_q4_0& a, const block_q8_0& b) {
     return dot_s8s8(q, _mm256_loadu_si256((const __m256i*)b.qs));
 }
 
-void vec_dot_q4_0(int64_t n, float* s, const void* w, const void* x) {
-    const block_q4_0* a = (const block_q4_0*)w;
-    const block_q8_0* b = (const block_q8_0*)x;
-    const int64_t nb = n / 32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
-        const __m256i p0 = q4_0_block_dot(a[i], b[i]);
-        const __m256i p1 = q4_0_block_dot(a[i + 1], b[i + 1]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i + 1].d) * h2f(b[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
-    }
-    for (; i < nb; i++) {
-        const __m256i p0 = q4_0_block_dot(a[i], b[i]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    *s = hsum_ps(_mm256_add_ps(acc0, acc1));
-}
-
-// Q4_1: unsigned nibbles times q8, plus m_w * s_x (s_x = d_x * sum(q_x), precomputed in Q8_1).
-void vec_dot_q4_1(int64_t n, float* s, const void* w, const void* x) {
-    const block_q4_1* a = (const block_q4_1*)w;
-    const block_q8_1* b = (const block_q8_1*)x;
-    const int64_t nb = n / 32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float summs = 0;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
-        const __m256i p0 = dot_u8s8(_mm256_setzero_si256(), unpack_nibbles_16(a[i].qs), _mm256_loadu_si256((const __m256i*)b[i].qs));
-        const __m256i p1 = dot_u8s8(_mm256_setzero_si256(), unpack_nibbles_16(a[i + 1].qs), _mm256_loadu_si256((const __m256i*)b[i + 1].qs));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i + 1].d) * h2f(b[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
-        summs += h2f(a[i].m) * h2f(b[i].s) + h2f(a[i + 1].m) * h2f(b[i + 1].s);
-    }
-    for (; i < nb; i++) {
-        const __m256i p0 = dot_u8s8(_mm256_setzero_si256(), unpack_nibbles_16(a[i].qs), _mm256_loadu_si256((const __m256i*)b[i].qs));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        summs += h2f(a[i].m) * h2f(b[i].s);
-    }
-    *s = hsum_ps(_mm256_add_ps(acc0, acc1)) + summs;
+// Q4_1: unsigned nibbles times q8 (the min is added separately).
+inline __m256i q4_1_block_dot(const block_q4_1& a, const block_q8_1& b) {
+    return dot_u8s8(_mm256_setzero_si256(), unpack_nibbles_16(a.qs), _mm256_loadu_si256((const __m256i*)b.qs));
 }
 
 // Q5_0: q - 16 = nibble | (high bit ? 0 : 0xF0) as a signed byte.
@@ -246,52 +213,35 @@ inline __m256i q5_0_block_dot(const block_q5_0& a, const block_q8_0& b) {
     return dot_s8s8(q, _mm256_loadu_si256((const __m256i*)b.qs));
 }
 
-void vec_dot_q5_0(int64_t n, float* s, const void* w, const void* x) {
-    const block_q5_0* a = (const block_q5_0*)w;
-    const block_q8_0* b = (const block_q8_0*)x;
-    const int64_t nb = n / 32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
-        const __m256i p0 = q5_0_block_dot(a[i], b[i]);
-        const __m256i p1 = q5_0_block_dot(a[i + 1], b[i + 1]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i + 1].d) * h2f(b[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
-    }
-    for (; i < nb; i++) {
-        const __m256i p0 = q5_0_block_dot(a[i], b[i]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    *s = hsum_ps(_mm256_add_ps(acc0, acc1));
-}
-
-// Q5_1: unsigned q = nibble | (high bit ? 0x10 : 0), plus m_w * s_x.
+// Q5_1: unsigned q = nibble | (high bit ? 0x10 : 0).
 inline __m256i q5_1_block_dot(const block_q5_1& a, const block_q8_1& b) {
     const __m256i hi = _mm256_and_si256(bits_to_bytes_32(a.qh), _mm256_set1_epi8(0x10));
     const __m256i q = _mm256_or_si256(unpack_nibbles_16(a.qs), hi);
     return dot_u8s8(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i*)b.qs));
 }
 
+void vec_dot_q8_0(int64_t n, float* s, const void* w, const void* x) {
+    *s = sum_blocks((const block_q8_0*)w, (const block_q8_0*)x, n / 32, q8_0_block_dot);
+}
+
+void vec_dot_q4_0(int64_t n, float* s, const void* w, const void* x) {
+    *s = sum_blocks((const block_q4_0*)w, (const block_q8_0*)x, n / 32, q4_0_block_dot);
+}
+
+void vec_dot_q4_1(int64_t n, float* s, const void* w, const void* x) {
+    const block_q4_1* a = (const block_q4_1*)w;
+    const block_q8_1* b = (const block_q8_1*)x;
+    *s = sum_blocks(a, b, n / 32, q4_1_block_dot) + sum_mins(a, b, n / 32);
+}
+
+void vec_dot_q5_0(int64_t n, float* s, const void* w, const void* x) {
+    *s = sum_blocks((const block_q5_0*)w, (const block_q8_0*)x, n / 32, q5_0_block_dot);
+}
+
 void vec_dot_q5_1(int64_t n, float* s, const void* w, const void* x) {
     const block_q5_1* a = (const block_q5_1*)w;
     const block_q8_1* b = (const block_q8_1*)x;
-    const int64_t nb = n / 32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float summs = 0;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
-        const __m256i p0 = q5_1_block_dot(a[i], b[i]);
-        const __m256i p1 = q5_1_block_dot(a[i + 1], b[i + 1]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i + 1].d) * h2f(b[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
-        summs += h2f(a[i].m) * h2f(b[i].s) + h2f(a[i + 1].m) * h2f(b[i + 1].s);
-    }
-    for (; i < nb; i++) {
-        const __m256i p0 = q5_1_block_dot(a[i], b[i]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        summs += h2f(a[i].m) * h2f(b[i].s);
-    }
-    *s = hsum_ps(_mm256_add_ps(acc0, acc1)) + summs;
+    *s = sum_blocks(a, b, n / 32, q5_1_block_dot) + sum_mins(a, b, n / 32);
 }
 
 // ---- k-quants (256-element super-blocks, activations in Q8_K) ----------------------------------
@@ -503,16 +453,6 @@ void vec_dot_q3_K(int64_t n, float* s, const void* w, const void* x) {
 
 // ---- activation conversion (bit-identical to the scalar reference) ---------------------------
 
-// roundf: round half away from zero. v - trunc(v) is exact, so the comparison with 0.5 is exact.
-inline __m256 roundf_ps(__m256 v) {
-    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
-    const __m256 frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(v, t));
-    const __m256 up = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-    const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), sign);  // +-1 with v's sign
-    return _mm256_add_ps(t, _mm256_and_ps(up, one));
-}
-
 // 32 int32 (4 vectors) -> 32 int8 in order.
 inline __m256i pack_i32x32_to_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
     const __m256i ab = _mm256_packs_epi32(a, b);  // lanes interleaved: a0 b0 | a1 b1
@@ -521,7 +461,8 @@ inline __m256i pack_i32x32_to_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Quantizes one block of 32 to int8 the Q8_0 way; returns d (float, before fp16 rounding).
+// Quantizes one block of 32 activations to int8 as the scalar activation_row_q8_0 does (id = 127/amax,
+// ties to even); returns d (float, before fp16 rounding).
 inline float quantize_block_q8(const float* x, int8_t* qs, __m256i* sum32) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
@@ -530,12 +471,13 @@ inline float quantize_block_q8(const float* x, int8_t* qs, __m256i* sum32) {
                                     _mm256_max_ps(_mm256_and_ps(v2, absmask), _mm256_and_ps(v3, absmask)));
     const float amax = hmax_ps(mx);
     const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
     const __m256 vid = _mm256_set1_ps(id);
-    const __m256i i0 = _mm256_cvtps_epi32(roundf_ps(_mm256_mul_ps(v0, vid)));
-    const __m256i i1 = _mm256_cvtps_epi32(roundf_ps(_mm256_mul_ps(v1, vid)));
-    const __m256i i2 = _mm256_cvtps_epi32(roundf_ps(_mm256_mul_ps(v2, vid)));
-    const __m256i i3 = _mm256_cvtps_epi32(roundf_ps(_mm256_mul_ps(v3, vid)));
+    // cvtps_epi32 rounds to nearest even in the default MXCSR mode.
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
     if (sum32) *sum32 = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
     _mm256_storeu_si256((__m256i*)qs, pack_i32x32_to_i8(i0, i1, i2, i3));
     return d;

@@ -1,5 +1,6 @@
 // The forward pass of a llama-family model for a batch of tokens, top to bottom:
 // embed -> per layer (attention, FFN) -> final norm -> logits.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -56,9 +57,12 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
     float* outs[3] = {q, k, v};
     matmul_shared_input(pool, kt_, qkv, outs, 3, xn, n);
 
-    // Biases, rotary position embedding, and the new keys and values into the cache.
+    // Biases, rotary position embedding, and the new keys and values into the cache. Keys are stored
+    // by position ([pos][n_embd_kv]); values transposed ([n_embd_kv][pos]), so the weighted sum of
+    // values is one dot product per output element, as in llama.cpp.
     uint8_t* k_layer = k_cache_.data() + (size_t)il * kv_layer_bytes_;
     uint8_t* v_layer = v_cache_.data() + (size_t)il * kv_layer_bytes_;
+    const size_t kv_elem = type_traits(kv_type_).type_size;
     const from_float_fn to_kv = kt_.from_float[kv_type_];
     const float* freq_factors = model_->rope_freqs.present() ? (const float*)model_->rope_freqs.data : nullptr;
     const bool neox = hp.rope_type == ROPE_NEOX;
@@ -85,7 +89,10 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
         for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, hp.n_rot, cos, sin, neox);
         for (int h = 0; h < hp.n_head_kv; h++) rope(kt + h * hd, hp.n_rot, cos, sin, neox);
         to_kv(kt, k_layer + (size_t)(pos0 + t) * kv_row_bytes_, n_kv);
-        to_kv(vt, v_layer + (size_t)(pos0 + t) * kv_row_bytes_, n_kv);
+        uint8_t vconv[512 * 4 * 8];  // one row in the cache type; n_embd_kv <= 4096 floats
+        to_kv(vt, vconv, n_kv);
+        for (int64_t j = 0; j < n_kv; j++)
+            std::memcpy(v_layer + ((size_t)j * n_ctx_ + pos0 + t) * kv_elem, vconv + j * kv_elem, kv_elem);
     };
     if (n == 1) {
         prepare(0);
@@ -99,33 +106,42 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
 
     // Causal attention: token t (at position pos0 + t) sees positions 0..pos0+t. One task per
     // (token, head); a KV head serves n_head / n_head_kv query heads (grouped-query attention).
+    // Like llama.cpp, scores cover a window of the cache padded to a multiple of 32 (masked positions
+    // are -inf, weight 0), softmax runs over that window, and the weights are converted to the cache
+    // type before the dot products with V: the sums then group exactly as llama.cpp's do.
     const int group = hp.n_head / hp.n_head_kv;
     const float scale = 1.0f / std::sqrt((float)hd);
-    const vec_dot_fn dot = kt_.vec_dot[kv_type_];
-    const from_float_fn to_dot = kt_.from_float[type_traits(kv_type_).vec_dot_type];
-    const axpy_fn axpy = kt_.axpy[kv_type_];
+    const int32_t xtype = type_traits(kv_type_).vec_dot_type;  // F16 or F32
+    const from_float_fn to_dot = kt_.from_float[xtype];
+    const vec_dot_fn dot = kt_.attn_dot[kv_type_];
     const size_t head_bytes = row_size(kv_type_, hd);
+    const int64_t n_window = std::min<int64_t>(n_ctx_, (pos0 + n + 31) / 32 * 32);
     const int64_t n_tasks = (int64_t)n * hp.n_head;
-    auto attend = [&](int64_t task, float* scores) {
+    auto attend = [&](int64_t task, float* scores, uint8_t* conv) {
         const int64_t t = task / hp.n_head, h = task % hp.n_head;
         const int64_t kvh = h / group;
         const int64_t n_seen = pos0 + t + 1;
-        uint8_t qconv[512 * 4];
-        to_dot(q + t * n_q + h * hd, qconv, hd);
+        to_dot(q + t * n_q + h * hd, conv, hd);
         for (int64_t s = 0; s < n_seen; s++) {
-            dot(hd, &scores[s], k_layer + (size_t)s * kv_row_bytes_ + kvh * head_bytes, qconv);
+            dot(hd, &scores[s], k_layer + (size_t)s * kv_row_bytes_ + kvh * head_bytes, conv);
             scores[s] *= scale;
         }
-        softmax(scores, n_seen);
+        for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
+        float max = -INFINITY;
+        for (int64_t s = 0; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
+        const double sum = kt_.softmax_exp(n_window, scores, scores, max);
+        const float inv = (float)(1.0 / sum);
+        for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
+        to_dot(scores, conv, n_window);
         float* out = attn + t * n_q + h * hd;
-        std::memset(out, 0, hd * sizeof(float));
-        for (int64_t s = 0; s < n_seen; s++)
-            axpy(hd, scores[s], v_layer + (size_t)s * kv_row_bytes_ + kvh * head_bytes, out);
+        for (int64_t d = 0; d < hd; d++)
+            dot(n_window, &out[d], v_layer + ((size_t)(kvh * hd + d) * n_ctx_) * kv_elem, conv);
     };
     pool.run([&](int ith, int nth) {
         float* scores = scores_.data() + (size_t)ith * n_ctx_;
+        uint8_t* conv = attn_conv_.data() + (size_t)ith * n_ctx_ * sizeof(float);
         // Strided, not contiguous: later tokens see more positions, so this balances the work.
-        for (int64_t task = ith; task < n_tasks; task += nth) attend(task, scores);
+        for (int64_t task = ith; task < n_tasks; task += nth) attend(task, scores, conv);
     });
 
     // Output projection, added into the residual stream.

@@ -16,6 +16,9 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     if (n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", n_batch));
     if (kv_type != TYPE_F16 && kv_type != TYPE_F32)
         throw ArgumentError("the KV cache type must be f16 or f32");
+    if (hp.n_embd_kv() > 4096)
+        throw UnsupportedModelError(format("K/V rows of %d values are more than the 4096 this build supports",
+                                           hp.n_embd_kv()));
     n_batch_ = std::min(n_batch_, n_ctx_);
 
     kv_row_bytes_ = row_size(kv_type, hp.n_embd_kv());
@@ -33,6 +36,7 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     ffn_gate_.resize(nb * hp.n_ff);
     ffn_up_.resize(nb * hp.n_ff);
     scores_.resize((size_t)pool_->size() * n_ctx);
+    attn_conv_.resize((size_t)pool_->size() * n_ctx * sizeof(float));
 }
 
 void Session::truncate(int32_t n) {

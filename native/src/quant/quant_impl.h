@@ -65,7 +65,10 @@ void quantize_row_q4_1(const float* x, void* y, int64_t n);
 void quantize_row_q5_0(const float* x, void* y, int64_t n);
 void quantize_row_q5_1(const float* x, void* y, int64_t n);
 void quantize_row_q8_0(const float* x, void* y, int64_t n);  // also the Q8_0 activation format
-void quantize_row_q8_1(const float* x, void* y, int64_t n);  // activations for Q4_1/Q5_1
+void quantize_row_q8_1(const float* x, void* y, int64_t n);  // the reference rule (roundf, 1/d)
+// Activation converters: llama.cpp x86 runtime rule (id = 127/amax, ties to even).
+void activation_row_q8_0(const float* x, void* y, int64_t n);
+void activation_row_q8_1(const float* x, void* y, int64_t n);
 void dequantize_row_q4_0(const void* x, float* y, int64_t n);
 void dequantize_row_q4_1(const void* x, float* y, int64_t n);
 void dequantize_row_q5_0(const void* x, float* y, int64_t n);

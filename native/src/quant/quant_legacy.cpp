@@ -141,6 +141,33 @@ void quantize_row_q8_1(const float* x, void* vy, int64_t n) {
     }
 }
 
+// Activations (the vec_dot types of Q4_0..Q8_0) are converted the way llama.cpp's x86 runtime does,
+// not like the reference above: id = 127/amax and ties to even. Activation rounding decides close
+// calls downstream, and llama.cpp's text is the yardstick.
+inline float q8_activation_codes(const float* x, int8_t* qs) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs(x[j]));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) qs[j] = (int8_t)std::nearbyint(x[j] * id);
+    return amax / 127.0f;
+}
+
+void activation_row_q8_0(const float* x, void* vy, int64_t n) {
+    block_q8_0* y = (block_q8_0*)vy;
+    for (int64_t i = 0; i < n / 32; i++, x += 32) y[i].d = fp32_to_fp16(q8_activation_codes(x, y[i].qs));
+}
+
+void activation_row_q8_1(const float* x, void* vy, int64_t n) {
+    block_q8_1* y = (block_q8_1*)vy;
+    for (int64_t i = 0; i < n / 32; i++, x += 32) {
+        const float d = q8_activation_codes(x, y[i].qs);
+        int sum = 0;
+        for (int j = 0; j < 32; j++) sum += y[i].qs[j];
+        y[i].d = fp32_to_fp16(d);
+        y[i].s = fp32_to_fp16(d * (float)sum);
+    }
+}
+
 // Dequantization: every product below is exact in float32 (an 11-bit fp16 mantissa times a code
 // of at most 6 bits), so the only rounding is the final "+ m" and the result is bit-identical to
 // gguf-py and ggml whatever the order of evaluation.

@@ -265,8 +265,8 @@ void fill_kernels_scalar(KernelTable& t) {
     t.from_float[TYPE_F32] = copy_row_f32;
     t.from_float[TYPE_F16] = quantize_row_f16;
     t.from_float[TYPE_BF16] = quantize_row_bf16;
-    t.from_float[TYPE_Q8_0] = quantize_row_q8_0;
-    t.from_float[TYPE_Q8_1] = quantize_row_q8_1;
+    t.from_float[TYPE_Q8_0] = activation_row_q8_0;
+    t.from_float[TYPE_Q8_1] = activation_row_q8_1;
     t.from_float[TYPE_Q8_K] = quantize_row_q8_K;
 }
 
