@@ -86,6 +86,11 @@ void bind_tokenizer(nb::module_& m) {
             std::string s = t.tok->token_to_piece(id, render_special);
             return nb::bytes(s.data(), s.size());
         }, nb::arg("id"), nb::arg("render_special") = true)
+        .def("pre_tokenize", [](const PyTokenizer& t, const std::string& text) {
+            nb::list out;
+            for (const std::string& p : t.tok->pre_tokenize(text)) out.append(nb::bytes(p.data(), p.size()));
+            return out;
+        }, nb::arg("text"), "The pre-tokenizer's pieces of `text` (bytes), for debugging.")
         .def("token_text", [](const PyTokenizer& t, int32_t id) {
             const std::string& s = t.tok->token_text(id);
             return nb::bytes(s.data(), s.size());

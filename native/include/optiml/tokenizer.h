@@ -55,6 +55,11 @@ public:
     // by BPE and through byte fallback by SentencePiece).
     std::vector<int32_t> encode(std::string_view text, bool add_special, bool parse_special) const;
 
+    // The pieces BPE would merge within (the pre-tokenizer's split of `text`, special tokens not
+    // considered); SentencePiece merges over the whole text, so there it is {text}. For debugging
+    // and tests.
+    std::vector<std::string> pre_tokenize(std::string_view text) const;
+
     // The bytes a token stands for; may be part of a UTF-8 sequence. Control and unknown tokens give
     // "" unless render_special. Throws ArgumentError for an id outside [0, n_vocab).
     std::string token_to_piece(int32_t id, bool render_special) const;

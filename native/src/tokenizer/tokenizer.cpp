@@ -66,6 +66,18 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, 
     return out;
 }
 
+std::vector<std::string> Tokenizer::pre_tokenize(std::string_view text) const {
+    std::vector<std::string> out;
+    if (impl_->model != Impl::Model::BPE) {
+        if (!text.empty()) out.emplace_back(text);
+        return out;
+    }
+    Pieces pieces;
+    pretokenize(impl_->pre, text, pieces);
+    for (const auto& p : pieces) out.emplace_back(text.substr(p.first, p.second - p.first));
+    return out;
+}
+
 std::string Tokenizer::token_to_piece(int32_t id, bool render_special) const {
     check_id(id);
     uint8_t t = impl_->type[id];
