@@ -362,19 +362,26 @@ def test_no_tokenizer(tmp_path):
 
 
 # Pre-tokenizers on crafted vocabularies: our pieces against HF tokenizers' own regex splitting.
+GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the regexes llama.cpp runs one after the other (llm_tokenizer_bpe), each
+# splitting the pieces of the one before into matches and the text between them.
 PRE_CASES = {
-    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt2": [GPT2_RE],
+    "smollm": [r"\p{N}", GPT2_RE],
+    "starcoder": [r"\p{N}", GPT2_RE],
+    "llama-bpe": [LLAMA3_RE],
+    "qwen2": [LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")],
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_RE, r"\p{N}+", "[0-9][0-9][0-9]"],
+    "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", GPT2_RE, "[0-9][0-9][0-9]"],
 }
 
 
-def _hf_split(pattern: str, text: str, digits_first: bool = False) -> list[str]:
+def _hf_split(patterns: list[str], text: str) -> list[str]:
     from tokenizers import Regex, pre_tokenizers
 
-    steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated")]
-    if digits_first:
-        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
     return [p for p, _ in pre_tokenizers.Sequence(steps).pre_tokenize_str(text)]
 
 
@@ -384,14 +391,13 @@ def _pre_tokenizer(tmp_path, pre: str) -> T.Tokenizer:
     return T.load(_write_gguf(tmp_path / f"{pre}.gguf", kv))
 
 
-@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2", "smollm"])
+@pytest.mark.parametrize("pre", sorted(PRE_CASES))
 def test_pre_tokenizer_splits_match_hf(tmp_path, pre):
-    pattern = PRE_CASES.get(pre, PRE_CASES["gpt2"])
     tok = _pre_tokenizer(tmp_path, pre)
     texts = [t for t in CORPUS if t] + [scandal_text()]
     texts += ["I'M HE'LL 'S 'Re 'vE x'ΣS", "a\r\n\r\n  b  \n  c \t\n", "((( abc ))) ...\n\n x", "12345678 1234"]
     for text in texts:
-        want = [p.encode() for p in _hf_split(pattern, text, digits_first=pre == "smollm")]
+        want = [p.encode() for p in _hf_split(PRE_CASES[pre], text)]
         assert tok.pre_tokenize(text) == want, text
 
 
@@ -492,3 +498,29 @@ def test_spm_matches_transformers(spm_files, spm_tok):
         if text.startswith(" "):
             continue  # HF's Metaspace(prepend_scheme="first") adds no "▁" before a leading space
         assert spm_tok.encode(text, add_special=False) == hf.encode(text, add_special_tokens=False), text
+
+
+def test_llama3_defaults_and_ignore_merges(tmp_path):
+    # "abc" is a token that no merge builds: llama3 takes a whole-token piece as it is.
+    tokens = ["a", "b", "c", "ab", "abc", "<|begin_of_text|>", "<|eot_id|>"]
+    kv = _bpe_kv(pre="llama-bpe", tokens=tokens, merges=["a b"], types=[1, 1, 1, 1, 1, 3, 3])
+    kv["tokenizer.ggml.bos_token_id"] = ("uint32", 5)
+    tok = T.load(_write_gguf(tmp_path / "l3.gguf", kv))
+    assert tok.add_bos  # llama.cpp's default for llama3 when the file does not say
+    assert tok.encode("abc") == [5, 4]
+    assert tok.encode("abcab", add_special=False) == [3, 2, 3]  # not a token: merged as usual
+    assert tok.is_eog(6) and tok.eot_id == 6
+    kv = _bpe_kv(pre="gpt2", tokens=tokens, merges=["a b"], types=[1, 1, 1, 1, 1, 3, 3])
+    assert T.load(_write_gguf(tmp_path / "g.gguf", kv)).encode("abc") == [3, 2]
+
+
+def test_spm_special_tokens(spm_tok):
+    # Control tokens only with parse_special; SentencePiece text after a special token gets the
+    # leading "▁" again (llama.cpp).
+    ids = spm_tok.encode("</s>Hello", add_special=False, parse_special=True)
+    assert ids[0] == 2 and ids[1:] == spm_tok.encode("Hello", add_special=False)
+    plain = spm_tok.encode("</s>Hello", add_special=False, parse_special=False)
+    assert 2 not in plain
+    assert spm_tok.decode(plain) == "</s>Hello"
+    assert spm_tok.decode([1] + spm_tok.encode("Hi there", add_special=False)) == "Hi there"
+    assert spm_tok.decode([1] + spm_tok.encode("Hi", add_special=False), render_special=True) == "<s> Hi"
