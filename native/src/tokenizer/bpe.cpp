@@ -1,6 +1,6 @@
 // Byte-level BPE (tokenizer.ggml.model = "gpt2"): pre-tokenize, then merge each piece's bytes by
 // merge rank, lowest first, leftmost on ties (what HF tokenizers and llama.cpp do).
-#include <queue>
+#include <algorithm>
 
 #include "tokenizer/tokenizer_impl.h"
 
@@ -40,7 +40,7 @@ struct Bigram {
     int32_t left_id;  // ids when queued: a changed symbol makes the entry stale
     int32_t right_id;
     int32_t result;
-    bool operator<(const Bigram& o) const {  // std::priority_queue pops the largest
+    bool operator<(const Bigram& o) const {  // the heap pops the largest: lowest rank, then leftmost
         return rank != o.rank ? rank > o.rank : left > o.left;
     }
 };
@@ -62,24 +62,25 @@ void Tokenizer::Impl::bpe_word(std::string_view word, std::vector<int32_t>& out)
     }
     // thread_local scratch: encode() is const and may run on several threads.
     thread_local std::vector<Symbol> sym;
-    thread_local std::vector<Bigram> heap_storage;
+    thread_local std::vector<Bigram> heap;  // a max-heap by Bigram::operator< (std::push_heap)
     sym.resize(word.size());
     for (size_t i = 0; i < word.size(); i++) {
         sym[i] = {byte_token[(uint8_t)word[i]], (int32_t)i - 1, i + 1 < word.size() ? (int32_t)i + 1 : -1};
     }
-    heap_storage.clear();
-    std::priority_queue<Bigram> queue(std::less<Bigram>(), std::move(heap_storage));
+    heap.clear();
     auto try_add = [&](int32_t l, int32_t r) {
         if (l < 0 || r < 0 || sym[l].id < 0 || sym[r].id < 0) return;
         auto it = merges.find(((uint64_t)(uint32_t)sym[l].id << 32) | (uint32_t)sym[r].id);
         if (it == merges.end()) return;
-        queue.push({it->second.rank, l, r, sym[l].id, sym[r].id, it->second.result});
+        heap.push_back({it->second.rank, l, r, sym[l].id, sym[r].id, it->second.result});
+        std::push_heap(heap.begin(), heap.end());
     };
     for (size_t i = 1; i < word.size(); i++) try_add((int32_t)i - 1, (int32_t)i);
 
-    while (!queue.empty()) {
-        Bigram b = queue.top();
-        queue.pop();
+    while (!heap.empty()) {
+        std::pop_heap(heap.begin(), heap.end());
+        Bigram b = heap.back();
+        heap.pop_back();
         Symbol& l = sym[b.left];
         Symbol& r = sym[b.right];
         // Stale when either side was merged away or grew since the entry was queued.
