@@ -524,3 +524,20 @@ def test_spm_special_tokens(spm_tok):
     assert spm_tok.decode(plain) == "</s>Hello"
     assert spm_tok.decode([1] + spm_tok.encode("Hi there", add_special=False)) == "Hi there"
     assert spm_tok.decode([1] + spm_tok.encode("Hi", add_special=False), render_special=True) == "<s> Hi"
+
+
+def test_random_bytes_and_long_runs(smol, spm_tok):
+    import random
+
+    rng = random.Random(1234)
+    alphabet = b" \t\n\r'0123456789aZ.,<|>" + "é東🙂\u0301".encode()
+    for _ in range(200):
+        raw = bytes(rng.choice(alphabet) if rng.random() < 0.8 else rng.randrange(256) for _ in range(rng.randrange(40)))
+        for tok in (smol, spm_tok):
+            ids = tok.encode(raw, parse_special=True)
+            want = tok.decode(ids, render_special=True)
+            d = tok.detokenizer(render_special=True)
+            assert "".join(d.push(i) for i in ids) + d.flush() == want
+    long = " " * 50_000 + "x" + "\n" * 10_000 + "9" * 10_000
+    assert smol.decode(smol.encode(long)) == long
+    assert spm_tok.decode(spm_tok.encode(long)) == long
