@@ -1,7 +1,6 @@
 """optiml.sampling against independent numpy (float64) references of each step of the chain."""
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -451,23 +450,6 @@ def test_bad_calls():
     row = np.zeros(20, np.float64)
     row[6] = 9.0
     assert Sampler(10, temperature=0).sample(row[::2]) == 3
-
-
-# ---- speed ------------------------------------------------------------------------------------------
-
-
-def test_large_vocabulary_is_fast():
-    n = 256_000
-    logits = random_logits(n, 12, scale=2.0)
-    for params, budget_ms in ((dict(), 20.0), (dict(top_k=0, top_p=0.9), 60.0), (dict(temperature=0), 20.0)):
-        s = Sampler(n, seed=1, repeat_penalty=1.1, **params)
-        s.accept(np.arange(64))
-        s.sample(logits)  # first call warms the buffers
-        t0 = time.perf_counter()
-        for _ in range(10):
-            s.sample(logits)
-        ms = (time.perf_counter() - t0) / 10 * 1e3
-        assert ms < budget_ms, (params, ms)  # generous: shared CI cores
 
 
 # ---- stop strings ------------------------------------------------------------------------------------

@@ -4,19 +4,24 @@ Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inac
 """
 
 from . import _core
-from ._core import ArgumentError, GGUFError, OptimlError, UnsupportedModelError
-from . import gguf, quant  # noqa: E402  (after the exception types they use)
+from ._core import ArgumentError, ContextOverflowError, GGUFError, OptimlError, UnsupportedModelError
+from . import gguf, quant, sampling, tokenizer  # noqa: E402  (after the exception types they use)
+from .model import Model  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "ContextOverflowError",
+    "Model",
     "GGUFError",
     "OptimlError",
     "UnsupportedModelError",
     "get_num_threads",
     "gguf",
     "quant",
+    "sampling",
+    "tokenizer",
     "set_num_threads",
     "system_info",
 ]

@@ -63,12 +63,13 @@ struct FFNWeights {
     Weight gate;  // [n_embd -> n_ff]
     Weight up;    // [n_embd -> n_ff]
     Weight down;  // [n_ff -> n_embd]
+    Weight gate_b, up_b, down_b;  // optional biases, F32
 };
 
 struct LayerWeights {
     Weight attn_norm;
     Weight wq, wk, wv, wo;
-    Weight bq, bk, bv;  // optional biases (Qwen2), F32
+    Weight bq, bk, bv, bo;  // optional biases (Qwen2 has q/k/v; Llama's attention_bias all four), F32
     FFNWeights ffn;
 };
 
@@ -129,6 +130,7 @@ private:
     std::vector<float> x_, xn_, q_, k_, v_, attn_, ffn_gate_, ffn_up_;
     std::vector<float> scores_;       // per thread: one row of attention scores
     std::vector<uint8_t> attn_conv_;  // per thread: q or the weights converted for the dot products
+    size_t attn_row_ = 0;             // floats per thread in scores_ and attn_conv_
 };
 
 }  // namespace optiml

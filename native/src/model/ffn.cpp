@@ -25,6 +25,13 @@ void matmul_shared_input(ThreadPool& pool, const KernelTable& kt, const Weight* 
     }
 }
 
+void add_bias_rows(const Weight& bias, float* rows, int32_t n) {
+    if (!bias.present()) return;
+    const float* b = (const float*)bias.data;
+    for (int32_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < bias.cols; i++) rows[t * bias.cols + i] += b[i];
+}
+
 void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) {
     const float* scale = (const float*)w.data;
     if (n == 1) {  // a decode step: not worth waking the pool
@@ -46,6 +53,8 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
     const Weight* gate_up[2] = {&w.gate, &w.up};
     float* outs[2] = {s.gate, s.up};
     matmul_shared_input(pool, kt, gate_up, outs, 2, s.xn, n);
+    add_bias_rows(w.gate_b, s.gate, n);
+    add_bias_rows(w.up_b, s.up, n);
 
     const act_mul_fn act = hp.ffn_act == FFN_RELU ? kt.relu_mul : kt.silu_mul;
     if (n == 1) {
@@ -61,6 +70,7 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
     // The down projection adds straight into the residual stream.
     const Weight* down[1] = {&w.down};
     matmul_shared_input(pool, kt, down, &x, 1, s.gate, n, /*accumulate=*/true);
+    add_bias_rows(w.down_b, x, n);
 }
 
 }  // namespace optiml

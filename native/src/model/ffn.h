@@ -20,6 +20,9 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
 void matmul_shared_input(ThreadPool& pool, const KernelTable& kt, const Weight* const* w, float* const* y, int n_mats,
                          const float* x, int32_t n, bool accumulate = false);
 
+// rows[t] += bias for t in [0, n) (rows of bias.cols floats); nothing when the bias is absent.
+void add_bias_rows(const Weight& bias, float* rows, int32_t n);
+
 // rms_norm of each of n rows of `dim` floats, rows split across the pool when there are many.
 void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps);
 

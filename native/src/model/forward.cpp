@@ -70,18 +70,9 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
         float* qt = q + t * n_q;
         float* kt = k + t * n_kv;
         float* vt = v + t * n_kv;
-        if (L.bq.present()) {
-            const float* b = (const float*)L.bq.data;
-            for (int64_t i = 0; i < n_q; i++) qt[i] += b[i];
-        }
-        if (L.bk.present()) {
-            const float* b = (const float*)L.bk.data;
-            for (int64_t i = 0; i < n_kv; i++) kt[i] += b[i];
-        }
-        if (L.bv.present()) {
-            const float* b = (const float*)L.bv.data;
-            for (int64_t i = 0; i < n_kv; i++) vt[i] += b[i];
-        }
+        add_bias_rows(L.bq, qt, 1);
+        add_bias_rows(L.bk, kt, 1);
+        add_bias_rows(L.bv, vt, 1);
         float cs[2 * 512];
         float* cos = cs;
         float* sin = cs + hp.n_rot / 2;
@@ -138,8 +129,8 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
             dot(n_window, &out[d], v_layer + ((size_t)(kvh * hd + d) * n_ctx_) * kv_elem, conv);
     };
     pool.run([&](int ith, int nth) {
-        float* scores = scores_.data() + (size_t)ith * n_ctx_;
-        uint8_t* conv = attn_conv_.data() + (size_t)ith * n_ctx_ * sizeof(float);
+        float* scores = scores_.data() + (size_t)ith * attn_row_;
+        uint8_t* conv = attn_conv_.data() + (size_t)ith * attn_row_ * sizeof(float);
         // Strided, not contiguous: later tokens see more positions, so this balances the work.
         for (int64_t task = ith; task < n_tasks; task += nth) attend(task, scores, conv);
     });
@@ -147,6 +138,7 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
     // Output projection, added into the residual stream.
     const Weight* wo[1] = {&L.wo};
     matmul_shared_input(pool, kt_, wo, &x, 1, attn, n, /*accumulate=*/true);
+    add_bias_rows(L.bo, x, n);
 }
 
 }  // namespace optiml

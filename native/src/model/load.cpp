@@ -181,10 +181,14 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.bq = b.vector(p + "attn_q.bias", hp.n_embd_q(), false);
         L.bk = b.vector(p + "attn_k.bias", hp.n_embd_kv(), false);
         L.bv = b.vector(p + "attn_v.bias", hp.n_embd_kv(), false);
+        L.bo = b.vector(p + "attn_output.bias", hp.n_embd, false);
         L.ffn.norm = b.vector(p + "ffn_norm.weight", hp.n_embd);
         L.ffn.gate = b.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
         L.ffn.up = b.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
         L.ffn.down = b.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
+        L.ffn.gate_b = b.vector(p + "ffn_gate.bias", hp.n_ff, false);
+        L.ffn.up_b = b.vector(p + "ffn_up.bias", hp.n_ff, false);
+        L.ffn.down_b = b.vector(p + "ffn_down.bias", hp.n_embd, false);
     }
     return model;
 }

@@ -35,8 +35,11 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     attn_.resize(nb * hp.n_embd_q());
     ffn_gate_.resize(nb * hp.n_ff);
     ffn_up_.resize(nb * hp.n_ff);
-    scores_.resize((size_t)pool_->size() * n_ctx);
-    attn_conv_.resize((size_t)pool_->size() * n_ctx * sizeof(float));
+    // Per thread: a row of scores over the context, and room for either q (head_dim values) or the
+    // attention weights (n_ctx values) in the cache's dot-product type (at most 4 bytes each).
+    attn_row_ = std::max<size_t>((size_t)n_ctx, (size_t)hp.head_dim);
+    scores_.resize((size_t)pool_->size() * attn_row_);
+    attn_conv_.resize((size_t)pool_->size() * attn_row_ * sizeof(float));
 }
 
 void Session::truncate(int32_t n) {

@@ -1,0 +1,258 @@
+"""The `optiml` command: run, bench, perplexity, tokenize, info, system.
+
+    optiml run -m MODEL.gguf -p "The capital of France is" -n 32
+    optiml bench -m MODEL.gguf -t 2
+    optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
+    optiml tokenize -m MODEL.gguf -p "Hello world"
+    optiml info MODEL.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from . import __version__, _core
+from ._core import OptimlError
+
+
+def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
+
+
+def _load(args, n_ctx: int | None = None):
+    from .model import Model
+
+    return Model(args.model, n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads)
+
+
+# ---- run ------------------------------------------------------------------------------------------
+def cmd_run(args) -> int:
+    m = _load(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    t0 = time.perf_counter()
+    for piece in m.stream(
+        prompt,
+        max_tokens=args.n_predict,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    ):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose:
+        dt = time.perf_counter() - t0
+        print(f"[{m.n_past} tokens in context, {dt:.2f} s]", file=sys.stderr)
+    return 0
+
+
+# ---- bench ----------------------------------------------------------------------------------------
+def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
+    """Median prompt-processing and generation speeds (tokens/s) over `repeats` runs, llama-bench style:
+    pp = one batch of n_prompt tokens from an empty context; tg = n_gen single-token steps."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.n_vocab, n_prompt).tolist()
+    pp, tg = [], []
+    for r in range(repeats + 1):  # the first run warms caches and page mappings
+        model.reset()
+        t0 = time.perf_counter()
+        model.eval(prompt)
+        t1 = time.perf_counter()
+        model.reset()
+        tok = int(prompt[0])
+        t2 = time.perf_counter()
+        for _ in range(n_gen):
+            model.eval([tok])
+        t3 = time.perf_counter()
+        if r:
+            pp.append(n_prompt / (t1 - t0))
+            tg.append(n_gen / (t3 - t2))
+    model.reset()
+    return {"pp": statistics.median(pp), "tg": statistics.median(tg), "pp_runs": pp, "tg_runs": tg}
+
+
+def cmd_bench(args) -> int:
+    m = _load(args, n_ctx=max(args.n_prompt, args.n_gen) + 8)
+    r = bench_model(m, args.n_prompt, args.n_gen, args.repetitions)
+    hp = m.hparams
+    print(f"model: {args.model} ({hp['arch']}, {hp['weight_bytes'] / 2**20:.1f} MiB), "
+          f"threads: {args.threads or _core.get_num_threads()}, simd: {_core.system_info()['simd']}")
+    print(f"| test  | tokens/s (median of {args.repetitions}) |")
+    print("|-------|-----------|")
+    print(f"| pp{args.n_prompt:<3} | {r['pp']:9.2f} |")
+    print(f"| tg{args.n_gen:<3} | {r['tg']:9.2f} |")
+    return 0
+
+
+# ---- perplexity -----------------------------------------------------------------------------------
+def perplexity(model, text: str, n_ctx: int, n_chunks: int = -1, progress=None) -> tuple[float, float, int]:
+    """Perplexity with llama.cpp's convention: the text is cut into non-overlapping windows of n_ctx
+    tokens (BOS replacing each window's first token when the model adds BOS), each window is run from
+    an empty context, and only its second half is scored. Returns (ppl, its standard error, tokens scored).
+    `progress(i, n, ppl)` is called after each window."""
+    tokens = model.tokenize(text, add_bos=True)
+    add_bos = model.tokenizer.add_bos
+    n_max = len(tokens) // n_ctx
+    n = n_max if n_chunks < 0 else min(n_chunks, n_max)
+    if n == 0:
+        raise OptimlError(f"the text has {len(tokens)} tokens, fewer than one window of {n_ctx} (use a smaller --ctx)")
+    first = n_ctx // 2
+    nll = nll2 = 0.0
+    count = 0
+    for i in range(n):
+        window = tokens[i * n_ctx : (i + 1) * n_ctx]
+        if add_bos:
+            window[0] = model.tokenizer.bos_id
+        model.reset()
+        logits = model.eval(window, all_logits=True).astype(np.float64)
+        rows = logits[first : n_ctx - 1]
+        targets = np.asarray(window[first + 1 : n_ctx])
+        mx = rows.max(axis=1, keepdims=True)
+        logz = np.log(np.exp(rows - mx).sum(axis=1)) + mx[:, 0]
+        nl = logz - rows[np.arange(len(targets)), targets]
+        nll += nl.sum()
+        nll2 += (nl * nl).sum()
+        count += len(targets)
+        if progress:
+            progress(i + 1, n, math.exp(nll / count))
+    model.reset()
+    mean = nll / count
+    ppl = math.exp(mean)
+    var = nll2 / count - mean * mean
+    err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
+    return ppl, err, count
+
+
+def cmd_perplexity(args) -> int:
+    m = _load(args)
+    with open(args.file, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    t0 = time.perf_counter()
+
+    def progress(i, n, ppl):
+        print(f"[{i}]{ppl:.4f},", end=" " if i < n else "\n", flush=True)
+
+    ppl, err, count = perplexity(m, text, m.n_ctx, args.chunks, progress)
+    print(f"{count} tokens scored in {time.perf_counter() - t0:.1f} s (n_ctx={m.n_ctx})", file=sys.stderr)
+    print(f"PPL = {ppl:.4f} +/- {err:.4f}")
+    return 0
+
+
+# ---- tokenize / info / system ---------------------------------------------------------------------
+def cmd_tokenize(args) -> int:
+    from .tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(args.model)
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    ids = tok.encode(text, add_special=not args.no_bos, parse_special=args.special)
+    if args.ids:
+        print(ids)
+    else:
+        for i in ids:
+            print(f"{i:6d} -> {tok.token_to_piece(i)!r}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from . import gguf
+
+    with gguf.open(args.model) as f:
+        print(f.summary())
+        print()
+        for k, v in f.metadata.items():
+            if isinstance(v, np.ndarray) or isinstance(v, list):
+                shown = f"[{len(v)} x {f.metadata_types[k].removeprefix('array[').rstrip(']')}]"
+            else:
+                shown = repr(v) if not isinstance(v, str) or len(v) < 200 else repr(v[:200] + "...")
+            print(f"  {k:45s} = {shown}")
+        if args.tensors:
+            print()
+            for t in f.tensors:
+                print(f"  {t.name:40s} {t.type_name:6s} {str(list(t.shape)):20s} {t.n_bytes:>12,d} bytes")
+    try:
+        hp = _core.Model(args.model).hparams
+        print()
+        print("  runs as: " + ", ".join(f"{k}={v}" for k, v in hp.items()))
+    except OptimlError as e:
+        print(f"\n  cannot run: {e}")
+    return 0
+
+
+def cmd_system(args) -> int:
+    print(json.dumps(_core.system_info(), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
+    ap.add_argument("--version", action="version", version=f"optiml {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate text from a prompt")
+    _add_model_args(p)
+    p.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="prompt processing and generation speed (tokens/s)")
+    _add_model_args(p)
+    p.add_argument("-p", "--n-prompt", type=int, default=128)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's convention)")
+    _add_model_args(p, ctx_default=512)
+    p.add_argument("-f", "--file", required=True, help="text file")
+    p.add_argument("--chunks", type=int, default=-1, help="windows to score (default: all)")
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("tokenize", help="show the tokens of a text")
+    p.add_argument("-m", "--model", required=True)
+    p.add_argument("-p", "--prompt", help="text (default: read stdin)")
+    p.add_argument("--ids", action="store_true", help="print only the list of ids")
+    p.add_argument("--no-bos", action="store_true", help="do not add the BOS/EOS the model asks for")
+    p.add_argument("--special", action="store_true", help="parse special-token text such as <|im_start|>")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("info", help="summary of a GGUF file")
+    p.add_argument("model")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("system", help="SIMD level, threads and CUDA devices of this build and machine")
+    p.set_defaults(func=cmd_system)
+
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except (OptimlError, OSError) as e:
+        print(f"optiml {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
