@@ -17,12 +17,25 @@ def model_path(name: str) -> Path:
     return model_cache() / entry["file"]
 
 
+def _missing(what: str, how: str):
+    """A missing reference input fails under CI (it must be there) and skips elsewhere."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing: {how}")
+    pytest.skip(f"{what} missing; {how}")
+
+
+def shared_eval_text() -> str:
+    """shared/eval/scandal-in-bohemia.txt, the reference text of shared/eval/REFERENCE.md."""
+    p = SHARED / "eval" / "scandal-in-bohemia.txt"
+    if not p.is_file():
+        _missing(str(p), "the shared/ folder must sit beside the repository")
+    return p.read_text(encoding="utf-8")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF (fetched by tools/fetch_models.py; .ci/run does it)."""
     p = model_path("smollm2-135m-instruct-q4_1")
     if not p.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{p} is missing: .ci/run should have fetched it with tools/fetch_models.py")
-        pytest.skip(f"{p} missing; run: python tools/fetch_models.py smollm2-135m-instruct-q4_1")
+        _missing(str(p), "run: python tools/fetch_models.py smollm2-135m-instruct-q4_1 (.ci/run does)")
     return p

@@ -7,7 +7,7 @@ import pytest
 import optiml
 from optiml import cli
 
-from conftest import SHARED
+from conftest import shared_eval_text
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]
@@ -53,7 +53,7 @@ def test_first_step_top5_equal_llama_cpp(model):
 
 
 def test_perplexity_within_one_percent_of_llama_cpp(smollm2_path):
-    text = (SHARED / "eval" / "scandal-in-bohemia.txt").read_text(encoding="utf-8")
+    text = shared_eval_text()
     with optiml.Model(smollm2_path, n_ctx=256, n_threads=2) as m:
         ppl, err, count = cli.perplexity(m, text, 256)
     assert abs(ppl - 24.72) / 24.72 < 0.01, ppl

@@ -19,14 +19,7 @@ import pytest
 import optiml
 from optiml import tokenizer as T
 
-SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
-SCANDAL = SHARED / "eval" / "scandal-in-bohemia.txt"
-
-
-def scandal_text() -> str:
-    if not SCANDAL.is_file():
-        pytest.skip(f"{SCANDAL} missing")
-    return SCANDAL.read_text(encoding="utf-8")
+from conftest import shared_eval_text as scandal_text
 
 
 CORPUS = [
