@@ -21,28 +21,16 @@ import numpy as np
 import optiml
 
 
-def run_optiml(model, prompt: list[int], n_gen: int) -> tuple[float, float]:
-    model.reset()
+def run(engine, prompt: list[int], n_gen: int) -> tuple[float, float]:
+    """(pp, tg) tokens/s of one run. Both optiml.Model and llama_cpp.Llama have reset() and eval(ids)."""
+    engine.reset()
     t0 = time.perf_counter()
-    model.eval(prompt)
+    engine.eval(prompt)
     t1 = time.perf_counter()
-    model.reset()
+    engine.reset()
     t2 = time.perf_counter()
     for _ in range(n_gen):
-        model.eval(prompt[:1])
-    t3 = time.perf_counter()
-    return len(prompt) / (t1 - t0), n_gen / (t3 - t2)
-
-
-def run_llama(llm, prompt: list[int], n_gen: int) -> tuple[float, float]:
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    llm.reset()
-    t2 = time.perf_counter()
-    for _ in range(n_gen):
-        llm.eval(prompt[:1])
+        engine.eval(prompt[:1])
     t3 = time.perf_counter()
     return len(prompt) / (t1 - t0), n_gen / (t3 - t2)
 
@@ -66,12 +54,12 @@ def main() -> int:
     peer = llama_cpp.Llama(args.model, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
                            n_batch=512, verbose=False)
     prompt = np.random.default_rng(0).integers(100, ours.n_vocab, args.n_prompt).tolist()
-    run_optiml(ours, prompt, 8)  # warm up: page faults, thread pools
-    run_llama(peer, prompt, 8)
+    run(ours, prompt, 8)  # warm up: page faults, thread pools
+    run(peer, prompt, 8)
     res = {"optiml": [], "llama.cpp": []}
     for _ in range(args.repeats):
-        res["optiml"].append(run_optiml(ours, prompt, args.n_gen))
-        res["llama.cpp"].append(run_llama(peer, prompt, args.n_gen))
+        res["optiml"].append(run(ours, prompt, args.n_gen))
+        res["llama.cpp"].append(run(peer, prompt, args.n_gen))
 
     info = optiml.system_info()
     print(f"model: {args.model}")

@@ -24,12 +24,12 @@ const char* simd_level_name(SimdLevel level);
 
 // *s = dot(w[0..n), x[0..n)); w is a row of the weight type, x is a row already in its vec_dot_type.
 typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
+// s[t] = dot(w, x_t) for 4 activation rows x_t = x + t * x_stride bytes: a batch kernel that unpacks
+// each weight block once; every s[t] equals what vec_dot gives for that row, bit for bit.
+typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, size_t x_stride);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
-// y[0..n) += a * x[0..n), x a row of the table entry's type (attention's V accumulation today; the
-// column-sparse down projection later).
-typedef void (*axpy_fn)(int64_t n, float a, const void* x, float* y);
 // y[i] = e^(x[i] - max) for i < n; returns the sum of the y[i] (accumulated in double).
 typedef double (*softmax_exp_fn)(int64_t n, float* y, const float* x, float max);
 // g[i] = act(g[i]) * u[i] (the gated FFN activation), in place.
@@ -38,8 +38,8 @@ typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
 struct KernelTable {
     SimdLevel level;
     vec_dot_fn vec_dot[TYPE_COUNT];       // indexed by weight type
+    vec_dot4_fn vec_dot4[TYPE_COUNT];     // optional, indexed by weight type
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
-    axpy_fn axpy[TYPE_COUNT];              // indexed by the type of x (F32, F16)
     // Attention's dot products (K.q and the weighted sum of V), for F16 and F32 rows. For F16 they sum
     // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows
     // llama.cpp's arithmetic (8-bit activations downstream make last bits decide close tokens).

@@ -8,9 +8,6 @@ namespace optiml {
 // out = x / sqrt(mean(x^2) + eps) * w (w may be null: no scale). out may alias x.
 void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps);
 
-// x[i] = e^(x[i] - max) / sum, in place; entries of -inf get probability 0.
-void softmax(float* x, int64_t n);
-
 // Rotates one head vector by position: for each pair (a, b) of the first n_rot dimensions,
 // (a, b) <- (a cos - b sin, a sin + b cos). Pairs are (2i, 2i+1) when neox is false (llama), else
 // (i, i + n_rot/2) (NeoX, Qwen2). cos/sin hold n_rot/2 values for this position.

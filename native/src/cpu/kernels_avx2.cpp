@@ -10,11 +10,7 @@ void fill_kernels_avx2(KernelTable& t) {
     t.vec_dot[TYPE_F32] = vec_dot_f32;
     t.vec_dot[TYPE_F16] = vec_dot_f16;
     t.vec_dot[TYPE_BF16] = vec_dot_bf16;
-    t.vec_dot[TYPE_Q4_0] = vec_dot_q4_0;
-    t.vec_dot[TYPE_Q4_1] = vec_dot_q4_1;
-    t.vec_dot[TYPE_Q5_0] = vec_dot_q5_0;
-    t.vec_dot[TYPE_Q5_1] = vec_dot_q5_1;
-    t.vec_dot[TYPE_Q8_0] = vec_dot_q8_0;
+    fill_dots_32(t);
     t.vec_dot[TYPE_Q2_K] = vec_dot_q2_K;
     t.vec_dot[TYPE_Q3_K] = vec_dot_q3_K;
     t.vec_dot[TYPE_Q4_K] = vec_dot_q4_K;

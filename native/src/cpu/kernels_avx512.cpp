@@ -76,11 +76,7 @@ void fill_kernels_avx512(KernelTable& t) {
     t.vec_dot[TYPE_Q4_K] = vec_dot_q4_K;
     t.vec_dot[TYPE_Q5_K] = vec_dot_q5_K;
     t.vec_dot[TYPE_Q6_K] = vec_dot_q6_K;
-    t.vec_dot[TYPE_Q4_0] = vec_dot_q4_0;
-    t.vec_dot[TYPE_Q4_1] = vec_dot_q4_1;
-    t.vec_dot[TYPE_Q5_0] = vec_dot_q5_0;
-    t.vec_dot[TYPE_Q5_1] = vec_dot_q5_1;
-    t.vec_dot[TYPE_Q8_0] = vec_dot_q8_0;
+    fill_dots_32(t);
     // 512-bit float dots.
     t.vec_dot[TYPE_F32] = vec_dot_f32_512;
     t.vec_dot[TYPE_F16] = vec_dot_f16_512;

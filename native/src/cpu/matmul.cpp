@@ -76,17 +76,27 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
             const int64_t r0 = (c - chunk_start[m]) * chunk;
             const int64_t r1 = r0 + chunk < W.rows ? r0 + chunk : W.rows;
             const uint8_t* wbase = (const uint8_t*)W.data;
-            for (int64_t t = 0; t < n_tokens; t++) {
+            // Tokens four at a time where a batch kernel exists (it unpacks each weight block once),
+            // then one at a time; both give the same bits for every (row, token).
+            const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
+            int64_t t = 0;
+            if (dot4) {
+                for (; t + 4 <= n_tokens; t += 4) {
+                    float* out = y[m] + t * W.rows;
+                    for (int64_t r = r0; r < r1; r++) {
+                        float s[4];
+                        dot4(cols, s, wbase + r * w_row, xbase + t * x_row, x_row);
+                        for (int k = 0; k < 4; k++) out[k * W.rows + r] = accumulate ? out[k * W.rows + r] + s[k] : s[k];
+                    }
+                }
+            }
+            for (; t < n_tokens; t++) {
                 const uint8_t* x = xbase + t * x_row;
                 float* out = y[m] + t * W.rows;
-                if (accumulate) {
-                    for (int64_t r = r0; r < r1; r++) {
-                        float s;
-                        dot(cols, &s, wbase + r * w_row, x);
-                        out[r] += s;
-                    }
-                } else {
-                    for (int64_t r = r0; r < r1; r++) dot(cols, &out[r], wbase + r * w_row, x);
+                for (int64_t r = r0; r < r1; r++) {
+                    float s;
+                    dot(cols, &s, wbase + r * w_row, x);
+                    out[r] = accumulate ? out[r] + s : s;
                 }
             }
         }

@@ -17,19 +17,6 @@ void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) 
     }
 }
 
-void softmax(float* x, int64_t n) {
-    float max = -INFINITY;
-    for (int64_t i = 0; i < n; i++) max = x[i] > max ? x[i] : max;
-    double sum = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const float e = x[i] == -INFINITY ? 0.0f : std::exp(x[i] - max);
-        x[i] = e;
-        sum += e;
-    }
-    const float inv = (float)(1.0 / sum);
-    for (int64_t i = 0; i < n; i++) x[i] *= inv;
-}
-
 void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
                   float* cos, float* sin) {
     // Float, with the angle advanced by one multiplication per pair, exactly as ggml computes it:
@@ -64,14 +51,6 @@ void silu_mul_scalar(int64_t n, float* g, const float* u) {
 void relu_mul_scalar(int64_t n, float* g, const float* u) {
     for (int64_t i = 0; i < n; i++) g[i] = (g[i] > 0 ? g[i] : 0.0f) * u[i];
 }
-void axpy_f32_scalar(int64_t n, float a, const void* x, float* y) {
-    const float* xf = (const float*)x;
-    for (int64_t i = 0; i < n; i++) y[i] += a * xf[i];
-}
-void axpy_f16_scalar(int64_t n, float a, const void* x, float* y) {
-    const fp16_t* xh = (const fp16_t*)x;
-    for (int64_t i = 0; i < n; i++) y[i] += a * fp16_to_fp32(xh[i]);
-}
 double softmax_exp_scalar(int64_t n, float* y, const float* x, float max) {
     double sum = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -102,8 +81,6 @@ void fill_ops_scalar(KernelTable& t) {
     t.softmax_exp = softmax_exp_scalar;
     t.attn_dot[TYPE_F32] = attn_dot_f32_scalar;
     t.attn_dot[TYPE_F16] = attn_dot_f16_scalar;
-    t.axpy[TYPE_F32] = axpy_f32_scalar;
-    t.axpy[TYPE_F16] = axpy_f16_scalar;
     t.silu_mul = silu_mul_scalar;
     t.relu_mul = relu_mul_scalar;
 }

@@ -84,26 +84,6 @@ double softmax_exp_avx2(int64_t n, float* y, const float* x, float max) {
     return sum;
 }
 
-void axpy_f32_avx2(int64_t n, float a, const void* x, float* y) {
-    const float* xf = (const float*)x;
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(xf + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * xf[i];
-}
-
-void axpy_f16_avx2(int64_t n, float a, const void* x, float* y) {
-    const fp16_t* xh = (const fp16_t*)x;
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(xh + i)));
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, xv, _mm256_loadu_ps(y + i)));
-    }
-    for (; i < n; i++) y[i] += a * fp16_to_fp32(xh[i]);
-}
-
 // One accumulator, 8 lanes at a time, horizontal sum at the end; a tail (n % 8) in double.
 void attn_dot_f32_avx2(int64_t n, float* s, const void* a, const void* b) {
     const float* x = (const float*)a;
@@ -143,8 +123,6 @@ void attn_dot_f16_avx2(int64_t n, float* s, const void* a, const void* b) {
 }  // namespace
 
 void fill_ops_avx2(KernelTable& t) {
-    t.axpy[TYPE_F32] = axpy_f32_avx2;
-    t.axpy[TYPE_F16] = axpy_f16_avx2;
     t.attn_dot[TYPE_F32] = attn_dot_f32_avx2;
     t.attn_dot[TYPE_F16] = attn_dot_f16_avx2;
     t.softmax_exp = softmax_exp_avx2;

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "optiml/ggml_types.h"
+#include "optiml/kernels.h"
 
 namespace optiml {
 namespace {
@@ -173,75 +174,104 @@ void vec_dot_bf16(int64_t n, float* s, const void* w, const void* x) {
 // after block, then summed horizontally: the same order llama.cpp's 256-bit kernels use, so results
 // agree with it bit for bit (activations are 8-bit, so last-bit differences can flip a token).
 
-template <typename BlockDot, typename WBlock, typename XBlock>
-inline float sum_blocks(const WBlock* a, const XBlock* b, int64_t nb, BlockDot block_dot) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256 d = _mm256_set1_ps(h2f(a[i].d) * h2f(b[i].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot(a[i], b[i])), acc);
-    }
-    return hsum_ps(acc);
+// A weight block is unpacked once into bytes ready for vpdpbusd/vpmaddubsw (u8 x s8), then dotted
+// with one or several activation blocks: the batched kernels below (4 tokens per weight row) compute
+// each token's sum exactly as the single-token kernel does.
+struct SignedBlock {  // q . x = |q| . (x with q's sign): keeps the u8 x s8 form for signed codes
+    __m256i abs_q, q;
+};
+inline __m256i dot_block(const SignedBlock& w, __m256i x) {
+    return dot_u8s8(_mm256_setzero_si256(), w.abs_q, _mm256_sign_epi8(x, w.q));
 }
+inline __m256i dot_block(__m256i unsigned_q, __m256i x) { return dot_u8s8(_mm256_setzero_si256(), unsigned_q, x); }
+inline SignedBlock signed_block(__m256i q) { return SignedBlock{_mm256_sign_epi8(q, q), q}; }
 
-// The min term of Q4_1/Q5_1: sum over blocks of m_w * s_x (s_x = d_x * sum(q_x), precomputed in Q8_1).
-template <typename WBlock>
-inline float sum_mins(const WBlock* a, const block_q8_1* b, int64_t nb) {
-    float summs = 0;
-    for (int64_t i = 0; i < nb; i++) summs += h2f(a[i].m) * h2f(b[i].s);
-    return summs;
+inline SignedBlock prepare(const block_q8_0& a) { return signed_block(_mm256_loadu_si256((const __m256i*)a.qs)); }
+// Q4_0: q - 8 in [-8, 7].
+inline SignedBlock prepare(const block_q4_0& a) {
+    return signed_block(_mm256_sub_epi8(unpack_nibbles_16(a.qs), _mm256_set1_epi8(8)));
 }
-
-inline __m256i q8_0_block_dot(const block_q8_0& a, const block_q8_0& b) {
-    return dot_s8s8(_mm256_loadu_si256((const __m256i*)a.qs), _mm256_loadu_si256((const __m256i*)b.qs));
-}
-
-// Q4_0: q - 8 in [-8, 7] as signed bytes, then the signed dot.
-inline __m256i q4_0_block_dot(const block_q4_0& a, const block_q8_0& b) {
-    const __m256i q = _mm256_sub_epi8(unpack_nibbles_16(a.qs), _mm256_set1_epi8(8));
-    return dot_s8s8(q, _mm256_loadu_si256((const __m256i*)b.qs));
-}
-
-// Q4_1: unsigned nibbles times q8 (the min is added separately).
-inline __m256i q4_1_block_dot(const block_q4_1& a, const block_q8_1& b) {
-    return dot_u8s8(_mm256_setzero_si256(), unpack_nibbles_16(a.qs), _mm256_loadu_si256((const __m256i*)b.qs));
-}
-
 // Q5_0: q - 16 = nibble | (high bit ? 0 : 0xF0) as a signed byte.
-inline __m256i q5_0_block_dot(const block_q5_0& a, const block_q8_0& b) {
+inline SignedBlock prepare(const block_q5_0& a) {
     const __m256i hi = _mm256_andnot_si256(bits_to_bytes_32(a.qh), _mm256_set1_epi8((char)0xF0));
-    const __m256i q = _mm256_or_si256(unpack_nibbles_16(a.qs), hi);
-    return dot_s8s8(q, _mm256_loadu_si256((const __m256i*)b.qs));
+    return signed_block(_mm256_or_si256(unpack_nibbles_16(a.qs), hi));
 }
-
+// Q4_1: unsigned nibbles (the min is added separately).
+inline __m256i prepare(const block_q4_1& a) { return unpack_nibbles_16(a.qs); }
 // Q5_1: unsigned q = nibble | (high bit ? 0x10 : 0).
-inline __m256i q5_1_block_dot(const block_q5_1& a, const block_q8_1& b) {
+inline __m256i prepare(const block_q5_1& a) {
     const __m256i hi = _mm256_and_si256(bits_to_bytes_32(a.qh), _mm256_set1_epi8(0x10));
-    const __m256i q = _mm256_or_si256(unpack_nibbles_16(a.qs), hi);
-    return dot_u8s8(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i*)b.qs));
+    return _mm256_or_si256(unpack_nibbles_16(a.qs), hi);
 }
 
-void vec_dot_q8_0(int64_t n, float* s, const void* w, const void* x) {
-    *s = sum_blocks((const block_q8_0*)w, (const block_q8_0*)x, n / 32, q8_0_block_dot);
+// The min term of Q4_1/Q5_1 (m_w * s_x, s_x = d_x * sum(q_x) precomputed in Q8_1); none for the rest.
+template <typename WBlock, typename XBlock>
+inline float min_term(const WBlock&, const XBlock&) { return 0.0f; }
+inline float min_term(const block_q4_1& a, const block_q8_1& b) { return h2f(a.m) * h2f(b.s); }
+inline float min_term(const block_q5_1& a, const block_q8_1& b) { return h2f(a.m) * h2f(b.s); }
+template <typename WBlock>
+constexpr bool has_min() { return false; }
+template <>
+constexpr bool has_min<block_q4_1>() { return true; }
+template <>
+constexpr bool has_min<block_q5_1>() { return true; }
+
+// s[t] = dot(w, x_t) for NT activation rows x_t = x + t * x_stride bytes. Per token, each block's
+// integer dot is scaled by d_w*d_x and added into one float vector, block after block, then summed
+// horizontally (plus the min terms, summed in block order): the same order llama.cpp's 256-bit
+// kernels use, so results agree with it bit for bit (activations are 8-bit, so last-bit
+// differences can flip a token).
+template <int NT, typename WBlock, typename XBlock>
+inline void dot_rows(int64_t n, float* s, const void* w, const void* x, size_t x_stride) {
+    const WBlock* a = (const WBlock*)w;
+    const XBlock* b[NT];
+    for (int t = 0; t < NT; t++) b[t] = (const XBlock*)((const uint8_t*)x + t * x_stride);
+    __m256 acc[NT];
+    float mins[NT];
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm256_setzero_ps();
+        mins[t] = 0.0f;
+    }
+    for (int64_t i = 0; i < n / 32; i++) {
+        const auto q = prepare(a[i]);
+        const float dw = h2f(a[i].d);
+        for (int t = 0; t < NT; t++) {
+            const __m256 d = _mm256_set1_ps(dw * h2f(b[t][i].d));
+            const __m256i p = dot_block(q, _mm256_loadu_si256((const __m256i*)b[t][i].qs));
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[t]);
+            if (has_min<WBlock>()) mins[t] += min_term(a[i], b[t][i]);
+        }
+    }
+    for (int t = 0; t < NT; t++) s[t] = hsum_ps(acc[t]) + mins[t];
 }
 
-void vec_dot_q4_0(int64_t n, float* s, const void* w, const void* x) {
-    *s = sum_blocks((const block_q4_0*)w, (const block_q8_0*)x, n / 32, q4_0_block_dot);
+template <typename WBlock, typename XBlock>
+void vec_dot_32(int64_t n, float* s, const void* w, const void* x) {
+    dot_rows<1, WBlock, XBlock>(n, s, w, x, 0);
+}
+template <typename WBlock, typename XBlock>
+void vec_dot4_32(int64_t n, float* s, const void* w, const void* x, size_t x_stride) {
+    dot_rows<4, WBlock, XBlock>(n, s, w, x, x_stride);
 }
 
-void vec_dot_q4_1(int64_t n, float* s, const void* w, const void* x) {
-    const block_q4_1* a = (const block_q4_1*)w;
-    const block_q8_1* b = (const block_q8_1*)x;
-    *s = sum_blocks(a, b, n / 32, q4_1_block_dot) + sum_mins(a, b, n / 32);
-}
+void vec_dot_q8_0(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q8_0, block_q8_0>(n, s, w, x); }
+void vec_dot_q4_0(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q4_0, block_q8_0>(n, s, w, x); }
+void vec_dot_q4_1(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q4_1, block_q8_1>(n, s, w, x); }
+void vec_dot_q5_0(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q5_0, block_q8_0>(n, s, w, x); }
+void vec_dot_q5_1(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q5_1, block_q8_1>(n, s, w, x); }
 
-void vec_dot_q5_0(int64_t n, float* s, const void* w, const void* x) {
-    *s = sum_blocks((const block_q5_0*)w, (const block_q8_0*)x, n / 32, q5_0_block_dot);
-}
-
-void vec_dot_q5_1(int64_t n, float* s, const void* w, const void* x) {
-    const block_q5_1* a = (const block_q5_1*)w;
-    const block_q8_1* b = (const block_q8_1*)x;
-    *s = sum_blocks(a, b, n / 32, q5_1_block_dot) + sum_mins(a, b, n / 32);
+// Registers the 32-block kernels (one token and four) in a table.
+inline void fill_dots_32(KernelTable& t) {
+    t.vec_dot[TYPE_Q8_0] = vec_dot_q8_0;
+    t.vec_dot[TYPE_Q4_0] = vec_dot_q4_0;
+    t.vec_dot[TYPE_Q4_1] = vec_dot_q4_1;
+    t.vec_dot[TYPE_Q5_0] = vec_dot_q5_0;
+    t.vec_dot[TYPE_Q5_1] = vec_dot_q5_1;
+    t.vec_dot4[TYPE_Q8_0] = vec_dot4_32<block_q8_0, block_q8_0>;
+    t.vec_dot4[TYPE_Q4_0] = vec_dot4_32<block_q4_0, block_q8_0>;
+    t.vec_dot4[TYPE_Q4_1] = vec_dot4_32<block_q4_1, block_q8_1>;
+    t.vec_dot4[TYPE_Q5_0] = vec_dot4_32<block_q5_0, block_q8_0>;
+    t.vec_dot4[TYPE_Q5_1] = vec_dot4_32<block_q5_1, block_q8_1>;
 }
 
 // ---- k-quants (256-element super-blocks, activations in Q8_K) ----------------------------------
