@@ -1,0 +1,93 @@
+"""Hugging Face checkpoints (config.json + safetensors + tokenizer files) to GGUF, laid out as
+llama.cpp's convert_hf_to_gguf.py + llama-quantize would: tensor names, metadata keys, q/k row
+permutation, tokenizer fields and the per-tensor quantization mix.
+
+    from optiml.convert import convert
+    convert("SmolLM2-135M-Instruct/", "smollm2.q4_k_m.gguf", type="q4_k_m")
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+
+from . import hf_config, quant_mix, tokenizer, writer
+from .errors import ConvertError
+from .hf_config import SUPPORTED as SUPPORTED_ARCHITECTURES
+from .quant_mix import TYPES
+from .safetensors import Checkpoint
+
+__all__ = ["ConvertError", "SUPPORTED_ARCHITECTURES", "TYPES", "convert"]
+
+
+def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.OutType, vocab: dict, name: str):
+    w.add_name(name)
+    w.add_file_type(int(ot.ftype))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    adders = {"u32": w.add_uint32, "f32": w.add_float32, "str": w.add_string}
+    for kind, key, value in hf_config.hparams_kv(cfg):
+        adders[kind](key, value)
+
+    w.add_tokenizer_model(vocab["model"])
+    if "pre" in vocab:
+        w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    w.add_token_types(vocab["types"])
+    if vocab.get("merges"):
+        w.add_token_merges(vocab["merges"])
+    ids = vocab["ids"]
+    for typ, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
+                     ("pad", w.add_pad_token_id)):
+        if typ in ids:
+            add(ids[typ])
+    if "add_bos" in vocab:
+        w.add_add_bos_token(vocab["add_bos"])
+    if "add_eos" in vocab:
+        w.add_add_eos_token(vocab["add_eos"])
+    if "add_space_prefix" in vocab:
+        w.add_add_space_prefix(vocab["add_space_prefix"])
+    if "chat_template" in vocab:
+        w.add_chat_template(vocab["chat_template"])
+
+
+def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | None = None) -> str:
+    """Converts the Hugging Face model folder `hf_dir` to the GGUF file `out` of output type `type`
+    (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k). Streams tensor by tensor;
+    `out` appears only when complete. Raises ConvertError for input it cannot convert. Returns `out`."""
+    hf_dir, out = os.fspath(hf_dir), os.fspath(out)
+    ot = quant_mix.out_type(type)
+    if not os.path.isdir(hf_dir):
+        raise ConvertError(f"{hf_dir}: not a folder (a Hugging Face model folder is expected)")
+    cfg = hf_config.load_config(hf_dir)
+    vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch == "qwen2")
+
+    with Checkpoint(hf_dir) as ckpt:
+        plan = hf_config.tensor_plan(cfg, set(ckpt.entries))
+        for p in plan:  # everything is checked before the output is created
+            e = ckpt.entries.get(p.source)
+            if e is None:
+                raise ConvertError(f"{hf_dir}: tensor {p.source} is missing from the checkpoint")
+            if tuple(e.shape) != tuple(p.shape):
+                raise ConvertError(f"{e.file.path}: tensor {p.source} has shape {list(e.shape)}, config.json "
+                                   f"implies {list(p.shape)}")
+        has_output = any(p.name == "output.weight" for p in plan)
+
+        def compute(p):
+            def run():
+                x = ckpt.entries[p.source].load()
+                return hf_config.permute_qk(x, p.permute_heads) if p.permute_heads else x
+            return run
+
+        tensors = [(p.name, p.shape, quant_mix.tensor_type(p.name, p.shape, ot, cfg.n_layer, has_output), compute(p))
+                   for p in plan]
+        if cfg.rope_scaling["rope_type"] == "llama3":
+            factors = hf_config.llama3_rope_factors(cfg)
+            tensors.insert(0, ("rope_freqs.weight", factors.shape, gguf.GGMLQuantizationType.F32, lambda: factors))
+
+        label = name or os.path.basename(os.path.normpath(hf_dir))
+        writer.write_gguf(out, cfg.arch, lambda w: _add_metadata(w, cfg, ot, vocab, label), tensors, progress)
+    return out

@@ -1,0 +1,188 @@
+"""The HF tokenizer as llama.cpp's tokenizer.ggml.* metadata: byte-level BPE from tokenizer.json
+("gpt2", with merges and the pre-tokenizer's name) or SentencePiece from tokenizer.model ("llama"),
+plus special tokens and the chat template from tokenizer_config.json. Reads the files directly
+(no transformers/tokenizers needed at conversion time)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import sentencepiece_model
+from .errors import ConvertError
+
+# gguf token types (llama.cpp's llama_token_type; SentencePiece uses the same numbers)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# The Split regexes of known byte-level tokenizers -> llama.cpp's pre-tokenizer name. llama.cpp hashes
+# the tokenization of a test text instead; matching the regex finds the same family without the
+# tokenizers package.
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_PRE = {_LLAMA3_RE: "llama-bpe", _QWEN2_RE: "qwen2"}
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            v = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read: {e}") from None
+    if not isinstance(v, dict):
+        raise ConvertError(f"{path}: not a JSON object")
+    return v
+
+
+def _pre_tokenizer_name(pre, path: str) -> str:
+    """llama.cpp's tokenizer.ggml.pre for a tokenizer.json pre_tokenizer structure."""
+    steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return "smollm"  # starcoder's family: each digit alone, then GPT-2 splitting
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        regex = (steps[0].get("pattern") or {}).get("Regex")
+        if regex in _SPLIT_PRE:
+            return _SPLIT_PRE[regex]
+    raise ConvertError(f"{path}: pre-tokenizer {json.dumps(pre)[:200]} is not one OptiML knows; supported: "
+                       "GPT-2 byte level, SmolLM/StarCoder (digits + byte level), Llama 3 and Qwen2 regexes")
+
+
+def _looks_special(text: str) -> bool:
+    """llama.cpp also marks added tokens shaped like control tokens as control (does_token_look_special)."""
+    return ((text.startswith("<|") and text.endswith("|>")) or (text.startswith("<｜") and text.endswith("｜>"))
+            or text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]"))
+
+
+def _content(entry):
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+        return entry["content"]
+    return None
+
+
+def _bpe_vocab(tj: dict, n_vocab: int, path: str) -> dict:
+    model = tj.get("model") or {}
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        raise ConvertError(f"{path}: model.vocab is missing")
+    tokens = [None] * n_vocab
+    types = [NORMAL] * n_vocab
+    for text, i in vocab.items():
+        if 0 <= i < n_vocab:
+            tokens[i] = text
+    for a in tj.get("added_tokens") or []:
+        i = a.get("id")
+        if isinstance(i, int) and 0 <= i < n_vocab:
+            tokens[i] = a["content"]
+            types[i] = CONTROL if a.get("special") or _looks_special(a["content"]) else USER_DEFINED
+    if max(list(vocab.values()) + [a.get("id", 0) for a in tj.get("added_tokens") or []]) >= n_vocab:
+        raise ConvertError(f"{path}: the tokenizer has ids past config.json's vocab_size {n_vocab}")
+    for i, t in enumerate(tokens):
+        if t is None:  # config.json's vocab_size pads past the tokenizer (llama.cpp's [PADn])
+            tokens[i], types[i] = f"[PAD{i}]", UNUSED
+    merges = model.get("merges") or []
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    return {"model": "gpt2", "pre": _pre_tokenizer_name(tj.get("pre_tokenizer"), path),
+            "tokens": tokens, "types": types, "merges": merges}
+
+
+def _spm_vocab(folder: str, n_vocab: int, tc: dict) -> dict:
+    path = os.path.join(folder, "tokenizer.model")
+    m = sentencepiece_model.load(path)
+    if m.model_type != 2:  # llama.cpp's "llama" tokenizer is SentencePiece BPE
+        raise ConvertError(f"{path}: SentencePiece model type {m.model_type} is not supported (BPE)")
+    tokens = [p.piece for p in m.pieces]
+    scores = [p.score for p in m.pieces]
+    types = [p.type for p in m.pieces]
+    if len(tokens) > n_vocab:
+        raise ConvertError(f"{path}: {len(tokens)} pieces, more than config.json's vocab_size {n_vocab}")
+    # Tokens added on top (added_tokens_decoder in tokenizer_config.json), as llama.cpp does.
+    for sid, info in (tc.get("added_tokens_decoder") or {}).items():
+        i = int(sid)
+        if not 0 <= i < n_vocab or not isinstance(info, dict):
+            continue
+        while len(tokens) <= i:
+            tokens.append(f"[PAD{len(tokens)}]"), scores.append(-1000.0), types.append(UNUSED)
+        tokens[i] = info.get("content", tokens[i])
+        types[i] = CONTROL if info.get("special") else USER_DEFINED
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"[PAD{i}]"), scores.append(-1000.0), types.append(UNUSED)
+    return {"model": "llama", "tokens": tokens, "scores": scores, "types": types,
+            "add_space_prefix": m.add_dummy_prefix,
+            "ids": {"bos": m.bos_id, "eos": m.eos_id, "unk": m.unk_id, "pad": m.pad_id}}
+
+
+def _chat_template(folder: str, tc: dict):
+    jinja = os.path.join(folder, "chat_template.jinja")  # where transformers 5 saves it
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    t = tc.get("chat_template")
+    if isinstance(t, list):  # [{"name": ..., "template": ...}]: llama.cpp keeps the default one
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+def load_vocab(folder: str, n_vocab: int, prefer_bpe: bool = False) -> dict:
+    """Tokenizer metadata: model, pre, tokens, scores, types, merges, special ids, add_bos/eos,
+    add_space_prefix, chat_template (keys absent when the files do not say)."""
+    tj_path = os.path.join(folder, "tokenizer.json")
+    tc_path = os.path.join(folder, "tokenizer_config.json")
+    tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
+    tj = _read_json(tj_path) if os.path.isfile(tj_path) else None
+    tj_model = (tj or {}).get("model") or {}
+    # As llama.cpp's llama converter: SentencePiece when tokenizer.model is there, else byte-level BPE.
+    if os.path.isfile(os.path.join(folder, "tokenizer.model")) and not prefer_bpe:
+        v = _spm_vocab(folder, n_vocab, tc)
+    elif tj_model.get("type") == "BPE" and not tj_model.get("byte_fallback"):
+        v = _bpe_vocab(tj, n_vocab, tj_path)
+        v["ids"] = {}
+    elif tj is not None:
+        raise ConvertError(f"{tj_path}: tokenizer model {tj_model.get('type')!r} is not supported "
+                           "(byte-level BPE in tokenizer.json, or SentencePiece in tokenizer.model)")
+    else:
+        raise ConvertError(f"{folder}: no tokenizer.json or tokenizer.model")
+
+    # Special tokens: tokenizer_config.json's {bos,eos,unk,pad}_token texts looked up among the tokens.
+    index = {t: i for i, t in enumerate(v["tokens"])}
+    for typ in ("bos", "eos", "unk", "pad"):
+        text = _content(tc.get(f"{typ}_token"))
+        if text is not None and text in index:
+            v["ids"][typ] = index[text]
+    if tj is not None:
+        _post_processor_flags(tj.get("post_processor"), v, index)
+    for typ in ("bos", "eos"):
+        if isinstance(tc.get(f"add_{typ}_token"), bool):
+            v[f"add_{typ}"] = tc[f"add_{typ}_token"]
+    v["ids"] = {k: i for k, i in v["ids"].items() if isinstance(i, int) and 0 <= i < n_vocab}
+    ct = _chat_template(folder, tc)
+    if ct:
+        v["chat_template"] = ct
+    return v
+
+
+def _post_processor_flags(pp, v: dict, index: dict) -> None:
+    """add_bos/add_eos from a TemplateProcessing post-processor (Llama 3 says it only there)."""
+    if isinstance(pp, dict) and pp.get("type") == "Sequence":
+        pp = next((p for p in pp.get("processors", []) if p.get("type") == "TemplateProcessing"), None)
+    if not isinstance(pp, dict) or pp.get("type") != "TemplateProcessing":
+        return
+    single = pp.get("single") or []
+    if not single:
+        return
+    first, last = single[0], single[-1]
+    if "SpecialToken" in first:
+        v["add_bos"] = True
+        v["ids"].setdefault("bos", index.get(first["SpecialToken"]["id"]))
+    else:
+        v["add_bos"] = False
+    if "SpecialToken" in last and len(single) > 1:
+        v["add_eos"] = True
+        v["ids"].setdefault("eos", index.get(last["SpecialToken"]["id"]))
+    else:
+        v["add_eos"] = False

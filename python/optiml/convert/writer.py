@@ -1,0 +1,84 @@
+"""Streams the GGUF: metadata and every tensor's info first, then each tensor's data computed only when
+it is written (load -> permute -> quantize -> write -> free), into a temporary file in the output's
+folder that is renamed over the output only once complete."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import gguf
+import numpy as np
+
+from .. import quant
+from .errors import ConvertError
+
+
+def tensor_nbytes(shape: tuple, t: gguf.GGMLQuantizationType) -> int:
+    info = quant.type_info(int(t))
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return rows * (shape[-1] // info.block_size) * info.type_size
+
+
+def encode(x: np.ndarray, t: gguf.GGMLQuantizationType) -> np.ndarray:
+    """float32 values as the bytes of type t (native, multithreaded quantizers)."""
+    if t == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    return quant.quantize(x, int(t))
+
+
+class Progress:
+    """One line on stderr, rewritten as tensors finish: [done/total] name type, elapsed seconds."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.t0 = total, enabled and total > 0, time.perf_counter()
+        self.tty = enabled and sys.stderr.isatty()
+
+    def step(self, i: int, name: str, t) -> None:
+        if not self.enabled:
+            return
+        line = f"[{i:4d}/{self.total}] {name:32s} {t.name:5s} {time.perf_counter() - self.t0:6.1f} s"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if i == self.total else ""))
+        elif i == self.total or i % max(1, self.total // 20) == 0:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def write_gguf(out: str, arch: str, add_metadata, tensors: list, progress: bool = True) -> None:
+    """tensors: (name, shape, ggml type, compute) where compute() returns float32 values of shape.
+    add_metadata(writer) adds the key/values. The output appears only when everything is written."""
+    out = os.fspath(out)
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ConvertError(f"{out}: the output folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(out) + ".", suffix=".tmp")
+    os.close(fd)
+    w = None
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        add_metadata(w)
+        for name, shape, t, _ in tensors:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, t), raw_dtype=t)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        bar = Progress(len(tensors), progress)
+        for i, (name, shape, t, compute) in enumerate(tensors, 1):
+            data = encode(compute(), t)
+            w.write_tensor_data(data)
+            del data
+            bar.step(i, name, t)
+        w.close()
+        w = None
+        os.replace(tmp, out)
+    except BaseException:
+        if w is not None:
+            w.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
