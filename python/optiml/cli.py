@@ -5,6 +5,7 @@
     optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
     optiml tokenize -m MODEL.gguf -p "Hello world"
     optiml info MODEL.gguf
+    optiml convert HF_DIR -o OUT.gguf --type q4_k_m
 """
 
 from __future__ import annotations
@@ -196,6 +197,21 @@ def cmd_system(args) -> int:
     return 0
 
 
+# ---- convert --------------------------------------------------------------------------------------
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    t0 = time.perf_counter()
+    convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet)
+    if not args.quiet:
+        import os
+
+        size = os.path.getsize(args.outfile)
+        print(f"wrote {args.outfile} ({args.type}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
     ap.add_argument("--version", action="version", version=f"optiml {__version__}")
@@ -240,6 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.set_defaults(func=cmd_info)
+
+    from .convert.quant_mix import TYPES
+
+    p = sub.add_parser("convert", help="convert a Hugging Face model folder to GGUF")
+    p.add_argument("hf_dir", help="folder with config.json, *.safetensors and the tokenizer files")
+    p.add_argument("-o", "--outfile", required=True, help="GGUF file to write")
+    p.add_argument("--type", default="f16", choices=list(TYPES), help="output type (default f16)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("system", help="SIMD level, threads and CUDA devices of this build and machine")
     p.set_defaults(func=cmd_system)
