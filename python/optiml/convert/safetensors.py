@@ -25,6 +25,7 @@ _DTYPES = {
     "BF16": (np.dtype("<u2"), 2),
 }
 _MAX_HEADER = 100 << 20  # the reference implementation's limit
+_CHUNK = 8 << 20  # bytes copied out of the map at a time
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,23 @@ class SafetensorsFile:
 
     def read(self, e: TensorEntry) -> np.ndarray:
         np_dtype = _DTYPES[e.dtype][0]
+        out = np.empty(e.shape, np.float32)
         if e.end == e.begin:
-            return np.zeros(e.shape, np.float32)
-        raw = np.frombuffer(self._map, dtype=np_dtype, count=(e.end - e.begin) // np_dtype.itemsize,
-                            offset=e.begin).reshape(e.shape)
-        if e.dtype == "BF16":  # bf16 is the top half of an f32
-            out = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            out = raw.astype(np.float32)  # a copy, so the map can close under it
-        del raw
-        self._release(e.begin, e.end)
+            return out
+        flat = out.reshape(-1)
+        # Copy in chunks, dropping each chunk's mapped pages once copied: peak memory stays near the
+        # tensor's float32 size instead of that plus its mapped source.
+        step = max(1, _CHUNK // np_dtype.itemsize)
+        for i in range(0, flat.size, step):
+            n = min(step, flat.size - i)
+            begin = e.begin + i * np_dtype.itemsize
+            raw = np.frombuffer(self._map, dtype=np_dtype, count=n, offset=begin)
+            if e.dtype == "BF16":  # bf16 is the top half of an f32
+                flat[i:i + n].view(np.uint32)[:] = raw.astype(np.uint32) << 16
+            else:
+                flat[i:i + n] = raw
+            del raw
+            self._release(begin, begin + n * np_dtype.itemsize)
         return out
 
     def _release(self, begin: int, end: int) -> None:
