@@ -235,6 +235,34 @@ def test_smollm2_q4_k_m_mix_and_size_match_llama_cpp(smol_hf, tmp_path):
         assert m.generate("The capital of France is", max_tokens=3, temperature=0).startswith(" Paris")
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_quant_mixes_match_llama_quantize(tmp_path, tiny_tokenizer, tied):
+    """Per-tensor types of every quantized output type against llama-quantize on the same weights, on a
+    model whose rows split into 256-blocks (so the k-quant rules, not the fallbacks, decide) with
+    16 layers (so the "more bits" layers show)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import ctypes
+
+    from optiml.convert.quant_mix import TYPES
+
+    model = make_model("llama-gqa-tied", hidden_size=256, intermediate_size=512, num_hidden_layers=16,
+                       num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=tied)
+    d = save_folder(model, tmp_path / "hf", tiny_tokenizer)
+    f32 = convert(d, tmp_path / "f32.gguf", type="f32")
+    for name, t in TYPES.items():
+        if not t.kquant_mix and name != "q8_0":
+            continue
+        ours = convert(d, tmp_path / f"{name}.gguf", type=name)
+        theirs = str(tmp_path / f"{name}.llama.cpp.gguf")
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype, p.nthread = int(t.ftype), 2
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), theirs.encode(), ctypes.byref(p)) == 0
+        a = {x.name: x.tensor_type.name for x in gguf.GGUFReader(ours).tensors}
+        b = {x.name: x.tensor_type.name for x in gguf.GGUFReader(theirs).tensors}
+        assert a == b, (name, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)})
+        assert os.path.getsize(ours) == pytest.approx(os.path.getsize(theirs), rel=0.01)
+
+
 # ---- tokenizer details --------------------------------------------------------------------------
 def test_pre_tokenizer_names():
     digits = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},

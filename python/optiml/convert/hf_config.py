@@ -187,11 +187,10 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
             if f"{p}mlp.{src}.bias" in available:
                 plan.append(TensorPlan(f"{b}{dst}.bias", f"{p}mlp.{src}.bias", (shape[0],)))
     plan.append(TensorPlan("output_norm.weight", "model.norm.weight", (c.n_embd,)))
-    # A tied model has no lm_head (or a copy of the embeddings): llama.cpp then writes no output.weight.
+    # A tied model has no lm_head (transformers saves none): llama.cpp then writes no output.weight and
+    # its loader, like ours, uses token_embd. A checkpoint without lm_head is treated the same way.
     if not c.tie_embeddings and "lm_head.weight" in available:
         plan.append(TensorPlan("output.weight", "lm_head.weight", (c.n_vocab, c.n_embd)))
-    elif not c.tie_embeddings:
-        raise ConvertError("lm_head.weight is missing and config.json does not tie the embeddings")
     return plan
 
 
