@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,9 +74,16 @@ def llama_cpp_size(f32_gguf: Path, out: Path, ftype: int, threads: int) -> int |
         return None
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.nthread = ftype, threads or 2
-    if llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(out).encode(), ctypes.byref(p)) != 0:
-        return None
-    return out.stat().st_size
+    saved = os.dup(2)  # llama.cpp logs every tensor to stderr
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        rc = llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(out).encode(), ctypes.byref(p))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    return out.stat().st_size if rc == 0 else None
 
 
 def main() -> None:
@@ -106,8 +112,6 @@ def main() -> None:
             theirs = ""
             ratio = ""
             if qtype in ("q4_k_m", "q5_k_m", "q6_k", "q4_0", "q8_0"):
-                import gguf
-
                 from optiml.convert.quant_mix import TYPES
 
                 if f32 is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import gguf
-import numpy as np
 
 from . import hf_config, quant_mix, tokenizer, writer
 from .errors import ConvertError
