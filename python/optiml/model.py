@@ -4,6 +4,10 @@
         print(m.generate("The capital of France is", max_tokens=32, temperature=0))
         for piece in m.stream("Once upon a time", max_tokens=64, seed=1):
             print(piece, end="", flush=True)
+        print(m.chat([{"role": "user", "content": "Hi!"}], temperature=0))
+
+A known model name (optiml.models, e.g. "smollm2-135m-instruct") works in place of a path: it is pulled
+into the model cache on first use.
 
 The forward pass, tokenizer and sampler are native (optiml._core); this module only orchestrates.
 A Model is not thread-safe: it holds one context (KV cache). Use one Model per thread; using one
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Sequence
 
@@ -30,7 +35,7 @@ __all__ = ["Model"]
 class Model:
     """A llama-family GGUF model (llama, mistral, qwen2) with one context.
 
-    path: the GGUF file. n_ctx: context length in tokens (default: the model's training context,
+    path: the GGUF file, or a known model name (pulled on first use). n_ctx: context length in tokens (default: the model's training context,
     at most 4096). n_threads: CPU threads (default: the physical cores). n_batch: tokens per forward
     pass while reading a prompt. kv_type: "f16" (as llama.cpp) or "f32".
     """
@@ -43,7 +48,9 @@ class Model:
         n_batch: int = 512,
         kv_type: str = "f16",
     ):
-        self.path = os.fspath(path)
+        from .models import resolve
+
+        self.path = resolve(path)
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"model file not found: {self.path}")
         if os.path.isdir(self.path):
@@ -59,6 +66,10 @@ class Model:
         self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch)
         self._tokens: list[int] = []  # what the context (KV cache) holds
         self._busy = threading.Lock()
+        self._chat_template = None
+        self._chat_text = ""  # the text of the last chat prompt and answer ...
+        self._chat_ids: list[int] = []  # ... and its token ids, as the model saw and generated them
+        self._stats = {"prompt_tokens": 0, "prompt_evaluated": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -78,6 +89,12 @@ class Model:
     def tokens(self) -> list[int]:
         """The token ids in the context, oldest first."""
         return list(self._tokens)
+
+    @property
+    def last_stats(self) -> dict:
+        """The last generation: prompt_tokens (the prompt's length), prompt_evaluated (the tokens actually
+        run: those not already in the context), prompt_s, gen_tokens, gen_s (seconds)."""
+        return dict(self._stats)
 
     # ---- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -103,6 +120,7 @@ class Model:
         with self._exclusive():
             self._session.truncate(0)
             self._tokens.clear()
+            self._chat_text, self._chat_ids = "", []
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs) -> str:
@@ -132,6 +150,13 @@ class Model:
         its cached part. temperature <= 0 is greedy; seed (None = random) makes sampling repeatable.
         Sampling parameters are llama.cpp's (see optiml.sampling).
         """
+        return self._stream(*self._prepare(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
+                                           repeat_last_n, frequency_penalty, presence_penalty, seed, stop))
+
+    def _prepare(self, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                 repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, seed=None,
+                 stop=None):
+        """Validates stream()'s arguments: (ids, max_tokens, sampler, stops)."""
         max_tokens = _non_negative_int("max_tokens", max_tokens)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
@@ -155,11 +180,18 @@ class Model:
             raise ContextOverflowError(
                 f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx} (n_ctx), leaving no room to generate"
             )
-        return self._stream(ids, max_tokens, sampler, stops)
+        return ids, max_tokens, sampler, stops
 
-    def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]) -> Iterator[str]:
+    def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
+                generated: list[int] | None = None) -> Iterator[str]:
+        """The generation loop; appends each generated token id to ``generated`` when given."""
         with self._exclusive():
+            st = self._stats
+            st.update(prompt_tokens=len(ids), prompt_evaluated=0, prompt_s=0.0, gen_tokens=0, gen_s=0.0)
+            t0 = time.perf_counter()
             logits = self._start(ids)
+            t1 = time.perf_counter()
+            st["prompt_s"] = t1 - t0
             sampler.accept(ids)
             detok = self.tokenizer.detokenizer()
             pending = ""  # decoded text not yet yielded (it may begin a stop string)
@@ -168,6 +200,10 @@ class Model:
                 if self.tokenizer.is_eog(tok):
                     break
                 sampler.accept(tok)
+                st["gen_tokens"] += 1
+                st["gen_s"] = time.perf_counter() - t1
+                if generated is not None:
+                    generated.append(tok)
                 pending += detok.push(tok)
                 if stops:
                     at, hold = find_stop(pending, stops)
@@ -184,6 +220,7 @@ class Model:
                     break  # the last sampled token is not run: the context ends before it
                 logits = self._session.eval(np.array([tok], np.int32), False)
                 self._tokens.append(tok)
+                st["gen_s"] = time.perf_counter() - t1
             pending += detok.flush()
             if pending:
                 yield pending
@@ -198,9 +235,68 @@ class Model:
         common = min(common, len(ids) - 1, self._session.n_past)  # the last prompt token must run
         self._session.truncate(common)
         del self._tokens[common:]
+        self._stats["prompt_evaluated"] = len(ids) - common
         logits = self._session.eval(np.array(ids[common:], np.int32), False)
         self._tokens.extend(ids[common:])
         return logits
+
+    # ---- chat ---------------------------------------------------------------------------------------
+    @property
+    def chat_template(self):
+        """The model's chat template (optiml.chat.ChatTemplate): GGUF ``tokenizer.chat_template``, or the
+        documented fallback when the file has none."""
+        if self._chat_template is None:
+            from .chat import ChatTemplate, read_template
+
+            self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer)
+        return self._chat_template
+
+    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` rendered with the chat template. When the text begins with the last
+        chat prompt and answer, those keep the ids the model saw and generated (only the rest is tokenized),
+        so the context's cached prefix is reused exactly; otherwise the whole text is tokenized."""
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_ids_for(text)
+
+    def _chat_ids_for(self, text: str) -> list[int]:
+        if self._chat_text and text.startswith(self._chat_text):
+            return self._chat_ids + self.tokenize(text[len(self._chat_text):], add_bos=False, special=True)
+        ids = self.tokenize(text, add_bos=False, special=True)
+        tk = self.tokenizer
+        if tk.add_bos and tk.bos_id >= 0 and (not ids or ids[0] != tk.bos_id):
+            ids.insert(0, tk.bos_id)  # the template does not write BOS; the model wants it
+        return ids
+
+    def chat(self, messages: Sequence[dict], stream: bool = False, max_tokens: int | None = None, **sampling):
+        """The assistant's answer to ``messages`` ([{"role": "system"|"user"|"assistant", "content": str}, ...])
+        rendered with the model's chat template: a str, or with stream=True an iterator of text pieces.
+
+        max_tokens: None = until the model ends its turn or the context is full. Other keywords are
+        :meth:`stream`'s sampling parameters. Calling chat again with the conversation extended (the answer
+        appended as an assistant message, then a new user message) reuses the context's cached tokens: only
+        the new tokens are run (see :attr:`last_stats`).
+        """
+        tpl = self.chat_template
+        text = tpl.render(messages, add_generation_prompt=True)
+        ids = self._chat_ids_for(text)
+        stop = sampling.pop("stop", None)
+        stops = ([stop] if isinstance(stop, str) else list(stop or [])) + tpl.stop
+        if max_tokens is None:
+            max_tokens = self.n_ctx
+        args = self._prepare(ids, max_tokens, stop=stops or None, **sampling)
+        gen = self._chat_stream(text, args, exact=not stops)
+        return gen if stream else "".join(gen)
+
+    def _chat_stream(self, text: str, args, exact: bool) -> Iterator[str]:
+        ids = args[0]
+        generated: list[int] = []
+        pieces: list[str] = []
+        for piece in self._stream(*args, generated=generated):
+            pieces.append(piece)
+            yield piece
+        # A finished answer: remember its text and ids for the next turn (not when a stop string cut the
+        # text short of the ids; the next prompt is then tokenized whole and the common prefix reused).
+        self._chat_text, self._chat_ids = (text + "".join(pieces), ids + generated) if exact else ("", [])
 
     # ---- lifetime -------------------------------------------------------------------------------
     @contextmanager

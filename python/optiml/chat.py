@@ -1,0 +1,293 @@
+"""Chat: the model's own chat template (rendered as transformers renders it) and the interactive REPL.
+
+    from optiml.chat import ChatTemplate
+    tpl = ChatTemplate.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    text = tpl.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+
+Templates come from the GGUF key ``tokenizer.chat_template`` and are rendered with jinja2 exactly as
+transformers' ``apply_chat_template`` does: a sandboxed immutable environment with trim_blocks and
+lstrip_blocks, the ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` filter that does not
+escape HTML, and the variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
+``tools`` (None) plus any keywords given. A model without a template gets a fallback: ChatML
+(``<|im_start|>role\\n...<|im_end|>``) when its vocabulary has the ``<|im_start|>`` token, otherwise plain
+``User: ...`` / ``Assistant: ...`` lines (with ``\\nUser:`` as a stop string).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from functools import lru_cache
+from typing import Callable, Sequence
+
+__all__ = ["ChatTemplate", "CHATML_TEMPLATE", "PLAIN_TEMPLATE", "Conversation", "repl"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\n' }}"
+    "{% else %}{{ 'Assistant: ' + message['content'] | trim + '\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    """A jinja2 chat template with the special-token strings it may use.
+
+    source: the template text. stop: extra stop strings generation needs with it (the plain fallback's).
+    fallback: True when the model had no template of its own.
+    """
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", stop: Sequence[str] = (),
+                 fallback: bool = False):
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.stop = list(stop)
+        self.fallback = fallback
+        self._template = _compile(source)
+
+    @classmethod
+    def for_tokenizer(cls, template: str | None, tokenizer) -> ChatTemplate:
+        """The template (None: the fallback) with the tokenizer's BOS/EOS text."""
+
+        def text(i):
+            return tokenizer.token_to_piece(i, True).decode("utf-8", "replace") if i is not None and i >= 0 else ""
+
+        bos, eos = text(tokenizer.bos_id), text(tokenizer.eos_id)
+        if template:
+            return cls(template, bos, eos)
+        if tokenizer.token_id("<|im_start|>") >= 0 and tokenizer.token_id("<|im_end|>") >= 0:
+            return cls(CHATML_TEMPLATE, bos, eos, fallback=True)
+        return cls(PLAIN_TEMPLATE, bos, eos, stop=["\nUser:"], fallback=True)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> ChatTemplate:
+        from .tokenizer import Tokenizer
+
+        return cls.for_tokenizer(read_template(path), Tokenizer.from_file(path))
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The conversation as the model's prompt text (what apply_chat_template(tokenize=False) gives)."""
+        ctx = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
+        ctx.update(kwargs)
+        return self._template.render(messages=[dict(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt, **ctx)
+
+
+def read_template(path: str | os.PathLike) -> str | None:
+    """``tokenizer.chat_template`` of a GGUF file, or None."""
+    from . import gguf
+
+    with gguf.open(path) as f:
+        t = f.metadata.get("tokenizer.chat_template")
+    if isinstance(t, bytes):
+        t = t.decode("utf-8")
+    return t or None
+
+
+# ---- the conversation, fitted to the context --------------------------------------------------------
+class Conversation:
+    """Messages of a chat with a Model; drops the oldest turns (never the system message) when the
+    conversation no longer fits the context."""
+
+    def __init__(self, model, system: str | None = None):
+        self.model = model
+        self.messages: list[dict] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+
+    def set_system(self, text: str) -> None:
+        if self.messages and self.messages[0]["role"] == "system":
+            self.messages[0]["content"] = text
+        else:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+        self.model.reset()
+
+    def prompt_tokens(self) -> int:
+        return len(self.model.chat_prompt(self.messages))
+
+    def fit(self, reserve: int) -> int:
+        """Drops the oldest user/assistant turns until the prompt leaves ``reserve`` tokens free. Returns
+        how many messages were dropped (the last user message is never dropped)."""
+        dropped = 0
+        limit = self.model.n_ctx - reserve
+        while self.prompt_tokens() > limit:
+            start = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            users = [i for i in range(start, len(self.messages)) if self.messages[i]["role"] == "user"]
+            if len(users) < 2:
+                break
+            cut = users[1]  # remove the first turn: its user message and the answers up to the next user
+            dropped += cut - start
+            del self.messages[start:cut]
+        return dropped
+
+
+# ---- the REPL -------------------------------------------------------------------------------------
+HELP = """\
+Commands:
+  /help            this text
+  /reset           forget the conversation (keeps the system message) and empty the context
+  /system TEXT     set the system message
+  /stats           speed of the last answer and context use
+  /save FILE       write the conversation to FILE (JSON)
+  /exit            leave (also /bye, /quit, Ctrl-D)
+Ctrl-C stops an answer; Ctrl-D at the prompt leaves. Up/Down browse the input history."""
+
+
+def _reader(history_file: str | None) -> Callable[[str], str]:
+    """A line reader with editing and history: prompt_toolkit on a terminal, else readline/input."""
+    if sys.stdin.isatty() and sys.stdout.isatty() and os.environ.get("TERM", "") != "dumb":
+        try:
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+            hist = InMemoryHistory()
+            if history_file:
+                try:
+                    os.makedirs(os.path.dirname(history_file), exist_ok=True)
+                    hist = FileHistory(history_file)
+                except OSError:
+                    pass
+            session = PromptSession(history=hist)
+            return lambda p: session.prompt(p)
+        except Exception:  # no usable terminal for prompt_toolkit: fall back to readline
+            pass
+    try:
+        import readline  # noqa: F401  (input() gains line editing and history)
+    except ImportError:
+        pass
+    return input
+
+
+def history_path() -> str:
+    from .models import cache_dir
+
+    return str(cache_dir().parent / "chat_history")
+
+
+def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
+         out=None, read: Callable[[str], str] | None = None, reserve: int = 256) -> int:
+    """Runs the interactive chat on ``model`` until /exit or end of input."""
+    out = out or sys.stdout
+    sampling = dict(sampling or {})
+    read = read or _reader(history_path())
+    conv = Conversation(model, system)
+    reserve = min(max_tokens or reserve, model.n_ctx // 2)
+
+    def say(s: str = "") -> None:
+        out.write(s + "\n")
+        out.flush()
+
+    tpl = model.chat_template
+    say(f"optiml chat: {os.path.basename(model.path)} (context {model.n_ctx} tokens"
+        f"{', fallback chat template' if tpl.fallback else ''}). /help for commands, /exit to leave.")
+    while True:
+        try:
+            line = read(">>> ")
+        except KeyboardInterrupt:
+            say("(Ctrl-D or /exit to leave)")
+            continue
+        except EOFError:
+            say()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if cmd in ("/exit", "/bye", "/quit"):
+                return 0
+            elif cmd in ("/help", "/?"):
+                say(HELP)
+            elif cmd in ("/reset", "/clear"):
+                conv.reset()
+                say("Conversation cleared.")
+            elif cmd == "/system":
+                if not arg:
+                    say("usage: /system TEXT")
+                else:
+                    conv.set_system(arg)
+                    say("System message set.")
+            elif cmd == "/stats":
+                s = model.last_stats
+                pp = s["prompt_evaluated"] / s["prompt_s"] if s["prompt_s"] > 0 else 0.0
+                tg = s["gen_tokens"] / s["gen_s"] if s["gen_s"] > 0 else 0.0
+                say(f"prompt: {s['prompt_tokens']} tokens, {s['prompt_evaluated']} new, {pp:.1f} tokens/s | "
+                    f"answer: {s['gen_tokens']} tokens, {tg:.1f} tokens/s | "
+                    f"context: {model.n_past}/{model.n_ctx} tokens")
+            elif cmd == "/save":
+                if not arg:
+                    say("usage: /save FILE")
+                    continue
+                try:
+                    with open(os.path.expanduser(arg), "w", encoding="utf-8") as f:
+                        json.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
+                    say(f"Saved {len(conv.messages)} messages to {arg}.")
+                except OSError as e:
+                    say(f"cannot save: {e}")
+            else:
+                say(f"unknown command {cmd}; /help lists them")
+            continue
+
+        conv.messages.append({"role": "user", "content": line})
+        dropped = conv.fit(reserve)
+        if dropped:
+            say(f"[context full: dropped the {dropped} oldest messages]")
+        if conv.prompt_tokens() >= model.n_ctx:
+            say("[the message does not fit in the context; /reset or a shorter message]")
+            conv.messages.pop()
+            continue
+        pieces: list[str] = []
+        gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
+        try:
+            for piece in gen:
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            gen.close()
+            say()
+            say("[stopped]")
+            conv.messages.pop()  # the interrupted exchange is forgotten
+            continue
+        reply = "".join(pieces)
+        conv.messages.append({"role": "assistant", "content": reply.strip() if tpl.fallback else reply})
+        if model.n_past >= model.n_ctx - 1:
+            say()
+            say("[context full: the answer was cut]")
+        say()
+        say()
