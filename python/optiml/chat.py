@@ -193,9 +193,10 @@ def _reader(history_file: str | None) -> Callable[[str], str]:
 
 
 def history_path() -> str:
-    from .models import cache_dir
-
-    return str(cache_dir().parent / "chat_history")
+    """$OPTIML_HOME/chat_history, else ~/.cache/optiml/chat_history."""
+    home = os.environ.get("OPTIML_HOME")
+    base = os.path.expanduser(home) if home else os.path.join(os.path.expanduser("~"), ".cache", "optiml")
+    return os.path.join(base, "chat_history")
 
 
 def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,

@@ -1,5 +1,7 @@
-"""The `optiml` command: run, bench, perplexity, tokenize, info, system.
+"""The `optiml` command: chat, pull, run, bench, perplexity, tokenize, info, convert, system.
 
+    optiml chat                                   # talk to smollm2-135m-instruct (pulled on first use)
+    optiml pull gemma3-270m                       # fetch a known model into the cache
     optiml run -m MODEL.gguf -p "The capital of France is" -n 32
     optiml bench -m MODEL.gguf -t 2
     optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
@@ -14,6 +16,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 
@@ -23,8 +26,18 @@ from . import __version__, _core
 from ._core import OptimlError
 
 
-def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+MODEL_HELP = "GGUF model file, or a known model name (optiml pull --list), pulled on first use"
+
+
+def _model(name: str) -> str:
+    """The one resolver of model arguments: a path stays a path; a known name becomes its cached file."""
+    from .models import resolve
+
+    return resolve(name)
+
+
+def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, required: bool = True) -> None:
+    p.add_argument("-m", "--model", required=required, help=MODEL_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
 
@@ -32,7 +45,7 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None) 
 def _load(args, n_ctx: int | None = None):
     from .model import Model
 
-    return Model(args.model, n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads)
+    return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads)
 
 
 # ---- run ------------------------------------------------------------------------------------------
@@ -156,7 +169,7 @@ def cmd_perplexity(args) -> int:
 def cmd_tokenize(args) -> int:
     from .tokenizer import Tokenizer
 
-    tok = Tokenizer.from_file(args.model)
+    tok = Tokenizer.from_file(_model(args.model))
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     ids = tok.encode(text, add_special=not args.no_bos, parse_special=args.special)
     if args.ids:
@@ -170,6 +183,7 @@ def cmd_tokenize(args) -> int:
 def cmd_info(args) -> int:
     from . import gguf
 
+    args.model = _model(args.model)
     with gguf.open(args.model) as f:
         print(f.summary())
         print()
@@ -197,6 +211,45 @@ def cmd_system(args) -> int:
     return 0
 
 
+# ---- pull / chat ----------------------------------------------------------------------------------
+def cmd_pull(args) -> int:
+    from . import models
+
+    if args.list or not args.names:
+        print(f"known models (cache: {models.cache_dir()}):")
+        for mid, e in models.manifest().items():
+            names = ", ".join([*e.get("aliases", []), mid])
+            state = "cached" if models.is_cached(mid) else "not cached"
+            print(f"  {names:55s} {e['size'] / 2**20:7.1f} MiB  {state}")
+        return 0
+    for n in args.names:
+        if models.lookup(n) is None:
+            print(f"optiml pull: error: unknown model {n!r}; known: {', '.join(models.known())}", file=sys.stderr)
+            return 2
+        print(models.pull(n, force=args.force))
+    return 0
+
+
+def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
+    p.add_argument("--temp", type=float, default=temp, help=f"temperature (0 = greedy; default {temp})")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+
+
+def cmd_chat(args) -> int:
+    from .chat import repl
+
+    if args.model_opt:
+        args.model = args.model_opt
+    m = _load(args)
+    sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repeat_penalty=args.repeat_penalty, seed=args.seed)
+    return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
+
+
 # ---- convert --------------------------------------------------------------------------------------
 def cmd_convert(args) -> int:
     from .convert import convert
@@ -216,6 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
     ap.add_argument("--version", action="version", version=f"optiml {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("chat", help="talk with a model (interactive; /help inside)")
+    p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
+                   help="GGUF file or known model name (default: smollm2-135m-instruct)")
+    p.add_argument("-m", "--model", dest="model_opt", default=None, help=MODEL_HELP)
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's, at most 4096)")
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
+    p.add_argument("-s", "--system", default=None, help="system message")
+    _sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("pull", help="fetch known models into the cache (checksum checked)")
+    p.add_argument("names", nargs="*", help="model names (none, or --list: list the known models)")
+    p.add_argument("--list", action="store_true", help="list the known models and whether they are cached")
+    p.add_argument("-f", "--force", action="store_true", help="fetch again even when cached")
+    p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("run", help="generate text from a prompt")
     _add_model_args(p)
@@ -245,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("tokenize", help="show the tokens of a text")
-    p.add_argument("-m", "--model", required=True)
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
     p.add_argument("-p", "--prompt", help="text (default: read stdin)")
     p.add_argument("--ids", action="store_true", help="print only the list of ids")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS/EOS the model asks for")
@@ -253,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("info", help="summary of a GGUF file")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.set_defaults(func=cmd_info)
 
@@ -272,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.func(args)
-    except (OptimlError, OSError) as e:
+    except (OptimlError, OSError, subprocess.CalledProcessError) as e:
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
