@@ -132,7 +132,7 @@ def pip_download(packages: list[str], dest: Path, quiet: bool = False) -> list[P
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *packages]
     if quiet or not sys.stderr.isatty():
         cmd.insert(4, "--quiet")
-    subprocess.run(cmd, check=True, stdout=sys.stderr if not quiet else subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if quiet else 2)  # pip's lines go to stderr
     return sorted(dest.glob("*.whl"))
 
 
