@@ -70,6 +70,9 @@ void gelu_mul_scalar(int64_t n, float* g, const float* u) {
         else g[i] = table[fp32_to_fp16(x)] * u[i];
     }
 }
+void gelu_exact_mul_scalar(int64_t n, float* g, const float* u) {
+    for (int64_t i = 0; i < n; i++) g[i] = gelu_tanh(g[i]) * u[i];
+}
 void silu_mul_scalar(int64_t n, float* g, const float* u) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
@@ -109,6 +112,7 @@ void fill_ops_scalar(KernelTable& t) {
     t.silu_mul = silu_mul_scalar;
     t.relu_mul = relu_mul_scalar;
     t.gelu_mul = gelu_mul_scalar;
+    t.gelu_exact_mul = gelu_exact_mul_scalar;
 }
 
 }  // namespace optiml
