@@ -72,11 +72,9 @@ def test_tiny_token_by_token_equals_one_batch(tiny):
     assert rel_err(np.concatenate([part, np.stack(steps)]), whole) < 1e-5, name
 
 
-def test_sliding_window_matters(tiny):
-    """Tokens beyond the window change the logits only through the global layers: with the global
-    layer's attention there, a different distant past still moves the output (the mask is not global),
-    and the windowed layers alone would not. Checked against transformers above; here only that a
-    context longer than the window is handled at all positions."""
+def test_long_context_past_the_window(tiny):
+    """60 tokens, 7.5 windows: the last positions, where the local layers see only their window and the
+    global ones everything, still agree with transformers."""
     name, model, path = tiny
     ids = np.random.default_rng(4).integers(0, model.config.vocab_size, 60).astype(np.int32)
     with torch.no_grad():
@@ -124,3 +122,43 @@ def test_perplexity_within_one_percent_of_llama_cpp(gemma3_path):
         ppl, err, count = cli.perplexity(m, text, 256)
     assert abs(ppl - 23.82) / 23.82 < 0.01, ppl
     assert abs(err - 0.92) < 0.05
+
+
+# ---- optiml convert on a Gemma3ForCausalLM checkpoint ---------------------------------------------
+from test_convert import save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
+
+
+@pytest.mark.parametrize("name,dtype", [("gqa-tied", torch.float32), ("mqa-untied-7-layers", torch.bfloat16)])
+def test_convert_gemma3_matches_transformers(name, dtype, tmp_path, tiny_tokenizer):  # noqa: F811
+    from optiml.convert import convert
+
+    model = make_model(name).to(dtype)
+    d = save_folder(model, tmp_path / "hf", tiny_tokenizer)
+    out = convert(d, tmp_path / "m.gguf", type="f32")
+    import gguf
+
+    r = gguf.GGUFReader(out)
+    assert r.fields["general.architecture"].contents() == "gemma3"
+    assert r.fields["gemma3.attention.sliding_window"].contents() == 8
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.attn_q_norm.weight", "blk.0.post_attention_norm.weight", "blk.5.post_ffw_norm.weight"} <= names
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, 40)
+    # The reference: the checkpoint's values in a float32 model (a fresh one: .to(bfloat16) also rounded
+    # buffers such as RoPE's inverse frequencies) ...
+    ref_model = make_model(name)
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    model = ref_model
+    if dtype == torch.bfloat16:  # ... with the norms' 1 + w rounded to bf16, as llama.cpp stores them
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.copy_((1.0 + p).bfloat16().float() - 1.0)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids[None])).logits[0].numpy()
+    ours = _core.Session(_core.Model(str(out)), 64, 2, "f32").eval(ids.astype(np.int32), True)
+    assert rel_err(ours, ref) < 1e-4, name
+    # The engine's output equals the test writer's (llama.cpp's layout) bit for bit on float32 weights.
+    if dtype == torch.float32:
+        write_gguf_gemma3(model, tmp_path / "ref.gguf")
+        theirs = _core.Session(_core.Model(str(tmp_path / "ref.gguf")), 64, 2, "f32").eval(ids.astype(np.int32), True)
+        np.testing.assert_array_equal(ours, theirs)
