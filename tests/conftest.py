@@ -39,3 +39,12 @@ def smollm2_path() -> Path:
     if not p.is_file():
         _missing(str(p), "run: python tools/fetch_models.py smollm2-135m-instruct-q4_1 (.ci/run does)")
     return p
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma3-270M Q4_K_M GGUF (fetched by tools/fetch_models.py; .ci/run does it)."""
+    p = model_path("gemma3-270m-q4_k_m")
+    if not p.is_file():
+        _missing(str(p), "run: python tools/fetch_models.py gemma3-270m-q4_k_m (.ci/run does)")
+    return p

@@ -7,6 +7,7 @@ single-token steps from an empty context). Prints medians of --repeats runs and 
 
     pip install llama-cpp-python      # or: pip install ".[bench]"; builds llama.cpp, ~5 minutes
     python tools/bench_vs_llamacpp.py -m ~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf -t 2
+    python tools/bench_vs_llamacpp.py -m ~/.cache/optiml/models/gemma3-270m-Q4_K_M.gguf -t 2
 """
 
 from __future__ import annotations

@@ -47,6 +47,10 @@ struct KernelTable {
     softmax_exp_fn softmax_exp;
     act_mul_fn silu_mul;                   // silu(g) * u, silu(x) = x / (1 + e^-x)
     act_mul_fn relu_mul;                   // max(g, 0) * u
+    // gelu(g) * u with the tanh-approximated GELU, as llama.cpp's CPU geglu computes it: g rounded to
+    // f16 and looked up in a table of gelu rounded to f16 (0 for g <= -10, g itself for g >= 10).
+    act_mul_fn gelu_mul;
+    act_mul_fn gelu_exact_mul;             // gelu(g) * u in float, no f16 rounding
 };
 
 // Each SIMD file fills in the entries it implements and leaves the others untouched.

@@ -1,4 +1,4 @@
-// A llama-family model (llama, mistral, qwen2) bound to the tensors of a mapped GGUF file, and the
+// A llama-family model (llama, mistral, qwen2) or Gemma 3 bound to the tensors of a mapped GGUF file, and the
 // per-conversation state (KV cache, scratch) that runs it. The forward pass reads top to bottom in
 // native/src/model/forward.cpp; the FFN of a layer is its own unit (ffn.cpp) so it can later be
 // split by neuron between devices and computed sparsely.
@@ -17,7 +17,7 @@
 namespace optiml {
 
 enum RopeType { ROPE_NORM = 0, ROPE_NEOX = 2 };  // pairs (2i, 2i+1) or (i, i + n_rot/2)
-enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1 };  // act(gate) * up
+enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1, FFN_GELU = 2 };  // act(gate) * up; GELU is tanh-approximated
 
 // Hyper-parameters, read once from `{arch}.*` metadata.
 struct HParams {
@@ -36,6 +36,20 @@ struct HParams {
     float rope_freq_scale = 1.0f;  // 1 / linear scaling factor
     RopeType rope_type = ROPE_NORM;
     FFNActivation ffn_act = FFN_SILU;
+
+    // Gemma 3 (all neutral for llama): embeddings scaled by embd_scale; q scaled by attn_q_scale after
+    // RoPE and scores by attn_kq_scale; layers with swa_layer[il] attend to the last n_swa positions
+    // only and rotate with their own base and scale; logits soft-capped when final_softcap > 0.
+    float embd_scale = 1.0f;
+    float attn_q_scale = 1.0f;
+    float attn_kq_scale = 1.0f;
+    int32_t n_swa = 0;
+    std::vector<bool> swa_layer;  // [n_layer]; empty: no sliding-window layers
+    float rope_freq_base_swa = 10000.0f;
+    float rope_freq_scale_swa = 1.0f;
+    float final_softcap = 0.0f;
+
+    bool is_swa(int il) const { return !swa_layer.empty() && swa_layer[il]; }
 
     int32_t n_embd_q() const { return n_head * head_dim; }
     int32_t n_embd_kv() const { return n_head_kv * head_dim; }
@@ -64,12 +78,15 @@ struct FFNWeights {
     Weight up;    // [n_embd -> n_ff]
     Weight down;  // [n_ff -> n_embd]
     Weight gate_b, up_b, down_b;  // optional biases, F32
+    Weight post_norm;  // optional RMSNorm of the FFN's output before the residual add (Gemma 3)
 };
 
 struct LayerWeights {
     Weight attn_norm;
     Weight wq, wk, wv, wo;
     Weight bq, bk, bv, bo;  // optional biases (Qwen2 has q/k/v; Llama's attention_bias all four), F32
+    Weight q_norm, k_norm;  // optional per-head RMSNorm of q and k before RoPE, F32 [head_dim] (Gemma 3)
+    Weight attn_post_norm;  // optional RMSNorm of the attention output before the residual add (Gemma 3)
     FFNWeights ffn;
 };
 

@@ -17,4 +17,9 @@ void rope(float* x, int64_t n_rot, const float* cos, const float* sin, bool neox
 void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
                   float* cos, float* sin);
 
+// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in float, as ggml_gelu_f32 writes it.
+float gelu_tanh(float x);
+// For every f16 bit pattern h: gelu_tanh(h) rounded to f16, as a float (ggml's ggml_table_gelu_f16).
+const float* gelu_table_f16();
+
 }  // namespace optiml

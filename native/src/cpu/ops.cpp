@@ -1,6 +1,7 @@
 #include "optiml/ops.h"
 
 #include <cmath>
+#include <vector>
 
 #include "optiml/kernels.h"
 
@@ -44,7 +45,34 @@ void rope(float* x, int64_t n_rot, const float* cos, const float* sin, bool neox
     }
 }
 
+float gelu_tanh(float x) {
+    const float sqrt_2_over_pi = 0.79788456080286535587989211986876f;
+    return 0.5f * x * (1.0f + std::tanh(sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
+}
+
+const float* gelu_table_f16() {
+    static const std::vector<float> table = [] {
+        std::vector<float> t(1 << 16);
+        for (uint32_t i = 0; i < (1u << 16); i++)
+            t[i] = fp16_to_fp32(fp32_to_fp16(gelu_tanh(fp16_to_fp32((fp16_t)i))));
+        return t;
+    }();
+    return table.data();
+}
+
 namespace {
+void gelu_mul_scalar(int64_t n, float* g, const float* u) {
+    const float* table = gelu_table_f16();
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        if (x <= -10.0f) g[i] = 0.0f;
+        else if (x >= 10.0f) g[i] = x * u[i];
+        else g[i] = table[fp32_to_fp16(x)] * u[i];
+    }
+}
+void gelu_exact_mul_scalar(int64_t n, float* g, const float* u) {
+    for (int64_t i = 0; i < n; i++) g[i] = gelu_tanh(g[i]) * u[i];
+}
 void silu_mul_scalar(int64_t n, float* g, const float* u) {
     for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
@@ -83,6 +111,8 @@ void fill_ops_scalar(KernelTable& t) {
     t.attn_dot[TYPE_F16] = attn_dot_f16_scalar;
     t.silu_mul = silu_mul_scalar;
     t.relu_mul = relu_mul_scalar;
+    t.gelu_mul = gelu_mul_scalar;
+    t.gelu_exact_mul = gelu_exact_mul_scalar;
 }
 
 }  // namespace optiml

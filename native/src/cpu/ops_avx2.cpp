@@ -6,6 +6,7 @@
 
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
+#include "optiml/ops.h"
 
 namespace optiml {
 
@@ -69,6 +70,28 @@ void relu_mul_avx2(int64_t n, float* g, const float* u) {
     for (; i < n; i++) g[i] = (g[i] > 0 ? g[i] : 0.0f) * u[i];
 }
 
+// llama.cpp's table GELU, 8 at a time: round to f16 (nearest even, as F16C does), gather, multiply.
+void gelu_mul_avx2(int64_t n, float* g, const float* u) {
+    const float* table = gelu_table_f16();
+    int64_t i = 0;
+    const __m256 lo = _mm256_set1_ps(-10.0f), hi = _mm256_set1_ps(10.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 uv = _mm256_loadu_ps(u + i);
+        const __m256i h = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+        __m256 y = _mm256_mul_ps(_mm256_i32gather_ps(table, h, 4), uv);
+        y = _mm256_blendv_ps(y, _mm256_mul_ps(x, uv), _mm256_cmp_ps(x, hi, _CMP_GE_OQ));
+        y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LE_OQ), y);
+        _mm256_storeu_ps(g + i, y);
+    }
+    for (; i < n; i++) {
+        const float x = g[i];
+        if (x <= -10.0f) g[i] = 0.0f;
+        else if (x >= 10.0f) g[i] = x * u[i];
+        else g[i] = table[fp32_to_fp16(x)] * u[i];
+    }
+}
+
 double softmax_exp_avx2(int64_t n, float* y, const float* x, float max) {
     double sum = 0;
     int64_t i = 0;
@@ -128,6 +151,7 @@ void fill_ops_avx2(KernelTable& t) {
     t.softmax_exp = softmax_exp_avx2;
     t.silu_mul = silu_mul_avx2;
     t.relu_mul = relu_mul_avx2;
+    t.gelu_mul = gelu_mul_avx2;
 }
 
 }  // namespace optiml

@@ -56,7 +56,13 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
     add_bias_rows(w.gate_b, s.gate, n);
     add_bias_rows(w.up_b, s.up, n);
 
-    const act_mul_fn act = hp.ffn_act == FFN_RELU ? kt.relu_mul : kt.silu_mul;
+    // GELU: llama.cpp's f16 table where the gate's input is quantized to 8 bits anyway (its rounding is
+    // far below that, and matching llama.cpp's bits keeps its greedy text); exact in float otherwise.
+    const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
+    const bool float_gate = gate_x == TYPE_F32 || gate_x == TYPE_F16 || gate_x == TYPE_BF16;
+    const act_mul_fn act = hp.ffn_act == FFN_RELU   ? kt.relu_mul
+                           : hp.ffn_act == FFN_GELU ? (float_gate ? kt.gelu_exact_mul : kt.gelu_mul)
+                                                    : kt.silu_mul;
     if (n == 1) {
         act(n_ff, s.gate, s.up);
     } else {
@@ -67,10 +73,18 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
         });
     }
 
-    // The down projection adds straight into the residual stream.
+    // The down projection adds straight into the residual stream, or, with a post-FFN norm (Gemma 3),
+    // goes through xn (free again) to be normalized first: a split FFN sums its parts before that norm.
     const Weight* down[1] = {&w.down};
-    matmul_shared_input(pool, kt, down, &x, 1, s.gate, n, /*accumulate=*/true);
-    add_bias_rows(w.down_b, x, n);
+    if (!w.post_norm.present()) {
+        matmul_shared_input(pool, kt, down, &x, 1, s.gate, n, /*accumulate=*/true);
+        add_bias_rows(w.down_b, x, n);
+        return;
+    }
+    matmul_shared_input(pool, kt, down, &s.xn, 1, s.gate, n);
+    add_bias_rows(w.down_b, s.xn, n);
+    rms_norm_rows(pool, s.xn, w.post_norm, s.xn, n, n_embd, hp.rms_eps);
+    for (int64_t i = 0; i < (int64_t)n * n_embd; i++) x[i] += s.xn[i];
 }
 
 }  // namespace optiml

@@ -12,7 +12,8 @@ struct FFNScratch {
     float* up;    // [n][n_ff]
 };
 
-// x[t] += down(act(gate(rms_norm(x[t]))) * up(rms_norm(x[t]))) for t in [0, n).
+// x[t] += down(act(gate(rms_norm(x[t]))) * up(rms_norm(x[t]))) for t in [0, n), the sum passed through
+// rms_norm with w.post_norm first when there is one (Gemma 3).
 void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
                const FFNScratch& s);
 

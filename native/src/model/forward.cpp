@@ -20,8 +20,12 @@ void Session::forward_batch(const int32_t* tokens, int32_t n, bool all_logits, f
     float* x = x_.data();
 
     // Embeddings: quantized rows are dequantized on lookup.
-    for (int32_t t = 0; t < n; t++)
-        dequantize_row(M.tok_embd.type, M.tok_embd.row(tokens[t]), x + t * n_embd, n_embd);
+    for (int32_t t = 0; t < n; t++) {
+        float* xt = x + t * n_embd;
+        dequantize_row(M.tok_embd.type, M.tok_embd.row(tokens[t]), xt, n_embd);
+        if (hp.embd_scale != 1.0f)
+            for (int64_t i = 0; i < n_embd; i++) xt[i] *= hp.embd_scale;
+    }
 
     const FFNScratch ffn_scratch{xn_.data(), ffn_gate_.data(), ffn_up_.data()};
     for (int il = 0; il < hp.n_layer; il++) {
@@ -38,6 +42,10 @@ void Session::forward_batch(const int32_t* tokens, int32_t n, bool all_logits, f
     rms_norm_rows(pool, x + first * n_embd, M.output_norm, xn_.data(), rows, n_embd, hp.rms_eps);
     const Weight* out_w[1] = {&M.output};
     matmul_shared_input(pool, kt_, out_w, &logits, 1, xn_.data(), rows);
+    if (hp.final_softcap > 0) {
+        const float cap = hp.final_softcap;
+        for (int64_t i = 0; i < (int64_t)rows * hp.n_vocab; i++) logits[i] = std::tanh(logits[i] / cap) * cap;
+    }
 }
 
 void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
@@ -66,6 +74,11 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
     const from_float_fn to_kv = kt_.from_float[kv_type_];
     const float* freq_factors = model_->rope_freqs.present() ? (const float*)model_->rope_freqs.data : nullptr;
     const bool neox = hp.rope_type == ROPE_NEOX;
+    const bool swa = hp.is_swa(il);
+    const float rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
+    const float rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
+    const float* q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
+    const float* k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
     auto prepare = [&](int64_t t) {
         float* qt = q + t * n_q;
         float* kt = k + t * n_kv;
@@ -76,9 +89,16 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
         float cs[2 * 512];
         float* cos = cs;
         float* sin = cs + hp.n_rot / 2;
-        rope_cos_sin(pos0 + t, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, freq_factors, cos, sin);
+        // Gemma 3 normalizes every head of q and k before rotating them.
+        if (q_norm)
+            for (int h = 0; h < hp.n_head; h++) rms_norm(qt + h * hd, q_norm, qt + h * hd, hd, hp.rms_eps);
+        if (k_norm)
+            for (int h = 0; h < hp.n_head_kv; h++) rms_norm(kt + h * hd, k_norm, kt + h * hd, hd, hp.rms_eps);
+        rope_cos_sin(pos0 + t, hp.n_rot, rope_base, rope_scale, freq_factors, cos, sin);
         for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, hp.n_rot, cos, sin, neox);
         for (int h = 0; h < hp.n_head_kv; h++) rope(kt + h * hd, hp.n_rot, cos, sin, neox);
+        if (hp.attn_q_scale != 1.0f)
+            for (int64_t i = 0; i < n_q; i++) qt[i] *= hp.attn_q_scale;
         to_kv(kt, k_layer + (size_t)(pos0 + t) * kv_row_bytes_, n_kv);
         uint8_t vconv[512 * 4 * 8];  // one row in the cache type; n_embd_kv <= 4096 floats
         to_kv(vt, vconv, n_kv);
@@ -101,7 +121,9 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
     // are -inf, weight 0), softmax runs over that window, and the weights are converted to the cache
     // type before the dot products with V: the sums then group exactly as llama.cpp's do.
     const int group = hp.n_head / hp.n_head_kv;
-    const float scale = 1.0f / std::sqrt((float)hd);
+    const float scale = hp.attn_kq_scale;
+    // A sliding-window layer: position p sees only p - n_swa < s <= p (masked like the future).
+    const int64_t n_swa = swa ? hp.n_swa : 0;
     const int32_t xtype = type_traits(kv_type_).vec_dot_type;  // F16 or F32
     const from_float_fn to_dot = kt_.from_float[xtype];
     const vec_dot_fn dot = kt_.attn_dot[kv_type_];
@@ -113,13 +135,15 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
         const int64_t kvh = h / group;
         const int64_t n_seen = pos0 + t + 1;
         to_dot(q + t * n_q + h * hd, conv, hd);
-        for (int64_t s = 0; s < n_seen; s++) {
+        const int64_t first = n_swa ? std::max<int64_t>(0, n_seen - n_swa) : 0;
+        for (int64_t s = 0; s < first; s++) scores[s] = -INFINITY;
+        for (int64_t s = first; s < n_seen; s++) {
             dot(hd, &scores[s], k_layer + (size_t)s * kv_row_bytes_ + kvh * head_bytes, conv);
             scores[s] *= scale;
         }
         for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
-        for (int64_t s = 0; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
+        for (int64_t s = first; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
         const double sum = kt_.softmax_exp(n_window, scores, scores, max);
         const float inv = (float)(1.0 / sum);
         for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
@@ -135,10 +159,17 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
         for (int64_t task = ith; task < n_tasks; task += nth) attend(task, scores, conv);
     });
 
-    // Output projection, added into the residual stream.
+    // Output projection, added into the residual stream (Gemma 3 normalizes it first).
     const Weight* wo[1] = {&L.wo};
-    matmul_shared_input(pool, kt_, wo, &x, 1, attn, n, /*accumulate=*/true);
-    add_bias_rows(L.bo, x, n);
+    if (!L.attn_post_norm.present()) {
+        matmul_shared_input(pool, kt_, wo, &x, 1, attn, n, /*accumulate=*/true);
+        add_bias_rows(L.bo, x, n);
+        return;
+    }
+    matmul_shared_input(pool, kt_, wo, &xn, 1, attn, n);
+    add_bias_rows(L.bo, xn, n);
+    rms_norm_rows(pool, xn, L.attn_post_norm, xn, n, n_embd, hp.rms_eps);
+    for (int64_t i = 0; i < (int64_t)n * n_embd; i++) x[i] += xn[i];
 }
 
 }  // namespace optiml

@@ -21,6 +21,7 @@ const ArchInfo kArchs[] = {
     {"llama", ROPE_NORM},
     {"mistral", ROPE_NORM},
     {"qwen2", ROPE_NEOX},
+    {"gemma3", ROPE_NEOX},
 };
 
 const ArchInfo* find_arch(const std::string& name) {
@@ -82,12 +83,40 @@ HParams read_hparams(const GGUFFile& f) {
     if (!(hp.rope_freq_base > 0) || !(hp.rope_freq_scale > 0) || !(hp.rms_eps > 0))
         throw GGUFError(format("%s: rope freq base/scale and RMS epsilon must be positive", f.path().c_str()));
 
-    const std::string act = f.get_string("optiml.ffn.activation", "silu");
+    const bool gemma3 = hp.arch == "gemma3";
+    const std::string act = f.get_string("optiml.ffn.activation", gemma3 ? "gelu" : "silu");
     if (act == "silu") hp.ffn_act = FFN_SILU;
     else if (act == "relu") hp.ffn_act = FFN_RELU;
+    else if (act == "gelu") hp.ffn_act = FFN_GELU;
     else
-        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu)",
+        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu, gelu)",
                                            f.path().c_str(), act.c_str()));
+
+    hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
+    if (gemma3) {
+        // As llama.cpp builds Gemma 3: embeddings times sqrt(n_embd); q scaled by 1/sqrt(head_dim)
+        // (1/sqrt(n_embd/n_head) for the 62-layer 27B, whose query_pre_attn_scalar says so) and the
+        // scores not scaled again; every 6th layer global, the others sliding-window with their own
+        // RoPE base (10000 unless the file says) and no RoPE scaling.
+        hp.embd_scale = std::sqrt((float)hp.n_embd);
+        hp.attn_q_scale = hp.n_layer == 62 ? 1.0f / std::sqrt((float)(hp.n_embd / hp.n_head))
+                                           : 1.0f / std::sqrt((float)hp.head_dim);
+        hp.attn_kq_scale = 1.0f;
+        hp.n_swa = f.has(p + "attention.sliding_window") ? positive_i32(f, p + "attention.sliding_window") : 0;
+        if (hp.n_swa > 0) {
+            const int pattern = f.has(p + "attention.sliding_window_pattern")
+                                    ? positive_i32(f, p + "attention.sliding_window_pattern", 4096)
+                                    : 6;
+            hp.swa_layer.resize(hp.n_layer);
+            for (int il = 0; il < hp.n_layer; il++) hp.swa_layer[il] = il % pattern < pattern - 1;
+        }
+        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", 10000.0f);
+        hp.rope_freq_scale_swa = 1.0f;
+        hp.final_softcap = f.get_f32(p + "final_logit_softcapping", 0.0f);
+        if (!(hp.rope_freq_base_swa > 0) || hp.final_softcap < 0)
+            throw GGUFError(format("%s: rope.freq_base_swa must be positive and final_logit_softcapping not "
+                                   "negative", f.path().c_str()));
+    }
     return hp;
 }
 
@@ -146,7 +175,7 @@ private:
 
 }  // namespace
 
-const char* supported_architectures() { return "llama, mistral, qwen2"; }
+const char* supported_architectures() { return "llama, mistral, qwen2, gemma3"; }
 
 std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
     auto model = std::make_shared<Model>();
@@ -189,6 +218,11 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.ffn.gate_b = b.vector(p + "ffn_gate.bias", hp.n_ff, false);
         L.ffn.up_b = b.vector(p + "ffn_up.bias", hp.n_ff, false);
         L.ffn.down_b = b.vector(p + "ffn_down.bias", hp.n_embd, false);
+        const bool gemma3 = hp.arch == "gemma3";  // these norms are part of Gemma 3, absent elsewhere
+        L.q_norm = b.vector(p + "attn_q_norm.weight", hp.head_dim, gemma3);
+        L.k_norm = b.vector(p + "attn_k_norm.weight", hp.head_dim, gemma3);
+        L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma3);
+        L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
     }
     return model;
 }

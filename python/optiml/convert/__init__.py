@@ -63,6 +63,10 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
         raise ConvertError(f"{hf_dir}: not a folder (a Hugging Face model folder is expected)")
     cfg = hf_config.load_config(hf_dir)
     vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch == "qwen2")
+    if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
+        vocab.setdefault("add_bos", True)
+        if vocab["model"] == "llama":
+            vocab["add_space_prefix"] = False
 
     with Checkpoint(hf_dir) as ckpt:
         plan = hf_config.tensor_plan(cfg, set(ckpt.entries))
@@ -77,7 +81,10 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
 
         def compute(p):
             def run():
-                x = ckpt.entries[p.source].load()
+                e = ckpt.entries[p.source]
+                x = e.load()
+                if p.add_one:
+                    x = hf_config.add_one(x, e.dtype)
                 return hf_config.permute_qk(x, p.permute_heads) if p.permute_heads else x
             return run
 

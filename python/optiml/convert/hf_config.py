@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", True),
     "MistralForCausalLM": ("llama", True),
     "Qwen2ForCausalLM": ("qwen2", False),
+    "Gemma3ForCausalLM": ("gemma3", False),  # text-only; NeoX rotation like HF, no permutation
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
 
@@ -41,6 +42,12 @@ class ModelConfig:
     activation: str = "silu"
     tie_embeddings: bool = False
     raw: dict = field(default_factory=dict)
+    # Gemma 3: sliding window, its layer period (every period-th layer global), the local RoPE base,
+    # final logit soft-capping (0 = none).
+    n_swa: int = 0
+    swa_period: int = 6
+    rope_theta_swa: float = 10000.0
+    final_softcap: float = 0.0
 
     @property
     def n_gqa(self) -> int:
@@ -83,12 +90,23 @@ def load_config(folder: str) -> ModelConfig:
     if n_head % n_head_kv:
         raise ConvertError(f"{path}: {n_head} attention heads cannot share {n_head_kv} KV heads evenly")
 
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish", "relu"):
-        raise ConvertError(f"{path}: hidden_act {act!r} is not supported (silu, relu)")
+    gemma = {}
+    if arch == "gemma3":
+        act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ConvertError(f"{path}: hidden_activation {act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
+        act = "gelu"
+        gemma = _gemma3_extra(cfg, path, n_embd, n_head, int(head_dim))
+    else:
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish", "relu"):
+            raise ConvertError(f"{path}: hidden_act {act!r} is not supported (silu, relu)")
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
+    # Gemma 3's rope_parameters has one entry per layer type: the global layers' is the main one.
     rope = dict(cfg.get("rope_parameters") or {})
+    if "full_attention" in rope:
+        rope = dict(rope["full_attention"] or {})
     rope.update(cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -104,8 +122,42 @@ def load_config(folder: str) -> ModelConfig:
         n_ctx=int(cfg.get("max_position_embeddings") or 2048),
         rms_eps=float(_get(cfg, path, "rms_norm_eps", 1e-6, kind=float)),
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),
-        rope_scaling=rope, activation="relu" if act == "relu" else "silu",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), raw=cfg)
+        rope_scaling=rope, activation=act if act in ("relu", "gelu") else "silu",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")), raw=cfg, **gemma)
+
+
+def _gemma3_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int) -> dict:
+    """Gemma 3's sliding-window layout and scalings, refused where llama.cpp's gemma3 graph (which our
+    engine follows) would compute something else than the checkpoint means."""
+    n_layer = _get(cfg, path, "num_hidden_layers", kind=int)
+    scalar = cfg.get("query_pre_attn_scalar", head_dim)
+    expected = n_embd // n_head if n_layer == 62 else head_dim  # llama.cpp's rule (the 27B is 62 layers)
+    if scalar != expected:
+        raise ConvertError(f"{path}: query_pre_attn_scalar {scalar} is not supported (llama.cpp's Gemma 3 "
+                           f"scales q by 1/sqrt({expected}))")
+    if cfg.get("attn_logit_softcapping"):
+        raise ConvertError(f"{path}: attn_logit_softcapping is not supported")
+    out = {"final_softcap": float(cfg.get("final_logit_softcapping") or 0.0)}
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        period = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)) or 6)
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layer)]
+    if not window or "sliding_attention" not in types:
+        out["n_swa"] = 0
+    else:
+        out["n_swa"] = int(window)
+        period = types.index("full_attention") + 1 if "full_attention" in types else n_layer + 1
+        if types != ["sliding_attention" if i % period < period - 1 else "full_attention" for i in range(n_layer)]:
+            raise ConvertError(f"{path}: layer_types is not a repeating pattern of sliding layers then one "
+                               "global layer")
+        out["swa_period"] = period
+    rope = cfg.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else {}
+    if local.get("rope_type", "default") != "default":
+        raise ConvertError(f"{path}: RoPE scaling on the sliding-window layers is not supported")
+    out["rope_theta_swa"] = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+    return out
 
 
 def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
@@ -120,16 +172,25 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
         ("u32", f"{a}.attention.head_count_kv", c.n_head_kv),
         ("f32", f"{a}.rope.freq_base", c.rope_theta),
         ("f32", f"{a}.attention.layer_norm_rms_epsilon", c.rms_eps),
-        ("u32", f"{a}.vocab_size", c.n_vocab),
-        ("u32", f"{a}.rope.dimension_count", c.head_dim),
     ]
-    if c.head_dim != c.n_embd // c.n_head:
+    if a != "gemma3":  # llama.cpp's Gemma 3 converter writes neither
+        kv += [("u32", f"{a}.vocab_size", c.n_vocab), ("u32", f"{a}.rope.dimension_count", c.head_dim)]
+    if c.head_dim != c.n_embd // c.n_head or a == "gemma3":
         kv += [("u32", f"{a}.attention.key_length", c.head_dim), ("u32", f"{a}.attention.value_length", c.head_dim)]
     if c.rope_scaling["rope_type"] == "linear":
         kv += [("str", f"{a}.rope.scaling.type", "linear"),
                ("f32", f"{a}.rope.scaling.factor", float(c.rope_scaling["factor"]))]
     if c.activation == "relu":
         kv.append(("str", "optiml.ffn.activation", "relu"))  # the engine's switch to relu(gate) * up
+    if a == "gemma3":  # gelu is gemma3's own activation; the window, and what differs from llama.cpp's defaults
+        if c.n_swa:
+            kv.append(("u32", f"{a}.attention.sliding_window", c.n_swa))
+            if c.swa_period != 6:
+                kv.append(("u32", f"{a}.attention.sliding_window_pattern", c.swa_period))
+        if c.rope_theta_swa != 10000.0:
+            kv.append(("f32", f"{a}.rope.freq_base_swa", c.rope_theta_swa))
+        if c.final_softcap:
+            kv.append(("f32", f"{a}.final_logit_softcapping", c.final_softcap))
     return kv
 
 
@@ -156,16 +217,20 @@ def llama3_rope_factors(c: ModelConfig) -> np.ndarray:
 @dataclass
 class TensorPlan:
     """One output tensor: its GGUF name, the HF tensor it comes from, the expected HF shape, and the
-    head count to permute q/k rows with (0 = no permutation)."""
+    head count to permute q/k rows with (0 = no permutation); add_one: Gemma's RMSNorm scales by
+    (1 + w), stored as 1 + w (computed in the checkpoint's precision, as llama.cpp does)."""
     name: str
     source: str
     shape: tuple
     permute_heads: int = 0
+    add_one: bool = False
 
 
 def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
     """Every tensor of the GGUF in llama.cpp's order, checked against the checkpoint's names."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    if c.arch == "gemma3":
+        return _gemma3_plan(c, available)
     plan = [TensorPlan("token_embd.weight", "model.embed_tokens.weight", (c.n_vocab, c.n_embd))]
     for i in range(c.n_layer):
         p, b = f"model.layers.{i}.", f"blk.{i}."
@@ -192,6 +257,47 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
     if not c.tie_embeddings and "lm_head.weight" in available:
         plan.append(TensorPlan("output.weight", "lm_head.weight", (c.n_vocab, c.n_embd)))
     return plan
+
+
+def _gemma3_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
+    q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    plan = [TensorPlan("token_embd.weight", "model.embed_tokens.weight", (c.n_vocab, c.n_embd))]
+    for i in range(c.n_layer):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        plan += [
+            TensorPlan(b + "attn_norm.weight", p + "input_layernorm.weight", (c.n_embd,), add_one=True),
+            TensorPlan(b + "attn_q.weight", p + "self_attn.q_proj.weight", (q, c.n_embd)),
+            TensorPlan(b + "attn_k.weight", p + "self_attn.k_proj.weight", (kv, c.n_embd)),
+            TensorPlan(b + "attn_v.weight", p + "self_attn.v_proj.weight", (kv, c.n_embd)),
+            TensorPlan(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", (c.head_dim,), add_one=True),
+            TensorPlan(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", (c.head_dim,), add_one=True),
+            TensorPlan(b + "attn_output.weight", p + "self_attn.o_proj.weight", (c.n_embd, q)),
+            TensorPlan(b + "post_attention_norm.weight", p + "post_attention_layernorm.weight", (c.n_embd,),
+                       add_one=True),
+            TensorPlan(b + "ffn_norm.weight", p + "pre_feedforward_layernorm.weight", (c.n_embd,), add_one=True),
+            TensorPlan(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", (c.n_ff, c.n_embd)),
+            TensorPlan(b + "ffn_up.weight", p + "mlp.up_proj.weight", (c.n_ff, c.n_embd)),
+            TensorPlan(b + "ffn_down.weight", p + "mlp.down_proj.weight", (c.n_embd, c.n_ff)),
+            TensorPlan(b + "post_ffw_norm.weight", p + "post_feedforward_layernorm.weight", (c.n_embd,),
+                       add_one=True),
+        ]
+    plan.append(TensorPlan("output_norm.weight", "model.norm.weight", (c.n_embd,), add_one=True))
+    if not c.tie_embeddings and "lm_head.weight" in available:
+        plan.append(TensorPlan("output.weight", "lm_head.weight", (c.n_vocab, c.n_embd)))
+    return plan
+
+
+def add_one(w: np.ndarray, dtype: str) -> np.ndarray:
+    """1 + w in the checkpoint's precision: llama.cpp adds 1 to the torch tensor before converting, so a
+    BF16 or F16 checkpoint's sums are rounded to that type."""
+    y = w.astype(np.float32) + np.float32(1.0)
+    if dtype == "F16":
+        return y.astype(np.float16).astype(np.float32)
+    if dtype == "BF16":  # round to nearest even on the upper 16 bits
+        b = y.view(np.uint32).astype(np.uint64)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return b.astype(np.uint32).view(np.float32)
+    return y
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
