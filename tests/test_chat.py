@@ -317,7 +317,10 @@ STATS = (r"prompt: (\d+) tokens, (\d+) new, ([\d.]+) tokens/s \| answer: (\d+) t
 
 
 def spawn_chat(tmp_path, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    # The child imports the same optiml this process did (the installed package under CI, the source
+    # tree with its in-place build in a dev loop).
+    here = str(Path(optiml.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OPTIML_HOME=str(tmp_path), OPTIML_MODEL_CACHE=str(models.cache_dir()), PROMPT_TOOLKIT_NO_CPR="1",
                TERM="xterm")
     c = pexpect.spawn(sys.executable, ["-m", "optiml", "chat", "smollm2-135m-instruct", "--temp", "0", "-t", "2",

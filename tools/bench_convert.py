@@ -21,7 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("OPTIML_MODEL_CACHE", Path.home() / ".cache" / "optiml" / "models"))
 
 # Runs in the child: convert, then report wall time and this process's peak RSS.
@@ -57,7 +56,10 @@ def make_checkpoint(hf_dir: Path) -> None:
 
 
 def run_child(hf_dir: Path, out: Path, qtype: str, threads: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    import optiml  # the child imports the same optiml (installed, or the in-place dev build)
+
+    here = str(Path(optiml.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", CHILD, str(hf_dir), str(out), qtype, str(threads)],
                        capture_output=True, text=True, env=env)
     if r.returncode:
@@ -126,5 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "python"))
     main()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Callable, Sequence
