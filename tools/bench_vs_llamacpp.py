@@ -15,25 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import numpy as np
 
 import optiml
-
-
-def run(engine, prompt: list[int], n_gen: int) -> tuple[float, float]:
-    """(pp, tg) tokens/s of one run. Both optiml.Model and llama_cpp.Llama have reset() and eval(ids)."""
-    engine.reset()
-    t0 = time.perf_counter()
-    engine.eval(prompt)
-    t1 = time.perf_counter()
-    engine.reset()
-    t2 = time.perf_counter()
-    for _ in range(n_gen):
-        engine.eval(prompt[:1])
-    t3 = time.perf_counter()
-    return len(prompt) / (t1 - t0), n_gen / (t3 - t2)
+from optiml.cli import time_pp_tg
 
 
 def main() -> int:
@@ -55,12 +41,12 @@ def main() -> int:
     peer = llama_cpp.Llama(args.model, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
                            n_batch=512, verbose=False)
     prompt = np.random.default_rng(0).integers(100, ours.n_vocab, args.n_prompt).tolist()
-    run(ours, prompt, 8)  # warm up: page faults, thread pools
-    run(peer, prompt, 8)
+    time_pp_tg(ours, prompt, 8)  # warm up: page faults, thread pools
+    time_pp_tg(peer, prompt, 8)
     res = {"optiml": [], "llama.cpp": []}
     for _ in range(args.repeats):
-        res["optiml"].append(run(ours, prompt, args.n_gen))
-        res["llama.cpp"].append(run(peer, prompt, args.n_gen))
+        res["optiml"].append(time_pp_tg(ours, prompt, args.n_gen))
+        res["llama.cpp"].append(time_pp_tg(peer, prompt, args.n_gen))
 
     info = optiml.system_info()
     print(f"model: {args.model}")

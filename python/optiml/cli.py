@@ -74,27 +74,29 @@ def cmd_run(args) -> int:
 
 
 # ---- bench ----------------------------------------------------------------------------------------
+def time_pp_tg(engine, prompt: list[int], n_gen: int) -> tuple[float, float]:
+    """One llama-bench style run, in tokens/s: pp = the prompt as one batch from an empty context,
+    tg = n_gen single-token steps from an empty context. Works on anything with reset() and eval(ids)
+    (optiml.Model, llama_cpp.Llama), so tools/bench_vs_llamacpp.py times both engines with it."""
+    engine.reset()
+    t0 = time.perf_counter()
+    engine.eval(prompt)
+    t1 = time.perf_counter()
+    engine.reset()
+    t2 = time.perf_counter()
+    for _ in range(n_gen):
+        engine.eval(prompt[:1])
+    t3 = time.perf_counter()
+    return len(prompt) / (t1 - t0), n_gen / (t3 - t2)
+
+
 def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
-    """Median prompt-processing and generation speeds (tokens/s) over `repeats` runs, llama-bench style:
-    pp = one batch of n_prompt tokens from an empty context; tg = n_gen single-token steps."""
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.n_vocab, n_prompt).tolist()
-    pp, tg = [], []
-    for r in range(repeats + 1):  # the first run warms caches and page mappings
-        model.reset()
-        t0 = time.perf_counter()
-        model.eval(prompt)
-        t1 = time.perf_counter()
-        model.reset()
-        tok = int(prompt[0])
-        t2 = time.perf_counter()
-        for _ in range(n_gen):
-            model.eval([tok])
-        t3 = time.perf_counter()
-        if r:
-            pp.append(n_prompt / (t1 - t0))
-            tg.append(n_gen / (t3 - t2))
+    """Median pp and tg tokens/s of `repeats` runs of time_pp_tg (after one warm-up run)."""
+    prompt = np.random.default_rng(0).integers(0, model.n_vocab, n_prompt).tolist()
+    time_pp_tg(model, prompt, n_gen)  # warms caches and page mappings
+    runs = [time_pp_tg(model, prompt, n_gen) for _ in range(repeats)]
     model.reset()
+    pp, tg = [r[0] for r in runs], [r[1] for r in runs]
     return {"pp": statistics.median(pp), "tg": statistics.median(tg), "pp_runs": pp, "tg_runs": tg}
 
 

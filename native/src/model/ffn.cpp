@@ -32,6 +32,20 @@ void add_bias_rows(const Weight& bias, float* rows, int32_t n) {
         for (int64_t i = 0; i < bias.cols; i++) rows[t * bias.cols + i] += b[i];
 }
 
+void add_to_residual(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const Weight& w, const Weight& bias,
+                     const Weight& post_norm, const float* in, int32_t n, float* x, float* scratch) {
+    const Weight* mat[1] = {&w};
+    if (!post_norm.present()) {
+        matmul_shared_input(pool, kt, mat, &x, 1, in, n, /*accumulate=*/true);
+        add_bias_rows(bias, x, n);
+        return;
+    }
+    matmul_shared_input(pool, kt, mat, &scratch, 1, in, n);
+    add_bias_rows(bias, scratch, n);
+    rms_norm_rows(pool, scratch, post_norm, scratch, n, hp.n_embd, hp.rms_eps);
+    for (int64_t i = 0; i < (int64_t)n * hp.n_embd; i++) x[i] += scratch[i];
+}
+
 void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) {
     const float* scale = (const float*)w.data;
     if (n == 1) {  // a decode step: not worth waking the pool
@@ -73,18 +87,7 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
         });
     }
 
-    // The down projection adds straight into the residual stream, or, with a post-FFN norm (Gemma 3),
-    // goes through xn (free again) to be normalized first: a split FFN sums its parts before that norm.
-    const Weight* down[1] = {&w.down};
-    if (!w.post_norm.present()) {
-        matmul_shared_input(pool, kt, down, &x, 1, s.gate, n, /*accumulate=*/true);
-        add_bias_rows(w.down_b, x, n);
-        return;
-    }
-    matmul_shared_input(pool, kt, down, &s.xn, 1, s.gate, n);
-    add_bias_rows(w.down_b, s.xn, n);
-    rms_norm_rows(pool, s.xn, w.post_norm, s.xn, n, n_embd, hp.rms_eps);
-    for (int64_t i = 0; i < (int64_t)n * n_embd; i++) x[i] += s.xn[i];
+    add_to_residual(pool, kt, hp, w.down, w.down_b, w.post_norm, s.gate, n, x, s.xn);
 }
 
 }  // namespace optiml

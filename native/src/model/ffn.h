@@ -24,6 +24,12 @@ void matmul_shared_input(ThreadPool& pool, const KernelTable& kt, const Weight* 
 // rows[t] += bias for t in [0, n) (rows of bias.cols floats); nothing when the bias is absent.
 void add_bias_rows(const Weight& bias, float* rows, int32_t n);
 
+// x[t] += post_norm(W in[t] + bias) for t in [0, n), the norm and bias only when present: how the
+// attention and FFN outputs join the residual stream. With a norm, the projection is made in `scratch`
+// ([n][n_embd]) and normalized whole first (a split FFN sums its parts before that norm).
+void add_to_residual(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const Weight& w, const Weight& bias,
+                     const Weight& post_norm, const float* in, int32_t n, float* x, float* scratch);
+
 // rms_norm of each of n rows of `dim` floats, rows split across the pool when there are many.
 void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps);
 

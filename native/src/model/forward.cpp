@@ -160,16 +160,7 @@ void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {
     });
 
     // Output projection, added into the residual stream (Gemma 3 normalizes it first).
-    const Weight* wo[1] = {&L.wo};
-    if (!L.attn_post_norm.present()) {
-        matmul_shared_input(pool, kt_, wo, &x, 1, attn, n, /*accumulate=*/true);
-        add_bias_rows(L.bo, x, n);
-        return;
-    }
-    matmul_shared_input(pool, kt_, wo, &xn, 1, attn, n);
-    add_bias_rows(L.bo, xn, n);
-    rms_norm_rows(pool, xn, L.attn_post_norm, xn, n, n_embd, hp.rms_eps);
-    for (int64_t i = 0; i < (int64_t)n * n_embd; i++) x[i] += xn[i];
+    add_to_residual(pool, kt_, hp, L.wo, L.bo, L.attn_post_norm, attn, n, x, xn);
 }
 
 }  // namespace optiml

@@ -130,16 +130,20 @@ void quantize_row_q8_0(const float* x, void* vy, int64_t n) {
     for (int64_t i = 0; i < n / 32; i++, x += 32) y[i].d = fp32_to_fp16(q8_codes(x, y[i].qs));
 }
 
-void quantize_row_q8_1(const float* x, void* vy, int64_t n) {
+// Q8_1 with a given code rule: Q8_0's codes plus s = d * sum(q) (the float32 d, as llama.cpp does).
+template <float (*codes)(const float*, int8_t*)>
+void q8_1_row(const float* x, void* vy, int64_t n) {
     block_q8_1* y = (block_q8_1*)vy;
     for (int64_t i = 0; i < n / 32; i++, x += 32) {
-        const float d = q8_codes(x, y[i].qs);
+        const float d = codes(x, y[i].qs);
         int sum = 0;
         for (int j = 0; j < 32; j++) sum += y[i].qs[j];
         y[i].d = fp32_to_fp16(d);
-        y[i].s = fp32_to_fp16(d * (float)sum);  // the float32 d, as llama.cpp does
+        y[i].s = fp32_to_fp16(d * (float)sum);
     }
 }
+
+void quantize_row_q8_1(const float* x, void* vy, int64_t n) { q8_1_row<q8_codes>(x, vy, n); }
 
 // Activations (the vec_dot types of Q4_0..Q8_0) are converted the way llama.cpp's x86 runtime does,
 // not like the reference above: id = 127/amax and ties to even. Activation rounding decides close
@@ -157,16 +161,7 @@ void activation_row_q8_0(const float* x, void* vy, int64_t n) {
     for (int64_t i = 0; i < n / 32; i++, x += 32) y[i].d = fp32_to_fp16(q8_activation_codes(x, y[i].qs));
 }
 
-void activation_row_q8_1(const float* x, void* vy, int64_t n) {
-    block_q8_1* y = (block_q8_1*)vy;
-    for (int64_t i = 0; i < n / 32; i++, x += 32) {
-        const float d = q8_activation_codes(x, y[i].qs);
-        int sum = 0;
-        for (int j = 0; j < 32; j++) sum += y[i].qs[j];
-        y[i].d = fp32_to_fp16(d);
-        y[i].s = fp32_to_fp16(d * (float)sum);
-    }
-}
+void activation_row_q8_1(const float* x, void* vy, int64_t n) { q8_1_row<q8_activation_codes>(x, vy, n); }
 
 // Dequantization: every product below is exact in float32 (an 11-bit fp16 mantissa times a code
 // of at most 6 bits), so the only rounding is the final "+ m" and the result is bit-identical to
