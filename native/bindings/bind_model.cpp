@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "optiml/common.h"
@@ -22,6 +23,76 @@ struct PyModel {
 struct PySession {
     std::unique_ptr<Session> session;
 };
+
+struct PyRecorder {
+    std::shared_ptr<ActivationRecorder> rec;
+};
+
+using Floats1D = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::dict sparsity_config(const PyModel& m) {
+    const SparsityConfig& sc = m.model->sparsity;
+    nb::dict d;
+    d["calibrated"] = sc.calibrated;
+    d["criterion"] = sc.on_product ? "product" : "gate";
+    auto thr = new_array<float>({sc.threshold.size()});
+    std::copy(sc.threshold.begin(), sc.threshold.end(), thr.data());
+    d["threshold"] = thr;
+    d["target"] = sc.target;
+    return d;
+}
+
+void set_sparsity(PySession& s, bool enabled, std::optional<Floats1D> thresholds, bool on_product) {
+    SparsitySettings st;
+    st.enabled = enabled;
+    st.on_product = on_product;
+    if (thresholds) st.threshold.assign(thresholds->data(), thresholds->data() + thresholds->shape(0));
+    if (enabled && !thresholds) throw ArgumentError("sparsity needs per-layer thresholds");
+    nb::gil_scoped_release release;  // the first call repacks the down matrices
+    s.session->set_sparsity(st);
+}
+
+nb::tuple sparsity_counts(const PySession& s) {
+    const std::vector<int64_t>& a = s.session->ffn_active();
+    const std::vector<int64_t>& n = s.session->ffn_seen();
+    auto active = new_array<int64_t>({a.size()});
+    auto seen = new_array<int64_t>({n.size()});
+    std::copy(a.begin(), a.end(), active.data());
+    std::copy(n.begin(), n.end(), seen.data());
+    return nb::make_tuple(active, seen);
+}
+
+PyRecorder make_recorder(const PyModel& m, Floats1D thresholds, int64_t sample_every, int64_t max_samples) {
+    std::vector<float> thr(thresholds.data(), thresholds.data() + thresholds.shape(0));
+    nb::gil_scoped_release release;  // reads every down matrix for its column norms
+    return PyRecorder{std::make_shared<ActivationRecorder>(*m.model, std::move(thr), sample_every, max_samples)};
+}
+
+template <typename T>
+nb::ndarray<nb::numpy, T> to_array(const std::vector<T>& v, std::initializer_list<size_t> shape) {
+    auto a = new_array<T>(shape);
+    std::copy(v.begin(), v.end(), a.data());
+    return a;
+}
+
+nb::dict recorder_result(const PyRecorder& pr) {
+    const ActivationRecorder& r = *pr.rec;
+    const size_t L = r.n_layer, F = r.n_ff, B = ActivationRecorder::kHistBins, S = r.n_samples;
+    nb::dict d;
+    d["n_tokens"] = r.n_tokens;
+    d["threshold"] = to_array(r.thresholds, {L});
+    d["fired"] = to_array(r.fired, {L, F});
+    d["sum_abs"] = to_array(r.sum_abs, {L, F});
+    d["down_norm"] = to_array(r.down_norm, {L, F});
+    d["hist_edges"] = to_array(ActivationRecorder::hist_edges(), {B + 1});
+    d["gate_hist"] = to_array(r.gate_hist, {L, B});
+    d["gate_err"] = to_array(r.gate_err, {L, B});
+    d["prod_hist"] = to_array(r.prod_hist, {L, B});
+    d["prod_err"] = to_array(r.prod_err, {L, B});
+    d["sample_x"] = to_array(r.sample_x, {S, L, (size_t)r.n_embd});  // f16 bits
+    d["sample_mask"] = to_array(r.sample_mask, {S, L, F / 8});
+    return d;
+}
 
 PyModel load_model(const std::string& path) {
     std::shared_ptr<GGUFFile> f;
@@ -49,7 +120,7 @@ nb::dict hparams(const PyModel& m) {
     d["rope_freq_base"] = hp.rope_freq_base;
     d["rope_freq_scale"] = hp.rope_freq_scale;
     d["rope_type"] = hp.rope_type == ROPE_NEOX ? "neox" : "norm";
-    d["ffn_act"] = hp.ffn_act == FFN_RELU ? "relu" : "silu";
+    d["ffn_act"] = ffn_activation_name(hp.ffn_act);
     d["tied_embeddings"] = m.model->output.data == m.model->tok_embd.data;
     d["weight_bytes"] = m.model->weight_bytes();
     return d;
@@ -83,7 +154,14 @@ void bind_model(nb::module_& m) {
     nb::class_<PyModel>(m, "Model")
         .def(nb::new_([](const std::string& path) { return load_model(path); }), nb::arg("path"))
         .def_prop_ro("hparams", &hparams)
-        .def_prop_ro("n_vocab", [](const PyModel& pm) { return pm.model->hp.n_vocab; });
+        .def_prop_ro("n_vocab", [](const PyModel& pm) { return pm.model->hp.n_vocab; })
+        .def_prop_ro("sparsity", &sparsity_config);
+
+    nb::class_<PyRecorder>(m, "ActivationRecorder")
+        .def(nb::new_(&make_recorder), nb::arg("model"), nb::arg("thresholds"), nb::arg("sample_every") = 0,
+             nb::arg("max_samples") = 0)
+        .def_prop_ro("n_tokens", [](const PyRecorder& r) { return r.rec->n_tokens; })
+        .def("result", &recorder_result);
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
     nb::class_<PySession>(m, "Session")
@@ -93,5 +171,12 @@ void bind_model(nb::module_& m) {
         .def_prop_ro("n_past", [](const PySession& s) { return s.session->n_past(); })
         .def_prop_ro("n_ctx", [](const PySession& s) { return s.session->n_ctx(); })
         .def_prop_ro("kv_bytes", [](const PySession& s) { return s.session->kv_bytes(); })
-        .def("truncate", [](PySession& s, int32_t n) { s.session->truncate(n); }, nb::arg("n"));
+        .def("truncate", [](PySession& s, int32_t n) { s.session->truncate(n); }, nb::arg("n"))
+        .def("set_sparsity", &set_sparsity, nb::arg("enabled"), nb::arg("thresholds") = nb::none(),
+             nb::arg("on_product") = false)
+        .def("sparsity_counts", &sparsity_counts)
+        .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
+        .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {
+            s.session->set_recorder(r && *r ? (*r)->rec : nullptr);
+        }, nb::arg("recorder").none());
 }

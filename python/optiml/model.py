@@ -38,6 +38,11 @@ class Model:
     path: the GGUF file, or a known model name (pulled on first use). n_ctx: context length in tokens (default: the model's training context,
     at most 4096). n_threads: CPU threads (default: the physical cores). n_batch: tokens per forward
     pass while reading a prompt. kv_type: "f16" (as llama.cpp) or "f32".
+
+    sparsity: how the FFN skips neurons (see :meth:`set_sparsity`): "auto" (default: the thresholds the
+    file carries from `optiml calibrate`; for a ReLU-family model without them, exact zero-skipping;
+    otherwise dense), "threshold" (like auto, but an error when there is nothing to skip by), or "none".
+    thresholds: per-layer thresholds (or one for all layers) that override the file's.
     """
 
     def __init__(
@@ -47,6 +52,8 @@ class Model:
         n_threads: int | None = None,
         n_batch: int = 512,
         kv_type: str = "f16",
+        sparsity: str = "auto",
+        thresholds=None,
     ):
         from .models import resolve
 
@@ -70,6 +77,8 @@ class Model:
         self._chat_text = ""  # the text of the last chat prompt and answer ...
         self._chat_ids: list[int] = []  # ... and its token ids, as the model saw and generated them
         self._stats = {"prompt_tokens": 0, "prompt_evaluated": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
+        self.sparsity = "none"
+        self.set_sparsity(sparsity, thresholds)
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -95,6 +104,64 @@ class Model:
         """The last generation: prompt_tokens (the prompt's length), prompt_evaluated (the tokens actually
         run: those not already in the context), prompt_s, gen_tokens, gen_s (seconds)."""
         return dict(self._stats)
+
+    # ---- activation sparsity ---------------------------------------------------------------------
+    def set_sparsity(self, mode: str = "auto", thresholds=None, criterion: str | None = None) -> None:
+        """Chooses how the FFN skips neurons from the next evaluated token on.
+
+        mode "none": dense. "threshold": skip neurons whose |act(gate)| (criterion "gate") or
+        |act(gate) * up| (criterion "product") is at most the layer's threshold; the thresholds are
+        ``thresholds`` (a float for every layer, or one per layer), else the file's calibrated ones
+        (`optiml calibrate`), else 0 for a ReLU-family model (exact: only zeros are skipped).
+        "auto": "threshold" when the file is calibrated or the model is ReLU-family, else "none".
+        The mode in use is in ``self.sparsity`` ("none", "calibrated", "exact" or "custom").
+        """
+        if mode not in ("none", "threshold", "auto"):
+            raise ArgumentError(f"sparsity must be 'none', 'threshold' or 'auto', not {mode!r}")
+        if criterion not in (None, "gate", "product"):
+            raise ArgumentError(f"criterion must be 'gate' or 'product', not {criterion!r}")
+        cfg = self._model.sparsity
+        n_layer = self.hparams["n_layer"]
+        relu = self.hparams["ffn_act"] in ("relu", "relu2")
+        if mode == "none":
+            chosen, thr = "none", None
+        elif thresholds is not None:
+            thr = np.asarray(thresholds, dtype=np.float32)
+            if thr.ndim == 0:
+                thr = np.full(n_layer, float(thr), dtype=np.float32)
+            if thr.shape != (n_layer,):
+                raise ArgumentError(f"thresholds: give one value or {n_layer} (one per layer), not {thr.size}")
+            if not np.all(np.isfinite(thr)) or np.any(thr < 0):
+                raise ArgumentError("thresholds must be finite and >= 0")
+            chosen = "custom"
+        elif cfg["calibrated"]:
+            chosen, thr = "calibrated", np.asarray(cfg["threshold"], dtype=np.float32)
+            criterion = criterion or cfg["criterion"]
+        elif relu:
+            chosen, thr = "exact", np.zeros(n_layer, dtype=np.float32)
+        elif mode == "threshold":
+            raise ArgumentError(
+                f"{os.path.basename(self.path)} carries no sparsity thresholds and its FFN ({self.hparams['ffn_act']}) "
+                "is not ReLU-family: run `optiml calibrate` on it, or pass thresholds=")
+        else:
+            chosen, thr = "none", None
+        with self._exclusive():
+            if chosen == "none":
+                self._session.set_sparsity(False)
+            else:
+                self._session.set_sparsity(True, thr, (criterion or "gate") == "product")
+        self.sparsity = chosen
+
+    def sparsity_stats(self, reset: bool = False) -> dict:
+        """Neurons skipped since the model was made (or the last reset=True): per layer and overall
+        shares of the (token, FFN neuron) pairs not computed, and the mode."""
+        active, seen = self._session.sparsity_counts()
+        if reset:
+            self._session.reset_sparsity_counts()
+        per_layer = [1.0 - a / s if s else 0.0 for a, s in zip(active.tolist(), seen.tolist())]
+        total = int(seen.sum())
+        return {"mode": self.sparsity, "skipped": 1.0 - int(active.sum()) / total if total else 0.0,
+                "layers": per_layer, "tokens": total // self.hparams["n_ff"] // max(1, self.hparams["n_layer"])}
 
     # ---- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:

@@ -6,18 +6,28 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "optiml/gguf.h"
 #include "optiml/kernels.h"
 #include "optiml/matmul.h"
+#include "optiml/recorder.h"
+#include "optiml/sparse.h"
 #include "optiml/threadpool.h"
 
 namespace optiml {
 
 enum RopeType { ROPE_NORM = 0, ROPE_NEOX = 2 };  // pairs (2i, 2i+1) or (i, i + n_rot/2)
-enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1, FFN_GELU = 2 };  // act(gate) * up; GELU is tanh-approximated
+// act(gate) * up; GELU is tanh-approximated; RELU2 is relu(gate) * relu(up) (dReLU).
+enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1, FFN_GELU = 2, FFN_RELU2 = 3 };
+
+// The name of an activation as `optiml.ffn.activation` spells it.
+const char* ffn_activation_name(FFNActivation act);
+
+// Activations of the ReLU family are exactly zero for most neurons: skipping those is lossless.
+inline bool is_relu_family(FFNActivation act) { return act == FFN_RELU || act == FFN_RELU2; }
 
 // Hyper-parameters, read once from `{arch}.*` metadata.
 struct HParams {
@@ -90,6 +100,15 @@ struct LayerWeights {
     FFNWeights ffn;
 };
 
+// Activation sparsity calibrated offline (`optiml calibrate`), read from `optiml.sparsity.*`: in layer l
+// a neuron is skipped when |act(gate)| (or, with on_product, |act(gate) * up|) <= threshold[l].
+struct SparsityConfig {
+    bool calibrated = false;
+    bool on_product = false;
+    std::vector<float> threshold;  // [n_layer]
+    float target = 0.0f;           // the share of neurons calibration aimed to skip
+};
+
 class Model {
 public:
     // Reads hyper-parameters and binds every tensor, checking names, shapes and types.
@@ -103,9 +122,26 @@ public:
     Weight rope_freqs;   // optional F32 [n_rot/2]: per-dimension frequency divisors (Llama 3.1)
     std::vector<LayerWeights> layers;
     std::shared_ptr<GGUFFile> file;
+    SparsityConfig sparsity;
+
+    // Neuron-major copies of the down matrices (row j = neuron j's down column), made once, the first
+    // time a session computes the FFN sparsely. Thread-safe.
+    const std::vector<NeuronMajor>& down_neuron_major(ThreadPool& pool) const;
 
     // Bytes of weights, for reporting.
     size_t weight_bytes() const;
+
+private:
+    mutable std::once_flag down_nm_once_;
+    mutable std::vector<NeuronMajor> down_nm_;
+};
+
+// How a session computes the FFN: dense, or skipping neurons whose activation is at most a per-layer
+// threshold (zero thresholds on a ReLU-family model: exactly the dense result, faster).
+struct SparsitySettings {
+    bool enabled = false;
+    bool on_product = false;
+    std::vector<float> threshold;  // [n_layer]
 };
 
 // One conversation's state: the KV cache and the scratch buffers of the forward pass.
@@ -129,7 +165,21 @@ public:
     const Model& model() const { return *model_; }
     size_t kv_bytes() const { return k_cache_.size() + v_cache_.size(); }
 
+    // Sparse FFN from the next eval on; ArgumentError for thresholds that do not fit the model.
+    void set_sparsity(const SparsitySettings& s);
+    const SparsitySettings& sparsity() const { return sparsity_; }
+    // Per layer: FFN neurons computed and neuron slots seen (tokens x n_ff) since the last reset.
+    const std::vector<int64_t>& ffn_active() const { return ffn_active_; }
+    const std::vector<int64_t>& ffn_seen() const { return ffn_seen_; }
+    void reset_sparsity_counts();
+
+    // While a recorder is attached, every evaluated token's FFN activations go to it (the FFN runs
+    // dense). nullptr detaches.
+    void set_recorder(std::shared_ptr<ActivationRecorder> rec) { recorder_ = std::move(rec); }
+
 private:
+    void ffn_layer(int il, int32_t n);
+
     void forward_batch(const int32_t* tokens, int32_t n, bool all_logits, float* logits);
     void attention_layer(const LayerWeights& L, int layer, int32_t n);
 
@@ -148,6 +198,15 @@ private:
     std::vector<float> scores_;       // per thread: one row of attention scores
     std::vector<uint8_t> attn_conv_;  // per thread: q or the weights converted for the dot products
     size_t attn_row_ = 0;             // floats per thread in scores_ and attn_conv_
+
+    SparsitySettings sparsity_;
+    std::vector<int64_t> ffn_active_, ffn_seen_;
+    // Scratch of the sparse FFN (see SparseScratch), allocated when sparsity is first enabled.
+    std::vector<int32_t> active_idx_, active_count_, active_uni_;
+    std::vector<float> active_val_;
+    std::vector<uint8_t> active_seen_;
+    std::vector<float> ffn_act_;  // act(gate) [n_batch][n_ff] while recording
+    std::shared_ptr<ActivationRecorder> recorder_;
 };
 
 }  // namespace optiml

@@ -1,5 +1,8 @@
 #include "ffn.h"
 
+#include <cstring>
+#include <vector>
+
 #include "optiml/ops.h"
 
 namespace optiml {
@@ -59,8 +62,45 @@ void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out
     });
 }
 
+void join_residual(ThreadPool& pool, const HParams& hp, const Weight& bias, const Weight& post_norm, float* y,
+                   int32_t n, float* x) {
+    add_bias_rows(bias, y, n);
+    if (post_norm.present()) rms_norm_rows(pool, y, post_norm, y, n, hp.n_embd, hp.rms_eps);
+    for (int64_t i = 0; i < (int64_t)n * hp.n_embd; i++) x[i] += y[i];
+}
+
+void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,
+                  const float* u, int32_t n) {
+    const int64_t n_ff = hp.n_ff;
+    // GELU: llama.cpp's f16 table where the gate's input is quantized to 8 bits anyway (its rounding is
+    // far below that, and matching llama.cpp's bits keeps its greedy text); exact in float otherwise.
+    const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
+    const bool float_gate = gate_x == TYPE_F32 || gate_x == TYPE_F16 || gate_x == TYPE_BF16;
+    const act_mul_fn act = hp.ffn_act == FFN_GELU ? (float_gate ? kt.gelu_exact_mul : kt.gelu_mul)
+                           : is_relu_family(hp.ffn_act) ? kt.relu_mul
+                                                        : kt.silu_mul;
+    auto row = [&](int64_t t) {
+        float* gt = g + t * n_ff;
+        const float* ut = u + t * n_ff;
+        if (hp.ffn_act == FFN_RELU2) {
+            for (int64_t i = 0; i < n_ff; i++) gt[i] = gt[i] > 0 && ut[i] > 0 ? gt[i] * ut[i] : 0.0f;
+        } else {
+            act(n_ff, gt, ut);
+        }
+    };
+    if (n == 1) {
+        row(0);
+        return;
+    }
+    pool.run([&](int ith, int nth) {
+        int64_t t0, t1;
+        split_range(n, ith, nth, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) row(t);
+    });
+}
+
 void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
-               const FFNScratch& s) {
+               const FFNScratch& s, const FFNObserver* observe, float* act_buf) {
     const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff;
     rms_norm_rows(pool, x, w.norm, s.xn, n, n_embd, hp.rms_eps);
 
@@ -70,22 +110,13 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
     add_bias_rows(w.gate_b, s.gate, n);
     add_bias_rows(w.up_b, s.up, n);
 
-    // GELU: llama.cpp's f16 table where the gate's input is quantized to 8 bits anyway (its rounding is
-    // far below that, and matching llama.cpp's bits keeps its greedy text); exact in float otherwise.
-    const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
-    const bool float_gate = gate_x == TYPE_F32 || gate_x == TYPE_F16 || gate_x == TYPE_BF16;
-    const act_mul_fn act = hp.ffn_act == FFN_RELU   ? kt.relu_mul
-                           : hp.ffn_act == FFN_GELU ? (float_gate ? kt.gelu_exact_mul : kt.gelu_mul)
-                                                    : kt.silu_mul;
-    if (n == 1) {
-        act(n_ff, s.gate, s.up);
-    } else {
-        pool.run([&](int ith, int nth) {
-            int64_t t0, t1;
-            split_range(n, ith, nth, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) act(n_ff, s.gate + t * n_ff, s.up + t * n_ff);
-        });
+    if (observe) {  // act(gate) on its own: the activation times a row of ones
+        std::memcpy(act_buf, s.gate, sizeof(float) * n * n_ff);
+        const std::vector<float> ones((size_t)n * n_ff, 1.0f);
+        ffn_activate(pool, kt, hp, w, act_buf, ones.data(), n);
     }
+    ffn_activate(pool, kt, hp, w, s.gate, s.up, n);
+    if (observe) (*observe)(s.xn, act_buf, s.gate);
 
     add_to_residual(pool, kt, hp, w.down, w.down_b, w.post_norm, s.gate, n, x, s.xn);
 }

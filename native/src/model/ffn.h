@@ -6,16 +6,47 @@
 
 namespace optiml {
 
+#include <functional>
+
 struct FFNScratch {
     float* xn;    // [n][n_embd]
     float* gate;  // [n][n_ff]
     float* up;    // [n][n_ff]
 };
 
+// Sees one layer's FFN while it runs dense: its input after the norm, act(gate) and act(gate) * up.
+typedef std::function<void(const float* xn, const float* a, const float* h)> FFNObserver;
+
 // x[t] += down(act(gate(rms_norm(x[t]))) * up(rms_norm(x[t]))) for t in [0, n), the sum passed through
-// rms_norm with w.post_norm first when there is one (Gemma 3).
+// rms_norm with w.post_norm first when there is one (Gemma 3). With an observer, act(gate) is also
+// computed apart, into act_buf ([n][n_ff]), and shown to it.
 void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
-               const FFNScratch& s);
+               const FFNScratch& s, const FFNObserver* observe = nullptr, float* act_buf = nullptr);
+
+// Scratch of the sparse FFN for up to n tokens.
+struct SparseScratch {
+    int32_t* idx;    // [n][n_ff]: token t's active neurons from idx + t * n_ff
+    float* val;      // [n][n_ff]: their activations act(gate) * up
+    int32_t* count;  // [n]
+    int32_t* uni;    // [n_ff]: the union over tokens of the active neurons
+    uint8_t* seen;   // [n_ff]
+};
+
+// The same FFN, computing only neurons whose |act(gate)| (on_product: |act(gate) * up|) is above
+// threshold: gate (and with on_product also up) dense, up rows of active neurons only, and the down
+// projection as a sum of the active neurons' columns (down_nm, neuron-major). Returns the number of
+// (token, neuron) activations computed.
+int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w,
+                   const NeuronMajor& down_nm, float threshold, bool on_product, float* x, int32_t n,
+                   const FFNScratch& s, const SparseScratch& sp);
+
+// act(g) * u in place over n rows of n_ff, the pool splitting rows when there are many.
+void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,
+                  const float* u, int32_t n);
+
+// x[t] += post_norm(y[t] + bias) for t in [0, n): a projection already computed joins the residual.
+void join_residual(ThreadPool& pool, const HParams& hp, const Weight& bias, const Weight& post_norm, float* y,
+                   int32_t n, float* x);
 
 // Matrices sharing one input: one conversion and one dispatch when their activation types agree.
 void matmul_shared_input(ThreadPool& pool, const KernelTable& kt, const Weight* const* w, float* const* y, int n_mats,

@@ -27,11 +27,9 @@ void Session::forward_batch(const int32_t* tokens, int32_t n, bool all_logits, f
             for (int64_t i = 0; i < n_embd; i++) xt[i] *= hp.embd_scale;
     }
 
-    const FFNScratch ffn_scratch{xn_.data(), ffn_gate_.data(), ffn_up_.data()};
     for (int il = 0; il < hp.n_layer; il++) {
-        const LayerWeights& L = M.layers[il];
-        attention_layer(L, il, n);
-        ffn_dense(pool, kt_, hp, L.ffn, x, n, ffn_scratch);
+        attention_layer(M.layers[il], il, n);
+        ffn_layer(il, n);
     }
     n_past_ += n;
 
@@ -46,6 +44,31 @@ void Session::forward_batch(const int32_t* tokens, int32_t n, bool all_logits, f
         const float cap = hp.final_softcap;
         for (int64_t i = 0; i < (int64_t)rows * hp.n_vocab; i++) logits[i] = std::tanh(logits[i] / cap) * cap;
     }
+}
+
+void Session::ffn_layer(int il, int32_t n) {
+    const HParams& hp = model_->hp;
+    const FFNWeights& w = model_->layers[il].ffn;
+    const FFNScratch s{xn_.data(), ffn_gate_.data(), ffn_up_.data()};
+    if (recorder_) {  // profiling: dense, every activation shown to the recorder
+        ffn_act_.resize((size_t)n_batch_ * hp.n_ff);
+        ActivationRecorder& rec = *recorder_;
+        const FFNObserver observe = [&](const float* xn, const float* a, const float* h) {
+            rec.record(*pool_, il, xn, a, h, n);
+        };
+        ffn_dense(*pool_, kt_, hp, w, x_.data(), n, s, &observe, ffn_act_.data());
+        return;
+    }
+    if (!sparsity_.enabled) {
+        ffn_dense(*pool_, kt_, hp, w, x_.data(), n, s);
+        return;
+    }
+    const SparseScratch sp{active_idx_.data(), active_val_.data(), active_count_.data(), active_uni_.data(),
+                           active_seen_.data()};
+    const NeuronMajor& down_nm = model_->down_neuron_major(*pool_)[il];
+    ffn_active_[il] += ffn_sparse(*pool_, kt_, hp, w, down_nm, sparsity_.threshold[il], sparsity_.on_product,
+                                  x_.data(), n, s, sp);
+    ffn_seen_[il] += (int64_t)n * hp.n_ff;
 }
 
 void Session::attention_layer(const LayerWeights& L, int il, int32_t n) {

@@ -88,8 +88,9 @@ HParams read_hparams(const GGUFFile& f) {
     if (act == "silu") hp.ffn_act = FFN_SILU;
     else if (act == "relu") hp.ffn_act = FFN_RELU;
     else if (act == "gelu") hp.ffn_act = FFN_GELU;
+    else if (act == "relu2") hp.ffn_act = FFN_RELU2;
     else
-        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu, gelu)",
+        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu, relu2, gelu)",
                                            f.path().c_str(), act.c_str()));
 
     hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
@@ -118,6 +119,29 @@ HParams read_hparams(const GGUFFile& f) {
                                    "negative", f.path().c_str()));
     }
     return hp;
+}
+
+// `optiml.sparsity.*`: written by `optiml calibrate`; checked here so a bad file fails at load.
+SparsityConfig read_sparsity(const GGUFFile& f, const HParams& hp) {
+    SparsityConfig sc;
+    if (!f.has("optiml.sparsity.threshold")) return sc;
+    const std::vector<float> thr = f.get_f32_array("optiml.sparsity.threshold");
+    if ((int64_t)thr.size() != hp.n_layer)
+        throw GGUFError(format("%s: optiml.sparsity.threshold has %zu values for %d layers", f.path().c_str(),
+                               thr.size(), hp.n_layer));
+    for (float t : thr)
+        if (!(t >= 0) || !std::isfinite(t))
+            throw GGUFError(format("%s: optiml.sparsity.threshold holds %g; thresholds must be finite and >= 0",
+                                   f.path().c_str(), t));
+    const std::string crit = f.get_string("optiml.sparsity.criterion", "gate");
+    if (crit != "gate" && crit != "product")
+        throw GGUFError(format("%s: optiml.sparsity.criterion is '%s' (gate or product)", f.path().c_str(),
+                               crit.c_str()));
+    sc.calibrated = true;
+    sc.on_product = crit == "product";
+    sc.threshold = thr;
+    sc.target = f.get_f32("optiml.sparsity.target", 0.0f);
+    return sc;
 }
 
 class Binder {
@@ -177,6 +201,16 @@ private:
 
 const char* supported_architectures() { return "llama, mistral, qwen2, gemma3"; }
 
+const char* ffn_activation_name(FFNActivation act) {
+    switch (act) {
+        case FFN_SILU: return "silu";
+        case FFN_RELU: return "relu";
+        case FFN_GELU: return "gelu";
+        case FFN_RELU2: return "relu2";
+    }
+    return "?";
+}
+
 std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
     auto model = std::make_shared<Model>();
     Model& M = *model;
@@ -224,7 +258,18 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma3);
         L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
     }
+    M.sparsity = read_sparsity(f, hp);
     return model;
+}
+
+const std::vector<NeuronMajor>& Model::down_neuron_major(ThreadPool& pool) const {
+    std::call_once(down_nm_once_, [&] {
+        std::vector<NeuronMajor> nm;
+        nm.reserve(layers.size());
+        for (const LayerWeights& L : layers) nm.push_back(repack_neuron_major(pool, L.ffn.down.matrix(), TYPE_Q8_0));
+        down_nm_ = std::move(nm);
+    });
+    return down_nm_;
 }
 
 size_t Model::weight_bytes() const {

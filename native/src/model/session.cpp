@@ -1,5 +1,6 @@
 // Session: KV cache and scratch buffers, and the entry point that feeds tokens in batches.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "optiml/common.h"
@@ -40,6 +41,33 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     attn_row_ = std::max<size_t>((size_t)n_ctx, (size_t)hp.head_dim);
     scores_.resize((size_t)pool_->size() * attn_row_);
     attn_conv_.resize((size_t)pool_->size() * attn_row_ * sizeof(float));
+    reset_sparsity_counts();
+}
+
+void Session::set_sparsity(const SparsitySettings& st) {
+    const HParams& hp = model_->hp;
+    if (st.enabled) {
+        if ((int64_t)st.threshold.size() != hp.n_layer)
+            throw ArgumentError(format("%zu sparsity thresholds given for a model of %d layers", st.threshold.size(),
+                                       hp.n_layer));
+        for (float t : st.threshold)
+            if (!(t >= 0) || !std::isfinite(t))
+                throw ArgumentError(format("sparsity thresholds must be finite and >= 0, got %g", t));
+        const size_t nb = (size_t)n_batch_, nf = (size_t)hp.n_ff;
+        active_idx_.resize(nb * nf);
+        active_val_.resize(nb * nf);
+        active_count_.resize(nb);
+        active_uni_.resize(nf);
+        active_seen_.resize(nf);
+        model_->down_neuron_major(*pool_);  // the repack happens now, not inside the first token
+    }
+    sparsity_ = st;
+    reset_sparsity_counts();
+}
+
+void Session::reset_sparsity_counts() {
+    ffn_active_.assign(model_->hp.n_layer, 0);
+    ffn_seen_.assign(model_->hp.n_layer, 0);
 }
 
 void Session::truncate(int32_t n) {

@@ -1,0 +1,56 @@
+// Recording hooks for `optiml profile`: per layer and per FFN neuron, how often it fires, how large its
+// activation is, and histograms of activation magnitudes from which `optiml calibrate` picks thresholds.
+// A Session with a recorder attached feeds it every token it evaluates (the FFN then runs dense).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "optiml/threadpool.h"
+
+namespace optiml {
+
+class Model;
+
+class ActivationRecorder {
+public:
+    // Histogram bins of |value|: bin 0 holds values below 2^kHistMinExp (zero included), then
+    // kHistPerOctave bins per octave (linear inside the octave) up to 2^kHistMaxExp, then one bin
+    // for everything larger.
+    static constexpr int kHistMinExp = -20;
+    static constexpr int kHistMaxExp = 12;
+    static constexpr int kHistPerOctave = 8;
+    static constexpr int kHistBins = (kHistMaxExp - kHistMinExp) * kHistPerOctave + 2;
+
+    // thresholds: per layer, a neuron fires when |act(gate) * up| > threshold. Every sample_every-th
+    // token (0: none) has its FFN inputs and firing masks kept, up to max_samples tokens.
+    ActivationRecorder(const Model& model, std::vector<float> thresholds, int64_t sample_every, int64_t max_samples);
+
+    // One layer's FFN for n tokens: xn the FFN input after its norm [n][n_embd], a = act(gate) and
+    // h = act(gate) * up [n][n_ff]. Called by the forward pass, layer by layer.
+    void record(ThreadPool& pool, int layer, const float* xn, const float* a, const float* h, int32_t n);
+
+    // Bin edges: kHistBins + 1 values, the first 0 and the last +inf.
+    static std::vector<float> hist_edges();
+
+    int32_t n_layer, n_ff, n_embd;
+    int64_t n_tokens = 0;            // tokens recorded (counted at layer 0)
+    std::vector<float> thresholds;   // [n_layer]
+    std::vector<float> down_norm;    // [n_layer][n_ff]: L2 norm of each neuron's down column
+    std::vector<int64_t> fired;      // [n_layer][n_ff]
+    std::vector<double> sum_abs;     // [n_layer][n_ff]: sum of |h|
+    std::vector<double> gate_hist, gate_err, prod_hist, prod_err;  // [n_layer][kHistBins]
+    // Samples: [n_samples][n_layer][n_embd] as f16 bits, and [n_samples][n_layer][n_ff / 8] packed
+    // masks (bit 7 of byte 0 is neuron 0, as numpy.packbits).
+    int64_t sample_every, max_samples, n_samples = 0;
+    std::vector<uint16_t> sample_x;
+    std::vector<uint8_t> sample_mask;
+
+private:
+    std::vector<int64_t> layer_seen_;  // tokens seen per layer, to place samples
+};
+
+// The histogram bin of |v|.
+int hist_bin(float v);
+
+}  // namespace optiml

@@ -1,0 +1,141 @@
+#include "optiml/recorder.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "optiml/common.h"
+#include "optiml/ggml_types.h"
+#include "optiml/model.h"
+#include "optiml/quant.h"
+
+namespace optiml {
+
+int hist_bin(float v) {
+    // Exponent and the top mantissa bits of |v| give the bin directly: no log per value.
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    bits &= 0x7fffffffu;
+    const int e = (int)(bits >> 23) - 127;
+    if (e < ActivationRecorder::kHistMinExp) return 0;
+    if (e >= ActivationRecorder::kHistMaxExp) return ActivationRecorder::kHistBins - 1;
+    const int sub = (int)((bits >> (23 - 3)) & 7);  // kHistPerOctave == 8
+    return 1 + (e - ActivationRecorder::kHistMinExp) * ActivationRecorder::kHistPerOctave + sub;
+}
+
+std::vector<float> ActivationRecorder::hist_edges() {
+    std::vector<float> e(kHistBins + 1);
+    e[0] = 0.0f;
+    for (int b = 1; b < kHistBins; b++) {
+        const int oct = (b - 1) / kHistPerOctave, sub = (b - 1) % kHistPerOctave;
+        e[b] = std::ldexp(1.0f + sub / (float)kHistPerOctave, kHistMinExp + oct);
+    }
+    e[kHistBins - 1] = std::ldexp(1.0f, kHistMaxExp);
+    e[kHistBins] = std::numeric_limits<float>::infinity();
+    return e;
+}
+
+ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> thr, int64_t every, int64_t max_s)
+    : n_layer(model.hp.n_layer), n_ff(model.hp.n_ff), n_embd(model.hp.n_embd), thresholds(std::move(thr)),
+      sample_every(every), max_samples(max_s) {
+    if ((int64_t)thresholds.size() != n_layer)
+        throw ArgumentError(format("%zu thresholds given for %d layers", thresholds.size(), n_layer));
+    for (float t : thresholds)
+        if (!(t >= 0) || !std::isfinite(t)) throw ArgumentError("thresholds must be finite and >= 0");
+    if (every < 0 || max_s < 0) throw ArgumentError("sample_every and max_samples must be >= 0");
+    if (every > 0 && n_ff % 8 != 0) throw ArgumentError("samples need n_ff to be a multiple of 8");
+    const size_t ln = (size_t)n_layer * n_ff;
+    fired.assign(ln, 0);
+    sum_abs.assign(ln, 0.0);
+    down_norm.assign(ln, 0.0f);
+    gate_hist.assign((size_t)n_layer * kHistBins, 0.0);
+    gate_err = prod_hist = prod_err = gate_hist;
+    layer_seen_.assign(n_layer, 0);
+
+    // Down columns' norms: down is [n_embd rows][n_ff cols]; sum the squares of each column.
+    std::vector<float> row(n_ff);
+    std::vector<double> acc(n_ff);
+    for (int il = 0; il < n_layer; il++) {
+        const Weight& d = model.layers[il].ffn.down;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t r = 0; r < d.rows; r++) {
+            dequantize_row(d.type, d.row(r), row.data(), n_ff);
+            for (int64_t j = 0; j < n_ff; j++) acc[j] += (double)row[j] * row[j];
+        }
+        for (int64_t j = 0; j < n_ff; j++) down_norm[(size_t)il * n_ff + j] = (float)std::sqrt(acc[j]);
+    }
+}
+
+void ActivationRecorder::record(ThreadPool& pool, int il, const float* xn, const float* a, const float* h,
+                                int32_t n) {
+    const float thr = thresholds[il];
+    const float* dn = down_norm.data() + (size_t)il * n_ff;
+    int64_t* fired_l = fired.data() + (size_t)il * n_ff;
+    double* sum_l = sum_abs.data() + (size_t)il * n_ff;
+
+    // Neurons split across threads; each thread keeps its own histograms, summed at the end.
+    const int nth = pool.size();
+    std::vector<double> hists((size_t)nth * 4 * kHistBins, 0.0);
+    pool.run([&](int ith, int nth_run) {
+        int64_t j0, j1;
+        split_range(n_ff, ith, nth_run, &j0, &j1);
+        double* gh = hists.data() + (size_t)ith * 4 * kHistBins;
+        double* ge = gh + kHistBins;
+        double* ph = ge + kHistBins;
+        double* pe = ph + kHistBins;
+        for (int64_t j = j0; j < j1; j++) {
+            const double d2 = (double)dn[j] * dn[j];
+            int64_t f = 0;
+            double s = 0;
+            for (int32_t t = 0; t < n; t++) {
+                const float av = a[(size_t)t * n_ff + j], hv = h[(size_t)t * n_ff + j];
+                const float ah = std::fabs(hv);
+                f += ah > thr;
+                s += ah;
+                const double e = (double)hv * hv * d2;
+                const int bg = hist_bin(av), bp = hist_bin(hv);
+                gh[bg] += 1;
+                ge[bg] += e;
+                ph[bp] += 1;
+                pe[bp] += e;
+            }
+            fired_l[j] += f;
+            sum_l[j] += s;
+        }
+    });
+    for (int ith = 0; ith < nth; ith++) {
+        const double* src = hists.data() + (size_t)ith * 4 * kHistBins;
+        for (int b = 0; b < kHistBins; b++) {
+            const size_t o = (size_t)il * kHistBins + b;
+            gate_hist[o] += src[b];
+            gate_err[o] += src[kHistBins + b];
+            prod_hist[o] += src[2 * kHistBins + b];
+            prod_err[o] += src[3 * kHistBins + b];
+        }
+    }
+
+    // Samples: the same global token numbers in every layer (layers see the tokens in the same order).
+    if (sample_every > 0) {
+        for (int32_t t = 0; t < n; t++) {
+            const int64_t g = layer_seen_[il] + t;
+            if (g % sample_every != 0) continue;
+            const int64_t si = g / sample_every;
+            if (si >= max_samples) break;
+            if (si >= n_samples) {  // first seen at layer 0: make room
+                n_samples = si + 1;
+                sample_x.resize((size_t)n_samples * n_layer * n_embd);
+                sample_mask.resize((size_t)n_samples * n_layer * (n_ff / 8));
+            }
+            uint16_t* xs = sample_x.data() + ((size_t)si * n_layer + il) * n_embd;
+            for (int32_t i = 0; i < n_embd; i++) xs[i] = fp32_to_fp16(xn[(size_t)t * n_embd + i]);
+            uint8_t* ms = sample_mask.data() + ((size_t)si * n_layer + il) * (n_ff / 8);
+            std::memset(ms, 0, n_ff / 8);
+            for (int32_t j = 0; j < n_ff; j++)
+                if (std::fabs(h[(size_t)t * n_ff + j]) > thr) ms[j >> 3] |= (uint8_t)(0x80 >> (j & 7));
+        }
+    }
+    layer_seen_[il] += n;
+    if (il == 0) n_tokens += n;
+}
+
+}  // namespace optiml
