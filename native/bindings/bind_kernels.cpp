@@ -23,25 +23,6 @@ using Bytes2D = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device
 using Floats1D = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Floats2D = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-const KernelTable& table_for(const std::string& simd) {
-    if (simd.empty()) return kernel_table();
-    for (int l = 0; l < SIMD_LEVEL_COUNT; l++)
-        if (simd == simd_level_name((SimdLevel)l)) return kernel_table((SimdLevel)l);
-    throw ArgumentError(format("unknown SIMD level '%s' (expected scalar, avx2, avx512 or neon)", simd.c_str()));
-}
-
-// Pools of a given size, kept so that benchmarks at 1 and 2 threads do not create threads per call.
-std::shared_ptr<ThreadPool> pool_for(int n_threads) {
-    if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = the default pool)");
-    if (n_threads == 0) return default_pool();
-    static std::mutex mu;
-    static std::map<int, std::shared_ptr<ThreadPool>> pools;
-    std::lock_guard<std::mutex> lk(mu);
-    auto& p = pools[n_threads];
-    if (!p) p = std::make_shared<ThreadPool>(n_threads);
-    return p;
-}
-
 void check_row_bytes(int32_t wtype, int64_t cols, size_t have, const char* what) {
     check_matmul_args(wtype, cols);
     const size_t need = row_size(wtype, cols);
@@ -86,6 +67,26 @@ nb::ndarray<nb::numpy, float> matmul_py(Bytes2D w, int32_t wtype, Floats2D x, co
 }
 
 }  // namespace
+
+// Shared with the other kernel bindings (bindings.h).
+const optiml::KernelTable& table_for(const std::string& simd) {
+    if (simd.empty()) return kernel_table();
+    for (int l = 0; l < SIMD_LEVEL_COUNT; l++)
+        if (simd == simd_level_name((SimdLevel)l)) return kernel_table((SimdLevel)l);
+    throw ArgumentError(format("unknown SIMD level '%s' (expected scalar, avx2, avx512 or neon)", simd.c_str()));
+}
+
+// Pools of a given size, kept so that benchmarks at 1 and 2 threads do not create threads per call.
+std::shared_ptr<optiml::ThreadPool> pool_for(int n_threads) {
+    if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = the default pool)");
+    if (n_threads == 0) return default_pool();
+    static std::mutex mu;
+    static std::map<int, std::shared_ptr<ThreadPool>> pools;
+    std::lock_guard<std::mutex> lk(mu);
+    auto& p = pools[n_threads];
+    if (!p) p = std::make_shared<ThreadPool>(n_threads);
+    return p;
+}
 
 void bind_kernels(nb::module_& m) {
     m.def(

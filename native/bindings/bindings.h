@@ -7,6 +7,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "optiml/kernels.h"
+#include "optiml/threadpool.h"
 
 namespace nb = nanobind;
 
@@ -18,6 +23,13 @@ void bind_gguf(nb::module_& m);
 void bind_tokenizer(nb::module_& m);
 void bind_sampling(nb::module_& m);
 void bind_model(nb::module_& m);
+void bind_sparse(nb::module_& m);
+
+// The kernel table of a SIMD level by name ("" = the best available); ArgumentError when unknown
+// or unavailable (bind_kernels.cpp).
+const optiml::KernelTable& table_for(const std::string& simd);
+// A pool of n_threads threads, kept across calls (0 = the default pool) (bind_kernels.cpp).
+std::shared_ptr<optiml::ThreadPool> pool_for(int n_threads);
 
 // A new C-contiguous numpy array of T that owns its memory (freed when numpy drops it).
 template <typename T>

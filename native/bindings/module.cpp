@@ -16,6 +16,7 @@ NB_MODULE(_core, m) {
     bind_tokenizer(m);
     bind_sampling(m);
     bind_model(m);
+    bind_sparse(m);
 }
 
 void bind_errors(nb::module_& m) {

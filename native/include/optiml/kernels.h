@@ -34,6 +34,11 @@ typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 typedef double (*softmax_exp_fn)(int64_t n, float* y, const float* x, float max);
 // g[i] = act(g[i]) * u[i] (the gated FFN activation), in place.
 typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
+// y[r] += a[0] * w_0[r] + ... + a[k-1] * w_{k-1}[r] for r < n, where w_i is the row of the table's
+// type starting w_offset bytes into w[i] (n and w_offset whole blocks). Each element is updated with
+// one fused multiply-add per row, rows in list order (a scale per Q8_0 block: fma(a[i] * d, q, y)),
+// so every SIMD level and every split of [0, n) gives the same bits. native/src/cpu/sparse_axpy*.cpp
+typedef void (*axpy_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k);
 
 struct KernelTable {
     SimdLevel level;
@@ -51,6 +56,9 @@ struct KernelTable {
     // f16 and looked up in a table of gelu rounded to f16 (0 for g <= -10, g itself for g >= 10).
     act_mul_fn gelu_mul;
     act_mul_fn gelu_exact_mul;             // gelu(g) * u in float, no f16 rounding
+    // Column-sparse down projection over neuron-major rows (sparse.h), indexed by the rows' type:
+    // F32, F16 and Q8_0.
+    axpy_fn axpy[TYPE_COUNT];
 };
 
 // Each SIMD file fills in the entries it implements and leaves the others untouched.
@@ -62,6 +70,11 @@ void fill_kernels_neon(KernelTable& table);
 void fill_ops_scalar(KernelTable& table);
 void fill_ops_avx2(KernelTable& table);
 void fill_ops_avx512(KernelTable& table);
+// Sparse FFN kernels (axpy), native/src/cpu/sparse_axpy*.cpp.
+void fill_sparse_scalar(KernelTable& table);
+void fill_sparse_avx2(KernelTable& table);
+void fill_sparse_avx512(KernelTable& table);
+void fill_sparse_neon(KernelTable& table);
 
 // Is the level compiled into this build and supported by this CPU?
 bool simd_level_available(SimdLevel level);

@@ -68,6 +68,7 @@ const KernelTable& kernel_table(SimdLevel level) {
             t.level = (SimdLevel)l;
             fill_kernels_scalar(t);
             fill_ops_scalar(t);
+            fill_sparse_scalar(t);
         }
 #if defined(OPTIML_X86)
         fill_kernels_avx2(tables[SIMD_AVX2]);
@@ -76,9 +77,12 @@ const KernelTable& kernel_table(SimdLevel level) {
         fill_ops_avx512(tables[SIMD_AVX512]);
         fill_kernels_avx2(tables[SIMD_AVX512]);  // AVX-512 overlays AVX2 where it has nothing better
         fill_kernels_avx512(tables[SIMD_AVX512]);
+        fill_sparse_avx2(tables[SIMD_AVX2]);
+        fill_sparse_avx512(tables[SIMD_AVX512]);
 #endif
 #if defined(OPTIML_ARM)
         fill_kernels_neon(tables[SIMD_NEON]);
+        fill_sparse_neon(tables[SIMD_NEON]);
 #endif
     });
     return tables[level];

@@ -1,0 +1,112 @@
+// The sparse FFN kernels (sparse.h) on numpy arrays, at a chosen SIMD level and thread count, for
+// tests and benchmarks. Weights come in as raw bytes plus (type, rows, cols), as GGUF stores them.
+#include "bindings.h"
+
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "optiml/common.h"
+#include "optiml/quant.h"
+#include "optiml/sparse.h"
+
+namespace {
+
+using namespace optiml;
+
+using BytesND = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
+using Ints1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Floats1D = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Floats2D = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// A weight matrix over the bytes of w, after checking that they are exactly rows x cols of qtype.
+WeightMatrix weight_matrix(const BytesND& w, int32_t qtype, int64_t rows, int64_t cols) {
+    if (!type_is_known(qtype)) throw ArgumentError(format("unknown tensor type id %d", qtype));
+    const TypeTraits& t = type_traits(qtype);
+    if (rows < 0 || cols <= 0 || cols % t.block_size != 0)
+        throw ArgumentError(format("a %lld x %lld matrix of %s: rows must be >= 0 and cols a positive multiple of %lld",
+                                   (long long)rows, (long long)cols, t.name, (long long)t.block_size));
+    const size_t need = row_size(qtype, cols) * (size_t)rows;
+    if (w.size() != need)
+        throw ArgumentError(format("the weights hold %zu bytes, but %lld x %lld of %s take %zu", (size_t)w.size(),
+                                   (long long)rows, (long long)cols, t.name, need));
+    return WeightMatrix{qtype, rows, cols, w.data()};
+}
+
+nb::ndarray<nb::numpy, float> matmul_rows_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, Ints1D idx,
+                                             Floats2D x, int n_threads, const std::string& simd) {
+    const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
+    check_matmul_args(qtype, cols);
+    if ((int64_t)x.shape(1) != cols)
+        throw ArgumentError(format("x has rows of %zu values, the weights have %lld columns", (size_t)x.shape(1),
+                                   (long long)cols));
+    const KernelTable& kt = table_for(simd);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    const int64_t n_tokens = (int64_t)x.shape(0);
+    auto y = new_array<float>({(size_t)n_tokens, (size_t)rows});  // zeros: unlisted rows stay 0
+    {
+        nb::gil_scoped_release release;
+        matmul_rows(*pool, kt, W, idx.data(), (int64_t)idx.shape(0), x.data(), n_tokens, y.data());
+    }
+    return y;
+}
+
+nb::tuple repack_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, int32_t type, int n_threads) {
+    const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    NeuronMajor nm;
+    {
+        nb::gil_scoped_release release;
+        nm = repack_neuron_major(*pool, W, type);
+    }
+    auto out = new_array<uint8_t>({(size_t)nm.n_neurons, nm.row_bytes});
+    if (!nm.data.empty()) std::memcpy(out.data(), nm.data.data(), nm.data.size());
+    return nb::make_tuple(out, nm.row_bytes);
+}
+
+nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_neurons, int64_t dim, Ints1D idx,
+                                           Floats1D a, std::optional<Floats1D> y0, int n_threads,
+                                           const std::string& simd) {
+    check_neuron_major(type, n_neurons, dim);
+    const size_t need = row_size(type, dim) * (size_t)n_neurons;
+    if (d.size() != need)
+        throw ArgumentError(format("the neuron-major rows hold %zu bytes, but %lld rows of %lld %s values take %zu",
+                                   (size_t)d.size(), (long long)n_neurons, (long long)dim, type_traits(type).name,
+                                   need));
+    if (a.shape(0) != idx.shape(0))
+        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
+    if (y0 && (int64_t)y0->shape(0) != dim)
+        throw ArgumentError(format("y holds %zu values, expected dim = %lld", (size_t)y0->shape(0), (long long)dim));
+    const KernelTable& kt = table_for(simd);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    auto y = new_array<float>({(size_t)dim});
+    if (y0) std::memcpy(y.data(), y0->data(), sizeof(float) * dim);
+    {
+        nb::gil_scoped_release release;
+        axpy_rows_raw(*pool, kt, type, n_neurons, dim, d.data(), idx.data(), a.data(), (int64_t)idx.shape(0),
+                      y.data(), y0.has_value());
+    }
+    return y;
+}
+
+}  // namespace
+
+void bind_sparse(nb::module_& m) {
+    m.def("matmul_rows", &matmul_rows_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+          nb::arg("idx"), nb::arg("x"), nb::arg("n_threads") = 0, nb::arg("simd") = "",
+          "Y[t, r] = dot(W[r], X[t]) for the rows r listed in idx (int32); other entries of Y are 0. "
+          "W is rows x cols of qtype as raw bytes, X float32 [n_tokens, cols].");
+    m.def("repack_neuron_major", &repack_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+          nb::arg("type") = (int32_t)TYPE_Q8_0, nb::arg("n_threads") = 0,
+          "Column j of the rows x cols matrix W (raw bytes of qtype) as row j of `type` (F32, F16, Q8_0): "
+          "returns (uint8 [cols, row_bytes], row_bytes).");
+    m.def("axpy_rows", &axpy_rows_py, nb::arg("d"), nb::arg("type"), nb::arg("n_neurons"), nb::arg("dim"),
+          nb::arg("idx"), nb::arg("a"), nb::arg("y").none() = nb::none(), nb::arg("n_threads") = 0,
+          nb::arg("simd") = "",
+          "sum_i a[i] * d[idx[i]] over neuron-major rows d (raw bytes of `type`), float32 [dim]; "
+          "added to a copy of y when given.");
+}

@@ -1,0 +1,55 @@
+// Kernels of the activation-sparse FFN, down(act(gate(x)) * up(x)) with most neurons skipped:
+//   * matmul_rows computes gate/up for the active neurons only (rows of a row-major weight matrix);
+//   * repack_neuron_major copies the down matrix at load time so that a neuron's n_embd weights
+//     (a column of down) are one contiguous row;
+//   * axpy_rows accumulates the down projection over the active neurons' rows.
+// Every result is independent of the thread count, bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "optiml/kernels.h"
+#include "optiml/matmul.h"
+#include "optiml/threadpool.h"
+
+namespace optiml {
+
+// Y[t * W.rows + rows[i]] = dot(W row rows[i], X[t]) for i < n_rows, t < n_tokens; entries of Y not
+// listed are left untouched. Each value is bit-identical to what matmul_many gives for that row and
+// token. rows must lie in [0, W.rows) (checked: ArgumentError); duplicates are allowed but wasteful.
+void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W, const int32_t* rows,
+                 int64_t n_rows, const float* X, int64_t n_tokens, float* Y);
+
+// The down matrix stored neuron-major: row j holds the dim = n_embd weights of neuron j (column j of
+// down) in `type` (F32, F16 or Q8_0), rows row_bytes apart.
+struct NeuronMajor {
+    int32_t type = TYPE_Q8_0;
+    int64_t n_neurons = 0;
+    int64_t dim = 0;
+    size_t row_bytes = 0;
+    std::vector<uint8_t> data;
+    const uint8_t* row(int64_t j) const { return data.data() + (size_t)j * row_bytes; }
+};
+
+// Types a NeuronMajor may hold.
+bool neuron_major_type_ok(int32_t type);
+// Checks that (type, n_neurons, dim) describe a valid NeuronMajor; throws ArgumentError naming the problem.
+void check_neuron_major(int32_t type, int64_t n_neurons, int64_t dim);
+
+// Transposes `down` ([rows = n_embd, cols = n_ff], any dequantizable type) into n_ff rows of n_embd
+// values of `type`, quantized along n_embd with quantize_row. Multithreaded, tile by tile.
+NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int32_t type = TYPE_Q8_0);
+
+// y[r] = (accumulate ? y[r] : 0) + sum_i a[i] * d.row(idx[i])[r] for r < d.dim, the sum taken in list
+// order with one fused multiply-add per neuron. The output range is split across threads in
+// 32-aligned slices. idx must lie in [0, d.n_neurons) (checked: ArgumentError).
+void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
+               int64_t k, float* y, bool accumulate);
+// The same over neuron-major rows held elsewhere (n_neurons rows, row_size(type, dim) bytes apart,
+// at `data`), e.g. in a numpy array or a mapped file.
+void axpy_rows_raw(ThreadPool& pool, const KernelTable& kt, int32_t type, int64_t n_neurons, int64_t dim,
+                   const uint8_t* data, const int32_t* idx, const float* a, int64_t k, float* y, bool accumulate);
+
+}  // namespace optiml

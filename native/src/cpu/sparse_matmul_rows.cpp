@@ -1,0 +1,82 @@
+// Row-sparse matrix-vector (and small batch) product: gate/up for the active neurons only.
+// It follows matmul_many step for step (same activation conversion, same vec_dot / vec_dot4 calls),
+// so a listed row gets exactly the bits the dense product would give it.
+#include <atomic>
+#include <vector>
+
+#include "optiml/common.h"
+#include "optiml/sparse.h"
+
+namespace optiml {
+
+void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W, const int32_t* rows,
+                 int64_t n_rows, const float* X, int64_t n_tokens, float* Y) {
+    check_matmul_args(W.type, W.cols);
+    if (n_rows < 0 || n_tokens < 0) throw ArgumentError("matmul_rows: negative row or token count");
+    // A bad index would read outside the weights and write outside Y: check them all up front
+    // (one compare per row, nothing next to a dot product of a whole row).
+    for (int64_t i = 0; i < n_rows; i++)
+        if (rows[i] < 0 || rows[i] >= W.rows)
+            throw ArgumentError(format("matmul_rows: row index %d at position %lld is outside [0, %lld)", rows[i],
+                                       (long long)i, (long long)W.rows));
+    if (n_rows == 0 || n_tokens == 0) return;
+
+    const int64_t cols = W.cols;
+    const int32_t xtype = type_traits(W.type).vec_dot_type;
+    const size_t x_row = row_size(xtype, cols);
+    const size_t w_row = row_size(W.type, cols);
+    const from_float_fn convert = kt.from_float[xtype];
+    const vec_dot_fn dot = kt.vec_dot[W.type];
+    const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
+
+    // Activations converted once per call into a buffer of the calling thread (F32 reads X as is).
+    static thread_local std::vector<uint8_t> xq_buf;
+    const bool direct = xtype == TYPE_F32;
+    if (!direct && xq_buf.size() < x_row * n_tokens) xq_buf.resize(x_row * n_tokens);
+    uint8_t* xq = xq_buf.data();
+    const uint8_t* xbase = direct ? (const uint8_t*)X : xq;
+    const uint8_t* wbase = (const uint8_t*)W.data;
+
+    // Chunks of the row list from a shared counter (as matmul_many): the listed rows are scattered,
+    // so a static split could leave one thread with all the slow cache misses.
+    const int nth = pool.size();
+    int64_t chunk = n_rows / (nth * 8);
+    if (chunk < 16) chunk = 16;
+    if (n_tokens > 1 && chunk > 64) chunk = 64;
+    const int64_t n_chunks = (n_rows + chunk - 1) / chunk;
+    std::atomic<int64_t> next{0};
+
+    pool.run([&](int ith, int nth_run) {
+        if (!direct) {
+            int64_t t0, t1;
+            split_range(n_tokens, ith, nth_run, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) convert(X + t * cols, xq + t * x_row, cols);
+            pool.barrier();
+        }
+        for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+            const int64_t i0 = c * chunk, i1 = i0 + chunk < n_rows ? i0 + chunk : n_rows;
+            int64_t t = 0;
+            if (dot4) {
+                for (; t + 4 <= n_tokens; t += 4) {
+                    float* out = Y + t * W.rows;
+                    for (int64_t i = i0; i < i1; i++) {
+                        const int64_t r = rows[i];
+                        float s[4];
+                        dot4(cols, s, wbase + r * w_row, xbase + t * x_row, x_row);
+                        for (int k = 0; k < 4; k++) out[k * W.rows + r] = s[k];
+                    }
+                }
+            }
+            for (; t < n_tokens; t++) {
+                const uint8_t* x = xbase + t * x_row;
+                float* out = Y + t * W.rows;
+                for (int64_t i = i0; i < i1; i++) {
+                    const int64_t r = rows[i];
+                    dot(cols, &out[r], wbase + r * w_row, x);
+                }
+            }
+        }
+    });
+}
+
+}  // namespace optiml
