@@ -389,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("solve", help="decide which FFN neurons go to the GPU (a MIP over activation stats)")
     p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
     p.add_argument("--stats", required=True, help="activation statistics (.npz from optiml profile)")
-    p.add_argument("--vram", required=True, help="GPU memory budget: bytes or a size with a unit (6GiB, 512MiB, 6GB)")
+    p.add_argument("--vram", required=True,
+                   help="GPU memory budget: bytes or a size with a unit (6GiB, 512MiB, 6GB)")
     p.add_argument("--hardware", default="auto",
                    help="auto (measure the CPU bandwidth, defaults for the rest) or a JSON file (see optiml.hardware)")
     p.add_argument("--ctx", type=int, default=4096, help="context length whose KV cache is placed (default 4096)")

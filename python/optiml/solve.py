@@ -347,8 +347,10 @@ def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarr
         else:
             x, how, status, gap = xm, "mip", st, g
             if st == "Time limit reached":
-                warnings.warn(f"HiGHS stopped at its time limit of {time_limit:g} s with a gap of {g:.2%}; "
-                              "using its best solution so far", SolveWarning, stacklevel=2)
+                gap_text = f"a gap of {g:.2%}" if math.isfinite(g) else "no bound on the gap yet"
+                warnings.warn(f"HiGHS stopped at its time limit of {time_limit:g} s with {gap_text}; "
+                              "using its best solution so far (at least as good as greedy)", SolveWarning,
+                              stacklevel=2)
     elif method != "greedy":
         x, how, status, gap = xg, "mip", "Optimal (nothing to place)", 0.0
     x = [min(max(int(v), 0), len(gb)) for v, gb in zip(x, gbs)]
