@@ -221,7 +221,8 @@ def _tensor_bytes(path):
 FAST = Hardware(launch_overhead=1e-6, sync_cost=1e-6, transfer_latency=1e-6)  # small layers worth splitting
 
 
-@pytest.mark.parametrize("vram_mib,ctx,group", [(60, 256, 64), (70, 512, 32), (55, 128, 100), (90, 1024, 64)])
+@pytest.mark.parametrize("vram_mib,ctx,group", [(60, 256, 64), (70, 512, 32), (55, 128, 100), (90, 1024, 64),
+                                                   (80, 256, 320)])  # 320: a partial last group of 256
 def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram_mib, ctx, group):
     vram = vram_mib * 2**20
     p = solve_placement(smollm2_path, smollm2_stats, vram, FAST, ctx=ctx, group=group)

@@ -35,6 +35,10 @@ Greedy (the fallback if HiGHS fails or has no solution in time): repeatedly give
 time saved per byte (looking ahead to any larger x of that layer, which handles the launch and split steps)
 the groups it asks for while they fit.
 
+Consequence of the time model: the GPU reads its share densely while the CPU reads only the neurons that fire,
+so past the point where a layer's GPU time exceeds its CPU time, more GPU neurons only cost time; cold tails can
+stay on the CPU even when the budget has room for them.
+
 The estimate per token is the objective plus the time to read the non-FFN weights on their device (GPU when
 the fixed part fits, else CPU); attention over the KV cache and compute are not modelled.
 """
@@ -370,7 +374,7 @@ def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarr
 _FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def _model_layout(path, n_ff_stats: int, group: int):
+def _model_layout(path, group: int):
     """From the GGUF: per-layer exact FFN bytes for groups, the fixed bytes, hyper-parameters."""
     from . import gguf
     from .quant import type_info
@@ -406,9 +410,6 @@ def _model_layout(path, n_ff_stats: int, group: int):
     if missing:
         raise ArgumentError(f"{os.path.basename(path)}: layers {missing[:8]} have no FFN tensors; "
                             "optiml solve needs an FFN in every layer")
-    for l, v in enumerate(layers):
-        if v["n_ff"] != n_ff_stats:
-            raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {n_ff_stats} neurons")
     blk = 1
     for v in layers:
         blk = math.lcm(blk, v["block"])
@@ -443,10 +444,13 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         raise ArgumentError(f"group must be a whole number of neurons >= 1, not {group!r}")
     if not os.path.isfile(model_path):
         raise FileNotFoundError(f"model file not found: {model_path}")
-    lay = _model_layout(model_path, stats.n_ff, group)
+    lay = _model_layout(model_path, group)  # first: a model with no FFN is the error to report
+    stats.check_model(model_path)
     if lay["n_layer"] != stats.n_layer:
         raise ArgumentError(f"the model has {lay['n_layer']} layers, the stats {stats.n_layer}")
-    stats.check_model(model_path)
+    for l, v in enumerate(lay["layers"]):
+        if v["n_ff"] != stats.n_ff:
+            raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
     g = lay["group"]
     fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + 0  # + predictors: none yet
     order = hot_first_order(stats.freq, stats.impact)
