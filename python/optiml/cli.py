@@ -290,8 +290,9 @@ def cmd_solve(args) -> int:
     from .hardware import Hardware
     from .solve import format_report, parse_size, solve_placement
 
+    _check_output(args.outfile, [args.stats])  # before a known model name could be pulled
     model = _model(args.model)
-    _check_output(args.outfile, [model, args.stats])
+    _check_output(args.outfile, [model])
     vram = parse_size(args.vram)
     if args.ctx < 1:
         raise _core.ArgumentError(f"--ctx must be >= 1, not {args.ctx}")
