@@ -1,4 +1,4 @@
-"""The `optiml` command: chat, pull, run, bench, perplexity, tokenize, info, convert, system.
+"""The `optiml` command: chat, pull, run, bench, perplexity, tokenize, info, convert, solve, system.
 
     optiml chat                                   # talk to smollm2-135m-instruct (pulled on first use)
     optiml pull gemma3-270m                       # fetch a known model into the cache
@@ -8,6 +8,7 @@
     optiml tokenize -m MODEL.gguf -p "Hello world"
     optiml info MODEL.gguf
     optiml convert HF_DIR -o OUT.gguf --type q4_k_m
+    optiml solve -m MODEL.gguf --stats STATS.npz --vram 6GiB -o PLACED.gguf
 """
 
 from __future__ import annotations
@@ -267,6 +268,54 @@ def cmd_convert(args) -> int:
     return 0
 
 
+# ---- solve ----------------------------------------------------------------------------------------
+def _check_output(out: str, inputs: list[str]) -> None:
+    """Errors about the output path, before any work: its folder must exist, and it must not be an input."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise _core.ArgumentError(f"the output folder does not exist: {folder}")
+    if os.path.isdir(out):
+        raise _core.ArgumentError(f"the output is a folder, not a file: {out}")
+    for i in inputs:
+        if os.path.realpath(out) == os.path.realpath(i) or (os.path.exists(out) and os.path.samefile(out, i)):
+            raise _core.ArgumentError(f"the output {out} is an input file; choose another name")
+
+
+def cmd_solve(args) -> int:
+    import warnings
+
+    from . import stats as st
+    from .hardware import Hardware
+    from .solve import format_report, parse_size, solve_placement
+
+    _check_output(args.outfile, [args.stats])  # before a known model name could be pulled
+    model = _model(args.model)
+    _check_output(args.outfile, [model])
+    vram = parse_size(args.vram)
+    if args.ctx < 1:
+        raise _core.ArgumentError(f"--ctx must be >= 1, not {args.ctx}")
+    if args.group < 1:
+        raise _core.ArgumentError(f"--group must be >= 1, not {args.group}")
+    if not args.time_limit > 0:
+        raise _core.ArgumentError(f"--time-limit must be > 0, not {args.time_limit}")
+    stats = st.load(args.stats)
+    hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        placement = solve_placement(model, stats, vram, hw, ctx=args.ctx, group=args.group,
+                                    time_limit=args.time_limit)
+    for w in caught:
+        print(f"optiml solve: warning: {w.message}", file=sys.stderr)
+    print(format_report(placement))
+    from .placement import write_placed
+
+    write_placed(model, stats, placement, args.outfile)
+    print(f"wrote {args.outfile}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
     ap.add_argument("--version", action="version", version=f"optiml {__version__}")
@@ -337,6 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--type", default="f16", choices=list(TYPES), help="output type (default f16)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("solve", help="decide which FFN neurons go to the GPU (a MIP over activation stats)")
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("--stats", required=True, help="activation statistics (.npz from optiml profile)")
+    p.add_argument("--vram", required=True,
+                   help="GPU memory budget: bytes or a size with a unit (6GiB, 512MiB, 6GB)")
+    p.add_argument("--hardware", default="auto",
+                   help="auto (measure the CPU bandwidth, defaults for the rest) or a JSON file (see optiml.hardware)")
+    p.add_argument("--ctx", type=int, default=4096, help="context length whose KV cache is placed (default 4096)")
+    p.add_argument("--group", type=int, default=64,
+                   help="neurons per group (rounded up to the quant block size; default 64)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
+    p.add_argument("-o", "--outfile", required=True, help="GGUF file to write (neurons permuted, placement recorded)")
+    p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("system", help="SIMD level, threads and CUDA devices of this build and machine")
     p.set_defaults(func=cmd_system)

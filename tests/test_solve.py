@@ -1,0 +1,353 @@
+"""optiml solve: sizes, the hardware description, the MIP against brute force, exact bytes on a real model."""
+
+import itertools
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from optiml import ArgumentError, cli
+from optiml import stats as st
+from optiml.hardware import Hardware
+from optiml.solve import (SolveWarning, format_report, layer_times, make_groups, parse_size, solve_groups,
+                          solve_placement)
+
+
+# ---- parse_size -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [
+    ("0", 0), ("512", 512), ("1B", 1), ("2 b", 2), ("1KB", 1000), ("1kb", 1000), ("1KiB", 1024),
+    ("512MiB", 512 * 2**20), ("6GiB", 6 * 2**30), ("6GB", 6 * 10**9), ("6 gib", 6 * 2**30), ("1TB", 10**12),
+    ("2TiB", 2 * 2**40), ("1.5GiB", 3 * 2**29), (" 1.5 GB ", 1_500_000_000), (".5KiB", 512), ("1.", 1),
+    ("0.5B", 0), (4096, 4096),
+])
+def test_parse_size_good(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "  ", "-1", "-6GiB", "abc", "6 GiBs", "6G", "1e9", "GiB", "1.2.3MB", "inf",
+                                  "nan", "6 Gi B", "0x10", -5, None, 1.5])
+def test_parse_size_bad(text):
+    with pytest.raises(ArgumentError):
+        parse_size(text)
+
+
+# ---- Hardware -------------------------------------------------------------------------------------
+def test_hardware_defaults_and_json(tmp_path):
+    hw = Hardware()
+    assert hw.cpu_bandwidth == 50e9 and hw.gpu_bandwidth == 900e9 and hw.split_cost == pytest.approx(20e-6)
+    json.dumps(hw.to_dict())
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps({"cpu_bandwidth": 80e9, "sync_cost": 1e-5, "gpu_memory": 8 * 2**30}))
+    hw = Hardware.from_json(p)
+    assert hw.cpu_bandwidth == 80e9 and hw.sync_cost == 1e-5 and hw.gpu_bandwidth == 900e9
+    assert "hw.json" in hw.source
+
+
+@pytest.mark.parametrize("content,word", [
+    ({"cpu_bandwith": 1e9}, "cpu_bandwith"),
+    ({"cpu_bandwidth": -1}, "cpu_bandwidth"),
+    ({"gpu_bandwidth": 0}, "gpu_bandwidth"),
+    ({"sync_cost": "fast"}, "sync_cost"),
+    ({"launch_overhead": True}, "launch_overhead"),
+    ({"source": "x"}, "source"),
+    ([1, 2], "object"),
+])
+def test_hardware_json_bad(tmp_path, content, word):
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(content))
+    with pytest.raises(ArgumentError, match=word):
+        Hardware.from_json(p)
+
+
+def test_hardware_json_not_json(tmp_path):
+    p = tmp_path / "hw.json"
+    p.write_text("{cpu: fast")
+    with pytest.raises(ArgumentError, match="JSON"):
+        Hardware.from_json(p)
+    with pytest.raises(ArgumentError, match="not found"):
+        Hardware.from_json(tmp_path / "missing.json")
+
+
+def test_hardware_auto():
+    hw = Hardware.auto(measure_bytes=16 << 20)
+    assert hw.cpu_bandwidth > 0 and hw.gpu_bandwidth > 0
+    assert "cpu_bandwidth" in hw.source or hw.source == "defaults"
+
+
+# ---- the program against brute force --------------------------------------------------------------
+def _brute(gbs, cbs, budget, hw):
+    """Every x vector, its time from first principles (not layer_times), the best that fits."""
+    best = math.inf
+    for x in itertools.product(*[range(len(gb) + 1) for gb in gbs]):
+        used = sum(int(np.sum(gb[:v])) for gb, v in zip(gbs, x))
+        if used > budget:
+            continue
+        total = 0.0
+        for gb, cb, v in zip(gbs, cbs, x):
+            gpu = float(np.sum(gb[:v])) / hw.gpu_bandwidth + (hw.launch_overhead if v > 0 else 0.0)
+            cpu = float(np.sum(cb[v:])) / hw.cpu_bandwidth
+            total += max(gpu, cpu) + (hw.transfer_latency + hw.sync_cost if 0 < v < len(gb) else 0.0)
+        best = min(best, total)
+    return best
+
+
+def _random_instance(rng, split_costs: bool):
+    L = int(rng.integers(2, 4))
+    hw = Hardware(cpu_bandwidth=float(rng.uniform(20e9, 100e9)), gpu_bandwidth=float(rng.uniform(200e9, 2e12)),
+                  sync_cost=float(rng.choice([1e-6, 2e-5])) if split_costs else 0.0,
+                  transfer_latency=float(rng.choice([0.0, 5e-6])) if split_costs else 0.0,
+                  launch_overhead=float(rng.choice([0.0, 3e-6])) if split_costs else 0.0)
+    group = int(rng.choice([4, 8]))
+    gbs, cbs = [], []
+    for _ in range(L):
+        n = int(rng.integers(3, 7)) * group - int(rng.integers(0, 2)) * (group // 2)  # sometimes a partial group
+        s = rng.uniform(0.3, 2.0)
+        freq = np.minimum(1.0, rng.uniform(0.05, 1.0) * np.arange(1, n + 1) ** -s)
+        gb, cb = make_groups(freq, group, int(rng.integers(1_000, 200_000)))
+        gbs.append(gb)
+        cbs.append(cb)
+    total = sum(int(gb.sum()) for gb in gbs)
+    budget = int(rng.integers(0, total + total // 4 + 1))
+    return gbs, cbs, budget, hw
+
+
+@pytest.mark.parametrize("split_costs", [True, False])
+def test_mip_equals_brute_force(split_costs):
+    rng = np.random.default_rng(1234 + split_costs)
+    for _ in range(60):
+        gbs, cbs, budget, hw = _random_instance(rng, split_costs)
+        sol = solve_groups(gbs, cbs, budget, hw, mip_gap=0.0)
+        assert sol.method == "mip" and sol.status == "Optimal"
+        best = _brute(gbs, cbs, budget, hw)
+        assert sol.objective_s == pytest.approx(best, rel=1e-7, abs=1e-12)
+        used = sum(int(np.sum(gb[:v])) for gb, v in zip(gbs, sol.x))
+        assert used == sol.ffn_bytes <= budget
+        assert sol.objective_s == pytest.approx(sum(layer_times(gb, cb, hw)[v] for gb, cb, v in zip(gbs, cbs, sol.x)))
+
+
+def test_greedy_is_feasible_and_not_better_than_mip():
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        gbs, cbs, budget, hw = _random_instance(rng, True)
+        g = solve_groups(gbs, cbs, budget, hw, method="greedy")
+        m = solve_groups(gbs, cbs, budget, hw, mip_gap=0.0)
+        assert g.method == "greedy" and math.isnan(g.gap)
+        assert g.ffn_bytes <= budget
+        assert m.objective_s <= g.objective_s * (1 + 1e-9)
+
+
+def test_greedy_fallback_when_highs_has_no_solution(monkeypatch):
+    from optiml import solve as solve_mod
+
+    monkeypatch.setattr(solve_mod, "_mip", lambda *a, **k: (None, "Time limit reached", math.nan))
+    rng = np.random.default_rng(3)
+    gbs, cbs, budget, hw = _random_instance(rng, True)
+    with pytest.warns(SolveWarning, match="greedy"):
+        sol = solve_groups(gbs, cbs, budget, hw)
+    assert sol.method == "greedy" and "no solution" in sol.status and sol.ffn_bytes <= budget
+
+
+def test_time_limit_on_a_big_instance_keeps_a_valid_solution():
+    rng = np.random.default_rng(5)
+    gbs, cbs = [], []
+    for _ in range(40):
+        freq = np.minimum(1.0, rng.uniform(0.01, 0.03) * (np.arange(1, 8193) / 8192) ** -rng.uniform(0.6, 0.95))
+        gb, cb = make_groups(freq, 32, 6912)
+        gbs.append(gb)
+        cbs.append(cb)
+    budget = sum(int(g.sum()) for g in gbs) // 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sol = solve_groups(gbs, cbs, budget, Hardware(), time_limit=1e-3)
+    assert sol.ffn_bytes <= budget
+    assert sol.ffn_bytes == sum(int(np.sum(gb[:v])) for gb, v in zip(gbs, sol.x))
+    if sol.status != "Optimal":  # stopped early: told so
+        assert any(issubclass(w.category, SolveWarning) for w in caught)
+
+
+def test_solve_groups_bad_input():
+    gb, cb = make_groups(np.array([0.5, 0.2, 0.1, 0.05]), 2, 100)
+    hw = Hardware()
+    with pytest.raises(ArgumentError, match="non-increasing"):
+        solve_groups([gb], [cb[::-1].copy()], 100, hw)
+    with pytest.raises(ArgumentError, match="negative"):
+        solve_groups([gb], [cb], -1, hw)
+    with pytest.raises(ArgumentError, match="method"):
+        solve_groups([gb], [cb], 100, hw, method="magic")
+
+
+def test_extremes_of_the_budget():
+    rng = np.random.default_rng(11)
+    gbs, cbs, _, hw = _random_instance(rng, False)
+    total = sum(int(gb.sum()) for gb in gbs)
+    assert solve_groups(gbs, cbs, 0, hw).x == [0] * len(gbs)
+    # unconstrained, each layer takes its own best x (more GPU groups past the CPU/GPU crossing only cost time)
+    best = [int(np.argmin(layer_times(gb, cb, hw))) for gb, cb in zip(gbs, cbs)]
+    sol = solve_groups(gbs, cbs, total * 10, hw, mip_gap=0.0)
+    assert sol.objective_s == pytest.approx(sum(layer_times(gb, cb, hw)[b] for gb, cb, b in zip(gbs, cbs, best)))
+    hw_slow_cpu = Hardware(cpu_bandwidth=1.0, launch_overhead=0.0, sync_cost=0.0, transfer_latency=0.0)
+    assert solve_groups(gbs, cbs, total, hw_slow_cpu).x == [len(gb) for gb in gbs]  # exactly enough for all
+    assert solve_groups(gbs, cbs, total - 1, hw_slow_cpu).ffn_bytes < total
+
+
+# ---- a real model ---------------------------------------------------------------------------------
+def _synthetic_stats(fingerprint: str, L=30, F=1536, seed=0, model="SmolLM2-135M-Instruct.Q4_1.gguf"):
+    rng = np.random.default_rng(seed)
+    B = 8
+    rank = (rng.permutation(F)[None, :] + 1) / F
+    freq = np.minimum(1.0, rng.uniform(0.01, 0.03, (L, 1)) * rank ** -rng.uniform(0.6, 0.95, (L, 1)))
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    return st.ActivationStats(
+        fingerprint=fingerprint, model=model, activation="silu", n_tokens=1000, sources="synthetic",
+        threshold=z(L), freq=freq.astype(np.float32), mean_abs=z(L, F), down_norm=z(L, F),
+        impact=rng.random((L, F)).astype(np.float32), hist_edges=z(B + 1), gate_hist=np.zeros((L, B)),
+        gate_err=np.zeros((L, B)), prod_hist=np.zeros((L, B)), prod_err=np.zeros((L, B)))
+
+
+@pytest.fixture(scope="module")
+def smollm2_stats(smollm2_path):
+    return _synthetic_stats(st.model_fingerprint(smollm2_path))
+
+
+def _tensor_bytes(path):
+    from optiml import gguf
+
+    with gguf.open(path) as f:
+        return {t.name: t.n_bytes for t in f.tensors}, dict(f.metadata)
+
+
+FAST = Hardware(launch_overhead=1e-6, sync_cost=1e-6, transfer_latency=1e-6)  # small layers worth splitting
+
+
+@pytest.mark.parametrize("vram_mib,ctx,group", [(60, 256, 64), (70, 512, 32), (55, 128, 100), (90, 1024, 64),
+                                                   (80, 256, 320)])  # 320: a partial last group of 256
+def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram_mib, ctx, group):
+    vram = vram_mib * 2**20
+    p = solve_placement(smollm2_path, smollm2_stats, vram, FAST, ctx=ctx, group=group)
+    tb, md = _tensor_bytes(smollm2_path)
+    L, F = 30, 1536
+    ffn = {f"blk.{l}.{k}.weight" for l in range(L) for k in ("ffn_gate", "ffn_up", "ffn_down")}
+    # SmolLM2 ties its output to the token embeddings: they count once, as the output matrix
+    assert "output.weight" not in tb
+    n_kv = md["llama.attention.head_count_kv"]
+    head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
+    kv = 2 * L * ctx * n_kv * head_dim * 2
+    fixed = sum(v for k, v in tb.items() if k not in ffn) + kv
+    assert p.fixed_bytes == fixed
+    assert p.group == max(32, -(-group // 32) * 32)  # Q4_1: blocks of 32 along n_ff
+    assert p.method == "mip" and len(p.gpu_neurons) == L and len(p.coverage) == L
+    per_layer = [sum(tb[f"blk.{l}.{k}.weight"] for k in ("ffn_gate", "ffn_up", "ffn_down")) for l in range(L)]
+    assert p.ffn_bytes == per_layer
+    for l, k in enumerate(p.gpu_neurons):
+        assert 0 <= k <= F and (k % p.group == 0 or k == F)
+        assert p.gpu_ffn_bytes[l] * F == per_layer[l] * k  # Q4_1 rows and block columns: exactly k / F of it
+    assert p.vram_used == fixed + sum(p.gpu_ffn_bytes) <= vram
+    assert p.vram_budget == vram and p.ctx == ctx and p.hardware == FAST.to_dict()
+    assert sum(p.gpu_neurons) > 0 and p.est_token_s < p.cpu_only_token_s
+    order = st.hot_first_order(smollm2_stats.freq, smollm2_stats.impact)
+    for l, k in enumerate(p.gpu_neurons):
+        f = smollm2_stats.freq[l][order[l]].astype(np.float64)
+        assert p.coverage[l] == pytest.approx(f[:k].sum() / f.sum())
+    assert "ms/token" in format_report(p)
+
+
+def test_smollm2_budget_below_fixed_part_is_all_cpu(smollm2_path, smollm2_stats):
+    with pytest.warns(SolveWarning, match="fixed part"):
+        p = solve_placement(smollm2_path, smollm2_stats, 10 * 2**20, FAST, ctx=256)
+    assert p.method == "all-cpu" and p.gpu_neurons == [0] * 30 and p.vram_used == 0 and math.isnan(p.gap)
+    assert p.coverage == [0.0] * 30 and p.est_token_s == pytest.approx(p.cpu_only_token_s)
+
+
+def test_smollm2_huge_budget_everything_on_gpu(smollm2_path, smollm2_stats):
+    # The GPU reads its share densely, the CPU only the firing neurons: all-GPU is the optimum only where the
+    # GPU reads a whole layer faster than the CPU reads its active part (so: a slow CPU here).
+    slow_cpu = Hardware(cpu_bandwidth=2e9, launch_overhead=1e-6, sync_cost=1e-6, transfer_latency=1e-6)
+    p = solve_placement(smollm2_path, smollm2_stats, 2**40, slow_cpu, ctx=256)
+    assert p.gpu_neurons == [1536] * 30 and p.coverage == [1.0] * 30
+    assert p.vram_used == p.fixed_bytes + sum(p.ffn_bytes)
+
+
+def test_smollm2_forced_greedy(smollm2_path, smollm2_stats):
+    p = solve_placement(smollm2_path, smollm2_stats, 60 * 2**20, FAST, ctx=256, method="greedy")
+    assert p.method == "greedy" and p.vram_used <= 60 * 2**20 and math.isnan(p.gap)
+
+
+def test_stats_of_another_model_rejected(smollm2_path):
+    other = _synthetic_stats("0" * 32, model="other-model.gguf")
+    with pytest.raises(ArgumentError, match="measured on other-model.gguf"):
+        solve_placement(smollm2_path, other, 2**30, FAST)
+
+
+def test_stats_shape_mismatch_rejected(smollm2_path):
+    fp = st.model_fingerprint(smollm2_path)
+    with pytest.raises(ArgumentError, match="n_ff"):
+        solve_placement(smollm2_path, _synthetic_stats(fp, F=1024), 2**30, FAST)
+    with pytest.raises(ArgumentError, match="layers"):
+        solve_placement(smollm2_path, _synthetic_stats(fp, L=12), 2**30, FAST)
+
+
+def test_bad_arguments(smollm2_path, smollm2_stats):
+    for kw in (dict(vram=-1), dict(vram=1.5), dict(vram=2**30, ctx=0), dict(vram=2**30, group=0)):
+        with pytest.raises(ArgumentError):
+            solve_placement(smollm2_path, smollm2_stats, hardware=FAST, **kw)
+
+
+def test_model_without_ffn_rejected(tmp_path):
+    gguf_writer = pytest.importorskip("gguf")
+    path = tmp_path / "noffn.gguf"
+    w = gguf_writer.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    stats = _synthetic_stats("x" * 32, L=1, F=64)
+    with pytest.raises(ArgumentError, match="no FFN neurons"):
+        solve_placement(path, stats, 2**30, FAST)
+
+
+# ---- the command line, up to writing the file -----------------------------------------------------
+def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monkeypatch):
+    from optiml import solve as solve_mod
+
+    def boom(*a, **k):
+        raise AssertionError("no solving before the output is checked")
+
+    monkeypatch.setattr(solve_mod, "solve_placement", boom)
+    stats = tmp_path / "s.npz"
+    stats.write_bytes(b"")
+    base = ["solve", "-m", str(smollm2_path), "--stats", str(stats), "--vram", "1GiB", "--hardware", "auto"]
+    assert cli.main(base + ["-o", str(tmp_path / "missing" / "out.gguf")]) == 1
+    assert "output folder does not exist" in capsys.readouterr().err
+    assert cli.main(base + ["-o", str(smollm2_path)]) == 1
+    assert "is an input file" in capsys.readouterr().err
+    assert cli.main(base[:-4] + ["--vram=-3GiB", "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]) == 1
+    assert "negative" in capsys.readouterr().err
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    sp = tmp_path / "s.npz"
+    st.save(smollm2_stats, sp)
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
+    seen = {}
+    fake = types.ModuleType("optiml.placement")
+    fake.write_placed = lambda model, stats, placement, out: seen.update(model=model, placement=placement, out=out)
+    monkeypatch.setitem(sys.modules, "optiml.placement", fake)
+    out = tmp_path / "placed.gguf"
+    rc = cli.main(["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "60MiB", "--hardware", str(hw),
+                   "--ctx", "256", "-o", str(out)])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    assert "status Optimal" in text.out and "ms/token" in text.out
+    assert seen["out"] == str(out) and seen["placement"].vram_used <= 60 * 2**20
