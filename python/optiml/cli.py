@@ -37,16 +37,60 @@ def _model(name: str) -> str:
     return resolve(name)
 
 
+SPARSITY_HELP = ("FFN neuron skipping: auto (the file's calibrated thresholds; exact zero-skipping for ReLU "
+                 "models; else dense), threshold (the same, an error when there is nothing to skip by), none")
+
+
 def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, required: bool = True) -> None:
     p.add_argument("-m", "--model", required=required, help=MODEL_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
+    p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=SPARSITY_HELP)
 
 
 def _load(args, n_ctx: int | None = None):
     from .model import Model
 
-    return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads)
+    return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
+                 sparsity=getattr(args, "sparsity", "auto"))
+
+
+# ---- profile, calibrate ---------------------------------------------------------------------------
+def cmd_profile(args) -> int:
+    from .profile import coverage_of_top, profile
+
+    st = profile(_model(args.model), args.data, n_tokens=args.tokens, out=args.output, n_ctx=args.ctx or 512,
+                 threshold=args.threshold, active_share=args.active_share, samples=args.samples, field=args.field,
+                 n_threads=args.threads, progress=not args.quiet)
+    print(f"profiled {st.n_tokens} tokens of {st.model} ({st.activation}); a neuron fires when "
+          f"|act(gate)*up| > threshold (layer mean {float(st.threshold.mean()):.4g})")
+    print(f"mean firing rate {float(st.freq.mean()):.3f}; the top 10% of each layer's neurons cover "
+          f"{coverage_of_top(st, 0.1):.1%} of firings, the top 20% {coverage_of_top(st, 0.2):.1%}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import calibrate
+
+    cal = calibrate(_model(args.model), args.data, target=args.target, out=args.output, n_tokens=args.tokens,
+                    criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx or 512,
+                    n_threads=args.threads, progress=not args.quiet, stats=_load_stats(args.stats))
+    print(f"criterion {cal.criterion}, allocation {cal.allocation}, target {cal.target:.0%} of FFN neurons skipped "
+          f"(on {cal.n_tokens} calibration tokens)")
+    print("layer  skip   threshold")
+    for l, (t, sh) in enumerate(zip(cal.threshold, cal.layer_target)):
+        print(f"{l:5d}  {sh:5.1%}  {t:.5g}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _load_stats(path):
+    if path is None:
+        return None
+    from .stats import load
+
+    return load(path)
 
 
 # ---- run ------------------------------------------------------------------------------------------
@@ -327,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-m", "--model", dest="model_opt", default=None, help=MODEL_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's, at most 4096)")
+    p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=SPARSITY_HELP)
     p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
     p.add_argument("-s", "--system", default=None, help="system message")
     _sampling_args(p)
@@ -386,6 +431,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--type", default="f16", choices=list(TYPES), help="output type (default f16)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("profile", help="record how often each FFN neuron fires on sample text")
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("--data", nargs="+", required=True, help="text files, or JSONL files with a text field")
+    p.add_argument("--field", default="text", help="the JSONL field holding the text (default: text)")
+    p.add_argument("--tokens", type=int, default=20000, help="tokens to profile (default 20000)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk, each from an empty context (512)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="a neuron fires when |act(gate)*up| exceeds this (default: 0 for ReLU models, else per layer "
+                        "the value --active-share of the first chunk's activations exceed)")
+    p.add_argument("--active-share", type=float, default=None, help="see --threshold (default 0.5)")
+    p.add_argument("--samples", type=int, default=0, help="keep FFN inputs and firing masks of this many tokens")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, help="the stats file to write (.npz)")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("calibrate", help="per-layer sparsity thresholds for a target share of skipped neurons")
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("--data", nargs="+", default=None, help="text or JSONL files to calibrate on")
+    p.add_argument("--stats", default=None, help="stats from optiml profile on this model, instead of --data")
+    p.add_argument("--target", type=float, default=0.5, help="share of FFN neurons to skip (default 0.5)")
+    p.add_argument("--criterion", choices=("product", "gate"), default="product",
+                   help="skip by |act(gate)*up| (product: better quality, up computed densely) or by |act(gate)| "
+                        "(gate: also skips up rows). Default product")
+    p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
+                   help="every layer the target (uniform), or spread to minimize estimated error (greedy)")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (512)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, help="the model copy to write, with the thresholds")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("solve", help="decide which FFN neurons go to the GPU (a MIP over activation stats)")
     p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
