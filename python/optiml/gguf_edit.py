@@ -270,6 +270,9 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike,
         if bar is not None:
             bar.close()
             bar = None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
         os.replace(tmp, dst)
     except BaseException:
         if bar is not None:
