@@ -6,7 +6,7 @@
     optiml bench -m MODEL.gguf -t 2
     optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
     optiml tokenize -m MODEL.gguf -p "Hello world"
-    optiml info MODEL.gguf
+    optiml info MODEL.gguf [--plot curves.png] [--stats STATS.npz]
     optiml convert HF_DIR -o OUT.gguf --type q4_k_m
     optiml solve -m MODEL.gguf --stats STATS.npz --vram 6GiB -o PLACED.gguf
 """
@@ -244,13 +244,86 @@ def cmd_info(args) -> int:
             print()
             for t in f.tensors:
                 print(f"  {t.name:40s} {t.type_name:6s} {str(list(t.shape)):20s} {t.n_bytes:>12,d} bytes")
+        placed = _show_placement(f)
     try:
         hp = _core.Model(args.model).hparams
         print()
         print("  runs as: " + ", ".join(f"{k}={v}" for k, v in hp.items()))
     except OptimlError as e:
         print(f"\n  cannot run: {e}")
+    if args.plot:
+        _plot_info(args, placed)
     return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:9.2f} MiB"
+
+
+def _show_placement(f) -> dict | None:
+    """Prints the placement table of a placed file; returns read_placement's dict (None if unplaced)."""
+    from .placement import layer_bytes, read_placement
+
+    pl = read_placement(f)
+    if pl is None:
+        return None
+    k = pl["gpu_neurons"]
+    cov = pl.get("coverage", [float("nan")] * len(k))
+    sizes = layer_bytes(f, k)
+    from .placement import _ffn_layout
+
+    n_ff = _ffn_layout(f)[1]
+    print()
+    print(f"  placement (optiml.placement.*, v{pl.get('version')}): FFN neurons hot-first, "
+          f"layer l's GPU share is neurons [0, k_l)")
+    print(f"  {'layer':>5}  {'k_l':>6} / {'n_ff':<6} {'share':>6}  {'coverage':>8}  {'GPU bytes':>13}  {'CPU bytes':>13}")
+    for l, (kl, c, (g, cpu)) in enumerate(zip(k, cov, sizes)):
+        print(f"  {l:5d}  {kl:6d} / {n_ff:<6d} {kl / n_ff:6.1%}  {c:8.1%}  {_mib(g)}  {_mib(cpu)}")
+    gpu, cpu = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+    tot_k = sum(k)
+    print(f"  {'total':>5}  {tot_k:6d} / {n_ff * len(k):<6d} {tot_k / (n_ff * len(k)):6.1%}  "
+          f"{sum(cov) / max(len(cov), 1):8.1%}  {_mib(gpu)}  {_mib(cpu)}   (coverage: mean of layers)")
+    solver = pl.get("solver", {})
+    print(f"  budget {_mib(pl.get('vram_budget', 0)).strip()}, used {_mib(pl.get('vram_used', 0)).strip()} "
+          f"(fixed {_mib(pl.get('fixed_bytes', 0)).strip()}), ctx {pl.get('ctx')}, group {pl.get('group_size')}, "
+          f"down tensors {pl.get('down_type')}")
+    print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {solver.get('gap', 0):.3g}, "
+          f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
+    if pl.get("hardware"):
+        print(f"  hardware: {json.dumps(pl['hardware'], sort_keys=True)}")
+    print(f"  stats: {pl.get('stats.tokens')} tokens from {str(pl.get('stats.sources', '')).replace(chr(10), ', ')} "
+          f"(fingerprint {pl.get('stats.fingerprint')})")
+    return pl
+
+
+def _plot_info(args, placed: dict | None) -> None:
+    """optiml info --plot: curves from --stats when given, else from the file's placement metadata."""
+    import os
+
+    from .placement import coverage_curve, curve_ranks, plot
+
+    name = os.path.basename(args.model)
+    k = placed["gpu_neurons"] if placed else None
+    if args.stats:
+        from . import stats as S
+
+        st = S.load(args.stats)
+        if placed is None:
+            st.check_model(args.model)
+        n_ff = st.n_ff
+        ranks = curve_ranks(n_ff)
+        freq = -np.sort(-st.freq, axis=1)[:, ranks - 1]
+        cov = coverage_curve(st.freq)[:, ranks - 1]
+        src = f"stats: {st.n_tokens} tokens"
+    elif placed is not None:
+        ranks = np.asarray(placed["curve_ranks"])
+        freq, cov = placed["curve_freq"], placed["curve_coverage"]
+        n_ff = int(ranks[-1])
+        src = f"placement metadata: {placed.get('stats.tokens')} tokens"
+    else:
+        raise OptimlError(f"{args.model} has no placement to plot; give the activation stats: --stats STATS.npz")
+    plot(args.plot, ranks, freq, cov, n_ff, gpu_neurons=k, title=f"{name} ({src})")
+    print(f"\n  wrote {args.plot}")
 
 
 def cmd_system(args) -> int:
@@ -421,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="summary of a GGUF file")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw the activation power law and the coverage curve (pip install optiml[plot])")
+    p.add_argument("--stats", metavar="STATS.npz", default=None,
+                   help="activation statistics (optiml profile) to plot, e.g. for a model without a placement")
     p.set_defaults(func=cmd_info)
 
     from .convert.quant_mix import TYPES

@@ -1,0 +1,335 @@
+"""Writing a placement into a GGUF file, reading it back, and showing it.
+
+    write_placed("model.gguf", stats, placement, "model.placed.gguf")   # stats: optiml.stats.ActivationStats
+    read_placement("model.placed.gguf")                                   # dict, or None when unplaced
+
+The FFN neurons of every layer are permuted hot-first (optiml.stats.hot_first_order): new neuron i is old
+neuron order[l][i]. Gate and up rows (and their biases) move whole, byte for byte. The down projection
+[n_embd, n_ff] is stored in blocks along n_ff, so moving a column across blocks is exact only for float
+types: F32/F16/BF16 down tensors are permuted exactly in their own type, quantized ones are dequantized,
+permuted and quantized again to `down_type` (default q8_0, 16x finer than a 4-bit model's own step; "same"
+keeps the source type: smallest file, a second round of its rounding error). The FFN computes the same
+function, so the file computes what the source computes and stays a valid llama.cpp model: the placement
+is metadata only (optiml.placement.*), no extra tensors. Layer l's GPU share is neurons [0, k_l).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import gguf as _gguf
+from . import quant
+from ._core import ArgumentError, UnsupportedModelError
+from .gguf_edit import GGUFValueType as VT
+from .gguf_edit import check_output, rewrite_gguf
+
+if TYPE_CHECKING:  # the dataclass lives in optiml.solve; anything with its fields will do
+    from .solve import Placement
+    from .stats import ActivationStats
+
+__all__ = ["PREFIX", "coverage_curve", "curve_ranks", "layer_bytes", "plot", "read_placement", "write_placed"]
+
+PREFIX = "optiml.placement."
+VERSION = 1
+N_CURVE = 128
+
+_FLOAT_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_NEURON_ROWS = ("ffn_gate.weight", "ffn_up.weight", "ffn_gate.bias", "ffn_up.bias")  # indexed by neuron on the outer axis
+_NOT_NEURON = ("ffn_norm.weight", "ffn_norm.bias", "ffn_post_norm.weight", "ffn_down.bias", "ffn_pre_norm.weight")
+
+
+# ---- curves ---------------------------------------------------------------------------------------
+def curve_ranks(n_ff: int, n: int = N_CURVE) -> np.ndarray:
+    """About n log-spaced neuron ranks from 1 to n_ff (1-based, unique, both ends included)."""
+    m = n
+    while True:  # low ranks round to the same integer: sample more points until n distinct ones
+        r = np.unique(np.round(np.geomspace(1, n_ff, m)).astype(np.int32))
+        if len(r) >= min(n, n_ff) or m > 8 * n:
+            return r
+        m += n // 4
+
+
+def coverage_curve(freq: np.ndarray) -> np.ndarray:
+    """[L, F] firing frequencies -> [L, F]: share of all firings covered by each layer's r most frequent
+    neurons (column r-1)."""
+    s = -np.sort(-np.asarray(freq, dtype=np.float64), axis=1)
+    c = np.cumsum(s, axis=1)
+    tot = c[:, -1:]
+    return np.divide(c, tot, out=np.zeros_like(c), where=tot > 0)
+
+
+# ---- the FFN tensors of a file --------------------------------------------------------------------
+def _ffn_layout(f: _gguf.GGUFFile) -> tuple[int, int, dict[int, dict[str, _gguf.TensorInfo]]]:
+    """(n_layer, n_ff, {layer: {suffix: TensorInfo}}) of the FFN tensors; UnsupportedModelError when the
+    FFN is not a plain (gated) MLP with the same width in every layer."""
+    layers: dict[int, dict[str, _gguf.TensorInfo]] = {}
+    for t in f.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+\.\w+)", t.name)
+        if m:
+            layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    if not layers:
+        raise UnsupportedModelError(f"{f.path}: no FFN tensors (blk.N.ffn_up.weight) found")
+    n_ff = None
+    for l in sorted(layers):
+        d = layers[l]
+        if any("exps" in k for k in d):
+            raise UnsupportedModelError(f"{f.path}: mixture-of-experts FFNs cannot be placed by neuron")
+        for need in ("ffn_up.weight", "ffn_down.weight"):
+            if need not in d:
+                raise UnsupportedModelError(f"{f.path}: layer {l} has no {need}")
+        w = int(d["ffn_up.weight"].shape[1])
+        if n_ff is None:
+            n_ff = w
+        elif w != n_ff:
+            raise UnsupportedModelError(f"{f.path}: FFN widths differ between layers ({n_ff} and {w})")
+        for k, t in d.items():
+            if k in _NEURON_ROWS:
+                if int(t.shape[-1]) != n_ff:
+                    raise UnsupportedModelError(f"{f.path}: {t.name} has shape {list(t.shape)}, not {n_ff} neurons")
+            elif k == "ffn_down.weight":
+                if int(t.shape[0]) != n_ff:
+                    raise UnsupportedModelError(f"{f.path}: {t.name} has shape {list(t.shape)}, not {n_ff} neurons")
+            elif k not in _NOT_NEURON and n_ff in [int(s) for s in t.shape]:
+                raise UnsupportedModelError(f"{f.path}: do not know how to permute {t.name} by neuron")
+    if sorted(layers) != list(range(len(layers))):
+        raise UnsupportedModelError(f"{f.path}: FFN layers are not numbered 0..{len(layers) - 1}")
+    return len(layers), n_ff, layers
+
+
+def layer_bytes(f: _gguf.GGUFFile, gpu_neurons) -> list[tuple[int, int]]:
+    """Per layer (GPU bytes, CPU bytes) of the FFN weights when neurons [0, k_l) are on the GPU: whole
+    gate/up rows, and for down the quant blocks along n_ff that hold the first k_l columns (a block that
+    straddles k_l counts on both sides)."""
+    n_layer, n_ff, layers = _ffn_layout(f)
+    out = []
+    for l, k in enumerate(gpu_neurons):
+        k = int(k)
+        gpu = cpu = 0
+        for name, t in layers[l].items():
+            if name in _NEURON_ROWS:
+                per = t.n_bytes // n_ff
+                gpu += k * per
+                cpu += (n_ff - k) * per
+            elif name == "ffn_down.weight":
+                info = quant.type_info(t.type)
+                rows = t.n_bytes // (n_ff // info.block_size * info.type_size)
+                blk = rows * info.type_size
+                gpu += -(-k // info.block_size) * blk
+                cpu += (n_ff // info.block_size - k // info.block_size) * blk
+        out.append((gpu, cpu))
+    return out
+
+
+# ---- writing --------------------------------------------------------------------------------------
+def _permute_rows(order: np.ndarray):
+    def transform(t, data):
+        rows = data.reshape(len(order), -1)  # gate/up: (n_ff, row bytes); biases: F32 (n_ff*4,) -> (n_ff, 4)
+        return rows[order], t.type, t.shape
+
+    return transform
+
+
+def _permute_down(order: np.ndarray, down_type: str, stats_out: dict):
+    def transform(t, data):
+        n_ff = int(t.shape[0])
+        if t.type_name in _FLOAT_NP:  # exact in its own type
+            vals = data.view(_FLOAT_NP[t.type_name]).reshape(-1, n_ff)
+            stats_out[t.name] = t.type_name
+            return np.ascontiguousarray(vals[:, order]).view(np.uint8), t.type, t.shape
+        x = quant.dequantize(data, t.type, n_ff).reshape(-1, n_ff)[:, order]
+        target = t.type if down_type == "same" else quant.type_id(down_type)
+        info = quant.type_info(target)
+        stats_out[t.name] = info.name
+        if info.name == "F32":
+            raw = np.ascontiguousarray(x, dtype="<f4").view(np.uint8)
+        else:
+            raw = quant.quantize(x, target)
+        return raw, target, t.shape
+
+    return transform
+
+
+def _check_placement(p, n_layer: int, n_ff: int) -> list[int]:
+    k = [int(v) for v in p.gpu_neurons]
+    if len(k) != n_layer:
+        raise ArgumentError(f"the placement has {len(k)} layers, the model {n_layer}")
+    bad = [i for i, v in enumerate(k) if not 0 <= v <= n_ff]
+    if bad:
+        raise ArgumentError(f"placement: layer {bad[0]} puts {k[bad[0]]} neurons on the GPU, not within 0..{n_ff}")
+    if len(p.coverage) != n_layer:
+        raise ArgumentError(f"the placement's coverage has {len(p.coverage)} layers, the model {n_layer}")
+    return k
+
+
+def placement_kv(stats: ActivationStats, placement: Placement, down_type: str) -> dict[str, tuple[Any, VT | None]]:
+    """The optiml.placement.* key/values of a placement and the stats it came from."""
+    n_layer, n_ff = stats.freq.shape
+    ranks = curve_ranks(n_ff)
+    freq_sorted = -np.sort(-np.asarray(stats.freq, dtype=np.float32), axis=1)
+    cov = coverage_curve(stats.freq)
+    solver = {"method": placement.method, "status": placement.status, "gap": float(placement.gap),
+              "solve_s": float(placement.solve_s)}
+    P = PREFIX
+    return {
+        P + "version": (VERSION, VT.UINT32),
+        P + "group_size": (int(placement.group), VT.UINT32),
+        P + "gpu_neurons": (np.asarray(placement.gpu_neurons, dtype=np.int32), VT.ARRAY),
+        P + "coverage": (np.asarray(placement.coverage, dtype=np.float32), VT.ARRAY),
+        P + "vram_budget": (int(placement.vram_budget), VT.UINT64),
+        P + "vram_used": (int(placement.vram_used), VT.UINT64),
+        P + "fixed_bytes": (int(placement.fixed_bytes), VT.UINT64),
+        P + "ctx": (int(placement.ctx), VT.UINT32),
+        P + "hardware": (json.dumps(placement.hardware, sort_keys=True, default=str), VT.STRING),
+        P + "solver": (json.dumps(solver), VT.STRING),
+        P + "est_token_ms": (float(placement.est_token_s) * 1000.0, VT.FLOAT32),
+        P + "down_type": (down_type, VT.STRING),
+        P + "stats.tokens": (int(stats.n_tokens), VT.UINT64),
+        P + "stats.sources": (stats.sources or "-", VT.STRING),
+        P + "stats.fingerprint": (stats.fingerprint, VT.STRING),
+        P + "curve_ranks": (ranks.astype(np.int32), VT.ARRAY),
+        P + "curve_freq": (freq_sorted[:, ranks - 1].reshape(-1).astype(np.float32), VT.ARRAY),
+        P + "curve_coverage": (cov[:, ranks - 1].reshape(-1).astype(np.float32), VT.ARRAY),
+    }
+
+
+def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Placement,
+                 out_path: str | os.PathLike, down_type: str = "q8_0", progress: bool = True) -> dict:
+    """Writes out_path: model_path with each layer's FFN neurons permuted hot-first and the placement in
+    optiml.placement.* metadata (any previous placement replaced; other keys copied unchanged).
+    down_type: the type quantized down tensors are written in ("q8_0", "same", or any optiml.quant type).
+    Returns {down tensor name: type written}. ArgumentError when the stats are another model's, the
+    placement does not fit the model, out_path is model_path or its folder does not exist."""
+    model_path, out_path = os.fspath(model_path), os.fspath(out_path)
+    if not os.path.isfile(model_path):
+        raise FileNotFoundError(f"model file not found: {model_path}")
+    check_output(model_path, out_path)
+    stats.check_model(model_path)
+    if down_type != "same":
+        down_info = quant.type_info(down_type)  # ArgumentError for unknown names
+        down_type = down_info.name.lower()
+
+    with _gguf.open(model_path) as f:
+        n_layer, n_ff, layers = _ffn_layout(f)
+    if tuple(stats.freq.shape) != (n_layer, n_ff):
+        raise ArgumentError(f"the stats are {stats.freq.shape[0]} layers x {stats.freq.shape[1]} neurons, "
+                            f"the model {n_layer} x {n_ff}")
+    _check_placement(placement, n_layer, n_ff)
+    if down_type != "same" and n_ff % down_info.block_size:
+        raise ArgumentError(f"down_type {down_type}: {n_ff} neurons are not a whole number of its "
+                            f"{down_info.block_size}-blocks")
+
+    from .stats import hot_first_order
+
+    order = hot_first_order(stats.freq, stats.impact)
+    written: dict[str, str] = {}
+    transforms = {}
+    for l in range(n_layer):
+        for name, t in layers[l].items():
+            if name in _NEURON_ROWS:
+                transforms[t.name] = _permute_rows(order[l])
+            elif name == "ffn_down.weight":
+                transforms[t.name] = _permute_down(order[l], down_type, written)
+    rewrite_gguf(model_path, out_path, set_kv=placement_kv(stats, placement, down_type),
+                 remove_prefixes=(PREFIX,), transforms=transforms, progress=progress, desc="placing")
+    return written
+
+
+# ---- reading --------------------------------------------------------------------------------------
+def read_placement(path_or_file) -> dict | None:
+    """The optiml.placement.* metadata of a file, parsed: keys are the names after the prefix
+    ("gpu_neurons", "stats.tokens", ...); hardware and solver are dicts, curve_freq and curve_coverage
+    [L, P] arrays. None when the file has no placement."""
+    if isinstance(path_or_file, _gguf.GGUFFile):
+        md = path_or_file.metadata
+    else:
+        with _gguf.open(path_or_file) as f:
+            md = f.metadata
+    d = {k[len(PREFIX):]: v for k, v in md.items() if k.startswith(PREFIX)}
+    if not d:
+        return None
+    for k in ("hardware", "solver"):
+        if k in d:
+            try:
+                d[k] = json.loads(d[k])
+            except (TypeError, ValueError):
+                d[k] = {"text": d[k]}
+    for k in ("gpu_neurons", "curve_ranks"):
+        if k in d:
+            d[k] = [int(v) for v in d[k]]
+    if "coverage" in d:
+        d["coverage"] = [float(v) for v in d["coverage"]]
+    n_layer = len(d.get("gpu_neurons", []))
+    for k in ("curve_freq", "curve_coverage"):
+        if k in d and n_layer:
+            d[k] = np.asarray(d[k], dtype=np.float32).reshape(n_layer, -1)
+    return d
+
+
+# ---- plotting -------------------------------------------------------------------------------------
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ArgumentError("plots need matplotlib: pip install optiml[plot]  (or: pip install matplotlib)") from None
+    return plt
+
+
+def plot(png: str | os.PathLike, ranks: np.ndarray, freq: np.ndarray, coverage: np.ndarray, n_ff: int,
+         gpu_neurons=None, title: str = "") -> None:
+    """Two panels: firing frequency vs neuron rank (log-log; a few layers and the mean) and the share of
+    firings covered vs the share of neurons on the GPU (each layer's k_l marked when given).
+    ranks: 1-based ranks [P]; freq, coverage: [L, P] at those ranks."""
+    plt = _pyplot()
+    ranks = np.asarray(ranks)
+    freq, coverage = np.asarray(freq, dtype=np.float64), np.asarray(coverage, dtype=np.float64)
+    L = freq.shape[0]
+    shown = sorted({0, L // 4, L // 2, (3 * L) // 4, L - 1})
+    cmap = plt.get_cmap("viridis")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.8))
+
+    for l in shown:
+        a.loglog(ranks, np.maximum(freq[l], 1e-6), color=cmap(l / max(L - 1, 1)), lw=1.2, label=f"layer {l}")
+    a.loglog(ranks, np.maximum(freq.mean(axis=0), 1e-6), color="crimson", lw=2.4, ls="--", label="mean of all layers")
+    a.set_xlabel("neuron rank (most frequent first)")
+    a.set_ylabel("share of tokens on which it fires")
+    a.set_title("activation frequency (power law)")
+    a.grid(True, which="both", alpha=0.3)
+    a.legend(fontsize=8)
+
+    share = ranks / n_ff
+    for l in range(L):
+        b.plot(share, coverage[l], color=cmap(l / max(L - 1, 1)), lw=0.8, alpha=0.6)
+    b.plot(share, coverage.mean(axis=0), color="crimson", lw=2.4, ls="--", label="mean of all layers")
+    b.plot([0, 1], [0, 1], color="gray", lw=0.8, ls=":", label="no locality (uniform)")
+    if gpu_neurons is not None:
+        ks = np.asarray(gpu_neurons, dtype=np.float64)
+        covk = [np.interp(k, np.concatenate([[0], ranks]), np.concatenate([[0], coverage[l]])) for l, k in enumerate(ks)]
+        b.scatter(ks / n_ff, covk, c=[cmap(l / max(L - 1, 1)) for l in range(L)], s=22, edgecolors="k",
+                  linewidths=0.5, zorder=3, label="k_l: each layer's GPU share")
+    b.set_xlim(0, 1)
+    b.set_ylim(0, 1.02)
+    b.set_xlabel("share of the layer's neurons on the GPU (hot first)")
+    b.set_ylabel("share of firings they cover")
+    b.set_title("coverage (color: layer, dark = first)")
+    b.grid(True, alpha=0.3)
+    b.legend(fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    png = os.fspath(png)
+    tmp = png + ".tmp.png"
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, png)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
