@@ -65,12 +65,15 @@ nb::tuple repack_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, int32_
     }
     auto out = new_array<uint8_t>({(size_t)nm.n_neurons, nm.row_bytes});
     if (!nm.data.empty()) std::memcpy(out.data(), nm.data.data(), nm.data.size());
-    return nb::make_tuple(out, nm.row_bytes);
+    if (nm.dim_scale.empty()) return nb::make_tuple(out, nm.row_bytes, nb::none());
+    auto scale = new_array<float>({nm.dim_scale.size()});
+    std::memcpy(scale.data(), nm.dim_scale.data(), sizeof(float) * nm.dim_scale.size());
+    return nb::make_tuple(out, nm.row_bytes, scale);
 }
 
 nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_neurons, int64_t dim, Ints1D idx,
                                            Floats1D a, std::optional<Floats1D> y0, int n_threads,
-                                           const std::string& simd) {
+                                           const std::string& simd, std::optional<Floats1D> dim_scale) {
     check_neuron_major(type, n_neurons, dim);
     const size_t need = row_size(type, dim) * (size_t)n_neurons;
     if (d.size() != need)
@@ -81,6 +84,9 @@ nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_ne
         throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
     if (y0 && (int64_t)y0->shape(0) != dim)
         throw ArgumentError(format("y holds %zu values, expected dim = %lld", (size_t)y0->shape(0), (long long)dim));
+    if (dim_scale && (int64_t)dim_scale->shape(0) != dim)
+        throw ArgumentError(format("dim_scale holds %zu values, expected dim = %lld", (size_t)dim_scale->shape(0),
+                                   (long long)dim));
     const KernelTable& kt = table_for(simd);
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
     auto y = new_array<float>({(size_t)dim});
@@ -88,7 +94,7 @@ nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_ne
     {
         nb::gil_scoped_release release;
         axpy_rows_raw(*pool, kt, type, n_neurons, dim, d.data(), idx.data(), a.data(), (int64_t)idx.shape(0),
-                      y.data(), y0.has_value());
+                      y.data(), y0.has_value(), dim_scale ? dim_scale->data() : nullptr);
     }
     return y;
 }
@@ -103,10 +109,10 @@ void bind_sparse(nb::module_& m) {
     m.def("repack_neuron_major", &repack_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
           nb::arg("type") = (int32_t)TYPE_Q8_0, nb::arg("n_threads") = 0,
           "Column j of the rows x cols matrix W (raw bytes of qtype) as row j of `type` (F32, F16, Q8_0): "
-          "returns (uint8 [cols, row_bytes], row_bytes).");
+          "returns (uint8 [cols, row_bytes], row_bytes, dim_scale: float32 [rows] for Q8_0, else None).");
     m.def("axpy_rows", &axpy_rows_py, nb::arg("d"), nb::arg("type"), nb::arg("n_neurons"), nb::arg("dim"),
           nb::arg("idx"), nb::arg("a"), nb::arg("y").none() = nb::none(), nb::arg("n_threads") = 0,
-          nb::arg("simd") = "",
-          "sum_i a[i] * d[idx[i]] over neuron-major rows d (raw bytes of `type`), float32 [dim]; "
-          "added to a copy of y when given.");
+          nb::arg("simd") = "", nb::arg("dim_scale").none() = nb::none(),
+          "sum_i a[i] * d[idx[i]] over neuron-major rows d (raw bytes of `type`), float32 [dim], times "
+          "dim_scale when given; added to a copy of y when given.");
 }

@@ -30,6 +30,11 @@ struct NeuronMajor {
     int64_t dim = 0;
     size_t row_bytes = 0;
     std::vector<uint8_t> data;
+    // [dim] or empty. Q8_0 rows are stored divided by a per-dimension scale (the largest |weight| of
+    // that output dimension): the residual stream's outlier dimensions have down weights far larger
+    // than the rest, and would otherwise set the scale of every 32-block they fall in, drowning the
+    // other 31 values in rounding. axpy_rows multiplies the sums back.
+    std::vector<float> dim_scale;
     const uint8_t* row(int64_t j) const { return data.data() + (size_t)j * row_bytes; }
 };
 
@@ -49,7 +54,9 @@ void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, co
                int64_t k, float* y, bool accumulate);
 // The same over neuron-major rows held elsewhere (n_neurons rows, row_size(type, dim) bytes apart,
 // at `data`), e.g. in a numpy array or a mapped file.
+// dim_scale: nullptr, or [dim] factors each y[r] sum is multiplied by (see NeuronMajor).
 void axpy_rows_raw(ThreadPool& pool, const KernelTable& kt, int32_t type, int64_t n_neurons, int64_t dim,
-                   const uint8_t* data, const int32_t* idx, const float* a, int64_t k, float* y, bool accumulate);
+                   const uint8_t* data, const int32_t* idx, const float* a, int64_t k, float* y, bool accumulate,
+                   const float* dim_scale = nullptr);
 
 }  // namespace optiml

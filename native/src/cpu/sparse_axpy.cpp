@@ -52,11 +52,15 @@ void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, co
     check_neuron_major(d.type, d.n_neurons, d.dim);
     if (d.row_bytes != row_size(d.type, d.dim) || d.data.size() < d.row_bytes * (size_t)d.n_neurons)
         throw ArgumentError("axpy_rows: the neuron-major matrix holds fewer bytes than its shape needs");
-    axpy_rows_raw(pool, kt, d.type, d.n_neurons, d.dim, d.data.data(), idx, a, k, y, accumulate);
+    if (!d.dim_scale.empty() && (int64_t)d.dim_scale.size() != d.dim)
+        throw ArgumentError("axpy_rows: the neuron-major matrix's dim_scale does not match its dim");
+    axpy_rows_raw(pool, kt, d.type, d.n_neurons, d.dim, d.data.data(), idx, a, k, y, accumulate,
+                  d.dim_scale.empty() ? nullptr : d.dim_scale.data());
 }
 
 void axpy_rows_raw(ThreadPool& pool, const KernelTable& kt, int32_t type, int64_t n_neurons, int64_t dim,
-                   const uint8_t* data, const int32_t* idx, const float* a, int64_t k, float* y, bool accumulate) {
+                   const uint8_t* data, const int32_t* idx, const float* a, int64_t k, float* y, bool accumulate,
+                   const float* dim_scale) {
     check_neuron_major(type, n_neurons, dim);
     if (k < 0) throw ArgumentError("axpy_rows: negative neuron count");
     const axpy_fn axpy = kt.axpy[type];
@@ -84,8 +88,15 @@ void axpy_rows_raw(ThreadPool& pool, const KernelTable& kt, int32_t type, int64_
         split_range(n_units, ith, nth, &u0, &u1);
         const int64_t r0 = u0 * 32, r1 = u1 * 32 < dim ? u1 * 32 : dim;
         if (r1 <= r0) return;
-        if (!accumulate) std::memset(y + r0, 0, sizeof(float) * (r1 - r0));
-        if (k > 0) axpy(r1 - r0, y + r0, ptrs, row_size(type, r0), a, k);
+        if (!dim_scale) {
+            if (!accumulate) std::memset(y + r0, 0, sizeof(float) * (r1 - r0));
+            if (k > 0) axpy(r1 - r0, y + r0, ptrs, row_size(type, r0), a, k);
+            return;
+        }
+        static thread_local std::vector<float> sum;
+        sum.assign(r1 - r0, 0.0f);
+        if (k > 0) axpy(r1 - r0, sum.data(), ptrs, row_size(type, r0), a, k);
+        for (int64_t r = r0; r < r1; r++) y[r] = (accumulate ? y[r] : 0.0f) + dim_scale[r] * sum[r - r0];
     });
 }
 

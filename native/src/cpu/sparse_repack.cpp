@@ -8,6 +8,7 @@
 // out from an atomic counter; each writes a disjoint part of the output, so the result does not
 // depend on the thread count.
 #include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "optiml/common.h"
@@ -53,6 +54,22 @@ NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int3
     nm.data.resize(nm.row_bytes * (size_t)nm.n_neurons);
 
     const size_t src_row = row_size(down.type, down.cols);
+    // Q8_0: each output dimension (a row of down) scaled to a largest |weight| of 1 first (see sparse.h).
+    if (type == TYPE_Q8_0) {
+        nm.dim_scale.assign(nm.dim, 1.0f);
+        pool.run([&](int ith, int nth) {
+            std::vector<float> row(down.cols);
+            int64_t r0, r1;
+            split_range(nm.dim, ith, nth, &r0, &r1);
+            for (int64_t r = r0; r < r1; r++) {
+                dequantize_row(down.type, (const uint8_t*)down.data + r * src_row, row.data(), down.cols);
+                float amax = 0.0f;
+                for (float v : row) amax = std::fabs(v) > amax ? std::fabs(v) : amax;
+                if (amax > 0 && std::isfinite(amax)) nm.dim_scale[r] = amax;
+            }
+        });
+    }
+    const float* scale = nm.dim_scale.empty() ? nullptr : nm.dim_scale.data();
     const int64_t n_tr = (nm.dim + TILE_R - 1) / TILE_R;
     const int64_t n_tc = (nm.n_neurons + TILE_C - 1) / TILE_C;
     const int64_t n_tiles = n_tr * n_tc;
@@ -68,7 +85,13 @@ NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int3
             const int64_t nc = nm.n_neurons - c0 < TILE_C ? nm.n_neurons - c0 : TILE_C;
             const size_t c_off = row_size(down.type, c0);  // c0 and nc are whole source blocks
             for (int64_t r = 0; r < nr; r++)
+            {
                 dequantize_row(down.type, (const uint8_t*)down.data + (r0 + r) * src_row + c_off, &in[r * TILE_C], nc);
+                if (scale) {
+                    const float inv = 1.0f / scale[r0 + r];
+                    for (int64_t c = 0; c < nc; c++) in[r * TILE_C + c] *= inv;
+                }
+            }
             // out[c][r] = in[r][c], in 8x8 sub-blocks so both sides touch few cache lines at a time.
             for (int64_t rb = 0; rb < nr; rb += 8)
                 for (int64_t cb = 0; cb < nc; cb += 8)
