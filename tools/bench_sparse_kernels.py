@@ -25,7 +25,7 @@ import optiml
 from optiml import _core, quant
 
 
-def median_seconds(fn, n_calls: int, repeats: int) -> float:
+def best_seconds(fn, n_calls: int, repeats: int) -> float:
     """Best of `repeats` passes (mean seconds of one of n_calls calls fn(i)): the best pass, not the
     median, because shared build machines make the slow passes measure other people's work."""
     for i in range(n_calls):  # warm up: pool threads, page faults
@@ -85,7 +85,7 @@ def main() -> int:
             k = max(1, int(round(frac * args.n_ff)))
             idx = [np.sort(rng.choice(args.n_ff, size=k, replace=False)).astype(np.int32) for _ in copies]
             a = rng.standard_normal(k).astype(np.float32)
-            times = {n: median_seconds(lambda i: _core.axpy_rows(copies[i], t, args.n_ff, args.n_embd, idx[i], a,
+            times = {n: best_seconds(lambda i: _core.axpy_rows(copies[i], t, args.n_ff, args.n_embd, idx[i], a,
                                                                  n_threads=n, simd=simd), len(copies), args.repeats)
                      for n in args.threads}
             print(row(f"axpy_rows {nm_type} k={k}", k * nm.shape[1], times), flush=True)
@@ -98,7 +98,7 @@ def main() -> int:
     for frac in args.active:
         k = max(1, int(round(frac * args.n_ff)))
         idx = [np.sort(rng.choice(args.n_ff, size=k, replace=False)).astype(np.int32) for _ in copies]
-        times = {n: median_seconds(lambda i: _core.matmul_rows(copies[i], gt, args.n_ff, args.n_embd, idx[i], x,
+        times = {n: best_seconds(lambda i: _core.matmul_rows(copies[i], gt, args.n_ff, args.n_embd, idx[i], x,
                                                                n_threads=n, simd=simd), len(copies), args.repeats)
                  for n in args.threads}
         print(row(f"matmul_rows {args.gate_type} k={k}", k * gate.shape[1], times), flush=True)
