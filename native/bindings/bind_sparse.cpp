@@ -38,13 +38,13 @@ WeightMatrix weight_matrix(const BytesND& w, int32_t qtype, int64_t rows, int64_
 }
 
 nb::ndarray<nb::numpy, float> matmul_rows_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, Ints1D idx,
-                                             Floats2D x, int n_threads, const std::string& simd) {
+                                             Floats2D x, int n_threads, const std::optional<std::string>& simd) {
     const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
     check_matmul_args(qtype, cols);
     if ((int64_t)x.shape(1) != cols)
         throw ArgumentError(format("x has rows of %zu values, the weights have %lld columns", (size_t)x.shape(1),
                                    (long long)cols));
-    const KernelTable& kt = table_for(simd);
+    const KernelTable& kt = table_for(simd.value_or(""));
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
     const int64_t n_tokens = (int64_t)x.shape(0);
     auto y = new_array<float>({(size_t)n_tokens, (size_t)rows});  // zeros: unlisted rows stay 0
@@ -73,7 +73,8 @@ nb::tuple repack_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, int32_
 
 nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_neurons, int64_t dim, Ints1D idx,
                                            Floats1D a, std::optional<Floats1D> y0, int n_threads,
-                                           const std::string& simd, std::optional<Floats1D> dim_scale) {
+                                           const std::optional<std::string>& simd,
+                                           std::optional<Floats1D> dim_scale) {
     check_neuron_major(type, n_neurons, dim);
     const size_t need = row_size(type, dim) * (size_t)n_neurons;
     if (d.size() != need)
@@ -87,7 +88,7 @@ nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_ne
     if (dim_scale && (int64_t)dim_scale->shape(0) != dim)
         throw ArgumentError(format("dim_scale holds %zu values, expected dim = %lld", (size_t)dim_scale->shape(0),
                                    (long long)dim));
-    const KernelTable& kt = table_for(simd);
+    const KernelTable& kt = table_for(simd.value_or(""));
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
     auto y = new_array<float>({(size_t)dim});
     if (y0) std::memcpy(y.data(), y0->data(), sizeof(float) * dim);
@@ -103,7 +104,7 @@ nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_ne
 
 void bind_sparse(nb::module_& m) {
     m.def("matmul_rows", &matmul_rows_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
-          nb::arg("idx"), nb::arg("x"), nb::arg("n_threads") = 0, nb::arg("simd") = "",
+          nb::arg("idx"), nb::arg("x"), nb::arg("n_threads") = 0, nb::arg("simd").none() = nb::none(),
           "Y[t, r] = dot(W[r], X[t]) for the rows r listed in idx (int32); other entries of Y are 0. "
           "W is rows x cols of qtype as raw bytes, X float32 [n_tokens, cols].");
     m.def("repack_neuron_major", &repack_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
@@ -112,7 +113,7 @@ void bind_sparse(nb::module_& m) {
           "returns (uint8 [cols, row_bytes], row_bytes, dim_scale: float32 [rows] for Q8_0, else None).");
     m.def("axpy_rows", &axpy_rows_py, nb::arg("d"), nb::arg("type"), nb::arg("n_neurons"), nb::arg("dim"),
           nb::arg("idx"), nb::arg("a"), nb::arg("y").none() = nb::none(), nb::arg("n_threads") = 0,
-          nb::arg("simd") = "", nb::arg("dim_scale").none() = nb::none(),
+          nb::arg("simd").none() = nb::none(), nb::arg("dim_scale").none() = nb::none(),
           "sum_i a[i] * d[idx[i]] over neuron-major rows d (raw bytes of `type`), float32 [dim], times "
           "dim_scale when given; added to a copy of y when given.");
 }

@@ -13,9 +13,14 @@ namespace {
 
 inline __m256 q8x8(const int8_t* q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q))); }
 
+// nxt: the rows of the next pass (n_nxt of them), prefetched block by block in step with this one.
+// The rows are scattered and each thread reads only its slice of them (a few dozen cache lines),
+// too short a stream for the hardware prefetcher to get going on its own.
 template <int M>
-void q8_0_pass(int64_t nb, float* y, const block_q8_0* const* b, const float* a) {
+void q8_0_pass(int64_t nb, float* y, const block_q8_0* const* b, const float* a, const block_q8_0* const* nxt,
+               int n_nxt) {
     for (int64_t j = 0; j < nb; j++) {
+        for (int m = 0; m < n_nxt; m++) _mm_prefetch((const char*)(nxt[m] + j), _MM_HINT_T0);
         float* yj = y + j * OPTIML_QK8_0;
         __m256 y0 = _mm256_loadu_ps(yj), y1 = _mm256_loadu_ps(yj + 8);
         __m256 y2 = _mm256_loadu_ps(yj + 16), y3 = _mm256_loadu_ps(yj + 24);
@@ -36,18 +41,24 @@ void q8_0_pass(int64_t nb, float* y, const block_q8_0* const* b, const float* a)
 
 void axpy_q8_0_avx2(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k) {
     const int64_t nb = n / OPTIML_QK8_0;
+    auto rows = [&](int64_t i0, const block_q8_0** b) {  // up to 4 rows from i0; returns how many
+        int c = 0;
+        for (; c < 4 && i0 + c < k; c++) b[c] = (const block_q8_0*)((const uint8_t*)w[i0 + c] + off);
+        return c;
+    };
     const block_q8_0* b[4];
-    int64_t i = 0;
-    for (; i + 4 <= k; i += 4) {
-        for (int m = 0; m < 4; m++) b[m] = (const block_q8_0*)((const uint8_t*)w[i + m] + off);
-        q8_0_pass<4>(nb, y, b, a + i);
-    }
-    for (int m = 0; m < k - i; m++) b[m] = (const block_q8_0*)((const uint8_t*)w[i + m] + off);
-    switch (k - i) {
-        case 3: q8_0_pass<3>(nb, y, b, a + i); break;
-        case 2: q8_0_pass<2>(nb, y, b, a + i); break;
-        case 1: q8_0_pass<1>(nb, y, b, a + i); break;
-        default: break;
+    const block_q8_0* nxt[4];
+    int cur = rows(0, b);
+    for (int64_t i = 0; i < k; i += 4) {
+        const int n_nxt = rows(i + 4, nxt);
+        switch (cur) {
+            case 4: q8_0_pass<4>(nb, y, b, a + i, nxt, n_nxt); break;
+            case 3: q8_0_pass<3>(nb, y, b, a + i, nxt, n_nxt); break;
+            case 2: q8_0_pass<2>(nb, y, b, a + i, nxt, n_nxt); break;
+            default: q8_0_pass<1>(nb, y, b, a + i, nxt, n_nxt); break;
+        }
+        for (int m = 0; m < n_nxt; m++) b[m] = nxt[m];
+        cur = n_nxt;
     }
 }
 

@@ -9,6 +9,15 @@
 
 namespace optiml {
 
+namespace {
+// Asks for a whole weight row ahead of its use. Listed rows are scattered, so the hardware
+// prefetcher, which follows sequential streams, starts cold on every one of them; fetching the next
+// row while this one is multiplied hides most of that latency.
+inline void prefetch_row(const uint8_t* p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+}  // namespace
+
 void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W, const int32_t* rows,
                  int64_t n_rows, const float* X, int64_t n_tokens, float* Y) {
     check_matmul_args(W.type, W.cols);
@@ -61,6 +70,7 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
                     float* out = Y + t * W.rows;
                     for (int64_t i = i0; i < i1; i++) {
                         const int64_t r = rows[i];
+                        if (i + 1 < n_rows) prefetch_row(wbase + rows[i + 1] * w_row, w_row);
                         float s[4];
                         dot4(cols, s, wbase + r * w_row, xbase + t * x_row, x_row);
                         for (int k = 0; k < 4; k++) out[k * W.rows + r] = s[k];
@@ -72,6 +82,7 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
                 float* out = Y + t * W.rows;
                 for (int64_t i = i0; i < i1; i++) {
                     const int64_t r = rows[i];
+                    if (i + 1 < n_rows) prefetch_row(wbase + rows[i + 1] * w_row, w_row);
                     dot(cols, &out[r], wbase + r * w_row, x);
                 }
             }

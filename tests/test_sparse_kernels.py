@@ -1,0 +1,213 @@
+"""Kernels of the activation-sparse FFN (native/src/cpu/sparse*.cpp), through optiml._core.
+
+  * matmul_rows equals the dense matmul restricted to the listed rows, bit for bit, for every
+    weight type, SIMD level and thread count (unlisted rows stay 0 in the binding's output);
+  * repack_neuron_major is the transpose of the dequantized down matrix, requantized row by row:
+    exactly equal for an F32 target, and byte-identical to quantizing the transpose for F16/Q8_0;
+  * axpy_rows equals a float64 numpy reference within a derived bound, and is bit-identical across
+    thread counts and SIMD levels (every level computes each output as the same fma chain);
+  * bad input raises optiml.ArgumentError.
+"""
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml import _core, quant
+
+TYPES = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+LEVELS = _core.simd_levels()  # scalar and whatever this CPU and build add
+THREADS = (1, 2)
+F32, F16, Q8_0 = 0, 1, 8
+U = 2.0**-24  # unit roundoff of float32
+
+
+def _weights(rows, cols, qtype, seed):
+    rng = np.random.default_rng(seed)
+    return quant.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+
+
+def _row_subsets(rows, rng):
+    """Empty, one row, all rows (shuffled) and a random unsorted subset, all duplicate-free."""
+    return [
+        np.zeros(0, np.int32),
+        np.array([rows - 1], np.int32),
+        rng.permutation(rows).astype(np.int32),
+        rng.choice(rows, size=rows // 3, replace=False).astype(np.int32),
+    ]
+
+
+# ---- matmul_rows -------------------------------------------------------------------------------
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matmul_rows_equals_dense_rows_bit_for_bit(qtype):
+    rows, cols = 70, 512
+    w = _weights(rows, cols, qtype, seed=1)
+    t = quant.type_id(qtype)
+    rng = np.random.default_rng(2)
+    for n_tokens in (1, 5):
+        x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+        for simd in LEVELS:
+            dense = quant.matmul(w, qtype, x, n_threads=1, simd=simd)
+            for idx in _row_subsets(rows, rng):
+                for n in THREADS:
+                    y = _core.matmul_rows(w, t, rows, cols, idx, x, n_threads=n, simd=simd)
+                    assert y.shape == (n_tokens, rows) and y.dtype == np.float32
+                    np.testing.assert_array_equal(y[:, idx], dense[:, idx])
+                    rest = np.setdiff1d(np.arange(rows), idx)
+                    assert not y[:, rest].any()
+
+
+def test_matmul_rows_many_rows_many_threads():
+    # Enough rows that several chunks go to each thread (chunk size 16..64).
+    rows, cols = 1500, 256
+    w = _weights(rows, cols, "q4_0", seed=3)
+    rng = np.random.default_rng(4)
+    idx = rng.choice(rows, size=900, replace=False).astype(np.int32)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    dense = quant.matmul(w, "q4_0", x, n_threads=1)
+    for n in (1, 2, 3, 5):
+        y = _core.matmul_rows(w, 2, rows, cols, idx, x, n_threads=n)
+        np.testing.assert_array_equal(y[:, idx], dense[:, idx])
+
+
+# ---- repack_neuron_major -----------------------------------------------------------------------
+def _cols_for(qtype):
+    # Not a whole number of 256-column tiles where the block size allows, to exercise partial tiles.
+    return 768 if quant.type_info(qtype).block_size == 256 else 800
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_repack_f32_is_the_transposed_dequantized_matrix(qtype):
+    rows, cols = 150, _cols_for(qtype)  # rows = n_embd: not a multiple of the 64-row tile
+    w = _weights(rows, cols, qtype, seed=5)
+    want = quant.dequantize(w, qtype).T
+    for n in THREADS:
+        nm, row_bytes = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, F32, n_threads=n)
+        assert row_bytes == rows * 4 and nm.shape == (cols, row_bytes) and nm.dtype == np.uint8
+        np.testing.assert_array_equal(nm.view(np.float32), want)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("target", ["f16", "q8_0"])
+def test_repack_quantized_targets_equal_quantizing_the_transpose(qtype, target):
+    rows, cols = 160, _cols_for(qtype)
+    w = _weights(rows, cols, qtype, seed=6)
+    want = quant.quantize(np.ascontiguousarray(quant.dequantize(w, qtype).T), target)
+    for n in THREADS:
+        nm, row_bytes = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, quant.type_id(target),
+                                                  n_threads=n)
+        assert row_bytes == want.shape[1]
+        np.testing.assert_array_equal(nm, want)
+
+
+# ---- axpy_rows ---------------------------------------------------------------------------------
+def _requant_error(wt, target):
+    """Per-element bound on |requantized - original| for neuron-major rows wt [n_neurons, dim]."""
+    if target == "f32":
+        return np.zeros_like(wt, dtype=np.float64)
+    if target == "f16":
+        return np.abs(wt).astype(np.float64) * 2.0**-11  # round to nearest, 11-bit significand
+    # Q8_0: d = amax/127, q = round(x / d): |x - q d| <= d/2, and d stored as f16 adds |q| d 2^-11.
+    amax = np.abs(wt.reshape(wt.shape[0], -1, 32)).max(axis=2).astype(np.float64)
+    d = amax / 127
+    return np.repeat(d * (0.5 + 127 * 2.0**-11) * (1 + 1e-6), 32, axis=1)
+
+
+@pytest.mark.parametrize("target", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("qtype", ["f16", "q4_0", "q8_0", "q4_k"])
+def test_axpy_rows_matches_float64_reference(qtype, target):
+    n_embd, n_ff = 224, 512  # dim = n_embd: 7 units of 32, so 2 threads get unequal slices
+    w = _weights(n_embd, n_ff, qtype, seed=7)
+    wt = quant.dequantize(w, qtype).T.astype(np.float64)  # [n_ff, n_embd], column j of down = neuron j
+    tt = quant.type_id(target)
+    nm, _ = _core.repack_neuron_major(w, quant.type_id(qtype), n_embd, n_ff, tt)
+    nm_vals = quant.dequantize(nm, target).astype(np.float64)  # what axpy actually reads
+    err = _requant_error(quant.dequantize(w, qtype).T, target)
+    rng = np.random.default_rng(8)
+    subsets = [np.zeros(0, np.int32), np.array([3], np.int32), rng.permutation(n_ff).astype(np.int32)]
+    subsets += [rng.choice(n_ff, size=k, replace=False).astype(np.int32) for k in (2, 5, 51)]
+    for idx in subsets:
+        a = rng.standard_normal(len(idx)).astype(np.float32)
+        a64 = a.astype(np.float64)
+        y = _core.axpy_rows(nm, tt, n_ff, n_embd, idx, a)
+        assert y.shape == (n_embd,) and y.dtype == np.float32
+        # Against the rows as stored: one rounding per fma (plus the product a * d for Q8_0 blocks),
+        # so |error| <= (k + 1) u sum |a w| to first order.
+        mag = np.abs(a64) @ np.abs(nm_vals[idx]) if len(idx) else np.zeros(n_embd)
+        bound = (len(idx) + 2) * U * mag + 1e-30
+        assert np.all(np.abs(y - a64 @ nm_vals[idx]) <= bound)
+        # Against the original down matrix: add the requantization error of each active column.
+        ref = a64 @ wt[idx] if len(idx) else np.zeros(n_embd)
+        req = np.abs(a64) @ err[idx] if len(idx) else np.zeros(n_embd)
+        assert np.all(np.abs(y - ref) <= bound + req)
+        # Same bits for every thread count and SIMD level.
+        for simd in LEVELS:
+            for n in (1, 2, 3):
+                np.testing.assert_array_equal(_core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, n_threads=n, simd=simd), y)
+
+
+@pytest.mark.parametrize("target", ["f32", "f16", "q8_0"])
+def test_axpy_rows_accumulates_into_y(target):
+    n_embd, n_ff = 4096 if target == "q8_0" else 4100, 64  # f32/f16 rows may end mid-vector
+    rng = np.random.default_rng(9)
+    tt = quant.type_id(target)
+    wt = rng.standard_normal((n_ff, n_embd)).astype(np.float32)
+    nm = quant.quantize(wt, target)
+    vals = quant.dequantize(nm, target).astype(np.float64)
+    idx = rng.choice(n_ff, size=13, replace=False).astype(np.int32)
+    a = rng.standard_normal(13).astype(np.float32)
+    y0 = rng.standard_normal(n_embd).astype(np.float32)
+    y = _core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, y=y0)
+    ref = y0.astype(np.float64) + a.astype(np.float64) @ vals[idx]
+    mag = np.abs(y0) + np.abs(a.astype(np.float64)) @ np.abs(vals[idx])
+    assert np.all(np.abs(y - ref) <= 15 * U * mag)
+    for simd in LEVELS:
+        for n in (1, 2, 3):
+            np.testing.assert_array_equal(_core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, y=y0, n_threads=n, simd=simd), y)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_bad_input_raises_argument_error():
+    rows, cols = 64, 256
+    w = _weights(rows, cols, "q4_0", seed=10)
+    x = np.ones((2, cols), np.float32)
+    ok = np.array([0, 5], np.int32)
+    E = optiml.ArgumentError
+    # matmul_rows
+    for bad in ([-1], [0, rows], [2**31 - 1]):
+        with pytest.raises(E, match="outside"):
+            _core.matmul_rows(w, 2, rows, cols, np.array(bad, np.int32), x)
+    with pytest.raises(E, match="bytes"):
+        _core.matmul_rows(w, 2, rows + 1, cols, ok, x)
+    with pytest.raises(E, match="columns"):
+        _core.matmul_rows(w, 2, rows, cols, ok, np.ones((2, cols - 32), np.float32))
+    with pytest.raises(E, match="type"):
+        _core.matmul_rows(w, 5, rows, cols, ok, x)
+    with pytest.raises(E, match="SIMD"):
+        _core.matmul_rows(w, 2, rows, cols, ok, x, simd="sse9")
+    with pytest.raises(E, match="multiple"):
+        _core.matmul_rows(w, 2, rows, 48, ok, np.ones((2, 48), np.float32))
+    # repack_neuron_major
+    with pytest.raises(E, match="F32, F16 or Q8_0"):
+        _core.repack_neuron_major(w, 2, rows, cols, 2)
+    w40 = _weights(40, cols, "q4_0", seed=11)
+    with pytest.raises(E, match="multiple of 32"):
+        _core.repack_neuron_major(w40, 2, 40, cols, Q8_0)
+    with pytest.raises(E, match="bytes"):
+        _core.repack_neuron_major(w, 2, rows, cols * 2, Q8_0)
+    # axpy_rows
+    nm, _ = _core.repack_neuron_major(w, 2, rows, cols, Q8_0)  # cols neurons of dim rows
+    a = np.ones(2, np.float32)
+    for bad in ([-1, 0], [0, cols]):
+        with pytest.raises(E, match="outside"):
+            _core.axpy_rows(nm, Q8_0, cols, rows, np.array(bad, np.int32), a)
+    with pytest.raises(E, match="coefficients"):
+        _core.axpy_rows(nm, Q8_0, cols, rows, ok, np.ones(3, np.float32))
+    with pytest.raises(E, match="bytes"):
+        _core.axpy_rows(nm, Q8_0, cols + 1, rows, ok, a)
+    with pytest.raises(E, match="F32, F16 or Q8_0"):
+        _core.axpy_rows(nm, 2, cols, rows, ok, a)
+    with pytest.raises(E, match="multiple of 32"):
+        _core.axpy_rows(nm, Q8_0, cols, 48, ok, a)
+    with pytest.raises(E, match="dim"):
+        _core.axpy_rows(nm, Q8_0, cols, rows, ok, a, y=np.zeros(rows + 1, np.float32))
