@@ -82,7 +82,8 @@ def test_repack_f32_is_the_transposed_dequantized_matrix(qtype):
     w = _weights(rows, cols, qtype, seed=5)
     want = quant.dequantize(w, qtype).T
     for n in THREADS:
-        nm, row_bytes = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, F32, n_threads=n)
+        nm, row_bytes, scale = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, F32, n_threads=n)
+        assert scale is None
         assert row_bytes == rows * 4 and nm.shape == (cols, row_bytes) and nm.dtype == np.uint8
         np.testing.assert_array_equal(nm.view(np.float32), want)
 
@@ -92,12 +93,21 @@ def test_repack_f32_is_the_transposed_dequantized_matrix(qtype):
 def test_repack_quantized_targets_equal_quantizing_the_transpose(qtype, target):
     rows, cols = 160, _cols_for(qtype)
     w = _weights(rows, cols, qtype, seed=6)
-    want = quant.quantize(np.ascontiguousarray(quant.dequantize(w, qtype).T), target)
+    wt = np.ascontiguousarray(quant.dequantize(w, qtype).T)  # [n_ff, n_embd]
+    want_scale = None
+    if target == "q8_0":  # each output dimension scaled to a largest |weight| of 1 first
+        want_scale = np.abs(wt).max(axis=0)
+        wt = np.ascontiguousarray(wt * (np.float32(1) / want_scale))
+    want = quant.quantize(wt, target)
     for n in THREADS:
-        nm, row_bytes = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, quant.type_id(target),
-                                                  n_threads=n)
+        nm, row_bytes, scale = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, quant.type_id(target),
+                                                         n_threads=n)
         assert row_bytes == want.shape[1]
         np.testing.assert_array_equal(nm, want)
+        if want_scale is None:
+            assert scale is None
+        else:
+            np.testing.assert_array_equal(scale, want_scale)
 
 
 # ---- axpy_rows ---------------------------------------------------------------------------------
@@ -120,21 +130,23 @@ def test_axpy_rows_matches_float64_reference(qtype, target):
     w = _weights(n_embd, n_ff, qtype, seed=7)
     wt = quant.dequantize(w, qtype).T.astype(np.float64)  # [n_ff, n_embd], column j of down = neuron j
     tt = quant.type_id(target)
-    nm, _ = _core.repack_neuron_major(w, quant.type_id(qtype), n_embd, n_ff, tt)
-    nm_vals = quant.dequantize(nm, target).astype(np.float64)  # what axpy actually reads
-    err = _requant_error(quant.dequantize(w, qtype).T, target)
+    nm, _, scale = _core.repack_neuron_major(w, quant.type_id(qtype), n_embd, n_ff, tt)
+    sc = np.ones(n_embd) if scale is None else scale.astype(np.float64)
+    stored = quant.dequantize(nm, target).astype(np.float64)  # what axpy actually reads ...
+    nm_vals = stored * sc  # ... and what it means once the per-dimension scale is applied
+    err = _requant_error((quant.dequantize(w, qtype).T / sc).astype(np.float32), target) * sc
     rng = np.random.default_rng(8)
     subsets = [np.zeros(0, np.int32), np.array([3], np.int32), rng.permutation(n_ff).astype(np.int32)]
     subsets += [rng.choice(n_ff, size=k, replace=False).astype(np.int32) for k in (2, 5, 51)]
     for idx in subsets:
         a = rng.standard_normal(len(idx)).astype(np.float32)
         a64 = a.astype(np.float64)
-        y = _core.axpy_rows(nm, tt, n_ff, n_embd, idx, a)
+        y = _core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, dim_scale=scale)
         assert y.shape == (n_embd,) and y.dtype == np.float32
-        # Against the rows as stored: one rounding per fma (plus the product a * d for Q8_0 blocks),
-        # so |error| <= (k + 1) u sum |a w| to first order.
+        # Against the rows as stored: one rounding per fma (plus the product a * d for Q8_0 blocks,
+        # and the final scaling), so |error| <= (k + 3) u sum |a w| to first order.
         mag = np.abs(a64) @ np.abs(nm_vals[idx]) if len(idx) else np.zeros(n_embd)
-        bound = (len(idx) + 2) * U * mag + 1e-30
+        bound = (len(idx) + 3) * U * mag + 1e-30
         assert np.all(np.abs(y - a64 @ nm_vals[idx]) <= bound)
         # Against the original down matrix: add the requantization error of each active column.
         ref = a64 @ wt[idx] if len(idx) else np.zeros(n_embd)
@@ -143,7 +155,8 @@ def test_axpy_rows_matches_float64_reference(qtype, target):
         # Same bits for every thread count and SIMD level.
         for simd in LEVELS:
             for n in (1, 2, 3):
-                np.testing.assert_array_equal(_core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, n_threads=n, simd=simd), y)
+                np.testing.assert_array_equal(
+                    _core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, n_threads=n, simd=simd, dim_scale=scale), y)
 
 
 @pytest.mark.parametrize("target", ["f32", "f16", "q8_0"])
@@ -196,7 +209,7 @@ def test_bad_input_raises_argument_error():
     with pytest.raises(E, match="bytes"):
         _core.repack_neuron_major(w, 2, rows, cols * 2, Q8_0)
     # axpy_rows
-    nm, _ = _core.repack_neuron_major(w, 2, rows, cols, Q8_0)  # cols neurons of dim rows
+    nm, _, _ = _core.repack_neuron_major(w, 2, rows, cols, Q8_0)  # cols neurons of dim rows
     a = np.ones(2, np.float32)
     for bad in ([-1, 0], [0, cols]):
         with pytest.raises(E, match="outside"):
