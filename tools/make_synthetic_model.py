@@ -4,7 +4,7 @@ models too big to download (the default is 7B-shaped: LLaMA-2-7B's layers with a
 
 The tokenizer (every tokenizer.* key) is copied from a donor GGUF, SmolLM2-135M-Instruct by default,
 so llama.cpp and OptiML both load and tokenize the file; n_vocab is therefore the donor's (49152).
-Weights are normal(0, --std) like a trained model's at initialization, RMS-norm weights 1.0, so
+Weights are normal(0, --std) (drawn as 65536 quantiles, see rand()) like a trained model's at initialization, RMS-norm weights 1.0, so
 activations stay finite through every layer; the text it generates is of course noise.
 
 --activation relu adds the metadata key optiml.ffn.activation = "relu": OptiML then computes
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -92,12 +93,25 @@ def main(argv=None) -> int:
     kv = a.n_head_kv * head_dim
     E, FF = a.n_embd, a.n_ff
 
-    def rand(shape, layer_seed):
+    # Normal values as table[random uint16]: the table holds the normal distribution's 65536 quantiles
+    # (so values are normal, cut at +-4.3 std), three times faster than rng.standard_normal. One float32
+    # buffer per shape is reused: write_gguf quantizes each tensor before asking for the next.
+    nd = statistics.NormalDist(0.0, a.std)
+    table = np.array([nd.inv_cdf((i + 0.5) / 65536) for i in range(65536)], dtype=np.float32)
+    buffers: dict[tuple, np.ndarray] = {}
+
+    def rand(shape, tensor_seed):
         def run():
-            rng = np.random.default_rng([a.seed, layer_seed])
-            x = rng.standard_normal(shape, dtype=np.float32)
-            x *= np.float32(a.std)
-            return x
+            buf = buffers.get(shape)
+            if buf is None:
+                buf = buffers[shape] = np.empty(shape, dtype=np.float32)
+            rng = np.random.default_rng([a.seed, tensor_seed])
+            rows = buf.reshape(-1, shape[-1])
+            step = max(1, (1 << 22) // shape[-1])
+            for r in range(0, rows.shape[0], step):
+                idx = rng.integers(0, 65536, (min(step, rows.shape[0] - r), shape[-1]), dtype=np.uint16)
+                np.take(table, idx, out=rows[r : r + step])
+            return buf
         return run
 
     def ones(n):
