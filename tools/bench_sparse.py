@@ -135,14 +135,45 @@ def time_tg(engine, ids: list[int], n_prompt: int, n_gen: int) -> float:
 
 
 def alternate(ours, peer, ids, n_prompt, n_gen, repeats) -> tuple[list[float], list[float]]:
-    """tg runs of both engines, alternating, after one short warm-up of each."""
-    time_tg(ours, ids, n_prompt, min(n_gen, 4))
-    time_tg(peer, ids, n_prompt, min(n_gen, 4))
+    """tg runs of both engines, alternating, after one full-length warm-up run of each (a short one
+    leaves page faults and thread start-up in the first timed run: llama.cpp's first run of SmolLM2 was
+    30x slower than the rest)."""
+    time_tg(ours, ids, n_prompt, n_gen)
+    time_tg(peer, ids, n_prompt, n_gen)
     a, b = [], []
     for _ in range(repeats):
         a.append(time_tg(ours, ids, n_prompt, n_gen))
         b.append(time_tg(peer, ids, n_prompt, n_gen))
     return a, b
+
+
+def peer_perplexity(path: str, tokens: list[int], n_ctx: int, threads: int, n_chunks: int) -> float:
+    """llama.cpp's perplexity of the same token ids, by optiml.cli.perplexity's convention (no-BOS
+    models only, as SmolLM2): non-overlapping windows, each from an empty context, second half scored."""
+    import numpy as np
+
+    peer = load_peer_all_logits(path, n_ctx, threads)
+    n = len(tokens) // n_ctx if n_chunks < 0 else min(n_chunks, len(tokens) // n_ctx)
+    first, nll, count = n_ctx // 2, 0.0, 0
+    for i in range(n):
+        window = tokens[i * n_ctx : (i + 1) * n_ctx]
+        peer.reset()
+        peer.eval(window)
+        rows = np.asarray(peer.scores[first : n_ctx - 1], dtype=np.float64)
+        targets = np.asarray(window[first + 1 : n_ctx])
+        mx = rows.max(axis=1, keepdims=True)
+        logz = np.log(np.exp(rows - mx).sum(axis=1)) + mx[:, 0]
+        nll += float((logz - rows[np.arange(len(targets)), targets]).sum())
+        count += len(targets)
+    close(peer)
+    return float(np.exp(nll / count))
+
+
+def load_peer_all_logits(path: str, n_ctx: int, threads: int):
+    import llama_cpp
+
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                           logits_all=True, verbose=False)
 
 
 def close(engine) -> None:
@@ -162,6 +193,7 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
     calib, held = text[:cut], text[cut:].lstrip("\n")
     tok = optiml.Model(SMOLLM2, n_ctx=64, n_threads=a.threads)
     ids = tok.tokenize(held, add_bos=False)
+    ptoks = tok.tokenize(held, add_bos=True)  # what optiml.cli.perplexity scores
     n_calib = len(tok.tokenize(calib, add_bos=False))
     close(tok)
     n_prompt, n_gen = a.n_prompt, a.n_gen
@@ -187,11 +219,18 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
         close(m)
     close(peer)
 
+    peer_ppl = None
+    if a.peer_ppl:
+        t0 = time.perf_counter()
+        peer_ppl = peer_perplexity(SMOLLM2, ptoks, a.ctx, a.threads, chunks)
+        log(f"SmolLM2 llama.cpp dense PPL {peer_ppl:.3f} ({time.perf_counter() - t0:.0f} s)")
+
     dense_ppl = rows[0][2]
     out = [f"### SmolLM2-135M-Instruct Q4_1, {a.threads} threads",
            f"calibration: first {a.calib_frac:.0%} of the eval text ({n_calib} tokens); PPL: the remaining "
-           f"{len(ids)} tokens, ctx {a.ctx}{', first 8 windows' if a.quick else ''} (llama.cpp dense on the "
-           f"full text: {SMOLLM2_REF_PPL}); tg: {n_gen} text tokens after {n_prompt}, median of {a.repeats}",
+           f"{len(ids)} tokens, ctx {a.ctx}{', first 8 windows' if a.quick else ''} (llama.cpp dense: "
+           f"{fmt(peer_ppl, '.3f', 'not measured (--peer-ppl)')} on the same tokens, {SMOLLM2_REF_PPL} on the "
+           f"full text per REFERENCE.md); tg: {n_gen} text tokens after {n_prompt}, median of {a.repeats}",
            "",
            "| target | measured sparsity | PPL | PPL vs dense | tg tok/s | llama.cpp dense tok/s | ratio |",
            "|---|---|---|---|---|---|---|"]
@@ -275,7 +314,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer PPL windows, repeats and tokens; 7B: only the "
                     "goal's sparsity")
     ap.add_argument("--repeats", type=int, default=None, help="SmolLM2 tg runs per row (default 5; quick 3)")
-    ap.add_argument("--repeats-7b", type=int, default=None, help="7B tg runs per row (default 3; quick 2)")
+    ap.add_argument("--repeats-7b", type=int, default=None, help="7B tg runs per row (default 5; quick 2)")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--targets-7b", type=float, nargs="+", default=None, help="default 0.5 0.8 0.9")
     ap.add_argument("--mode", choices=("auto", "threshold"), default="auto",
@@ -283,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=256, help="perplexity window")
     ap.add_argument("--calib-frac", type=float, default=0.2, help="SmolLM2: share of the eval text used to "
                     "calibrate; perplexity is measured on the rest")
+    ap.add_argument("--peer-ppl", action="store_true", help="SmolLM2: also llama.cpp's perplexity on the "
+                    "same tokens (~1 minute)")
     ap.add_argument("--calib-tokens-7b", type=int, default=384)
     ap.add_argument("--n-prompt", type=int, default=32)
     ap.add_argument("--n-gen", type=int, default=None, help="SmolLM2 tg tokens (default 128; quick 64)")
@@ -294,7 +335,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-calibrated", action="store_true", help="keep the 7B calibrated copies (3.6 GiB each)")
     a = ap.parse_args(argv)
     a.repeats = a.repeats or (3 if a.quick else 5)
-    a.repeats_7b = a.repeats_7b or (2 if a.quick else 3)
+    a.repeats_7b = a.repeats_7b or (2 if a.quick else 5)
     a.n_gen = a.n_gen or (64 if a.quick else 128)
     a.n_gen_7b = a.n_gen_7b or (16 if a.quick else 32)
     only = a.only or ["smollm2", "7b-relu", "7b-silu"]
