@@ -182,6 +182,11 @@ def close(engine) -> None:
         c()
 
 
+def spread(runs: list[float], spec: str) -> str:
+    """median (min–max) of timed runs: the range shows how noisy the machine was."""
+    return f"{format(statistics.median(runs), spec)} ({format(min(runs), spec)}–{format(max(runs), spec)})"
+
+
 def fmt(x, spec, none="—"):
     return none if x is None else format(x, spec)
 
@@ -214,7 +219,7 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
         log(f"SmolLM2 target {target}: PPL {ppl:.3f} ± {err:.3f} ({n_scored} tokens, {time.perf_counter() - t0:.0f} s)")
         ours, theirs = alternate(m, peer, ids, n_prompt, n_gen, a.repeats)
         sp = overall_sparsity(m) if mode else 0.0
-        rows.append((target, sp, ppl, err, statistics.median(ours), statistics.median(theirs)))
+        rows.append((target, sp, ppl, err, ours, theirs))
         log(f"  tg optiml {[round(x, 1) for x in ours]}, llama.cpp {[round(x, 1) for x in theirs]}")
         close(m)
     close(peer)
@@ -235,10 +240,11 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
            "| target | measured sparsity | PPL | PPL vs dense | tg tok/s | llama.cpp dense tok/s | ratio |",
            "|---|---|---|---|---|---|---|"]
     best = None
-    for target, sp, ppl, err, tg, ref in rows:
+    for target, sp, ppl, err, o, p in rows:
         d = (ppl / dense_ppl - 1) * 100
-        out.append(f"| {target:.1f} | {fmt(sp, '.3f')} | {ppl:.3f} ± {err:.2f} | {d:+.2f}% | {tg:.1f} | {ref:.1f} | "
-                   f"{tg / ref:.2f}x |")
+        tg, ref = statistics.median(o), statistics.median(p)
+        out.append(f"| {target:.1f} | {fmt(sp, '.3f')} | {ppl:.3f} ± {err:.2f} | {d:+.2f}% | {spread(o, '.1f')} | "
+                   f"{spread(p, '.1f')} | {tg / ref:.2f}x |")
         if d <= 3.0 and (best is None or tg / ref > best[1]):
             best = (target, tg / ref)
     out.append("")
@@ -271,7 +277,7 @@ def bench_7b(a, act: str, api_missing: str | None) -> list[str]:
     rows = []
     o, p = alternate(ours, peer, ids, n_prompt, n_gen, a.repeats_7b)
     log(f"7B {act} dense: optiml {[round(x, 2) for x in o]}, llama.cpp {[round(x, 2) for x in p]}")
-    rows.append((0.0, 0.0, statistics.median(o), statistics.median(p)))
+    rows.append((0.0, 0.0, o, p))
     close(ours)
     for target in (a.targets_7b if api_missing is None else []):
         cpath = calibrated(path, target, calib_text, a.calib_tokens_7b, a.model_dir, a.recalibrate)
@@ -280,7 +286,7 @@ def bench_7b(a, act: str, api_missing: str | None) -> list[str]:
         sp = overall_sparsity(m)
         log(f"7B {act} target {target}: sparsity {sp}, optiml {[round(x, 2) for x in o]}, "
             f"llama.cpp {[round(x, 2) for x in p]}")
-        rows.append((target, sp, statistics.median(o), statistics.median(p)))
+        rows.append((target, sp, o, p))
         close(m)
         if cpath != path and not a.keep_calibrated:
             os.unlink(cpath)
@@ -293,13 +299,14 @@ def bench_7b(a, act: str, api_missing: str | None) -> list[str]:
            "",
            "| FFN sparsity target | measured | optiml tg tok/s | llama.cpp dense tok/s | ratio |",
            "|---|---|---|---|---|"]
-    for target, sp, tg, ref in rows:
-        out.append(f"| {target:.0%} | {fmt(sp, '.3f')} | {tg:.2f} | {ref:.2f} | {tg / ref:.2f}x |")
+    for target, sp, o, p in rows:
+        out.append(f"| {target:.0%} | {fmt(sp, '.3f')} | {spread(o, '.2f')} | {spread(p, '.2f')} | "
+                   f"{statistics.median(o) / statistics.median(p):.2f}x |")
     gt, gr = GOALS[f"7b-{act}"]
     hit = [r for r in rows if abs(r[0] - gt) < 1e-9]
     out.append("")
     if hit:
-        r = hit[0][2] / hit[0][3]
+        r = statistics.median(hit[0][2]) / statistics.median(hit[0][3])
         out.append(f"goal: {gt:.0%} sparsity >= {gr}x llama.cpp dense -> {r:.2f}x ({'met' if r >= gr else 'NOT met'})")
     else:
         out.append(f"goal: {gt:.0%} sparsity >= {gr}x llama.cpp dense -> not measured")
@@ -345,6 +352,10 @@ def main(argv=None) -> int:
         print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
         return 2
 
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        log(f"warning: load average {load:.1f} before starting; other work on this machine makes timings noisy "
+            "(the tables show each row's median and range)")
     api_missing = sparse_api_missing()
     if api_missing:
         log(api_missing)
