@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Writes a llama-architecture GGUF of a given shape with random weights, for speed benchmarks of
+models too big to download (the default is 7B-shaped: LLaMA-2-7B's layers with a 49152-token vocab).
+
+The tokenizer (every tokenizer.* key) is copied from a donor GGUF, SmolLM2-135M-Instruct by default,
+so llama.cpp and OptiML both load and tokenize the file; n_vocab is therefore the donor's (49152).
+Weights are normal(0, --std) (drawn as 65536 quantiles, see rand()) like a trained model's at initialization, RMS-norm weights 1.0, so
+activations stay finite through every layer; the text it generates is of course noise.
+
+--activation relu adds the metadata key optiml.ffn.activation = "relu": OptiML then computes
+relu(gate) * up in every FFN (about half of the neurons are exactly zero before any calibration).
+llama.cpp does not read that key and runs SiLU on the same file: the same amount of work per token,
+which is all a speed comparison needs (its outputs differ from OptiML's on such a file).
+
+Tensors are generated, quantized (optiml.quant.quantize, native and multithreaded) and written one at
+a time (optiml.convert.writer.write_gguf), so memory stays near the largest tensor in float32
+(token_embd: 49152 x 4096 x 4 bytes = 0.8 GB); the file appears only once complete.
+
+    PYTHONPATH=python python tools/make_synthetic_model.py -o /work/synth-models/llama7b-relu-q4_0.gguf --activation relu
+    PYTHONPATH=python python tools/make_synthetic_model.py -o /tmp/tiny.gguf --n-embd 256 --n-layer 2 --n-ff 688 --n-head 4 --n-head-kv 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import gguf
+import numpy as np
+
+from optiml import quant
+from optiml.convert import writer
+
+DEFAULT_DONOR = os.path.expanduser("~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# ggml file types for the general.file_type key (informational: llama.cpp prints it, nothing reads it)
+_FTYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12,
+          "q4_k": 15, "q5_k": 17, "q6_k": 18, "bf16": 32}
+
+
+def donor_tokenizer(path: str) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+    """(key, value, type, array item type) of every tokenizer.* key of the donor GGUF."""
+    r = gguf.GGUFReader(path)
+    out = []
+    for key, field in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+        out.append((key, field.contents(), vtype, sub))
+    if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
+        raise SystemExit(f"{path}: no tokenizer.ggml.tokens in this GGUF; pass another --tokenizer-from")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-o", "--out", required=True, help="output GGUF path")
+    ap.add_argument("--n-embd", type=int, default=4096)
+    ap.add_argument("--n-layer", type=int, default=32)
+    ap.add_argument("--n-ff", type=int, default=11008)
+    ap.add_argument("--n-head", type=int, default=32)
+    ap.add_argument("--n-head-kv", type=int, default=32)
+    ap.add_argument("--n-ctx-train", type=int, default=4096, help="llama.context_length")
+    ap.add_argument("--type", default="q4_0", help="type of the 2-D weights (any optiml.quant type; default q4_0)")
+    ap.add_argument("--output-type", default=None, help="type of output.weight and token_embd.weight "
+                    "(default: --type)")
+    ap.add_argument("--activation", choices=("silu", "relu"), default="silu")
+    ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
+                    "(its vocab size becomes n_vocab)")
+    ap.add_argument("--quiet", action="store_true", help="no progress line")
+    a = ap.parse_args(argv)
+
+    if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
+        ap.error("n_embd must be a multiple of n_head, and n_head of n_head_kv")
+    head_dim = a.n_embd // a.n_head
+    wtype = quant.type_info(a.type)
+    otype = quant.type_info(a.output_type or a.type)
+    for t in {wtype, otype}:
+        for n in (a.n_embd, a.n_ff):
+            if n % t.block_size:
+                ap.error(f"row length {n} is not a multiple of {t.block_size}, the block size of {t.name}")
+    tok = donor_tokenizer(a.tokenizer_from)
+    n_vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
+
+    gt = gguf.GGMLQuantizationType
+    WT, OT, F32 = gt(wtype.id), gt(otype.id), gt.F32
+    kv = a.n_head_kv * head_dim
+    E, FF = a.n_embd, a.n_ff
+
+    # Normal values as table[random uint16]: the table holds the normal distribution's 65536 quantiles
+    # (so values are normal, cut at +-4.3 std), three times faster than rng.standard_normal. One float32
+    # buffer per shape is reused: write_gguf quantizes each tensor before asking for the next.
+    nd = statistics.NormalDist(0.0, a.std)
+    table = np.array([nd.inv_cdf((i + 0.5) / 65536) for i in range(65536)], dtype=np.float32)
+    buffers: dict[tuple, np.ndarray] = {}
+
+    def rand(shape, tensor_seed):
+        def run():
+            buf = buffers.get(shape)
+            if buf is None:
+                buf = buffers[shape] = np.empty(shape, dtype=np.float32)
+            rng = np.random.default_rng([a.seed, tensor_seed])
+            rows = buf.reshape(-1, shape[-1])
+            step = max(1, (1 << 22) // shape[-1])
+            for r in range(0, rows.shape[0], step):
+                idx = rng.integers(0, 65536, (min(step, rows.shape[0] - r), shape[-1]), dtype=np.uint16)
+                np.take(table, idx, out=rows[r : r + step])
+            return buf
+        return run
+
+    def ones(n):
+        return lambda: np.ones(n, dtype=np.float32)
+
+    # (name, numpy shape = (rows, cols) with cols the row length, type, compute)
+    tensors = [("token_embd.weight", (n_vocab, E), OT, rand((n_vocab, E), 1_000_000))]
+    for il in range(a.n_layer):
+        p = f"blk.{il}."
+        s = 1000 * (il + 1)
+        tensors += [
+            (p + "attn_norm.weight", (E,), F32, ones(E)),
+            (p + "attn_q.weight", (E, E), WT, rand((E, E), s + 1)),
+            (p + "attn_k.weight", (kv, E), WT, rand((kv, E), s + 2)),
+            (p + "attn_v.weight", (kv, E), WT, rand((kv, E), s + 3)),
+            (p + "attn_output.weight", (E, E), WT, rand((E, E), s + 4)),
+            (p + "ffn_norm.weight", (E,), F32, ones(E)),
+            (p + "ffn_gate.weight", (FF, E), WT, rand((FF, E), s + 5)),
+            (p + "ffn_up.weight", (FF, E), WT, rand((FF, E), s + 6)),
+            (p + "ffn_down.weight", (E, FF), WT, rand((E, FF), s + 7)),
+        ]
+    tensors += [
+        ("output_norm.weight", (E,), F32, ones(E)),
+        ("output.weight", (n_vocab, E), OT, rand((n_vocab, E), 2_000_000)),
+    ]
+    n_params = sum(int(np.prod(s)) for _, s, _, _ in tensors)
+    size_label = f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
+
+    def add_metadata(w: gguf.GGUFWriter) -> None:
+        w.add_type("model")
+        w.add_name(f"synthetic-llama-{size_label}-{a.activation}-{wtype.name.lower()}")
+        w.add_size_label(size_label)
+        w.add_description(f"random weights (normal, std {a.std}, seed {a.seed}) written by "
+                          "tools/make_synthetic_model.py for speed benchmarks; not a language model")
+        w.add_context_length(a.n_ctx_train)
+        w.add_embedding_length(E)
+        w.add_block_count(a.n_layer)
+        w.add_feed_forward_length(FF)
+        w.add_head_count(a.n_head)
+        w.add_head_count_kv(a.n_head_kv)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(n_vocab)
+        if wtype.name.lower() in _FTYPE:
+            w.add_file_type(_FTYPE[wtype.name.lower()])
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        if a.activation != "silu":
+            w.add_string("optiml.ffn.activation", a.activation)
+        for key, val, vtype, sub in tok:
+            w.add_key_value(key, val, vtype, sub)
+
+    t0 = time.perf_counter()
+    writer.write_gguf(a.out, "llama", add_metadata, tensors, progress=not a.quiet)
+    dt = time.perf_counter() - t0
+    size = os.path.getsize(a.out)
+    print(f"{a.out}: {size_label} parameters ({n_params:,}), {a.n_layer} layers, n_embd {E}, n_ff {FF}, "
+          f"{a.n_head}/{a.n_head_kv} heads, vocab {n_vocab}, {wtype.name} ({otype.name} embeddings/output), "
+          f"activation {a.activation}; {size / 2**30:.2f} GiB written in {dt:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
