@@ -81,16 +81,18 @@ def load_optiml(path: str, n_ctx: int, threads: int, sparsity: str | None):
     return optiml.Model(path, n_ctx=n_ctx, n_threads=threads, **kw)
 
 
-def calibrated(src: str, target: float, calib_text: str, n_tokens: int, out_dir: str, redo: bool) -> str:
+def calibrated(src: str, target: float, calib_text: str, n_tokens: int, out_dir: str, redo: bool,
+               criterion: str) -> str:
     """A copy of src with per-layer thresholds for `target` (reused when present and newer than src)."""
     stem = os.path.splitext(os.path.basename(src))[0]
-    out = os.path.join(out_dir, f"{stem}.sparse{round(target * 100):02d}.gguf")
+    out = os.path.join(out_dir, f"{stem}.sparse{round(target * 100):02d}-{criterion}.gguf")
     if not redo and os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(src):
         log(f"reusing {out}")
         return out
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    optiml.calibrate(src, calib_text, target=target, out_path=out, n_tokens=n_tokens)
+    optiml.calibrate(src, texts=[calib_text], target=target, out=out, n_tokens=n_tokens, criterion=criterion,
+                     progress=False)
     log(f"calibrated {os.path.basename(src)} at {target:.2f} in {time.perf_counter() - t0:.1f} s -> {out}")
     return out
 
@@ -212,7 +214,7 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
         if target == 0:
             path, mode = SMOLLM2, None
         else:
-            path, mode = calibrated(SMOLLM2, target, calib, n_calib, a.model_dir, a.recalibrate), a.mode
+            path, mode = calibrated(SMOLLM2, target, calib, n_calib, a.model_dir, a.recalibrate, a.criterion), a.mode
         m = load_optiml(path, n_ctx, a.threads, mode)
         t0 = time.perf_counter()
         ppl, err, n_scored = perplexity(m, held, a.ctx, chunks)
@@ -280,7 +282,7 @@ def bench_7b(a, act: str, api_missing: str | None) -> list[str]:
     rows.append((0.0, 0.0, o, p))
     close(ours)
     for target in (a.targets_7b if api_missing is None else []):
-        cpath = calibrated(path, target, calib_text, a.calib_tokens_7b, a.model_dir, a.recalibrate)
+        cpath = calibrated(path, target, calib_text, a.calib_tokens_7b, a.model_dir, a.recalibrate, a.criterion_7b)
         m = load_optiml(cpath, n_ctx, a.threads, a.mode)
         o, p = alternate(m, peer, ids, n_prompt, n_gen, a.repeats_7b)
         sp = overall_sparsity(m)
@@ -332,6 +334,11 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-ppl", action="store_true", help="SmolLM2: also llama.cpp's perplexity on the "
                     "same tokens (~1 minute)")
     ap.add_argument("--calib-tokens-7b", type=int, default=384)
+    ap.add_argument("--criterion", choices=("product", "gate"), default="product",
+                    help="SmolLM2 calibration criterion (default product: the quality one)")
+    ap.add_argument("--criterion-7b", choices=("product", "gate"), default="gate",
+                    help="7B calibration criterion (default gate: skips up rows too; random weights have no "
+                         "quality to keep)")
     ap.add_argument("--n-prompt", type=int, default=32)
     ap.add_argument("--n-gen", type=int, default=None, help="SmolLM2 tg tokens (default 128; quick 64)")
     ap.add_argument("--n-prompt-7b", type=int, default=8)
