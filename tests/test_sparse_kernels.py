@@ -90,7 +90,7 @@ def test_repack_f32_is_the_transposed_dequantized_matrix(qtype):
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("target", ["f16", "q8_0"])
-def test_repack_quantized_targets_equal_quantizing_the_transpose(qtype, target):
+def test_repack_quantized_targets_match_quantizing_the_transpose(qtype, target):
     rows, cols = 160, _cols_for(qtype)
     w = _weights(rows, cols, qtype, seed=6)
     wt = np.ascontiguousarray(quant.dequantize(w, qtype).T)  # [n_ff, n_embd]
@@ -99,11 +99,20 @@ def test_repack_quantized_targets_equal_quantizing_the_transpose(qtype, target):
         want_scale = np.abs(wt).max(axis=0)
         wt = np.ascontiguousarray(wt * (np.float32(1) / want_scale))
     want = quant.quantize(wt, target)
+    first = None
     for n in THREADS:
         nm, row_bytes, scale = _core.repack_neuron_major(w, quant.type_id(qtype), rows, cols, quant.type_id(target),
                                                          n_threads=n)
         assert row_bytes == want.shape[1]
-        np.testing.assert_array_equal(nm, want)
+        if target == "f16":
+            np.testing.assert_array_equal(nm, want)
+        else:  # the fast converter rounds x * (127 / amax); the reference x / (amax / 127): ties may differ
+            got, ref = quant.dequantize(nm, target), quant.dequantize(want, target)
+            np.testing.assert_array_equal(nm.reshape(-1, 34)[:, :2], want.reshape(-1, 34)[:, :2])  # the scales
+            assert np.mean(got == ref) > 0.999
+            np.testing.assert_array_less(np.abs(got - wt), _requant_error(wt, target) + 1e-12)
+        first = nm if first is None else first
+        np.testing.assert_array_equal(nm, first)  # independent of the thread count
         if want_scale is None:
             assert scale is None
         else:

@@ -75,6 +75,10 @@ NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int3
     const int64_t n_tiles = n_tr * n_tc;
     std::atomic<int64_t> next{0};
 
+    // The SIMD activation converter (llama.cpp's x86 rounding: id = 127/amax, ties to even) rather
+    // than the reference quantizer: 20x faster, and a code differs from the reference's only where
+    // x/d sits within a rounding error of a tie.
+    const from_float_fn to_type = kernel_table().from_float[type];
     pool.run([&](int, int) {
         std::vector<float> in(TILE_R * TILE_C), out(TILE_C * TILE_R);
         for (int64_t tile = next.fetch_add(1); tile < n_tiles; tile = next.fetch_add(1)) {
@@ -84,8 +88,7 @@ NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int3
             const int64_t nr = nm.dim - r0 < TILE_R ? nm.dim - r0 : TILE_R;
             const int64_t nc = nm.n_neurons - c0 < TILE_C ? nm.n_neurons - c0 : TILE_C;
             const size_t c_off = row_size(down.type, c0);  // c0 and nc are whole source blocks
-            for (int64_t r = 0; r < nr; r++)
-            {
+            for (int64_t r = 0; r < nr; r++) {
                 dequantize_row(down.type, (const uint8_t*)down.data + (r0 + r) * src_row + c_off, &in[r * TILE_C], nc);
                 if (scale) {
                     const float inv = 1.0f / scale[r0 + r];
@@ -99,7 +102,7 @@ NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int3
                         for (int64_t c = cb; c < cb + 8 && c < nc; c++) out[c * TILE_R + r] = in[r * TILE_C + c];
             const size_t r_off = row_size(type, r0);  // r0 and nr are whole target blocks
             for (int64_t c = 0; c < nc; c++)
-                quantize_row(type, &out[c * TILE_R], nm.data.data() + (size_t)(c0 + c) * nm.row_bytes + r_off, nr);
+                to_type(&out[c * TILE_R], nm.data.data() + (size_t)(c0 + c) * nm.row_bytes + r_off, nr);
         }
     });
     return nm;
