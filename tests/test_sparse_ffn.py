@@ -102,7 +102,7 @@ def test_sparse_token_path_matches_masked_batch_path(smollm2_path, criterion):
     assert m.sparsity_stats()["skipped"] > 0.2
 
 
-@pytest.mark.parametrize("criterion,target", [("product", 0.5), ("product", 0.3), ("gate", 0.5)])
+@pytest.mark.parametrize("criterion,target", [("product", 0.5), ("product", 0.3), ("gate", 0.5), ("weighted", 0.3)])
 def test_calibration_hits_target_on_held_out_text(smollm2_path, tmp_path, criterion, target):
     text = shared_eval_text()
     half = len(text) // 2
@@ -112,6 +112,7 @@ def test_calibration_hits_target_on_held_out_text(smollm2_path, tmp_path, criter
     assert cal.threshold.shape == (30,)
     m = optiml.Model(out, n_ctx=256, n_threads=2)
     assert m.sparsity == "calibrated"
+    assert (m._model.sparsity["neuron_scale"] is not None) == (criterion == "weighted")
     ids = m.tokenize(text[half:])[:768]
     for i in range(0, len(ids), 256):
         m.reset()

@@ -39,14 +39,23 @@ nb::dict sparsity_config(const PyModel& m) {
     std::copy(sc.threshold.begin(), sc.threshold.end(), thr.data());
     d["threshold"] = thr;
     d["target"] = sc.target;
+    if (sc.neuron_scale.empty()) {
+        d["neuron_scale"] = nb::none();
+    } else {
+        auto ns = new_array<float>({sc.neuron_scale.size()});
+        std::copy(sc.neuron_scale.begin(), sc.neuron_scale.end(), ns.data());
+        d["neuron_scale"] = ns;
+    }
     return d;
 }
 
-void set_sparsity(PySession& s, bool enabled, std::optional<Floats1D> thresholds, bool on_product) {
+void set_sparsity(PySession& s, bool enabled, std::optional<Floats1D> thresholds, bool on_product,
+                  std::optional<Floats1D> neuron_scale) {
     SparsitySettings st;
     st.enabled = enabled;
     st.on_product = on_product;
     if (thresholds) st.threshold.assign(thresholds->data(), thresholds->data() + thresholds->shape(0));
+    if (neuron_scale) st.neuron_scale.assign(neuron_scale->data(), neuron_scale->data() + neuron_scale->shape(0));
     if (enabled && !thresholds) throw ArgumentError("sparsity needs per-layer thresholds");
     nb::gil_scoped_release release;  // the first call repacks the down matrices
     s.session->set_sparsity(st);
@@ -62,10 +71,14 @@ nb::tuple sparsity_counts(const PySession& s) {
     return nb::make_tuple(active, seen);
 }
 
-PyRecorder make_recorder(const PyModel& m, Floats1D thresholds, int64_t sample_every, int64_t max_samples) {
+PyRecorder make_recorder(const PyModel& m, Floats1D thresholds, int64_t sample_every, int64_t max_samples,
+                         std::optional<Floats1D> gate_weight) {
     std::vector<float> thr(thresholds.data(), thresholds.data() + thresholds.shape(0));
+    std::vector<float> gw;
+    if (gate_weight) gw.assign(gate_weight->data(), gate_weight->data() + gate_weight->shape(0));
     nb::gil_scoped_release release;  // reads every down matrix for its column norms
-    return PyRecorder{std::make_shared<ActivationRecorder>(*m.model, std::move(thr), sample_every, max_samples)};
+    return PyRecorder{std::make_shared<ActivationRecorder>(*m.model, std::move(thr), sample_every, max_samples,
+                                                           std::move(gw))};
 }
 
 template <typename T>
@@ -83,6 +96,7 @@ nb::dict recorder_result(const PyRecorder& pr) {
     d["threshold"] = to_array(r.thresholds, {L});
     d["fired"] = to_array(r.fired, {L, F});
     d["sum_abs"] = to_array(r.sum_abs, {L, F});
+    d["sum_abs_up"] = to_array(r.sum_abs_up, {L, F});
     d["down_norm"] = to_array(r.down_norm, {L, F});
     d["hist_edges"] = to_array(ActivationRecorder::hist_edges(), {B + 1});
     d["gate_hist"] = to_array(r.gate_hist, {L, B});
@@ -159,7 +173,7 @@ void bind_model(nb::module_& m) {
 
     nb::class_<PyRecorder>(m, "ActivationRecorder")
         .def(nb::new_(&make_recorder), nb::arg("model"), nb::arg("thresholds"), nb::arg("sample_every") = 0,
-             nb::arg("max_samples") = 0)
+             nb::arg("max_samples") = 0, nb::arg("gate_weight").none() = nb::none())
         .def_prop_ro("n_tokens", [](const PyRecorder& r) { return r.rec->n_tokens; })
         .def("result", &recorder_result);
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
@@ -173,7 +187,7 @@ void bind_model(nb::module_& m) {
         .def_prop_ro("kv_bytes", [](const PySession& s) { return s.session->kv_bytes(); })
         .def("truncate", [](PySession& s, int32_t n) { s.session->truncate(n); }, nb::arg("n"))
         .def("set_sparsity", &set_sparsity, nb::arg("enabled"), nb::arg("thresholds") = nb::none(),
-             nb::arg("on_product") = false)
+             nb::arg("on_product") = false, nb::arg("neuron_scale").none() = nb::none())
         .def("sparsity_counts", &sparsity_counts)
         .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
         .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {

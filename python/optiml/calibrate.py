@@ -6,8 +6,11 @@ target share of neurons (the CATS/TEAL family of methods), stored in the GGUF as
 
 Criterion "product" (default) skips a neuron when |act(gate) * up| <= threshold: up is computed densely
 and only the down projection is sparse. "gate" looks at |act(gate)| alone, which also saves the up rows
-but chooses worse: on SmolLM2-135M at 50% skipped, perplexity rises 2% with "product" and 26% with
-"gate" (tools/bench_sparse.py). Allocation "uniform" (default) gives every layer the target; "greedy" spreads the model-wide target over layers to minimize the estimated
+but chooses worse. "weighted" (WINA-like) weighs |act(gate)| by the neuron's mean |up| and the norm of its
+down column, an estimate of its contribution known before up is computed: it saves up rows too and
+chooses much better than "gate" (a second profiling pass measures the weighted values). Perplexity of
+SmolLM2-135M on half of the shared eval text (calibrated on the other half, ctx 256; dense 24.43):
+30% skipped: product 24.49, weighted 25.04, gate 25.97; 50%: product 24.93, weighted 28.44, gate 30.90. Allocation "uniform" (default) gives every layer the target; "greedy" spreads the model-wide target over layers to minimize the estimated
 output error: dropping a neuron's activation h costs h^2 * |down column|^2, and the greedy step always
 raises the threshold of the layer where the next slice of skipped activations costs the least error
 relative to that layer's whole output. "uniform" gives every layer the target.
@@ -38,16 +41,23 @@ class Calibration:
     allocation: str
     n_tokens: int
 
+    neuron_scale: np.ndarray | None = None  # f32 [L, F] for the weighted criterion
+
     def metadata(self) -> dict:
         """The `optiml.sparsity.*` key/values, as gguf_edit.rewrite_gguf takes them."""
         import gguf
 
         V = gguf.GGUFValueType
-        return {
+        kv = {} if self.neuron_scale is None else {
+            "optiml.sparsity.neuron_scale": (np.ascontiguousarray(self.neuron_scale, dtype=np.float32).reshape(-1),
+                                             V.ARRAY)}
+        # The engine knows two criteria; "weighted" is the gate criterion with per-neuron scales.
+        return kv | {
             "optiml.sparsity.threshold": ([float(x) for x in self.threshold], V.ARRAY),
             "optiml.sparsity.layer_target": ([float(x) for x in self.layer_target], V.ARRAY),
             "optiml.sparsity.target": (float(self.target), V.FLOAT32),
-            "optiml.sparsity.criterion": (self.criterion, V.STRING),
+            "optiml.sparsity.criterion": ("product" if self.criterion == "product" else "gate", V.STRING),
+            "optiml.sparsity.method": (self.criterion, V.STRING),
             "optiml.sparsity.allocation": (self.allocation, V.STRING),
             "optiml.sparsity.tokens": (int(self.n_tokens), V.UINT64),
         }
@@ -129,8 +139,8 @@ def calibrate(
 
     if not isinstance(target, (int, float)) or not 0 <= target < 1:
         raise ArgumentError(f"target must be a share of neurons in [0, 1), got {target!r}")
-    if criterion not in ("gate", "product"):
-        raise ArgumentError(f"criterion must be 'gate' or 'product', not {criterion!r}")
+    if criterion not in ("weighted", "gate", "product"):
+        raise ArgumentError(f"criterion must be 'weighted', 'gate' or 'product', not {criterion!r}")
     if allocation not in ("greedy", "uniform"):
         raise ArgumentError(f"allocation must be 'greedy' or 'uniform', not {allocation!r}")
     path = model.path if isinstance(model, Model) else os.fspath(model)
@@ -141,16 +151,27 @@ def calibrate(
         folder = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(folder):
             raise ArgumentError(f"{out}: the output folder {folder} does not exist")
+    have_data = data is not None or texts is not None
     if stats is None:
-        if data is None and texts is None:
+        if not have_data:
             raise ArgumentError("calibration needs data (text or JSONL files) or stats from `optiml profile`")
         stats = profile(model, data, n_tokens=n_tokens, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
                         texts=texts)
     else:
         stats.check_model(path)
-    hist, err = (stats.gate_hist, stats.gate_err) if criterion == "gate" else (stats.prod_hist, stats.prod_err)
+    scale = None
+    if criterion == "weighted":
+        # A second pass measures |act(gate)| weighted by each neuron's typical |up| and down-column norm:
+        # an estimate of the neuron's contribution to the layer output, known before up is computed.
+        if not have_data:
+            raise ArgumentError("the weighted criterion needs the calibration data itself (--data), not only stats")
+        scale = (stats.mean_abs_up * stats.down_norm).astype(np.float32)
+        scale /= np.maximum(scale.mean(axis=1, keepdims=True), 1e-30)  # per layer around 1
+        stats = profile(model, data, n_tokens=n_tokens, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
+                        texts=texts, gate_weight=scale)
+    hist, err = (stats.prod_hist, stats.prod_err) if criterion == "product" else (stats.gate_hist, stats.gate_err)
     thr, share = allocate_thresholds(hist, err, stats.hist_edges, float(target), allocation)
-    cal = Calibration(thr, share, float(target), criterion, allocation, stats.n_tokens)
+    cal = Calibration(thr, share, float(target), criterion, allocation, stats.n_tokens, scale)
     if out is not None:
         from .gguf_edit import rewrite_gguf
 

@@ -530,9 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", nargs="+", default=None, help="text or JSONL files to calibrate on")
     p.add_argument("--stats", default=None, help="stats from optiml profile on this model, instead of --data")
     p.add_argument("--target", type=float, default=0.5, help="share of FFN neurons to skip (default 0.5)")
-    p.add_argument("--criterion", choices=("product", "gate"), default="product",
-                   help="skip by |act(gate)*up| (product: better quality, up computed densely) or by |act(gate)| "
-                        "(gate: also skips up rows). Default product")
+    p.add_argument("--criterion", choices=("product", "weighted", "gate"), default="product",
+                   help="skip by |act(gate)*up| (product: best quality, up computed densely), by |act(gate)| times "
+                        "the neuron's mean |up| and down-column norm (weighted: also skips up rows; two profiling "
+                        "passes), or by |act(gate)| (gate). Default product")
     p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
                    help="every layer the target (uniform), or spread to minimize estimated error (greedy)")
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")

@@ -122,6 +122,7 @@ class Model:
             raise ArgumentError(f"criterion must be 'gate' or 'product', not {criterion!r}")
         cfg = self._model.sparsity
         n_layer = self.hparams["n_layer"]
+        scale = None
         relu = self.hparams["ffn_act"] in ("relu", "relu2")
         if mode == "none":
             chosen, thr = "none", None
@@ -137,6 +138,8 @@ class Model:
         elif cfg["calibrated"]:
             chosen, thr = "calibrated", np.asarray(cfg["threshold"], dtype=np.float32)
             criterion = criterion or cfg["criterion"]
+            if criterion == "gate" and cfg["neuron_scale"] is not None:
+                scale = cfg["neuron_scale"]
         elif relu:
             chosen, thr = "exact", np.zeros(n_layer, dtype=np.float32)
         elif mode == "threshold":
@@ -149,7 +152,7 @@ class Model:
             if chosen == "none":
                 self._session.set_sparsity(False)
             else:
-                self._session.set_sparsity(True, thr, (criterion or "gate") == "product")
+                self._session.set_sparsity(True, thr, (criterion or "gate") == "product", scale)
         self.sparsity = chosen
 
     def sparsity_stats(self, reset: bool = False) -> dict:

@@ -121,12 +121,15 @@ def profile(
     n_threads: int | None = None,
     progress: bool = True,
     texts: list[str] | None = None,
+    gate_weight: np.ndarray | None = None,
 ) -> ActivationStats:
     """Profiles `model` (a path or an optiml.Model) on up to n_tokens tokens of `data` (files: plain text
     or JSONL with a `field`; or pass `texts`, a list of strings, instead). A neuron fires when
     |act(gate) * up| > threshold: 0 for ReLU-family models; for others the given `threshold`, or per layer
     the value that `active_share` (default 0.5) of the first chunk's activations exceed. samples > 0 keeps
-    the FFN inputs and firing masks of that many tokens, spread over the data. Writes `out` when given."""
+    the FFN inputs and firing masks of that many tokens, spread over the data. gate_weight ([L, F]) makes
+    the gate histogram count |act(gate)| * gate_weight (optiml.calibrate's weighted criterion). Writes
+    `out` when given."""
     from .model import Model
 
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
@@ -165,7 +168,8 @@ def profile(
             thr = layer_quantiles(r["prod_hist"], r["hist_edges"], 1.0 - (active_share or DEFAULT_ACTIVE_SHARE))
         total = sum(len(c) for c in chunks)
         every = max(1, total // samples) if samples else 0
-        rec = _core.ActivationRecorder(m._model, thr, every, samples)
+        gw = None if gate_weight is None else np.ascontiguousarray(gate_weight, dtype=np.float32).reshape(-1)
+        rec = _core.ActivationRecorder(m._model, thr, every, samples, gw)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -189,6 +193,7 @@ def profile(
             threshold=r["threshold"],
             freq=(r["fired"] / n).astype(np.float32),
             mean_abs=mean_abs,
+            mean_abs_up=(r["sum_abs_up"] / n).astype(np.float32),
             down_norm=r["down_norm"],
             impact=(mean_abs * r["down_norm"]).astype(np.float32),
             hist_edges=r["hist_edges"],

@@ -10,10 +10,12 @@ A stats file is an .npz with these arrays (L layers, F FFN neurons per layer, B 
     threshold     f32 [L]    a neuron "fires" on a token when |act(gate) * up| > threshold[l]
     freq          f32 [L, F] share of tokens on which the neuron fired
     mean_abs      f32 [L, F] mean |act(gate) * up|
+    mean_abs_up   f32 [L, F] mean |up|
     down_norm     f32 [L, F] L2 norm of the neuron's down column (its weight in the layer output)
     impact        f32 [L, F] mean_abs * down_norm: the neuron's mean contribution to the layer output
     hist_edges    f32 [B+1]  log-spaced bin edges of the two histograms below (first 0, last inf)
-    gate_hist     f64 [L, B] tokens x neurons by |act(gate)| (the criterion that also skips up rows)
+    gate_hist     f64 [L, B] tokens x neurons by |act(gate)| (the criterion that also skips up rows), or
+                             by |act(gate)| * gate_weight when profiled with per-neuron weights
     gate_err      f64 [L, B] sum of (act(gate) * up)^2 * down_norm^2 in each |act(gate)| bin: the squared
                              output error from dropping those activations
     prod_hist     f64 [L, B] the same by |act(gate) * up|
@@ -38,7 +40,7 @@ from ._core import ArgumentError
 __all__ = ["ActivationStats", "model_fingerprint", "hot_first_order", "load", "save"]
 
 _REQUIRED = ("fingerprint", "model", "activation", "n_tokens", "sources", "threshold", "freq", "mean_abs",
-             "down_norm", "impact", "hist_edges", "gate_hist", "gate_err", "prod_hist", "prod_err")
+             "mean_abs_up", "down_norm", "impact", "hist_edges", "gate_hist", "gate_err", "prod_hist", "prod_err")
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
@@ -68,6 +70,7 @@ class ActivationStats:
     threshold: np.ndarray
     freq: np.ndarray
     mean_abs: np.ndarray
+    mean_abs_up: np.ndarray
     down_norm: np.ndarray
     impact: np.ndarray
     hist_edges: np.ndarray
@@ -146,7 +149,7 @@ def load(path: str | os.PathLike) -> ActivationStats:
     s = ActivationStats(**{k: d.pop(k) for k in _REQUIRED}, sample_x=d.pop("sample_x", None),
                         sample_mask=d.pop("sample_mask", None), extra=d)
     L, F = s.freq.shape
-    for k in ("mean_abs", "down_norm", "impact"):
+    for k in ("mean_abs", "mean_abs_up", "down_norm", "impact"):
         if getattr(s, k).shape != (L, F):
             raise ArgumentError(f"{path}: {k} has shape {getattr(s, k).shape}, expected {(L, F)}")
     if s.threshold.shape != (L,):

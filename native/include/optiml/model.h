@@ -101,11 +101,13 @@ struct LayerWeights {
 };
 
 // Activation sparsity calibrated offline (`optiml calibrate`), read from `optiml.sparsity.*`: in layer l
-// a neuron is skipped when |act(gate)| (or, with on_product, |act(gate) * up|) <= threshold[l].
+// a neuron j is skipped when |act(gate)| * neuron_scale[l][j] (1 when absent) (or, with on_product,
+// |act(gate) * up|) <= threshold[l].
 struct SparsityConfig {
     bool calibrated = false;
     bool on_product = false;
-    std::vector<float> threshold;  // [n_layer]
+    std::vector<float> threshold;     // [n_layer]
+    std::vector<float> neuron_scale;  // [n_layer][n_ff] or empty
     float target = 0.0f;           // the share of neurons calibration aimed to skip
 };
 
@@ -141,7 +143,8 @@ private:
 struct SparsitySettings {
     bool enabled = false;
     bool on_product = false;
-    std::vector<float> threshold;  // [n_layer]
+    std::vector<float> threshold;     // [n_layer]
+    std::vector<float> neuron_scale;  // [n_layer][n_ff] or empty: weights of the gate criterion
 };
 
 // One conversation's state: the KV cache and the scratch buffers of the forward pass.

@@ -24,11 +24,15 @@ public:
 
     // thresholds: per layer, a neuron fires when |act(gate) * up| > threshold. Every sample_every-th
     // token (0: none) has its FFN inputs and firing masks kept, up to max_samples tokens.
-    ActivationRecorder(const Model& model, std::vector<float> thresholds, int64_t sample_every, int64_t max_samples);
+    // gate_weight: empty, or [n_layer][n_ff] factors: gate_hist then bins |act(gate)| * gate_weight
+    // (the weighted criterion of `optiml calibrate`).
+    ActivationRecorder(const Model& model, std::vector<float> thresholds, int64_t sample_every, int64_t max_samples,
+                       std::vector<float> gate_weight = {});
 
-    // One layer's FFN for n tokens: xn the FFN input after its norm [n][n_embd], a = act(gate) and
-    // h = act(gate) * up [n][n_ff]. Called by the forward pass, layer by layer.
-    void record(ThreadPool& pool, int layer, const float* xn, const float* a, const float* h, int32_t n);
+    // One layer's FFN for n tokens: xn the FFN input after its norm [n][n_embd], a = act(gate),
+    // u = up and h = act(gate) * up [n][n_ff]. Called by the forward pass, layer by layer.
+    void record(ThreadPool& pool, int layer, const float* xn, const float* a, const float* u, const float* h,
+                int32_t n);
 
     // Bin edges: kHistBins + 1 values, the first 0 and the last +inf.
     static std::vector<float> hist_edges();
@@ -39,6 +43,8 @@ public:
     std::vector<float> down_norm;    // [n_layer][n_ff]: L2 norm of each neuron's down column
     std::vector<int64_t> fired;      // [n_layer][n_ff]
     std::vector<double> sum_abs;     // [n_layer][n_ff]: sum of |h|
+    std::vector<double> sum_abs_up;  // [n_layer][n_ff]: sum of |up|
+    std::vector<float> gate_weight;  // [n_layer][n_ff] or empty
     std::vector<double> gate_hist, gate_err, prod_hist, prod_err;  // [n_layer][kHistBins]
     // Samples: [n_samples][n_layer][n_embd] as f16 bits, and [n_samples][n_layer][n_ff / 8] packed
     // masks (bit 7 of byte 0 is neuron 0, as numpy.packbits).

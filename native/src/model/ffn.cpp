@@ -116,7 +116,7 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
         ffn_activate(pool, kt, hp, w, act_buf, ones.data(), n);
     }
     ffn_activate(pool, kt, hp, w, s.gate, s.up, n);
-    if (observe) (*observe)(s.xn, act_buf, s.gate);
+    if (observe) (*observe)(s.xn, act_buf, s.up, s.gate);
 
     add_to_residual(pool, kt, hp, w.down, w.down_b, w.post_norm, s.gate, n, x, s.xn);
 }

@@ -14,8 +14,8 @@ struct FFNScratch {
     float* up;    // [n][n_ff]
 };
 
-// Sees one layer's FFN while it runs dense: its input after the norm, act(gate) and act(gate) * up.
-typedef std::function<void(const float* xn, const float* a, const float* h)> FFNObserver;
+// Sees one layer's FFN while it runs dense: its input after the norm, act(gate), up and act(gate) * up.
+typedef std::function<void(const float* xn, const float* a, const float* u, const float* h)> FFNObserver;
 
 // x[t] += down(act(gate(rms_norm(x[t]))) * up(rms_norm(x[t]))) for t in [0, n), the sum passed through
 // rms_norm with w.post_norm first when there is one (Gemma 3). With an observer, act(gate) is also
@@ -36,9 +36,10 @@ struct SparseScratch {
 // threshold: gate (and with on_product also up) dense, up rows of active neurons only, and the down
 // projection as a sum of the active neurons' columns (down_nm, neuron-major). Returns the number of
 // (token, neuron) activations computed.
+// neuron_scale: nullptr, or [n_ff] per-neuron weights of the gate criterion: |act(gate)| * scale.
 int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w,
-                   const NeuronMajor& down_nm, float threshold, bool on_product, float* x, int32_t n,
-                   const FFNScratch& s, const SparseScratch& sp);
+                   const NeuronMajor& down_nm, float threshold, bool on_product, const float* neuron_scale, float* x,
+                   int32_t n, const FFNScratch& s, const SparseScratch& sp);
 
 // act(g) * u in place over n rows of n_ff, the pool splitting rows when there are many.
 void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,

@@ -20,8 +20,8 @@ constexpr double kSparseDownBatch = 0.25;
 }  // namespace
 
 int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w,
-                   const NeuronMajor& down_nm, float threshold, bool on_product, float* x, int32_t n,
-                   const FFNScratch& s, const SparseScratch& sp) {
+                   const NeuronMajor& down_nm, float threshold, bool on_product, const float* neuron_scale, float* x,
+                   int32_t n, const FFNScratch& s, const SparseScratch& sp) {
     const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff;
     rms_norm_rows(pool, x, w.norm, s.xn, n, n_embd, hp.rms_eps);
 
@@ -48,11 +48,21 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
         int32_t* idx = sp.idx + t * n_ff;
         float* val = sp.val + t * n_ff;
         int32_t c = 0;
-        for (int32_t j = 0; j < n_ff; j++) {
-            if (std::fabs(a[j]) > threshold) {
-                idx[c] = j;
-                val[c] = a[j];
-                c++;
+        if (neuron_scale && !on_product) {
+            for (int32_t j = 0; j < n_ff; j++) {
+                if (std::fabs(a[j]) * neuron_scale[j] > threshold) {
+                    idx[c] = j;
+                    val[c] = a[j];
+                    c++;
+                }
+            }
+        } else {
+            for (int32_t j = 0; j < n_ff; j++) {
+                if (std::fabs(a[j]) > threshold) {
+                    idx[c] = j;
+                    val[c] = a[j];
+                    c++;
+                }
             }
         }
         sp.count[t] = c;

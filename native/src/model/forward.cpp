@@ -53,8 +53,8 @@ void Session::ffn_layer(int il, int32_t n) {
     if (recorder_) {  // profiling: dense, every activation shown to the recorder
         ffn_act_.resize((size_t)n_batch_ * hp.n_ff);
         ActivationRecorder& rec = *recorder_;
-        const FFNObserver observe = [&](const float* xn, const float* a, const float* h) {
-            rec.record(*pool_, il, xn, a, h, n);
+        const FFNObserver observe = [&](const float* xn, const float* a, const float* u, const float* h) {
+            rec.record(*pool_, il, xn, a, u, h, n);
         };
         ffn_dense(*pool_, kt_, hp, w, x_.data(), n, s, &observe, ffn_act_.data());
         return;
@@ -66,7 +66,8 @@ void Session::ffn_layer(int il, int32_t n) {
     const SparseScratch sp{active_idx_.data(), active_val_.data(), active_count_.data(), active_uni_.data(),
                            active_seen_.data()};
     const NeuronMajor& down_nm = model_->down_neuron_major(*pool_)[il];
-    ffn_active_[il] += ffn_sparse(*pool_, kt_, hp, w, down_nm, sparsity_.threshold[il], sparsity_.on_product,
+    const float* scale = sparsity_.neuron_scale.empty() ? nullptr : sparsity_.neuron_scale.data() + (size_t)il * hp.n_ff;
+    ffn_active_[il] += ffn_sparse(*pool_, kt_, hp, w, down_nm, sparsity_.threshold[il], sparsity_.on_product, scale,
                                   x_.data(), n, s, sp);
     ffn_seen_[il] += (int64_t)n * hp.n_ff;
 }

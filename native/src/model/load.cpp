@@ -137,6 +137,16 @@ SparsityConfig read_sparsity(const GGUFFile& f, const HParams& hp) {
     if (crit != "gate" && crit != "product")
         throw GGUFError(format("%s: optiml.sparsity.criterion is '%s' (gate or product)", f.path().c_str(),
                                crit.c_str()));
+    if (f.has("optiml.sparsity.neuron_scale")) {
+        sc.neuron_scale = f.get_f32_array("optiml.sparsity.neuron_scale");
+        if ((int64_t)sc.neuron_scale.size() != (int64_t)hp.n_layer * hp.n_ff)
+            throw GGUFError(format("%s: optiml.sparsity.neuron_scale has %zu values; expected n_layer * n_ff = %lld",
+                                   f.path().c_str(), sc.neuron_scale.size(), (long long)hp.n_layer * hp.n_ff));
+        for (float v : sc.neuron_scale)
+            if (!(v >= 0) || !std::isfinite(v))
+                throw GGUFError(format("%s: optiml.sparsity.neuron_scale holds %g; must be finite and >= 0",
+                                       f.path().c_str(), v));
+    }
     sc.calibrated = true;
     sc.on_product = crit == "product";
     sc.threshold = thr;

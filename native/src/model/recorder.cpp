@@ -35,9 +35,13 @@ std::vector<float> ActivationRecorder::hist_edges() {
     return e;
 }
 
-ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> thr, int64_t every, int64_t max_s)
+ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> thr, int64_t every, int64_t max_s,
+                                       std::vector<float> gw)
     : n_layer(model.hp.n_layer), n_ff(model.hp.n_ff), n_embd(model.hp.n_embd), thresholds(std::move(thr)),
-      sample_every(every), max_samples(max_s) {
+      gate_weight(std::move(gw)), sample_every(every), max_samples(max_s) {
+    if (!gate_weight.empty() && (int64_t)gate_weight.size() != (int64_t)n_layer * n_ff)
+        throw ArgumentError(format("gate_weight holds %zu values, expected n_layer * n_ff = %lld", gate_weight.size(),
+                                   (long long)n_layer * n_ff));
     if ((int64_t)thresholds.size() != n_layer)
         throw ArgumentError(format("%zu thresholds given for %d layers", thresholds.size(), n_layer));
     for (float t : thresholds)
@@ -47,6 +51,7 @@ ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> th
     const size_t ln = (size_t)n_layer * n_ff;
     fired.assign(ln, 0);
     sum_abs.assign(ln, 0.0);
+    sum_abs_up.assign(ln, 0.0);
     down_norm.assign(ln, 0.0f);
     gate_hist.assign((size_t)n_layer * kHistBins, 0.0);
     gate_err = prod_hist = prod_err = gate_hist;
@@ -66,12 +71,14 @@ ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> th
     }
 }
 
-void ActivationRecorder::record(ThreadPool& pool, int il, const float* xn, const float* a, const float* h,
-                                int32_t n) {
+void ActivationRecorder::record(ThreadPool& pool, int il, const float* xn, const float* a, const float* u,
+                                const float* h, int32_t n) {
     const float thr = thresholds[il];
     const float* dn = down_norm.data() + (size_t)il * n_ff;
     int64_t* fired_l = fired.data() + (size_t)il * n_ff;
     double* sum_l = sum_abs.data() + (size_t)il * n_ff;
+    double* sum_u = sum_abs_up.data() + (size_t)il * n_ff;
+    const float* gw = gate_weight.empty() ? nullptr : gate_weight.data() + (size_t)il * n_ff;
 
     // Neurons split across threads; each thread keeps its own histograms, summed at the end.
     const int nth = pool.size();
@@ -86,9 +93,11 @@ void ActivationRecorder::record(ThreadPool& pool, int il, const float* xn, const
         for (int64_t j = j0; j < j1; j++) {
             const double d2 = (double)dn[j] * dn[j];
             int64_t f = 0;
-            double s = 0;
+            double s = 0, su = 0;
+            const float w = gw ? gw[j] : 1.0f;
             for (int32_t t = 0; t < n; t++) {
-                const float av = a[(size_t)t * n_ff + j], hv = h[(size_t)t * n_ff + j];
+                const float av = a[(size_t)t * n_ff + j] * w, hv = h[(size_t)t * n_ff + j];
+                su += std::fabs(u[(size_t)t * n_ff + j]);
                 const float ah = std::fabs(hv);
                 f += ah > thr;
                 s += ah;
@@ -101,6 +110,7 @@ void ActivationRecorder::record(ThreadPool& pool, int il, const float* xn, const
             }
             fired_l[j] += f;
             sum_l[j] += s;
+            sum_u[j] += su;
         }
     });
     for (int ith = 0; ith < nth; ith++) {

@@ -53,6 +53,9 @@ void Session::set_sparsity(const SparsitySettings& st) {
         for (float t : st.threshold)
             if (!(t >= 0) || !std::isfinite(t))
                 throw ArgumentError(format("sparsity thresholds must be finite and >= 0, got %g", t));
+        if (!st.neuron_scale.empty() && (int64_t)st.neuron_scale.size() != (int64_t)hp.n_layer * hp.n_ff)
+            throw ArgumentError(format("neuron_scale holds %zu values, expected n_layer * n_ff = %lld",
+                                       st.neuron_scale.size(), (long long)hp.n_layer * hp.n_ff));
         const size_t nb = (size_t)n_batch_, nf = (size_t)hp.n_ff;
         active_idx_.resize(nb * nf);
         active_val_.resize(nb * nf);
