@@ -53,7 +53,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from fractions import Fraction
 from typing import Callable, Sequence
 
 import numpy as np
