@@ -318,6 +318,7 @@ void vec_dot_rows_32(int64_t n, float* s, const void* w, size_t w_stride, const 
     const uint8_t* wp = (const uint8_t*)w;
     const XBlock* b = (const XBlock*)x;
     int64_t r = 0;
+    for (; r + 8 <= n_rows; r += 8) dot_multirow<8, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
     for (; r + 4 <= n_rows; r += 4) dot_multirow<4, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
     for (; r < n_rows; r++) dot_multirow<1, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
 }
