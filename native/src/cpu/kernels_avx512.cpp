@@ -142,8 +142,8 @@ inline void dot_rows8_512(int64_t nb, float* s, const uint8_t* w, size_t w_strid
             minsv = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(h2f(b[i].s)), minsv);
         }
         for (int p = 0; p < 4; p++) {
-            _mm_prefetch((const char*)&a[2 * p][i] + 8 * w_stride, _MM_HINT_T0);
-            _mm_prefetch((const char*)&a[2 * p + 1][i] + 8 * w_stride, _MM_HINT_T0);
+            _mm_prefetch((const char*)&a[2 * p][i] + 8 * w_stride, _MM_HINT_T1);
+            _mm_prefetch((const char*)&a[2 * p + 1][i] + 8 * w_stride, _MM_HINT_T1);
             const __m512i q = codes_pair(a[2 * p][i], a[2 * p + 1][i]);
             const __m512i pi = _mm512_dpbusd_epi32(negcorr, q, X);
             acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx[p], d8), _mm512_cvtepi32_ps(pi), acc[p]);

@@ -303,7 +303,7 @@ inline void dot_multirow(int64_t nb, float* s, const uint8_t* w, size_t w_stride
         for (int r = 0; r < NR; r++) {
             // The next NR rows, at the same position: short interleaved streams train the hardware
             // prefetcher poorly (a row of a 4096-wide Q4_0 matrix is 36 cache lines).
-            _mm_prefetch((const char*)&a[r][i] + NR * w_stride, _MM_HINT_T0);
+            _mm_prefetch((const char*)&a[r][i] + NR * w_stride, _MM_HINT_T1);
             const __m256 d = _mm256_set1_ps(h2f(a[r][i].d) * dx);
             const __m256i p = block_dot_u(a[r][i], xv, negcorr);
             acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
