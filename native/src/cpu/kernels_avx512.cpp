@@ -2,7 +2,9 @@
 // and 512-bit float dots. 512-bit versions of the 32-block quants (two blocks per zmm) were tried and
 // measured no faster than the 256-bit ones on Zen 4, and they summed blocks in a different order from
 // llama.cpp (which runs its 256-bit kernels on AVX-512 machines too), so its greedy outputs drifted
-// further from llama.cpp's; the 256-bit bodies are used instead.
+// further from llama.cpp's; the 256-bit bodies are used instead. The matrix-vector kernel below does
+// use zmm registers, but for two rows side by side, each row keeping the 256-bit kernel's lanes and
+// block order (so its bits).
 #include "optiml/kernels.h"
 
 #include "simd_common.h"
