@@ -66,3 +66,23 @@ def test_bad_arguments_are_clear_errors():
         quant.matmul(w, "no_such_type", np.zeros(64, np.float32))
     with pytest.raises(optiml.ArgumentError):
         quant.matmul(w, "q4_0", np.zeros(64, np.float32), n_threads=-1)
+
+
+BLOCK32 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+
+
+@pytest.mark.parametrize("simd", [lv for lv in optiml._core.simd_levels()])
+@pytest.mark.parametrize("qtype", BLOCK32)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 15, 17, 31, 77, 129])
+def test_matvec_multirow_kernel_equals_rowwise_dot(qtype, rows, simd):
+    # One token goes through the multi-row matrix-vector kernel (several rows share each activation
+    # block); every row must still equal that row's own dot product bit for bit, odd row counts and
+    # the kernels' row remainders included.
+    for cols in (32, 96, 4096):
+        w = _weights(rows, cols, qtype, seed=rows * 7 + cols)
+        rng = np.random.default_rng(rows + cols)
+        x = rng.standard_normal(cols).astype(np.float32)
+        for n_threads in (1, 2):
+            y = quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
+            ref = np.array([quant.dot(w[r], qtype, x, simd=simd) for r in range(rows)], np.float32)
+            np.testing.assert_array_equal(y, ref)

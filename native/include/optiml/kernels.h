@@ -27,6 +27,10 @@ typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
 // s[t] = dot(w, x_t) for 4 activation rows x_t = x + t * x_stride bytes: a batch kernel that unpacks
 // each weight block once; every s[t] equals what vec_dot gives for that row, bit for bit.
 typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, size_t x_stride);
+// s[r] = dot(w_r, x) for n_rows weight rows w_r = w + r * w_stride bytes and one activation row: a
+// matrix-vector kernel that shares each activation block across several rows; every s[r] equals what
+// vec_dot gives for that row, bit for bit (same per-row block order, interleaved across rows).
+typedef void (*vec_dot_rows_fn)(int64_t n, float* s, const void* w, size_t w_stride, const void* x, int64_t n_rows);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
@@ -44,6 +48,7 @@ struct KernelTable {
     SimdLevel level;
     vec_dot_fn vec_dot[TYPE_COUNT];       // indexed by weight type
     vec_dot4_fn vec_dot4[TYPE_COUNT];     // optional, indexed by weight type
+    vec_dot_rows_fn vec_dot_rows[TYPE_COUNT];  // optional, indexed by weight type
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
     // Attention's dot products (K.q and the weighted sum of V), for F16 and F32 rows. For F16 they sum
     // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows

@@ -79,6 +79,19 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
             // Tokens four at a time where a batch kernel exists (it unpacks each weight block once),
             // then one at a time; both give the same bits for every (row, token).
             const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
+            const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
+            if (n_tokens == 1 && dot_rows) {
+                // One token: a kernel that shares each activation block across several rows (the
+                // same bits per row as dot).
+                float* out = y[m];
+                float s[64];
+                for (int64_t rb = r0; rb < r1; rb += 64) {
+                    const int64_t nr = r1 - rb < 64 ? r1 - rb : 64;
+                    dot_rows(cols, s, wbase + rb * w_row, w_row, xbase, nr);
+                    for (int64_t k = 0; k < nr; k++) out[rb + k] = accumulate ? out[rb + k] + s[k] : s[k];
+                }
+                continue;
+            }
             int64_t t = 0;
             if (dot4) {
                 for (; t + 4 <= n_tokens; t += 4) {

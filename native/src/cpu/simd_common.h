@@ -254,6 +254,75 @@ void vec_dot4_32(int64_t n, float* s, const void* w, const void* x, size_t x_str
     dot_rows<4, WBlock, XBlock>(n, s, w, x, x_stride);
 }
 
+
+// ---- several weight rows against one activation row (matrix-vector products) -------------------
+// The per-row arithmetic is dot_rows<1>'s exactly; what the rows share is the activation block (its
+// load, its fp16 scale, and for the offset formats a correction term). Signed codes are rebased to
+// unsigned ones: (q - off) . x = q_u . x - off * x summed per 4-byte group, the same int32 in every
+// lane, so the float steps that follow see the same values. (The sign trick of dot_block is exact
+// for activations in [-127, 127], which is all Q8_0/Q8_1 conversion produces.)
+template <typename WBlock> constexpr int code_offset() { return 0; }
+template <> constexpr int code_offset<block_q4_0>() { return 8; }
+template <> constexpr int code_offset<block_q5_0>() { return 16; }
+// Unsigned codes of one block (offset formats: q + off).
+inline __m256i prepare_u(const block_q4_0& a) { return unpack_nibbles_16(a.qs); }
+inline __m256i prepare_u(const block_q5_0& a) {
+    const __m256i hi = _mm256_and_si256(bits_to_bytes_32(a.qh), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(unpack_nibbles_16(a.qs), hi);
+}
+inline __m256i prepare_u(const block_q4_1& a) { return prepare(a); }
+inline __m256i prepare_u(const block_q5_1& a) { return prepare(a); }
+inline fp16_t min_of(const block_q4_1& a) { return a.m; }
+inline fp16_t min_of(const block_q5_1& a) { return a.m; }
+template <typename WBlock> inline fp16_t min_of(const WBlock&) { return 0; }
+
+// int32 lanes of the block dot of weight block a with activations xv; negcorr = -off * (4-group
+// sums of xv), precomputed per activation block.
+template <typename WBlock>
+inline __m256i block_dot_u(const WBlock& a, __m256i xv, __m256i negcorr) {
+    return dot_u8s8(negcorr, prepare_u(a), xv);
+}
+inline __m256i block_dot_u(const block_q8_0& a, __m256i xv, __m256i) { return dot_block(prepare(a), xv); }
+
+template <int NR, typename WBlock, typename XBlock>
+inline void dot_multirow(int64_t nb, float* s, const uint8_t* w, size_t w_stride, const XBlock* b) {
+    const WBlock* a[NR];
+    __m256 acc[NR];
+    float mins[NR];
+    for (int r = 0; r < NR; r++) {
+        a[r] = (const WBlock*)(w + r * w_stride);
+        acc[r] = _mm256_setzero_ps();
+        mins[r] = 0.0f;
+    }
+    const __m256i offv = _mm256_set1_epi8((char)code_offset<WBlock>());
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)b[i].qs);
+        const float dx = h2f(b[i].d);
+        __m256i negcorr = _mm256_setzero_si256();
+        if (code_offset<WBlock>() != 0) negcorr = _mm256_sub_epi32(negcorr, dot_u8s8(negcorr, offv, xv));
+        for (int r = 0; r < NR; r++) {
+            // The next NR rows, at the same position: short interleaved streams train the hardware
+            // prefetcher poorly (a row of a 4096-wide Q4_0 matrix is 36 cache lines).
+            _mm_prefetch((const char*)&a[r][i] + NR * w_stride, _MM_HINT_T1);
+            const __m256 d = _mm256_set1_ps(h2f(a[r][i].d) * dx);
+            const __m256i p = block_dot_u(a[r][i], xv, negcorr);
+            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
+            if constexpr (has_min<WBlock>()) mins[r] = std::fma(h2f(min_of(a[r][i])), h2f(b[i].s), mins[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) s[r] = hsum_ps(acc[r]) + mins[r];
+}
+
+template <typename WBlock, typename XBlock>
+void vec_dot_rows_32(int64_t n, float* s, const void* w, size_t w_stride, const void* x, int64_t n_rows) {
+    const uint8_t* wp = (const uint8_t*)w;
+    const XBlock* b = (const XBlock*)x;
+    int64_t r = 0;
+    for (; r + 8 <= n_rows; r += 8) dot_multirow<8, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
+    for (; r + 4 <= n_rows; r += 4) dot_multirow<4, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
+    for (; r < n_rows; r++) dot_multirow<1, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
+}
+
 void vec_dot_q8_0(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q8_0, block_q8_0>(n, s, w, x); }
 void vec_dot_q4_0(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q4_0, block_q8_0>(n, s, w, x); }
 void vec_dot_q4_1(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q4_1, block_q8_1>(n, s, w, x); }
@@ -272,6 +341,11 @@ inline void fill_dots_32(KernelTable& t) {
     t.vec_dot4[TYPE_Q4_1] = vec_dot4_32<block_q4_1, block_q8_1>;
     t.vec_dot4[TYPE_Q5_0] = vec_dot4_32<block_q5_0, block_q8_0>;
     t.vec_dot4[TYPE_Q5_1] = vec_dot4_32<block_q5_1, block_q8_1>;
+    t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0, block_q8_0>;
+    t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_32<block_q4_0, block_q8_0>;
+    t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1, block_q8_1>;
+    t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0, block_q8_0>;
+    t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1, block_q8_1>;
 }
 
 // ---- k-quants (256-element super-blocks, activations in Q8_K) ----------------------------------
