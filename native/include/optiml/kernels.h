@@ -27,10 +27,13 @@ typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
 // s[t] = dot(w, x_t) for 4 activation rows x_t = x + t * x_stride bytes: a batch kernel that unpacks
 // each weight block once; every s[t] equals what vec_dot gives for that row, bit for bit.
 typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, size_t x_stride);
-// s[r] = dot(w_r, x) for n_rows weight rows w_r = w + r * w_stride bytes and one activation row: a
-// matrix-vector kernel that shares each activation block across several rows; every s[r] equals what
-// vec_dot gives for that row, bit for bit (same per-row block order, interleaved across rows).
-typedef void (*vec_dot_rows_fn)(int64_t n, float* s, const void* w, size_t w_stride, const void* x, int64_t n_rows);
+// s[r] = dot(rows[r], x) for n_rows weight rows and one activation row: a matrix-vector kernel that
+// shares each activation block across several rows; every s[r] equals what vec_dot gives for that
+// row, bit for bit (same per-row block order, interleaved across rows). rows holds n_rows + 8
+// pointers: the 8 past the end are only prefetched (the rows that come next; repeat the last row
+// when none do). Rows may lie anywhere: the dense product passes consecutive ones, the row-sparse
+// product the active ones.
+typedef void (*vec_dot_rows_fn)(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 

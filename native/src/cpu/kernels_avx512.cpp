@@ -118,9 +118,13 @@ inline float hsum_half(__m128 lo, __m128 hi) {
 }
 
 template <typename WBlock, typename XBlock>
-inline void dot_rows8_512(int64_t nb, float* s, const uint8_t* w, size_t w_stride, const XBlock* b) {
+inline void dot_rows8_512(int64_t nb, float* s, const void* const* rows, const XBlock* b) {
     const WBlock* a[8];
-    for (int r = 0; r < 8; r++) a[r] = (const WBlock*)(w + r * w_stride);
+    const WBlock* ahead[8];  // the next 8 rows, prefetched in step
+    for (int r = 0; r < 8; r++) {
+        a[r] = (const WBlock*)rows[r];
+        ahead[r] = (const WBlock*)rows[r + 8];
+    }
     __m512 acc[4];
     for (int p = 0; p < 4; p++) acc[p] = _mm512_setzero_ps();
     __m256 minsv = _mm256_setzero_ps();
@@ -144,8 +148,8 @@ inline void dot_rows8_512(int64_t nb, float* s, const uint8_t* w, size_t w_strid
             minsv = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(h2f(b[i].s)), minsv);
         }
         for (int p = 0; p < 4; p++) {
-            _mm_prefetch((const char*)&a[2 * p][i] + 8 * w_stride, _MM_HINT_T1);
-            _mm_prefetch((const char*)&a[2 * p + 1][i] + 8 * w_stride, _MM_HINT_T1);
+            _mm_prefetch((const char*)&ahead[2 * p][i], _MM_HINT_T1);
+            _mm_prefetch((const char*)&ahead[2 * p + 1][i], _MM_HINT_T1);
             const __m512i q = codes_pair(a[2 * p][i], a[2 * p + 1][i]);
             const __m512i pi = _mm512_dpbusd_epi32(negcorr, q, X);
             acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx[p], d8), _mm512_cvtepi32_ps(pi), acc[p]);
@@ -160,11 +164,10 @@ inline void dot_rows8_512(int64_t nb, float* s, const uint8_t* w, size_t w_strid
 }
 
 template <typename WBlock, typename XBlock>
-void vec_dot_rows_512(int64_t n, float* s, const void* w, size_t w_stride, const void* x, int64_t n_rows) {
-    const uint8_t* wp = (const uint8_t*)w;
+void vec_dot_rows_512(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
     int64_t r = 0;
-    for (; r + 8 <= n_rows; r += 8) dot_rows8_512<WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, (const XBlock*)x);
-    if (r < n_rows) vec_dot_rows_32<WBlock, XBlock>(n, s + r, wp + r * w_stride, w_stride, x, n_rows - r);
+    for (; r + 8 <= n_rows; r += 8) dot_rows8_512<WBlock, XBlock>(n / 32, s + r, rows + r, (const XBlock*)x);
+    if (r < n_rows) vec_dot_rows_32<WBlock, XBlock>(n, s + r, rows + r, x, n_rows - r);
 }
 
 }  // namespace

@@ -285,12 +285,14 @@ inline __m256i block_dot_u(const WBlock& a, __m256i xv, __m256i negcorr) {
 inline __m256i block_dot_u(const block_q8_0& a, __m256i xv, __m256i) { return dot_block(prepare(a), xv); }
 
 template <int NR, typename WBlock, typename XBlock>
-inline void dot_multirow(int64_t nb, float* s, const uint8_t* w, size_t w_stride, const XBlock* b) {
+inline void dot_multirow(int64_t nb, float* s, const void* const* rows, const XBlock* b) {
     const WBlock* a[NR];
+    const WBlock* ahead[NR];  // the rows NR further on, prefetched in step
     __m256 acc[NR];
     float mins[NR];
     for (int r = 0; r < NR; r++) {
-        a[r] = (const WBlock*)(w + r * w_stride);
+        a[r] = (const WBlock*)rows[r];
+        ahead[r] = (const WBlock*)rows[r + NR];
         acc[r] = _mm256_setzero_ps();
         mins[r] = 0.0f;
     }
@@ -303,7 +305,7 @@ inline void dot_multirow(int64_t nb, float* s, const uint8_t* w, size_t w_stride
         for (int r = 0; r < NR; r++) {
             // The next NR rows, at the same position: short interleaved streams train the hardware
             // prefetcher poorly (a row of a 4096-wide Q4_0 matrix is 36 cache lines).
-            _mm_prefetch((const char*)&a[r][i] + NR * w_stride, _MM_HINT_T1);
+            _mm_prefetch((const char*)&ahead[r][i], _MM_HINT_T1);
             const __m256 d = _mm256_set1_ps(h2f(a[r][i].d) * dx);
             const __m256i p = block_dot_u(a[r][i], xv, negcorr);
             acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
@@ -314,13 +316,12 @@ inline void dot_multirow(int64_t nb, float* s, const uint8_t* w, size_t w_stride
 }
 
 template <typename WBlock, typename XBlock>
-void vec_dot_rows_32(int64_t n, float* s, const void* w, size_t w_stride, const void* x, int64_t n_rows) {
-    const uint8_t* wp = (const uint8_t*)w;
+void vec_dot_rows_32(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
     const XBlock* b = (const XBlock*)x;
     int64_t r = 0;
-    for (; r + 8 <= n_rows; r += 8) dot_multirow<8, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
-    for (; r + 4 <= n_rows; r += 4) dot_multirow<4, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
-    for (; r < n_rows; r++) dot_multirow<1, WBlock, XBlock>(n / 32, s + r, wp + r * w_stride, w_stride, b);
+    for (; r + 8 <= n_rows; r += 8) dot_multirow<8, WBlock, XBlock>(n / 32, s + r, rows + r, b);
+    for (; r + 4 <= n_rows; r += 4) dot_multirow<4, WBlock, XBlock>(n / 32, s + r, rows + r, b);
+    for (; r < n_rows; r++) dot_multirow<1, WBlock, XBlock>(n / 32, s + r, rows + r, b);
 }
 
 void vec_dot_q8_0(int64_t n, float* s, const void* w, const void* x) { vec_dot_32<block_q8_0, block_q8_0>(n, s, w, x); }

@@ -37,6 +37,7 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
     const from_float_fn convert = kt.from_float[xtype];
     const vec_dot_fn dot = kt.vec_dot[W.type];
     const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
+    const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
 
     // Activations converted once per call into a buffer of the calling thread (F32 reads X as is).
     static thread_local std::vector<uint8_t> xq_buf;
@@ -64,6 +65,19 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
         }
         for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
             const int64_t i0 = c * chunk, i1 = i0 + chunk < n_rows ? i0 + chunk : n_rows;
+            if (n_tokens == 1 && dot_rows) {
+                // One token: the multi-row kernel over the listed rows, 64 at a time (the same bits).
+                float s[64];
+                const void* ptrs[64 + 8];
+                for (int64_t ib = i0; ib < i1; ib += 64) {
+                    const int64_t nr = i1 - ib < 64 ? i1 - ib : 64;
+                    for (int64_t k = 0; k < nr + 8; k++)
+                        ptrs[k] = wbase + (int64_t)rows[ib + k < n_rows ? ib + k : n_rows - 1] * w_row;
+                    dot_rows(cols, s, ptrs, xbase, nr);
+                    for (int64_t k = 0; k < nr; k++) Y[rows[ib + k]] = s[k];
+                }
+                continue;
+            }
             int64_t t = 0;
             if (dot4) {
                 for (; t + 4 <= n_tokens; t += 4) {

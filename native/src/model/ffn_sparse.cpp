@@ -10,11 +10,12 @@ namespace optiml {
 
 namespace {
 
-// Below these shares of active (token, neuron) pairs the down projection runs as a sum of neuron
-// columns; above them the dense kernel is faster. One token: the 8-bit neuron-major rows cost more
-// bytes per neuron than most dense types, so compare bytes. A batch: dense kernels reuse each weight
-// block across tokens, so sparse must skip most of the work to win.
-constexpr double kSparseDownBytes = 0.9;
+// Below these shares the down projection runs as a sum of neuron columns; above them the dense kernel
+// is faster. One token: compare bytes read; the 8-bit neuron-major rows cost more per neuron than
+// most dense types, and the column sum (int8 -> float conversions, fma per value) streams them at
+// about half the dense kernel's rate (7B shapes, AVX-512), hence 0.5. A batch: dense kernels reuse
+// each weight block across tokens, so sparse must skip most of the work to win.
+constexpr double kSparseDownBytes = 0.5;
 constexpr double kSparseDownBatch = 0.25;
 
 }  // namespace
