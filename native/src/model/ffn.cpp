@@ -69,6 +69,12 @@ void join_residual(ThreadPool& pool, const HParams& hp, const Weight& bias, cons
     for (int64_t i = 0; i < (int64_t)n * hp.n_embd; i++) x[i] += y[i];
 }
 
+const float* ones(size_t n) {
+    static thread_local std::vector<float> v;
+    if (v.size() < n) v.assign(n, 1.0f);
+    return v.data();
+}
+
 void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,
                   const float* u, int32_t n) {
     const int64_t n_ff = hp.n_ff;
@@ -112,8 +118,7 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
 
     if (observe) {  // act(gate) on its own: the activation times a row of ones
         std::memcpy(act_buf, s.gate, sizeof(float) * n * n_ff);
-        const std::vector<float> ones((size_t)n * n_ff, 1.0f);
-        ffn_activate(pool, kt, hp, w, act_buf, ones.data(), n);
+        ffn_activate(pool, kt, hp, w, act_buf, ones((size_t)n * n_ff), n);
     }
     ffn_activate(pool, kt, hp, w, s.gate, s.up, n);
     if (observe) (*observe)(s.xn, act_buf, s.up, s.gate);

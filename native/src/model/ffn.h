@@ -41,6 +41,9 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
                    const NeuronMajor& down_nm, float threshold, bool on_product, const float* neuron_scale, float* x,
                    int32_t n, const FFNScratch& s, const SparseScratch& sp);
 
+// n floats of 1 (act(g) alone is act_mul with a row of ones), held per thread.
+const float* ones(size_t n);
+
 // act(g) * u in place over n rows of n_ff, the pool splitting rows when there are many.
 void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,
                   const float* u, int32_t n);

@@ -38,9 +38,7 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
         const Weight* gate[1] = {&w.gate};
         matmul_shared_input(pool, kt, gate, &s.gate, 1, s.xn, n);
         add_bias_rows(w.gate_b, s.gate, n);
-        static thread_local std::vector<float> ones;
-        if ((int64_t)ones.size() < n * n_ff) ones.assign((size_t)(n * n_ff), 1.0f);
-        ffn_activate(pool, kt, hp, w, s.gate, ones.data(), n);  // act(gate) alone
+        ffn_activate(pool, kt, hp, w, s.gate, ones((size_t)(n * n_ff)), n);  // act(gate) alone
     }
 
     // 2. Each token's active neurons.
