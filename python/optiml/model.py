@@ -112,7 +112,8 @@ class Model:
         mode "none": dense. "threshold": skip neurons whose |act(gate)| (criterion "gate") or
         |act(gate) * up| (criterion "product") is at most the layer's threshold; the thresholds are
         ``thresholds`` (a float for every layer, or one per layer), else the file's calibrated ones
-        (`optiml calibrate`), else 0 for a ReLU-family model (exact: only zeros are skipped).
+        (`optiml calibrate`; with its per-neuron scales for the "weighted" criterion), else 0 for a
+        ReLU-family model (exact: only zeros are skipped).
         "auto": "threshold" when the file is calibrated or the model is ReLU-family, else "none".
         The mode in use is in ``self.sparsity`` ("none", "calibrated", "exact" or "custom").
         """
