@@ -73,7 +73,7 @@ def synth_stats(path, seed=0) -> S.ActivationStats:
     return S.ActivationStats(
         fingerprint=S.model_fingerprint(path), model=os.path.basename(path), activation="silu", n_tokens=12345,
         sources="synthetic-a.txt\nsynthetic-b.txt", threshold=np.zeros(L, np.float32), freq=freq,
-        mean_abs=mean_abs, down_norm=down_norm, impact=mean_abs * down_norm,
+        mean_abs=mean_abs, mean_abs_up=np.ones_like(mean_abs), down_norm=down_norm, impact=mean_abs * down_norm,
         hist_edges=np.r_[0, np.geomspace(1e-3, 10, B - 1), np.inf].astype(np.float32),
         gate_hist=z, gate_err=z, prod_hist=z, prod_err=z)
 

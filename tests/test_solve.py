@@ -201,7 +201,7 @@ def _synthetic_stats(fingerprint: str, L=30, F=1536, seed=0, model="SmolLM2-135M
     z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
     return st.ActivationStats(
         fingerprint=fingerprint, model=model, activation="silu", n_tokens=1000, sources="synthetic",
-        threshold=z(L), freq=freq.astype(np.float32), mean_abs=z(L, F), down_norm=z(L, F),
+        threshold=z(L), freq=freq.astype(np.float32), mean_abs=z(L, F), mean_abs_up=z(L, F), down_norm=z(L, F),
         impact=rng.random((L, F)).astype(np.float32), hist_edges=z(B + 1), gate_hist=np.zeros((L, B)),
         gate_err=np.zeros((L, B)), prod_hist=np.zeros((L, B)), prod_err=np.zeros((L, B)))
 
