@@ -222,7 +222,8 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
         m = load_optiml(path, n_ctx, a.threads, mode)
         t0 = time.perf_counter()
         ppl, err, n_scored = perplexity(m, held, a.ctx, chunks)
-        log(f"SmolLM2 target {target}: PPL {ppl:.3f} ± {err:.3f} ({n_scored} tokens, {time.perf_counter() - t0:.0f} s)")
+        log(f"SmolLM2 target {target}: PPL {ppl:.3f} ± {err:.3f} ({n_scored} tokens, "
+            f"{time.perf_counter() - t0:.0f} s)")
         ours, theirs = alternate(m, peer, ids, n_prompt, n_gen, a.repeats)
         sp = overall_sparsity(m) if mode else 0.0
         rows.append((target, sp, ppl, err, ours, theirs))
