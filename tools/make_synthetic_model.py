@@ -4,8 +4,9 @@ models too big to download (the default is 7B-shaped: LLaMA-2-7B's layers with a
 
 The tokenizer (every tokenizer.* key) is copied from a donor GGUF, SmolLM2-135M-Instruct by default,
 so llama.cpp and OptiML both load and tokenize the file; n_vocab is therefore the donor's (49152).
-Weights are normal(0, --std) (drawn as 65536 quantiles, see rand()) like a trained model's at initialization, RMS-norm weights 1.0, so
-activations stay finite through every layer; the text it generates is of course noise.
+Weights are normal(0, --std) (drawn as 65536 quantiles, see rand()) like a trained model's at
+initialization, RMS-norm weights 1.0, so activations stay finite through every layer (7B: logits have
+std ~1.3); the text it generates is of course noise. A 7B file (3.61 GiB) takes ~1.5-2 minutes on 2 cores.
 
 --activation relu adds the metadata key optiml.ffn.activation = "relu": OptiML then computes
 relu(gate) * up in every FFN (about half of the neurons are exactly zero before any calibration).
@@ -16,8 +17,10 @@ Tensors are generated, quantized (optiml.quant.quantize, native and multithreade
 a time (optiml.convert.writer.write_gguf), so memory stays near the largest tensor in float32
 (token_embd: 49152 x 4096 x 4 bytes = 0.8 GB); the file appears only once complete.
 
-    PYTHONPATH=python python tools/make_synthetic_model.py -o /work/synth-models/llama7b-relu-q4_0.gguf --activation relu
-    PYTHONPATH=python python tools/make_synthetic_model.py -o /tmp/tiny.gguf --n-embd 256 --n-layer 2 --n-ff 688 --n-head 4 --n-head-kv 4
+    PYTHONPATH=python python tools/make_synthetic_model.py --activation relu \
+        -o /work/synth-models/llama7b-relu-q4_0.gguf
+    PYTHONPATH=python python tools/make_synthetic_model.py -o /tmp/tiny.gguf \
+        --n-embd 256 --n-layer 2 --n-ff 704 --n-head 4 --n-head-kv 4
 """
 
 from __future__ import annotations
