@@ -18,7 +18,6 @@ import mmap
 import os
 import struct
 import sys
-import tempfile
 from typing import Any, Callable
 
 import numpy as np
@@ -27,6 +26,7 @@ from gguf import GGUFValueType
 from . import gguf as _gguf
 from . import quant
 from ._core import ArgumentError, GGUFError
+from .atomic import atomic_output
 
 __all__ = ["GGUFValueType", "encode_kv", "read_kv_spans", "rewrite_gguf"]
 
@@ -215,11 +215,9 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike,
     if align <= 0 or align % 8:
         raise ArgumentError(f"general.alignment must be a positive multiple of 8, not {align}")
 
-    folder = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(dst) + ".", suffix=".tmp")
     bar = None
     try:
-        with os.fdopen(fd, "wb") as out:
+        with atomic_output(dst) as tmp, open(tmp, "wb") as out:
             out.write(struct.pack("<IIQQ", 0x46554747, version, len(f.tensors), len(out_kv)))
             for raw in out_kv.values():
                 out.write(raw)
@@ -267,20 +265,7 @@ def rewrite_gguf(src: str | os.PathLike, dst: str | os.PathLike,
                 out.write(_tensor_info_bytes(name, shape, ttype, off))
             out.flush()
             os.fsync(out.fileno())
-        if bar is not None:
-            bar.close()
-            bar = None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have given
-        os.replace(tmp, dst)
-    except BaseException:
-        if bar is not None:
-            bar.close()
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     finally:
+        if bar is not None:
+            bar.close()
         f.close()

@@ -25,6 +25,7 @@ import numpy as np
 from . import gguf as _gguf
 from . import quant
 from ._core import ArgumentError, UnsupportedModelError
+from .atomic import atomic_output
 from .gguf_edit import GGUFValueType as VT
 from .gguf_edit import check_output, rewrite_gguf
 
@@ -324,12 +325,8 @@ def plot(png: str | os.PathLike, ranks: np.ndarray, freq: np.ndarray, coverage: 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    png = os.fspath(png)
-    tmp = png + ".tmp.png"
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, png)
+        with atomic_output(png, suffix=".png") as tmp:  # matplotlib picks the format by extension
+            fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)

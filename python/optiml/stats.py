@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._core import ArgumentError
+from .atomic import atomic_output
 
 __all__ = ["ActivationStats", "model_fingerprint", "hot_first_order", "load", "save"]
 
@@ -118,14 +119,8 @@ def save(stats: ActivationStats, path: str | os.PathLike) -> None:
     if stats.sample_x is not None:
         arrays["sample_x"] = stats.sample_x
         arrays["sample_mask"] = stats.sample_mask
-    tmp = path + ".tmp.npz"
-    try:
+    with atomic_output(path, suffix=".npz") as tmp:  # numpy would append .npz to another name
         np.savez_compressed(tmp, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load(path: str | os.PathLike) -> ActivationStats:

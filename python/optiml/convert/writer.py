@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 
 import gguf
 import numpy as np
 
 from .. import quant
+from ..atomic import atomic_output
 from .errors import ConvertError
 
 
@@ -54,31 +54,20 @@ def write_gguf(out: str, arch: str, add_metadata, tensors: list, progress: bool 
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise ConvertError(f"{out}: the output folder {folder} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(out) + ".", suffix=".tmp")
-    os.close(fd)
-    w = None
-    try:
+    with atomic_output(out) as tmp:
         w = gguf.GGUFWriter(tmp, arch)
-        add_metadata(w)
-        for name, shape, t, _ in tensors:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, t), raw_dtype=t)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        bar = Progress(len(tensors), progress)
-        for i, (name, shape, t, compute) in enumerate(tensors, 1):
-            data = encode(compute(), t)
-            w.write_tensor_data(data)
-            del data
-            bar.step(i, name, t)
-        w.close()
-        w = None
-        os.replace(tmp, out)
-    except BaseException:
-        if w is not None:
-            w.close()
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            add_metadata(w)
+            for name, shape, t, _ in tensors:
+                w.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, t), raw_dtype=t)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            bar = Progress(len(tensors), progress)
+            for i, (name, shape, t, compute) in enumerate(tensors, 1):
+                data = encode(compute(), t)
+                w.write_tensor_data(data)
+                del data
+                bar.step(i, name, t)
+        finally:
+            w.close()
