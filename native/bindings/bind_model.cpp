@@ -6,6 +6,7 @@
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "optiml/common.h"
 #include "optiml/model.h"
@@ -140,14 +141,88 @@ nb::dict hparams(const PyModel& m) {
     return d;
 }
 
-PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std::string& kv_type, int32_t n_batch) {
-    int32_t kvt;
-    if (kv_type == "f16") kvt = TYPE_F16;
-    else if (kv_type == "f32") kvt = TYPE_F32;
-    else throw ArgumentError(format("kv_type must be 'f16' or 'f32', not '%s'", kv_type.c_str()));
+int32_t kv_type_id(const std::string& kv_type) {
+    if (kv_type == "f16") return TYPE_F16;
+    if (kv_type == "f32") return TYPE_F32;
+    throw ArgumentError(format("kv_type must be 'f16' or 'f32', not '%s'", kv_type.c_str()));
+}
+
+PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std::string& kv_type, int32_t n_batch,
+                       int32_t n_seq, const std::string& device, int64_t vram, int32_t n_gpu_layers,
+                       std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads) {
+    const int32_t kvt = kv_type_id(kv_type);
     if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = physical cores)");
+    PlanOptions o;
+    o.device = device;
+    o.vram = vram;
+    o.n_gpu_layers = n_gpu_layers;
+    if (gpu_neurons) o.gpu_neurons = *gpu_neurons;
+    o.device_threads = device_threads;
     std::shared_ptr<ThreadPool> pool = n_threads == 0 ? default_pool() : std::make_shared<ThreadPool>(n_threads);
-    return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch)};
+    nb::gil_scoped_release release;  // uploads weights to the device
+    return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch, n_seq, &o)};
+}
+
+// A plan without binding anything: what `optiml info --plan` shows.
+nb::dict plan_dict(const Plan& p, const Model& m) {
+    nb::dict d;
+    d["device"] = p.device.empty() ? std::string("cpu") : p.device;
+    d["reason"] = p.reason;
+    d["budget"] = p.budget;
+    nb::list layers;
+    for (const LayerPlan& l : p.layers) {
+        nb::dict ld;
+        ld["attention"] = l.attn_on_device ? p.device : std::string("cpu");
+        ld["ffn_on_device"] = l.ffn_on_device;
+        layers.append(ld);
+    }
+    d["layers"] = layers;
+    nb::dict bytes;
+    bytes["attention_weights"] = p.device_bytes.attn_weights;
+    bytes["ffn_weights"] = p.device_bytes.ffn_weights;
+    bytes["kv"] = p.device_bytes.kv;
+    bytes["scratch"] = p.device_bytes.scratch;
+    bytes["total"] = p.device_bytes.total();
+    d["device_bytes"] = bytes;
+    d["host_kv_bytes"] = p.host_kv_bytes;
+    d["host_scratch_bytes"] = p.host_scratch_bytes;
+    d["neuron_order"] = !p.neuron_order.empty();
+    d["summary"] = p.summary(m);
+    return d;
+}
+
+nb::dict make_plan_py(const PyModel& m, int32_t n_ctx, int32_t n_seq, int32_t n_batch, const std::string& kv_type,
+                      const std::string& device, int64_t vram, int32_t n_gpu_layers,
+                      std::optional<std::vector<int32_t>> gpu_neurons) {
+    PlanOptions o;
+    o.n_ctx = n_ctx;
+    o.n_seq = n_seq;
+    o.n_batch = n_batch;
+    o.kv_type = kv_type_id(kv_type);
+    o.device = device;
+    o.vram = vram;
+    o.n_gpu_layers = n_gpu_layers;
+    if (gpu_neurons) o.gpu_neurons = *gpu_neurons;
+    return plan_dict(make_plan(*m.model, o), *m.model);
+}
+
+using Ints1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Bytes1D = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::ndarray<nb::numpy, float> decode(PySession& s, Tokens1D tokens, Ints1D seq, Ints1D pos, Bytes1D want) {
+    const size_t n = tokens.shape(0);
+    if (n == 0) throw ArgumentError("decode needs at least one token");
+    if (seq.shape(0) != n || pos.shape(0) != n || want.shape(0) != n)
+        throw ArgumentError("decode: tokens, seq, pos and logits must have the same length");
+    size_t n_out = 0;
+    for (size_t i = 0; i < n; i++) n_out += want.data()[i] != 0;
+    const size_t n_vocab = (size_t)s.session->model().hp.n_vocab;
+    auto out = new_array<float>({n_out, n_vocab});
+    {
+        nb::gil_scoped_release release;
+        s.session->decode(tokens.data(), seq.data(), pos.data(), want.data(), (int32_t)n, out.data());
+    }
+    return out;
 }
 
 nb::ndarray<nb::numpy, float> eval(PySession& s, Tokens1D tokens, bool all_logits) {
@@ -176,11 +251,32 @@ void bind_model(nb::module_& m) {
              nb::arg("max_samples") = 0, nb::arg("gate_weight").none() = nb::none())
         .def_prop_ro("n_tokens", [](const PyRecorder& r) { return r.rec->n_tokens; })
         .def("result", &recorder_result);
+    m.def("make_plan", &make_plan_py, nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_seq") = 1,
+          nb::arg("n_batch") = 512, nb::arg("kv_type") = "f16", nb::arg("device") = "auto", nb::arg("vram") = -1,
+          nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none());
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
     nb::class_<PySession>(m, "Session")
         .def(nb::new_(&make_session), nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_threads") = 0,
-             nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512)
+             nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512, nb::arg("n_seq") = 1, nb::arg("device") = "cpu",
+             nb::arg("vram") = -1, nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(),
+             nb::arg("device_threads") = 1)
+        .def("decode", &decode, nb::arg("tokens"), nb::arg("seq"), nb::arg("pos"), nb::arg("logits"))
+        .def_prop_ro("n_seq", [](const PySession& s) { return s.session->n_seq(); })
+        .def("seq_len", [](const PySession& s, int32_t seq) { return s.session->kv().seq_len(seq); }, nb::arg("seq"))
+        .def("kv_clear", [](PySession& s, int32_t seq) { s.session->kv().clear(seq); }, nb::arg("seq"))
+        .def("kv_truncate", [](PySession& s, int32_t seq, int32_t n) { s.session->kv().truncate(seq, n); },
+             nb::arg("seq"), nb::arg("n"))
+        .def("kv_copy", [](PySession& s, int32_t src, int32_t dst, int32_t n) {
+            nb::gil_scoped_release release;
+            s.session->kv().copy(src, dst, n);
+        }, nb::arg("src"), nb::arg("dst"), nb::arg("n") = -1)
+        .def_prop_ro("plan", [](const PySession& s) { return plan_dict(s.session->plan(), s.session->model()); })
+        .def_prop_ro("device_allocations", [](const PySession& s) {
+            nb::dict d;
+            for (const auto& [k, v] : s.session->device_allocations()) d[k.c_str()] = v;
+            return d;
+        })
         .def("eval", &eval, nb::arg("tokens"), nb::arg("all_logits") = false)
         .def_prop_ro("n_past", [](const PySession& s) { return s.session->n_past(); })
         .def_prop_ro("n_ctx", [](const PySession& s) { return s.session->n_ctx(); })

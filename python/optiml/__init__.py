@@ -7,6 +7,8 @@ from . import _core
 from ._core import ArgumentError, ContextOverflowError, GGUFError, OptimlError, UnsupportedModelError
 from . import gguf, quant, sampling, tokenizer  # noqa: E402  (after the exception types they use)
 from .model import Model  # noqa: E402
+from .batch import Batch  # noqa: E402
+from . import plan  # noqa: E402
 from .profile import profile  # noqa: E402  (the function; the module stays importable as optiml.profile)
 from .calibrate import calibrate  # noqa: E402
 
@@ -14,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "Batch",
     "ContextOverflowError",
     "Model",
     "calibrate",
@@ -23,6 +26,7 @@ __all__ = [
     "UnsupportedModelError",
     "get_num_threads",
     "gguf",
+    "plan",
     "quant",
     "sampling",
     "tokenizer",

@@ -43,6 +43,13 @@ class Model:
     file carries from `optiml calibrate`; for a ReLU-family model without them, exact zero-skipping;
     otherwise dense), "threshold" (like auto, but an error when there is nothing to skip by), or "none".
     thresholds: per-layer thresholds (or one for all layers) that override the file's.
+
+    n_seq: sequence slots of the KV cache (each holds n_ctx positions) for :meth:`decode`; generation and
+    chat use sequence 0. device, vram, n_gpu_layers, gpu_neurons: where layers run (see optiml.plan):
+    device "auto" (the default: the CPU unless this build can run the GPU), "cpu", "cpu:N" (a second CPU
+    instance treated as an accelerator, for testing split execution), "cuda[:N]"; vram a budget such as
+    "6GiB"; n_gpu_layers the last N layers whole on the device; gpu_neurons FFN neurons per layer on the
+    device (overrides the file's placement). The result is :attr:`plan`.
     """
 
     def __init__(
@@ -54,6 +61,11 @@ class Model:
         kv_type: str = "f16",
         sparsity: str = "auto",
         thresholds=None,
+        n_seq: int = 1,
+        device: str = "auto",
+        vram=None,
+        n_gpu_layers: int | None = None,
+        gpu_neurons=None,
     ):
         from .models import resolve
 
@@ -70,7 +82,11 @@ class Model:
         n_threads = 0 if n_threads is None else _non_negative_int("n_threads", n_threads)
         n_batch = _positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
-        self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch)
+        n_seq = _positive_int("n_seq", n_seq)
+        from .plan import plan_args
+
+        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons)
+        self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch, n_seq, **where)
         self._tokens: list[int] = []  # what the context (KV cache) holds
         self._busy = threading.Lock()
         self._chat_template = None
@@ -166,6 +182,65 @@ class Model:
         total = int(seen.sum())
         return {"mode": self.sparsity, "skipped": 1.0 - int(active.sum()) / total if total else 0.0,
                 "layers": per_layer, "tokens": total // self.hparams["n_ff"] // max(1, self.hparams["n_layer"])}
+
+    # ---- devices and batches -----------------------------------------------------------------------
+    @property
+    def plan(self):
+        """The execution plan (optiml.plan.Plan): where each layer's attention and FFN neurons run; str() is
+        a readable table."""
+        from .plan import Plan
+
+        return Plan(self._session.plan)
+
+    @property
+    def n_seq(self) -> int:
+        """Sequence slots of the KV cache."""
+        return self._session.n_seq
+
+    def decode(self, batch) -> np.ndarray:
+        """Runs one step over ``batch`` (optiml.Batch): every sequence in it advances, sharing each weight
+        read. Returns float32 logits [tokens that want them, n_vocab] in batch order. Decoding into
+        sequence 0 forgets the cached prompt that generate/chat would reuse."""
+        tokens, seq, pos, want = batch.arrays()
+        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+            raise ArgumentError(f"token ids must be in [0, {self.n_vocab}), got {int(tokens.min())}..{int(tokens.max())}")
+        with self._exclusive():
+            if (seq == 0).any():
+                self._forget_seq0()
+            return self._session.decode(tokens, seq, pos, want)
+
+    def seq_len(self, seq: int) -> int:
+        """Positions held by sequence ``seq``."""
+        return self._session.seq_len(seq)
+
+    def kv_clear(self, seq: int | None = None) -> None:
+        """Forgets sequence ``seq`` (every sequence when None)."""
+        with self._exclusive():
+            self._session.kv_clear(-1 if seq is None else _non_negative_int("seq", seq))
+            if seq is None or seq == 0:
+                self._forget_seq0()
+
+    def kv_truncate(self, seq: int, n: int) -> None:
+        """Keeps the first ``n`` positions of sequence ``seq``."""
+        with self._exclusive():
+            self._session.kv_truncate(_non_negative_int("seq", seq), _non_negative_int("n", n))
+            if seq == 0:
+                del self._tokens[n:]
+                self._chat_text, self._chat_ids = "", []
+
+    def kv_copy(self, src: int, dst: int, n: int | None = None) -> None:
+        """Sequence ``dst`` becomes the first ``n`` positions of ``src`` (all of them when None): a shared
+        prompt is run once and copied to every sequence that continues it."""
+        with self._exclusive():
+            self._session.kv_copy(_non_negative_int("src", src), _non_negative_int("dst", dst),
+                                  -1 if n is None else _non_negative_int("n", n))
+            if dst == 0:
+                self._forget_seq0()
+
+    def _forget_seq0(self) -> None:
+        """Sequence 0 changed outside generate/chat: nothing of it is reused as a cached prompt."""
+        self._tokens.clear()
+        self._chat_text, self._chat_ids = "", []
 
     # ---- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:

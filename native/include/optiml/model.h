@@ -11,8 +11,11 @@
 #include <vector>
 
 #include "optiml/gguf.h"
+#include "optiml/backend.h"
 #include "optiml/kernels.h"
+#include "optiml/kv_cache.h"
 #include "optiml/matmul.h"
+#include "optiml/plan.h"
 #include "optiml/recorder.h"
 #include "optiml/sparse.h"
 #include "optiml/threadpool.h"
@@ -125,17 +128,22 @@ public:
     std::vector<LayerWeights> layers;
     std::shared_ptr<GGUFFile> file;
     SparsityConfig sparsity;
+    // `optiml.placement.*` (optiml solve): per layer the neurons meant for the GPU (placed neurons [0, k));
+    // and, when the weights kept the file's order, placed neuron i of layer l is file neuron
+    // placement_order[l * n_ff + i]. Both empty for an unplaced file.
+    std::vector<int32_t> placement_gpu_neurons;
+    std::vector<int32_t> placement_order;
 
-    // Neuron-major copies of the down matrices (row j = neuron j's down column), made once, the first
-    // time a session computes the FFN sparsely. Thread-safe.
-    const std::vector<NeuronMajor>& down_neuron_major(ThreadPool& pool) const;
+    // Neuron-major copy of layer il's down matrix (row j = neuron j's down column), made the first time a
+    // session computes that layer's whole FFN sparsely on the host. Thread-safe.
+    const NeuronMajor& down_neuron_major(ThreadPool& pool, int il) const;
 
     // Bytes of weights, for reporting.
     size_t weight_bytes() const;
 
 private:
-    mutable std::once_flag down_nm_once_;
-    mutable std::vector<NeuronMajor> down_nm_;
+    mutable std::mutex down_nm_mutex_;
+    mutable std::vector<std::unique_ptr<NeuronMajor>> down_nm_;
 };
 
 // How a session computes the FFN: dense, or skipping neurons whose activation is at most a per-layer
@@ -147,68 +155,77 @@ struct SparsitySettings {
     std::vector<float> neuron_scale;  // [n_layer][n_ff] or empty: weights of the gate criterion
 };
 
-// One conversation's state: the KV cache and the scratch buffers of the forward pass.
+// The engine: a model bound to devices by a plan, its KV cache of n_seq sequence slots, and the
+// scratch of the forward pass. decode() advances any mix of sequences in one step (each weight read
+// once for all their tokens); eval() is the one-sequence form (sequence 0).
 // Not thread-safe: use one Session per thread (they can share a Model).
 class Session {
 public:
-    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory).
+    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory). n_ctx: positions per sequence.
     Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<ThreadPool> pool,
-            int32_t kv_type = TYPE_F16, int32_t n_batch = 512);
+            int32_t kv_type = TYPE_F16, int32_t n_batch = 512, int32_t n_seq = 1,
+            const PlanOptions* plan_options = nullptr);
+    ~Session();
 
-    // Appends n tokens at positions n_past.. and runs them (in batches of n_batch). Writes the
-    // logits of the last token to `logits` ([n_vocab]) or, with all_logits, of every token
+    // Appends n tokens to sequence 0 at positions n_past.. and runs them (in batches of n_batch). Writes
+    // the logits of the last token to `logits` ([n_vocab]) or, with all_logits, of every token
     // ([n][n_vocab]). ContextOverflowError when the context cannot hold them.
     void eval(const int32_t* tokens, int32_t n, bool all_logits, float* logits);
 
-    int32_t n_past() const { return n_past_; }
+    // One step over a batch: token t is tokens[t] of sequence seq[t] at position pos[t]; each sequence's
+    // tokens in the batch have consecutive positions starting at most at its current length (a start
+    // below it forgets what followed). Writes the logits of each token with want[t] != 0, in batch
+    // order, to logits ([count][n_vocab]). Returns that count.
+    int32_t decode(const int32_t* tokens, const int32_t* seq, const int32_t* pos, const uint8_t* want, int32_t n,
+                   float* logits);
+
+    int32_t n_past() const { return kv_->seq_len(0); }
     int32_t n_ctx() const { return n_ctx_; }
-    // Forgets everything after the first n positions (0 = reset); the cache beyond is overwritten.
-    void truncate(int32_t n);
+    int32_t n_seq() const { return kv_->n_seq(); }
+    // Forgets everything of sequence 0 after the first n positions (0 = reset).
+    void truncate(int32_t n) { kv_->truncate(0, n); }
+    KVCache& kv() { return *kv_; }
 
     const Model& model() const { return *model_; }
-    size_t kv_bytes() const { return k_cache_.size() + v_cache_.size(); }
+    const Plan& plan() const { return plan_; }
+    size_t kv_bytes() const;
+    // Bytes allocated on the plan's device (0 without one), by use.
+    std::vector<std::pair<std::string, size_t>> device_allocations() const;
 
     // Sparse FFN from the next eval on; ArgumentError for thresholds that do not fit the model.
     void set_sparsity(const SparsitySettings& s);
     const SparsitySettings& sparsity() const { return sparsity_; }
     // Per layer: FFN neurons computed and neuron slots seen (tokens x n_ff) since the last reset.
-    const std::vector<int64_t>& ffn_active() const { return ffn_active_; }
+    std::vector<int64_t> ffn_active() const;
     const std::vector<int64_t>& ffn_seen() const { return ffn_seen_; }
     void reset_sparsity_counts();
 
     // While a recorder is attached, every evaluated token's FFN activations go to it (the FFN runs
-    // dense). nullptr detaches.
-    void set_recorder(std::shared_ptr<ActivationRecorder> rec) { recorder_ = std::move(rec); }
+    // dense, on the host: ArgumentError when the plan puts any layer on a device). nullptr detaches.
+    void set_recorder(std::shared_ptr<ActivationRecorder> rec);
 
 private:
-    void ffn_layer(int il, int32_t n);
-
-    void forward_batch(const int32_t* tokens, int32_t n, bool all_logits, float* logits);
-    void attention_layer(const LayerWeights& L, int layer, int32_t n);
+    struct LayerExec;
+    void forward(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out, float* logits);
+    void ffn_layer(int il, int32_t n, Backend* home);
+    void move(Backend* from, const float* src, Backend* to, float* dst, size_t n_floats);
+    const StepScratch& scratch(const Backend* be) const;
+    void bind_devices();
+    void prepare_sparse();
 
     std::shared_ptr<Model> model_;
     std::shared_ptr<ThreadPool> pool_;
-    const KernelTable& kt_;
-    int32_t n_ctx_, n_batch_, kv_type_;
-    int32_t n_past_ = 0;
-
-    // KV cache of kv_type_, per layer: keys [n_ctx][n_embd_kv], values transposed [n_embd_kv][n_ctx].
-    std::vector<uint8_t> k_cache_, v_cache_;
-    size_t kv_row_bytes_ = 0, kv_layer_bytes_ = 0;
-
-    // Scratch for a batch of up to n_batch tokens.
-    std::vector<float> x_, xn_, q_, k_, v_, attn_, ffn_gate_, ffn_up_;
-    std::vector<float> scores_;       // per thread: one row of attention scores
-    std::vector<uint8_t> attn_conv_;  // per thread: q or the weights converted for the dot products
-    size_t attn_row_ = 0;             // floats per thread in scores_ and attn_conv_
+    int32_t n_ctx_, n_batch_;
+    Plan plan_;
+    std::unique_ptr<Backend> host_, device_;
+    std::unique_ptr<KVCache> kv_;
+    std::vector<LayerExec> exec_;
+    std::vector<LayerWeights> device_layers_;  // uploaded attention weights (and norms) of device layers
+    Weight device_rope_freqs_;
+    StepScratch host_s_, device_s_;
 
     SparsitySettings sparsity_;
-    std::vector<int64_t> ffn_active_, ffn_seen_;
-    // Scratch of the sparse FFN (see SparseScratch), allocated when sparsity is first enabled.
-    std::vector<int32_t> active_idx_, active_count_, active_uni_;
-    std::vector<float> active_val_;
-    std::vector<uint8_t> active_seen_;
-    std::vector<float> ffn_act_;  // act(gate) [n_batch][n_ff] while recording
+    std::vector<int64_t> host_active_, device_active_, ffn_seen_;
     std::shared_ptr<ActivationRecorder> recorder_;
 };
 

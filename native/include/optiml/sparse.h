@@ -35,7 +35,10 @@ struct NeuronMajor {
     // than the rest, and would otherwise set the scale of every 32-block they fall in, drowning the
     // other 31 values in rounding. axpy_rows multiplies the sums back.
     std::vector<float> dim_scale;
-    const uint8_t* row(int64_t j) const { return data.data() + (size_t)j * row_bytes; }
+    // When set, the rows live there (a device's memory) instead of in `data`.
+    const uint8_t* external = nullptr;
+    const uint8_t* bytes() const { return external ? external : data.data(); }
+    const uint8_t* row(int64_t j) const { return bytes() + (size_t)j * row_bytes; }
 };
 
 // Types a NeuronMajor may hold.

@@ -50,11 +50,11 @@ void fill_sparse_scalar(KernelTable& t) {
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate) {
     check_neuron_major(d.type, d.n_neurons, d.dim);
-    if (d.row_bytes != row_size(d.type, d.dim) || d.data.size() < d.row_bytes * (size_t)d.n_neurons)
+    if (d.row_bytes != row_size(d.type, d.dim) || (!d.external && d.data.size() < d.row_bytes * (size_t)d.n_neurons))
         throw ArgumentError("axpy_rows: the neuron-major matrix holds fewer bytes than its shape needs");
     if (!d.dim_scale.empty() && (int64_t)d.dim_scale.size() != d.dim)
         throw ArgumentError("axpy_rows: the neuron-major matrix's dim_scale does not match its dim");
-    axpy_rows_raw(pool, kt, d.type, d.n_neurons, d.dim, d.data.data(), idx, a, k, y, accumulate,
+    axpy_rows_raw(pool, kt, d.type, d.n_neurons, d.dim, d.bytes(), idx, a, k, y, accumulate,
                   d.dim_scale.empty() ? nullptr : d.dim_scale.data());
 }
 

@@ -1,5 +1,6 @@
 // Model::load: hyper-parameters from `{arch}.*` metadata and every tensor bound by its llama.cpp
 // name, with shapes and types checked before anything runs.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -154,6 +155,37 @@ SparsityConfig read_sparsity(const GGUFFile& f, const HParams& hp) {
     return sc;
 }
 
+// `optiml.placement.*`: written by `optiml solve`; checked here so a bad file fails at load.
+void read_placement(const GGUFFile& f, const HParams& hp, std::vector<int32_t>& gpu_neurons,
+                    std::vector<int32_t>& order) {
+    if (f.has("optiml.placement.gpu_neurons")) {
+        gpu_neurons = f.get_i32_array("optiml.placement.gpu_neurons");
+        if (gpu_neurons.size() != (size_t)hp.n_layer)
+            throw GGUFError(format("%s: optiml.placement.gpu_neurons has %zu values for %d layers", f.path().c_str(),
+                                   gpu_neurons.size(), hp.n_layer));
+        for (int32_t k : gpu_neurons)
+            if (k < 0 || k > hp.n_ff)
+                throw GGUFError(format("%s: optiml.placement.gpu_neurons holds %d, outside [0, %d]", f.path().c_str(),
+                                       k, hp.n_ff));
+    }
+    if (f.has("optiml.placement.neuron_order")) {
+        order = f.get_i32_array("optiml.placement.neuron_order");
+        if (order.size() != (size_t)hp.n_layer * hp.n_ff)
+            throw GGUFError(format("%s: optiml.placement.neuron_order has %zu values; expected n_layer * n_ff = %lld",
+                                   f.path().c_str(), order.size(), (long long)hp.n_layer * hp.n_ff));
+        std::vector<uint8_t> seen(hp.n_ff);
+        for (int il = 0; il < hp.n_layer; il++) {
+            std::fill(seen.begin(), seen.end(), 0);
+            for (int32_t i = 0; i < hp.n_ff; i++) {
+                const int32_t j = order[(size_t)il * hp.n_ff + i];
+                if (j < 0 || j >= hp.n_ff || seen[j]++)
+                    throw GGUFError(format("%s: optiml.placement.neuron_order of layer %d is not a permutation of "
+                                           "0..%d", f.path().c_str(), il, hp.n_ff - 1));
+            }
+        }
+    }
+}
+
 class Binder {
 public:
     explicit Binder(const GGUFFile& f) : f_(f) {}
@@ -269,17 +301,16 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
     }
     M.sparsity = read_sparsity(f, hp);
+    read_placement(f, hp, M.placement_gpu_neurons, M.placement_order);
     return model;
 }
 
-const std::vector<NeuronMajor>& Model::down_neuron_major(ThreadPool& pool) const {
-    std::call_once(down_nm_once_, [&] {
-        std::vector<NeuronMajor> nm;
-        nm.reserve(layers.size());
-        for (const LayerWeights& L : layers) nm.push_back(repack_neuron_major(pool, L.ffn.down.matrix(), TYPE_Q8_0));
-        down_nm_ = std::move(nm);
-    });
-    return down_nm_;
+const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il) const {
+    std::lock_guard<std::mutex> lock(down_nm_mutex_);
+    if (down_nm_.empty()) down_nm_.resize(layers.size());
+    if (!down_nm_[il])
+        down_nm_[il] = std::make_unique<NeuronMajor>(repack_neuron_major(pool, layers[il].ffn.down.matrix(), TYPE_Q8_0));
+    return *down_nm_[il];
 }
 
 size_t Model::weight_bytes() const {

@@ -1,47 +1,185 @@
-// Session: KV cache and scratch buffers, and the entry point that feeds tokens in batches.
+// Session: binds a model to its devices by the plan (weights uploaded, KV cache and scratch allocated),
+// and the entry points that feed tokens in batches.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "layer_exec.h"
 #include "optiml/common.h"
 #include "optiml/model.h"
+#include "optiml/quant.h"
 
 namespace optiml {
 
 Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<ThreadPool> pool, int32_t kv_type,
-                 int32_t n_batch)
-    : model_(std::move(model)), pool_(std::move(pool)), kt_(kernel_table()), n_ctx_(n_ctx), n_batch_(n_batch),
-      kv_type_(kv_type) {
-    const HParams& hp = model_->hp;
+                 int32_t n_batch, int32_t n_seq, const PlanOptions* plan_options)
+    : model_(std::move(model)), pool_(std::move(pool)), n_ctx_(n_ctx), n_batch_(n_batch) {
     if (n_ctx <= 0) throw ArgumentError(format("n_ctx must be positive, got %d", n_ctx));
     if (n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", n_batch));
-    if (kv_type != TYPE_F16 && kv_type != TYPE_F32)
-        throw ArgumentError("the KV cache type must be f16 or f32");
-    if (hp.n_embd_kv() > 4096)
-        throw UnsupportedModelError(format("K/V rows of %d values are more than the 4096 this build supports",
-                                           hp.n_embd_kv()));
-    n_batch_ = std::min(n_batch_, n_ctx_);
-
-    kv_row_bytes_ = row_size(kv_type, hp.n_embd_kv());
-    kv_layer_bytes_ = kv_row_bytes_ * (size_t)n_ctx;
-    k_cache_.assign(kv_layer_bytes_ * hp.n_layer, 0);
-    v_cache_.assign(kv_layer_bytes_ * hp.n_layer, 0);
-
-    const size_t nb = (size_t)n_batch_;
-    x_.resize(nb * hp.n_embd);
-    xn_.resize(nb * hp.n_embd);
-    q_.resize(nb * hp.n_embd_q());
-    k_.resize(nb * hp.n_embd_kv());
-    v_.resize(nb * hp.n_embd_kv());
-    attn_.resize(nb * hp.n_embd_q());
-    ffn_gate_.resize(nb * hp.n_ff);
-    ffn_up_.resize(nb * hp.n_ff);
-    // Per thread: a row of scores over the context, and room for either q (head_dim values) or the
-    // attention weights (n_ctx values) in the cache's dot-product type (at most 4 bytes each).
-    attn_row_ = std::max<size_t>((size_t)n_ctx, (size_t)hp.head_dim);
-    scores_.resize((size_t)pool_->size() * attn_row_);
-    attn_conv_.resize((size_t)pool_->size() * attn_row_ * sizeof(float));
+    if (n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", n_seq));
+    if (kv_type != TYPE_F16 && kv_type != TYPE_F32) throw ArgumentError("the KV cache type must be f16 or f32");
+    PlanOptions o = plan_options ? *plan_options : PlanOptions{};
+    if (!plan_options) o.device = "cpu";
+    o.n_ctx = n_ctx;
+    o.n_seq = n_seq;
+    o.n_batch = n_batch;
+    o.kv_type = kv_type;
+    plan_ = make_plan(*model_, o);
+    n_batch_ = plan_.n_batch;
+    bind_devices();
     reset_sparsity_counts();
+}
+
+Session::~Session() {
+    if (device_) device_->synchronize();
+    exec_.clear();
+    kv_.reset();
+    device_.reset();
+    host_.reset();
+}
+
+static StepScratch carve_scratch(Backend& be, const HParams& hp, int32_t n_batch) {
+    float* p = (float*)be.alloc(scratch_bytes(hp, n_batch), "scratch");
+    StepScratch s;
+    const size_t nb = (size_t)n_batch;
+    auto take = [&](size_t per_token) {
+        float* q = p;
+        p += per_token * nb;
+        return q;
+    };
+    s.x = take(hp.n_embd);
+    s.xn = take(hp.n_embd);
+    s.y = take(hp.n_embd);
+    s.y2 = take(hp.n_embd);
+    s.q = take(hp.n_embd_q());
+    s.attn = take(hp.n_embd_q());
+    s.k = take(hp.n_embd_kv());
+    s.v = take(hp.n_embd_kv());
+    s.gate = take(hp.n_ff);
+    s.up = take(hp.n_ff);
+    return s;
+}
+
+void Session::bind_devices() {
+    const Model& M = *model_;
+    const HParams& hp = M.hp;
+    host_ = make_cpu_backend(pool_);
+    if (plan_.uses_device()) {
+        const int index = std::atoi(plan_.device.c_str() + 4);  // "cpu:N" (the plan accepts no other yet)
+        device_ = make_cpu_device_backend(index, plan_.device_threads);
+    }
+    Backend* dev = device_.get();
+    std::vector<Backend*> kv_home(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; il++) kv_home[il] = plan_.layers[il].attn_on_device ? dev : host_.get();
+    kv_ = std::make_unique<KVCache>(hp, n_ctx_, plan_.n_seq, plan_.kv_type, kv_home);
+    host_s_ = carve_scratch(*host_, hp, n_batch_);
+    if (dev) {
+        device_s_ = carve_scratch(*dev, hp, n_batch_);
+        if (M.rope_freqs.present() && plan_.layers_on_device() > 0)
+            device_rope_freqs_ = dev->upload(M.rope_freqs, "attention weights");
+    }
+
+    const bool ordered = !plan_.neuron_order.empty();
+    std::vector<std::vector<float>> staged;  // host copies that uploads read until the device syncs
+    device_layers_.resize(hp.n_layer);
+    exec_.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; il++) {
+        const LayerWeights& L = M.layers[il];
+        LayerExec& E = exec_[il];
+        const LayerPlan& lp = plan_.layers[il];
+        E.attn = lp.attn_on_device ? dev : host_.get();
+        E.attn_w = &L;
+        if (lp.attn_on_device) {
+            LayerWeights& D = device_layers_[il];
+            for (auto [src, dst] : {std::pair{&L.attn_norm, &D.attn_norm}, {&L.wq, &D.wq}, {&L.wk, &D.wk},
+                                    {&L.wv, &D.wv}, {&L.wo, &D.wo}, {&L.bq, &D.bq}, {&L.bk, &D.bk}, {&L.bv, &D.bv},
+                                    {&L.bo, &D.bo}, {&L.q_norm, &D.q_norm}, {&L.k_norm, &D.k_norm},
+                                    {&L.attn_post_norm, &D.attn_post_norm}, {&L.ffn.norm, &D.ffn.norm},
+                                    {&L.ffn.post_norm, &D.ffn.post_norm}, {&L.ffn.down_b, &D.ffn.down_b}})
+                *dst = dev->upload(*src, "attention weights");
+            E.attn_w = &D;
+        }
+
+        // The FFN: placed neurons [0, k) on the device, [k, n_ff) on the host.
+        E.k = lp.ffn_on_device;
+        const int32_t* order = ordered ? plan_.neuron_order.data() + (size_t)il * hp.n_ff : nullptr;
+        if (E.k > 0) {
+            FFNWeights& F = E.device_ffn;
+            F.norm = L.ffn.norm;  // (the norm runs where the residual lives; these stay unused here)
+            if (E.k == hp.n_ff) {  // the whole FFN: the order does not matter
+                F.gate = dev->upload(L.ffn.gate, "ffn weights");
+                F.up = dev->upload(L.ffn.up, "ffn weights");
+                F.down = dev->upload(L.ffn.down, "ffn weights");
+                F.gate_b = dev->upload(L.ffn.gate_b, "ffn weights");
+                F.up_b = dev->upload(L.ffn.up_b, "ffn weights");
+            } else {
+                std::vector<int32_t> rows(E.k);
+                for (int32_t i = 0; i < E.k; i++) rows[i] = order ? order[i] : i;
+                F.gate = dev->upload_rows(L.ffn.gate, rows.data(), E.k, "ffn weights");
+                F.up = dev->upload_rows(L.ffn.up, rows.data(), E.k, "ffn weights");
+                for (auto [src, dst] : {std::pair{&L.ffn.gate_b, &F.gate_b}, {&L.ffn.up_b, &F.up_b}}) {
+                    if (!src->present()) continue;
+                    staged.emplace_back(E.k);
+                    for (int32_t i = 0; i < E.k; i++) staged.back()[i] = ((const float*)src->data)[rows[i]];
+                    Weight b = *src;
+                    b.cols = E.k;
+                    b.row_bytes = sizeof(float) * E.k;
+                    b.data = (const uint8_t*)staged.back().data();
+                    *dst = dev->upload(b, "ffn weights");
+                }
+                if (!order) {
+                    F.down = dev->upload_cols(L.ffn.down, 0, E.k, "ffn weights");
+                } else {
+                    // Columns scattered through quantized blocks cannot be sliced exactly: the share's down
+                    // is kept neuron-major (8-bit rows, as the sparse FFN's), gathered from a repack.
+                    const NeuronMajor full = repack_neuron_major(*pool_, L.ffn.down.matrix(), TYPE_Q8_0);
+                    NeuronMajor& nm = E.device_nm;
+                    nm.type = full.type;
+                    nm.n_neurons = E.k;
+                    nm.dim = full.dim;
+                    nm.row_bytes = full.row_bytes;
+                    uint8_t* p = (uint8_t*)dev->alloc(nm.row_bytes * (size_t)E.k, "ffn weights");
+                    for (int32_t i = 0; i < E.k; i++) dev->copy_from_host(p + (size_t)i * nm.row_bytes, full.row(rows[i]), nm.row_bytes);
+                    float* sc = (float*)dev->alloc(sizeof(float) * full.dim, "ffn weights");
+                    dev->copy_from_host(sc, full.dim_scale.data(), sizeof(float) * full.dim);
+                    dev->synchronize();  // `full` goes out of scope
+                    nm.external = p;
+                    nm.dim_scale.assign(full.dim_scale.begin(), full.dim_scale.end());  // read by the host side of axpy
+                    (void)sc;
+                    E.device_share.down_nm = &nm;
+                }
+            }
+            E.device_share.w = &E.device_ffn;
+        }
+        if (E.k < hp.n_ff) {
+            E.host_share.w = &L.ffn;
+            if (E.k > 0 || order) {
+                for (int32_t i = E.k; i < hp.n_ff; i++) E.host_rows.push_back(order ? order[i] : i);
+                if (E.k > 0) {
+                    E.host_share.rows = E.host_rows.data();
+                    E.host_share.n_rows = (int64_t)E.host_rows.size();
+                }
+            }
+        }
+    }
+    if (dev) dev->synchronize();
+    // The plan's count is the allocation's: a mismatch is a bug in one of them.
+    if (dev && dev->allocated_bytes() != plan_.device_bytes.total())
+        throw Error(format("internal: the plan counted %zu device bytes, the engine allocated %zu",
+                           plan_.device_bytes.total(), dev->allocated_bytes()));
+}
+
+size_t Session::kv_bytes() const {
+    size_t n = 0;
+    for (int il = 0; il < model_->hp.n_layer; il++) {
+        const KVLayerView& v = kv_->layer(il);
+        n += (v.k_seq + v.v_seq) * (size_t)kv_->n_seq();
+    }
+    return n;
+}
+
+std::vector<std::pair<std::string, size_t>> Session::device_allocations() const {
+    return device_ ? device_->allocation_summary() : std::vector<std::pair<std::string, size_t>>{};
 }
 
 void Session::set_sparsity(const SparsitySettings& st) {
@@ -56,45 +194,114 @@ void Session::set_sparsity(const SparsitySettings& st) {
         if (!st.neuron_scale.empty() && (int64_t)st.neuron_scale.size() != (int64_t)hp.n_layer * hp.n_ff)
             throw ArgumentError(format("neuron_scale holds %zu values, expected n_layer * n_ff = %lld",
                                        st.neuron_scale.size(), (long long)hp.n_layer * hp.n_ff));
-        const size_t nb = (size_t)n_batch_, nf = (size_t)hp.n_ff;
-        active_idx_.resize(nb * nf);
-        active_val_.resize(nb * nf);
-        active_count_.resize(nb);
-        active_uni_.resize(nf);
-        active_seen_.resize(nf);
-        model_->down_neuron_major(*pool_);  // the repack happens now, not inside the first token
     }
     sparsity_ = st;
+    if (st.enabled) prepare_sparse();  // the repack happens now, not inside the first token
     reset_sparsity_counts();
 }
 
+// Neuron-major down rows for the neurons the host computes sparsely: all of a layer the host computes
+// whole (shared through the Model), only the host's share of a split layer, none of a device layer.
+void Session::prepare_sparse() {
+    const HParams& hp = model_->hp;
+    for (int il = 0; il < hp.n_layer; il++) {
+        LayerExec& E = exec_[il];
+        if (!E.host_share.w) continue;
+        if (!E.host_share.rows) {
+            E.host_share.down_nm = &model_->down_neuron_major(*pool_, il);
+            continue;
+        }
+        if (E.host_nm) continue;
+        const NeuronMajor full = repack_neuron_major(*pool_, model_->layers[il].ffn.down.matrix(), TYPE_Q8_0);
+        auto nm = std::make_unique<NeuronMajor>();
+        nm->type = full.type;
+        nm->dim = full.dim;
+        nm->row_bytes = full.row_bytes;
+        nm->dim_scale = full.dim_scale;
+        nm->n_neurons = (int64_t)E.host_rows.size();
+        nm->data.resize(nm->row_bytes * (size_t)nm->n_neurons);
+        E.host_slot.assign(hp.n_ff, -1);
+        for (size_t i = 0; i < E.host_rows.size(); i++) {
+            std::memcpy(nm->data.data() + i * nm->row_bytes, full.row(E.host_rows[i]), nm->row_bytes);
+            E.host_slot[E.host_rows[i]] = (int32_t)i;
+        }
+        E.host_nm = std::move(nm);
+        E.host_share.down_nm = E.host_nm.get();
+        E.host_share.nm_slot = E.host_slot.data();
+    }
+}
+
 void Session::reset_sparsity_counts() {
-    ffn_active_.assign(model_->hp.n_layer, 0);
+    host_active_.assign(model_->hp.n_layer, 0);
+    device_active_.assign(model_->hp.n_layer, 0);
     ffn_seen_.assign(model_->hp.n_layer, 0);
 }
 
-void Session::truncate(int32_t n) {
-    if (n < 0 || n > n_past_)
-        throw ArgumentError(format("cannot truncate a context of %d tokens to %d", n_past_, n));
-    n_past_ = n;
+std::vector<int64_t> Session::ffn_active() const {
+    std::vector<int64_t> a(host_active_.size());
+    for (size_t i = 0; i < a.size(); i++) a[i] = host_active_[i] + device_active_[i];
+    return a;
+}
+
+void Session::set_recorder(std::shared_ptr<ActivationRecorder> rec) {
+    if (rec && plan_.uses_device())
+        throw ArgumentError("profiling runs the model on the CPU alone: make the Model with device='cpu'");
+    recorder_ = std::move(rec);
 }
 
 void Session::eval(const int32_t* tokens, int32_t n, bool all_logits, float* logits) {
-    const HParams& hp = model_->hp;
     if (n <= 0) throw ArgumentError("eval needs at least one token");
-    if ((int64_t)n_past_ + n > n_ctx_)
+    const int32_t n_past = kv_->seq_len(0);
+    if ((int64_t)n_past + n > n_ctx_)
         throw ContextOverflowError(format("%d tokens do not fit: the context holds %d and %d are used (n_ctx=%d)", n,
-                                          n_ctx_, n_past_, n_ctx_));
-    for (int32_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= hp.n_vocab)
-            throw ArgumentError(format("token id %d is out of range [0, %d)", tokens[i], hp.n_vocab));
+                                          n_ctx_, n_past, n_ctx_));
+    std::vector<int32_t> seq(n, 0), pos(n);
+    std::vector<uint8_t> want(n, all_logits ? 1 : 0);
+    for (int32_t i = 0; i < n; i++) pos[i] = n_past + i;
+    if (logits) want[n - 1] = 1;
+    else std::fill(want.begin(), want.end(), 0);
+    decode(tokens, seq.data(), pos.data(), want.data(), n, logits);
+}
+
+int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t* pos, const uint8_t* want, int32_t n,
+                        float* logits) {
+    const HParams& hp = model_->hp;
+    if (n <= 0) throw ArgumentError("decode needs at least one token");
+    // Check the whole batch before running any of it.
+    std::vector<int32_t> len(kv_->n_seq()), last(kv_->n_seq(), -1);
+    for (int32_t s = 0; s < kv_->n_seq(); s++) len[s] = kv_->seq_len(s);
+    int32_t n_out = 0;
+    for (int32_t t = 0; t < n; t++) {
+        if (tokens[t] < 0 || tokens[t] >= hp.n_vocab)
+            throw ArgumentError(format("token id %d is out of range [0, %d)", tokens[t], hp.n_vocab));
+        kv_->check_seq(seq[t]);
+        const int32_t s = seq[t], p = pos[t];
+        if (p < 0) throw ArgumentError(format("token %d: negative position %d", t, p));
+        if (p >= n_ctx_)
+            throw ContextOverflowError(format("token %d: position %d of sequence %d does not fit: each sequence holds "
+                                              "%d positions (n_ctx)", t, p, s, n_ctx_));
+        if (last[s] >= 0 ? p != last[s] + 1 : p > len[s])
+            throw ArgumentError(format("token %d: position %d of sequence %d does not follow on (%s %d)", t, p, s,
+                                       last[s] >= 0 ? "the batch's previous token of it is at" : "it holds",
+                                       last[s] >= 0 ? last[s] : len[s]));
+        last[s] = p;
+        n_out += want[t] != 0;
+    }
+    if (n_out > 0 && !logits) throw ArgumentError("decode: tokens want logits but no output was given");
+
+    std::vector<int32_t> rows;
     for (int32_t done = 0; done < n;) {
         const int32_t m = std::min(n_batch_, n - done);
-        const bool last = done + m == n;
-        float* out = all_logits ? logits + (size_t)done * hp.n_vocab : (last ? logits : nullptr);
-        forward_batch(tokens + done, m, all_logits, out);
+        rows.clear();
+        for (int32_t t = 0; t < m; t++)
+            if (want[done + t]) rows.push_back(t);
+        const BatchView b{m, seq + done, pos + done};
+        forward(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
+        for (int32_t t = 0; t < m; t++) kv_->set_seq_len(seq[done + t], pos[done + t] + 1);
+        if (logits) logits += rows.size() * (size_t)hp.n_vocab;
         done += m;
     }
+    return n_out;
 }
 
 }  // namespace optiml

@@ -1,15 +1,16 @@
-// The feed-forward block of one layer, kept apart from the rest of the forward pass: this is the
-// unit that is split by neuron between CPU and GPU and computed sparsely.
+// The CPU's feed-forward block and the helpers the CPU backend's ops share (native/src/cpu/ffn*.cpp).
+// An FFN is computed as a share of neurons (backend.h: FFNShare): the whole layer, a device's packed
+// part, or the host's part of a split layer, dense or sparse.
 #pragma once
 
+#include "optiml/backend.h"
 #include "optiml/model.h"
-
-namespace optiml {
 
 #include <functional>
 
+namespace optiml {
+
 struct FFNScratch {
-    float* xn;    // [n][n_embd]
     float* gate;  // [n][n_ff]
     float* up;    // [n][n_ff]
 };
@@ -17,11 +18,13 @@ struct FFNScratch {
 // Sees one layer's FFN while it runs dense: its input after the norm, act(gate), up and act(gate) * up.
 typedef std::function<void(const float* xn, const float* a, const float* u, const float* h)> FFNObserver;
 
-// x[t] += down(act(gate(rms_norm(x[t]))) * up(rms_norm(x[t]))) for t in [0, n), the sum passed through
-// rms_norm with w.post_norm first when there is one (Gemma 3). With an observer, act(gate) is also
-// computed apart, into act_buf ([n][n_ff]), and shown to it.
-void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
-               const FFNScratch& s, const FFNObserver* observe = nullptr, float* act_buf = nullptr);
+// y[t] = down(act(gate(xn[t])) * up(xn[t])) over the neurons of `share` (see FFNShare in backend.h):
+// every neuron of share.w, or only share.rows of it (the others contribute nothing). A share with no
+// down matrix (share.w->down absent) sums its neurons' neuron-major down rows instead. With an observer
+// (whole FFNs only), act(gate) is also computed apart, into act_buf ([n][n_ff]), and shown to it.
+void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share, const float* xn,
+               int32_t n, const FFNScratch& s, float* y, const FFNObserver* observe = nullptr,
+               float* act_buf = nullptr);
 
 // Scratch of the sparse FFN for up to n tokens.
 struct SparseScratch {
@@ -32,21 +35,26 @@ struct SparseScratch {
     uint8_t* seen;   // [n_ff]
 };
 
-// The same FFN, computing only neurons whose |act(gate)| (on_product: |act(gate) * up|) is above
-// threshold: gate (and with on_product also up) dense, up rows of active neurons only, and the down
-// projection as a sum of the active neurons' columns (down_nm, neuron-major). Returns the number of
-// (token, neuron) activations computed.
-// neuron_scale: nullptr, or [n_ff] per-neuron weights of the gate criterion: |act(gate)| * scale.
-int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w,
-                   const NeuronMajor& down_nm, float threshold, bool on_product, const float* neuron_scale, float* x,
-                   int32_t n, const FFNScratch& s, const SparseScratch& sp);
+// The same FFN computing only neurons whose |act(gate)| (on_product: |act(gate) * up|) is above the
+// threshold: the criterion over the share's neurons, up rows of active neurons only, and the down
+// projection as a sum of the active neurons' neuron-major columns (share.down_nm), or the dense down
+// over the zero-padded activations when too many are active. Returns the (token, neuron) activations
+// computed.
+int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
+                   const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s, const SparseScratch& ss,
+                   float* y);
 
 // n floats of 1 (act(g) alone is act_mul with a row of ones), held per thread.
 const float* ones(size_t n);
 
 // act(g) * u in place over n rows of n_ff, the pool splitting rows when there are many.
 void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,
-                  const float* u, int32_t n);
+                  const float* u, int32_t n, int64_t n_ff);
+
+// y[t] = sum over the share's neurons j of h[t][j] * neuron-major down row of j (share.down_nm, rows
+// through share.nm_slot): the down projection of a share stored neuron-major only.
+void ffn_down_neuron_major(ThreadPool& pool, const KernelTable& kt, const FFNShare& share, const float* h,
+                           int64_t width, int32_t n, int64_t n_embd, float* y);
 
 // x[t] += post_norm(y[t] + bias) for t in [0, n): a projection already computed joins the residual.
 void join_residual(ThreadPool& pool, const HParams& hp, const Weight& bias, const Weight& post_norm, float* y,

@@ -76,8 +76,7 @@ const float* ones(size_t n) {
 }
 
 void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* g,
-                  const float* u, int32_t n) {
-    const int64_t n_ff = hp.n_ff;
+                  const float* u, int32_t n, int64_t n_ff) {
     // GELU: llama.cpp's f16 table where the gate's input is quantized to 8 bits anyway (its rounding is
     // far below that, and matching llama.cpp's bits keeps its greedy text); exact in float otherwise.
     const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
@@ -105,25 +104,76 @@ void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, co
     });
 }
 
-void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNWeights& w, float* x, int32_t n,
-               const FFNScratch& s, const FFNObserver* observe, float* act_buf) {
-    const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff;
-    rms_norm_rows(pool, x, w.norm, s.xn, n, n_embd, hp.rms_eps);
+// The share's neurons as a list: its rows, or 0..R-1 of a whole share (a thread-local buffer).
+static const int32_t* share_neurons(const FFNShare& sh, int64_t* count) {
+    if (sh.rows) {
+        *count = sh.n_rows;
+        return sh.rows;
+    }
+    static thread_local std::vector<int32_t> all;
+    const int64_t r = sh.w->gate.rows;
+    if ((int64_t)all.size() < r) {
+        all.resize(r);
+        for (int64_t i = 0; i < r; i++) all[i] = (int32_t)i;
+    }
+    *count = r;
+    return all.data();
+}
 
-    const Weight* gate_up[2] = {&w.gate, &w.up};
-    float* outs[2] = {s.gate, s.up};
-    matmul_shared_input(pool, kt, gate_up, outs, 2, s.xn, n);
-    add_bias_rows(w.gate_b, s.gate, n);
-    add_bias_rows(w.up_b, s.up, n);
+void ffn_down_neuron_major(ThreadPool& pool, const KernelTable& kt, const FFNShare& sh, const float* h,
+                           int64_t width, int32_t n, int64_t n_embd, float* y) {
+    int64_t count;
+    const int32_t* neurons = share_neurons(sh, &count);
+    static thread_local std::vector<int32_t> slots;
+    static thread_local std::vector<float> vals;
+    slots.resize(count);
+    vals.resize(count);
+    for (int64_t i = 0; i < count; i++) slots[i] = sh.nm_slot ? sh.nm_slot[neurons[i]] : neurons[i];
+    for (int32_t t = 0; t < n; t++) {
+        for (int64_t i = 0; i < count; i++) vals[i] = h[t * width + neurons[i]];
+        axpy_rows(pool, kt, *sh.down_nm, slots.data(), vals.data(), count, y + t * n_embd, /*accumulate=*/false);
+    }
+}
+
+void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share, const float* xn,
+               int32_t n, const FFNScratch& s, float* y, const FFNObserver* observe, float* act_buf) {
+    const FFNWeights& w = *share.w;
+    const int64_t width = w.gate.rows;  // n_ff, or the neurons of a packed share
+
+    if (!share.rows) {
+        const Weight* gate_up[2] = {&w.gate, &w.up};
+        float* outs[2] = {s.gate, s.up};
+        matmul_shared_input(pool, kt, gate_up, outs, 2, xn, n);
+        add_bias_rows(w.gate_b, s.gate, n);
+        add_bias_rows(w.up_b, s.up, n);
+    } else {
+        // The host's part of a split layer: its rows only, the other neurons' activations zero
+        // (act(0) * 0 = 0 for every activation), so the full-width down adds nothing for them.
+        std::memset(s.gate, 0, sizeof(float) * n * width);
+        std::memset(s.up, 0, sizeof(float) * n * width);
+        matmul_rows(pool, kt, w.gate.matrix(), share.rows, share.n_rows, xn, n, s.gate);
+        matmul_rows(pool, kt, w.up.matrix(), share.rows, share.n_rows, xn, n, s.up);
+        for (const auto& [bias, out] : {std::pair{&w.gate_b, s.gate}, std::pair{&w.up_b, s.up}}) {
+            if (!bias->present()) continue;
+            const float* b = (const float*)bias->data;
+            for (int32_t t = 0; t < n; t++)
+                for (int64_t i = 0; i < share.n_rows; i++) out[t * width + share.rows[i]] += b[share.rows[i]];
+        }
+    }
 
     if (observe) {  // act(gate) on its own: the activation times a row of ones
-        std::memcpy(act_buf, s.gate, sizeof(float) * n * n_ff);
-        ffn_activate(pool, kt, hp, w, act_buf, ones((size_t)n * n_ff), n);
+        std::memcpy(act_buf, s.gate, sizeof(float) * n * width);
+        ffn_activate(pool, kt, hp, w, act_buf, ones((size_t)n * width), n, width);
     }
-    ffn_activate(pool, kt, hp, w, s.gate, s.up, n);
-    if (observe) (*observe)(s.xn, act_buf, s.up, s.gate);
+    ffn_activate(pool, kt, hp, w, s.gate, s.up, n, width);
+    if (observe) (*observe)(xn, act_buf, s.up, s.gate);
 
-    add_to_residual(pool, kt, hp, w.down, w.down_b, w.post_norm, s.gate, n, x, s.xn);
+    if (w.down.present()) {
+        const Weight* down[1] = {&w.down};
+        matmul_shared_input(pool, kt, down, &y, 1, s.gate, n);
+    } else {
+        ffn_down_neuron_major(pool, kt, share, s.gate, width, n, hp.n_embd, y);
+    }
 }
 
 }  // namespace optiml

@@ -1,0 +1,191 @@
+// The device layer: what the forward pass asks of a device, and nothing else. Model code
+// (native/src/model/forward.cpp, ffn.cpp) calls only this interface; the CPU backend
+// (native/src/cpu/backend_cpu.cpp) wraps the kernels and the thread pool, and a CUDA backend plugs in by
+// implementing the same virtual functions (no CUDA header is included above this line).
+//
+// Semantics are those of a device stream (as in ggml-backend and CUDA): every op and copy is enqueued in
+// order on the backend's stream and may still be running when the call returns; record() marks a point
+// in the stream, wait() makes this stream wait for a point of another's, synchronize() blocks the host.
+// The host backend ("cpu") runs each op on the calling thread before returning. A second CPU instance
+// ("cpu:1") runs its ops on its own worker thread, so the split paths (a layer's FFN on two devices at
+// once, partial outputs merged where the residual lives) run and are tested on machines with no GPU.
+//
+// Pointers handed to ops are device pointers of that backend (from alloc(), or weights it holds);
+// a host backend's device pointers are ordinary host pointers.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "optiml/kernels.h"
+#include "optiml/matmul.h"
+#include "optiml/sparse.h"
+
+namespace optiml {
+
+struct HParams;
+struct Weight;
+struct FFNWeights;
+struct LayerWeights;
+class ThreadPool;
+class ActivationRecorder;
+
+// A 2-D view of a backend's memory: `rows` rows of `cols` elements of `type`, row_stride bytes apart.
+struct TensorView {
+    int32_t type = TYPE_F32;
+    int64_t cols = 0, rows = 0;
+    size_t row_stride = 0;
+    void* data = nullptr;
+    class Backend* backend = nullptr;
+};
+
+// A point in a backend's stream.
+struct Event {
+    class Backend* backend = nullptr;
+    uint64_t seq = 0;
+};
+
+// The tokens of one forward step as the attention sees them: token t belongs to sequence seq[t] at
+// position pos[t]; it attends to positions [first, pos[t]] of its sequence (first > 0 in a sliding window).
+struct BatchView {
+    int32_t n = 0;
+    const int32_t* seq = nullptr;  // host memory, valid for the step
+    const int32_t* pos = nullptr;
+};
+
+// One layer's KV cache on the backend that computes the layer's attention. Keys: [seq][pos][n_embd_kv];
+// values transposed: [seq][n_embd_kv][pos] (the weighted sum of values is then one dot product per output
+// element, as in llama.cpp).
+struct KVLayerView {
+    int32_t type = TYPE_F16;  // F16 or F32
+    int32_t n_ctx = 0;        // positions per sequence
+    uint8_t* k = nullptr;
+    uint8_t* v = nullptr;
+    size_t k_row = 0;   // bytes of one key row (n_embd_kv values)
+    size_t k_seq = 0;   // bytes of one sequence's keys (n_ctx rows)
+    size_t v_seq = 0;   // bytes of one sequence's values
+};
+
+// What one device computes of a layer's FFN: y = down(act(gate(xn)) * up(xn)) over its neurons.
+//   rows == nullptr: every neuron of `w` (a whole FFN, or a share packed on its own device);
+//   rows != nullptr: only neurons rows[0..n_rows) of `w`, the others contributing nothing (the host's
+//   share of a split layer, read in place from the mapped file).
+// For the sparse FFN: down_nm holds neuron-major down rows of the share's neurons, nm_slot[j] the row of
+// neuron j (nullptr: row j).
+struct FFNShare {
+    const FFNWeights* w = nullptr;
+    const int32_t* rows = nullptr;
+    int64_t n_rows = 0;
+    const NeuronMajor* down_nm = nullptr;
+    const int32_t* nm_slot = nullptr;
+};
+
+// How a share skips neurons: dense, or |act(gate)| (weighted by neuron_scale) / |act(gate) * up| above a
+// threshold.
+struct FFNSparsity {
+    bool enabled = false;
+    bool on_product = false;
+    float threshold = 0.0f;
+    const float* neuron_scale = nullptr;  // [n_ff] or nullptr
+};
+
+// Scratch of one backend for a step of up to n_batch tokens (device memory of that backend).
+struct StepScratch {
+    float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr;
+    float *gate = nullptr, *up = nullptr, *y = nullptr, *y2 = nullptr;
+};
+
+class Backend {
+public:
+    explicit Backend(std::string name) : name_(std::move(name)) {}
+    virtual ~Backend() = default;
+    Backend(const Backend&) = delete;
+    Backend& operator=(const Backend&) = delete;
+
+    const std::string& name() const { return name_; }
+    // True when device pointers are host pointers (the CPU backends).
+    virtual bool host_memory() const = 0;
+    // True when ops run on the calling thread before returning (then record/wait are trivial).
+    virtual bool synchronous() const = 0;
+
+    // ---- memory: every byte counted --------------------------------------------------------------
+    // Zeroed device memory for `bytes`, freed with the backend. `what` names the use in the accounting.
+    void* alloc(size_t bytes, const char* what);
+    size_t allocated_bytes() const { return allocated_; }
+    // Bytes allocated per use ("weights", "kv", "scratch", ...).
+    std::vector<std::pair<std::string, size_t>> allocation_summary() const;
+
+    // ---- stream ----------------------------------------------------------------------------------
+    virtual Event record() = 0;
+    // This backend's stream waits until `e` (of any backend) has completed.
+    virtual void wait(const Event& e) = 0;
+    // The calling thread waits until `e`, an event of this backend, has completed.
+    virtual void host_wait(const Event& e) = 0;
+    // The host waits until this backend's stream is empty.
+    virtual void synchronize() = 0;
+    // Host <-> device and device <-> device copies, in stream order. The host side must stay valid
+    // until the copy has run (record() and wait on it).
+    virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+    virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+    virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+
+    // ---- the ops of the forward pass ---------------------------------------------------------------
+    // x[t] = row tokens[t] of the embedding table (dequantized) times scale. tokens: host memory.
+    virtual void embed(const Weight& table, const int32_t* tokens, int32_t n, float scale, float* x) = 0;
+    // out[t] = rms_norm(x[t]) * w.
+    virtual void rms_norm(const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) = 0;
+    // The attention block of a layer for the batch, added into the residual x ([n][n_embd]): norm, q/k/v
+    // projections and biases, per-head q/k norms, RoPE, the new keys and values into the cache,
+    // causal (and sliding-window) attention over each token's sequence, output projection.
+    virtual void attention(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
+                           const KVLayerView& kv, const BatchView& b, float* x, const StepScratch& s) = 0;
+    // y[t] = the share's part of the FFN for xn[t] (no bias of down, no post-norm): see FFNShare.
+    // The (token, neuron) activations computed are added to *active (host memory) when the op has run.
+    // recorder: profile the FFN (dense, whole layers on a host backend only).
+    virtual void ffn(const HParams& hp, int layer, const FFNShare& share, const FFNSparsity& sp, const float* xn,
+                     int32_t n, float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) = 0;
+    // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
+    virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
+    // logits[r] = softcap(output(rms_norm(x[rows[r]]))) for r < n_rows; rows: host memory.
+    virtual void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x,
+                        const int32_t* rows, int32_t n_rows, float* logits, float* scratch) = 0;
+
+    // ---- weights on this device ----------------------------------------------------------------
+    // A copy of w (or of its rows [r0, r1)) in this backend's memory, counted as "weights".
+    Weight upload(const Weight& w, const char* what = "weights");
+    Weight upload_rows(const Weight& w, const int32_t* rows, int64_t n_rows, const char* what = "weights");
+    // Columns [c0, c1) of every row, packed (c0 and c1 whole blocks of w's type): exact bytes, no requantization.
+    Weight upload_cols(const Weight& w, int64_t c0, int64_t c1, const char* what = "weights");
+
+protected:
+    std::string name_;
+
+private:
+    virtual void* device_alloc(size_t bytes) = 0;  // zeroed memory
+    virtual void device_free(void* p) = 0;
+
+protected:
+    void free_all();  // derived destructors call this while their device is still usable
+
+private:
+    struct Allocation {
+        void* ptr;
+        size_t bytes;
+        std::string what;
+    };
+    std::vector<Allocation> blocks_;
+    size_t allocated_ = 0;
+    std::mutex alloc_mutex_;
+};
+
+// "cpu": the host backend over `pool`. "cpu:N" (N >= 1): another CPU instance with its own worker
+// thread and an n_threads pool, treated as an accelerator by the plan (for tests of split execution).
+std::unique_ptr<Backend> make_cpu_backend(std::shared_ptr<ThreadPool> pool);
+std::unique_ptr<Backend> make_cpu_device_backend(int index, int n_threads);
+
+}  // namespace optiml

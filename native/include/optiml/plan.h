@@ -1,0 +1,76 @@
+// The execution plan: which device holds each part of each layer. Data, computed once from the file's
+// placement metadata (`optiml solve`), a device memory budget and the user's overrides; the forward pass
+// reads it and never branches on devices itself.
+//
+// Per layer: the backend of the attention (its weights, the layer's KV cache, and the residual stream
+// while the layer runs), and the FFN neurons on the device, placed neurons [0, k); the host computes
+// [k, n_ff). Placed neuron i is file neuron neuron_order[l][i] when the file stores an order (a placed
+// file whose quantized down matrix could not be permuted), else neuron i itself. Byte counts are computed
+// by the same functions the engine allocates with, and the engine checks that they agree.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "optiml/ggml_types.h"
+
+namespace optiml {
+
+class Model;
+struct HParams;
+
+struct PlanOptions {
+    std::string device = "auto";        // "auto", "cpu", "cpu:N" (N >= 1, a CPU device for tests), "cuda[:N]"
+    int64_t vram = -1;                  // device memory budget in bytes; -1: the device's own limit
+    int32_t n_gpu_layers = -1;          // -1: from the placement and budget; N: the last N layers whole on the device
+    std::vector<int32_t> gpu_neurons;   // overrides the file's per-layer placement ([n_layer]); empty: the file's
+    int32_t n_ctx = 0, n_seq = 1, n_batch = 512;
+    int32_t kv_type = TYPE_F16;
+    int32_t device_threads = 1;         // threads of a cpu:N device
+};
+
+struct LayerPlan {
+    bool attn_on_device = false;  // attention weights, KV cache and the residual stream
+    int32_t ffn_on_device = 0;    // placed neurons [0, k) on the device
+};
+
+// Device bytes by use, as the engine allocates them.
+struct PlanBytes {
+    size_t attn_weights = 0, ffn_weights = 0, kv = 0, scratch = 0;
+    size_t total() const { return attn_weights + ffn_weights + kv + scratch; }
+};
+
+struct Plan {
+    std::string device;          // "" when the host runs everything
+    std::string reason;          // how the plan was decided
+    int64_t budget = -1;         // bytes; -1: none given
+    std::vector<LayerPlan> layers;
+    std::vector<int32_t> neuron_order;  // [n_layer * n_ff] placed -> file neuron; empty: identity
+    PlanBytes device_bytes;
+    size_t host_kv_bytes = 0, host_scratch_bytes = 0;
+    int32_t n_ctx = 0, n_seq = 1, n_batch = 512, kv_type = TYPE_F16, device_threads = 1;
+
+    bool uses_device() const { return !device.empty(); }
+    int32_t layers_on_device() const;   // attention on the device
+    int64_t neurons_on_device() const;
+    // A readable table: per layer, where the attention and how many FFN neurons go to the device; bytes.
+    std::string summary(const Model& m) const;
+};
+
+// Decides the plan; ArgumentError for an unknown device, a device this build or machine lacks, or
+// overrides that do not fit the model or the budget.
+Plan make_plan(const Model& m, const PlanOptions& o);
+
+// Byte counts shared by the plan and the engine.
+size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type);
+size_t scratch_bytes(const HParams& hp, int32_t n_batch);
+// Attention weights of layer il plus the FFN's norms and down bias (computed where the residual lives).
+size_t attn_layer_bytes(const Model& m, int il);
+// The device's share of layer il's FFN, k placed neurons (contiguous: down as a column slice; else
+// neuron-major Q8_0 rows).
+size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous);
+// The block size k must be a multiple of for a contiguous share (the down matrix's block size).
+int32_t ffn_share_align(const Model& m, int il);
+
+}  // namespace optiml

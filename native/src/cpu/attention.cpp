@@ -1,0 +1,143 @@
+// The attention block on the CPU for a batch of tokens from any number of sequences: norm, q/k/v,
+// RoPE, the KV cache, causal attention per (token, head), output projection into the residual stream.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "attention.h"
+#include "ffn.h"
+#include "optiml/ops.h"
+#include "optiml/quant.h"
+
+namespace optiml {
+
+namespace {
+
+// Per-thread buffers that grow to the largest request (no fixed-size stack arrays: any head dimension,
+// any number of KV heads, any context).
+template <typename T>
+T* thread_buffer(size_t n, int which) {
+    static thread_local std::vector<T> bufs[3];
+    std::vector<T>& b = bufs[which];
+    if (b.size() < n) b.resize(n);
+    return b.data();
+}
+
+}  // namespace
+
+void attention_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
+                   const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, float* x,
+                   const StepScratch& sc) {
+    const int64_t n_embd = hp.n_embd, n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv(), hd = hp.head_dim;
+    const int32_t n = b.n;
+    float* xn = sc.xn;
+    float* q = sc.q;
+    float* k = sc.k;
+    float* v = sc.v;
+    float* attn = sc.attn;
+
+    rms_norm_rows(pool, x, L.attn_norm, xn, n, n_embd, hp.rms_eps);
+    const Weight* qkv[3] = {&L.wq, &L.wk, &L.wv};
+    float* outs[3] = {q, k, v};
+    matmul_shared_input(pool, kt, qkv, outs, 3, xn, n);
+
+    // Biases, rotary position embedding, and the new keys and values into the cache.
+    const size_t kv_elem = type_traits(kv.type).type_size;
+    const from_float_fn to_kv = kt.from_float[kv.type];
+    const float* freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
+    const bool neox = hp.rope_type == ROPE_NEOX;
+    const bool swa = hp.is_swa(il);
+    const float rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
+    const float rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
+    const float* q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
+    const float* k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
+    auto prepare = [&](int64_t t) {
+        float* qt = q + t * n_q;
+        float* kt_ = k + t * n_kv;
+        float* vt = v + t * n_kv;
+        const int32_t seq = b.seq[t], pos = b.pos[t];
+        add_bias_rows(L.bq, qt, 1);
+        add_bias_rows(L.bk, kt_, 1);
+        add_bias_rows(L.bv, vt, 1);
+        float* cos = thread_buffer<float>((size_t)hp.n_rot, 0);
+        float* sin = cos + hp.n_rot / 2;
+        // Gemma 3 normalizes every head of q and k before rotating them.
+        if (q_norm)
+            for (int h = 0; h < hp.n_head; h++) rms_norm(qt + h * hd, q_norm, qt + h * hd, hd, hp.rms_eps);
+        if (k_norm)
+            for (int h = 0; h < hp.n_head_kv; h++) rms_norm(kt_ + h * hd, k_norm, kt_ + h * hd, hd, hp.rms_eps);
+        rope_cos_sin(pos, hp.n_rot, rope_base, rope_scale, freq_factors, cos, sin);
+        for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, hp.n_rot, cos, sin, neox);
+        for (int h = 0; h < hp.n_head_kv; h++) rope(kt_ + h * hd, hp.n_rot, cos, sin, neox);
+        if (hp.attn_q_scale != 1.0f)
+            for (int64_t i = 0; i < n_q; i++) qt[i] *= hp.attn_q_scale;
+        to_kv(kt_, kv.k + (size_t)seq * kv.k_seq + (size_t)pos * kv.k_row, n_kv);
+        uint8_t* vconv = thread_buffer<uint8_t>((size_t)n_kv * kv_elem, 1);
+        to_kv(vt, vconv, n_kv);
+        uint8_t* v_seq = kv.v + (size_t)seq * kv.v_seq;
+        for (int64_t j = 0; j < n_kv; j++)
+            std::memcpy(v_seq + ((size_t)j * kv.n_ctx + pos) * kv_elem, vconv + j * kv_elem, kv_elem);
+    };
+    if (n == 1) {
+        prepare(0);
+    } else {
+        pool.run([&](int ith, int nth) {
+            int64_t t0, t1;
+            split_range(n, ith, nth, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) prepare(t);
+        });
+    }
+
+    // Causal attention: token t (sequence seq, position pos) sees positions 0..pos of its sequence. One
+    // task per (token, head); a KV head serves n_head / n_head_kv query heads (grouped-query attention).
+    // Like llama.cpp, scores cover a window of the cache padded to a multiple of 32 (masked positions
+    // are -inf, weight 0), softmax runs over that window, and the weights are converted to the cache
+    // type before the dot products with V: the sums then group exactly as llama.cpp's do. The window
+    // depends on the token's own position only, so a sequence gets the same bits alone or in a batch.
+    const int group = hp.n_head / hp.n_head_kv;
+    const float scale = hp.attn_kq_scale;
+    // A sliding-window layer: position p sees only p - n_swa < s <= p (masked like the future).
+    const int64_t n_swa = swa ? hp.n_swa : 0;
+    const int32_t xtype = type_traits(kv.type).vec_dot_type;  // F16 or F32
+    const from_float_fn to_dot = kt.from_float[xtype];
+    const vec_dot_fn dot = kt.attn_dot[kv.type];
+    const size_t head_bytes = row_size(kv.type, hd);
+    const int64_t n_tasks = (int64_t)n * hp.n_head;
+    auto attend = [&](int64_t task) {
+        const int64_t t = task / hp.n_head, h = task % hp.n_head;
+        const int64_t kvh = h / group;
+        const int64_t n_seen = (int64_t)b.pos[t] + 1;
+        const int64_t n_window = std::min<int64_t>(kv.n_ctx, (n_seen + 31) / 32 * 32);
+        const uint8_t* k_seq = kv.k + (size_t)b.seq[t] * kv.k_seq;
+        const uint8_t* v_seq = kv.v + (size_t)b.seq[t] * kv.v_seq;
+        float* scores = thread_buffer<float>((size_t)n_window, 0);
+        uint8_t* conv = thread_buffer<uint8_t>((size_t)std::max<int64_t>(n_window, hd) * sizeof(float), 2);
+        to_dot(q + t * n_q + h * hd, conv, hd);
+        const int64_t first = n_swa ? std::max<int64_t>(0, n_seen - n_swa) : 0;
+        for (int64_t s = 0; s < first; s++) scores[s] = -INFINITY;
+        for (int64_t s = first; s < n_seen; s++) {
+            dot(hd, &scores[s], k_seq + (size_t)s * kv.k_row + kvh * head_bytes, conv);
+            scores[s] *= scale;
+        }
+        for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
+        float max = -INFINITY;
+        for (int64_t s = first; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
+        const double sum = kt.softmax_exp(n_window, scores, scores, max);
+        const float inv = (float)(1.0 / sum);
+        for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
+        to_dot(scores, conv, n_window);
+        float* out = attn + t * n_q + h * hd;
+        for (int64_t d = 0; d < hd; d++)
+            dot(n_window, &out[d], v_seq + ((size_t)(kvh * hd + d) * kv.n_ctx) * kv_elem, conv);
+    };
+    pool.run([&](int ith, int nth) {
+        // Strided, not contiguous: later tokens see more positions, so this balances the work.
+        for (int64_t task = ith; task < n_tasks; task += nth) attend(task);
+    });
+
+    // Output projection, added into the residual stream (Gemma 3 normalizes it first).
+    add_to_residual(pool, kt, hp, L.wo, L.bo, L.attn_post_norm, attn, n, x, xn);
+}
+
+}  // namespace optiml

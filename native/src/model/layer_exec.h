@@ -1,0 +1,24 @@
+// Session::LayerExec, private to native/src/model (session.cpp builds it, forward.cpp reads it).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "optiml/model.h"
+
+namespace optiml {
+
+// What the forward pass needs of one layer, resolved from the plan once.
+struct Session::LayerExec {
+    Backend* attn = nullptr;              // attention, KV cache and the residual stream
+    const LayerWeights* attn_w = nullptr;  // the layer's weights as that backend holds them
+    int32_t k = 0;                         // placed neurons on the device
+    FFNShare host_share, device_share;
+    std::vector<int32_t> host_rows;        // file neurons the host computes (empty: all, or none)
+    FFNWeights device_ffn;                 // the device's packed share
+    NeuronMajor device_nm;                 // its down rows when they are not a column slice
+    std::unique_ptr<NeuronMajor> host_nm;  // neuron-major down rows of the host's neurons (sparse FFN)
+    std::vector<int32_t> host_slot;        // file neuron -> row of host_nm
+};
+
+}  // namespace optiml

@@ -1,0 +1,239 @@
+// make_plan: where each part of each layer runs (plan.h).
+#include "optiml/plan.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "optiml/common.h"
+#include "optiml/cuda.h"
+#include "optiml/model.h"
+#include "optiml/quant.h"
+
+namespace optiml {
+
+size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type) {
+    return 2 * (size_t)n_seq * (size_t)n_ctx * row_size(kv_type, hp.n_embd_kv());
+}
+
+size_t scratch_bytes(const HParams& hp, int32_t n_batch) {
+    // x, xn, q, k, v, attn, gate, up, y, y2 (StepScratch), each [n_batch][...] floats.
+    const size_t per_token = 4 * (size_t)hp.n_embd + 2 * (size_t)hp.n_embd_q() + 2 * (size_t)hp.n_embd_kv() +
+                             2 * (size_t)hp.n_ff;
+    return per_token * (size_t)n_batch * sizeof(float);
+}
+
+static size_t weight_bytes(const Weight& w) { return w.present() ? w.row_bytes * (size_t)w.rows : 0; }
+
+size_t attn_layer_bytes(const Model& m, int il) {
+    const LayerWeights& L = m.layers[il];
+    size_t n = 0;
+    for (const Weight* w : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.bq, &L.bk, &L.bv, &L.bo, &L.q_norm, &L.k_norm,
+                            &L.attn_post_norm, &L.ffn.norm, &L.ffn.post_norm, &L.ffn.down_b})
+        n += weight_bytes(*w);
+    return n;
+}
+
+size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous) {
+    if (k <= 0) return 0;
+    const FFNWeights& w = m.layers[il].ffn;
+    const HParams& hp = m.hp;
+    size_t n = (w.gate.row_bytes + w.up.row_bytes) * (size_t)k;
+    n += sizeof(float) * (size_t)k * (w.gate_b.present() + w.up_b.present());
+    if (contiguous || k == hp.n_ff)
+        n += row_size(w.down.type, k) * (size_t)hp.n_embd;
+    else
+        n += row_size(TYPE_Q8_0, hp.n_embd) * (size_t)k + sizeof(float) * (size_t)hp.n_embd;
+    return n;
+}
+
+int32_t ffn_share_align(const Model& m, int il) {
+    return (int32_t)type_traits(m.layers[il].ffn.down.type).block_size;
+}
+
+int32_t Plan::layers_on_device() const {
+    int32_t n = 0;
+    for (const LayerPlan& l : layers) n += l.attn_on_device;
+    return n;
+}
+
+int64_t Plan::neurons_on_device() const {
+    int64_t n = 0;
+    for (const LayerPlan& l : layers) n += l.ffn_on_device;
+    return n;
+}
+
+static std::string mib(size_t b) { return format("%.1f MiB", b / 1048576.0); }
+
+std::string Plan::summary(const Model& m) const {
+    const HParams& hp = m.hp;
+    std::string s;
+    if (!uses_device()) {
+        s += format("device: none (everything on the CPU)%s%s\n", reason.empty() ? "" : ": ", reason.c_str());
+    } else {
+        s += format("device: %s, budget %s, used %s (%s)\n", device.c_str(),
+                    budget < 0 ? "unlimited" : mib((size_t)budget).c_str(), mib(device_bytes.total()).c_str(),
+                    reason.c_str());
+        s += format("  attention weights %s, FFN weights %s, KV cache %s, scratch %s\n",
+                    mib(device_bytes.attn_weights).c_str(), mib(device_bytes.ffn_weights).c_str(),
+                    mib(device_bytes.kv).c_str(), mib(device_bytes.scratch).c_str());
+        s += format("  %d of %d layers' attention on the device; %lld of %lld FFN neurons (%.1f%%)%s\n",
+                    layers_on_device(), hp.n_layer, (long long)neurons_on_device(),
+                    (long long)hp.n_layer * hp.n_ff, 100.0 * neurons_on_device() / ((double)hp.n_layer * hp.n_ff),
+                    neuron_order.empty() ? "" : "; neurons gathered by the file's stored order");
+    }
+    s += format("host: KV cache %s, scratch %s; context %d x %d sequence(s), batch %d\n", mib(host_kv_bytes).c_str(),
+                mib(host_scratch_bytes).c_str(), n_ctx, n_seq, n_batch);
+    if (uses_device()) {
+        s += "layer  attention  FFN on device\n";
+        for (size_t il = 0; il < layers.size(); il++) {
+            const LayerPlan& l = layers[il];
+            s += format("%5zu  %-9s  %5d / %d\n", il, l.attn_on_device ? device.c_str() : "cpu", l.ffn_on_device,
+                        hp.n_ff);
+        }
+    }
+    return s;
+}
+
+namespace {
+
+// "cpu:N" -> N, "cuda" / "cuda:N" -> N, else -1.
+int device_index(const std::string& d, const char* prefix) {
+    const size_t n = std::char_traits<char>::length(prefix);
+    if (d.compare(0, n, prefix) != 0) return -1;
+    if (d.size() == n) return 0;
+    if (d[n] != ':' || d.size() == n + 1) return -1;
+    char* end = nullptr;
+    const long v = std::strtol(d.c_str() + n + 1, &end, 10);
+    return *end || v < 0 ? -1 : (int)v;
+}
+
+}  // namespace
+
+Plan make_plan(const Model& m, const PlanOptions& o) {
+    const HParams& hp = m.hp;
+    Plan p;
+    p.n_ctx = o.n_ctx;
+    p.n_seq = o.n_seq;
+    p.n_batch = std::min(o.n_batch, o.n_ctx * o.n_seq);
+    p.kv_type = o.kv_type;
+    p.device_threads = o.device_threads;
+    p.budget = o.vram;
+    p.layers.assign(hp.n_layer, LayerPlan{});
+    if (o.n_ctx <= 0) throw ArgumentError(format("n_ctx must be positive, got %d", o.n_ctx));
+    if (o.n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", o.n_seq));
+    if (o.n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", o.n_batch));
+
+    // The device.
+    std::string dev = o.device;
+    if (dev == "auto") {
+        dev = cuda_devices().empty() ? "cpu" : "cuda";
+        if (dev == "cuda") {
+            // The CUDA backend's ops are not in this build yet: auto stays on the CPU rather than fail.
+            dev = "cpu";
+            p.reason = "a CUDA device is present but this build has no CUDA executor yet";
+        } else {
+            p.reason = cuda_compiled() ? "no CUDA device found" : "built without CUDA";
+        }
+    }
+    if (dev == "cpu" || dev == "cpu:0") {
+        if (o.n_gpu_layers > 0 || !o.gpu_neurons.empty())
+            p.reason = "n_gpu_layers / gpu_neurons ignored: the device is the CPU";
+    } else if (device_index(dev, "cpu") >= 1) {
+        p.device = dev;
+    } else if (device_index(dev, "cuda") >= 0) {
+        throw ArgumentError(format("device '%s': this build of optiml runs models on the CPU only (the CUDA executor "
+                                   "is not part of it yet); use device='cpu'",
+                                   dev.c_str()));
+    } else {
+        throw ArgumentError(format("unknown device '%s': use 'auto', 'cpu', 'cpu:N' (a CPU test device) or 'cuda[:N]'",
+                                   dev.c_str()));
+    }
+    if (o.vram < -1) throw ArgumentError("vram must be >= 0 bytes");
+
+    if (m.placement_order.size() == (size_t)hp.n_layer * hp.n_ff) p.neuron_order = m.placement_order;
+    const size_t kv = kv_layer_bytes(hp, o.n_ctx, o.n_seq, o.kv_type);
+    p.host_scratch_bytes = scratch_bytes(hp, p.n_batch);
+
+    if (p.uses_device()) {
+        const int64_t budget = o.vram < 0 ? INT64_MAX : o.vram;
+        PlanBytes& b = p.device_bytes;
+        b.scratch = scratch_bytes(hp, p.n_batch);
+        int64_t avail = budget - (int64_t)b.scratch;
+        if (avail < 0) {
+            p.reason = format("the budget does not hold the device's scratch (%s)", mib(b.scratch).c_str());
+            b = PlanBytes{};
+            p.device.clear();
+        } else if (o.n_gpu_layers >= 0) {
+            if (o.n_gpu_layers > hp.n_layer)
+                throw ArgumentError(format("n_gpu_layers=%d: the model has %d layers", o.n_gpu_layers, hp.n_layer));
+            for (int il = hp.n_layer - o.n_gpu_layers; il < hp.n_layer; il++) {
+                p.layers[il] = LayerPlan{true, hp.n_ff};
+                b.attn_weights += attn_layer_bytes(m, il);
+                b.kv += kv;
+                b.ffn_weights += ffn_share_bytes(m, il, hp.n_ff, true);
+            }
+            if ((int64_t)(b.total() - b.scratch) > avail)
+                throw ArgumentError(format("n_gpu_layers=%d needs %s on %s; the budget is %s", o.n_gpu_layers,
+                                           mib(b.total()).c_str(), p.device.c_str(), mib((size_t)budget).c_str()));
+            p.reason = format("n_gpu_layers=%d", o.n_gpu_layers);
+        } else {
+            std::vector<int32_t> want = o.gpu_neurons.empty() ? m.placement_gpu_neurons : o.gpu_neurons;
+            if (!o.gpu_neurons.empty()) {
+                if (o.gpu_neurons.size() != (size_t)hp.n_layer)
+                    throw ArgumentError(format("gpu_neurons: %zu values for %d layers", o.gpu_neurons.size(),
+                                               hp.n_layer));
+                for (int32_t k : o.gpu_neurons)
+                    if (k < 0 || k > hp.n_ff)
+                        throw ArgumentError(format("gpu_neurons: %d is outside [0, %d]", k, hp.n_ff));
+            }
+            const bool placed = !want.empty();
+            p.reason = !o.gpu_neurons.empty() ? "gpu_neurons given" : placed ? "the file's placement" : "whole layers";
+            const bool contiguous = p.neuron_order.empty();
+            if (placed) {
+                // Layer by layer: attention and KV first, then as many hot neurons as the placement asks and
+                // the budget holds.
+                for (int il = 0; il < hp.n_layer; il++) {
+                    const size_t a = attn_layer_bytes(m, il) + kv;
+                    if ((int64_t)a > avail) break;
+                    avail -= (int64_t)a;
+                    b.attn_weights += attn_layer_bytes(m, il);
+                    b.kv += kv;
+                    p.layers[il].attn_on_device = true;
+                    int32_t k = std::min(want[il], hp.n_ff);
+                    const int32_t align = ffn_share_align(m, il);
+                    if (k < hp.n_ff) k -= k % align;
+                    while (k > 0 && (int64_t)ffn_share_bytes(m, il, k, contiguous) > avail)
+                        k = (k == hp.n_ff ? hp.n_ff - hp.n_ff % align : k) - align;
+                    k = std::max(k, 0);
+                    p.layers[il].ffn_on_device = k;
+                    const size_t fb = ffn_share_bytes(m, il, k, contiguous);
+                    b.ffn_weights += fb;
+                    avail -= (int64_t)fb;
+                }
+            } else {
+                // No placement: whole layers from the last one down, as llama.cpp's layer split does.
+                for (int il = hp.n_layer - 1; il >= 0; il--) {
+                    const size_t a = attn_layer_bytes(m, il) + kv + ffn_share_bytes(m, il, hp.n_ff, true);
+                    if ((int64_t)a > avail) break;
+                    avail -= (int64_t)a;
+                    p.layers[il] = LayerPlan{true, hp.n_ff};
+                    b.attn_weights += attn_layer_bytes(m, il);
+                    b.kv += kv;
+                    b.ffn_weights += ffn_share_bytes(m, il, hp.n_ff, true);
+                }
+            }
+            if (p.layers_on_device() == 0 && p.neurons_on_device() == 0) {
+                p.reason += format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str());
+                b = PlanBytes{};
+                p.device.clear();
+            }
+        }
+    }
+    if (p.uses_device() && p.layers_on_device() > 0 && m.rope_freqs.present())
+        p.device_bytes.attn_weights += weight_bytes(m.rope_freqs);  // one copy on the device
+    for (const LayerPlan& l : p.layers)
+        if (!l.attn_on_device) p.host_kv_bytes += kv;
+    return p;
+}
+
+}  // namespace optiml
