@@ -227,10 +227,26 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+def _add_device_args(p) -> None:
+    p.add_argument("--device", default="auto", help="auto (a GPU when this build runs one, else the CPU), cpu, "
+                   "cpu:1 (a second CPU device for testing split execution) or cuda[:N]")
+    p.add_argument("--vram", default=None, help="device memory budget: bytes or a size (6GiB, 512MiB)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="the last N layers whole on the device (as llama.cpp's -ngl)")
+    p.add_argument("--gpu-neurons", type=int, default=None,
+                   help="FFN neurons per layer on the device (overrides the file's placement)")
+
+
 def cmd_info(args) -> int:
     from . import gguf
 
     args.model = _model(args.model)
+    if args.plan:  # where each layer would run, without loading the weights
+        from . import plan
+
+        print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, device=args.device, vram=args.vram,
+                        n_gpu_layers=args.n_gpu_layers, gpu_neurons=args.gpu_neurons), end="")
+        return 0
     with gguf.open(args.model) as f:
         print(f.summary())
         print()
@@ -498,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="draw the activation power law and the coverage curve (pip install optiml[plot])")
     p.add_argument("--stats", metavar="STATS.npz", default=None,
                    help="activation statistics (optiml profile) to plot, e.g. for a model without a placement")
+    p.add_argument("--plan", action="store_true",
+                   help="print the execution plan instead: where each layer's attention and FFN neurons run")
+    _add_device_args(p)
+    p.add_argument("--ctx", type=int, default=None, help="context length per sequence for --plan (default: the "
+                   "model's, at most 4096)")
+    p.add_argument("--parallel", type=int, default=1, help="sequence slots for --plan")
     p.set_defaults(func=cmd_info)
 
     from .convert.quant_mix import TYPES
