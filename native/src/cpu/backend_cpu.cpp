@@ -113,6 +113,7 @@ public:
         submit([=] {
             const HParams& h = *php;
             const FFNScratch fs{s.gate, s.up};
+            const int64_t all = (int64_t)n * (share.rows ? share.n_rows : share.w->gate.rows);
             if (recorder) {
                 act_buf_.resize((size_t)n * h.n_ff);
                 ActivationRecorder& rec = *recorder;
@@ -120,10 +121,12 @@ public:
                     rec.record(*pool_, layer, x_n, a, u, hh, n);
                 };
                 ffn_dense(*pool_, kt_, h, share, xn, n, fs, y, &observe, act_buf_.data());
+                if (active) *active += all;
                 return;
             }
             if (!sp.enabled || !share.down_nm) {
                 ffn_dense(*pool_, kt_, h, share, xn, n, fs, y);
+                if (active) *active += all;
                 return;
             }
             const size_t width = (size_t)share.w->gate.rows;

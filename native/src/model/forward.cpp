@@ -63,6 +63,9 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
         sp.neuron_scale = sparsity_.neuron_scale.empty() ? nullptr : sparsity_.neuron_scale.data() + (size_t)il * hp.n_ff;
     }
 
+    // The device's share runs dense: which of its neurons fire is for its predictor to say (the hybrid
+    // executor); the host skips inactive neurons of its own share.
+    const FFNSparsity dense;
     home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
 
     Backend* host = host_.get();
@@ -74,7 +77,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
         const StepScratch& s = scratch(be);
         move(home, hs.xn, be, s.xn, xn_floats);
         int64_t* active = on_host ? &host_active_[il] : &device_active_[il];
-        be->ffn(hp, il, share, sp, s.xn, n, s.y, s, active, on_host ? rec : nullptr);
+        be->ffn(hp, il, share, on_host ? sp : dense, s.xn, n, s.y, s, active, on_host ? rec : nullptr);
         move(be, s.y, home, hs.y, xn_floats);
         home->ffn_join(hp, E.attn_w->ffn, hs.y, nullptr, n, hs.x);
         return;
@@ -85,7 +88,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
     const StepScratch& ks = host_s_;
     if (home == host) {
         dev->copy_from_host(ds.xn, ks.xn, xn_floats * sizeof(float));
-        dev->ffn(hp, il, E.device_share, sp, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
+        dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
         dev->copy_to_host(ks.y2, ds.y, xn_floats * sizeof(float));
         const Event done = dev->record();
         host->ffn(hp, il, E.host_share, sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
@@ -94,7 +97,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
     } else {
         dev->copy_to_host(ks.xn, ds.xn, xn_floats * sizeof(float));
         const Event xn_ready = dev->record();
-        dev->ffn(hp, il, E.device_share, sp, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
+        dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
         host->wait(xn_ready);
         host->ffn(hp, il, E.host_share, sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
         dev->copy_from_host(ds.y2, ks.y, xn_floats * sizeof(float));

@@ -31,7 +31,10 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
 }
 
 Session::~Session() {
-    if (device_) device_->synchronize();
+    try {
+        if (device_) device_->synchronize();
+    } catch (...) {  // a failed op was already reported, or nobody is left to report it to
+    }
     exec_.clear();
     kv_.reset();
     device_.reset();
