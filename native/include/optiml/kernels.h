@@ -78,6 +78,7 @@ void fill_kernels_neon(KernelTable& table);
 void fill_ops_scalar(KernelTable& table);
 void fill_ops_avx2(KernelTable& table);
 void fill_ops_avx512(KernelTable& table);
+void fill_ops_neon(KernelTable& table);
 // Sparse FFN kernels (axpy), native/src/cpu/sparse_axpy*.cpp.
 void fill_sparse_scalar(KernelTable& table);
 void fill_sparse_avx2(KernelTable& table);

@@ -82,6 +82,7 @@ const KernelTable& kernel_table(SimdLevel level) {
 #endif
 #if defined(OPTIML_ARM)
         fill_kernels_neon(tables[SIMD_NEON]);
+        fill_ops_neon(tables[SIMD_NEON]);
         fill_sparse_neon(tables[SIMD_NEON]);
 #endif
     });
