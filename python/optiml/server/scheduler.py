@@ -113,7 +113,7 @@ class Scheduler:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
             free = sum(s.job is None for s in self.slots)
-            if len(self.waiting) + len(jobs) > self.max_queue + max(free - len(self.waiting), 0):
+            if len(self.waiting) + len(jobs) > self.max_queue + free:  # the free slots take the first ones
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting (--queue {self.max_queue})")
             self.waiting.extend(jobs)
             self._gauges()
