@@ -69,7 +69,8 @@ def http(server, method, path, key=KEY, **kw):
     headers = kw.pop("headers", {})
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    return httpx.request(method, server.url + path, headers=headers, timeout=120, **kw)
+    kw.setdefault("timeout", 120)
+    return httpx.request(method, server.url + path, headers=headers, **kw)
 
 
 def wait_for(server, cond, what):
@@ -276,4 +277,19 @@ def test_queue_full_and_disconnect_frees_slots(server):
         cm.__exit__(None, None, None)
     assert waiting.result(timeout=60).status_code == 200
     wait_for(server, lambda h: h["slots_idle"] == PARALLEL and h["queue"] == 0, "freed slots")
+    _alive(server)
+
+
+def test_disconnect_without_stream_frees_slot(server):
+    wait_for(server, lambda h: h["slots_idle"] == PARALLEL and h["queue"] == 0, "an idle server")
+    before = _metric(http(server, "GET", "/metrics").text, "optiml_generated_tokens_total")
+    body = json.dumps(dict(LONG, stream=False)).encode()
+    host, port = server.url[len("http://"):].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(server, lambda h: h["slots_processing"] == 1, "the request to take a slot")
+    wait_for(server, lambda h: h["slots_idle"] == PARALLEL, "the slot to be freed")
+    generated = _metric(http(server, "GET", "/metrics").text, "optiml_generated_tokens_total") - before
+    assert generated < N_CTX - 8  # stopped long before the context was full: the slot was freed by the close
     _alive(server)

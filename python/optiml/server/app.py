@@ -153,19 +153,27 @@ def _usage(done: dict, n_prompts_counted: set) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _events(request: Request, q: asyncio.Queue, n_jobs: int, poll: float = 0.25):
+async def _events(q: asyncio.Queue, n_jobs: int):
     """Yields events until every job is done; raises ConnectionError when the client goes away."""
     left = n_jobs
     while left:
-        try:
-            ev = await asyncio.wait_for(q.get(), poll)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise ConnectionError("client disconnected") from None
-            continue
+        ev = await q.get()
+        if ev["type"] == "disconnect":
+            raise ConnectionError("client disconnected")
         if ev["type"] in ("done", "error"):
             left -= 1
         yield ev
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
+    """Puts a "disconnect" event in `q` when the client closes the connection. (The body is already read,
+    so the next ASGI message is http.disconnect; it also comes once the response is sent, by which time
+    nobody reads `q`.)"""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            q.put_nowait({"type": "disconnect"})
+            return
 
 
 async def generate(server: Server, request: Request, req: GenRequest, chat: bool):
@@ -184,8 +192,9 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         texts = {j.index: [] for j in jobs}
         lps = {j.index: [] for j in jobs}
         done = {}
+        watcher = asyncio.ensure_future(_watch_disconnect(request, q))
         try:
-            async for ev in _events(request, q, len(jobs)):
+            async for ev in _events(q, len(jobs)):
                 if ev["type"] == "error":
                     raise APIError(500, ev["message"], type="server_error")
                 if ev["type"] == "delta":
@@ -196,7 +205,8 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         except ConnectionError:
             return Response(status_code=499)
         finally:
-            server.scheduler.cancel(jobs)  # a no-op for finished jobs
+            watcher.cancel()
+            server.scheduler.cancel(jobs)  # frees the slots of unfinished jobs
         choices = []
         for j in jobs:
             i, text = j.index, "".join(texts[j.index])
@@ -226,7 +236,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
             if chat:
                 yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for j in jobs])
-            async for ev in _events(request, q, len(jobs)):
+            async for ev in _events(q, len(jobs)):
                 i = ev["index"]
                 if ev["type"] == "error":
                     yield {"data": _dumps({"error": {"message": ev["message"], "type": "server_error",
