@@ -185,6 +185,17 @@ def test_json_schema_response_validates(client):
         assert r.choices[0].message.content.lstrip().startswith("{")
 
 
+def test_n_greedy_choices_share_the_prompt(server, ref):
+    prompt = "Zebras and giraffes live on the savanna, where"
+    want = ref.generate(prompt, max_tokens=6, temperature=0)
+    n_prompt = len(ref.tokenize(prompt, add_bos=True, special=True))
+    before = _metric(http(server, "GET", "/metrics").text, "optiml_prompt_tokens_evaluated_total")
+    r = http(server, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2})
+    assert [c["text"] for c in r.json()["choices"]] == [want, want]
+    evaluated = _metric(http(server, "GET", "/metrics").text, "optiml_prompt_tokens_evaluated_total") - before
+    assert evaluated <= n_prompt + 1  # the second choice copied the first one's KV and ran only the last token
+
+
 def _alive(server, ref_text=None):
     assert http(server, "GET", "/health").json()["status"] == "ok"
     r = http(server, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})

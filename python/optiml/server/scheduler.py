@@ -9,7 +9,7 @@ raises QueueFull.
 
 Prefix cache: a slot keeps the tokens its KV holds after its job leaves. A new job takes the free slot
 whose cache shares the longest prefix with its prompt, or copies a longer prefix from any other slot
-(Model.kv_copy), and runs only the rest. Sampling and stop handling follow Model.stream step by step, so
+(Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once. Sampling and stop handling follow Model.stream step by step, so
 a greedy job gets the text Model.generate/chat gives for the same prompt.
 """
 
@@ -190,9 +190,12 @@ class Scheduler:
             rows.append(j)
         budget = self.chunk
         prefill = []
-        for j in sorted((j for j in active if j.next_token is None), key=lambda j: j.t_arrival):
+        reading = sorted((j for j in active if j.next_token is None), key=lambda j: j.t_arrival)
+        for k, j in enumerate(reading):
             if budget <= 0:
                 break
+            if self._follow(j, gen + reading[:k]):
+                continue  # an earlier job is computing this job's prefix: wait for it, then copy
             rest = j.prompt[j.n_done:]
             take = rest[:budget]
             last = len(take) == len(rest)
@@ -218,6 +221,23 @@ class Scheduler:
             j.slot.last_used = now
             if not j.cancelled:
                 self._sample(j, row, now)
+
+    def _follow(self, j: Job, earlier: list) -> bool:
+        """Shares a prompt prefix between jobs that read their prompts at the same time (n > 1, a common
+        system prompt): the later job waits while an earlier one computes the shared part, then copies
+        its KV. True while `j` should wait this step."""
+        for lead in earlier:
+            c = min(_common(lead.prompt, j.prompt), len(j.prompt) - 1)
+            if c <= j.n_done:
+                continue
+            if lead.n_done < c:
+                return True
+            self.model.kv_copy(lead.slot.index, j.slot.index, c)
+            j.slot.tokens = lead.slot.tokens[:c]
+            j.cached += c - j.n_done
+            j.n_done = c
+            return False
+        return False
 
     def _sample(self, j: Job, row: np.ndarray, now: float) -> None:
         if j.logit_bias or j.constraint is not None:
