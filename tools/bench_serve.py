@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading

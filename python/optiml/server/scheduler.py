@@ -9,8 +9,9 @@ raises QueueFull.
 
 Prefix cache: a slot keeps the tokens its KV holds after its job leaves. A new job takes the free slot
 whose cache shares the longest prefix with its prompt, or copies a longer prefix from any other slot
-(Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once. Sampling and stop handling follow Model.stream step by step, so
-a greedy job gets the text Model.generate/chat gives for the same prompt.
+(Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once.
+Sampling and stop handling follow Model.stream step by step, so a greedy job gets the text
+Model.generate/chat gives for the same prompt.
 """
 
 from __future__ import annotations
