@@ -9,6 +9,7 @@
     optiml info MODEL.gguf [--plot curves.png] [--stats STATS.npz]
     optiml convert HF_DIR -o OUT.gguf --type q4_k_m
     optiml solve -m MODEL.gguf --stats STATS.npz --vram 6GiB -o PLACED.gguf
+    optiml serve -m MODEL.gguf --parallel 4 --ctx 4096      # OpenAI-compatible API on 127.0.0.1:8080
 """
 
 from __future__ import annotations
@@ -386,6 +387,15 @@ def cmd_chat(args) -> int:
     return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
 
 
+# ---- serve ----------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    serve(_model(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
+          api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias)
+    return 0
+
+
 # ---- convert --------------------------------------------------------------------------------------
 def cmd_convert(args) -> int:
     from .convert import convert
@@ -578,6 +588,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
     p.add_argument("-o", "--outfile", required=True, help="GGUF file to write (neurons permuted, placement recorded)")
     p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--parallel", "-np", type=int, default=4, help="sequences generated at once (KV slots)")
+    p.add_argument("--ctx", type=int, default=None, help="context per slot (default: the model's, at most 4096)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429")
+    p.add_argument("--chunk", type=int, default=256, help="most prompt tokens run per step (across requests)")
+    p.add_argument("--alias", default=None, help="model id clients use (default: the file name)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("system", help="SIMD level, threads and CUDA devices of this build and machine")
     p.set_defaults(func=cmd_system)

@@ -1,0 +1,39 @@
+"""optiml serve: an OpenAI-compatible HTTP server with continuous batching (pip install "optiml[serve]").
+
+    from optiml.server import Server, create_app
+    app = create_app(Server(optiml.Model(path, n_ctx=4096, n_seq=4), n_parallel=4))   # an ASGI app
+
+Modules: app (routes), scheduler (the thread that owns the Model), schemas (request checks, errors),
+structured (response_format through llguidance), metrics (Prometheus).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Server", "create_app", "serve"]
+
+
+def __getattr__(name):
+    if name in ("Server", "create_app"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(name)
+
+
+def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel: int = 4, n_ctx: int | None = None,
+          api_key: str | None = None, n_threads: int | None = None, max_queue: int = 64, chunk: int = 256,
+          model_id: str | None = None, log_level: str = "info") -> None:
+    """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise SystemExit('optiml serve needs the server packages: pip install "optiml[serve]"') from None
+    from ..model import Model
+    from .app import Server, create_app
+
+    model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel)
+    server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
+                    chunk=chunk)
+    print(f"optiml serve: {server.model_id} on http://{host}:{port}/v1 ({n_parallel} slots of {model.n_ctx} "
+          f"tokens, queue {max_queue})", flush=True)
+    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)

@@ -1,0 +1,382 @@
+"""The HTTP side: Starlette routes of the OpenAI API over the Scheduler.
+
+Handlers check and tokenize a request, hand its jobs to the scheduler thread, and turn the events that
+come back (through an asyncio queue) into a JSON answer or server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .._core import OptimlError
+from ..sampling import RANDOM_SEED, Sampler
+from .metrics import CONTENT_TYPE, Metrics
+from .scheduler import Job, QueueFull, Scheduler
+from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
+
+
+class Server:
+    """The state behind the routes: the model, its scheduler, metrics and settings."""
+
+    def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
+                 max_queue: int = 64, chunk: int = 256):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.model_id = model_id or os.path.splitext(os.path.basename(model.path))[0]
+        self.created = int(os.path.getmtime(model.path))
+        self.api_key = api_key
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(model, n_parallel, max_queue, chunk, self.metrics)
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        if self._grammars is None:
+            from .structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars
+
+    # ---- checks ----------------------------------------------------------------------------------------
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if auth != f"Bearer {self.api_key}":
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_model(self, body: dict) -> None:
+        name = body.get("model")
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise bad("'model' must be a string", "model")
+        if name != self.model_id:
+            raise APIError(404, f"the model '{name}' does not exist; this server has '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    def chat_ids(self, text: str) -> list:
+        """The prompt ids of a rendered chat, as Model.chat tokenizes it."""
+        ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
+        tk = self.tokenizer
+        if tk.add_bos and tk.bos_id >= 0 and (not ids or ids[0] != tk.bos_id):
+            ids.insert(0, tk.bos_id)
+        return ids
+
+    def check_prompt(self, ids: list) -> None:
+        if not ids:
+            raise bad("the prompt is empty", "prompt")
+        if len(ids) >= self.model.n_ctx:
+            raise bad(f"the prompt has {len(ids)} tokens; the context holds {self.model.n_ctx} (--ctx), leaving no "
+                      "room to generate", "messages", code="context_length_exceeded")
+
+    # ---- running a request ------------------------------------------------------------------------------
+    def jobs(self, req: GenRequest, sink) -> list:
+        grammar = self.grammars.grammar(req.response_format) if req.response_format else None
+        jobs = []
+        for p, prompt in enumerate(req.prompts):
+            for k in range(req.n):
+                seed = RANDOM_SEED if req.seed is None else (req.seed + k) % 2**64
+                sampler = Sampler(self.model.n_vocab, req.params, seed=seed)
+                constraint = self.grammars.matcher(grammar) if grammar else None
+                jobs.append(Job(p * req.n + k, prompt, req.max_tokens, sampler, req.stops, sink,
+                                req.top_logprobs if req.logprobs else -1, req.logit_bias, constraint))
+        return jobs
+
+    async def submit(self, req: GenRequest):
+        """(jobs, asyncio queue of their events); 429 when the queue is full."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev):
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        if req.response_format:  # compiling a grammar (and, the first time, the vocabulary) takes a while
+            jobs = await run_in_threadpool(self.jobs, req, sink)
+        else:
+            jobs = self.jobs(req, sink)
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as e:
+            self.metrics.rejected.inc()
+            status = 503 if self.scheduler.stopping else 429
+            raise APIError(status, f"the server is busy: {e}; retry later", type="server_busy",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        return jobs, q
+
+    # ---- shaping answers ----------------------------------------------------------------------------------
+    def piece(self, tok: int) -> bytes:
+        return self.tokenizer.token_to_piece(tok, False)
+
+    def chat_logprobs(self, entries: list) -> dict:
+        def one(tok, lp):
+            b = self.piece(tok)
+            return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+        return {"content": [dict(one(t, lp), top_logprobs=[one(u, v) for u, v in top]) for t, lp, top in entries]}
+
+    def completion_logprobs(self, entries: list, offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for t, lp, top in entries:
+            s = self.piece(t).decode("utf-8", "replace")
+            tokens.append(s)
+            lps.append(lp)
+            tops.append({self.piece(u).decode("utf-8", "replace"): v for u, v in top})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _usage(done: dict, n_prompts_counted: set) -> dict:
+    """Adds up finished jobs: each prompt's tokens counted once, whatever n is."""
+    prompt = cached = completion = 0
+    for key, ev in done.items():
+        completion += ev["completion_tokens"]
+        if ev["prompt_key"] not in n_prompts_counted:
+            n_prompts_counted.add(ev["prompt_key"])
+            prompt += ev["prompt_tokens"]
+            cached += ev["cached_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _events(q: asyncio.Queue, n_jobs: int):
+    """Yields events until every job is done; raises ConnectionError when the client goes away."""
+    left = n_jobs
+    while left:
+        ev = await q.get()
+        if ev["type"] == "disconnect":
+            raise ConnectionError("client disconnected")
+        if ev["type"] in ("done", "error"):
+            left -= 1
+        yield ev
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
+    """Puts a "disconnect" event in `q` when the client closes the connection. (The body is already read,
+    so the next ASGI message is http.disconnect; it also comes once the response is sent, by which time
+    nobody reads `q`.)"""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            q.put_nowait({"type": "disconnect"})
+            return
+
+
+async def generate(server: Server, request: Request, req: GenRequest, chat: bool):
+    jobs, q = await server.submit(req)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    n = req.n
+
+    def tag(ev):
+        if ev["type"] == "done":
+            ev["prompt_key"] = ev["index"] // n
+        return ev
+
+    if not req.stream:
+        texts = {j.index: [] for j in jobs}
+        lps = {j.index: [] for j in jobs}
+        done = {}
+        watcher = asyncio.ensure_future(_watch_disconnect(request, q))
+        try:
+            async for ev in _events(q, len(jobs)):
+                if ev["type"] == "error":
+                    raise APIError(500, ev["message"], type="server_error")
+                if ev["type"] == "delta":
+                    texts[ev["index"]].append(ev["text"])
+                    lps[ev["index"]].extend(ev["logprobs"])
+                else:
+                    done[ev["index"]] = tag(ev)
+        except ConnectionError:
+            return Response(status_code=499)
+        finally:
+            watcher.cancel()
+            server.scheduler.cancel(jobs)  # frees the slots of unfinished jobs
+        choices = []
+        for j in jobs:
+            i, text = j.index, "".join(texts[j.index])
+            if chat:
+                c = {"index": i, "message": {"role": "assistant", "content": text},
+                     "logprobs": server.chat_logprobs(lps[i]) if req.logprobs else None}
+            else:
+                c = {"index": i, "text": text,
+                     "logprobs": server.completion_logprobs(lps[i], 0) if req.logprobs else None}
+            c["finish_reason"] = done[i]["finish_reason"]
+            choices.append(c)
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": server.model_id,
+                             "choices": choices, "usage": _usage(done, set())})
+
+    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices, usage=None):
+        d = {"id": rid, "object": chunk_obj, "created": created, "model": server.model_id, "choices": choices}
+        if usage is not None or req.include_usage:
+            d["usage"] = usage
+        return {"data": _dumps(d)}
+
+    async def stream():
+        done = {}
+        offsets = {j.index: 0 for j in jobs}
+        try:
+            if chat:
+                yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for j in jobs])
+            async for ev in _events(q, len(jobs)):
+                i = ev["index"]
+                if ev["type"] == "error":
+                    yield {"data": _dumps({"error": {"message": ev["message"], "type": "server_error",
+                                                     "param": None, "code": None}})}
+                    return
+                if ev["type"] == "delta":
+                    if chat:
+                        c = {"index": i, "delta": {"content": ev["text"]},
+                             "logprobs": server.chat_logprobs(ev["logprobs"]) if req.logprobs else None,
+                             "finish_reason": None}
+                    else:
+                        c = {"index": i, "text": ev["text"], "finish_reason": None,
+                             "logprobs": server.completion_logprobs(ev["logprobs"], offsets[i]) if req.logprobs
+                             else None}
+                        offsets[i] += len(ev["text"])
+                    yield chunk([c])
+                else:
+                    done[i] = tag(ev)
+                    c = {"index": i, "finish_reason": ev["finish_reason"], "logprobs": None}
+                    c.update({"delta": {}} if chat else {"text": ""})
+                    yield chunk([c])
+            if req.include_usage:
+                yield chunk([], _usage(done, set()))
+            yield {"data": "[DONE]"}
+        finally:
+            server.scheduler.cancel(jobs)  # the client went away (or all is done): free the slots
+
+    return EventSourceResponse(stream(), ping=15)
+
+
+def _dumps(d) -> str:
+    import json
+
+    return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
+
+
+def create_app(server: Server) -> Starlette:
+    m = server.metrics
+
+    def endpoint(name: str, auth: bool = True):
+        def deco(fn):
+            async def handler(request: Request):
+                status = 500
+                try:
+                    if auth:
+                        server.check_key(request)
+                    resp = await fn(request)
+                    status = resp.status_code
+                    return resp
+                except APIError as e:
+                    status = e.status
+                    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+                except OptimlError as e:  # e.g. a template that refuses the conversation
+                    status = 400
+                    return JSONResponse(bad(str(e)).body(), status_code=400)
+                finally:
+                    m.requests.labels(name, str(status)).inc()
+
+            return handler
+
+        return deco
+
+    @endpoint("chat")
+    async def chat(request: Request):
+        body = parse_json(await request.body())
+        server.check_model(body)
+        messages, fields = chat_request(body, server.model.n_vocab)
+        tpl = server.model.chat_template
+        try:
+            text = tpl.render(messages, add_generation_prompt=True)
+        except Exception as e:  # jinja2's raise_exception: the template refuses this conversation
+            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+        ids = server.chat_ids(text)
+        server.check_prompt(ids)
+        fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]
+        return await generate(server, request, GenRequest(prompts=[ids], **fields), chat=True)
+
+    @endpoint("completions")
+    async def completions(request: Request):
+        body = parse_json(await request.body())
+        server.check_model(body)
+        prompts, fields = completion_request(body, server.model.n_vocab)
+        ids = [server.tokenizer.encode(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
+               for p in prompts]
+        for p in ids:
+            server.check_prompt(p)
+        return await generate(server, request, GenRequest(prompts=ids, **fields), chat=False)
+
+    @endpoint("models")
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [_model_card(server)]})
+
+    @endpoint("model")
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name != server.model_id:
+            raise APIError(404, f"the model '{name}' does not exist; this server has '{server.model_id}'",
+                           param="model", code="model_not_found")
+        return JSONResponse(_model_card(server))
+
+    @endpoint("health", auth=False)
+    async def health(request: Request):
+        return JSONResponse(dict(status="ok", **server.scheduler.status()))
+
+    @endpoint("metrics", auth=False)
+    async def metrics(request: Request):
+        return Response(m.render(), media_type=CONTENT_TYPE)
+
+    async def http_error(request: Request, exc: HTTPException):
+        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     type="invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(e.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def server_error(request: Request, exc: Exception):
+        e = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(e.body(), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        try:
+            yield
+        finally:
+            server.scheduler.stop()
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.server = server
+    return app
+
+
+def _model_card(server: Server) -> dict:
+    return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "optiml",
+            "meta": {"n_ctx": server.model.n_ctx, "n_vocab": server.model.n_vocab,
+                     "n_parallel": len(server.scheduler.slots)}}

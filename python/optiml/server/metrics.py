@@ -1,0 +1,35 @@
+"""Prometheus metrics of one server (its own registry, so several servers in one process do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("optiml_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("optiml_prompt_tokens", "Prompt tokens received", registry=r)
+        self.prompt_evaluated = Counter("optiml_prompt_tokens_evaluated",
+                                        "Prompt tokens run through the model (the rest came from the prefix cache)",
+                                        registry=r)
+        self.generated_tokens = Counter("optiml_generated_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("optiml_queue_depth", "Sequences waiting for a slot", registry=r)
+        self.running = Gauge("optiml_running_sequences", "Sequences holding a slot", registry=r)
+        self.batch_tokens = Histogram("optiml_batch_tokens", "Tokens per decode step",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.batch_sequences = Histogram("optiml_batch_sequences", "Sequences per decode step",
+                                         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.ttft = Histogram("optiml_time_to_first_token_seconds", "From arrival to the first generated token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("optiml_inter_token_latency_seconds", "Between consecutive tokens of a sequence",
+                             buckets=_LATENCY, registry=r)
+        self.rejected = Counter("optiml_rejected", "Requests turned away because the queue was full", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

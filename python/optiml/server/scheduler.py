@@ -1,0 +1,313 @@
+"""Continuous batching: one thread owns the Model and advances every running sequence each step.
+
+Each choice of a request is a Job with its own KV slot. A step is one Model.decode of
+  - the next token of every generating job (all of them, every step: generation is never starved), then
+  - at most `chunk` prompt tokens, taken first come first served from jobs still reading their prompt.
+Jobs join between steps when a slot is free and leave when they finish or their client goes away
+(cancel(): the slot is free at the next step). Waiting jobs queue up to `max_queue`; beyond that submit()
+raises QueueFull.
+
+Prefix cache: a slot keeps the tokens its KV holds after its job leaves. A new job takes the free slot
+whose cache shares the longest prefix with its prompt, or copies a longer prefix from any other slot
+(Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once.
+Sampling and stop handling follow Model.stream step by step, so a greedy job gets the text
+Model.generate/chat gives for the same prompt.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from ..batch import Batch
+from ..sampling import find_stop
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Job:
+    """One sequence to generate. `sink(event)` is called from the scheduler thread with dicts:
+    {"type": "delta", "index", "text", "logprobs": [(tok, logprob, [(tok, logprob), ...]), ...]},
+    {"type": "done", "index", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"},
+    {"type": "error", "index", "message"}."""
+
+    def __init__(self, index: int, prompt: list, max_tokens: int | None, sampler, stops: list, sink,
+                 top_logprobs: int = -1, logit_bias: dict | None = None, constraint=None):
+        self.index = index
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.stops = stops
+        self.sink = sink
+        self.top_logprobs = top_logprobs  # -1: no logprobs
+        self.logit_bias = logit_bias or {}
+        self.constraint = constraint
+        self.cancelled = False
+        self.slot = None
+        self.n_done = 0  # prompt tokens in the KV cache
+        self.cached = 0  # of which came from the prefix cache
+        self.next_token = None  # sampled, to be run next step
+        self.generated: list[int] = []
+        self.pending = ""  # text not yet sent (it may begin a stop string)
+        self.lp: list = []  # logprob entries not yet sent
+        self.t_arrival = time.perf_counter()
+        self.t_last = None
+
+
+class Slot:
+    def __init__(self, index: int):
+        self.index = index
+        self.tokens: list[int] = []  # what this slot's KV cache holds
+        self.job: Job | None = None
+        self.last_used = 0.0
+
+
+def _common(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    x = row.astype(np.float64)
+    m = np.max(x)
+    return x - (m + np.log(np.sum(np.exp(x - m))))
+
+
+class Scheduler:
+    def __init__(self, model, n_parallel: int, max_queue: int, chunk: int = 256, metrics=None):
+        if n_parallel > model.n_seq:
+            raise ValueError(f"n_parallel ({n_parallel}) exceeds the model's sequence slots ({model.n_seq})")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.n_ctx = model.n_ctx
+        self.slots = [Slot(i) for i in range(n_parallel)]
+        self.max_queue = max_queue
+        self.chunk = chunk
+        self.metrics = metrics
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, name="optiml-scheduler", daemon=True)
+
+    # ---- called from the server's event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout=30)
+
+    def submit(self, jobs: list) -> None:
+        with self.cond:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            free = sum(s.job is None for s in self.slots)
+            if len(self.waiting) + len(jobs) > self.max_queue + free:  # the free slots take the first ones
+                raise QueueFull(f"{len(self.waiting)} sequences are already waiting (--queue {self.max_queue})")
+            self.waiting.extend(jobs)
+            self._gauges()
+            self.cond.notify()
+
+    def cancel(self, jobs: list) -> None:
+        with self.cond:
+            for j in jobs:
+                j.cancelled = True
+            self.cond.notify()
+
+    def status(self) -> dict:
+        with self.cond:
+            busy = sum(s.job is not None for s in self.slots)
+            return {"slots_idle": len(self.slots) - busy, "slots_processing": busy, "queue": len(self.waiting)}
+
+    # ---- the scheduler thread ---------------------------------------------------------------------------
+    def _gauges(self) -> None:
+        if self.metrics:
+            self.metrics.queue_depth.set(len(self.waiting))
+            self.metrics.running.set(sum(s.job is not None for s in self.slots))
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                for s in self.slots:
+                    if s.job is not None and s.job.cancelled:
+                        s.job = None  # the client went away: the slot is free now (its KV stays as cache)
+                if any(j.cancelled for j in self.waiting):
+                    self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
+                while self.waiting and any(s.job is None for s in self.slots):
+                    self._admit(self.waiting.popleft())
+                self._gauges()
+                active = [s.job for s in self.slots if s.job is not None]
+                if self.stopping:
+                    for j in active + list(self.waiting):
+                        j.sink({"type": "error", "index": j.index, "message": "the server is shutting down"})
+                    return
+                if not active:
+                    self.cond.wait()
+                    continue
+            try:
+                self._step(active)
+            except Exception as e:  # a failed step fails its jobs, not the server
+                traceback.print_exc()
+                for j in active:
+                    self._fail(j, f"generation failed: {e}")
+
+    def _admit(self, job: Job) -> None:
+        """Gives `job` a free slot, reusing the longest cached prefix of its prompt."""
+        free = [s for s in self.slots if s.job is None]
+        slot = max(free, key=lambda s: (_common(s.tokens, job.prompt), -s.last_used))
+        keep = _common(slot.tokens, job.prompt)
+        donor = max(self.slots, key=lambda s: _common(s.tokens, job.prompt))
+        if donor is not slot and _common(donor.tokens, job.prompt) > keep:
+            keep = _common(donor.tokens, job.prompt)
+            self.model.kv_copy(donor.index, slot.index, keep)
+            slot.tokens = donor.tokens[:keep]
+        keep = min(keep, len(job.prompt) - 1)  # the last prompt token runs: its logits start generation
+        self.model.kv_truncate(slot.index, keep)
+        del slot.tokens[keep:]
+        slot.job, job.slot = job, slot
+        job.n_done = job.cached = keep
+        job.sampler.accept(job.prompt)  # the prompt counts for the penalties, as in Model.stream
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+
+    def _step(self, active: list) -> None:
+        batch = Batch()
+        rows: list[Job] = []
+        gen = [j for j in active if j.next_token is not None]
+        for j in gen:
+            batch.add(j.next_token, j.slot.index, len(j.slot.tokens), logits=True)
+            rows.append(j)
+        budget = self.chunk
+        prefill = []
+        reading = sorted((j for j in active if j.next_token is None), key=lambda j: j.t_arrival)
+        for k, j in enumerate(reading):
+            if budget <= 0:
+                break
+            if self._follow(j, gen + reading[:k]):
+                continue  # an earlier job is computing this job's prefix: wait for it, then copy
+            rest = j.prompt[j.n_done:]
+            take = rest[:budget]
+            last = len(take) == len(rest)
+            batch.add_sequence(take, j.slot.index, j.n_done, logits="last" if last else "none")
+            prefill.append((j, take))
+            if last:
+                rows.append(j)
+            budget -= len(take)
+        logits = self.model.decode(batch)
+        self.steps += 1
+        if self.metrics:
+            self.metrics.batch_tokens.observe(len(batch))
+            self.metrics.batch_sequences.observe(len(gen) + len(prefill))
+            self.metrics.prompt_evaluated.inc(sum(len(t) for _, t in prefill))
+        now = time.perf_counter()
+        for j in gen:
+            j.slot.tokens.append(j.next_token)
+            j.next_token = None
+        for j, take in prefill:
+            j.slot.tokens.extend(take)
+            j.n_done += len(take)
+        for j, row in zip(rows, logits):
+            j.slot.last_used = now
+            if not j.cancelled:
+                self._sample(j, row, now)
+
+    def _follow(self, j: Job, earlier: list) -> bool:
+        """Shares a prompt prefix between jobs that read their prompts at the same time (n > 1, a common
+        system prompt): the later job waits while an earlier one computes the shared part, then copies
+        its KV. True while `j` should wait this step."""
+        for lead in earlier:
+            c = min(_common(lead.prompt, j.prompt), len(j.prompt) - 1)
+            if c <= j.n_done:
+                continue
+            if lead.n_done < c:
+                return True
+            self.model.kv_copy(lead.slot.index, j.slot.index, c)
+            j.slot.tokens = lead.slot.tokens[:c]
+            j.cached += c - j.n_done
+            j.n_done = c
+            return False
+        return False
+
+    def _sample(self, j: Job, row: np.ndarray, now: float) -> None:
+        if j.logit_bias or j.constraint is not None:
+            row = row.copy()
+            for tok, b in j.logit_bias.items():
+                row[tok] += b
+            if j.constraint is not None:
+                j.constraint.mask(row)
+        tok = j.sampler.sample(row)
+        if self.metrics:
+            if j.t_last is None:
+                self.metrics.ttft.observe(now - j.t_arrival)
+            else:
+                self.metrics.itl.observe(now - j.t_last)
+        j.t_last = now
+        if self.tokenizer.is_eog(tok):
+            return self._finish(j, "stop")
+        j.sampler.accept(tok)
+        j.generated.append(tok)
+        if self.metrics:
+            self.metrics.generated_tokens.inc()
+        if j.top_logprobs >= 0:
+            lp = _log_softmax(row)
+            top = []
+            if j.top_logprobs:
+                idx = np.argsort(-lp, kind="stable")[: j.top_logprobs]
+                top = [(int(i), float(lp[i])) for i in idx]
+            j.lp.append((tok, float(lp[tok]), top))
+        if j.constraint is not None:
+            j.constraint.accept(tok)
+            if j.constraint.error():
+                return self._fail(j, f"response_format: {j.constraint.error()}")
+        if not hasattr(j, "detok"):
+            j.detok = self.tokenizer.detokenizer()
+        j.pending += j.detok.push(tok)
+        if j.stops:
+            at, hold = find_stop(j.pending, j.stops)
+            if at >= 0:
+                j.pending = j.pending[:at]
+                return self._finish(j, "stop", flush=False)
+            out, j.pending = j.pending[: len(j.pending) - hold], j.pending[len(j.pending) - hold:]
+        else:
+            out, j.pending = j.pending, ""
+        if out or j.lp:
+            j.sink({"type": "delta", "index": j.index, "text": out, "logprobs": j.lp})
+            j.lp = []
+        if j.constraint is not None and j.constraint.done():
+            return self._finish(j, "stop")
+        if (j.max_tokens is not None and len(j.generated) >= j.max_tokens) or len(j.slot.tokens) >= self.n_ctx:
+            return self._finish(j, "length")  # the last sampled token is not run, as in Model.stream
+        j.next_token = tok
+
+    def _finish(self, j: Job, reason: str, flush: bool = True) -> None:
+        if flush and hasattr(j, "detok"):
+            j.pending += j.detok.flush()
+        if j.pending or j.lp:
+            j.sink({"type": "delta", "index": j.index, "text": j.pending, "logprobs": j.lp})
+        j.pending, j.lp = "", []
+        j.sink({"type": "done", "index": j.index, "finish_reason": reason, "prompt_tokens": len(j.prompt),
+                "completion_tokens": len(j.generated), "cached_tokens": j.cached})
+        self._release(j)
+
+    def _fail(self, j: Job, message: str) -> None:
+        j.sink({"type": "error", "index": j.index, "message": message})
+        self._release(j)
+
+    def _release(self, j: Job) -> None:
+        with self.cond:
+            if j.slot is not None and j.slot.job is j:
+                j.slot.job = None
+            j.next_token = None
+            self._gauges()

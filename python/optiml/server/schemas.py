@@ -1,0 +1,242 @@
+"""Requests of the OpenAI API, checked field by field, and errors in OpenAI's JSON shape.
+
+A request becomes a GenRequest (prompt token ids, sampling settings, stops, limits) or an APIError with
+the status, type, param and a message that says what was wrong. Unknown fields are errors, not silently
+ignored: a client that asks for something the server does not do hears so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from ..sampling import RANDOM_SEED, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# Fields every OpenAI client may send that change nothing here.
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options"}
+COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+          "stop", "n", "presence_penalty", "frequency_penalty", "repeat_penalty", "logit_bias"} | IGNORED
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
+UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "suffix", "best_of", "audio", "modalities",
+               "prediction", "reasoning_effort", "web_search_options"}
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class GenRequest:
+    """One request, ready for the scheduler: n choices of each prompt."""
+
+    prompts: list  # token ids, one list per prompt
+    max_tokens: int | None  # None: until the end of turn or the context
+    params: SamplingParams
+    seed: int | None
+    stops: list
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: dict = field(default_factory=dict)
+    response_format: dict | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, not {json.dumps(v)}", name)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise bad(f"'{name}' must be finite", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be a boolean, not {json.dumps(v)}", name)
+    return v
+
+
+def _check_fields(body: dict, allowed: set) -> None:
+    for k in body:
+        if k in UNSUPPORTED:
+            raise bad(f"'{k}' is not supported by this server", k, code="unsupported_parameter")
+        if k not in allowed:
+            raise bad(f"unknown field '{k}'", k, code="unknown_parameter")
+
+
+def _stops(body: dict) -> list:
+    s = body.get("stop")
+    if s is None:
+        return []
+    if isinstance(s, str):
+        s = [s]
+    if not isinstance(s, list) or len(s) > 4 or not all(isinstance(x, str) and x for x in s):
+        raise bad("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+    return s
+
+
+def _common(body: dict, n_vocab: int, max_name: str = "max_tokens") -> dict:
+    max_tokens = _number(body, max_name, None, lo=1, integer=True)
+    if max_name != "max_tokens" and max_tokens is None:
+        max_tokens = _number(body, "max_tokens", None, lo=1, integer=True)
+    d = SamplingParams()
+    params = SamplingParams(
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
+        top_k=_number(body, "top_k", 0, 0, n_vocab, integer=True),
+        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.0, 10.0)),
+        repeat_last_n=d.repeat_last_n,
+    )
+    if params.top_p <= 0:
+        raise bad("'top_p' must be > 0", "top_p")
+    if params.repeat_penalty <= 0:
+        raise bad("'repeat_penalty' must be > 0", "repeat_penalty")
+    seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise bad("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    logit_bias = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise bad(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < n_vocab or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' entry {k!r}: token id in [0, {n_vocab}) and bias in [-100, 100]", "logit_bias")
+        logit_bias[tok] = float(v)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    return dict(max_tokens=max_tokens, params=params, seed=seed, stops=_stops(body),
+                n=_number(body, "n", 1, 1, MAX_N, integer=True), logit_bias=logit_bias,
+                stream=_bool(body, "stream"), include_usage=bool((opts or {}).get("include_usage", False)))
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def chat_messages(body: dict) -> list:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise bad(f"messages[{i}].role must be system, developer, user or assistant, not {json.dumps(role)}",
+                      f"messages[{i}].role")
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def response_format(body: dict):
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("'response_format.type' must be text, json_object or json_schema", "response_format")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad("'response_format.json_schema' must be an object with a 'schema' object",
+                      "response_format")
+    return rf
+
+
+def chat_request(body: dict, n_vocab: int) -> tuple:
+    """(messages, fields for GenRequest without prompts)."""
+    _check_fields(body, CHAT_FIELDS)
+    messages = chat_messages(body)
+    c = _common(body, n_vocab, "max_completion_tokens")
+    c["logprobs"] = _bool(body, "logprobs")
+    c["top_logprobs"] = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+    if c["top_logprobs"] and not c["logprobs"]:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    c["response_format"] = response_format(body)
+    return messages, c
+
+
+def completion_request(body: dict, n_vocab: int) -> tuple:
+    """(prompts: list of str or token lists, fields for GenRequest without prompts)."""
+    _check_fields(body, COMPLETION_FIELDS)
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = p
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+        prompts = p
+    else:
+        raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")
+    for q in prompts:
+        if not isinstance(q, str) and not all(0 <= t < n_vocab for t in q):
+            raise bad(f"'prompt' token ids must be in [0, {n_vocab})", "prompt")
+    c = _common(body, n_vocab)
+    lp = _number(body, "logprobs", None, 0, 5, integer=True)
+    c["logprobs"] = lp is not None
+    c["top_logprobs"] = lp or 0
+    if _bool(body, "echo"):
+        raise bad("'echo' is not supported by this server", "echo", code="unsupported_parameter")
+    return prompts, c

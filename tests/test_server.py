@@ -1,0 +1,306 @@
+"""optiml serve: a live server on loopback, driven by the official openai client and raw HTTP.
+
+The oracle for generated text is optiml.Model run alone (chat/generate, greedy), which the engine's own
+tests hold to transformers and llama.cpp; logprobs are checked against numpy float64 log-softmax of the
+model's logits; JSON-schema answers are validated with jsonschema.
+"""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("sse_starlette")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import optiml  # noqa: E402
+
+KEY = "sk-test-key"
+PARALLEL = 2
+QUEUE = 3
+N_CTX = 512
+
+
+@pytest.fixture(scope="module")
+def ref(smollm2_path):
+    with optiml.Model(smollm2_path, n_ctx=N_CTX) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    import uvicorn
+
+    from optiml.server import Server, create_app
+
+    model = optiml.Model(smollm2_path, n_ctx=N_CTX, n_seq=PARALLEL)
+    srv = Server(model, n_parallel=PARALLEL, api_key=KEY, model_id="smollm2", max_queue=QUEUE, chunk=32)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
+    t = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    for _ in range(200):
+        if uv.started:
+            break
+        time.sleep(0.05)
+    assert uv.started, "the server did not start"
+    srv.url = f"http://127.0.0.1:{port}"
+    yield srv
+    uv.should_exit = True
+    t.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def http(server, method, path, key=KEY, **kw):
+    headers = kw.pop("headers", {})
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    kw.setdefault("timeout", 120)
+    return httpx.request(method, server.url + path, headers=headers, **kw)
+
+
+def wait_for(server, cond, what):
+    for _ in range(400):  # bounded: 20 s
+        h = http(server, "GET", "/health").json()
+        if cond(h):
+            return h
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}: {h}")
+
+
+MSGS = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Name three colors of the rainbow."}]
+
+
+def test_chat_greedy_equals_model_chat(client, ref):
+    want = ref.chat(MSGS, temperature=0, max_tokens=24)
+    r = client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(ref.chat_prompt(MSGS))
+    assert 0 < r.usage.completion_tokens <= 24
+    # The same prompt again: the prefix cache serves all but the last prompt token, and the text is the same.
+    r2 = client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=24)
+    assert r2.choices[0].message.content == want
+    assert r2.usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - 1
+
+
+def test_stream_concatenates_to_the_answer(client):
+    full = client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=20)
+    pieces, usage, finish = [], None, None
+    for c in client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=20,
+                                            stream=True, stream_options={"include_usage": True}):
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            pieces.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_and_logprobs(client, ref):
+    prompt = "The capital of France is"
+    want = ref.generate(prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    c = r.choices[0]
+    assert c.text == want
+    lp = c.logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens == len(lp.token_logprobs)
+    assert "".join(lp.tokens) == want
+    # The first token's logprob and its top 3 against numpy float64 log-softmax of the model's own logits.
+    ref.reset()
+    logits = ref.eval(ref.tokenize(prompt, add_bos=True, special=True)).astype(np.float64)
+    ls = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    first = int(np.argmax(ls))
+    assert lp.token_logprobs[0] == pytest.approx(ls[first], abs=1e-4)
+    top = sorted(lp.top_logprobs[0].values(), reverse=True)
+    np.testing.assert_allclose(top, np.sort(ls)[::-1][:3], atol=1e-4)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=6, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert e.logprob <= 0
+
+
+def test_concurrent_requests_match_alone(client, ref):
+    questions = ["What is 2+2?", "Say hello in French.", "Name a fruit.", "What color is the sky?", "Count to five."]
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    want = [ref.chat(c, temperature=0, max_tokens=16) for c in convs]
+
+    def ask(c):
+        r = client.chat.completions.create(model="smollm2", messages=c, temperature=0, max_tokens=16)
+        return r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(len(convs)) as ex:  # more requests than slots: some queue
+        got = list(ex.map(ask, convs))
+    assert got == want
+
+
+def test_n_choices_with_seed(client):
+    kw = dict(model="smollm2", messages=MSGS, temperature=1.0, max_tokens=8, n=2, seed=7)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_json_schema_response_validates(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 150}}}
+    r = client.chat.completions.create(
+        model="smollm2", max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Give me a person as JSON with a name and an age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(model="smollm2", max_tokens=60, temperature=0, messages=MSGS,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut at max_tokens: still a prefix of an object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_n_greedy_choices_share_the_prompt(server, ref):
+    prompt = "Zebras and giraffes live on the savanna, where"
+    want = ref.generate(prompt, max_tokens=6, temperature=0)
+    n_prompt = len(ref.tokenize(prompt, add_bos=True, special=True))
+    before = _metric(http(server, "GET", "/metrics").text, "optiml_prompt_tokens_evaluated_total")
+    r = http(server, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2})
+    assert [c["text"] for c in r.json()["choices"]] == [want, want]
+    evaluated = _metric(http(server, "GET", "/metrics").text, "optiml_prompt_tokens_evaluated_total") - before
+    assert evaluated <= n_prompt + 1  # the second choice copied the first one's KV and ran only the last token
+
+
+def _alive(server, ref_text=None):
+    assert http(server, "GET", "/health").json()["status"] == "ok"
+    r = http(server, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"messages": MSGS, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": MSGS, "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": MSGS, "n": 1.5}, 400, "n"),
+    ({"messages": "hello"}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": MSGS, "frobnicate": True}, 400, "frobnicate"),
+    ({"messages": MSGS, "tools": []}, 400, "tools"),
+    ({"messages": MSGS, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    ({"model": "gpt-9", "messages": MSGS}, 404, "model"),
+])
+def test_bad_requests(server, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = http(server, "POST", "/v1/chat/completions", **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    assert err["param"] == param
+    _alive(server)
+
+
+def test_auth_and_routes(server):
+    r = http(server, "POST", "/v1/chat/completions", key=None, json={"messages": MSGS})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert http(server, "GET", "/v1/models", key="wrong").status_code == 401
+    models = http(server, "GET", "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["smollm2"]
+    assert http(server, "GET", "/v1/models/other").status_code == 404
+    r = http(server, "GET", "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert http(server, "GET", "/health", key=None).status_code == 200
+    _alive(server)
+
+
+def _metric(text, name, labels=""):
+    for line in text.splitlines():
+        if line.startswith(name + (("{" + labels + "}") if labels else "") + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_move(server):
+    before = http(server, "GET", "/metrics").text
+    r = http(server, "POST", "/v1/completions", json={"prompt": "One, two,", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200
+    after = http(server, "GET", "/metrics").text
+    for name, labels in [("optiml_requests_total", 'endpoint="completions",status="200"'),
+                         ("optiml_generated_tokens_total", ""), ("optiml_prompt_tokens_total", ""),
+                         ("optiml_time_to_first_token_seconds_count", ""), ("optiml_batch_tokens_count", "")]:
+        assert _metric(after, name, labels) > _metric(before, name, labels), name
+    assert _metric(after, "optiml_inter_token_latency_seconds_count") >= 3
+    assert "optiml_queue_depth" in after
+
+
+LONG = {"prompt": "Once upon a time", "max_tokens": N_CTX, "temperature": 0, "stream": True,
+        "logit_bias": {"0": -100, "2": -100}}  # no end of text: the stream runs until closed
+
+
+def test_queue_full_and_disconnect_frees_slots(server):
+    wait_for(server, lambda h: h["slots_idle"] == PARALLEL and h["queue"] == 0, "an idle server")
+    streams, ctxs = [], []
+    for _ in range(PARALLEL):  # occupy every slot with a stream that does not end by itself
+        cm = httpx.stream("POST", server.url + "/v1/completions", json=LONG, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"})
+        r = cm.__enter__()
+        assert r.status_code == 200
+        it = r.iter_lines()
+        while not next(it).startswith("data: "):  # the first token arrived: the slot is taken
+            pass
+        streams.append(it)
+        ctxs.append(cm)
+    # Fill the queue with a request of QUEUE choices, in the background.
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        http, server, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": QUEUE})
+    wait_for(server, lambda h: h["queue"] == QUEUE, "a full queue")
+    r = http(server, "POST", "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    # Closing the streams frees both slots; the queued request then runs to completion.
+    for cm in ctxs:
+        cm.__exit__(None, None, None)
+    assert waiting.result(timeout=60).status_code == 200
+    wait_for(server, lambda h: h["slots_idle"] == PARALLEL and h["queue"] == 0, "freed slots")
+    _alive(server)
+
+
+def test_disconnect_without_stream_frees_slot(server):
+    wait_for(server, lambda h: h["slots_idle"] == PARALLEL and h["queue"] == 0, "an idle server")
+    before = _metric(http(server, "GET", "/metrics").text, "optiml_generated_tokens_total")
+    body = json.dumps(dict(LONG, stream=False)).encode()
+    host, port = server.url[len("http://"):].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(server, lambda h: h["slots_processing"] == 1, "the request to take a slot")
+    wait_for(server, lambda h: h["slots_idle"] == PARALLEL, "the slot to be freed")
+    generated = _metric(http(server, "GET", "/metrics").text, "optiml_generated_tokens_total") - before
+    assert generated < N_CTX - 8  # stopped long before the context was full: the slot was freed by the close
+    _alive(server)

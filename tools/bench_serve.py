@@ -1,0 +1,159 @@
+"""Serving throughput and latency: N concurrent streaming clients against `optiml serve` (and llama-server).
+
+    python tools/bench_serve.py -m ~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf -t 2
+    python tools/bench_serve.py -m MODEL.gguf -t 2 --clients 1 4 8 16 --llama-server /path/to/llama-server
+
+Each client sends `--requests` streamed /v1/completions one after another, with a fixed prompt and exactly
+`--gen` generated tokens (the end-of-generation tokens get a -100 logit bias). Per concurrency level:
+aggregate generated tokens/s (all tokens / wall time), time to first token p50/p99 and inter-token
+latency p99. The server runs with --parallel = the largest client count. With --llama-server (a binary
+built from llama.cpp, e.g. the vendored copy in llama-cpp-python's source distribution) the same clients
+run against it with -np, the same context per slot and threads, in the same run, alternating per level.
+The single-stream reference is optiml.Model.generate in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
+          "combined movable metal type, oil-based ink and a wooden screw press. Write a long story about it:")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc, timeout: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not become ready")
+
+
+def one_request(url: str, body: dict, out: list) -> None:
+    t0 = time.perf_counter()
+    times = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("choices") and d["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    out.append((t0, times))
+
+
+def run_level(url: str, clients: int, requests: int, body: dict) -> dict:
+    results: list = []
+
+    def client():
+        for _ in range(requests):
+            one_request(url, body, results)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    # A streamed piece may carry more than one token (held back by UTF-8): count tokens, not pieces.
+    tokens = clients * requests * body["max_tokens"]
+    ttft = sorted(ts[0] - start for start, ts in results if ts)
+    itl = sorted(b - a for _, ts in results for a, b in zip(ts, ts[1:]))
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    return {"tok_s": tokens / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p99": pct(itl, 0.99)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--ctx", type=int, default=512, help="context per slot")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary to compare with")
+    args = ap.parse_args()
+
+    import optiml
+
+    tok = optiml.tokenizer.load(args.model)
+    bias = {str(t): -100 for t in tok.eog_ids}
+    body = {"prompt": PROMPT, "max_tokens": args.gen, "temperature": 0, "stream": True, "logit_bias": bias}
+    n_par = max(args.clients)
+
+    with optiml.Model(args.model, n_ctx=args.ctx, n_threads=args.threads) as m:
+        m.generate(PROMPT, max_tokens=8, temperature=0)
+        m.generate(PROMPT, max_tokens=args.gen, temperature=0)
+        st = m.last_stats
+        gen_tok_s = st["gen_tokens"] / st["gen_s"]
+    print(f"optiml generate (1 stream, in process): {gen_tok_s:.1f} tokens/s "
+          f"(ended after {st['gen_tokens']} tokens)")
+
+    servers = {}
+    port = free_port()
+    servers["optiml"] = (f"http://127.0.0.1:{port}", subprocess.Popen(
+        [sys.executable, "-m", "optiml", "serve", "-m", args.model, "--port", str(port), "--parallel", str(n_par),
+         "--ctx", str(args.ctx), "-t", str(args.threads), "--queue", str(4 * n_par)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    if args.llama_server:
+        port = free_port()
+        servers["llama-server"] = (f"http://127.0.0.1:{port}", subprocess.Popen(
+            [args.llama_server, "-m", args.model, "--port", str(port), "-np", str(n_par), "-c",
+             str(args.ctx * n_par), "-t", str(args.threads), "-tb", str(args.threads), "--cont-batching"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        for url, proc in servers.values():
+            wait_ready(url, proc)
+        for url, _ in servers.values():  # warm up
+            run_level(url, 1, 1, dict(body, max_tokens=4))
+        print(f"\n{'server':13} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8}")
+        rows = {}
+        for c in args.clients:
+            for name, (url, _) in servers.items():  # alternate servers at each level
+                r = run_level(url, c, args.requests, body)
+                rows[(name, c)] = r
+                print(f"{name:13} {c:7d} {r['tok_s']:8.1f} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
+                      f"{r['itl_p99'] * 1e3:6.0f}ms", flush=True)
+        if "llama-server" in servers:
+            print("\nratio optiml / llama-server (tok/s):",
+                  ", ".join(f"{c}: {rows[('optiml', c)]['tok_s'] / rows[('llama-server', c)]['tok_s']:.2f}x"
+                            for c in args.clients))
+        if 1 in args.clients:
+            print(f"1 client vs optiml generate: {rows[('optiml', 1)]['tok_s'] / gen_tok_s:.2f}x "
+                  "(the client's tok/s includes prompt and HTTP time)")
+    finally:
+        for _, proc in servers.values():
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
