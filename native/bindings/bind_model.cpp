@@ -290,3 +290,5 @@ void bind_model(nb::module_& m) {
             s.session->set_recorder(r && *r ? (*r)->rec : nullptr);
         }, nb::arg("recorder").none());
 }
+
+optiml::Session& native_session(nb::handle session) { return *nb::cast<PySession&>(session).session; }

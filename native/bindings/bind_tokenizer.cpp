@@ -128,3 +128,7 @@ void bind_tokenizer(nb::module_& m) {
         .def("reset", [](PyDetokenizer& d) { d.d.reset(); })
         .def_prop_ro("pending_bytes", [](const PyDetokenizer& d) { return d.d.pending_bytes(); });
 }
+
+std::shared_ptr<const optiml::Tokenizer> native_tokenizer(nb::handle tokenizer) {
+    return nb::cast<PyTokenizer&>(tokenizer).tok;
+}

@@ -17,6 +17,7 @@ NB_MODULE(_core, m) {
     bind_sampling(m);
     bind_model(m);
     bind_sparse(m);
+    bind_generate(m);
 }
 
 void bind_errors(nb::module_& m) {

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Sequence
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from . import _core
 from ._core import ArgumentError, ContextOverflowError, OptimlError
-from .sampling import RANDOM_SEED, Sampler, SamplingParams, find_stop
+from .sampling import RANDOM_SEED, Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
 __all__ = ["Model"]
@@ -118,7 +117,9 @@ class Model:
     @property
     def last_stats(self) -> dict:
         """The last generation: prompt_tokens (the prompt's length), prompt_evaluated (the tokens actually
-        run: those not already in the context), prompt_s, gen_tokens, gen_s (seconds)."""
+        run: those not already in the context), prompt_s, gen_tokens, gen_s (seconds; wall time from the
+        prompt's end to the last token) and, once a generation ran, busy_s (the part of gen_s spent in the
+        native loop)."""
         return dict(self._stats)
 
     # ---- activation sparsity ---------------------------------------------------------------------
@@ -303,6 +304,8 @@ class Model:
                  repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, seed=None,
                  stop=None):
         """Validates stream()'s arguments: (ids, max_tokens, sampler, stops)."""
+        if self._session is None:
+            raise OptimlError(f"{self.path}: the model is closed")
         max_tokens = _non_negative_int("max_tokens", max_tokens)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
@@ -330,61 +333,33 @@ class Model:
 
     def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
                 generated: list[int] | None = None) -> Iterator[str]:
-        """The generation loop; appends each generated token id to ``generated`` when given."""
-        with self._exclusive():
-            st = self._stats
-            st.update(prompt_tokens=len(ids), prompt_evaluated=0, prompt_s=0.0, gen_tokens=0, gen_s=0.0)
-            t0 = time.perf_counter()
-            logits = self._start(ids)
-            t1 = time.perf_counter()
-            st["prompt_s"] = t1 - t0
-            sampler.accept(ids)
-            detok = self.tokenizer.detokenizer()
-            pending = ""  # decoded text not yet yielded (it may begin a stop string)
-            for i in range(max_tokens):
-                tok = sampler.sample(logits)
-                if self.tokenizer.is_eog(tok):
-                    break
-                sampler.accept(tok)
-                st["gen_tokens"] += 1
-                st["gen_s"] = time.perf_counter() - t1
-                if generated is not None:
-                    generated.append(tok)
-                pending += detok.push(tok)
-                if stops:
-                    at, hold = find_stop(pending, stops)
-                    if at >= 0:
-                        if at:
-                            yield pending[:at]
-                        return
-                    out, pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
-                else:
-                    out, pending = pending, ""
-                if out:
-                    yield out
-                if i + 1 == max_tokens or self._session.n_past >= self.n_ctx:
-                    break  # the last sampled token is not run: the context ends before it
-                logits = self._session.eval(np.array([tok], np.int32), False)
-                self._tokens.append(tok)
-                st["gen_s"] = time.perf_counter() - t1
-            pending += detok.flush()
-            if pending:
-                yield pending
+        """The generation loop; appends the generated token ids to ``generated`` when given.
 
-    def _start(self, ids: list[int]) -> np.ndarray:
-        """Puts ``ids`` in the context, reusing the longest cached prefix; returns the last logits."""
+        The loop is native (optiml._core.Generator: eval, sampling, detokenization and stop strings run
+        with the GIL released); this only hands its pieces on. However the stream ends (finished,
+        closed, dropped, an error), the context's ids and last_stats are brought up to date."""
+        with self._exclusive():
+            gen = _core.Generator(self._session, self.tokenizer._t, sampler._s, np.array(ids, np.int32),
+                                  self._start(ids), max_tokens, [s.encode("utf-8", "surrogatepass") for s in stops])
+            try:
+                yield from gen
+            finally:
+                ctx = gen.context_tokens  # None when the prompt never began to run
+                if ctx is not None:
+                    self._tokens[:] = ctx
+                    self._stats.update(gen.stats)
+                if generated is not None:
+                    generated.extend(gen.tokens)
+
+    def _start(self, ids: list[int]) -> int:
+        """How many of ``ids`` the context already holds and may keep (the longest cached prefix, short
+        of the last prompt token, which must run for its logits)."""
         common = 0
         for a, b in zip(self._tokens, ids):
             if a != b:
                 break
             common += 1
-        common = min(common, len(ids) - 1, self._session.n_past)  # the last prompt token must run
-        self._session.truncate(common)
-        del self._tokens[common:]
-        self._stats["prompt_evaluated"] = len(ids) - common
-        logits = self._session.eval(np.array(ids[common:], np.int32), False)
-        self._tokens.extend(ids[common:])
-        return logits
+        return min(common, len(ids) - 1, self._session.n_past)
 
     # ---- chat ---------------------------------------------------------------------------------------
     @property

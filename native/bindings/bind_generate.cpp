@@ -1,0 +1,147 @@
+// optiml._core.Generator: the native generation loop (optiml/generate.h) as a Python iterator of text
+// pieces. python/optiml/model.py (Model.stream) drives it.
+//
+// __next__ releases the GIL for the whole step (eval, sampling, detokenization, stop strings) and
+// returns one non-empty str, or raises StopIteration at the end. The object keeps the Python Session,
+// Tokenizer and Sampler it was given alive, so it is safe to drop at any point; the session then holds
+// the prompt and the first `n_evaluated` generated tokens.
+#include "bindings.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "optiml/common.h"
+#include "optiml/generate.h"
+#include "optiml/model.h"
+#include "optiml/sampling.h"
+#include "optiml/tokenizer.h"
+
+namespace {
+
+using namespace optiml;
+
+using Tokens1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+struct PyGenerator {
+    // Declared before `gen`, so they outlive it.
+    nb::object session_owner, sampler_owner;
+    std::shared_ptr<const Tokenizer> tok;
+    std::unique_ptr<Generator> gen;
+    std::atomic<bool> running{false};  // a step is in progress (with the GIL released)
+};
+
+// Refuses a second thread while one is inside a step: the Generator, Session and Sampler are not
+// thread-safe, and with the GIL released nothing else would stop it.
+struct RunGuard {
+    std::atomic<bool>& flag;
+    explicit RunGuard(std::atomic<bool>& f) : flag(f) {
+        if (flag.exchange(true)) throw Error("this generator is running in another thread; use one per thread");
+    }
+    ~RunGuard() { flag.store(false); }
+};
+
+void init(PyGenerator* self, nb::object session, nb::object tokenizer, nb::object sampler, Tokens1D prompt,
+          int32_t n_cached, int32_t max_tokens, const std::vector<nb::bytes>& stops) {
+    Session& s = native_session(session);
+    std::shared_ptr<const Tokenizer> tok = native_tokenizer(tokenizer);
+    Sampler& smp = nb::cast<Sampler&>(sampler);
+    std::vector<int32_t> ids(prompt.data(), prompt.data() + prompt.shape(0));
+    std::vector<std::string> st;
+    st.reserve(stops.size());
+    for (const nb::bytes& b : stops) st.emplace_back(b.c_str(), b.size());
+    auto gen = std::make_unique<Generator>(s, *tok, smp, std::move(ids), n_cached, max_tokens, std::move(st));
+    PyGenerator* g = new (self) PyGenerator();
+    g->session_owner = std::move(session);
+    g->sampler_owner = std::move(sampler);
+    g->tok = std::move(tok);
+    g->gen = std::move(gen);
+}
+
+nb::str next_piece(PyGenerator& g) {
+    std::string piece;
+    bool more;
+    {
+        RunGuard guard(g.running);
+        nb::gil_scoped_release release;
+        more = g.gen->next(piece);
+    }
+    if (!more) throw nb::stop_iteration();
+    return nb::str(piece.data(), piece.size());
+}
+
+// The rest of the generation in one native call (no Python per token): for measuring the loop's own
+// time, and for callers that want only the whole text.
+nb::str run_to_end(PyGenerator& g) {
+    std::string all, piece;
+    {
+        RunGuard guard(g.running);
+        nb::gil_scoped_release release;
+        while (g.gen->next(piece)) all += piece;
+    }
+    return nb::str(all.data(), all.size());
+}
+
+nb::list to_list(const std::vector<int32_t>& ids, size_t n) {
+    nb::list l;
+    for (size_t i = 0; i < n; i++) l.append(ids[i]);
+    return l;
+}
+
+nb::dict stats(const PyGenerator& g) {
+    const GenerateStats& s = g.gen->stats();
+    nb::dict d;
+    d["prompt_tokens"] = s.prompt_tokens;
+    d["prompt_evaluated"] = s.prompt_evaluated;
+    d["prompt_s"] = s.prompt_s;
+    d["gen_tokens"] = s.gen_tokens;
+    d["gen_s"] = s.gen_s;
+    d["busy_s"] = s.busy_s;
+    return d;
+}
+
+// Reading state while another thread is inside a step would race with it.
+const Generator& idle(const PyGenerator& g) {
+    if (g.running.load()) throw Error("this generator is running in another thread; read it when the step ends");
+    return *g.gen;
+}
+
+}  // namespace
+
+void bind_generate(nb::module_& m) {
+    nb::class_<PyGenerator>(m, "Generator")
+        .def("__init__", &init, nb::arg("session"), nb::arg("tokenizer"), nb::arg("sampler"), nb::arg("prompt"),
+             nb::arg("n_cached"), nb::arg("max_tokens"), nb::arg("stops"),
+             "Generates after `prompt` (int32 ids; the session already holds its first n_cached) with the "
+             "sampler (already seeded, no tokens accepted), stopping at stops (UTF-8 bytes).")
+        .def("__iter__", [](nb::handle self) { return nb::borrow(self); })
+        .def("__next__", &next_piece)
+        .def("run_to_end", &run_to_end, "The rest of the text in one native call.")
+        .def_prop_ro("tokens", [](const PyGenerator& g) {
+            const Generator& gen = idle(g);
+            return to_list(gen.generated(), gen.generated().size());
+        }, "The ids generated so far (end-of-generation tokens excluded).")
+        .def_prop_ro("n_evaluated", [](const PyGenerator& g) { return idle(g).n_generated_evaluated(); },
+                     "How many of `tokens` the session holds (after the prompt).")
+        .def_prop_ro("context_tokens", [](const PyGenerator& g) -> nb::object {
+            const Generator& gen = idle(g);
+            if (!gen.started()) return nb::none();
+            // The prompt and the evaluated generated tokens, cut to what the session holds (less when an
+            // eval failed part way).
+            const size_t n = (size_t)native_session(g.session_owner).n_past();
+            std::vector<int32_t> ids = gen.prompt();
+            ids.insert(ids.end(), gen.generated().begin(), gen.generated().begin() + gen.n_generated_evaluated());
+            return to_list(ids, std::min(n, ids.size()));
+        }, "The ids the session holds since the prompt began to run (None before): the prompt and the "
+           "evaluated generated tokens.")
+        .def_prop_ro("finished", [](const PyGenerator& g) { return idle(g).finished(); })
+        .def_prop_ro("stats", [](const PyGenerator& g) {
+            idle(g);
+            return stats(g);
+        }, "prompt_tokens, prompt_evaluated, prompt_s, gen_tokens, gen_s, busy_s (see optiml/generate.h).");
+}

@@ -1,0 +1,206 @@
+"""The native generation loop (optiml._core.Generator behind Model.stream/generate/chat) on SmolLM2.
+
+The oracle is the Python loop Model.stream ran before the loop went native, written here with the
+public pieces it used (Model.eval, Sampler, Detokenizer, find_stop): same seed, same pieces and tokens."""
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml import _core
+from optiml.sampling import Sampler, SamplingParams, find_stop
+
+PROMPT = "The capital of France is"
+PROMPT_IDS = [504, 3575, 282, 4649, 314]
+CHAT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    with optiml.Model(smollm2_path, n_ctx=512, n_threads=2) as m:
+        yield m
+
+
+def python_loop(m, prompt, max_tokens, stops=(), **sampling):
+    """The former Python loop, from an empty context: (pieces, the context's ids afterwards, sampled ids)."""
+    m.reset()
+    ids = list(prompt) if isinstance(prompt, list) else m.tokenize(prompt, special=True)
+    sampler = Sampler(m.n_vocab, SamplingParams(**sampling))
+    logits = m.eval(ids)
+    sampler.accept(ids)
+    detok = m.tokenizer.detokenizer()
+    pieces, sampled, pending = [], [], ""
+    for i in range(max_tokens):
+        tok = sampler.sample(logits)
+        if m.tokenizer.is_eog(tok):
+            break
+        sampler.accept(tok)
+        sampled.append(tok)
+        pending += detok.push(tok)
+        if stops:
+            at, hold = find_stop(pending, list(stops))
+            if at >= 0:
+                if at:
+                    pieces.append(pending[:at])
+                return pieces, m.tokens, sampled
+            out, pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
+        else:
+            out, pending = pending, ""
+        if out:
+            pieces.append(out)
+        if i + 1 == max_tokens or m.n_past >= m.n_ctx:
+            break
+        logits = m.eval([tok])
+    pending += detok.flush()
+    if pending:
+        pieces.append(pending)
+    return pieces, m.tokens, sampled
+
+
+CASES = [
+    dict(prompt=PROMPT, max_tokens=40, temperature=0),
+    dict(prompt=PROMPT, max_tokens=48, temperature=0.9, seed=7, repeat_penalty=1.3, frequency_penalty=0.2,
+         presence_penalty=0.1),
+    dict(prompt="Once upon a time", max_tokens=64, temperature=1.2, top_k=0, top_p=0.9, min_p=0.0, seed=123,
+         stops=(" the ", "\n\n")),
+    dict(prompt="Once upon a time", max_tokens=64, temperature=0.7, seed=2**40 + 5, stops=("xyzzy", "ing")),
+    dict(prompt=CHAT, max_tokens=64, temperature=0),  # ends on <|im_end|>
+    dict(prompt=CHAT, max_tokens=64, temperature=0.8, seed=3, stops=("<|im_end|>",)),
+    dict(prompt=PROMPT, max_tokens=0, temperature=0),
+    dict(prompt=PROMPT, max_tokens=1, temperature=0.8, seed=11),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+def test_native_loop_equals_the_python_loop(model, case):
+    case = dict(case)
+    prompt, max_tokens, stops = case.pop("prompt"), case.pop("max_tokens"), case.pop("stops", ())
+    want_pieces, want_ctx, want_sampled = python_loop(model, prompt, max_tokens, stops, **case)
+    model.reset()
+    pieces = list(model.stream(prompt, max_tokens=max_tokens, stop=list(stops) or None, **case))
+    assert pieces == want_pieces
+    assert all(isinstance(p, str) and p for p in pieces)
+    assert model.tokens == want_ctx and model.n_past == len(want_ctx)
+    st = model.last_stats
+    n_prompt = len(model.tokenize(prompt, special=True))
+    assert st["prompt_tokens"] == st["prompt_evaluated"] == n_prompt
+    assert st["gen_tokens"] == len(want_sampled)
+    assert st["busy_s"] >= 0
+
+
+def test_context_full_equals_the_python_loop(smollm2_path):
+    with optiml.Model(smollm2_path, n_ctx=16, n_threads=2) as m:
+        want_pieces, want_ctx, _ = python_loop(m, PROMPT, 100, temperature=0.8, seed=5)
+        m.reset()
+        assert list(m.stream(PROMPT, max_tokens=100, temperature=0.8, seed=5)) == want_pieces
+        assert m.tokens == want_ctx and m.n_past == 16
+
+
+def test_chat_equals_the_python_loop(model):
+    model.reset()
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    answer = model.chat(msgs, temperature=0.8, seed=4, max_tokens=40)
+    ids = model.chat_prompt(msgs)
+    assert ids == model.tokens[: len(ids)]
+    pieces, _, _ = python_loop(model, ids, 40, model.chat_template.stop, temperature=0.8, seed=4)
+    assert answer == "".join(pieces)
+
+
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_abandoned_stream_leaves_the_context_right(model, how):
+    _, _, sampled = python_loop(model, PROMPT, 30, temperature=0)
+    model.reset()
+    it = model.stream(PROMPT, max_tokens=30, temperature=0)
+    got = [next(it) for _ in range(3)]  # three tokens of plain English: three pieces
+    assert "".join(got) == model.detokenize(sampled[:3])
+    if how == "close":
+        it.close()
+    else:
+        del it
+        gc.collect()
+    # The third token was sampled but never run: the context holds the prompt and two tokens.
+    assert model.tokens == PROMPT_IDS + sampled[:2] and model.n_past == 7
+    model.eval([sampled[2]])  # the model is free again
+    assert model.n_past == 8
+    # The next generation reuses the cached prompt and continues exactly as a fresh one.
+    assert model.generate(PROMPT, max_tokens=30, temperature=0) == model.detokenize(sampled)
+    assert model.last_stats["prompt_evaluated"] == 1
+
+
+def test_closing_the_model_mid_stream(smollm2_path):
+    m = optiml.Model(smollm2_path, n_ctx=64, n_threads=2)
+    it = m.stream(PROMPT, max_tokens=10, temperature=0)
+    first = next(it)
+    m.close()
+    rest = "".join(it)  # the stream keeps its context alive and finishes
+    assert (first + rest).startswith(" Paris.")
+    with pytest.raises(optiml.OptimlError, match="closed"):
+        m.generate(PROMPT)
+
+
+def _generator(m, ids, n_cached=0, max_tokens=16, stops=(), **sampling):
+    sampler = Sampler(m.n_vocab, **sampling)
+    return _core.Generator(m._session, m.tokenizer._t, sampler._s, np.array(ids, np.int32), n_cached, max_tokens,
+                           [s.encode() for s in stops])
+
+
+def test_run_to_end_equals_iteration(model):
+    ids = model.tokenize("Once upon a time")
+    model.reset()
+    a = "".join(_generator(model, ids, max_tokens=40, temperature=0.9, seed=9))
+    model.reset()
+    g = _generator(model, ids, max_tokens=40, temperature=0.9, seed=9)
+    assert g.run_to_end() == a and g.finished
+    n = len(g.tokens)
+    assert g.stats["gen_tokens"] == n and 0 < n <= 40
+    assert g.n_evaluated == (n - 1 if n == 40 else n)  # the last token runs only when an EOG token followed it
+    assert g.context_tokens == ids + g.tokens[: g.n_evaluated] and model.n_past == len(ids) + g.n_evaluated
+    with pytest.raises(StopIteration):
+        next(g)
+
+
+def test_generator_errors(model):
+    model.reset()
+    with pytest.raises(optiml.ArgumentError, match="n_cached"):
+        _generator(model, PROMPT_IDS, n_cached=3)  # the context holds nothing
+    with pytest.raises(optiml.ArgumentError, match="n_cached"):
+        _generator(model, PROMPT_IDS, n_cached=5)
+    with pytest.raises(optiml.ArgumentError, match="empty"):
+        _generator(model, [])
+    with pytest.raises(optiml.ArgumentError, match="stop"):
+        _generator(model, PROMPT_IDS, stops=("",))
+    with pytest.raises(optiml.ArgumentError, match="max_tokens"):
+        _generator(model, PROMPT_IDS, max_tokens=-1)
+    with pytest.raises(optiml.ArgumentError, match="sampler"):
+        _core.Generator(model._session, model.tokenizer._t, _core.Sampler(10, 0.8, 40, 0.95, 0.05, 1.0, 64, 0, 0, 1),
+                        np.array(PROMPT_IDS, np.int32), 0, 4, [])
+    g = _generator(model, list(range(100, 600)) + [1] * 20)  # 520 tokens, n_ctx 512
+    with pytest.raises(optiml.ContextOverflowError, match="n_ctx=512"):
+        next(g)
+    with pytest.raises(StopIteration):  # a failed generator is finished
+        next(g)
+    assert g.context_tokens == [] and model.n_past == 0
+
+
+def test_steps_release_the_gil_and_refuse_a_second_thread(model):
+    model.reset()
+    g = _generator(model, PROMPT_IDS, max_tokens=200, temperature=0.8, seed=1)
+    refused = []
+
+    def poke():
+        # Can only run while the main thread is inside a step if that step released the GIL.
+        while not refused:
+            try:
+                if g.finished:
+                    return
+            except optiml.OptimlError as e:
+                refused.append(str(e))
+
+    t = threading.Thread(target=poke)
+    t.start()
+    g.run_to_end()
+    t.join()
+    assert refused and "another thread" in refused[0]
