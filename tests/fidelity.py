@@ -120,16 +120,19 @@ def teacher_forced_greedy(model, llm, prompt: list[int], theirs: list[int]) -> d
     return {"disagree": bad, "decided": int(decided.sum())}
 
 
-def first_divergence_is_a_near_tie(model, prompt: list[int], ours: list[int], theirs: list[int],
+def first_divergence_is_a_near_tie(model, llm, prompt: list[int], ours: list[int], theirs: list[int],
                                    their_gaps: list[float]) -> tuple[bool, str]:
     """Our greedy tokens (generated step by step) against llama.cpp's: equal up to the first step where
-    they differ, and there one engine's top two logits (after the common prefix) are within TIE.
-    Returns (ok, explanation)."""
+    they differ, and there the choice is a coin toss: one engine's top two logits are within TIE, or
+    llama.cpp itself picks our token when it reads the same prefix as one batch (its batch and
+    single-token kernels round differently: on Gemma3 they disagree at a gap of 0.16). Returns (ok, why)."""
     d = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     if d is None:
         return True, "identical"
     model.reset()
     gap = float(top2_gap(model.eval(prompt + ours[:d])))
     model.reset()
-    why = f"step {d}: ours {ours[d]} (top-2 gap {gap:.4f}), llama.cpp {theirs[d]} (gap {their_gaps[d]:.4f})"
-    return min(gap, their_gaps[d]) <= TIE, why
+    batch = llama_cpp_logits(llm, prompt + ours[:d])[-1]
+    why = (f"step {d}: ours {ours[d]} (top-2 gap {gap:.4f}), llama.cpp {theirs[d]} (gap {their_gaps[d]:.4f}; "
+           f"{int(np.argmax(batch))} when read as a batch)")
+    return min(gap, their_gaps[d]) <= TIE or int(np.argmax(batch)) == ours[d], why
