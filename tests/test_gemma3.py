@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml import _core, cli
+from optiml import _core
 
+import fidelity
 from conftest import shared_eval_text
 
 torch = pytest.importorskip("torch")
@@ -83,11 +84,11 @@ def test_long_context_past_the_window(tiny):
     assert rel_err(ours[-20:], ref[-20:]) < 1e-4, name
 
 
-# The real model against llama.cpp (shared/eval/REFERENCE.md).
+# The real model against llama.cpp (llama-cpp-python, run live) and transformers f32 on its dequantized
+# weights; no stored generated tokens (see fidelity.py).
 PROMPT = "The capital of France is"
-PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]
-GREEDY_32 = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 236761, 1030,
-             563, 506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528]
+PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]  # the tokenizer's answer (llama.cpp's too), BOS added
+N_CTX, N_WINDOWS = 256, 2
 
 
 @pytest.fixture(scope="module")
@@ -96,32 +97,68 @@ def gemma3(gemma3_path):
         yield m
 
 
+@pytest.fixture(scope="module")
+def llm(gemma3_path):
+    pytest.importorskip("llama_cpp")
+    peer = fidelity.load_llama_cpp(gemma3_path, 512)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def llama_greedy(llm):
+    """llama.cpp's 32 greedy tokens after the prompt, computed here, and its top-2 gaps."""
+    return fidelity.llama_cpp_greedy(llm, PROMPT_IDS, 32)
+
+
 def test_prompt_ids_equal_llama_cpp(gemma3):
     assert gemma3.tokenize(PROMPT) == PROMPT_IDS  # BOS added
 
 
-def test_greedy_32_equal_llama_cpp(gemma3):
+def test_greedy_agrees_with_llama_cpp_teacher_forced(gemma3, llm, llama_greedy):
+    r = fidelity.teacher_forced_greedy(gemma3, llm, PROMPT_IDS, llama_greedy[0])
+    assert r["disagree"] == [], r["disagree"]  # (step, ours, theirs, our top-2 gap, theirs)
+    assert r["decided"] >= 24
+
+
+def test_generate_text_follows_llama_cpp(gemma3, llm, llama_greedy):
     gemma3.reset()
     logits = gemma3.eval(PROMPT_IDS)
-    out = []
+    ours = []
     for _ in range(32):
-        out.append(int(np.argmax(logits)))
-        logits = gemma3.eval([out[-1]])
-    assert out == GREEDY_32
-
-
-def test_generate_text(gemma3):
+        ours.append(int(np.argmax(logits)))
+        logits = gemma3.eval([ours[-1]])
+    gemma3.reset()
     text = gemma3.generate(PROMPT, max_tokens=32, temperature=0)
-    assert text == gemma3.detokenize(GREEDY_32)
+    assert text == gemma3.detokenize(ours)
     assert text.startswith(" the capital of the country of France.")
+    ok, why = fidelity.first_divergence_is_a_near_tie(gemma3, llm, PROMPT_IDS, ours, *llama_greedy)
+    assert ok, why
 
 
-def test_perplexity_within_one_percent_of_llama_cpp(gemma3_path):
-    text = shared_eval_text()
-    with optiml.Model(gemma3_path, n_ctx=256, n_threads=2) as m:
-        ppl, err, count = cli.perplexity(m, text, 256)
-    assert abs(ppl - 23.82) / 23.82 < 0.01, ppl
-    assert abs(err - 0.92) < 0.05
+@pytest.fixture(scope="module")
+def kld(gemma3_path, gemma3, llm):
+    windows = fidelity.text_windows(gemma3, shared_eval_text(), N_CTX, N_WINDOWS)
+    assert all(w[0] == 2 for w in windows)  # BOS in front of every window, as llama.cpp's perplexity
+    return fidelity.kld_against_transformers(gemma3_path, gemma3, llm, windows)
+
+
+def test_kl_divergence_against_transformers_within_llama_cpp(kld):
+    """llama.cpp's own KLD against transformers f32 on these tokens is the bar (0.0048 on the whole text,
+    REFERENCE.md): ours at most 10% above it; same top token >= 95%, or within one point of llama.cpp's
+    rate where llama.cpp itself is under 95% on these 512 tokens (Gemma3: 93.8% on the text's first two
+    windows, 94.7% over six; REFERENCE.md's 95.5% is over the whole text's second halves)."""
+    ours, theirs = kld["ours"], kld["llama.cpp"]
+    assert ours["n"] == N_CTX * N_WINDOWS
+    assert theirs["kld"] < 0.008, theirs  # the oracle is sound: llama.cpp lands near its reference figure
+    assert ours["kld"] <= 1.1 * theirs["kld"], (ours, theirs)
+    assert ours["same_top"] >= min(0.95, theirs["same_top"] - 0.01), (ours, theirs)
+
+
+def test_perplexity_within_one_percent_of_llama_cpp(kld):
+    """The windows' second halves (llama.cpp's convention) against llama.cpp on the same tokens; the
+    whole-text figure (23.82 at ctx 256) is tools/bench_perplexity.py's."""
+    assert abs(kld["ours"]["ppl"] / kld["llama.cpp"]["ppl"] - 1) < 0.01, kld
 
 
 # ---- optiml convert on a Gemma3ForCausalLM checkpoint ---------------------------------------------

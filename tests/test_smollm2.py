@@ -1,5 +1,6 @@
-"""The real SmolLM2-135M-Instruct Q4_1 GGUF against llama.cpp's figures (shared/eval/REFERENCE.md), and
-the Model API and CLI on it."""
+"""The real SmolLM2-135M-Instruct Q4_1 GGUF against llama.cpp (llama-cpp-python, run live here) and
+transformers float32 on its dequantized weights, and the Model API and CLI on it. No stored generated
+tokens: at a near-tie the SIMD level picks the token (see fidelity.py)."""
 
 import numpy as np
 import pytest
@@ -7,15 +8,12 @@ import pytest
 import optiml
 from optiml import cli
 
+import fidelity
 from conftest import shared_eval_text
 
 PROMPT = "The capital of France is"
-PROMPT_IDS = [504, 3575, 282, 4649, 314]
-GREEDY_32 = [7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33, 2215, 701, 30, 198,
-             198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33]
-GREEDY_TEXT = (" Paris.\n\nThe United States has a population of approximately 311 million people.\n\n"
-               "The United States has a population of approximately 31")
-TOP5 = ["Paris", "the", "London", "New", "La"]  # llama.cpp's first-step top 5, in order
+PROMPT_IDS = [504, 3575, 282, 4649, 314]  # the tokenizer's answer (llama.cpp's too): no SIMD involved
+N_CTX, N_WINDOWS = 256, 2  # the fidelity windows: 512 tokens of shared/eval's text
 
 
 @pytest.fixture(scope="module")
@@ -24,41 +22,86 @@ def model(smollm2_path):
         yield m
 
 
-def test_prompt_ids_equal_llama_cpp(model):
-    assert model.tokenize(PROMPT) == PROMPT_IDS  # SmolLM2 adds no BOS
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    pytest.importorskip("llama_cpp")
+    peer = fidelity.load_llama_cpp(smollm2_path, 512)
+    yield peer
+    peer.close()
 
 
-def test_greedy_32_equal_llama_cpp(model):
+@pytest.fixture(scope="module")
+def llama_greedy(llm):
+    """llama.cpp's 32 greedy tokens after the prompt, computed here, and its top-2 gaps."""
+    return fidelity.llama_cpp_greedy(llm, PROMPT_IDS, 32)
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    """Our 32 greedy tokens (argmax step by step) and their text: what generate/run/stop must reproduce."""
     model.reset()
     logits = model.eval(PROMPT_IDS)
     out = []
     for _ in range(32):
         out.append(int(np.argmax(logits)))
         logits = model.eval([out[-1]])
-    assert out == GREEDY_32
-    assert model.detokenize(out) == GREEDY_TEXT
-
-
-def test_generate_greedy_text_equals_llama_cpp(model):
-    assert model.generate(PROMPT, max_tokens=32, temperature=0) == GREEDY_TEXT
-
-
-def test_first_step_top5_equal_llama_cpp(model):
     model.reset()
-    logits = model.eval(PROMPT_IDS)
-    top = np.argsort(-logits)[:5]
-    assert [model.detokenize([int(t)]).strip() for t in top] == TOP5
-    # Values land near llama.cpp's (Paris 17.344, the 14.804): both quantize activations to 8 bits.
-    assert abs(logits[top[0]] - 17.344) < 0.3 and abs(logits[top[1]] - 14.804) < 0.3
+    return out, model.detokenize(out)
 
 
-def test_perplexity_within_one_percent_of_llama_cpp(smollm2_path):
-    text = shared_eval_text()
-    with optiml.Model(smollm2_path, n_ctx=256, n_threads=2) as m:
-        ppl, err, count = cli.perplexity(m, text, 256)
-    assert abs(ppl - 24.72) / 24.72 < 0.01, ppl
-    assert abs(err - 0.94) < 0.05
-    assert count == 47 * 127
+def test_prompt_ids_equal_llama_cpp(model):
+    assert model.tokenize(PROMPT) == PROMPT_IDS  # SmolLM2 adds no BOS
+
+
+def test_greedy_agrees_with_llama_cpp_teacher_forced(model, llm, llama_greedy):
+    theirs = llama_greedy[0]
+    r = fidelity.teacher_forced_greedy(model, llm, PROMPT_IDS, theirs)
+    assert r["disagree"] == [], r["disagree"]  # (step, ours, theirs, our top-2 gap, theirs)
+    assert r["decided"] >= 24  # near-ties are rare: the check is not vacuous
+    assert llm.detokenize(theirs).decode().startswith(" Paris.")
+
+
+def test_generate_greedy_text_follows_llama_cpp(model, llm, greedy, llama_greedy):
+    ours, text = greedy
+    assert model.generate(PROMPT, max_tokens=32, temperature=0) == text
+    ok, why = fidelity.first_divergence_is_a_near_tie(model, llm, PROMPT_IDS, ours, *llama_greedy)
+    assert ok, why
+
+
+def test_first_step_top5_near_llama_cpp(model, llm):
+    model.reset()
+    ours = model.eval(PROMPT_IDS)
+    theirs = fidelity.llama_cpp_logits(llm, PROMPT_IDS)[-1]
+    top = np.argsort(-theirs)[:5]
+    assert int(np.argmax(ours)) == top[0] and model.detokenize([int(top[0])]) == " Paris"
+    # Both quantize activations to 8 bits: the logits land close (llama.cpp's Paris 17.34, the 14.80, ...).
+    assert np.abs(ours[top] - theirs[top]).max() < 0.3
+
+
+@pytest.fixture(scope="module")
+def kld(smollm2_path, model, llm):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    windows = fidelity.text_windows(model, shared_eval_text(), N_CTX, N_WINDOWS)
+    return fidelity.kld_against_transformers(smollm2_path, model, llm, windows)
+
+
+def test_kl_divergence_against_transformers_within_llama_cpp(kld):
+    """llama.cpp's own KLD against transformers f32 on these tokens is the bar (0.0031 on the whole text,
+    REFERENCE.md): ours at most 10% above it; same top token >= 95%, or within one point of llama.cpp's
+    rate where llama.cpp itself is under 95% on these 512 tokens (Gemma3: 93.8% on the text's first two
+    windows, 94.7% over six; REFERENCE.md's 95.5% is over the whole text's second halves)."""
+    ours, theirs = kld["ours"], kld["llama.cpp"]
+    assert ours["n"] == N_CTX * N_WINDOWS
+    assert theirs["kld"] < 0.006, theirs  # the oracle is sound: llama.cpp lands near its reference figure
+    assert ours["kld"] <= 1.1 * theirs["kld"], (ours, theirs)
+    assert ours["same_top"] >= min(0.95, theirs["same_top"] - 0.01), (ours, theirs)
+
+
+def test_perplexity_within_one_percent_of_llama_cpp(kld):
+    """Perplexity of the windows' second halves (llama.cpp's convention), against llama.cpp's on the same
+    tokens. The whole-text figure (24.72 at ctx 256) is tools/bench_perplexity.py's."""
+    assert abs(kld["ours"]["ppl"] / kld["llama.cpp"]["ppl"] - 1) < 0.01, kld
 
 
 def test_stream_pieces_join_to_generate(model):
@@ -68,11 +111,14 @@ def test_stream_pieces_join_to_generate(model):
     assert "".join(pieces) == again  # same seed, same text; the prompt prefix is reused from cache
 
 
-def test_stop_strings_end_generation(model):
+def test_stop_strings_end_generation(model, greedy):
+    full = greedy[1]
+    assert "\n\n" in full  # " Paris.\n\n...": the first steps are far from any tie
     text = model.generate(PROMPT, max_tokens=32, temperature=0, stop=["\n\n"])
-    assert text == " Paris."
-    text = model.generate(PROMPT, max_tokens=32, temperature=0, stop=["population", "xyz"])
-    assert text == " Paris.\n\nThe United States has a "
+    assert text == full[: full.index("\n\n")]
+    word = full[len(full) // 2 :].split()[0]  # a word from the middle of the greedy text
+    text = model.generate(PROMPT, max_tokens=32, temperature=0, stop=[word, "xyz"])
+    assert text == full[: full.index(word)]
 
 
 def test_eos_ends_a_chat_turn(model):
@@ -137,9 +183,9 @@ def test_one_model_used_from_two_threads_is_refused(model):
     model.eval([1])  # free again
 
 
-def test_cli_run_tokenize_info_bench(smollm2_path, capsys):
+def test_cli_run_tokenize_info_bench(smollm2_path, greedy, capsys):
     assert cli.main(["run", "-m", str(smollm2_path), "-p", PROMPT, "-n", "32", "--temp", "0", "-t", "2"]) == 0
-    assert capsys.readouterr().out == GREEDY_TEXT + "\n"
+    assert capsys.readouterr().out == greedy[1] + "\n"
     assert cli.main(["tokenize", "-m", str(smollm2_path), "-p", PROMPT, "--ids"]) == 0
     assert capsys.readouterr().out.strip() == str(PROMPT_IDS)
     assert cli.main(["info", str(smollm2_path)]) == 0

@@ -5,6 +5,8 @@
     optiml run -m MODEL.gguf -p "The capital of France is" -n 32
     optiml bench -m MODEL.gguf -t 2
     optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
+    optiml perplexity -m BASE.gguf -f text.txt --ctx 256 --kl-divergence-base base.kld    # save the base
+    optiml perplexity -m OTHER.gguf --kl-divergence-base base.kld --kl-divergence        # KLD against it
     optiml tokenize -m MODEL.gguf -p "Hello world"
     optiml info MODEL.gguf [--plot curves.png] [--stats STATS.npz]
     optiml convert HF_DIR -o OUT.gguf --type q4_k_m
@@ -160,54 +162,45 @@ def cmd_bench(args) -> int:
 
 
 # ---- perplexity -----------------------------------------------------------------------------------
-def perplexity(model, text: str, n_ctx: int, n_chunks: int = -1, progress=None) -> tuple[float, float, int]:
-    """Perplexity with llama.cpp's convention: the text is cut into non-overlapping windows of n_ctx
-    tokens (BOS replacing each window's first token when the model adds BOS), each window is run from
-    an empty context, and only its second half is scored. Returns (ppl, its standard error, tokens scored).
-    `progress(i, n, ppl)` is called after each window."""
-    tokens = model.tokenize(text, add_bos=True)
-    add_bos = model.tokenizer.add_bos
-    n_max = len(tokens) // n_ctx
-    n = n_max if n_chunks < 0 else min(n_chunks, n_max)
-    if n == 0:
-        raise OptimlError(f"the text has {len(tokens)} tokens, fewer than one window of {n_ctx} (use a smaller --ctx)")
-    first = n_ctx // 2
-    nll = nll2 = 0.0
-    count = 0
-    for i in range(n):
-        window = tokens[i * n_ctx : (i + 1) * n_ctx]
-        if add_bos:
-            window[0] = model.tokenizer.bos_id
-        model.reset()
-        logits = model.eval(window, all_logits=True).astype(np.float64)
-        rows = logits[first : n_ctx - 1]
-        targets = np.asarray(window[first + 1 : n_ctx])
-        mx = rows.max(axis=1, keepdims=True)
-        logz = np.log(np.exp(rows - mx).sum(axis=1)) + mx[:, 0]
-        nl = logz - rows[np.arange(len(targets)), targets]
-        nll += nl.sum()
-        nll2 += (nl * nl).sum()
-        count += len(targets)
-        if progress:
-            progress(i + 1, n, math.exp(nll / count))
-    model.reset()
-    mean = nll / count
-    ppl = math.exp(mean)
-    var = nll2 / count - mean * mean
-    err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
-    return ppl, err, count
+from .perplexity import perplexity  # noqa: E402  (the logic lives in optiml.perplexity; kept here for old callers)
 
 
 def cmd_perplexity(args) -> int:
-    m = _load(args)
+    from . import perplexity as px
+
+    def progress(i, n, x):
+        print(f"[{i}]{x:.4f},", end=" " if i < n else "\n", flush=True)
+
+    t0 = time.perf_counter()
+    if args.kl_divergence:
+        if not args.kl_divergence_base:
+            raise OptimlError("--kl-divergence compares against a saved base: give --kl-divergence-base FILE")
+        base = px.read_base(args.kl_divergence_base)
+        if args.ctx is not None and args.ctx != base.n_ctx:
+            raise OptimlError(f"the base was written with --ctx {base.n_ctx}; leave --ctx out or give {base.n_ctx}")
+        m = _load(args, n_ctx=base.n_ctx)
+        if args.file:
+            with open(args.file, encoding="utf-8", errors="replace") as f:
+                ws = px.windows(m, f.read(), base.n_ctx, base.n_chunks)
+            if len(ws) < base.n_chunks or any(w != base.window(i) for i, w in enumerate(ws)):
+                raise OptimlError(f"{args.file} does not tokenize to the base's tokens with this model "
+                                  "(the base stores its tokens: -f can be left out)")
+        print(f"comparing with {base.path} ({base.model}, {base.n_chunks} windows of {base.n_ctx}); mean KLD:",
+              file=sys.stderr)
+        r = px.compare(base, m, args.chunks, progress)
+        print(f"{r.n} tokens scored in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(r.format())
+        return 0
+    if not args.file:
+        raise OptimlError("give the text with -f FILE")
+    m = _load(args, n_ctx=512 if args.ctx is None else args.ctx)
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    t0 = time.perf_counter()
-
-    def progress(i, n, ppl):
-        print(f"[{i}]{ppl:.4f},", end=" " if i < n else "\n", flush=True)
-
-    ppl, err, count = perplexity(m, text, m.n_ctx, args.chunks, progress)
+    if args.kl_divergence_base:
+        ppl, err, count = px.save_base(args.kl_divergence_base, m, text, m.n_ctx, args.chunks, args.kl_top_k, progress)
+        print(f"saved the log-probs of {count} tokens to {args.kl_divergence_base}", file=sys.stderr)
+    else:
+        ppl, err, count = px.perplexity(m, text, m.n_ctx, args.chunks, progress)
     print(f"{count} tokens scored in {time.perf_counter() - t0:.1f} s (n_ctx={m.n_ctx})", file=sys.stderr)
     print(f"PPL = {ppl:.4f} +/- {err:.4f}")
     return 0
@@ -503,10 +496,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's convention)")
-    _add_model_args(p, ctx_default=512)
-    p.add_argument("-f", "--file", required=True, help="text file")
+    p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's convention); KL divergence "
+                       "against a saved base model")
+    _add_model_args(p)
+    p.add_argument("-f", "--file", help="text file (needed except with --kl-divergence, which reads the base's tokens)")
     p.add_argument("--chunks", type=int, default=-1, help="windows to score (default: all)")
+    p.add_argument("--kl-divergence-base", metavar="FILE",
+                   help="without --kl-divergence: save this model's log-probs of the scored tokens to FILE; "
+                        "with it: the base to compare against")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="compare this model (or this --sparsity) with the base: KLD mean and percentiles, "
+                        "same top token %%, delta PPL")
+    p.add_argument("--kl-top-k", type=int, default=0, metavar="K",
+                   help="save only the K most likely tokens per position (a smaller file; the KLD becomes a "
+                        "lower bound); default 0: the full distribution, 2 bytes per vocabulary entry")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("tokenize", help="show the tokens of a text")
