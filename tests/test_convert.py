@@ -16,6 +16,7 @@ import gguf  # noqa: E402
 import optiml  # noqa: E402
 from optiml import cli  # noqa: E402
 from optiml.convert import ConvertError, convert  # noqa: E402
+from optiml.convert import pre_tokenizers as PT  # noqa: E402
 from optiml.convert.tokenizer import _pre_tokenizer_name  # noqa: E402
 
 from test_model_hf import BASE, rel_err  # noqa: E402
@@ -137,7 +138,7 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
     assert f["general.architecture"] == arch
     assert f["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert f[f"{arch}.block_count"] == 3 and f[f"{arch}.attention.head_count_kv"] == model.config.num_key_value_heads
-    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt2"
+    assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"  # llama.cpp's spelling
     assert f["tokenizer.ggml.eos_token_id"] == 0 and f["tokenizer.ggml.bos_token_id"] == 1
     assert len(f["tokenizer.ggml.tokens"]) == model.config.vocab_size
     assert f["tokenizer.ggml.token_type"][0] == 3 and f["tokenizer.ggml.tokens"][-1] == "[PAD299]"
@@ -146,6 +147,74 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
     assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
     assert ("output.weight" in types) == (not model.config.tie_word_embeddings)
     assert ("rope_freqs.weight" in types) == (name == "llama3-rope")
+
+
+# ---- llama.cpp runs what the converter writes -------------------------------------------------
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("llama_cpp (llama-cpp-python) is not importable")
+        pytest.skip("llama_cpp (llama-cpp-python) is not installed")
+    return llama_cpp
+
+
+TIE_GAP = 0.05  # positions where llama.cpp's top two logits are closer than this may go either way
+
+
+def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
+    """llama.cpp's greedy continuation of `prompt` (text) on the file, then both engines scored on it
+    (teacher forcing): OptiML's prompt tokens equal llama.cpp's and its argmax equals llama.cpp's greedy
+    token at every step where llama.cpp's top two logits are at least TIE_GAP apart. Returns (steps that
+    disagree, max |logit difference| / logit spread, the greedy ids)."""
+    llama_cpp = _llama_cpp()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2)
+    try:
+        ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        llm.eval(ids)
+        for _ in range(n):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        seq = [int(t) for t in llm.eval_tokens]
+        ref = np.array(llm.scores[: len(seq)], dtype=np.float32)
+    finally:
+        llm.close()
+    with optiml.Model(path, n_ctx=n_ctx, n_threads=2) as m:
+        assert m.tokenize(prompt, special=True) == ids
+        ours = m.eval(seq, all_logits=True)
+    ref, ours, want = ref[len(ids) - 1:-1], ours[len(ids) - 1:-1], seq[len(ids):]
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    bad = [i for i in range(n) if int(np.argmax(ours[i])) != want[i] and top2[i, 1] - top2[i, 0] >= TIE_GAP]
+    rel = float((np.abs(ours - ref).max(1) / (ref.max(1) - ref.min(1))).max())
+    return bad, rel, seq
+
+
+@pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "gemma3"])
+def arch_folder(request, tmp_path_factory, tiny_tokenizer):
+    """A tiny checkpoint of each architecture the converter writes: llama as SmolLM2 lays it out (tied;
+    such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, and
+    gemma3 (7 layers: sliding and global ones)."""
+    if request.param == "gemma3":
+        from test_gemma3 import make_model as make_gemma3
+
+        model = make_gemma3("mqa-untied-7-layers")
+        with torch.no_grad():  # logits peaked enough that greedy steps are rarely coin tosses
+            model.lm_head.weight.mul_(10.0)
+    else:
+        model = make_model(request.param)
+    return request.param, save_folder(model, tmp_path_factory.mktemp(request.param) / "hf", tiny_tokenizer)
+
+
+@pytest.mark.parametrize("qtype", ["f16", "q8_0", "q4_1", "q4_k_m"])
+def test_llama_cpp_runs_converted_files(arch_folder, tmp_path, qtype):
+    """Every file the converter writes loads in llama.cpp, tokenizes as OptiML does and gives OptiML's
+    greedy tokens (near-ties aside)."""
+    name, d = arch_folder
+    out = convert(d, tmp_path / "m.gguf", type=qtype)
+    for prompt in ("The capital of France is", "1234 numbers, and more"):
+        bad, rel, _ = llama_cpp_greedy_agrees(out, prompt)
+        assert bad == [], (name, qtype, prompt, bad)
+        assert rel < 0.02, (name, qtype, prompt, rel)
 
 
 # ---- sharded and bf16 checkpoints --------------------------------------------------------------
@@ -197,6 +266,34 @@ def test_smollm2_f32_logits_match_transformers(smol_hf):
     with optiml.Model(out, n_ctx=64, n_threads=2, kv_type="f32") as m:
         ours = m.eval(ids, all_logits=True)
     assert rel_err(ours, ref) < 1e-4
+
+
+def test_smollm2_q8_0_runs_in_llama_cpp(smol_hf, smollm2_path, tmp_path):
+    """The converted SmolLM2 loads in llama.cpp and gives OptiML's greedy text. The folder's
+    tokenizer.json comes from transformers' reading of the GGUF (plain GPT-2 splitting); given the
+    pre-tokenizer of SmolLM2's own tokenizer.json (each digit alone) it becomes "smollm", and llama.cpp
+    then tokenizes it as it tokenizes llama.cpp's own SmolLM2 file."""
+    llama_cpp = _llama_cpp()
+    _, hf, _ = smol_hf
+    d = tmp_path / "hf"
+    shutil.copytree(hf, d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    out = convert(d, tmp_path / "smol.q8_0.gguf", type="q8_0")
+    assert gguf.GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == "smollm"
+    bad, _, seq = llama_cpp_greedy_agrees(out, "The capital of France is", n=32)
+    assert bad == []
+    with optiml.Model(out, n_threads=1) as m:
+        assert m.detokenize(seq[5:]).startswith(" Paris")
+    text = b"In 1888, 12345 + 678 = 13023 people met at 221B Baker Street."
+    ref = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=64, verbose=False, vocab_only=True)
+    ours = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False, vocab_only=True)
+    assert ours.tokenize(text, add_bos=False) == ref.tokenize(text, add_bos=False)
+    ref.close()
+    ours.close()
 
 
 @pytest.mark.parametrize("text", ["The capital of France is", "Hello world! 12345 + 678 = ?\n\n  indented\ttabs",
@@ -268,16 +365,88 @@ def test_pre_tokenizer_names():
     digits = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
                                                      {"type": "ByteLevel", "use_regex": True}]}
     assert _pre_tokenizer_name(digits, "t") == "smollm"
-    assert _pre_tokenizer_name({"type": "ByteLevel", "use_regex": True}, "t") == "gpt2"
-    for model, want in (("Qwen/Qwen2", "qwen2"), ("meta/llama3", "llama-bpe")):
-        from optiml.convert import tokenizer as T
+    assert _pre_tokenizer_name({"type": "ByteLevel", "use_regex": True}, "t") == "gpt-2"
+    for regex, want in ((PT.QWEN2_HF_RE, "qwen2"), (PT.LLAMA3_HF_RE, "llama-bpe")):
+        pre = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
+        assert _pre_tokenizer_name(pre, "t") == want
+    for bad in ({"type": "Whitespace"}, {"type": "ByteLevel", "add_prefix_space": True},
+                {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": False},
+                                                       {"type": "ByteLevel"}]}):
+        with pytest.raises(ConvertError, match="pre-tokenizer .* supported: GPT-2 byte level \\(gpt-2\\)"):
+            _pre_tokenizer_name(bad, "t")
 
-        regex = T._QWEN2_RE if want == "qwen2" else T._LLAMA3_RE
-        pre = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": regex}},
-                                                     {"type": "ByteLevel", "use_regex": False}]}
-        assert _pre_tokenizer_name(pre, "t") == want, model
-    with pytest.raises(ConvertError, match="pre-tokenizer"):
-        _pre_tokenizer_name({"type": "Whitespace"}, "t")
+
+def _hf_pre_tokenizer(entry):
+    """A tokenizers pre-tokenizer built from a table entry's steps (so the test covers the table)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    steps = []
+    for kind, detail in entry.steps:
+        if kind == "ByteLevel":
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=detail == "regex"))
+        elif kind == "Digits":
+            steps.append(pre_tokenizers.Digits(individual_digits=detail == "each"))
+        else:
+            steps.append(pre_tokenizers.Split(Regex(detail), behavior="isolated", invert=False))
+    return steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+
+
+def _llama_cpp_split(text, regexes):
+    """llama.cpp's splitting: each regex cuts every piece into its matches and the text between them."""
+    regex = pytest.importorskip("regex")
+    pieces = [text]
+    for r in regexes:
+        out = []
+        for p in pieces:
+            pos = 0
+            for m in regex.finditer(r, p):
+                out += [p[pos:m.start()]] if m.start() > pos else []
+                out += [m.group()] if m.end() > m.start() else []
+                pos = m.end()
+            out += [p[pos:]] if pos < len(p) else []
+        pieces = out
+    return pieces
+
+
+PRE_TEXTS = ["Hello world! It's 2024: 12345 + 678 = 13023.\n\n  indented\ttabs   trailing  ",
+             "I'M HERE, they'LL go; we'd've\r\n\r\nCafé naïve 東京 émoji 🚀 ١٢٣ x²",
+             " leading space\n   \n$$100,000.50 -- (a|b) <tag> __init__"]
+
+
+@pytest.mark.parametrize("entry", PT.PRE_TOKENIZERS, ids=lambda e: e.name)
+def test_pre_tokenizer_table_splits_as_tokenizers_and_llama_cpp(entry, tmp_path):
+    """Each table entry: the regexes it says llama.cpp runs split text as the tokenizers pre-tokenizer
+    it matches does; a model converted with it loads in llama.cpp (which refuses names it does not know)
+    and llama.cpp, OptiML and tokenizers give the same token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf_pre = _hf_pre_tokenizer(entry)
+    for text in PRE_TEXTS:
+        theirs = [text[a:b] for _, (a, b) in hf_pre.pre_tokenize_str(text)]
+        assert _llama_cpp_split(text, entry.regexes) == theirs, text
+
+    llama_cpp = _llama_cpp()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = hf_pre
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(PRE_TEXTS * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    d = tmp_path / "hf"
+    make_model("llama-gqa-tied").save_pretrained(d)
+    fast.save_pretrained(d)
+    out = convert(d, tmp_path / "m.gguf", type="f16")
+    assert gguf.GGUFReader(out).fields["tokenizer.ggml.pre"].contents() == entry.name
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False, n_threads=1)
+    with optiml.Model(out, n_ctx=64, n_threads=1) as m:
+        for text in PRE_TEXTS + ["The capital of France is 42"]:
+            want = fast(text, add_special_tokens=False)["input_ids"]
+            assert llm.tokenize(text.encode(), add_bos=False, special=False) == want, text
+            assert m.tokenize(text) == want, text
+    llm.close()
 
 
 def test_sentencepiece_tokenizer(tmp_path):

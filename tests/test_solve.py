@@ -342,7 +342,11 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
     fake = types.ModuleType("optiml.placement")
-    fake.write_placed = lambda model, stats, placement, out: seen.update(model=model, placement=placement, out=out)
+    def write_placed(model, stats, placement, out):
+        seen.update(model=model, placement=placement, out=out)
+        return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
+
+    fake.write_placed = write_placed
     monkeypatch.setitem(sys.modules, "optiml.placement", fake)
     out = tmp_path / "placed.gguf"
     rc = cli.main(["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "60MiB", "--hardware", str(hw),
@@ -351,3 +355,4 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     assert rc == 0, text.err
     assert "status Optimal" in text.out and "ms/token" in text.out
     assert seen["out"] == str(out) and seen["placement"].vram_used <= 60 * 2**20
+    assert "weights kept in their order" in text.out and "optiml.placement.neuron_order" in text.out

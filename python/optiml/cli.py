@@ -285,7 +285,13 @@ def _show_placement(f) -> dict | None:
     n_ff = _ffn_layout(f)[1]
     print()
     print(f"  placement (optiml.placement.*, v{pl.get('version')}): FFN neurons hot-first, "
-          f"layer l's GPU share is neurons [0, k_l)")
+          f"layer l's GPU share is placed neurons [0, k_l)")
+    if pl["form"] == "neuron_order":
+        print("  form: neuron_order: the weights keep the source's order (exact); optiml.placement.neuron_order "
+              "maps placed to stored neurons and the engine gathers at load")
+    else:
+        how = f"; v1 file: quantized down tensors requantized to {pl['down_type']}" if pl.get("down_type") else ""
+        print(f"  form: permuted: the FFN weights are stored in placed order{how}")
     print(f"  {'layer':>5}  {'k_l':>6} / {'n_ff':<6} {'share':>6}  {'coverage':>8}  {'GPU bytes':>13}  {'CPU bytes':>13}")
     for l, (kl, c, (g, cpu)) in enumerate(zip(k, cov, sizes)):
         print(f"  {l:5d}  {kl:6d} / {n_ff:<6d} {kl / n_ff:6.1%}  {c:8.1%}  {_mib(g)}  {_mib(cpu)}")
@@ -295,8 +301,7 @@ def _show_placement(f) -> dict | None:
           f"{sum(cov) / max(len(cov), 1):8.1%}  {_mib(gpu)}  {_mib(cpu)}   (coverage: mean of layers)")
     solver = pl.get("solver", {})
     print(f"  budget {_mib(pl.get('vram_budget', 0)).strip()}, used {_mib(pl.get('vram_used', 0)).strip()} "
-          f"(fixed {_mib(pl.get('fixed_bytes', 0)).strip()}), ctx {pl.get('ctx')}, group {pl.get('group_size')}, "
-          f"down tensors {pl.get('down_type')}")
+          f"(fixed {_mib(pl.get('fixed_bytes', 0)).strip()}), ctx {pl.get('ctx')}, group {pl.get('group_size')}")
     print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {solver.get('gap', 0):.3g}, "
           f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
     if pl.get("hardware"):
@@ -447,8 +452,13 @@ def cmd_solve(args) -> int:
     print(format_report(placement))
     from .placement import write_placed
 
-    write_placed(model, stats, placement, args.outfile)
-    print(f"wrote {args.outfile}")
+    res = write_placed(model, stats, placement, args.outfile)
+    if res["form"] == "permuted":
+        how = "FFN neurons permuted hot-first in the file"
+    else:
+        how = ("weights kept in their order (quantized down tensors cannot move a neuron's column exactly), "
+               "placed order in optiml.placement.neuron_order")
+    print(f"wrote {args.outfile}: {how}")
     return 0
 
 

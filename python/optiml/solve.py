@@ -12,7 +12,8 @@ What is placed
     of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants) that is
     >= the requested group, so a group's bytes are exact: g * (gate row + up row bytes) + g / block * (bytes of
     one block column of ffn_down). The last group is partial when g does not divide n_ff (counted exactly).
-    The GPU share of layer l is always a prefix: neurons [0, k_l) of the hot-first order.
+    The GPU share of layer l is always a prefix: placed neurons [0, k_l) of the hot-first order (optiml.placement
+    writes that order into the file exactly: permuted weights, or the weights as they are plus neuron_order).
 
 The program (per layer l; times in microseconds inside the solver)
     x_l in {0..G_l}  groups on the GPU          a_l in {0,1}: x_l >= 1  (x_l <= G_l a_l)

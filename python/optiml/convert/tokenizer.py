@@ -1,6 +1,6 @@
 """The HF tokenizer as llama.cpp's tokenizer.ggml.* metadata: byte-level BPE from tokenizer.json
-("gpt2", with merges and the pre-tokenizer's name) or SentencePiece from tokenizer.model ("llama"),
-plus special tokens and the chat template from tokenizer_config.json. Reads the files directly
+("gpt2", with merges; the pre-tokenizer's name from pre_tokenizers.py) or SentencePiece from
+tokenizer.model ("llama"), plus special tokens and the chat template from tokenizer_config.json. Reads the files directly
 (no transformers/tokenizers needed at conversion time)."""
 
 from __future__ import annotations
@@ -8,20 +8,11 @@ from __future__ import annotations
 import json
 import os
 
-from . import sentencepiece_model
+from . import pre_tokenizers, sentencepiece_model
 from .errors import ConvertError
 
 # gguf token types (llama.cpp's llama_token_type; SentencePiece uses the same numbers)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# The Split regexes of known byte-level tokenizers -> llama.cpp's pre-tokenizer name. llama.cpp hashes
-# the tokenization of a test text instead; matching the regex finds the same family without the
-# tokenizers package.
-_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLIT_PRE = {_LLAMA3_RE: "llama-bpe", _QWEN2_RE: "qwen2"}
 
 
 def _read_json(path: str) -> dict:
@@ -37,18 +28,7 @@ def _read_json(path: str) -> dict:
 
 def _pre_tokenizer_name(pre, path: str) -> str:
     """llama.cpp's tokenizer.ggml.pre for a tokenizer.json pre_tokenizer structure."""
-    steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
-    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
-        return "smollm"  # starcoder's family: each digit alone, then GPT-2 splitting
-    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
-        regex = (steps[0].get("pattern") or {}).get("Regex")
-        if regex in _SPLIT_PRE:
-            return _SPLIT_PRE[regex]
-    raise ConvertError(f"{path}: pre-tokenizer {json.dumps(pre)[:200]} is not one OptiML knows; supported: "
-                       "GPT-2 byte level, SmolLM/StarCoder (digits + byte level), Llama 3 and Qwen2 regexes")
+    return pre_tokenizers.find(pre, path).name
 
 
 def _looks_special(text: str) -> bool:
