@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     from optiml.models import resolve
 
     ok = True
-    print(f"| model | tokens | engine | PPL | KLD vs f32 | same top | seconds |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| model | tokens | engine | PPL | KLD vs f32 | same top | seconds |")
+    print("|---|---|---|---|---|---|---|")
     for name in a.models:
         r = run(resolve(name), text, a.ctx, a.chunks, a.kld)
         for eng in ("ours", "llama.cpp"):
