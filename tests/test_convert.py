@@ -169,7 +169,8 @@ def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
     token at every step where llama.cpp's top two logits are at least TIE_GAP apart. Returns (steps that
     disagree, max |logit difference| / logit spread, the greedy ids)."""
     llama_cpp = _llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_threads=2)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
+                          n_threads=1, n_threads_batch=1)  # 2 spinning threads crawl on a busy 2-core machine
     try:
         ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
         llm.eval(ids)

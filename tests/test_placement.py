@@ -144,7 +144,8 @@ def llama_cpp_run(path, prompt, n=N_GEN, seq=None):
     """(llama.cpp's greedy ids after `prompt`, its logits [T, V] for the sequence) on the file; with
     seq given, the logits of seq instead (teacher forcing)."""
     llama_cpp = _llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False,
+                          n_threads=1, n_threads_batch=1)  # 2 spinning threads crawl on a busy 2-core machine
     try:
         if seq is None:
             llm.eval(llm.tokenize(prompt.encode(), add_bos=True, special=True))

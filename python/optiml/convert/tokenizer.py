@@ -1,7 +1,7 @@
 """The HF tokenizer as llama.cpp's tokenizer.ggml.* metadata: byte-level BPE from tokenizer.json
 ("gpt2", with merges; the pre-tokenizer's name from pre_tokenizers.py) or SentencePiece from
-tokenizer.model ("llama"), plus special tokens and the chat template from tokenizer_config.json. Reads the files directly
-(no transformers/tokenizers needed at conversion time)."""
+tokenizer.model ("llama"), plus special tokens and the chat template from tokenizer_config.json.
+Reads the files directly (no transformers/tokenizers needed at conversion time)."""
 
 from __future__ import annotations
 
