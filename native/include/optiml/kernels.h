@@ -14,8 +14,8 @@ namespace optiml {
 
 enum SimdLevel : int {
     SIMD_SCALAR = 0,  // portable reference, every platform
-    SIMD_AVX2 = 1,    // AVX2 + FMA + F16C
-    SIMD_AVX512 = 2,  // AVX-512 F/BW/VL/DQ + VNNI + BF16
+    SIMD_AVX2 = 1,    // AVX2 + FMA + F16C (AVX-VNNI kernels are added when the CPU has it)
+    SIMD_AVX512 = 2,  // AVX-512 F/BW/VL/DQ (VNNI and BF16 kernels are added when the CPU has them)
     SIMD_NEON = 3,    // aarch64 NEON (+ dotprod when present)
     SIMD_LEVEL_COUNT = 4,
 };
@@ -34,6 +34,13 @@ typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, s
 // when none do). Rows may lie anywhere: the dense product passes consecutive ones, the row-sparse
 // product the active ones.
 typedef void (*vec_dot_rows_fn)(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows);
+// s[t * n_rows + r] = dot(rows[r], x_t) for r < n_rows and t < n_tok, x_t = x + t * x_stride bytes:
+// the batched product, in register tiles of several rows and tokens, so that each unpacked weight
+// block serves several tokens and each activation block several rows. Every s[t * n_rows + r]
+// equals what vec_dot gives for that (row, token), bit for bit. Rows may lie anywhere (the
+// row-sparse product passes the active ones).
+typedef void (*gemm_fn)(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
+                        int64_t n_tok);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
@@ -52,6 +59,9 @@ struct KernelTable {
     vec_dot_fn vec_dot[TYPE_COUNT];       // indexed by weight type
     vec_dot4_fn vec_dot4[TYPE_COUNT];     // optional, indexed by weight type
     vec_dot_rows_fn vec_dot_rows[TYPE_COUNT];  // optional, indexed by weight type
+    // Optional, indexed by weight type. A level that has no gemm for a type leaves it null (the
+    // scalar table has none): matmul then calls that level's vec_dot (or vec_dot4) per (row, token).
+    gemm_fn gemm[TYPE_COUNT];
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
     // Attention's dot products (K.q and the weighted sum of V), for F16 and F32 rows. For F16 they sum
     // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows
@@ -72,7 +82,10 @@ struct KernelTable {
 // Each SIMD file fills in the entries it implements and leaves the others untouched.
 void fill_kernels_scalar(KernelTable& table);
 void fill_kernels_avx2(KernelTable& table);
-void fill_kernels_avx512(KernelTable& table);
+void fill_kernels_avxvnni(KernelTable& table);     // AVX2 level, when the CPU has AVX-VNNI
+void fill_kernels_avx512(KernelTable& table);      // F/BW/VL/DQ
+void fill_kernels_avx512vnni(KernelTable& table);  // + VNNI, when the CPU has it
+void fill_kernels_avx512bf16(KernelTable& table);  // + BF16, when the CPU has it
 void fill_kernels_neon(KernelTable& table);
 // Element-wise ops (activations), native/src/cpu/ops*.cpp.
 void fill_ops_scalar(KernelTable& table);

@@ -39,14 +39,16 @@ CpuFeatures detect() {
     __cpuid_count(7, 0, a, b, c, d);
     f.avx2 = b & (1u << 5);
     f.bmi2 = b & (1u << 8);
+    // Subleaf 1 (AVX-VNNI, AVX512_BF16) exists when subleaf 0 reports a maximum subleaf >= 1.
+    unsigned a1 = 0, b1, c1, d1;
+    if (a >= 1) __cpuid_count(7, 1, a1, b1, c1, d1);
+    f.avxvnni = a1 & (1u << 4);
     if (os_avx512) {
         f.avx512f = b & (1u << 16);
         f.avx512dq = b & (1u << 17);
         f.avx512bw = b & (1u << 30);
         f.avx512vl = b & (1u << 31);
         f.avx512vnni = c & (1u << 11);
-        unsigned a1, b1, c1, d1;
-        __cpuid_count(7, 1, a1, b1, c1, d1);
         f.avx512bf16 = a1 & (1u << 5);
     }
 #elif defined(OPTIML_ARM)

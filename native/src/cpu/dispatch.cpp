@@ -26,9 +26,9 @@ bool simd_level_available(SimdLevel level) {
         case SIMD_SCALAR: return true;
 #if defined(OPTIML_X86)
         case SIMD_AVX2: return f.avx2 && f.fma && f.f16c && f.bmi2;
+        // VNNI and BF16 are not required: their kernels are added one by one (kernel_table).
         case SIMD_AVX512:
-            return f.avx2 && f.fma && f.f16c && f.bmi2 && f.avx512f && f.avx512bw && f.avx512vl &&
-                   f.avx512dq && f.avx512vnni && f.avx512bf16;
+            return f.avx2 && f.fma && f.f16c && f.bmi2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
 #endif
 #if defined(OPTIML_ARM)
         case SIMD_NEON: return f.neon;
@@ -71,14 +71,23 @@ const KernelTable& kernel_table(SimdLevel level) {
             fill_sparse_scalar(t);
         }
 #if defined(OPTIML_X86)
-        fill_kernels_avx2(tables[SIMD_AVX2]);
-        fill_ops_avx2(tables[SIMD_AVX2]);
-        fill_ops_avx2(tables[SIMD_AVX512]);
-        fill_ops_avx512(tables[SIMD_AVX512]);
-        fill_kernels_avx2(tables[SIMD_AVX512]);  // AVX-512 overlays AVX2 where it has nothing better
-        fill_kernels_avx512(tables[SIMD_AVX512]);
-        fill_sparse_avx2(tables[SIMD_AVX2]);
-        fill_sparse_avx512(tables[SIMD_AVX512]);
+        // Each feature's kernels are overlaid only when the CPU has that feature (a table is built
+        // for every level, but only available levels are ever handed out).
+        const CpuFeatures& f = cpu_features();
+        KernelTable& avx2 = tables[SIMD_AVX2];
+        fill_kernels_avx2(avx2);
+        if (f.avxvnni) fill_kernels_avxvnni(avx2);
+        fill_ops_avx2(avx2);
+        fill_sparse_avx2(avx2);
+        KernelTable& avx512 = tables[SIMD_AVX512];  // AVX-512 overlays AVX2 where it has nothing better
+        fill_kernels_avx2(avx512);
+        if (f.avxvnni) fill_kernels_avxvnni(avx512);
+        fill_ops_avx2(avx512);
+        fill_kernels_avx512(avx512);
+        if (f.avx512vnni) fill_kernels_avx512vnni(avx512);
+        if (f.avx512bf16) fill_kernels_avx512bf16(avx512);
+        fill_ops_avx512(avx512);
+        fill_sparse_avx512(avx512);
 #endif
 #if defined(OPTIML_ARM)
         fill_kernels_neon(tables[SIMD_NEON]);

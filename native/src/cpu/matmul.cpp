@@ -7,6 +7,10 @@
 
 namespace optiml {
 
+// Tokens per call of a batch kernel (gemm): their activations (a few KiB each) stay in the L2 cache
+// while a chunk's rows go through them.
+constexpr int64_t kGemmTokens = 64;
+
 void check_matmul_args(int32_t wtype, int64_t cols) {
     if (!type_is_known(wtype)) throw ArgumentError(format("unknown tensor type id %d", wtype));
     const TypeTraits& wt = type_traits(wtype);
@@ -49,7 +53,7 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     for (int m = 0; m < n_mats; m++) total_rows += w[m].rows;
     int64_t chunk = total_rows / (nth * 8);
     if (chunk < 16) chunk = 16;
-    if (n_tokens > 1 && chunk > 64) chunk = 64;
+    if (n_tokens > 1 && chunk > 64) chunk = 64;  // the batch path below holds 64 rows at most
     int64_t chunk_start[8];  // first global chunk index of each matrix (n_mats is small)
     if (n_mats > 7) throw ArgumentError("matmul_many takes at most 7 matrices");
     int64_t n_chunks = 0;
@@ -76,8 +80,6 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
             const int64_t r0 = (c - chunk_start[m]) * chunk;
             const int64_t r1 = r0 + chunk < W.rows ? r0 + chunk : W.rows;
             const uint8_t* wbase = (const uint8_t*)W.data;
-            // Tokens four at a time where a batch kernel exists (it unpacks each weight block once),
-            // then one at a time; both give the same bits for every (row, token).
             const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
             const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
             if (n_tokens == 1 && dot_rows) {
@@ -97,6 +99,28 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
                 }
                 continue;
             }
+            const gemm_fn gemm = kt.gemm[W.type];
+            if (n_tokens > 1 && gemm) {
+                // A batch: the tiled product of the chunk's rows with every token, kGemmTokens tokens
+                // at a time, so the chunk's weights stay in cache across the batch and a token block's
+                // activations across the chunk's rows (the same bits per (row, token) as dot).
+                const void* rows[64];
+                float s[64 * kGemmTokens];
+                const int64_t nr = r1 - r0;
+                for (int64_t k = 0; k < nr; k++) rows[k] = wbase + (r0 + k) * w_row;
+                for (int64_t t0 = 0; t0 < n_tokens; t0 += kGemmTokens) {
+                    const int64_t nt = n_tokens - t0 < kGemmTokens ? n_tokens - t0 : kGemmTokens;
+                    gemm(cols, s, rows, nr, xbase + t0 * x_row, x_row, nt);
+                    for (int64_t t = 0; t < nt; t++) {
+                        float* out = y[m] + (t0 + t) * W.rows + r0;
+                        const float* st = s + t * nr;
+                        for (int64_t k = 0; k < nr; k++) out[k] = accumulate ? out[k] + st[k] : st[k];
+                    }
+                }
+                continue;
+            }
+            // No batch kernel at this level: tokens four at a time where a 4-token kernel exists
+            // (it unpacks each weight block once), then one at a time; both give dot's bits.
             int64_t t = 0;
             if (dot4) {
                 for (; t + 4 <= n_tokens; t += 4) {

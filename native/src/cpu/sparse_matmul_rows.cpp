@@ -1,6 +1,7 @@
 // Row-sparse matrix-vector (and small batch) product: gate/up for the active neurons only.
-// It follows matmul_many step for step (same activation conversion, same vec_dot / vec_dot4 calls),
-// so a listed row gets exactly the bits the dense product would give it.
+// It follows matmul_many step for step (same activation conversion, same kernels: vec_dot_rows for
+// one token, the batched gemm for several), so a listed row gets exactly the bits the dense product
+// would give it.
 #include <atomic>
 #include <vector>
 
@@ -10,6 +11,8 @@
 namespace optiml {
 
 namespace {
+constexpr int64_t kGemmTokens = 64;  // tokens per batch kernel call, as in matmul.cpp
+
 // Asks for a whole weight row ahead of its use. Listed rows are scattered, so the hardware
 // prefetcher, which follows sequential streams, starts cold on every one of them; fetching the next
 // row while this one is multiplied hides most of that latency.
@@ -38,6 +41,7 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
     const vec_dot_fn dot = kt.vec_dot[W.type];
     const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
     const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
+    const gemm_fn gemm = kt.gemm[W.type];
 
     // Activations converted once per call into a buffer of the calling thread (F32 reads X as is).
     static thread_local std::vector<uint8_t> xq_buf;
@@ -52,7 +56,7 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
     const int nth = pool.size();
     int64_t chunk = n_rows / (nth * 8);
     if (chunk < 16) chunk = 16;
-    if (n_tokens > 1 && chunk > 64) chunk = 64;
+    if (n_tokens > 1 && chunk > 64) chunk = 64;  // the batch path below holds 64 rows at most
     const int64_t n_chunks = (n_rows + chunk - 1) / chunk;
     std::atomic<int64_t> next{0};
 
@@ -75,6 +79,23 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
                         ptrs[k] = wbase + (int64_t)rows[ib + k < n_rows ? ib + k : n_rows - 1] * w_row;
                     dot_rows(cols, s, ptrs, xbase, nr);
                     for (int64_t k = 0; k < nr; k++) Y[rows[ib + k]] = s[k];
+                }
+                continue;
+            }
+            if (n_tokens > 1 && gemm) {
+                // A batch: the tiled product over the listed rows, as matmul_many does it (the same
+                // bits per (row, token)), the listed rows' weights staying in cache across the batch.
+                const void* ptrs[64];
+                float s[64 * kGemmTokens];
+                const int64_t nr = i1 - i0;
+                for (int64_t k = 0; k < nr; k++) ptrs[k] = wbase + (int64_t)rows[i0 + k] * w_row;
+                for (int64_t t0 = 0; t0 < n_tokens; t0 += kGemmTokens) {
+                    const int64_t nt = n_tokens - t0 < kGemmTokens ? n_tokens - t0 : kGemmTokens;
+                    gemm(cols, s, ptrs, nr, xbase + t0 * x_row, x_row, nt);
+                    for (int64_t t = 0; t < nt; t++) {
+                        float* out = Y + (t0 + t) * W.rows;
+                        for (int64_t k = 0; k < nr; k++) out[rows[i0 + k]] = s[t * nr + k];
+                    }
                 }
                 continue;
             }
