@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import signal
 import sys
 import time
 import zipfile
@@ -325,7 +326,10 @@ def spawn_chat(tmp_path, *args):
                TERM="xterm")
     c = pexpect.spawn(sys.executable, ["-m", "optiml", "chat", "smollm2-135m-instruct", "--temp", "0", "-t", "2",
                                        "--ctx", "1024", *args],
-                      env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+                      env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
+                      # A runner that started us in the background (`cmd &` in a script) leaves SIGINT
+                      # ignored, and the child would inherit that: Ctrl-C must reach the REPL as at a terminal.
+                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     c.expect("/exit to leave")
     c.expect(">>>")
     return c
