@@ -86,3 +86,36 @@ def test_matvec_multirow_kernel_equals_rowwise_dot(qtype, rows, simd):
             y = quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
             ref = np.array([quant.dot(w[r], qtype, x, simd=simd) for r in range(rows)], np.float32)
             np.testing.assert_array_equal(y, ref)
+
+
+@pytest.mark.parametrize("simd", [lv for lv in optiml._core.simd_levels()])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_batched_product_equals_rowwise_dot(qtype, simd):
+    # Batches go through the tiled batch kernel (several rows and tokens per tile, rows unpacked once
+    # for all tokens); every (row, token) must still equal that row's own dot product bit for bit:
+    # full tiles, the row and token edges of the tile sizes, and the 64-token blocks of matmul.cpp.
+    cols = 512
+    rng = np.random.default_rng(11)
+    for rows, n_tokens in ((1, 2), (5, 3), (9, 7), (19, 17), (6, 67)):
+        w = _weights(rows, cols, qtype, seed=rows * 31 + n_tokens)
+        x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+        y = quant.matmul(w, qtype, x, n_threads=2, simd=simd)
+        ref = np.array([[quant.dot(w[r], qtype, x[t], simd=simd) for r in range(rows)] for t in range(n_tokens)],
+                       np.float32)
+        np.testing.assert_array_equal(y, ref, err_msg=f"{rows} rows x {n_tokens} tokens")
+
+
+KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+
+
+@pytest.mark.parametrize("simd", [lv for lv in optiml._core.simd_levels()])
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_matvec_kernel_equals_rowwise_dot(qtype, simd):
+    # The k-quant matrix-vector kernel takes rows four at a time; remainders and multi-block rows.
+    for rows in (1, 3, 4, 5, 9, 31):
+        for cols in (256, 1024):
+            w = _weights(rows, cols, qtype, seed=rows + cols)
+            x = np.random.default_rng(rows).standard_normal(cols).astype(np.float32)
+            y = quant.matmul(w, qtype, x, n_threads=2, simd=simd)
+            ref = np.array([quant.dot(w[r], qtype, x, simd=simd) for r in range(rows)], np.float32)
+            np.testing.assert_array_equal(y, ref)

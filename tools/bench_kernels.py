@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Matrix-vector throughput per weight format, against this machine's measured read bandwidth.
+"""Matrix-vector throughput per weight format, against this machine's measured read bandwidth, or
+with --tokens N > 1 the batched product (prompt processing) in GFLOP/s.
 
 For each format and shape, a random weight matrix is quantized once and copied until the copies span
 --span MiB (far beyond the last-level cache), then y = W x is timed over the copies in turn (median of
 --repeats passes), so every product streams its weights from memory as decoding a real model does.
 Throughput is weight bytes read per second; the fraction is that throughput over the memory read
-bandwidth measured in the same run with the same thread count.
+bandwidth measured in the same run with the same thread count. With --tokens N, x holds N tokens and
+the product is compute-bound: the table gives 2 * rows * cols * N / time instead.
 
     python tools/bench_kernels.py                       # all formats, 4096x4096 and 4096x11008, 1 and 2 threads
     python tools/bench_kernels.py --types q4_0 q4_k --threads 1 2 4 --simd avx2
+    python tools/bench_kernels.py --tokens 128 --span 64 --types q4_1 q5_0 q4_k q6_k
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--span", type=int, default=512, help="MiB of weight copies cycled through (default 512)")
     ap.add_argument("--simd", default="", help="scalar, avx2, avx512 or neon (default: the best available)")
+    ap.add_argument("--tokens", type=int, default=1, help="activation rows per product (default 1: matrix-vector)")
     args = ap.parse_args()
 
     info = optiml.system_info()
@@ -59,19 +63,23 @@ def main() -> int:
         print(f"# memory read bandwidth, {n} thread(s): {bandwidth[n] / 1e9:.1f} GB/s")
 
     rng = np.random.default_rng(0)
+    batch = args.tokens > 1
     header = f"{'format':<6} {'shape':>11}" + "".join(
-        f" | {n}t ms  GB/s  of-bw" for n in args.threads)
+        (f" | {n}t ms  GFLOP/s" if batch else f" | {n}t ms  GB/s  of-bw") for n in args.threads)
     print(header)
     print("-" * len(header))
     for rows, cols in SHAPES:
         wf = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
-        x = rng.standard_normal((1, cols), dtype=np.float32)
+        x = rng.standard_normal((args.tokens, cols), dtype=np.float32)
         for qtype in args.types:
             w = quant.quantize(wf, qtype)
             copies = [w] + [w.copy() for _ in range(max(1, -(-(args.span << 20) // w.nbytes)) - 1)]
             line = f"{qtype:<6} {rows:>5}x{cols:<5}"
             for n in args.threads:
                 s = time_matvec(copies, qtype, x, simd, n, args.repeats)
+                if batch:
+                    line += f" | {s * 1e3:6.2f} {2 * rows * cols * args.tokens / s / 1e9:8.1f}"
+                    continue
                 gbs = w.nbytes / s / 1e9
                 line += f" | {s * 1e3:6.2f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:6.0%}"
             print(line, flush=True)
