@@ -29,7 +29,7 @@ done
 # the scalar reference, the dispatcher and the NEON files; not the model, tokenizer or GGUF code.
 sources=()
 for s in native/src/quant/*.cpp native/src/cpu/*.cpp; do
-  [[ "$s" == *_avx2.cpp || "$s" == *_avx512.cpp ]] || sources+=("$s")
+  [[ "$s" == *_avx*.cpp ]] || sources+=("$s")  # every x86 variant (avx2, avxvnni, avx512*)
 done
 sources+=(tests/native/test_kernels.cpp)
 flags="-std=gnu++17 ${NEON_CHECK_OPT:--O2} -DOPTIML_ARM=1 -Inative/include -Inative/src -Wall -Wextra -Wno-unused-parameter
