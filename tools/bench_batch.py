@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,21 +30,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import optiml  # noqa: E402
 from optiml.models import resolve  # noqa: E402
 
+sys.path.insert(0, HERE)
+from bench_vs_llamacpp import cpu_name  # noqa: E402  (the CPU name, shared by the benchmarks)
+
 PROMPTS = ["The capital of France is", "Once upon a time", "In the beginning", "The best way to learn",
            "def fibonacci(n):", "Water boils at", "My favourite book", "The history of Rome",
            "A recipe for bread", "The moon is", "Photosynthesis is", "To be or not to be",
            "The quick brown fox", "Machine learning is", "Dear diary,", "The weather today"]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def optiml_round(m: optiml.Model, prompts: list[list[int]], steps: int) -> float:
