@@ -42,7 +42,7 @@ size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous) {
     if (contiguous || k == hp.n_ff)
         n += row_size(w.down.type, k) * (size_t)hp.n_embd;
     else
-        n += row_size(TYPE_Q8_0, hp.n_embd) * (size_t)k + sizeof(float) * (size_t)hp.n_embd;
+        n += row_size(TYPE_Q8_0, hp.n_embd) * (size_t)k;
     return n;
 }
 

@@ -41,6 +41,22 @@ Session::~Session() {
     host_.reset();
 }
 
+// Neuron-major down rows of `rows` (file neurons) only, in list order: a whole layer is repacked, then
+// only the listed rows are kept, so the full copy lives for one layer at a time.
+static NeuronMajor neuron_major_rows(ThreadPool& pool, const Weight& down, const int32_t* rows, int64_t n_rows) {
+    const NeuronMajor full = repack_neuron_major(pool, down.matrix(), TYPE_Q8_0);
+    NeuronMajor nm;
+    nm.type = full.type;
+    nm.dim = full.dim;
+    nm.row_bytes = full.row_bytes;
+    nm.dim_scale = full.dim_scale;
+    nm.n_neurons = n_rows;
+    nm.data.resize(nm.row_bytes * (size_t)n_rows);
+    for (int64_t i = 0; i < n_rows; i++)
+        std::memcpy(nm.data.data() + (size_t)i * nm.row_bytes, full.row(rows[i]), nm.row_bytes);
+    return nm;
+}
+
 static StepScratch carve_scratch(Backend& be, const HParams& hp, int32_t n_batch) {
     float* p = (float*)be.alloc(scratch_bytes(hp, n_batch), "scratch");
     StepScratch s;
@@ -134,21 +150,15 @@ void Session::bind_devices() {
                     F.down = dev->upload_cols(L.ffn.down, 0, E.k, "ffn weights");
                 } else {
                     // Columns scattered through quantized blocks cannot be sliced exactly: the share's down
-                    // is kept neuron-major (8-bit rows, as the sparse FFN's), gathered from a repack.
-                    const NeuronMajor full = repack_neuron_major(*pool_, L.ffn.down.matrix(), TYPE_Q8_0);
+                    // is kept neuron-major (8-bit rows, as the sparse FFN's), its rows on the device; the
+                    // per-dimension scales stay with the host side of the call.
                     NeuronMajor& nm = E.device_nm;
-                    nm.type = full.type;
-                    nm.n_neurons = E.k;
-                    nm.dim = full.dim;
-                    nm.row_bytes = full.row_bytes;
-                    uint8_t* p = (uint8_t*)dev->alloc(nm.row_bytes * (size_t)E.k, "ffn weights");
-                    for (int32_t i = 0; i < E.k; i++) dev->copy_from_host(p + (size_t)i * nm.row_bytes, full.row(rows[i]), nm.row_bytes);
-                    float* sc = (float*)dev->alloc(sizeof(float) * full.dim, "ffn weights");
-                    dev->copy_from_host(sc, full.dim_scale.data(), sizeof(float) * full.dim);
-                    dev->synchronize();  // `full` goes out of scope
+                    nm = neuron_major_rows(*pool_, L.ffn.down, rows.data(), E.k);
+                    uint8_t* p = (uint8_t*)dev->alloc(nm.data.size(), "ffn weights");
+                    dev->copy_from_host(p, nm.data.data(), nm.data.size());
+                    dev->synchronize();
+                    nm.data = {};
                     nm.external = p;
-                    nm.dim_scale.assign(full.dim_scale.begin(), full.dim_scale.end());  // read by the host side of axpy
-                    (void)sc;
                     E.device_share.down_nm = &nm;
                 }
             }
@@ -156,12 +166,10 @@ void Session::bind_devices() {
         }
         if (E.k < hp.n_ff) {
             E.host_share.w = &L.ffn;
-            if (E.k > 0 || order) {
+            if (E.k > 0) {  // the host's share of a split layer: its rows in place (k = 0: the whole FFN)
                 for (int32_t i = E.k; i < hp.n_ff; i++) E.host_rows.push_back(order ? order[i] : i);
-                if (E.k > 0) {
-                    E.host_share.rows = E.host_rows.data();
-                    E.host_share.n_rows = (int64_t)E.host_rows.size();
-                }
+                E.host_share.rows = E.host_rows.data();
+                E.host_share.n_rows = (int64_t)E.host_rows.size();
             }
         }
     }
@@ -215,19 +223,10 @@ void Session::prepare_sparse() {
             continue;
         }
         if (E.host_nm) continue;
-        const NeuronMajor full = repack_neuron_major(*pool_, model_->layers[il].ffn.down.matrix(), TYPE_Q8_0);
-        auto nm = std::make_unique<NeuronMajor>();
-        nm->type = full.type;
-        nm->dim = full.dim;
-        nm->row_bytes = full.row_bytes;
-        nm->dim_scale = full.dim_scale;
-        nm->n_neurons = (int64_t)E.host_rows.size();
-        nm->data.resize(nm->row_bytes * (size_t)nm->n_neurons);
+        auto nm = std::make_unique<NeuronMajor>(
+            neuron_major_rows(*pool_, model_->layers[il].ffn.down, E.host_rows.data(), (int64_t)E.host_rows.size()));
         E.host_slot.assign(hp.n_ff, -1);
-        for (size_t i = 0; i < E.host_rows.size(); i++) {
-            std::memcpy(nm->data.data() + i * nm->row_bytes, full.row(E.host_rows[i]), nm->row_bytes);
-            E.host_slot[E.host_rows[i]] = (int32_t)i;
-        }
+        for (size_t i = 0; i < E.host_rows.size(); i++) E.host_slot[E.host_rows[i]] = (int32_t)i;
         E.host_nm = std::move(nm);
         E.host_share.down_nm = E.host_nm.get();
         E.host_share.nm_slot = E.host_slot.data();
