@@ -87,18 +87,23 @@ def test_threshold_zero_equals_dense(smollm2_path, criterion):
 @pytest.mark.parametrize("criterion", ["gate", "product"])
 def test_sparse_token_path_matches_masked_batch_path(smollm2_path, criterion):
     """The same thresholds computed two ways: a batch (dense kernels, inactive activations zeroed) and
-    token by token (row-sparse up, column-sparse down over 8-bit neuron-major rows)."""
+    token by token (row-sparse up, column-sparse down over the grouped copy of the Q4_1 down rows)."""
     m = optiml.Model(smollm2_path, n_ctx=128, n_threads=2)
     m.set_sparsity("threshold", 0.03 if criterion == "product" else 0.1, criterion=criterion)
     ids = _ids(m, 24)
     batch = m.eval(ids, all_logits=True)
     m.reset()
     steps = np.stack([m.eval([t]) for t in ids])
-    # The 8-bit neuron-major down rows against the dense Q4_1 down with 8-bit activations: SmolLM2
-    # amplifies either rounding to this size over its 30 layers (dense down rows requantized to 8 bits
-    # do the same: tests/test_placement.py).
+    # The token path's down uses the file's exact weights with float activations, the batch path's the
+    # dense kernel with 8-bit activations: SmolLM2 amplifies that rounding to this size over its 30
+    # layers (each path is as far from the dense model: about 0.09 here).
     assert _rel(steps, batch) < 0.12
-    assert np.mean(steps.argmax(1) == batch.argmax(1)) > 0.8
+    # Greedy choices agree wherever the batch's top two logits are not a near-tie (0.25 here: the
+    # differences above move logits by up to about 0.2).
+    top2 = np.sort(batch, axis=1)[:, -2:]
+    decisive = top2[:, 1] - top2[:, 0] > 0.25
+    assert decisive.sum() >= 12
+    assert np.mean(steps.argmax(1)[decisive] == batch.argmax(1)[decisive]) >= 0.95
     assert m.sparsity_stats()["skipped"] > 0.2
 
 

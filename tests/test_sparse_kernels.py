@@ -188,6 +188,104 @@ def test_axpy_rows_accumulates_into_y(target):
             np.testing.assert_array_equal(_core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, y=y0, n_threads=n, simd=simd), y)
 
 
+# ---- grouped rows: the lossless 4-bit copy of a Q4_0/Q4_1 down matrix ---------------------------
+def _grouped_parts(w, qtype, n_embd, n_ff):
+    """The grouped copy's parts as float64: codes (centred for Q4_0) [n_ff, n_embd], and per neuron its
+    group's scales and minimums [n_ff, n_embd]."""
+    codes, group, gd, gm = _core.repack_neuron_major_grouped(w, quant.type_id(qtype), n_embd, n_ff)
+    assert codes.shape == (n_ff, n_embd // 2) and group.shape == (n_ff,)
+    c = np.empty((n_ff, n_embd), np.float64)
+    for k in range(n_embd // 32):  # 16 bytes per 32 dimensions: low nibbles 0-15, high nibbles 16-31
+        chunk = codes[:, 16 * k:16 * k + 16]
+        c[:, 32 * k:32 * k + 16] = chunk & 0x0F
+        c[:, 32 * k + 16:32 * k + 32] = chunk >> 4
+    if qtype == "q4_0":
+        c -= 8
+    d = gd.view(np.float16).astype(np.float64)[group]
+    m = np.zeros_like(d) if gm is None else gm.view(np.float16).astype(np.float64)[group]
+    return c, d, m, group
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_grouped_copy_is_the_file_matrix_exactly(qtype):
+    from gguf import GGMLQuantizationType, quants
+
+    n_embd, n_ff = 96, 320
+    w = _weights(n_embd, n_ff, qtype, seed=21)
+    # gguf-py's dequantization is the independent oracle of what the file's matrix means.
+    ref = quants.dequantize(w.reshape(n_embd, -1), GGMLQuantizationType[qtype.upper()]).astype(np.float64)
+    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
+    np.testing.assert_array_equal(group, np.arange(n_ff) // 32)
+    np.testing.assert_array_equal(d * c + m, ref.T)  # every weight, bit for bit: nothing requantized
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_grouped_axpy_matches_float64_reference(qtype):
+    n_embd, n_ff = 224, 512  # 7 units of 32: 2 threads get unequal slices
+    tid = quant.type_id(qtype)
+    w = _weights(n_embd, n_ff, qtype, seed=22)
+    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
+    W = d * c + m  # [n_ff, n_embd], neuron j's column of down
+    rng = np.random.default_rng(23)
+    subsets = [np.zeros(0, np.int32), np.array([3], np.int32), rng.permutation(n_ff).astype(np.int32)]
+    subsets += [rng.choice(n_ff, size=k, replace=False).astype(np.int32) for k in (2, 5, 51)]
+    for idx in subsets:
+        a = rng.standard_normal(len(idx)).astype(np.float32)
+        a64 = np.abs(a.astype(np.float64))
+        y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a)
+        assert y.shape == (n_embd,) and y.dtype == np.float32
+        ref = a.astype(np.float64) @ W[idx] if len(idx) else np.zeros(n_embd)
+        # Per group an fma chain over its neurons (<= k roundings of terms up to |a d c|), one fma with the
+        # scale, one with the minimum and its sum of coefficients (<= k roundings), one per group into y.
+        groups = len(np.unique(group[idx]))
+        mag = a64 @ (np.abs(d * c) + np.abs(m))[idx] if len(idx) else np.zeros(n_embd)
+        assert np.all(np.abs(y - ref) <= (2 * len(idx) + groups + 3) * U * mag + 1e-30)
+        for simd in LEVELS:
+            for n in (1, 2, 3):
+                np.testing.assert_array_equal(
+                    _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a, n_threads=n, simd=simd), y)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_grouped_axpy_over_a_neuron_subset_and_into_y(qtype):
+    n_embd, n_ff = 128, 256
+    tid = quant.type_id(qtype)
+    w = _weights(n_embd, n_ff, qtype, seed=24)
+    c, d, m, _ = _grouped_parts(w, qtype, n_embd, n_ff)
+    W = d * c + m
+    rng = np.random.default_rng(25)
+    subset = rng.permutation(n_ff)[:100].astype(np.int32)  # a host share: unsorted, groups scattered
+    idx = rng.choice(100, size=37, replace=False).astype(np.int32)
+    a = rng.standard_normal(37).astype(np.float32)
+    y0 = rng.standard_normal(n_embd).astype(np.float32)
+    y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a, y=y0, subset=subset)
+    ref = y0.astype(np.float64) + a.astype(np.float64) @ W[subset[idx]]
+    mag = np.abs(y0) + np.abs(a.astype(np.float64)) @ (np.abs(d * c) + np.abs(m))[subset[idx]]
+    assert np.all(np.abs(y - ref) <= 120 * U * mag)
+    # The subset's copy computes what the whole copy computes for the same neurons in the same order.
+    np.testing.assert_array_equal(_core.axpy_rows_grouped(w, tid, n_embd, n_ff, subset[idx], a, y=y0), y)
+    for simd in LEVELS:
+        np.testing.assert_array_equal(
+            _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a, y=y0, subset=subset, n_threads=2, simd=simd), y)
+
+
+def test_grouped_bad_input_raises_argument_error():
+    E = optiml.ArgumentError
+    w8 = _weights(64, 256, "q8_0", seed=26)
+    with pytest.raises(E, match="Q4_0 or Q4_1"):
+        _core.repack_neuron_major_grouped(w8, quant.type_id("q8_0"), 64, 256)
+    w = _weights(64, 256, "q4_0", seed=26)
+    tid = quant.type_id("q4_0")
+    one = np.ones(1, np.float32)
+    for bad in (-1, 256):
+        with pytest.raises(E, match="outside"):
+            _core.axpy_rows_grouped(w, tid, 64, 256, np.array([bad], np.int32), one)
+    with pytest.raises(E, match="outside"):
+        _core.axpy_rows_grouped(w, tid, 64, 256, np.array([0], np.int32), one, subset=np.array([300], np.int32))
+    with pytest.raises(E, match="outside"):  # idx indexes the subset: 2 rows only
+        _core.axpy_rows_grouped(w, tid, 64, 256, np.array([2], np.int32), one, subset=np.array([0, 1], np.int32))
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def test_bad_input_raises_argument_error():
     rows, cols = 64, 256

@@ -100,9 +100,61 @@ nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_ne
     return y;
 }
 
+nb::tuple repack_grouped_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, int n_threads) {
+    const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    NeuronMajor nm;
+    {
+        nb::gil_scoped_release release;
+        nm = repack_neuron_major_grouped(*pool, W);
+    }
+    auto codes = new_array<uint8_t>({(size_t)nm.n_neurons, nm.row_bytes});
+    std::memcpy(codes.data(), nm.data.data(), nm.data.size());
+    auto group = new_array<int32_t>({nm.group.size()});
+    std::memcpy(group.data(), nm.group.data(), 4 * nm.group.size());
+    auto gd = new_array<uint16_t>({(size_t)nm.n_groups, (size_t)nm.dim});
+    std::memcpy(gd.data(), nm.group_d.data(), 2 * nm.group_d.size());
+    if (nm.group_m.empty()) return nb::make_tuple(codes, group, gd, nb::none());
+    auto gm = new_array<uint16_t>({(size_t)nm.n_groups, (size_t)nm.dim});
+    std::memcpy(gm.data(), nm.group_m.data(), 2 * nm.group_m.size());
+    return nb::make_tuple(codes, group, gd, gm);
+}
+
+// axpy over the grouped copy of W (optionally of its neuron subset `rows`, idx then indexing the subset).
+nb::ndarray<nb::numpy, float> axpy_grouped_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, Ints1D idx,
+                                              Floats1D a, std::optional<Floats1D> y0, std::optional<Ints1D> subset,
+                                              int n_threads, const std::optional<std::string>& simd) {
+    const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
+    if (a.shape(0) != idx.shape(0))
+        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
+    if (y0 && (int64_t)y0->shape(0) != rows)
+        throw ArgumentError(format("y holds %zu values, expected dim = %lld", (size_t)y0->shape(0), (long long)rows));
+    const KernelTable& kt = table_for(simd.value_or(""));
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    auto y = new_array<float>({(size_t)rows});
+    if (y0) std::memcpy(y.data(), y0->data(), sizeof(float) * rows);
+    {
+        nb::gil_scoped_release release;
+        NeuronMajor nm = repack_neuron_major_grouped(*pool, W);
+        if (subset) nm = gather_neuron_major(nm, subset->data(), (int64_t)subset->shape(0));
+        axpy_rows(*pool, kt, nm, idx.data(), a.data(), (int64_t)idx.shape(0), y.data(), y0.has_value());
+    }
+    return y;
+}
+
 }  // namespace
 
 void bind_sparse(nb::module_& m) {
+    m.def("repack_neuron_major_grouped", &repack_grouped_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"),
+          nb::arg("cols"), nb::arg("n_threads") = 0,
+          "The lossless grouped neuron-major copy of a Q4_0/Q4_1 rows x cols matrix: returns (codes: uint8 "
+          "[cols, rows / 2], group: int32 [cols], scales: uint16 (fp16 bits) [groups, rows], minimums: the "
+          "same for Q4_1, else None).");
+    m.def("axpy_rows_grouped", &axpy_grouped_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+          nb::arg("idx"), nb::arg("a"), nb::arg("y").none() = nb::none(), nb::arg("subset").none() = nb::none(),
+          nb::arg("n_threads") = 0, nb::arg("simd").none() = nb::none(),
+          "sum_i a[i] * column idx[i] of W (Q4_0/Q4_1 raw bytes), through its grouped neuron-major copy "
+          "(of the columns in `subset` when given, idx then indexing the subset); added to a copy of y.");
     m.def("matmul_rows", &matmul_rows_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
           nb::arg("idx"), nb::arg("x"), nb::arg("n_threads") = 0, nb::arg("simd").none() = nb::none(),
           "Y[t, r] = dot(W[r], X[t]) for the rows r listed in idx (int32); other entries of Y are 0. "

@@ -24,6 +24,12 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
 
 // The down matrix stored neuron-major: row j holds the dim = n_embd weights of neuron j (column j of
 // down) in `type` (F32, F16 or Q8_0), rows row_bytes apart.
+//
+// Grouped (a lossless copy of a Q4_0 or Q4_1 down matrix, `type` saying which): row j holds neuron j's
+// dim 4-bit codes, 32 dimensions per 16 bytes in Q4_0's nibble order, and the source blocks' scales
+// (and Q4_1 minimums) stay shared by the 32 neurons of a block, as in the file: row j's weight for
+// dimension r is group_d[g * dim + r] * (code - 8) for Q4_0, group_d[...] * code + group_m[...] for
+// Q4_1, with g = group[j]. The same bytes as the file's matrix, none of the 8-bit copy's rounding.
 struct NeuronMajor {
     int32_t type = TYPE_Q8_0;
     int64_t n_neurons = 0;
@@ -35,6 +41,11 @@ struct NeuronMajor {
     // than the rest, and would otherwise set the scale of every 32-block they fall in, drowning the
     // other 31 values in rounding. axpy_rows multiplies the sums back.
     std::vector<float> dim_scale;
+    bool grouped = false;
+    int64_t n_groups = 0;
+    std::vector<int32_t> group;     // [n_neurons]: the group of each row
+    std::vector<uint16_t> group_d;  // [n_groups * dim] fp16 scales
+    std::vector<uint16_t> group_m;  // [n_groups * dim] fp16 minimums (Q4_1), else empty
     // When set, the rows live there (a device's memory) instead of in `data`.
     const uint8_t* external = nullptr;
     const uint8_t* bytes() const { return external ? external : data.data(); }
@@ -50,11 +61,33 @@ void check_neuron_major(int32_t type, int64_t n_neurons, int64_t dim);
 // values of `type`, quantized along n_embd with quantize_row. Multithreaded, tile by tile.
 NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int32_t type = TYPE_Q8_0);
 
+// Can a down matrix of this type be copied grouped (lossless)? Q4_0 and Q4_1 with a dim that is a
+// multiple of 32.
+bool can_group_neuron_major(int32_t type, int64_t dim);
+// The grouped neuron-major copy of `down` (Q4_0 or Q4_1; ArgumentError otherwise): codes and scales
+// moved, never requantized. Multithreaded; the result does not depend on the thread count.
+NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& down);
+// The host's neuron-major copy of a down matrix: grouped (lossless, the file's size) where the type
+// allows it, else 8-bit rows.
+NeuronMajor neuron_major_copy(ThreadPool& pool, const WeightMatrix& down);
+// Rows rows[0..n) of `full` in list order (a neuron subset, e.g. the host's share of a split layer);
+// a grouped copy keeps the scales of the groups those rows use.
+NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, int64_t n_rows);
+
 // y[r] = (accumulate ? y[r] : 0) + sum_i a[i] * d.row(idx[i])[r] for r < d.dim, the sum taken in list
 // order with one fused multiply-add per neuron. The output range is split across threads in
 // 32-aligned slices. idx must lie in [0, d.n_neurons) (checked: ArgumentError).
+// Grouped rows: the neurons are taken group by group (groups in ascending order, neurons of a group in
+// list order); per group, acc[r] = the fma chain over its neurons of a[i] * code (Q4_0: code - 8),
+// then y[r] = fma(d_g[r], acc[r], y[r]) (Q4_1: then fma(m_g[r], sum of the group's a[i], y[r])).
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate);
+// axpy_rows for grouped rows (native/src/cpu/sparse_axpy_grouped.cpp).
+void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx,
+                       const float* a, int64_t k, float* y, bool accumulate);
+// The scalar reference kernels of grouped rows (kt.axpy_group).
+void fill_sparse_grouped_scalar(KernelTable& t);
+void fill_sparse_grouped_avx2(KernelTable& t);  // x86 builds only
 // The same over neuron-major rows held elsewhere (n_neurons rows, row_size(type, dim) bytes apart,
 // at `data`), e.g. in a numpy array or a mapped file.
 // dim_scale: nullptr, or [dim] factors each y[r] sum is multiplied by (see NeuronMajor).

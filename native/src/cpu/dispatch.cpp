@@ -87,6 +87,7 @@ const KernelTable& kernel_table(SimdLevel level) {
         if (f.avx512vnni) fill_kernels_avx512vnni(avx512);
         if (f.avx512bf16) fill_kernels_avx512bf16(avx512);
         fill_ops_avx512(avx512);
+        fill_sparse_avx2(avx512);  // grouped rows: the AVX2 kernels
         fill_sparse_avx512(avx512);
 #endif
 #if defined(OPTIML_ARM)

@@ -45,10 +45,12 @@ void fill_sparse_scalar(KernelTable& t) {
     t.axpy[TYPE_F32] = axpy_f32_scalar;
     t.axpy[TYPE_F16] = axpy_f16_scalar;
     t.axpy[TYPE_Q8_0] = axpy_q8_0_scalar;
+    fill_sparse_grouped_scalar(t);
 }
 
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate) {
+    if (d.grouped) return axpy_rows_grouped(pool, kt, d, idx, a, k, y, accumulate);
     check_neuron_major(d.type, d.n_neurons, d.dim);
     if (d.row_bytes != row_size(d.type, d.dim) || (!d.external && d.data.size() < d.row_bytes * (size_t)d.n_neurons))
         throw ArgumentError("axpy_rows: the neuron-major matrix holds fewer bytes than its shape needs");

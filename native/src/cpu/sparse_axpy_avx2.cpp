@@ -7,6 +7,7 @@
 
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
+#include "optiml/sparse.h"
 
 namespace optiml {
 namespace {
@@ -105,6 +106,7 @@ void fill_sparse_avx2(KernelTable& t) {
     t.axpy[TYPE_F32] = axpy_float_avx2<float>;
     t.axpy[TYPE_F16] = axpy_float_avx2<fp16_t>;
     t.axpy[TYPE_Q8_0] = axpy_q8_0_avx2;
+    fill_sparse_grouped_avx2(t);
 }
 
 }  // namespace optiml

@@ -309,7 +309,7 @@ const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il) const {
     std::lock_guard<std::mutex> lock(down_nm_mutex_);
     if (down_nm_.empty()) down_nm_.resize(layers.size());
     if (!down_nm_[il])
-        down_nm_[il] = std::make_unique<NeuronMajor>(repack_neuron_major(pool, layers[il].ffn.down.matrix(), TYPE_Q8_0));
+        down_nm_[il] = std::make_unique<NeuronMajor>(neuron_major_copy(pool, layers[il].ffn.down.matrix()));
     return *down_nm_[il];
 }
 

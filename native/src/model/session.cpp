@@ -42,19 +42,13 @@ Session::~Session() {
 }
 
 // Neuron-major down rows of `rows` (file neurons) only, in list order: a whole layer is repacked, then
-// only the listed rows are kept, so the full copy lives for one layer at a time.
-static NeuronMajor neuron_major_rows(ThreadPool& pool, const Weight& down, const int32_t* rows, int64_t n_rows) {
-    const NeuronMajor full = repack_neuron_major(pool, down.matrix(), TYPE_Q8_0);
-    NeuronMajor nm;
-    nm.type = full.type;
-    nm.dim = full.dim;
-    nm.row_bytes = full.row_bytes;
-    nm.dim_scale = full.dim_scale;
-    nm.n_neurons = n_rows;
-    nm.data.resize(nm.row_bytes * (size_t)n_rows);
-    for (int64_t i = 0; i < n_rows; i++)
-        std::memcpy(nm.data.data() + (size_t)i * nm.row_bytes, full.row(rows[i]), nm.row_bytes);
-    return nm;
+// only the listed rows are kept, so the full copy lives for one layer at a time. The device's share
+// is 8-bit rows (its kernels take those); the host's is grouped where the type allows.
+static NeuronMajor neuron_major_rows(ThreadPool& pool, const Weight& down, const int32_t* rows, int64_t n_rows,
+                                     bool for_device) {
+    const NeuronMajor full = for_device ? repack_neuron_major(pool, down.matrix(), TYPE_Q8_0)
+                                        : neuron_major_copy(pool, down.matrix());
+    return gather_neuron_major(full, rows, n_rows);
 }
 
 static StepScratch carve_scratch(Backend& be, const HParams& hp, int32_t n_batch) {
@@ -153,7 +147,7 @@ void Session::bind_devices() {
                     // is kept neuron-major (8-bit rows, as the sparse FFN's), its rows on the device; the
                     // per-dimension scales stay with the host side of the call.
                     NeuronMajor& nm = E.device_nm;
-                    nm = neuron_major_rows(*pool_, L.ffn.down, rows.data(), E.k);
+                    nm = neuron_major_rows(*pool_, L.ffn.down, rows.data(), E.k, /*for_device=*/true);
                     uint8_t* p = (uint8_t*)dev->alloc(nm.data.size(), "ffn weights");
                     dev->copy_from_host(p, nm.data.data(), nm.data.size());
                     dev->synchronize();
@@ -224,7 +218,8 @@ void Session::prepare_sparse() {
         }
         if (E.host_nm) continue;
         auto nm = std::make_unique<NeuronMajor>(
-            neuron_major_rows(*pool_, model_->layers[il].ffn.down, E.host_rows.data(), (int64_t)E.host_rows.size()));
+            neuron_major_rows(*pool_, model_->layers[il].ffn.down, E.host_rows.data(), (int64_t)E.host_rows.size(),
+                              /*for_device=*/false));
         E.host_slot.assign(hp.n_ff, -1);
         for (size_t i = 0; i < E.host_rows.size(); i++) E.host_slot[E.host_rows[i]] = (int32_t)i;
         E.host_nm = std::move(nm);
