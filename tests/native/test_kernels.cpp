@@ -458,6 +458,48 @@ void test_axpy(const KernelTable& t, const KernelTable& ref) {
     }
 }
 
+// Grouped rows (the lossless 4-bit copy of a Q4_0/Q4_1 down): one group's neurons summed, then scaled,
+// bit-identical to scalar.
+void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
+    const char* lv = simd_level_name(t.level);
+    for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1}) {
+        if (!t.axpy_group[type]) continue;
+        const int64_t dim = 320;
+        const int n_neurons = 16;
+        std::vector<std::vector<uint8_t>> rows;
+        for (int r = 0; r < n_neurons; r++) {
+            rows.emplace_back(dim / 2);
+            for (uint8_t& b : rows.back()) b = (uint8_t)randint(0, 255);
+        }
+        std::vector<uint16_t> d(dim), m(dim);
+        for (int64_t r = 0; r < dim; r++) {
+            d[r] = fp32_to_fp16(0.01f * normal());
+            m[r] = fp32_to_fp16(0.05f * normal());
+        }
+        for (int64_t n : {32, 64, 96, 160, 288}) {
+            Check c("%s axpy_group %s n=%" PRId64, lv, type_traits(type).name, n);
+            for (int k : {0, 1, 2, 3, 5, 9, 16, 32}) {
+                std::vector<const void*> w(k);
+                std::vector<float> a(k);
+                float a_sum = 0.0f;
+                for (int i = 0; i < k; i++) {
+                    w[i] = rows[randint(0, n_neurons - 1)].data();
+                    a[i] = normal();
+                    a_sum += a[i];
+                }
+                const int64_t first = (dim - n) / 64 * 32;  // whole 32-dimension chunks, first + n <= dim
+                std::vector<float> y(n), yr(n);
+                for (int64_t r = 0; r < n; r++) y[r] = yr[r] = normal();
+                t.axpy_group[type](n, y.data(), w.data(), first / 2, a.data(), k, d.data() + first, m.data() + first, a_sum);
+                ref.axpy_group[type](n, yr.data(), w.data(), first / 2, a.data(), k, d.data() + first, m.data() + first,
+                                     a_sum);
+                for (int64_t r = 0; r < n; r++)
+                    if (!same_bits(y[r], yr[r])) c.fail("k=%d r=%" PRId64 ": %.9g, scalar %.9g", k, r, y[r], yr[r]);
+            }
+        }
+    }
+}
+
 #if defined(OPTIML_ARM)
 // Every entry the x86 tables implement must be NEON's own, not the scalar fallback.
 void test_neon_coverage(const KernelTable& t, const KernelTable& ref) {
@@ -481,6 +523,8 @@ void test_neon_coverage(const KernelTable& t, const KernelTable& ref) {
     need((const void*)t.gelu_mul, (const void*)ref.gelu_mul, "gelu_mul");
     for (int32_t type : {TYPE_F32, TYPE_F16, TYPE_Q8_0})
         need((const void*)t.axpy[type], (const void*)ref.axpy[type], "axpy");
+    for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1})
+        need((const void*)t.axpy_group[type], (const void*)ref.axpy_group[type], "axpy_group");
 }
 
 // The dot-product build of the kernels (kernels_dotprod_neon.cpp) is used exactly when the CPU has
@@ -561,6 +605,7 @@ int main(int argc, char** argv) {
         test_softmax(t, ref);
         test_act_mul(t, ref);
         test_axpy(t, ref);
+        test_axpy_group(t, ref);
     }
     std::printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;

@@ -104,9 +104,49 @@ void axpy_float_neon(int64_t n, float* y, const void* const* w, size_t off, cons
     }
 }
 
+// Grouped rows (kernels.h, axpy_group_fn): 32 dimensions per pass, eight fma chains in registers
+// over the group's neurons, then one fma per scale (and minimum), as the scalar reference.
+template <bool Q4_1>
+void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
+                     const uint16_t* d, const uint16_t* m, float a_sum) {
+    const uint8x16_t mask = vdupq_n_u8(0x0F);
+    for (int64_t r0 = 0; r0 < n; r0 += 32) {
+        float32x4_t acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = vdupq_n_f32(0.0f);
+        for (int64_t i = 0; i < k; i++) {
+            const uint8x16_t raw = vld1q_u8((const uint8_t*)w[i] + off + r0 / 2);
+            const uint8x16_t half[2] = {vandq_u8(raw, mask), vshrq_n_u8(raw, 4)};  // dims 0-15, 16-31
+            for (int h = 0; h < 2; h++) {
+                int16x8_t lo, hi;
+                if (Q4_1) {
+                    lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(half[h])));
+                    hi = vreinterpretq_s16_u16(vmovl_high_u8(half[h]));
+                } else {
+                    const int8x16_t c = vsubq_s8(vreinterpretq_s8_u8(half[h]), vdupq_n_s8(8));
+                    lo = vmovl_s8(vget_low_s8(c));
+                    hi = vmovl_high_s8(c);
+                }
+                float32x4_t* o = acc + 4 * h;
+                o[0] = vfmaq_n_f32(o[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), a[i]);
+                o[1] = vfmaq_n_f32(o[1], vcvtq_f32_s32(vmovl_high_s16(lo)), a[i]);
+                o[2] = vfmaq_n_f32(o[2], vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), a[i]);
+                o[3] = vfmaq_n_f32(o[3], vcvtq_f32_s32(vmovl_high_s16(hi)), a[i]);
+            }
+        }
+        for (int c = 0; c < 8; c++) {
+            const int64_t r = r0 + 4 * c;
+            float32x4_t v = vfmaq_f32(vld1q_f32(y + r), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(d + r))), acc[c]);
+            if (Q4_1) v = vfmaq_n_f32(v, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(m + r))), a_sum);
+            vst1q_f32(y + r, v);
+        }
+    }
+}
+
 }  // namespace
 
 void fill_sparse_neon(KernelTable& t) {
+    t.axpy_group[TYPE_Q4_0] = axpy_group_neon<false>;
+    t.axpy_group[TYPE_Q4_1] = axpy_group_neon<true>;
     t.axpy[TYPE_F32] = axpy_float_neon<float>;
     t.axpy[TYPE_F16] = axpy_float_neon<fp16_t>;
     t.axpy[TYPE_Q8_0] = axpy_q8_0_neon;
