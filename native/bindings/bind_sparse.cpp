@@ -112,11 +112,11 @@ nb::tuple repack_grouped_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols
     std::memcpy(codes.data(), nm.data.data(), nm.data.size());
     auto group = new_array<int32_t>({nm.group.size()});
     std::memcpy(group.data(), nm.group.data(), 4 * nm.group.size());
-    auto gd = new_array<uint16_t>({(size_t)nm.n_groups, (size_t)nm.dim});
-    std::memcpy(gd.data(), nm.group_d.data(), 2 * nm.group_d.size());
+    auto gd = new_array<float>({(size_t)nm.n_groups, (size_t)nm.dim});
+    std::memcpy(gd.data(), nm.group_d.data(), sizeof(float) * nm.group_d.size());
     if (nm.group_m.empty()) return nb::make_tuple(codes, group, gd, nb::none());
-    auto gm = new_array<uint16_t>({(size_t)nm.n_groups, (size_t)nm.dim});
-    std::memcpy(gm.data(), nm.group_m.data(), 2 * nm.group_m.size());
+    auto gm = new_array<float>({(size_t)nm.n_groups, (size_t)nm.dim});
+    std::memcpy(gm.data(), nm.group_m.data(), sizeof(float) * nm.group_m.size());
     return nb::make_tuple(codes, group, gd, gm);
 }
 
@@ -147,13 +147,13 @@ nb::ndarray<nb::numpy, float> axpy_grouped_py(BytesND w, int32_t qtype, int64_t 
 void bind_sparse(nb::module_& m) {
     m.def("repack_neuron_major_grouped", &repack_grouped_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"),
           nb::arg("cols"), nb::arg("n_threads") = 0,
-          "The lossless grouped neuron-major copy of a Q4_0/Q4_1 rows x cols matrix: returns (codes: uint8 "
-          "[cols, rows / 2], group: int32 [cols], scales: uint16 (fp16 bits) [groups, rows], minimums: the "
-          "same for Q4_1, else None).");
+          "The lossless grouped neuron-major copy of a Q4_0/Q4_1/Q4_K rows x cols matrix: returns (codes: "
+          "uint8 [cols, rows / 2], group: int32 [cols], scales: float32 [groups, rows], minimums: the same "
+          "for Q4_1/Q4_K (Q4_K's negated), else None).");
     m.def("axpy_rows_grouped", &axpy_grouped_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
           nb::arg("idx"), nb::arg("a"), nb::arg("y").none() = nb::none(), nb::arg("subset").none() = nb::none(),
           nb::arg("n_threads") = 0, nb::arg("simd").none() = nb::none(),
-          "sum_i a[i] * column idx[i] of W (Q4_0/Q4_1 raw bytes), through its grouped neuron-major copy "
+          "sum_i a[i] * column idx[i] of W (Q4_0/Q4_1/Q4_K raw bytes), through its grouped neuron-major copy "
           "(of the columns in `subset` when given, idx then indexing the subset); added to a copy of y.");
     m.def("matmul_rows", &matmul_rows_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
           nb::arg("idx"), nb::arg("x"), nb::arg("n_threads") = 0, nb::arg("simd").none() = nb::none(),

@@ -458,11 +458,11 @@ void test_axpy(const KernelTable& t, const KernelTable& ref) {
     }
 }
 
-// Grouped rows (the lossless 4-bit copy of a Q4_0/Q4_1 down): one group's neurons summed, then scaled,
+// Grouped rows (the lossless 4-bit copy of a Q4_0/Q4_1/Q4_K down): one group's neurons summed, then scaled,
 // bit-identical to scalar.
 void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
     const char* lv = simd_level_name(t.level);
-    for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1}) {
+    for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q4_K}) {
         if (!t.axpy_group[type]) continue;
         const int64_t dim = 320;
         const int n_neurons = 16;
@@ -471,10 +471,10 @@ void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
             rows.emplace_back(dim / 2);
             for (uint8_t& b : rows.back()) b = (uint8_t)randint(0, 255);
         }
-        std::vector<uint16_t> d(dim), m(dim);
+        std::vector<float> d(dim), m(dim);
         for (int64_t r = 0; r < dim; r++) {
-            d[r] = fp32_to_fp16(0.01f * normal());
-            m[r] = fp32_to_fp16(0.05f * normal());
+            d[r] = 0.01f * normal();
+            m[r] = 0.05f * normal();
         }
         for (int64_t n : {32, 64, 96, 160, 288}) {
             Check c("%s axpy_group %s n=%" PRId64, lv, type_traits(type).name, n);
@@ -523,7 +523,7 @@ void test_neon_coverage(const KernelTable& t, const KernelTable& ref) {
     need((const void*)t.gelu_mul, (const void*)ref.gelu_mul, "gelu_mul");
     for (int32_t type : {TYPE_F32, TYPE_F16, TYPE_Q8_0})
         need((const void*)t.axpy[type], (const void*)ref.axpy[type], "axpy");
-    for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1})
+    for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q4_K})
         need((const void*)t.axpy_group[type], (const void*)ref.axpy_group[type], "axpy_group");
 }
 

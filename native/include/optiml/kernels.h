@@ -55,10 +55,10 @@ typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
 typedef void (*axpy_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k);
 // One group of grouped neuron-major rows (sparse.h): acc[r] = the fma chain, in list order from 0, of
 // a[i] * c_i[r] with c_i the 4-bit codes of row i (minus 8 for Q4_0) starting w_offset bytes into w[i];
-// then y[r] = fma(d[r], acc[r], y[r]), and for Q4_1 y[r] = fma(m[r], a_sum, y[r]); d, m: fp16 [n].
-// n is a multiple of 32. Every SIMD level gives the same bits.
+// then y[r] = fma(d[r], acc[r], y[r]), and where there are minimums (Q4_1, Q4_K) y[r] = fma(m[r],
+// a_sum, y[r]). n is a multiple of 32. Every SIMD level gives the same bits.
 typedef void (*axpy_group_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k,
-                              const uint16_t* d, const uint16_t* m, float a_sum);
+                              const float* d, const float* m, float a_sum);
 
 struct KernelTable {
     SimdLevel level;
@@ -83,7 +83,7 @@ struct KernelTable {
     // Column-sparse down projection over neuron-major rows (sparse.h), indexed by the rows' type:
     // F32, F16 and Q8_0.
     axpy_fn axpy[TYPE_COUNT];
-    axpy_group_fn axpy_group[TYPE_COUNT];  // grouped rows: Q4_0 and Q4_1
+    axpy_group_fn axpy_group[TYPE_COUNT];  // grouped rows: Q4_0, Q4_1, Q4_K
 };
 
 // Each SIMD file fills in the entries it implements and leaves the others untouched.

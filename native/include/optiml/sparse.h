@@ -25,11 +25,12 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
 // The down matrix stored neuron-major: row j holds the dim = n_embd weights of neuron j (column j of
 // down) in `type` (F32, F16 or Q8_0), rows row_bytes apart.
 //
-// Grouped (a lossless copy of a Q4_0 or Q4_1 down matrix, `type` saying which): row j holds neuron j's
-// dim 4-bit codes, 32 dimensions per 16 bytes in Q4_0's nibble order, and the source blocks' scales
-// (and Q4_1 minimums) stay shared by the 32 neurons of a block, as in the file: row j's weight for
-// dimension r is group_d[g * dim + r] * (code - 8) for Q4_0, group_d[...] * code + group_m[...] for
-// Q4_1, with g = group[j]. The same bytes as the file's matrix, none of the 8-bit copy's rounding.
+// Grouped (a lossless copy of a Q4_0, Q4_1 or Q4_K down matrix, `type` saying which): row j holds
+// neuron j's dim 4-bit codes, 32 dimensions per 16 bytes in Q4_0's nibble order, and the scales (and
+// minimums) of the source's 32-value blocks or sub-blocks stay shared by those 32 neurons, as in the
+// file, decoded to float (exactly: a Q4_K sub-block's scale is an fp16 times a 6-bit integer): row j's
+// weight for dimension r is group_d[g * dim + r] * (code - 8) for Q4_0 and group_d[...] * code +
+// group_m[...] otherwise (Q4_K's minimum stored negated), with g = group[j]. No weight is rounded again.
 struct NeuronMajor {
     int32_t type = TYPE_Q8_0;
     int64_t n_neurons = 0;
@@ -44,8 +45,8 @@ struct NeuronMajor {
     bool grouped = false;
     int64_t n_groups = 0;
     std::vector<int32_t> group;     // [n_neurons]: the group of each row
-    std::vector<uint16_t> group_d;  // [n_groups * dim] fp16 scales
-    std::vector<uint16_t> group_m;  // [n_groups * dim] fp16 minimums (Q4_1), else empty
+    std::vector<float> group_d;     // [n_groups * dim] scales
+    std::vector<float> group_m;     // [n_groups * dim] minimums (Q4_1, Q4_K), else empty
     // When set, the rows live there (a device's memory) instead of in `data`.
     const uint8_t* external = nullptr;
     const uint8_t* bytes() const { return external ? external : data.data(); }
@@ -61,10 +62,10 @@ void check_neuron_major(int32_t type, int64_t n_neurons, int64_t dim);
 // values of `type`, quantized along n_embd with quantize_row. Multithreaded, tile by tile.
 NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int32_t type = TYPE_Q8_0);
 
-// Can a down matrix of this type be copied grouped (lossless)? Q4_0 and Q4_1 with a dim that is a
-// multiple of 32.
+// Can a down matrix of this type be copied grouped (lossless)? Q4_0, Q4_1 and Q4_K with a dim that
+// is a multiple of 32.
 bool can_group_neuron_major(int32_t type, int64_t dim);
-// The grouped neuron-major copy of `down` (Q4_0 or Q4_1; ArgumentError otherwise): codes and scales
+// The grouped neuron-major copy of `down` (Q4_0, Q4_1 or Q4_K; ArgumentError otherwise): codes and scales
 // moved, never requantized. Multithreaded; the result does not depend on the thread count.
 NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& down);
 // The host's neuron-major copy of a down matrix: grouped (lossless, the file's size) where the type
@@ -79,7 +80,7 @@ NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, in
 // 32-aligned slices. idx must lie in [0, d.n_neurons) (checked: ArgumentError).
 // Grouped rows: the neurons are taken group by group (groups in ascending order, neurons of a group in
 // list order); per group, acc[r] = the fma chain over its neurons of a[i] * code (Q4_0: code - 8),
-// then y[r] = fma(d_g[r], acc[r], y[r]) (Q4_1: then fma(m_g[r], sum of the group's a[i], y[r])).
+// then y[r] = fma(d_g[r], acc[r], y[r]) (with minimums: then fma(m_g[r], sum of the group's a[i], y[r])).
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate);
 // axpy_rows for grouped rows (native/src/cpu/sparse_axpy_grouped.cpp).

@@ -1,5 +1,5 @@
 // Column-sparse down projection over grouped neuron-major rows (sparse.h): the lossless 4-bit copy of a
-// Q4_0/Q4_1 down matrix, whose scales are shared by the 32 neurons of a source block.
+// Q4_0/Q4_1/Q4_K down matrix, whose scales are shared by the 32 neurons of a source block.
 //
 // The active neurons are sorted by group (stable, so neurons of a group stay in list order); per group
 // the codes are summed with the neurons' coefficients, then scaled once: a group's scales are read once
@@ -17,22 +17,23 @@ namespace optiml {
 
 namespace {
 
-template <bool Q4_1>
+// MIN: codes as they are plus a minimum (Q4_1, Q4_K); else centred codes (Q4_0).
+template <bool MIN>
 void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                       const uint16_t* d, const uint16_t* m, float a_sum) {
+                       const float* d, const float* m, float a_sum) {
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
         float acc[32] = {};
         for (int64_t i = 0; i < k; i++) {
             const uint8_t* q = (const uint8_t*)w[i] + off + r0 / 2;
             for (int b = 0; b < 16; b++) {
                 const int lo = q[b] & 0x0F, hi = q[b] >> 4;
-                acc[b] = std::fma(a[i], (float)(Q4_1 ? lo : lo - 8), acc[b]);
-                acc[b + 16] = std::fma(a[i], (float)(Q4_1 ? hi : hi - 8), acc[b + 16]);
+                acc[b] = std::fma(a[i], (float)(MIN ? lo : lo - 8), acc[b]);
+                acc[b + 16] = std::fma(a[i], (float)(MIN ? hi : hi - 8), acc[b + 16]);
             }
         }
         for (int t = 0; t < 32; t++) {
-            float v = std::fma(fp16_to_fp32(d[r0 + t]), acc[t], y[r0 + t]);
-            if (Q4_1) v = std::fma(fp16_to_fp32(m[r0 + t]), a_sum, v);
+            float v = std::fma(d[r0 + t], acc[t], y[r0 + t]);
+            if (MIN) v = std::fma(m[r0 + t], a_sum, v);
             y[r0 + t] = v;
         }
     }
@@ -50,17 +51,18 @@ struct GroupRun {
 void fill_sparse_grouped_scalar(KernelTable& t) {
     t.axpy_group[TYPE_Q4_0] = axpy_group_scalar<false>;
     t.axpy_group[TYPE_Q4_1] = axpy_group_scalar<true>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_scalar<true>;
 }
 
 void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx,
                        const float* a, int64_t k, float* y, bool accumulate) {
-    const bool q4_1 = d.type == TYPE_Q4_1;
+    const bool has_min = d.type != TYPE_Q4_0;
     if (!d.grouped || !can_group_neuron_major(d.type, d.dim))
-        throw ArgumentError("axpy_rows: grouped neuron-major rows must be Q4_0 or Q4_1 with dim a multiple of 32");
+        throw ArgumentError("axpy_rows: grouped neuron-major rows must be Q4_0, Q4_1 or Q4_K with dim a multiple of 32");
     const size_t dim = (size_t)d.dim;
     if (d.row_bytes != dim / 2 || (!d.external && d.data.size() < d.row_bytes * (size_t)d.n_neurons) ||
         (int64_t)d.group.size() != d.n_neurons || d.group_d.size() != (size_t)d.n_groups * dim ||
-        d.group_m.size() != (q4_1 ? (size_t)d.n_groups * dim : 0))
+        d.group_m.size() != (has_min ? (size_t)d.n_groups * dim : 0))
         throw ArgumentError("axpy_rows: the grouped neuron-major matrix's parts do not match its shape");
     if (k < 0) throw ArgumentError("axpy_rows: negative neuron count");
     const axpy_group_fn kernel = kt.axpy_group[d.type];
@@ -115,8 +117,8 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         const int64_t r0 = u0 * 32, n = (u1 - u0) * 32;
         if (!accumulate) std::memset(y + r0, 0, sizeof(float) * n);
         for (const GroupRun& run : group_runs) {
-            const uint16_t* gd = &d.group_d[run.group * dim + r0];
-            const uint16_t* gm = q4_1 ? &d.group_m[run.group * dim + r0] : nullptr;
+            const float* gd = &d.group_d[run.group * dim + r0];
+            const float* gm = has_min ? &d.group_m[run.group * dim + r0] : nullptr;
             kernel(n, y + r0, p + run.start, (size_t)r0 / 2, c + run.start, run.len, gd, gm, run.a_sum);
         }
     });

@@ -10,13 +10,13 @@ namespace optiml {
 namespace {
 
 // The 32 codes of one chunk as four vectors of 8 floats: dimensions 0-7, 8-15 (low nibbles) and
-// 16-23, 24-31 (high nibbles); Q4_0's codes are centred (minus 8).
-template <bool Q4_1>
+// 16-23, 24-31 (high nibbles); without a minimum (Q4_0) the codes are centred (minus 8).
+template <bool MIN>
 inline void codes(const uint8_t* q, __m256* c) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i raw = _mm_loadu_si128((const __m128i*)q);
     __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    if (Q4_1) {
+    if (MIN) {
         c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
         c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
         c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
@@ -33,9 +33,9 @@ inline void codes(const uint8_t* q, __m256* c) {
 }
 
 // C chunks of 32 dimensions from r0.
-template <bool Q4_1, int C>
+template <bool MIN, int C>
 inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                 const uint16_t* d, const uint16_t* m, float a_sum) {
+                 const float* d, const float* m, float a_sum) {
     __m256 acc[4 * C];
     for (int j = 0; j < 4 * C; j++) acc[j] = _mm256_setzero_ps();
     const size_t o = off + (size_t)r0 / 2;
@@ -44,26 +44,25 @@ inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const f
         const uint8_t* q = (const uint8_t*)w[i] + o;
         for (int c = 0; c < C; c++) {
             __m256 v[4];
-            codes<Q4_1>(q + 16 * c, v);
+            codes<MIN>(q + 16 * c, v);
             for (int j = 0; j < 4; j++) acc[4 * c + j] = _mm256_fmadd_ps(va, v[j], acc[4 * c + j]);
         }
     }
     const __m256 vs = _mm256_set1_ps(a_sum);
     for (int j = 0; j < 4 * C; j++) {
         const int64_t r = r0 + 8 * j;
-        const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + r)));
-        __m256 v = _mm256_fmadd_ps(vd, acc[j], _mm256_loadu_ps(y + r));
-        if (Q4_1) v = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + r))), vs, v);
+        __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(d + r), acc[j], _mm256_loadu_ps(y + r));
+        if (MIN) v = _mm256_fmadd_ps(_mm256_loadu_ps(m + r), vs, v);
         _mm256_storeu_ps(y + r, v);
     }
 }
 
-template <bool Q4_1>
+template <bool MIN>
 void axpy_group_avx2(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                     const uint16_t* d, const uint16_t* m, float a_sum) {
+                     const float* d, const float* m, float a_sum) {
     int64_t r0 = 0;
-    for (; r0 + 64 <= n; r0 += 64) pass<Q4_1, 2>(r0, y, w, off, a, k, d, m, a_sum);
-    if (r0 < n) pass<Q4_1, 1>(r0, y, w, off, a, k, d, m, a_sum);
+    for (; r0 + 64 <= n; r0 += 64) pass<MIN, 2>(r0, y, w, off, a, k, d, m, a_sum);
+    if (r0 < n) pass<MIN, 1>(r0, y, w, off, a, k, d, m, a_sum);
 }
 
 }  // namespace
@@ -71,6 +70,7 @@ void axpy_group_avx2(int64_t n, float* y, const void* const* w, size_t off, cons
 void fill_sparse_grouped_avx2(KernelTable& t) {
     t.axpy_group[TYPE_Q4_0] = axpy_group_avx2<false>;
     t.axpy_group[TYPE_Q4_1] = axpy_group_avx2<true>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_avx2<true>;
 }
 
 }  // namespace optiml

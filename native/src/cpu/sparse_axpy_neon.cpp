@@ -106,9 +106,9 @@ void axpy_float_neon(int64_t n, float* y, const void* const* w, size_t off, cons
 
 // Grouped rows (kernels.h, axpy_group_fn): 32 dimensions per pass, eight fma chains in registers
 // over the group's neurons, then one fma per scale (and minimum), as the scalar reference.
-template <bool Q4_1>
+template <bool MIN>
 void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                     const uint16_t* d, const uint16_t* m, float a_sum) {
+                     const float* d, const float* m, float a_sum) {
     const uint8x16_t mask = vdupq_n_u8(0x0F);
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
         float32x4_t acc[8];
@@ -118,7 +118,7 @@ void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, cons
             const uint8x16_t half[2] = {vandq_u8(raw, mask), vshrq_n_u8(raw, 4)};  // dims 0-15, 16-31
             for (int h = 0; h < 2; h++) {
                 int16x8_t lo, hi;
-                if (Q4_1) {
+                if (MIN) {
                     lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(half[h])));
                     hi = vreinterpretq_s16_u16(vmovl_high_u8(half[h]));
                 } else {
@@ -135,8 +135,8 @@ void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, cons
         }
         for (int c = 0; c < 8; c++) {
             const int64_t r = r0 + 4 * c;
-            float32x4_t v = vfmaq_f32(vld1q_f32(y + r), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(d + r))), acc[c]);
-            if (Q4_1) v = vfmaq_n_f32(v, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(m + r))), a_sum);
+            float32x4_t v = vfmaq_f32(vld1q_f32(y + r), vld1q_f32(d + r), acc[c]);
+            if (MIN) v = vfmaq_n_f32(v, vld1q_f32(m + r), a_sum);
             vst1q_f32(y + r, v);
         }
     }
@@ -147,6 +147,7 @@ void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, cons
 void fill_sparse_neon(KernelTable& t) {
     t.axpy_group[TYPE_Q4_0] = axpy_group_neon<false>;
     t.axpy_group[TYPE_Q4_1] = axpy_group_neon<true>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_neon<true>;
     t.axpy[TYPE_F32] = axpy_float_neon<float>;
     t.axpy[TYPE_F16] = axpy_float_neon<fp16_t>;
     t.axpy[TYPE_Q8_0] = axpy_q8_0_neon;

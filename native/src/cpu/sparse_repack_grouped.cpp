@@ -1,11 +1,12 @@
-// The lossless neuron-major copy of a Q4_0 or Q4_1 down matrix (sparse.h, NeuronMajor::grouped).
+// The lossless neuron-major copy of a Q4_0, Q4_1 or Q4_K down matrix (sparse.h, NeuronMajor::grouped).
 //
-// down is [n_embd rows, n_ff cols], each row in blocks of 32 neurons. A block's 4-bit codes move to the
-// rows of its 32 neurons; its scale (and Q4_1 minimum) is kept once, for the group of those neurons:
-// the copy holds the same bytes as the file's matrix, where the 8-bit copy costs twice as much and
-// rounds every weight a second time.
+// down is [n_embd rows, n_ff cols], each row in blocks (Q4_K: sub-blocks) of 32 neurons. A block's 4-bit
+// codes move to the rows of its 32 neurons; its scale (and minimum) is kept once, for the group of
+// those neurons: the copy is about the file matrix's size, where the 8-bit copy costs twice as much
+// and rounds every weight a second time.
 #include <cstring>
 
+#include "../quant/quant_impl.h"
 #include "optiml/common.h"
 #include "optiml/ggml_types.h"
 #include "optiml/quant.h"
@@ -15,37 +16,64 @@ namespace optiml {
 
 namespace {
 
-// The codes, scale and minimum of the source block at (row r, group g).
-struct Q4Block {
-    const uint8_t* qs;
-    uint16_t d, m;
+// The 32 codes (in Q4_0's nibble order: code i of byte i's low nibble, code i + 16 of its high one),
+// scale and minimum of the 32-neuron group g of one source row.
+struct Q4Group {
+    uint8_t code[32];
+    float d, m;
 };
 
-Q4Block source_block(int32_t type, const uint8_t* row, int64_t g) {
-    if (type == TYPE_Q4_0) {
-        const block_q4_0& b = ((const block_q4_0*)row)[g];
-        return {b.qs, b.d, 0};
+Q4Group source_group(int32_t type, const uint8_t* row, int64_t g) {
+    Q4Group out;
+    if (type == TYPE_Q4_0 || type == TYPE_Q4_1) {
+        const uint8_t* qs;
+        if (type == TYPE_Q4_0) {
+            const block_q4_0& b = ((const block_q4_0*)row)[g];
+            qs = b.qs;
+            out.d = fp16_to_fp32(b.d);
+            out.m = 0.0f;
+        } else {
+            const block_q4_1& b = ((const block_q4_1*)row)[g];
+            qs = b.qs;
+            out.d = fp16_to_fp32(b.d);
+            out.m = fp16_to_fp32(b.m);
+        }
+        for (int q = 0; q < 16; q++) {
+            out.code[q] = qs[q] & 0x0F;
+            out.code[q + 16] = qs[q] >> 4;
+        }
+        return out;
     }
-    const block_q4_1& b = ((const block_q4_1*)row)[g];
-    return {b.qs, b.d, b.m};
+    // Q4_K: sub-block s of a 256-value block; sub-blocks 2t and 2t + 1 share qs[32t .. 32t + 31], the
+    // first in the low nibbles. Value = d * sc * code - dmin * m: both products exact in float.
+    const block_q4_K& b = ((const block_q4_K*)row)[g / 8];
+    const int s = (int)(g % 8);
+    uint8_t sc, m;
+    quant::get_scale_min_k4(s, b.scales, &sc, &m);
+    out.d = fp16_to_fp32(b.d) * sc;
+    out.m = -(fp16_to_fp32(b.dmin) * m);
+    const uint8_t* qs = b.qs + 32 * (s / 2);
+    for (int i = 0; i < 32; i++) out.code[i] = s % 2 ? qs[i] >> 4 : qs[i] & 0x0F;
+    return out;
 }
 
 }  // namespace
 
 bool can_group_neuron_major(int32_t type, int64_t dim) {
-    return (type == TYPE_Q4_0 || type == TYPE_Q4_1) && dim > 0 && dim % 32 == 0;
+    return (type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q4_K) && dim > 0 && dim % 32 == 0;
 }
 
 NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& down) {
     if (!can_group_neuron_major(down.type, down.rows))
-        throw ArgumentError(format("a grouped neuron-major copy needs a Q4_0 or Q4_1 matrix with a multiple of 32 "
+        throw ArgumentError(format("a grouped neuron-major copy needs a Q4_0, Q4_1 or Q4_K matrix with a multiple of 32 "
                                    "rows, not %s with %lld rows",
                                    type_is_known(down.type) ? type_traits(down.type).name : "(unknown type)",
                                    (long long)down.rows));
-    if (down.cols <= 0 || down.cols % 32 != 0)
-        throw ArgumentError(format("repack_neuron_major_grouped: %lld columns are not a positive multiple of 32",
-                                   (long long)down.cols));
-    const bool q4_1 = down.type == TYPE_Q4_1;
+    const int64_t bs = type_traits(down.type).block_size;
+    if (down.cols <= 0 || down.cols % bs != 0)
+        throw ArgumentError(format("repack_neuron_major_grouped: %lld columns are not a positive multiple of %lld",
+                                   (long long)down.cols, (long long)bs));
+    const bool has_min = down.type != TYPE_Q4_0;
     NeuronMajor nm;
     nm.type = down.type;
     nm.grouped = true;
@@ -57,7 +85,7 @@ NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& do
     nm.group.resize(nm.n_neurons);
     for (int64_t j = 0; j < nm.n_neurons; j++) nm.group[j] = (int32_t)(j / 32);
     nm.group_d.resize((size_t)nm.n_groups * nm.dim);
-    if (q4_1) nm.group_m.resize((size_t)nm.n_groups * nm.dim);
+    if (has_min) nm.group_m.resize((size_t)nm.n_groups * nm.dim);
 
     const size_t src_row = row_size(down.type, down.cols);
     const int64_t n_chunks = nm.dim / 32;
@@ -70,13 +98,10 @@ NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& do
             for (int64_t c = 0; c < n_chunks; c++) {
                 for (int i = 0; i < 32; i++) {
                     const int64_t r = c * 32 + i;
-                    const Q4Block b = source_block(down.type, (const uint8_t*)down.data + r * src_row, g);
-                    nm.group_d[g * nm.dim + r] = b.d;
-                    if (q4_1) nm.group_m[g * nm.dim + r] = b.m;
-                    for (int q = 0; q < 16; q++) {
-                        codes[i][q] = b.qs[q] & 0x0F;
-                        codes[i][q + 16] = b.qs[q] >> 4;
-                    }
+                    const Q4Group src = source_group(down.type, (const uint8_t*)down.data + r * src_row, g);
+                    nm.group_d[g * nm.dim + r] = src.d;
+                    if (has_min) nm.group_m[g * nm.dim + r] = src.m;
+                    std::memcpy(codes[i], src.code, 32);
                 }
                 for (int n = 0; n < 32; n++) {
                     uint8_t* dst = nm.data.data() + (size_t)(g * 32 + n) * nm.row_bytes + c * 16;
@@ -125,8 +150,9 @@ NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, in
     if (!full.group_m.empty()) nm.group_m.resize(nm.n_groups * dim);
     for (int64_t g = 0; g < full.n_groups; g++) {
         if (renumber[g] < 0) continue;
-        std::memcpy(&nm.group_d[renumber[g] * dim], &full.group_d[g * dim], 2 * dim);
-        if (!full.group_m.empty()) std::memcpy(&nm.group_m[renumber[g] * dim], &full.group_m[g * dim], 2 * dim);
+        std::memcpy(&nm.group_d[renumber[g] * dim], &full.group_d[g * dim], sizeof(float) * dim);
+        if (!full.group_m.empty())
+            std::memcpy(&nm.group_m[renumber[g] * dim], &full.group_m[g * dim], sizeof(float) * dim);
     }
     return nm;
 }
