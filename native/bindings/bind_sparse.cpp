@@ -112,12 +112,23 @@ nb::tuple repack_grouped_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols
     std::memcpy(codes.data(), nm.data.data(), nm.data.size());
     auto group = new_array<int32_t>({nm.group.size()});
     std::memcpy(group.data(), nm.group.data(), 4 * nm.group.size());
-    auto gd = new_array<float>({(size_t)nm.n_groups, (size_t)nm.dim});
-    std::memcpy(gd.data(), nm.group_d.data(), sizeof(float) * nm.group_d.size());
-    if (nm.group_m.empty()) return nb::make_tuple(codes, group, gd, nb::none());
-    auto gm = new_array<float>({(size_t)nm.n_groups, (size_t)nm.dim});
-    std::memcpy(gm.data(), nm.group_m.data(), sizeof(float) * nm.group_m.size());
-    return nb::make_tuple(codes, group, gd, gm);
+    // Scales and minimums as float32, whatever their stored width.
+    auto scales = [&](const std::vector<uint8_t>& v) {
+        auto out = new_array<float>({(size_t)nm.n_groups, (size_t)nm.dim});
+        const size_t n = (size_t)nm.n_groups * nm.dim;
+        for (size_t i = 0; i < n; i++) {
+            if (grouped_scale_size(nm.type) == 2) {
+                fp16_t h;
+                std::memcpy(&h, v.data() + 2 * i, 2);
+                out.data()[i] = fp16_to_fp32(h);
+            } else {
+                std::memcpy(out.data() + i, v.data() + 4 * i, 4);
+            }
+        }
+        return out;
+    };
+    if (nm.group_m.empty()) return nb::make_tuple(codes, group, scales(nm.group_d), nb::none());
+    return nb::make_tuple(codes, group, scales(nm.group_d), scales(nm.group_m));
 }
 
 // axpy over the grouped copy of W (optionally of its neuron subset `rows`, idx then indexing the subset).

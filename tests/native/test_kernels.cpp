@@ -31,6 +31,7 @@
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
 #include "optiml/quant.h"
+#include "optiml/sparse.h"
 
 using namespace optiml;
 
@@ -471,10 +472,19 @@ void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
             rows.emplace_back(dim / 2);
             for (uint8_t& b : rows.back()) b = (uint8_t)randint(0, 255);
         }
-        std::vector<float> d(dim), m(dim);
+        // Scales as the kernel of this type reads them: fp16 for Q4_0/Q4_1, float for Q4_K.
+        const size_t ss = grouped_scale_size(type);
+        std::vector<uint8_t> d(dim * ss), m(dim * ss);
         for (int64_t r = 0; r < dim; r++) {
-            d[r] = 0.01f * normal();
-            m[r] = 0.05f * normal();
+            const float dv = 0.01f * normal(), mv = 0.05f * normal();
+            if (ss == 2) {
+                const fp16_t dh = fp32_to_fp16(dv), mh = fp32_to_fp16(mv);
+                std::memcpy(&d[r * 2], &dh, 2);
+                std::memcpy(&m[r * 2], &mh, 2);
+            } else {
+                std::memcpy(&d[r * 4], &dv, 4);
+                std::memcpy(&m[r * 4], &mv, 4);
+            }
         }
         for (int64_t n : {32, 64, 96, 160, 288}) {
             Check c("%s axpy_group %s n=%" PRId64, lv, type_traits(type).name, n);
@@ -490,9 +500,10 @@ void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
                 const int64_t first = (dim - n) / 64 * 32;  // whole 32-dimension chunks, first + n <= dim
                 std::vector<float> y(n), yr(n);
                 for (int64_t r = 0; r < n; r++) y[r] = yr[r] = normal();
-                t.axpy_group[type](n, y.data(), w.data(), first / 2, a.data(), k, d.data() + first, m.data() + first, a_sum);
-                ref.axpy_group[type](n, yr.data(), w.data(), first / 2, a.data(), k, d.data() + first, m.data() + first,
-                                     a_sum);
+                const uint8_t* ds = d.data() + first * ss;
+                const uint8_t* ms = m.data() + first * ss;
+                t.axpy_group[type](n, y.data(), w.data(), first / 2, a.data(), k, ds, ms, a_sum);
+                ref.axpy_group[type](n, yr.data(), w.data(), first / 2, a.data(), k, ds, ms, a_sum);
                 for (int64_t r = 0; r < n; r++)
                     if (!same_bits(y[r], yr[r])) c.fail("k=%d r=%" PRId64 ": %.9g, scalar %.9g", k, r, y[r], yr[r]);
             }

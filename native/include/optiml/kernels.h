@@ -56,9 +56,10 @@ typedef void (*axpy_fn)(int64_t n, float* y, const void* const* w, size_t w_offs
 // One group of grouped neuron-major rows (sparse.h): acc[r] = the fma chain, in list order from 0, of
 // a[i] * c_i[r] with c_i the 4-bit codes of row i (minus 8 for Q4_0) starting w_offset bytes into w[i];
 // then y[r] = fma(d[r], acc[r], y[r]), and where there are minimums (Q4_1, Q4_K) y[r] = fma(m[r],
-// a_sum, y[r]). n is a multiple of 32. Every SIMD level gives the same bits.
+// a_sum, y[r]); d and m are fp16 (Q4_0, Q4_1) or float (Q4_K). n is a multiple of 32. Every SIMD level
+// gives the same bits.
 typedef void (*axpy_group_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k,
-                              const float* d, const float* m, float a_sum);
+                              const void* d, const void* m, float a_sum);
 
 struct KernelTable {
     SimdLevel level;

@@ -28,9 +28,10 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
 // Grouped (a lossless copy of a Q4_0, Q4_1 or Q4_K down matrix, `type` saying which): row j holds
 // neuron j's dim 4-bit codes, 32 dimensions per 16 bytes in Q4_0's nibble order, and the scales (and
 // minimums) of the source's 32-value blocks or sub-blocks stay shared by those 32 neurons, as in the
-// file, decoded to float (exactly: a Q4_K sub-block's scale is an fp16 times a 6-bit integer): row j's
-// weight for dimension r is group_d[g * dim + r] * (code - 8) for Q4_0 and group_d[...] * code +
-// group_m[...] otherwise (Q4_K's minimum stored negated), with g = group[j]. No weight is rounded again.
+// file: row j's weight for dimension r is d[g * dim + r] * (code - 8) for Q4_0 and d[...] * code +
+// m[...] otherwise, with g = group[j]. Scales are fp16 as in the file for Q4_0/Q4_1, and float for
+// Q4_K (a sub-block's scale is an fp16 times a 6-bit integer: exact in float, not in fp16; its
+// minimum is stored negated). No weight is rounded again.
 struct NeuronMajor {
     int32_t type = TYPE_Q8_0;
     int64_t n_neurons = 0;
@@ -45,8 +46,8 @@ struct NeuronMajor {
     bool grouped = false;
     int64_t n_groups = 0;
     std::vector<int32_t> group;     // [n_neurons]: the group of each row
-    std::vector<float> group_d;     // [n_groups * dim] scales
-    std::vector<float> group_m;     // [n_groups * dim] minimums (Q4_1, Q4_K), else empty
+    std::vector<uint8_t> group_d;   // [n_groups * dim] scales of grouped_scale_size(type) bytes
+    std::vector<uint8_t> group_m;   // the same for minimums (Q4_1, Q4_K), else empty
     // When set, the rows live there (a device's memory) instead of in `data`.
     const uint8_t* external = nullptr;
     const uint8_t* bytes() const { return external ? external : data.data(); }
@@ -62,6 +63,8 @@ void check_neuron_major(int32_t type, int64_t n_neurons, int64_t dim);
 // values of `type`, quantized along n_embd with quantize_row. Multithreaded, tile by tile.
 NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int32_t type = TYPE_Q8_0);
 
+// Bytes of one grouped scale or minimum: 2 (fp16) for Q4_0/Q4_1, 4 (float) for Q4_K.
+inline size_t grouped_scale_size(int32_t type) { return type == TYPE_Q4_K ? 4 : 2; }
 // Can a down matrix of this type be copied grouped (lossless)? Q4_0, Q4_1 and Q4_K with a dim that
 // is a multiple of 32.
 bool can_group_neuron_major(int32_t type, int64_t dim);

@@ -17,10 +17,15 @@ namespace optiml {
 
 namespace {
 
-// MIN: codes as they are plus a minimum (Q4_1, Q4_K); else centred codes (Q4_0).
-template <bool MIN>
+inline float scale_at(const fp16_t* s, int64_t i) { return fp16_to_fp32(s[i]); }
+inline float scale_at(const float* s, int64_t i) { return s[i]; }
+
+// MIN: codes as they are plus a minimum (Q4_1, Q4_K); else centred codes (Q4_0). S: the scales' type.
+template <bool MIN, typename S>
 void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                       const float* d, const float* m, float a_sum) {
+                       const void* dv, const void* mv, float a_sum) {
+    const S* d = (const S*)dv;
+    const S* m = (const S*)mv;
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
         float acc[32] = {};
         for (int64_t i = 0; i < k; i++) {
@@ -32,8 +37,8 @@ void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, co
             }
         }
         for (int t = 0; t < 32; t++) {
-            float v = std::fma(d[r0 + t], acc[t], y[r0 + t]);
-            if (MIN) v = std::fma(m[r0 + t], a_sum, v);
+            float v = std::fma(scale_at(d, r0 + t), acc[t], y[r0 + t]);
+            if (MIN) v = std::fma(scale_at(m, r0 + t), a_sum, v);
             y[r0 + t] = v;
         }
     }
@@ -49,9 +54,9 @@ struct GroupRun {
 }  // namespace
 
 void fill_sparse_grouped_scalar(KernelTable& t) {
-    t.axpy_group[TYPE_Q4_0] = axpy_group_scalar<false>;
-    t.axpy_group[TYPE_Q4_1] = axpy_group_scalar<true>;
-    t.axpy_group[TYPE_Q4_K] = axpy_group_scalar<true>;
+    t.axpy_group[TYPE_Q4_0] = axpy_group_scalar<false, fp16_t>;
+    t.axpy_group[TYPE_Q4_1] = axpy_group_scalar<true, fp16_t>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_scalar<true, float>;
 }
 
 void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx,
@@ -60,9 +65,10 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
     if (!d.grouped || !can_group_neuron_major(d.type, d.dim))
         throw ArgumentError("axpy_rows: grouped neuron-major rows must be Q4_0, Q4_1 or Q4_K with dim a multiple of 32");
     const size_t dim = (size_t)d.dim;
+    const size_t ss = grouped_scale_size(d.type);
     if (d.row_bytes != dim / 2 || (!d.external && d.data.size() < d.row_bytes * (size_t)d.n_neurons) ||
-        (int64_t)d.group.size() != d.n_neurons || d.group_d.size() != (size_t)d.n_groups * dim ||
-        d.group_m.size() != (has_min ? (size_t)d.n_groups * dim : 0))
+        (int64_t)d.group.size() != d.n_neurons || d.group_d.size() != (size_t)d.n_groups * dim * ss ||
+        d.group_m.size() != (has_min ? (size_t)d.n_groups * dim * ss : 0))
         throw ArgumentError("axpy_rows: the grouped neuron-major matrix's parts do not match its shape");
     if (k < 0) throw ArgumentError("axpy_rows: negative neuron count");
     const axpy_group_fn kernel = kt.axpy_group[d.type];
@@ -117,8 +123,9 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         const int64_t r0 = u0 * 32, n = (u1 - u0) * 32;
         if (!accumulate) std::memset(y + r0, 0, sizeof(float) * n);
         for (const GroupRun& run : group_runs) {
-            const float* gd = &d.group_d[run.group * dim + r0];
-            const float* gm = has_min ? &d.group_m[run.group * dim + r0] : nullptr;
+            const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
+            const uint8_t* gd = d.group_d.data() + at;
+            const uint8_t* gm = has_min ? d.group_m.data() + at : nullptr;
             kernel(n, y + r0, p + run.start, (size_t)r0 / 2, c + run.start, run.len, gd, gm, run.a_sum);
         }
     });

@@ -3,6 +3,7 @@
 // neuron in list order, then one per scale, so the bits equal the scalar reference's.
 #include <immintrin.h>
 
+#include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
 #include "optiml/sparse.h"
 
@@ -32,10 +33,13 @@ inline void codes(const uint8_t* q, __m256* c) {
     }
 }
 
-// C chunks of 32 dimensions from r0.
-template <bool MIN, int C>
-inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                 const float* d, const float* m, float a_sum) {
+inline __m256 scales8(const fp16_t* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
+inline __m256 scales8(const float* s) { return _mm256_loadu_ps(s); }
+
+// C chunks of 32 dimensions from r0; S: the scales' type (fp16 or float).
+template <bool MIN, typename S, int C>
+inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const float* a, int64_t k, const S* d,
+                 const S* m, float a_sum) {
     __m256 acc[4 * C];
     for (int j = 0; j < 4 * C; j++) acc[j] = _mm256_setzero_ps();
     const size_t o = off + (size_t)r0 / 2;
@@ -51,26 +55,28 @@ inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const f
     const __m256 vs = _mm256_set1_ps(a_sum);
     for (int j = 0; j < 4 * C; j++) {
         const int64_t r = r0 + 8 * j;
-        __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(d + r), acc[j], _mm256_loadu_ps(y + r));
-        if (MIN) v = _mm256_fmadd_ps(_mm256_loadu_ps(m + r), vs, v);
+        __m256 v = _mm256_fmadd_ps(scales8(d + r), acc[j], _mm256_loadu_ps(y + r));
+        if (MIN) v = _mm256_fmadd_ps(scales8(m + r), vs, v);
         _mm256_storeu_ps(y + r, v);
     }
 }
 
-template <bool MIN>
-void axpy_group_avx2(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                     const float* d, const float* m, float a_sum) {
+template <bool MIN, typename S>
+void axpy_group_avx2(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k, const void* dv,
+                     const void* mv, float a_sum) {
+    const S* d = (const S*)dv;
+    const S* m = (const S*)mv;
     int64_t r0 = 0;
-    for (; r0 + 64 <= n; r0 += 64) pass<MIN, 2>(r0, y, w, off, a, k, d, m, a_sum);
-    if (r0 < n) pass<MIN, 1>(r0, y, w, off, a, k, d, m, a_sum);
+    for (; r0 + 64 <= n; r0 += 64) pass<MIN, S, 2>(r0, y, w, off, a, k, d, m, a_sum);
+    if (r0 < n) pass<MIN, S, 1>(r0, y, w, off, a, k, d, m, a_sum);
 }
 
 }  // namespace
 
 void fill_sparse_grouped_avx2(KernelTable& t) {
-    t.axpy_group[TYPE_Q4_0] = axpy_group_avx2<false>;
-    t.axpy_group[TYPE_Q4_1] = axpy_group_avx2<true>;
-    t.axpy_group[TYPE_Q4_K] = axpy_group_avx2<true>;
+    t.axpy_group[TYPE_Q4_0] = axpy_group_avx2<false, fp16_t>;
+    t.axpy_group[TYPE_Q4_1] = axpy_group_avx2<true, fp16_t>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_avx2<true, float>;
 }
 
 }  // namespace optiml

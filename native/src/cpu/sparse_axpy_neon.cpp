@@ -106,9 +106,14 @@ void axpy_float_neon(int64_t n, float* y, const void* const* w, size_t off, cons
 
 // Grouped rows (kernels.h, axpy_group_fn): 32 dimensions per pass, eight fma chains in registers
 // over the group's neurons, then one fma per scale (and minimum), as the scalar reference.
-template <bool MIN>
+inline float32x4_t scales4(const fp16_t* s) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s))); }
+inline float32x4_t scales4(const float* s) { return vld1q_f32(s); }
+
+template <bool MIN, typename S>
 void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                     const float* d, const float* m, float a_sum) {
+                     const void* dv, const void* mv, float a_sum) {
+    const S* d = (const S*)dv;
+    const S* m = (const S*)mv;
     const uint8x16_t mask = vdupq_n_u8(0x0F);
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
         float32x4_t acc[8];
@@ -135,8 +140,8 @@ void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, cons
         }
         for (int c = 0; c < 8; c++) {
             const int64_t r = r0 + 4 * c;
-            float32x4_t v = vfmaq_f32(vld1q_f32(y + r), vld1q_f32(d + r), acc[c]);
-            if (MIN) v = vfmaq_n_f32(v, vld1q_f32(m + r), a_sum);
+            float32x4_t v = vfmaq_f32(vld1q_f32(y + r), scales4(d + r), acc[c]);
+            if (MIN) v = vfmaq_n_f32(v, scales4(m + r), a_sum);
             vst1q_f32(y + r, v);
         }
     }
@@ -145,9 +150,9 @@ void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, cons
 }  // namespace
 
 void fill_sparse_neon(KernelTable& t) {
-    t.axpy_group[TYPE_Q4_0] = axpy_group_neon<false>;
-    t.axpy_group[TYPE_Q4_1] = axpy_group_neon<true>;
-    t.axpy_group[TYPE_Q4_K] = axpy_group_neon<true>;
+    t.axpy_group[TYPE_Q4_0] = axpy_group_neon<false, fp16_t>;
+    t.axpy_group[TYPE_Q4_1] = axpy_group_neon<true, fp16_t>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_neon<true, float>;
     t.axpy[TYPE_F32] = axpy_float_neon<float>;
     t.axpy[TYPE_F16] = axpy_float_neon<fp16_t>;
     t.axpy[TYPE_Q8_0] = axpy_q8_0_neon;

@@ -84,8 +84,18 @@ NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& do
     nm.data.resize(nm.row_bytes * (size_t)nm.n_neurons);
     nm.group.resize(nm.n_neurons);
     for (int64_t j = 0; j < nm.n_neurons; j++) nm.group[j] = (int32_t)(j / 32);
-    nm.group_d.resize((size_t)nm.n_groups * nm.dim);
-    if (has_min) nm.group_m.resize((size_t)nm.n_groups * nm.dim);
+    const size_t ss = grouped_scale_size(down.type);
+    nm.group_d.resize((size_t)nm.n_groups * nm.dim * ss);
+    if (has_min) nm.group_m.resize((size_t)nm.n_groups * nm.dim * ss);
+    // fp16 scales come from the file's fp16 fields: converting them back is exact.
+    auto put = [ss](std::vector<uint8_t>& v, size_t at, float x) {
+        if (ss == 2) {
+            const fp16_t h = fp32_to_fp16(x);
+            std::memcpy(v.data() + at * 2, &h, 2);
+        } else {
+            std::memcpy(v.data() + at * 4, &x, 4);
+        }
+    };
 
     const size_t src_row = row_size(down.type, down.cols);
     const int64_t n_chunks = nm.dim / 32;
@@ -99,8 +109,8 @@ NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& do
                 for (int i = 0; i < 32; i++) {
                     const int64_t r = c * 32 + i;
                     const Q4Group src = source_group(down.type, (const uint8_t*)down.data + r * src_row, g);
-                    nm.group_d[g * nm.dim + r] = src.d;
-                    if (has_min) nm.group_m[g * nm.dim + r] = src.m;
+                    put(nm.group_d, (size_t)(g * nm.dim + r), src.d);
+                    if (has_min) put(nm.group_m, (size_t)(g * nm.dim + r), src.m);
                     std::memcpy(codes[i], src.code, 32);
                 }
                 for (int n = 0; n < 32; n++) {
@@ -145,14 +155,13 @@ NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, in
         if (used[g]) renumber[g] = (int32_t)nm.n_groups++;
     nm.group.resize(n_rows);
     for (int64_t i = 0; i < n_rows; i++) nm.group[i] = renumber[full.group[rows[i]]];
-    const size_t dim = (size_t)nm.dim;
-    nm.group_d.resize(nm.n_groups * dim);
-    if (!full.group_m.empty()) nm.group_m.resize(nm.n_groups * dim);
+    const size_t row = (size_t)nm.dim * grouped_scale_size(nm.type);  // bytes of one group's scales
+    nm.group_d.resize(nm.n_groups * row);
+    if (!full.group_m.empty()) nm.group_m.resize(nm.n_groups * row);
     for (int64_t g = 0; g < full.n_groups; g++) {
         if (renumber[g] < 0) continue;
-        std::memcpy(&nm.group_d[renumber[g] * dim], &full.group_d[g * dim], sizeof(float) * dim);
-        if (!full.group_m.empty())
-            std::memcpy(&nm.group_m[renumber[g] * dim], &full.group_m[g * dim], sizeof(float) * dim);
+        std::memcpy(&nm.group_d[renumber[g] * row], &full.group_d[g * row], row);
+        if (!full.group_m.empty()) std::memcpy(&nm.group_m[renumber[g] * row], &full.group_m[g * row], row);
     }
     return nm;
 }
