@@ -87,16 +87,16 @@ def test_threshold_zero_equals_dense(smollm2_path, criterion):
 @pytest.mark.parametrize("criterion", ["gate", "product"])
 def test_sparse_token_path_matches_masked_batch_path(smollm2_path, criterion):
     """The same thresholds computed two ways: a batch (dense kernels, inactive activations zeroed) and
-    token by token (row-sparse up, column-sparse down over the grouped copy of the Q4_1 down rows)."""
+    token by token (row-sparse up, column-sparse down over the neuron-major copy of the Q4_1 down rows)."""
     m = optiml.Model(smollm2_path, n_ctx=128, n_threads=2)
     m.set_sparsity("threshold", 0.03 if criterion == "product" else 0.1, criterion=criterion)
     ids = _ids(m, 24)
     batch = m.eval(ids, all_logits=True)
     m.reset()
     steps = np.stack([m.eval([t]) for t in ids])
-    # The token path's down uses the file's exact weights with float activations, the batch path's the
-    # dense kernel with 8-bit activations: SmolLM2 amplifies that rounding to this size over its 30
-    # layers (each path is as far from the dense model: about 0.09 here).
+    # The token path's down has float activations (and 8-bit rows, or the file's exact weights with a
+    # compact copy), the batch path's the dense kernel with 8-bit activations: SmolLM2 amplifies that
+    # rounding to this size over its 30 layers (each path is as far from the dense model: about 0.09).
     assert _rel(steps, batch) < 0.12
     # Greedy choices agree wherever the batch's top two logits are not a near-tie (0.25 here: the
     # differences above move logits by up to about 0.2).
@@ -105,6 +105,25 @@ def test_sparse_token_path_matches_masked_batch_path(smollm2_path, criterion):
     assert decisive.sum() >= 12
     assert np.mean(steps.argmax(1)[decisive] == batch.argmax(1)[decisive]) >= 0.95
     assert m.sparsity_stats()["skipped"] > 0.2
+
+
+def test_compact_and_fast_down_copies(smollm2_path):
+    """The token path with either down copy: the 8-bit rows, or the grouped copy of the file's Q4_1 codes
+    and scales (lossless); both as close to the batch path as the test above asks, and not the same bits
+    (the choice reaches the engine)."""
+    steps = {}
+    for copy in ("fast", "compact"):
+        m = optiml.Model(smollm2_path, n_ctx=128, n_threads=2, down_copy=copy)
+        m.set_sparsity("threshold", 0.03, criterion="product")
+        ids = _ids(m, 16)
+        batch = m.eval(ids, all_logits=True)
+        m.reset()
+        steps[copy] = np.stack([m.eval([t]) for t in ids])
+        assert _rel(steps[copy], batch) < 0.12
+        assert m.sparsity_stats()["skipped"] > 0.2
+    assert not np.array_equal(steps["fast"], steps["compact"])
+    with pytest.raises(optiml.ArgumentError, match="down_copy"):
+        optiml.Model(smollm2_path, n_ctx=64, down_copy="small")
 
 
 @pytest.mark.parametrize("criterion,target", [("product", 0.5), ("product", 0.3), ("gate", 0.5), ("weighted", 0.3)])

@@ -4,6 +4,8 @@
   * axpy_rows (column-sparse down): --active of the n_ff neuron-major rows, each dim values of
     F32/F16/Q8_0, accumulated into y; throughput is the neuron-row bytes read per second;
   * matmul_rows (row-sparse gate/up): the same fraction of the n_ff rows of a --gate-type matrix;
+  * the engine's down copy of a --gate-type matrix, grouped (lossless, Q4_0/Q4_1/Q4_K) against 8-bit
+    rows: time per call for the same neurons, and the ratio;
   * repack_neuron_major: seconds to repack one down matrix, and that times --layers.
 
 Copies of the weights spanning --span MiB are cycled through, so rows come from memory, not cache,
@@ -90,6 +92,31 @@ def main() -> int:
                      for n in args.threads}
             print(row(f"axpy_rows {nm_type} k={k}", k * nm.shape[1], times), flush=True)
         del copies
+
+    # The engine's copy of a down matrix of --gate-type: grouped (lossless 4-bit, one scale per 32-neuron
+    # group read once per touched group) against 8-bit rows, same matrix, same neurons.
+    down_t = quant.type_id(args.gate_type)
+    down = quant.quantize(np.ascontiguousarray(wf.T), args.gate_type)  # [n_embd, n_ff]
+    copies = {g: [_core.NeuronMajor(down, down_t, args.n_embd, args.n_ff, grouped=g)
+                  for _ in range(max(1, args.span // 64))] for g in (False, True)}
+    if copies[True][0].grouped:
+        for frac in args.active:
+            k = max(1, int(round(frac * args.n_ff)))
+            n_copies = len(copies[True])
+            idx = [np.sort(rng.choice(args.n_ff, size=k, replace=False)).astype(np.int32) for _ in range(n_copies)]
+            a = rng.standard_normal(k).astype(np.float32)
+            times = {}
+            for g in (False, True):
+                times[g] = {n: best_seconds(lambda i: copies[g][i].axpy(idx[i], a, n_threads=n, simd=simd), n_copies,
+                                            args.repeats) for n in args.threads}
+            for g in (False, True):
+                name = f"down copy {'grouped' if g else '8-bit'} {args.gate_type} k={k}"
+                line = row(name, copies[g][0].nbytes * k // args.n_ff, times[g])
+                if g:
+                    line += "  grouped/8-bit time: " + " ".join(
+                        f"{n}t {times[True][n] / times[False][n]:.2f}x" for n in args.threads)
+                print(line, flush=True)
+    del copies
 
     gt = quant.type_id(args.gate_type)
     gate = quant.quantize(wf, args.gate_type)  # [n_ff, n_embd]

@@ -51,10 +51,11 @@ nb::dict sparsity_config(const PyModel& m) {
 }
 
 void set_sparsity(PySession& s, bool enabled, std::optional<Floats1D> thresholds, bool on_product,
-                  std::optional<Floats1D> neuron_scale) {
+                  std::optional<Floats1D> neuron_scale, bool compact_down) {
     SparsitySettings st;
     st.enabled = enabled;
     st.on_product = on_product;
+    st.compact_down = compact_down;
     if (thresholds) st.threshold.assign(thresholds->data(), thresholds->data() + thresholds->shape(0));
     if (neuron_scale) st.neuron_scale.assign(neuron_scale->data(), neuron_scale->data() + neuron_scale->shape(0));
     if (enabled && !thresholds) throw ArgumentError("sparsity needs per-layer thresholds");
@@ -283,7 +284,8 @@ void bind_model(nb::module_& m) {
         .def_prop_ro("kv_bytes", [](const PySession& s) { return s.session->kv_bytes(); })
         .def("truncate", [](PySession& s, int32_t n) { s.session->truncate(n); }, nb::arg("n"))
         .def("set_sparsity", &set_sparsity, nb::arg("enabled"), nb::arg("thresholds") = nb::none(),
-             nb::arg("on_product") = false, nb::arg("neuron_scale").none() = nb::none())
+             nb::arg("on_product") = false, nb::arg("neuron_scale").none() = nb::none(),
+             nb::arg("compact_down") = false)
         .def("sparsity_counts", &sparsity_counts)
         .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
         .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {

@@ -153,9 +153,49 @@ nb::ndarray<nb::numpy, float> axpy_grouped_py(BytesND w, int32_t qtype, int64_t 
     return y;
 }
 
+// A down matrix's neuron-major copy as the engine makes it (grouped where the type allows, else 8-bit
+// rows; or 8-bit rows on request), kept between calls: what the benchmarks time.
+struct PyNeuronMajor {
+    NeuronMajor nm;
+};
+
+PyNeuronMajor* make_neuron_major(BytesND w, int32_t qtype, int64_t rows, int64_t cols, bool grouped, int n_threads) {
+    const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    auto* p = new PyNeuronMajor;
+    nb::gil_scoped_release release;
+    p->nm = grouped ? neuron_major_copy(*pool, W) : repack_neuron_major(*pool, W, TYPE_Q8_0);
+    return p;
+}
+
+nb::ndarray<nb::numpy, float> neuron_major_axpy(const PyNeuronMajor& p, Ints1D idx, Floats1D a, int n_threads,
+                                                const std::optional<std::string>& simd) {
+    if (a.shape(0) != idx.shape(0))
+        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
+    const KernelTable& kt = table_for(simd.value_or(""));
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    auto y = new_array<float>({(size_t)p.nm.dim});
+    {
+        nb::gil_scoped_release release;
+        axpy_rows(*pool, kt, p.nm, idx.data(), a.data(), (int64_t)idx.shape(0), y.data(), false);
+    }
+    return y;
+}
+
 }  // namespace
 
 void bind_sparse(nb::module_& m) {
+    nb::class_<PyNeuronMajor>(m, "NeuronMajor")
+        .def(nb::new_(&make_neuron_major), nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+             nb::arg("grouped") = true, nb::arg("n_threads") = 0,
+             "The neuron-major copy of a rows x cols down matrix (raw bytes of qtype) as the sparse FFN keeps "
+             "it: grouped (lossless) for Q4_0/Q4_1/Q4_K when `grouped`, else 8-bit rows.")
+        .def_prop_ro("grouped", [](const PyNeuronMajor& p) { return p.nm.grouped; })
+        .def_prop_ro("nbytes", [](const PyNeuronMajor& p) {
+            return p.nm.data.size() + p.nm.group_d.size() + p.nm.group_m.size() + 4 * p.nm.dim_scale.size();
+        })
+        .def("axpy", &neuron_major_axpy, nb::arg("idx"), nb::arg("a"), nb::arg("n_threads") = 0,
+             nb::arg("simd").none() = nb::none(), "sum_i a[i] * (column idx[i] of the down matrix), float32 [rows].");
     m.def("repack_neuron_major_grouped", &repack_grouped_py, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"),
           nb::arg("cols"), nb::arg("n_threads") = 0,
           "The lossless grouped neuron-major copy of a Q4_0/Q4_1/Q4_K rows x cols matrix: returns (codes: "

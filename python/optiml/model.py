@@ -42,6 +42,10 @@ class Model:
     file carries from `optiml calibrate`; for a ReLU-family model without them, exact zero-skipping;
     otherwise dense), "threshold" (like auto, but an error when there is nothing to skip by), or "none".
     thresholds: per-layer thresholds (or one for all layers) that override the file's.
+    down_copy: the sparse FFN's neuron-major copy of each down matrix: "fast" (8-bit rows, about twice a
+    4-bit matrix's size), "compact" (for Q4_0/Q4_1/Q4_K: the file's own codes and scales regrouped, lossless
+    and about the matrix's size; about half as fast to sum today; other types get 8-bit rows), or "auto"
+    (the default: fast while those copies take at most half of the memory available).
 
     n_seq: sequence slots of the KV cache (each holds n_ctx positions) for :meth:`decode`; generation and
     chat use sequence 0. device, vram, n_gpu_layers, gpu_neurons: where layers run (see optiml.plan):
@@ -65,6 +69,7 @@ class Model:
         vram=None,
         n_gpu_layers: int | None = None,
         gpu_neurons=None,
+        down_copy: str = "auto",
     ):
         from .models import resolve
 
@@ -92,6 +97,9 @@ class Model:
         self._chat_text = ""  # the text of the last chat prompt and answer ...
         self._chat_ids: list[int] = []  # ... and its token ids, as the model saw and generated them
         self._stats = {"prompt_tokens": 0, "prompt_evaluated": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
+        if down_copy not in ("auto", "fast", "compact"):
+            raise ArgumentError(f"down_copy must be 'auto', 'fast' or 'compact', not {down_copy!r}")
+        self._down_copy = down_copy
         self.sparsity = "none"
         self.set_sparsity(sparsity, thresholds)
 
@@ -170,8 +178,24 @@ class Model:
             if chosen == "none":
                 self._session.set_sparsity(False)
             else:
-                self._session.set_sparsity(True, thr, (criterion or "gate") == "product", scale)
+                self._session.set_sparsity(True, thr, (criterion or "gate") == "product", scale,
+                                           compact_down=self._compact_down())
         self.sparsity = chosen
+
+    def _compact_down(self) -> bool:
+        """Whether the sparse FFN's neuron-major down copies are compact (grouped: lossless, about the
+        matrix's own size, for Q4_0/Q4_1/Q4_K) rather than fast (8-bit rows: about twice a 4-bit matrix,
+        and today about twice as fast to sum). "auto": fast while the 8-bit copies take at most half of the
+        memory now available."""
+        if self._down_copy != "auto":
+            return self._down_copy == "compact"
+        h = self.hparams
+        need = h["n_layer"] * h["n_ff"] * h["n_embd"] * 34 / 32  # Q8_0: 34 bytes per 32 weights
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # not POSIX: no way to tell, favour speed
+            return False
+        return need > available / 2
 
     def sparsity_stats(self, reset: bool = False) -> dict:
         """Neurons skipped since the model was made (or the last reset=True): per layer and overall

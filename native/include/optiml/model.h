@@ -136,7 +136,9 @@ public:
 
     // Neuron-major copy of layer il's down matrix (row j = neuron j's down column), made the first time a
     // session computes that layer's whole FFN sparsely on the host. Thread-safe.
-    const NeuronMajor& down_neuron_major(ThreadPool& pool, int il) const;
+    // compact: grouped where the type allows (see SparsitySettings::compact_down). A different choice
+    // than the cached copy's replaces it.
+    const NeuronMajor& down_neuron_major(ThreadPool& pool, int il, bool compact) const;
 
     // Bytes of weights, for reporting.
     size_t weight_bytes() const;
@@ -153,6 +155,9 @@ struct SparsitySettings {
     bool on_product = false;
     std::vector<float> threshold;     // [n_layer]
     std::vector<float> neuron_scale;  // [n_layer][n_ff] or empty: weights of the gate criterion
+    // The host's neuron-major down copies: grouped (lossless, about the matrix's size; Q4_0/Q4_1/Q4_K
+    // only) or 8-bit rows (about twice a 4-bit matrix's size, and today the faster to sum).
+    bool compact_down = false;
 };
 
 // The engine: a model bound to devices by a plan, its KV cache of n_seq sequence slots, and the

@@ -71,8 +71,8 @@ bool can_group_neuron_major(int32_t type, int64_t dim);
 // The grouped neuron-major copy of `down` (Q4_0, Q4_1 or Q4_K; ArgumentError otherwise): codes and scales
 // moved, never requantized. Multithreaded; the result does not depend on the thread count.
 NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& down);
-// The host's neuron-major copy of a down matrix: grouped (lossless, the file's size) where the type
-// allows it, else 8-bit rows.
+// The compact neuron-major copy of a down matrix: grouped (lossless, about the matrix's size) where the
+// type allows it, else 8-bit rows.
 NeuronMajor neuron_major_copy(ThreadPool& pool, const WeightMatrix& down);
 // Rows rows[0..n) of `full` in list order (a neuron subset, e.g. the host's share of a split layer);
 // a grouped copy keeps the scales of the groups those rows use.

@@ -13,7 +13,7 @@ namespace {
 // The 32 codes of one chunk as four vectors of 8 floats: dimensions 0-7, 8-15 (low nibbles) and
 // 16-23, 24-31 (high nibbles); without a minimum (Q4_0) the codes are centred (minus 8).
 template <bool MIN>
-inline void codes(const uint8_t* q, __m256* c) {
+__attribute__((always_inline)) inline void codes(const uint8_t* q, __m256* c) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i raw = _mm_loadu_si128((const __m128i*)q);
     __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
@@ -36,23 +36,32 @@ inline void codes(const uint8_t* q, __m256* c) {
 inline __m256 scales8(const fp16_t* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
 inline __m256 scales8(const float* s) { return _mm256_loadu_ps(s); }
 
+constexpr int kPrefetchAhead = 256;  // bytes: 8 passes of 2 chunks
+
 // C chunks of 32 dimensions from r0; S: the scales' type (fp16 or float).
 template <bool MIN, typename S, int C>
-inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const float* a, int64_t k, const S* d,
+__attribute__((always_inline)) inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const float* a, int64_t k, const S* d,
                  const S* m, float a_sum) {
     __m256 acc[4 * C];
+#pragma GCC unroll 8
     for (int j = 0; j < 4 * C; j++) acc[j] = _mm256_setzero_ps();
     const size_t o = off + (size_t)r0 / 2;
     for (int64_t i = 0; i < k; i++) {
         const __m256 va = _mm256_set1_ps(a[i]);
         const uint8_t* q = (const uint8_t*)w[i] + o;
+        // Each row is read 32 bytes a pass, a dozen rows at once: too many short streams for the
+        // hardware prefetcher, so ask for the line several passes ahead.
+        _mm_prefetch((const char*)q + kPrefetchAhead, _MM_HINT_T0);
+#pragma GCC unroll 2
         for (int c = 0; c < C; c++) {
             __m256 v[4];
             codes<MIN>(q + 16 * c, v);
+#pragma GCC unroll 4
             for (int j = 0; j < 4; j++) acc[4 * c + j] = _mm256_fmadd_ps(va, v[j], acc[4 * c + j]);
         }
     }
     const __m256 vs = _mm256_set1_ps(a_sum);
+#pragma GCC unroll 8
     for (int j = 0; j < 4 * C; j++) {
         const int64_t r = r0 + 8 * j;
         __m256 v = _mm256_fmadd_ps(scales8(d + r), acc[j], _mm256_loadu_ps(y + r));

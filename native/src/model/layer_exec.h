@@ -18,6 +18,7 @@ struct Session::LayerExec {
     FFNWeights device_ffn;                 // the device's packed share
     NeuronMajor device_nm;                 // its down rows when they are not a column slice
     std::unique_ptr<NeuronMajor> host_nm;  // neuron-major down rows of the host's neurons (sparse FFN)
+    bool host_nm_compact = false;  // host_nm was made for SparsitySettings::compact_down
     std::vector<int32_t> host_slot;        // file neuron -> row of host_nm
 };
 

@@ -305,11 +305,16 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
     return model;
 }
 
-const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il) const {
+const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il, bool compact) const {
     std::lock_guard<std::mutex> lock(down_nm_mutex_);
     if (down_nm_.empty()) down_nm_.resize(layers.size());
-    if (!down_nm_[il])
-        down_nm_[il] = std::make_unique<NeuronMajor>(neuron_major_copy(pool, layers[il].ffn.down.matrix()));
+    const WeightMatrix down = layers[il].ffn.down.matrix();
+    const bool want_grouped = compact && can_group_neuron_major(down.type, down.rows);
+    if (!down_nm_[il] || down_nm_[il]->grouped != want_grouped) {
+        down_nm_[il].reset();  // the old copy goes first: never both at once
+        down_nm_[il] = std::make_unique<NeuronMajor>(compact ? neuron_major_copy(pool, down)
+                                                             : repack_neuron_major(pool, down, TYPE_Q8_0));
+    }
     return *down_nm_[il];
 }
 

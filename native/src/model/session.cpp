@@ -42,12 +42,12 @@ Session::~Session() {
 }
 
 // Neuron-major down rows of `rows` (file neurons) only, in list order: a whole layer is repacked, then
-// only the listed rows are kept, so the full copy lives for one layer at a time. The device's share
-// is 8-bit rows (its kernels take those); the host's is grouped where the type allows.
+// only the listed rows are kept, so the full copy lives for one layer at a time. compact: grouped
+// where the type allows (the host's share may be; the device's kernels take 8-bit rows).
 static NeuronMajor neuron_major_rows(ThreadPool& pool, const Weight& down, const int32_t* rows, int64_t n_rows,
-                                     bool for_device) {
-    const NeuronMajor full = for_device ? repack_neuron_major(pool, down.matrix(), TYPE_Q8_0)
-                                        : neuron_major_copy(pool, down.matrix());
+                                     bool compact) {
+    const NeuronMajor full = compact ? neuron_major_copy(pool, down.matrix())
+                                     : repack_neuron_major(pool, down.matrix(), TYPE_Q8_0);
     return gather_neuron_major(full, rows, n_rows);
 }
 
@@ -147,7 +147,7 @@ void Session::bind_devices() {
                     // is kept neuron-major (8-bit rows, as the sparse FFN's), its rows on the device; the
                     // per-dimension scales stay with the host side of the call.
                     NeuronMajor& nm = E.device_nm;
-                    nm = neuron_major_rows(*pool_, L.ffn.down, rows.data(), E.k, /*for_device=*/true);
+                    nm = neuron_major_rows(*pool_, L.ffn.down, rows.data(), E.k, /*compact=*/false);
                     uint8_t* p = (uint8_t*)dev->alloc(nm.data.size(), "ffn weights");
                     dev->copy_from_host(p, nm.data.data(), nm.data.size());
                     dev->synchronize();
@@ -213,13 +213,15 @@ void Session::prepare_sparse() {
         LayerExec& E = exec_[il];
         if (!E.host_share.w) continue;
         if (!E.host_share.rows) {
-            E.host_share.down_nm = &model_->down_neuron_major(*pool_, il);
+            E.host_share.down_nm = &model_->down_neuron_major(*pool_, il, sparsity_.compact_down);
             continue;
         }
-        if (E.host_nm) continue;
+        if (E.host_nm && E.host_nm_compact == sparsity_.compact_down) continue;
+        E.host_nm.reset();  // the old copy goes first: never both at once
+        E.host_nm_compact = sparsity_.compact_down;
         auto nm = std::make_unique<NeuronMajor>(
             neuron_major_rows(*pool_, model_->layers[il].ffn.down, E.host_rows.data(), (int64_t)E.host_rows.size(),
-                              /*for_device=*/false));
+                              sparsity_.compact_down));
         E.host_slot.assign(hp.n_ff, -1);
         for (size_t i = 0; i < E.host_rows.size(); i++) E.host_slot[E.host_rows[i]] = (int32_t)i;
         E.host_nm = std::move(nm);
