@@ -235,12 +235,13 @@ def _verify_cached(snap: Path, path: str, expected: str | None) -> None:
 
 
 def _remote_files(hub, repo: str, revision: str) -> dict[str, str | None]:
-    """{path: LFS sha256 or None} of every file of `repo` at `revision`, from the Hub."""
+    """{path: LFS sha256 or None} of every file of `repo` at `revision`, from the Hub: one request
+    (model_info with the files' metadata), which fails at once when the Hub cannot be reached."""
+    info = hub.HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=30)
     out = {}
-    for e in hub.HfApi().list_repo_tree(repo, recursive=True, revision=revision):
-        if hasattr(e, "size") and not hasattr(e, "tree_id"):  # a RepoFile, not a RepoFolder
-            lfs = getattr(e, "lfs", None)
-            out[e.path] = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
+    for s in info.siblings or []:
+        lfs = s.lfs
+        out[s.rfilename] = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
     return out
 
 
@@ -258,7 +259,10 @@ def pull(ref: HubRef | str, force: bool = False, quiet: bool = False, revision: 
     if not offline():
         try:
             remote = _remote_files(hub, ref.repo, revision)
-        except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError, hub.errors.GatedRepoError) as e:
+        except hub.errors.RepositoryNotFoundError:
+            raise ArgumentError(f"{ref}: no such repository on the Hugging Face Hub (or it is private: log in with "
+                                "`hf auth login`); and no such local file") from None
+        except (hub.errors.RevisionNotFoundError, hub.errors.GatedRepoError) as e:
             raise ArgumentError(f"{ref}: {str(e).splitlines()[0]}") from None
         except Exception as e:  # no network, a proxy, a server error: fall back to the cache
             say(f"{ref}: the Hub cannot be reached ({type(e).__name__}); looking in the cache {cache_dir()}")
