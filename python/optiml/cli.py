@@ -223,7 +223,7 @@ def cmd_perplexity(args) -> int:
                 ws = px.windows(m, f.read(), base.n_ctx, base.n_chunks)
             if len(ws) < base.n_chunks or any(w != base.window(i) for i, w in enumerate(ws)):
                 raise _core.ArgumentError(f"{args.file} does not tokenize to the base's tokens with this model "
-                                  "(the base stores its tokens: -f can be left out)")
+                                          "(the base stores its tokens: -f can be left out)")
         log(f"comparing with {base.path} ({base.model}, {base.n_chunks} windows of {base.n_ctx}); mean KLD:")
         r = px.compare(base, m, args.chunks, progress)
         log(f"{r.n} tokens scored in {time.perf_counter() - t0:.1f} s")
