@@ -10,7 +10,7 @@
 # user. The target names the generic x86-64 CPU (no -march=native): the AVX2/AVX-512 kernels are built
 # per file with their own flags and chosen at run time from cpuid, as in every other build.
 #
-# The CUDA variant is compiled by nvcc with the system host compiler (nvcc does not accept zig's clang),
+# The CUDA variant is compiled by nvcc with the system host compiler (zig's clang as nvcc's host compiler is untried),
 # so its glibc floor is whatever that compiler's glibc needs, and it uses the system's libstdc++ (linking
 # GCC 12's libstdc++ statically raised the floor from glibc 2.35 to 2.36 here: its std::random_device
 # calls arc4random). cudart is linked statically, so the module
