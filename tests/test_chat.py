@@ -125,7 +125,8 @@ def test_known_names_and_old_ids(smollm2_path):
     assert models.model_file("smollm2-135m-instruct") == model_path("smollm2-135m-instruct-q4_1")
     assert models.resolve("smollm2-135m-instruct") == str(smollm2_path)
     assert models.resolve(str(smollm2_path)) == str(smollm2_path)
-    assert models.resolve("no/such/file.gguf") == "no/such/file.gguf"
+    assert models.resolve("./no/such/file.gguf") == "./no/such/file.gguf"  # (no/such/file.gguf: a Hub reference)
+    assert models.resolve("nosuchfile.gguf") == "nosuchfile.gguf"
 
 
 def test_manifest_is_the_repository_one():

@@ -585,5 +585,5 @@ def test_cli_convert(good, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().err
     with optiml.Model(out, n_threads=1) as m:
         assert m.hparams["arch"] == "llama"
-    assert cli.main(["convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x.gguf")]) == 1
+    assert cli.main(["convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x.gguf")]) == 2  # bad input
     assert "not a folder" in capsys.readouterr().err and not (tmp_path / "x.gguf").exists()

@@ -185,11 +185,11 @@ def test_cli_saves_and_compares(models, tmp_path, capsys):
     capsys.readouterr()
     (tmp_path / "other.txt").write_text(TEXT[::-1])
     assert cli.main(["perplexity", "-m", str(other), "-f", str(tmp_path / "other.txt"), "--kl-divergence-base", f,
-                     "--kl-divergence"]) == 1
+                     "--kl-divergence"]) == 2  # bad input
     assert "does not tokenize to the base's tokens" in capsys.readouterr().err
-    assert cli.main(["perplexity", "-m", str(other), "--ctx", "64", "--kl-divergence-base", f, "--kl-divergence"]) == 1
+    assert cli.main(["perplexity", "-m", str(other), "--ctx", "64", "--kl-divergence-base", f, "--kl-divergence"]) == 2
     assert f"--ctx {N_CTX}" in capsys.readouterr().err
-    assert cli.main(["perplexity", "-m", str(other), "--kl-divergence"]) == 1
+    assert cli.main(["perplexity", "-m", str(other), "--kl-divergence"]) == 2
     assert "--kl-divergence-base FILE" in capsys.readouterr().err
 
 

@@ -197,5 +197,5 @@ def test_cli_run_tokenize_info_bench(smollm2_path, greedy, capsys):
 
 
 def test_cli_errors_are_messages_not_tracebacks(tmp_path, capsys):
-    assert cli.main(["run", "-m", str(tmp_path / "missing.gguf"), "-p", "x"]) == 1
-    assert "error: model file not found" in capsys.readouterr().err
+    assert cli.main(["run", "-m", str(tmp_path / "missing.gguf"), "-p", "x"]) == 2  # bad input
+    assert "error: no such model file" in capsys.readouterr().err

