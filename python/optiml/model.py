@@ -49,6 +49,9 @@ class Model:
     instance treated as an accelerator, for testing split execution), "cuda[:N]"; vram a budget such as
     "6GiB"; n_gpu_layers the last N layers whole on the device; gpu_neurons FFN neurons per layer on the
     device (overrides the file's placement). The result is :attr:`plan`.
+
+    predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
+    beside MODEL.gguf when it exists), a path, or None.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Model:
         vram=None,
         n_gpu_layers: int | None = None,
         gpu_neurons=None,
+        predictors="auto",
     ):
         from .models import resolve
 
@@ -94,6 +98,15 @@ class Model:
         self._stats = {"prompt_tokens": 0, "prompt_evaluated": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
         self.sparsity = "none"
         self.set_sparsity(sparsity, thresholds)
+        self.predictors: str | None = None
+        if predictors == "auto":
+            from .predictor import default_predictor_path
+
+            beside = default_predictor_path(self.path)
+            if os.path.isfile(beside):
+                self.set_predictors(beside)
+        elif predictors is not None:
+            self.set_predictors(predictors)
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -172,6 +185,24 @@ class Model:
             else:
                 self._session.set_sparsity(True, thr, (criterion or "gate") == "product", scale)
         self.sparsity = chosen
+
+    def set_predictors(self, path: str | os.PathLike | None) -> None:
+        """Uses the activation predictors of a companion GGUF (`optiml train-predictors`) from the next
+        evaluated token on: the CPU's FFN computes gate, up and down only for the neurons they predict
+        active (the sparsity criterion, when one is set, then filters those). None stops using them.
+        PredictorMismatchError for a file trained for another model. The file in use is ``self.predictors``."""
+        from .predictor import check_predictors
+
+        if path is None:
+            with self._exclusive():
+                self._session.set_predictors(None)
+            self.predictors = None
+            return
+        path = os.fspath(path)
+        check_predictors(path, self.path, self.hparams["ffn_act"])
+        with self._exclusive():
+            self._session.set_predictors(path)
+        self.predictors = path
 
     def sparsity_stats(self, reset: bool = False) -> dict:
         """Neurons skipped since the model was made (or the last reset=True): per layer and overall
