@@ -52,8 +52,9 @@ void down_projection(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
 
 // The FFN over the neurons a predictor marks active. 1. z = A x and the scores B z + bias per token
 // (in ss.val); 2. the predicted neurons of each token and their union; 3. gate and up for the union's
-// rows only; 4. per token, the union's activations (gathered in place to the front of its gate/up rows:
-// the union is ascending, so row i is read from position >= i), filtered by the criterion; 5. down.
+// rows only; 4. per token, its predicted neurons' activations (gathered in place to the front of its
+// gate/up rows: the list is ascending, so entry i is read from position >= i), filtered by the
+// criterion. The caller then runs the down projection.
 int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
                       const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s,
                       const SparseScratch& ss) {
@@ -103,9 +104,6 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
         for (int32_t j = 0; j < width; j++)
             if (ss.seen[j]) ss.uni[n_uni++] = j;
         uni = ss.uni;
-    } else {
-        std::memcpy(ss.uni, ss.idx, sizeof(int32_t) * n_uni);  // idx is rewritten below
-        uni = ss.uni;
     }
 
     // 3. Gate and up rows of the union.
@@ -120,29 +118,32 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
     const bool relu_up = hp.ffn_act == FFN_RELU2;
     const float threshold = sp.threshold;
     const float* neuron_scale = sp.neuron_scale;
+    // Each token keeps its own predicted neurons (computed for the whole batch as the union): the
+    // function does not depend on which tokens share a batch.
     auto activate = [&](int64_t t) {
         float* g = s.gate + t * width;
         float* u = s.up + t * width;
-        for (int64_t i = 0; i < n_uni; i++) {
-            const int32_t j = uni[i];
+        int32_t* idx = ss.idx + t * width;  // the token's predicted neurons, ascending
+        const int64_t n_own = ss.count[t];
+        for (int64_t i = 0; i < n_own; i++) {
+            const int32_t j = idx[i];
             g[i] = g[j] + (gb ? gb[j] : 0.0f);
             u[i] = u[j] + (ub ? ub[j] : 0.0f);
         }
-        int32_t* idx = ss.idx + t * width;
         float* val = ss.val + t * width;
-        int32_t c = 0;
+        int32_t c = 0;  // idx[c] is rewritten only after idx[i >= c] was read
         if (sp.on_product) {
-            ffn_activate(pool, kt, hp, w, g, u, 1, n_uni);
-            for (int64_t i = 0; i < n_uni; i++)
+            ffn_activate(pool, kt, hp, w, g, u, 1, n_own);
+            for (int64_t i = 0; i < n_own; i++)
                 if (std::fabs(g[i]) > threshold) {
-                    idx[c] = uni[i];
+                    idx[c] = idx[i];
                     val[c] = g[i];
                     c++;
                 }
         } else {
-            ffn_activate(pool, kt, hp, w, g, ones((size_t)n_uni), 1, n_uni);  // act(gate) alone
-            for (int64_t i = 0; i < n_uni; i++) {
-                const int32_t j = uni[i];
+            ffn_activate(pool, kt, hp, w, g, ones((size_t)n_own), 1, n_own);  // act(gate) alone
+            for (int64_t i = 0; i < n_own; i++) {
+                const int32_t j = idx[i];
                 const float m = neuron_scale ? std::fabs(g[i]) * neuron_scale[j] : std::fabs(g[i]);
                 if (m > threshold) {
                     const float uj = relu_up && u[i] < 0 ? 0.0f : u[i];
