@@ -10,6 +10,7 @@
 
 #include "optiml/common.h"
 #include "optiml/model.h"
+#include "optiml/predictor.h"
 
 namespace {
 
@@ -288,6 +289,13 @@ void bind_model(nb::module_& m) {
              nb::arg("compact_down") = false)
         .def("sparsity_counts", &sparsity_counts)
         .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
+        .def("set_predictors", [](PySession& s, std::optional<std::string> path) {
+            std::shared_ptr<const Predictors> p;
+            nb::gil_scoped_release release;  // the first call repacks the down matrices
+            if (path) p = Predictors::load(*path, s.session->model());
+            s.session->set_predictors(std::move(p));
+        }, nb::arg("path").none(), "Attaches the activation predictors of a companion GGUF (None detaches).")
+        .def_prop_ro("has_predictors", [](const PySession& s) { return s.session->has_predictors(); })
         .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {
             s.session->set_recorder(r && *r ? (*r)->rec : nullptr);
         }, nb::arg("recorder").none());

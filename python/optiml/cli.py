@@ -78,13 +78,23 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, 
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
     p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=SPARSITY_HELP)
+    p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
 
 
 def _load(args, n_ctx: int | None = None):
     from .model import Model
 
     return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
-                 sparsity=getattr(args, "sparsity", "auto"))
+                 sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args))
+
+
+PREDICTORS_HELP = ("activation predictors (optiml train-predictors): auto (MODEL.predictors.gguf beside the model "
+                   "when present), none, or a file")
+
+
+def _predictors(args):
+    p = getattr(args, "predictors", "auto")
+    return None if p == "none" else p
 
 
 # ---- profile, calibrate ---------------------------------------------------------------------------
@@ -123,6 +133,23 @@ def _load_stats(path):
     from .stats import load
 
     return load(path)
+
+
+def cmd_train_predictors(args) -> int:
+    from .predictor import default_predictor_path, train_predictors
+
+    model = _model(args.model)
+    out = args.output or default_predictor_path(model)
+    res = train_predictors(model, args.data, recall=args.recall, out=out, samples=args.samples,
+                           label_sparsity=args.label_sparsity, max_rank=args.max_rank, qtype=args.type,
+                           seed=args.seed, n_ctx=args.ctx, n_threads=args.threads, progress=not args.quiet,
+                           field=args.field)
+    print(res.table())
+    print(f"recall target {res.recall_target} per layer; mean predicted share {float(res.predicted.mean()):.3f} "
+          f"(truly active {float(res.active.mean()):.3f}) on held-out tokens of {res.n_samples} samples; "
+          f"{res.seconds.get('samples_s', 0):.0f} s sampling, {res.seconds.get('train_s', 0):.0f} s training")
+    print(f"wrote {out}")
+    return 0
 
 
 # ---- run ------------------------------------------------------------------------------------------
@@ -473,7 +500,8 @@ def cmd_serve(args) -> int:
     from .server import serve
 
     serve(_model(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
-          api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias)
+          api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
+          predictors=_predictors(args))
     return 0
 
 
@@ -561,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's, at most 4096)")
     p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=SPARSITY_HELP)
+    p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
     p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
     p.add_argument("-s", "--system", default=None, help="system message")
     _sampling_args(p)
@@ -682,6 +711,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, help="the model copy to write, with the thresholds")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("train-predictors", help="train per-layer predictors of active FFN neurons (skip the gate too)")
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("--data", nargs="+", required=True, help="text or JSONL files to train on")
+    p.add_argument("--field", default="text", help="the text field of JSONL objects (default text)")
+    p.add_argument("--recall", type=float, default=0.99, help="per-layer recall of firing neurons to keep (0.99)")
+    p.add_argument("--samples", type=int, default=4096, help="sample tokens (default 4096)")
+    p.add_argument("--label-sparsity", type=float, default=None,
+                   help="SwiGLU/GeGLU: share of neurons counted inactive when the model carries no calibrated "
+                        "product thresholds (default 0.5)")
+    p.add_argument("--max-rank", type=int, default=None, help="largest rank tried (default min(n_embd, 1024))")
+    p.add_argument("--type", choices=("q8_0", "f16"), default=None, help="tensor type (default q8_0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (512)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", default=None, help="the predictor file (default MODEL.predictors.gguf)")
+    p.set_defaults(func=cmd_train_predictors)
+
     p = sub.add_parser("solve", help="decide which FFN neurons go to the GPU (a MIP over activation stats)")
     p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
     p.add_argument("--stats", required=True, help="activation statistics (.npz from optiml profile)")
@@ -707,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429")
     p.add_argument("--chunk", type=int, default=256, help="most prompt tokens run per step (across requests)")
     p.add_argument("--alias", default=None, help="model id clients use (default: the file name)")
+    p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("system", help="SIMD level, threads and CUDA devices of this build and machine")

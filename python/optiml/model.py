@@ -53,6 +53,9 @@ class Model:
     instance treated as an accelerator, for testing split execution), "cuda[:N]"; vram a budget such as
     "6GiB"; n_gpu_layers the last N layers whole on the device; gpu_neurons FFN neurons per layer on the
     device (overrides the file's placement). The result is :attr:`plan`.
+
+    predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
+    beside MODEL.gguf when it exists), a path, or None.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class Model:
         vram=None,
         n_gpu_layers: int | None = None,
         gpu_neurons=None,
+        predictors="auto",
         down_copy: str = "auto",
     ):
         from .models import resolve
@@ -102,6 +106,15 @@ class Model:
         self._down_copy = down_copy
         self.sparsity = "none"
         self.set_sparsity(sparsity, thresholds)
+        self.predictors: str | None = None
+        if predictors == "auto":
+            from .predictor import default_predictor_path
+
+            beside = default_predictor_path(self.path)
+            if os.path.isfile(beside):
+                self.set_predictors(beside)
+        elif predictors is not None:
+            self.set_predictors(predictors)
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -196,6 +209,24 @@ class Model:
         except (ValueError, OSError, AttributeError):  # not POSIX: no way to tell, favour speed
             return False
         return need > available / 2
+
+    def set_predictors(self, path: str | os.PathLike | None) -> None:
+        """Uses the activation predictors of a companion GGUF (`optiml train-predictors`) from the next
+        evaluated token on: the CPU's FFN computes gate, up and down only for the neurons they predict
+        active (the sparsity criterion, when one is set, then filters those). None stops using them.
+        PredictorMismatchError for a file trained for another model. The file in use is ``self.predictors``."""
+        from .predictor import check_predictors
+
+        if path is None:
+            with self._exclusive():
+                self._session.set_predictors(None)
+            self.predictors = None
+            return
+        path = os.fspath(path)
+        check_predictors(path, self.path, self.hparams["ffn_act"])
+        with self._exclusive():
+            self._session.set_predictors(path)
+        self.predictors = path
 
     def sparsity_stats(self, reset: bool = False) -> dict:
         """Neurons skipped since the model was made (or the last reset=True): per layer and overall

@@ -34,6 +34,7 @@ struct FFNWeights;
 struct LayerWeights;
 class ThreadPool;
 class ActivationRecorder;
+struct LayerPredictor;
 
 // A 2-D view of a backend's memory: `rows` rows of `cols` elements of `type`, row_stride bytes apart.
 struct TensorView {
@@ -92,6 +93,9 @@ struct FFNSparsity {
     bool on_product = false;
     float threshold = 0.0f;
     const float* neuron_scale = nullptr;  // [n_ff] or nullptr
+    // With a predictor, only the neurons it predicts active (the union over the batch's tokens) have
+    // their gate and up computed; the criterion above then applies to those.
+    const LayerPredictor* predictor = nullptr;
 };
 
 // Scratch of one backend for a step of up to n_batch tokens (device memory of that backend).

@@ -22,6 +22,8 @@
 
 namespace optiml {
 
+struct Predictors;
+
 enum RopeType { ROPE_NORM = 0, ROPE_NEOX = 2 };  // pairs (2i, 2i+1) or (i, i + n_rot/2)
 // act(gate) * up; GELU is tanh-approximated; RELU2 is relu(gate) * relu(up) (dReLU).
 enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1, FFN_GELU = 2, FFN_RELU2 = 3 };
@@ -205,6 +207,13 @@ public:
     const std::vector<int64_t>& ffn_seen() const { return ffn_seen_; }
     void reset_sparsity_counts();
 
+    // Activation predictors (optiml/predictor.h) for the host's sparse FFN from the next eval on: gate,
+    // up and down only for the neurons they predict active (with the sparsity criterion, when enabled,
+    // applied to those; without it every predicted neuron counts). nullptr detaches. ArgumentError when
+    // they do not fit the model.
+    void set_predictors(std::shared_ptr<const Predictors> p);
+    bool has_predictors() const { return predictors_ != nullptr; }
+
     // While a recorder is attached, every evaluated token's FFN activations go to it (the FFN runs
     // dense, on the host: ArgumentError when the plan puts any layer on a device). nullptr detaches.
     void set_recorder(std::shared_ptr<ActivationRecorder> rec);
@@ -232,6 +241,7 @@ private:
     SparsitySettings sparsity_;
     std::vector<int64_t> host_active_, device_active_, ffn_seen_;
     std::shared_ptr<ActivationRecorder> recorder_;
+    std::shared_ptr<const Predictors> predictors_;
 };
 
 }  // namespace optiml

@@ -15,6 +15,7 @@
 #include "optiml/common.h"
 #include "optiml/model.h"
 #include "optiml/ops.h"
+#include "optiml/predictor.h"
 #include "optiml/quant.h"
 #include "optiml/recorder.h"
 
@@ -140,7 +141,9 @@ public:
                 sp_seen_.resize(width);
             }
             if ((int32_t)sp_count_.size() < n) sp_count_.resize(n);
-            const SparseScratch ss{sp_idx_.data(), sp_val_.data(), sp_count_.data(), sp_uni_.data(), sp_seen_.data()};
+            if (sp.predictor && sp_z_.size() < (size_t)n * sp.predictor->rank) sp_z_.resize((size_t)n * sp.predictor->rank);
+            const SparseScratch ss{sp_idx_.data(), sp_val_.data(), sp_count_.data(), sp_uni_.data(), sp_seen_.data(),
+                                   sp_z_.data()};
             const int64_t c = ffn_sparse(*pool_, kt_, h, share, sp, xn, n, fs, ss, y);
             if (active) *active += c;
         });
@@ -263,7 +266,7 @@ private:
 
     // Scratch of the sparse FFN and the recorder, used by this backend's stream only.
     std::vector<int32_t> sp_idx_, sp_count_, sp_uni_;
-    std::vector<float> sp_val_, act_buf_;
+    std::vector<float> sp_val_, sp_z_, act_buf_;
     std::vector<uint8_t> sp_seen_;
 };
 

@@ -33,13 +33,15 @@ struct SparseScratch {
     int32_t* count;  // [n]
     int32_t* uni;    // [n_ff]: the union over tokens of the active neurons
     uint8_t* seen;   // [n_ff]
+    float* z;        // [n][rank]: the predictor's low-rank projection (with a predictor only)
 };
 
 // The same FFN computing only neurons whose |act(gate)| (on_product: |act(gate) * up|) is above the
 // threshold: the criterion over the share's neurons, up rows of active neurons only, and the down
 // projection as a sum of the active neurons' neuron-major columns (share.down_nm), or the dense down
 // over the zero-padded activations when too many are active. Returns the (token, neuron) activations
-// computed.
+// computed. With sp.predictor, gate and up are computed only for the union over tokens of the neurons
+// the predictor marks active (its own two small products come first); the criterion then filters those.
 int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
                    const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s, const SparseScratch& ss,
                    float* y);

@@ -1,9 +1,11 @@
-// The FFN computed for active neurons only. The gate is computed densely (it decides who is active);
-// the up rows and down columns of inactive neurons are never read.
+// The FFN computed for active neurons only. Without a predictor the gate is computed densely (it decides
+// who is active) and the up rows and down columns of inactive neurons are never read; with one, the
+// gate rows of neurons predicted inactive are skipped too.
 #include <cmath>
 #include <cstring>
 
 #include "ffn.h"
+#include "optiml/predictor.h"
 #include "optiml/sparse.h"
 
 namespace optiml {
@@ -18,17 +20,170 @@ namespace {
 constexpr double kSparseDownBytes = 0.5;
 constexpr double kSparseDownBatch = 0.25;
 
+// The down projection of the active neurons (ss: per token ids into the share's rows and activations)
+// into y: a sum of neuron-major rows, or the dense kernel over zero-padded activations when too many
+// are active. n_list: the share's neurons; total: the (token, neuron) pairs listed.
+void down_projection(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share, int32_t n,
+                     int64_t n_list, int64_t total, const FFNScratch& s, const SparseScratch& ss, float* y) {
+    const FFNWeights& w = *share.w;
+    const int64_t n_embd = hp.n_embd;
+    const int64_t width = w.gate.rows;
+    const NeuronMajor& nm = *share.down_nm;
+    const bool has_dense = w.down.present();
+    const size_t dense_bytes = has_dense ? row_size(w.down.type, w.down.cols) * (size_t)n_embd : 0;
+    const bool sparse_down = !has_dense || (n == 1 ? (double)total * nm.row_bytes < kSparseDownBytes * dense_bytes
+                                                   : (double)total < kSparseDownBatch * (double)n * n_list);
+    if (sparse_down) {
+        for (int32_t t = 0; t < n; t++) {
+            int32_t* idx = ss.idx + t * width;
+            if (share.nm_slot)  // neuron ids -> rows of the share's neuron-major matrix
+                for (int32_t i = 0; i < ss.count[t]; i++) idx[i] = share.nm_slot[idx[i]];
+            axpy_rows(pool, kt, nm, idx, ss.val + t * width, ss.count[t], y + t * n_embd, /*accumulate=*/false);
+        }
+    } else {
+        // Dense over act(gate) * up with the inactive neurons zeroed: the same function, the dense kernel.
+        std::memset(s.gate, 0, sizeof(float) * n * width);
+        for (int32_t t = 0; t < n; t++)
+            for (int32_t i = 0; i < ss.count[t]; i++) s.gate[t * width + ss.idx[t * width + i]] = ss.val[t * width + i];
+        const Weight* down[1] = {&w.down};
+        matmul_shared_input(pool, kt, down, &y, 1, s.gate, n);
+    }
+}
+
+// The FFN over the neurons a predictor marks active. 1. z = A x and the scores B z + bias per token
+// (in ss.val); 2. the predicted neurons of each token and their union; 3. gate and up for the union's
+// rows only; 4. per token, its predicted neurons' activations (gathered in place to the front of its
+// gate/up rows: the list is ascending, so entry i is read from position >= i), filtered by the
+// criterion. The caller then runs the down projection.
+int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
+                      const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s,
+                      const SparseScratch& ss) {
+    const FFNWeights& w = *share.w;
+    const LayerPredictor& P = *sp.predictor;
+    const int64_t width = w.gate.rows;
+    if (P.b.rows != width || P.a.cols != hp.n_embd)
+        throw ArgumentError("the predictor does not fit this FFN share (its neurons are not the layer's)");
+
+    // 1. Scores.
+    const Weight* pa[1] = {&P.a};
+    float* z = ss.z;
+    matmul_shared_input(pool, kt, pa, &z, 1, xn, n);
+    const Weight* pb[1] = {&P.b};
+    float* scores = ss.val;
+    matmul_shared_input(pool, kt, pb, &scores, 1, ss.z, n);
+
+    // 2. Predicted neurons per token (of the share's neurons only: a split layer's host share lists
+    // its neurons through nm_slot), and their union.
+    const float* bias = (const float*)P.bias.data;
+    const float pthr = P.threshold;
+    const int32_t* in_share = share.rows ? share.nm_slot : nullptr;
+    auto predict = [&](int64_t t) {
+        const float* sc = scores + t * width;
+        int32_t* idx = ss.idx + t * width;
+        int32_t c = 0;
+        for (int32_t j = 0; j < width; j++)
+            if (sc[j] + bias[j] > pthr && (!in_share || in_share[j] >= 0)) idx[c++] = j;
+        ss.count[t] = c;
+    };
+    if (n == 1) {
+        predict(0);
+    } else {
+        pool.run([&](int ith, int nth) {
+            int64_t t0, t1;
+            split_range(n, ith, nth, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) predict(t);
+        });
+    }
+    const int32_t* uni = ss.idx;
+    int64_t n_uni = ss.count[0];
+    if (n > 1) {
+        std::memset(ss.seen, 0, width);
+        for (int32_t t = 0; t < n; t++)
+            for (int32_t i = 0; i < ss.count[t]; i++) ss.seen[ss.idx[t * width + i]] = 1;
+        n_uni = 0;
+        for (int32_t j = 0; j < width; j++)
+            if (ss.seen[j]) ss.uni[n_uni++] = j;
+        uni = ss.uni;
+    }
+
+    // 3. Gate and up rows of the union.
+    if (n_uni > 0) {
+        matmul_rows(pool, kt, w.gate.matrix(), uni, n_uni, xn, n, s.gate);
+        matmul_rows(pool, kt, w.up.matrix(), uni, n_uni, xn, n, s.up);
+    }
+
+    // 4. Activations and the criterion, token by token.
+    const float* gb = w.gate_b.present() ? (const float*)w.gate_b.data : nullptr;
+    const float* ub = w.up_b.present() ? (const float*)w.up_b.data : nullptr;
+    const bool relu_up = hp.ffn_act == FFN_RELU2;
+    const float threshold = sp.threshold;
+    const float* neuron_scale = sp.neuron_scale;
+    // Each token keeps its own predicted neurons (computed for the whole batch as the union): the
+    // function does not depend on which tokens share a batch.
+    auto activate = [&](int64_t t) {
+        float* g = s.gate + t * width;
+        float* u = s.up + t * width;
+        int32_t* idx = ss.idx + t * width;  // the token's predicted neurons, ascending
+        const int64_t n_own = ss.count[t];
+        for (int64_t i = 0; i < n_own; i++) {
+            const int32_t j = idx[i];
+            g[i] = g[j] + (gb ? gb[j] : 0.0f);
+            u[i] = u[j] + (ub ? ub[j] : 0.0f);
+        }
+        float* val = ss.val + t * width;
+        int32_t c = 0;  // idx[c] is rewritten only after idx[i >= c] was read
+        if (sp.on_product) {
+            ffn_activate(pool, kt, hp, w, g, u, 1, n_own);
+            for (int64_t i = 0; i < n_own; i++)
+                if (std::fabs(g[i]) > threshold) {
+                    idx[c] = idx[i];
+                    val[c] = g[i];
+                    c++;
+                }
+        } else {
+            ffn_activate(pool, kt, hp, w, g, ones((size_t)n_own), 1, n_own);  // act(gate) alone
+            for (int64_t i = 0; i < n_own; i++) {
+                const int32_t j = idx[i];
+                const float m = neuron_scale ? std::fabs(g[i]) * neuron_scale[j] : std::fabs(g[i]);
+                if (m > threshold) {
+                    const float uj = relu_up && u[i] < 0 ? 0.0f : u[i];
+                    idx[c] = j;
+                    val[c] = g[i] * uj;
+                    c++;
+                }
+            }
+        }
+        ss.count[t] = c;
+    };
+    if (n == 1) {
+        activate(0);
+    } else {
+        pool.run([&](int ith, int nth) {
+            int64_t t0, t1;
+            split_range(n, ith, nth, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) activate(t);
+        });
+    }
+    return n_uni;
+}
+
 }  // namespace
 
 int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
                    const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s, const SparseScratch& ss,
                    float* y) {
     const FFNWeights& w = *share.w;
-    const int64_t n_embd = hp.n_embd;
     const int64_t width = w.gate.rows;  // n_ff, or the neurons of a packed share
     const bool on_product = sp.on_product;
     const float threshold = sp.threshold;
     const float* neuron_scale = sp.neuron_scale;
+    if (sp.predictor) {
+        const int64_t n_uni = ffn_predicted(pool, kt, hp, share, sp, xn, n, s, ss);
+        int64_t listed = 0;
+        for (int32_t t = 0; t < n; t++) listed += ss.count[t];
+        down_projection(pool, kt, hp, share, n, share.rows ? share.n_rows : width, listed, s, ss, y);
+        return n_uni * n;  // gate and up rows computed for every token
+    }
 
     // 1. The criterion over the share's neurons: act(gate) (then up only for active rows), or
     // act(gate) * up (up for all the share's rows).
@@ -108,27 +263,7 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
         }
     }
 
-    // 4. The down projection into y.
-    const NeuronMajor& nm = *share.down_nm;
-    const bool has_dense = w.down.present();
-    const size_t dense_bytes = has_dense ? row_size(w.down.type, w.down.cols) * (size_t)n_embd : 0;
-    const bool sparse_down = !has_dense || (n == 1 ? (double)total * nm.row_bytes < kSparseDownBytes * dense_bytes
-                                                   : (double)total < kSparseDownBatch * (double)n * n_list);
-    if (sparse_down) {
-        for (int32_t t = 0; t < n; t++) {
-            int32_t* idx = ss.idx + t * width;
-            if (share.nm_slot)  // neuron ids -> rows of the share's neuron-major matrix
-                for (int32_t i = 0; i < ss.count[t]; i++) idx[i] = share.nm_slot[idx[i]];
-            axpy_rows(pool, kt, nm, idx, ss.val + t * width, ss.count[t], y + t * n_embd, /*accumulate=*/false);
-        }
-    } else {
-        // Dense over act(gate) * up with the inactive neurons zeroed: the same function, the dense kernel.
-        std::memset(s.gate, 0, sizeof(float) * n * width);
-        for (int32_t t = 0; t < n; t++)
-            for (int32_t i = 0; i < ss.count[t]; i++) s.gate[t * width + ss.idx[t * width + i]] = ss.val[t * width + i];
-        const Weight* down[1] = {&w.down};
-        matmul_shared_input(pool, kt, down, &y, 1, s.gate, n);
-    }
+    down_projection(pool, kt, hp, share, n, n_list, total, s, ss, y);
     return total;
 }
 

@@ -6,6 +6,7 @@
 
 #include "layer_exec.h"
 #include "optiml/model.h"
+#include "optiml/predictor.h"
 
 namespace optiml {
 
@@ -61,6 +62,14 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
         sp.on_product = sparsity_.on_product;
         sp.threshold = sparsity_.threshold[il];
         sp.neuron_scale = sparsity_.neuron_scale.empty() ? nullptr : sparsity_.neuron_scale.data() + (size_t)il * hp.n_ff;
+    }
+    if (predictors_ && !rec) {
+        if (!sp.enabled) {  // no criterion: every predicted neuron with a non-zero activation counts
+            sp.enabled = true;
+            sp.on_product = true;
+            sp.threshold = 0.0f;
+        }
+        sp.predictor = &predictors_->layers[il];
     }
 
     // The device's share runs dense: which of its neurons fire is for its predictor to say (the hybrid

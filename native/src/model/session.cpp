@@ -7,6 +7,7 @@
 #include "layer_exec.h"
 #include "optiml/common.h"
 #include "optiml/model.h"
+#include "optiml/predictor.h"
 #include "optiml/quant.h"
 
 namespace optiml {
@@ -228,6 +229,20 @@ void Session::prepare_sparse() {
         E.host_share.down_nm = E.host_nm.get();
         E.host_share.nm_slot = E.host_slot.data();
     }
+}
+
+void Session::set_predictors(std::shared_ptr<const Predictors> p) {
+    const HParams& hp = model_->hp;
+    if (p) {
+        if ((int64_t)p->layers.size() != hp.n_layer)
+            throw ArgumentError(format("predictors for %zu layers; the model has %d", p->layers.size(), hp.n_layer));
+        for (const LayerPredictor& L : p->layers)
+            if (L.a.cols != hp.n_embd || L.b.rows != hp.n_ff || L.bias.cols != hp.n_ff)
+                throw ArgumentError("the predictors do not fit this model's shapes");
+        prepare_sparse();
+    }
+    predictors_ = std::move(p);
+    reset_sparsity_counts();
 }
 
 void Session::reset_sparsity_counts() {

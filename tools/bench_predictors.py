@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Activation predictors (issue 15): speed on 7B-shaped models beside llama.cpp dense, and quality on real
+models, in one run per part (--only speed | quality | train).
+
+speed    7B-shaped llama, random Q4_0 weights (tools/make_synthetic_model.py; ReLU and SwiGLU files in
+         --model-dir, written when missing). Random weights have no natural sparsity and no predictable
+         neurons, so the predicted sparsity is FORCED: a predictor file of rank --rank (default 256, Q8_0:
+         the same bytes and work as a trained one of that rank) with random Gaussian A [rank x n_embd] (std
+         1/sqrt(n_embd)) and B [n_ff x rank] (std 1/sqrt(rank)), so each score is about N(0, 1) on the
+         RMS-normed FFN input, and threshold Phi^-1(s) marks about 1 - s of the neurons active, a different
+         set every token. The measured share of computed neurons is printed beside each row. ReLU rows keep
+         exact zero-skipping on top (down only for predicted neurons whose relu(gate) > 0: about half).
+         Generation speed as tools/bench_sparse.py times it (teacher-forced text tokens one at a time,
+         OptiML and llama-cpp-python alternating, medians; --threads 2).
+quality  SmolLM2-135M-Instruct Q4_1 (SiLU) and Gemma 3 270M Q4_K_M (GELU). For each level s in --levels,
+         predictors are trained (optiml.train_predictors, recall --recall) on the first half of the shared
+         eval text with labels "|act(gate) * up| above the level-s quantile", then measured on the second
+         half: recall / precision of the masks per layer (mean, min), perplexity and KL divergence against
+         the dense model (optiml.perplexity, the engine behind `optiml perplexity --kl-divergence`; ctx 256),
+         and generation speed with predictors against OptiML dense. Writes a plot (--plot; needs matplotlib,
+         the `plot` extra) of KLD against speed.
+train    Times `optiml train-predictors` on the 7B-shaped ReLU file with --train-samples tokens (default 512)
+         and extrapolates to 4096 samples (sampling is linear in tokens; the per-layer fit is measured).
+
+    PYTHONPATH=python python tools/bench_predictors.py --only speed --model-dir /work/synth
+    PYTHONPATH=python python tools/bench_predictors.py --only quality --plot predictors.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_sparse as bs  # noqa: E402  (timing helpers shared with the calibrated-sparsity benchmark)
+import optiml  # noqa: E402
+from optiml import predictor as P  # noqa: E402
+from optiml.stats import model_fingerprint  # noqa: E402
+
+GEMMA3 = os.path.expanduser("~/.cache/optiml/models/gemma3-270m-Q4_K_M.gguf")
+GOALS = {"relu": (0.9, 2.3), "silu": (0.5, 1.4)}
+log = bs.log
+
+
+def forced_predictor(model_path: str, out: str, sparsity: float, rank: int, seed: int = 0) -> str:
+    hp = optiml._core.Model(model_path).hparams
+    L, E, F = hp["n_layer"], hp["n_embd"], hp["n_ff"]
+    rng = np.random.default_rng(seed)
+    t = statistics.NormalDist().inv_cdf(sparsity)
+    res = P.PredictorTraining(np.full(L, rank, np.int32), np.full(L, t, np.float32), np.zeros(L, np.float32),
+                              np.full(L, 1 - sparsity, np.float32), np.zeros(L, np.float32), np.zeros(L, np.float32),
+                              0.0, 0, "q8_0")
+    layers = [(rng.standard_normal((rank, E), dtype=np.float32) / np.sqrt(E),
+               rng.standard_normal((F, rank), dtype=np.float32) / np.sqrt(rank), np.zeros(F, np.float32))
+              for _ in range(L)]
+    P._write(out, layers, res, model_path, model_fingerprint(model_path), hp)
+    return out
+
+
+def computed_share(m, ids, n_prompt: int, n: int = 8) -> float:
+    """The share of gate/up rows computed per generated token (single-token steps only: a batch computes
+    the union of its tokens' predicted rows)."""
+    m.reset()
+    m.eval(ids[:n_prompt])
+    m.sparsity_stats(reset=True)
+    for i in range(n_prompt, n_prompt + n):
+        m.eval(ids[i:i + 1])
+    return 1.0 - m.sparsity_stats()["skipped"]
+
+
+def bench_speed(a, act: str) -> list[str]:
+    path = bs.synthetic_path(a, act)
+    text = open(bs.EVAL_TEXT, encoding="utf-8").read()
+    n_prompt, n_gen = a.n_prompt, a.n_gen
+    n_ctx = n_prompt + n_gen + 8
+    peer = bs.load_peer(path, n_ctx, a.threads)
+    ours = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, sparsity="none", predictors=None)
+    ids = ours.tokenize(text[len(text) // 2:], add_bos=False)
+    rows = []
+    o, p = bs.alternate(ours, peer, ids, n_prompt, n_gen, a.repeats)
+    rows.append(("dense", 1.0, o, p))
+    log(f"7B {act} dense: optiml {[round(x, 2) for x in o]}, llama.cpp {[round(x, 2) for x in p]}")
+    bs.close(ours)
+    tmp = tempfile.mkdtemp(prefix="optiml-pred-")
+    for s in a.levels_speed:
+        pred = forced_predictor(path, os.path.join(tmp, f"p{s}.gguf"), s, a.rank)
+        m = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, predictors=pred)
+        o, p = bs.alternate(m, peer, ids, n_prompt, n_gen, a.repeats)
+        share = computed_share(m, ids, n_prompt)
+        log(f"7B {act} predicted sparsity {s}: computed {share:.3f}, optiml {[round(x, 2) for x in o]}, "
+            f"llama.cpp {[round(x, 2) for x in p]}")
+        rows.append((f"{s:.0%} predicted", share, o, p))
+        bs.close(m)
+        os.unlink(pred)
+    bs.close(peer)
+    label = {"relu": "ReLU (llama.cpp runs SiLU on it: the same work)", "silu": "SwiGLU"}[act]
+    out = [f"### 7B-shaped llama, random Q4_0 weights, {label}, {a.threads} threads, forced predictor rank {a.rank}",
+           f"tg: {n_gen} text tokens after {n_prompt}, median (range) of {a.repeats}", "",
+           "| FFN | gate/up rows computed | optiml tok/s | llama.cpp dense tok/s | ratio | vs optiml dense |",
+           "|---|---|---|---|---|---|"]
+    od = statistics.median(rows[0][2])
+    for name, share, o, p in rows:
+        out.append(f"| {name} | {share:.3f} | {bs.spread(o, '.2f')} | {bs.spread(p, '.2f')} | "
+                   f"{statistics.median(o) / statistics.median(p):.2f}x{' (noisy)' if bs.noisy(o, p) else ''} | "
+                   f"{statistics.median(o) / od:.2f}x |")
+    gs, gr = GOALS[act]
+    hit = [r for r in rows if r[0] == f"{gs:.0%} predicted"]
+    if hit:
+        r = statistics.median(hit[0][2]) / statistics.median(hit[0][3])
+        out += ["", f"goal: {gs:.0%} predicted sparsity >= {gr}x llama.cpp dense -> {r:.2f}x "
+                    f"({'met' if r >= gr else 'NOT met'})"]
+    return out
+
+
+def bench_quality(a) -> tuple[list[str], list]:
+    from optiml import perplexity as px
+
+    text = open(bs.EVAL_TEXT, encoding="utf-8").read()
+    train, test = text[: len(text) // 2], text[len(text) // 2:]
+    out, curves = [], []
+    tmp = tempfile.mkdtemp(prefix="optiml-predq-")
+    for name, path in (("SmolLM2-135M Q4_1", bs.SMOLLM2), ("Gemma3-270M Q4_K_M", GEMMA3)):
+        if not os.path.exists(path):
+            out.append(f"{name}: {path} missing (python tools/fetch_models.py)")
+            continue
+        dense = optiml.Model(path, n_ctx=a.ctx, n_threads=a.threads, sparsity="none", predictors=None)
+        base_path = os.path.join(tmp, "base.kld")
+        px.save_base(base_path, dense, test, a.ctx, a.chunks)
+        base = px.read_base(base_path)
+        ids = dense.tokenize(test, add_bos=False)
+        out += [f"### {name}: predictors trained on the first half of the eval text, measured on the second "
+                f"(recall target {a.recall}; ctx {a.ctx}, {a.chunks} windows; {a.threads} threads)", "",
+                "| label sparsity | rank (mean) | recall mean/min | precision | computed | PPL (dense) | KLD mean | "
+                "same top | tok/s vs OptiML dense |", "|---|---|---|---|---|---|---|---|---|"]
+        curve = []
+        for s in a.levels:
+            pred = os.path.join(tmp, f"p{s}.gguf")
+            t0 = time.perf_counter()
+            res = P.train_predictors(path, texts=[train], recall=a.recall, out=pred, samples=a.samples,
+                                     label_sparsity=s, max_rank=a.max_rank, progress=False, n_threads=a.threads)
+            q = P.mask_quality(path, pred, texts=[test], n_tokens=1024)
+            m = optiml.Model(path, n_ctx=a.ctx, n_threads=a.threads, sparsity="none", predictors=pred)
+            r = px.compare(base, m).summary()
+            share = computed_share(m, ids, 16)
+            o, d = bs.alternate(m, dense, ids, 16, a.n_gen_small, a.repeats)
+            ratio = statistics.median(o) / statistics.median(d)
+            log(f"{name} level {s}: trained in {time.perf_counter() - t0:.0f} s, recall {q['recall_all']:.4f}, "
+                f"KLD {r['kld_mean']:.4f}, computed {share:.3f}, speed {ratio:.2f}x")
+            out.append(f"| {s:.0%} | {res.rank.mean():.0f} | {q['recall'].mean():.4f} / {q['recall'].min():.4f} | "
+                       f"{q['precision'].mean():.3f} | {share:.3f} | {r['ppl']:.3f} ({r['ppl_base']:.3f}) | "
+                       f"{r['kld_mean']:.4f} | {r['same_top']:.3f} | {ratio:.2f}x{' (noisy)' if bs.noisy(o, d) else ''} |")
+            curve.append((s, share, r["kld_mean"], r["ppl_ratio"], ratio))
+            bs.close(m)
+        ok = [c for c in curve if c[2] < 0.05 and c[3] < 1.03]
+        if ok:
+            c = max(ok, key=lambda c: c[0])
+            out += ["", f"highest level with KLD < 0.05 and PPL within 3%: {c[0]:.0%} (computed {c[1]:.3f}), "
+                        f"{c[4]:.2f}x OptiML dense"]
+        else:
+            out += ["", "no level kept KLD < 0.05 and PPL within 3%"]
+        out.append("")
+        curves.append((name, curve))
+        bs.close(dense)
+    return out, curves
+
+
+def plot(curves, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, c in curves:
+        ax.plot([x[4] for x in c], [x[2] for x in c], "o-", label=name)
+        for x in c:
+            ax.annotate(f"{x[0]:.0%}", (x[4], x[2]), fontsize=7)
+    ax.axhline(0.05, ls="--", c="gray", lw=0.8)
+    ax.set_xlabel("generation speed / OptiML dense")
+    ax.set_ylabel("KL divergence vs dense (mean)")
+    ax.set_yscale("log")
+    ax.set_title("Activation predictors: speed vs quality")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def bench_train(a) -> list[str]:
+    path = bs.synthetic_path(a, "relu")
+    text = open(bs.EVAL_TEXT, encoding="utf-8").read()
+    import resource
+
+    res = P.train_predictors(path, texts=[text], recall=0.99, samples=a.train_samples, max_rank=a.max_rank_7b,
+                             progress=True, n_threads=a.threads)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    s, t = res.seconds["samples_s"], res.seconds["train_s"]
+    est = s * 4096 / a.train_samples + t * (4096 / a.train_samples)  # the fit is at most linear in samples
+    return [f"### train-predictors on the 7B-shaped ReLU file, {a.train_samples} samples, max rank {a.max_rank_7b}",
+            f"sampling {s:.0f} s, fitting 32 layers {t:.0f} s, peak RSS {rss:.1f} GiB; ranks chosen "
+            f"{sorted(set(res.rank.tolist()))}",
+            f"extrapolated to 4096 samples (linear in samples, an upper bound for the fit): {est / 60:.1f} min"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("speed", "quality", "train"), action="append")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--model-dir", default="/work/synth")
+    ap.add_argument("--acts", nargs="+", default=["relu", "silu"])
+    ap.add_argument("--levels-speed", type=float, nargs="+", default=[0.5, 0.8, 0.9])
+    ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--n-prompt", type=int, default=16)
+    ap.add_argument("--n-gen", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--levels", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--recall", type=float, default=0.99)
+    ap.add_argument("--samples", type=int, default=2048)
+    ap.add_argument("--max-rank", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--n-gen-small", type=int, default=64)
+    ap.add_argument("--plot", default="predictors.png")
+    ap.add_argument("--train-samples", type=int, default=512)
+    ap.add_argument("--max-rank-7b", type=int, default=1024)
+    a = ap.parse_args(argv)
+    # bench_sparse.synthetic_path reads these names
+    parts = a.only or ["speed", "quality"]
+    import llama_cpp
+
+    info = optiml.system_info()
+    report = [f"optiml {optiml.__version__} (simd {info['simd']}), llama-cpp-python {llama_cpp.__version__}, "
+              f"{a.threads} threads; load average {os.getloadavg()[0]:.1f} at start", ""]
+    if "speed" in parts:
+        for act in a.acts:
+            report += bench_speed(a, act) + [""]
+    if "quality" in parts:
+        lines, curves = bench_quality(a)
+        report += lines
+        if a.plot and curves:
+            plot(curves, a.plot)
+            report.append(f"plot: {a.plot}")
+    if "train" in parts:
+        report += bench_train(a)
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
