@@ -24,6 +24,9 @@ from optiml import atomic, gguf_edit, models  # noqa: E402
 from optiml.convert import convert  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# Children import the same optiml this process did (the installed package under CI, the source tree
+# with its in-place build in a dev loop).
+OPTIML_DIR = str(Path(atomic.__file__).resolve().parent.parent)
 OLD = b"the old file, which must survive"
 
 
@@ -60,7 +63,8 @@ def child(code: str, limit_bytes: int | None = None, **kw) -> subprocess.Popen:
     """A Python child running `code` (optiml importable); with limit_bytes, files it writes cannot grow
     past that size (writes fail with EFBIG, as on a full disk)."""
     prelude = "import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-    env = dict(kw.pop("env", os.environ), PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT / "tests" / "fuzz")]))
+    env = dict(kw.pop("env", os.environ))
+    env["PYTHONPATH"] = os.pathsep.join([OPTIML_DIR, str(ROOT / "tests" / "fuzz"), env.get("PYTHONPATH", "")])
 
     def limit():
         if limit_bytes is not None:

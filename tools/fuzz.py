@@ -61,9 +61,20 @@ def build_native() -> None:
     subprocess.run(["cmake", "--build", BUILD, "-j2"], check=True)
 
 
+def optiml_dir() -> str:
+    """The folder holding the optiml package to fuzz: the one this interpreter imports (installed, or
+    the source tree on PYTHONPATH), else the source tree."""
+    try:
+        import optiml
+
+        return os.path.dirname(os.path.dirname(os.path.abspath(optiml.__file__)))
+    except ImportError:
+        return os.path.join(ROOT, "python")
+
+
 def write_seeds(target: str, corpus: str) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests", "fuzz"))
-    sys.path.insert(0, os.path.join(ROOT, "python"))
+    sys.path.insert(1, optiml_dir())
     import targets
 
     name = {"gguf": "gguf", "tokenizer": "tokenizer"}.get(target, target.removeprefix("py-"))
@@ -124,8 +135,7 @@ def main(argv=None) -> int:
         return subprocess.call([exe, corpus] + libfuzzer_args(a, artifacts), env=env)
 
     # Python: atheris in this interpreter, the target module instrumented for coverage.
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), os.path.join(ROOT, "tests", "fuzz"),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([optiml_dir(), os.path.join(ROOT, "tests", "fuzz"), env.get("PYTHONPATH", "")])
     runner = os.path.join(ROOT, "tests", "fuzz", "atheris_main.py")
     if a.reproduce:
         return subprocess.call([sys.executable, runner, a.target.removeprefix("py-"), a.reproduce], env=env)

@@ -156,7 +156,6 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"zz": 1}}'),
     ("POST", "/v1/chat/completions", b'{"messages": [], "model": 12}'),
     ("POST", "/v1/completions", b'{"prompt": [99999999999]}'),
-    ("POST", "/v1/completions", b'{"prompt": ""}'),
     ("POST", "/v1/completions", b'{"prompt": "x", "stop": {"a": 1}}'),
     ("POST", "/v1/completions", b'{"prompt": "' + b"x " * 20000 + b'"}'),  # more tokens than the context
     ("GET", "/v1/chat/completions", None),

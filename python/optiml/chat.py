@@ -54,12 +54,12 @@ class _Budget:
     def check_time(self):
         if time.monotonic() > self.deadline:
             raise TemplateLimitError(f"the chat template ran longer than {self.max_seconds:g} s; it loops too "
-                                     "long or forever (fix or replace the template: --chat-template)")
+                                     "long or forever (the model file's template is broken or hostile)")
 
     def check_size(self, n: int, what: str = "output"):
         if n > self.max_chars:
             raise TemplateLimitError(f"the chat template's {what} exceeds {self.max_chars} characters; the "
-                                     "template is broken or hostile (fix or replace it: --chat-template)")
+                                     "template is broken or hostile")
 
 
 def _digit_runs(s: str) -> list[str]:
@@ -81,6 +81,16 @@ def _width_checked(f):
     for attr in ("jinja_pass_arg",):  # jinja2 marks filters that take the context or environment
         if hasattr(f, attr):
             setattr(checked, attr, getattr(f, attr))
+    return checked
+
+
+def _size_checked_join(join):
+    def checked(seq):
+        parts = list(seq)
+        budget = _current_budget.get() or _Budget(MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS)
+        budget.check_size(sum(len(p) if isinstance(p, str) else 0 for p in parts), "concatenated value")
+        return join(parts)
+
     return checked
 
 
@@ -142,7 +152,7 @@ def _compile(source: str):
     class LimitedEnvironment(ImmutableSandboxedEnvironment):
         # `'x' * 10**9` or `10 ** 10 ** 10` would take the memory or the time in a single step that no
         # line check interrupts: both operators are computed here, refusing results past the limit.
-        intercepted_binops = frozenset(["*", "**", "%"])
+        intercepted_binops = frozenset(["*", "**", "%", "+"])
 
         def call_binop(self, context, operator, left, right):
             budget = _current_budget.get() or _Budget(MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS)
@@ -150,6 +160,8 @@ def _compile(source: str):
                 for a, b in ((left, right), (right, left)):
                     if _sized(a) and isinstance(b, int) and _sized(a) * b > budget.max_chars:
                         budget.check_size(_sized(a) * b, "repeated value")
+            elif operator == "+" and _sized(left) and _sized(right):
+                budget.check_size(_sized(left) + _sized(right), "concatenated value")
             elif operator == "%" and isinstance(left, str):  # printf widths: '%*s' % (10**9, x)
                 args = right if isinstance(right, tuple) else (right,)
                 if any(isinstance(a, int) and abs(a) > budget.max_chars for a in args) or any(
@@ -187,7 +199,14 @@ def _compile(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    template = env.from_string(source)
+    # `s ~ s` (jinja2's concatenation, which the sandbox cannot intercept) doubles a string per step: the
+    # compiled template's own str_join/markup_join are replaced by ones that refuse results past the limit.
+    namespace = template.root_render_func.__globals__
+    for name in ("str_join", "markup_join"):
+        if name in namespace:
+            namespace[name] = _size_checked_join(namespace[name])
+    return template
 
 
 class ChatTemplate:

@@ -16,6 +16,29 @@ using namespace optiml;
 
 namespace {
 
+// GPT-2's byte-to-character map (the text byte-level BPE vocabularies store bytes as): printable
+// Latin-1 bytes stand for themselves, the others for U+0100 upwards in byte order.
+std::string gpt2_byte_text(uint8_t b) {
+    auto printable = [](unsigned c) { return (c >= 33 && c <= 126) || (c >= 161 && c <= 172) || c >= 174; };
+    unsigned cp = b;
+    if (!printable(b)) {
+        cp = 256;
+        for (unsigned c = 0; c < b; c++) cp += !printable(c);
+    }
+    std::string s;
+    if (cp < 0x80) s += (char)cp;
+    else { s += (char)(0xc0 | (cp >> 6)); s += (char)(0x80 | (cp & 0x3f)); }
+    return s;
+}
+
+// The bytes of `text` that have a token of their own in a byte-level BPE vocabulary.
+std::string representable(const Tokenizer& tok, std::string_view text) {
+    std::string out;
+    for (char c : text)
+        if (tok.token_id(gpt2_byte_text((uint8_t)c)) >= 0) out += c;
+    return out;
+}
+
 std::vector<std::unique_ptr<Tokenizer>>& tokenizers() {
     static std::vector<std::unique_ptr<Tokenizer>> toks = [] {
         std::vector<std::unique_ptr<Tokenizer>> out;
@@ -39,6 +62,13 @@ std::vector<std::unique_ptr<Tokenizer>>& tokenizers() {
 
 }  // namespace
 
+// Loading the vocabularies (Gemma 3's has 262k tokens) happens before the first input, outside its
+// time limit.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+    tokenizers();
+    return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto& toks = tokenizers();
     if (size == 0) return 0;
@@ -49,7 +79,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (int32_t id : ids)
             if (id < 0 || id >= tok.n_vocab()) std::abort();
         std::string back = tok.decode(ids, special);
-        if (!special && tok.model_name() == "gpt2" && back != text) {
+        if (!special && tok.model_name() == "gpt2" && back != representable(tok, text)) {
             std::fprintf(stderr, "byte-level BPE lost bytes: %zu in, %zu out\n", text.size(), back.size());
             std::abort();
         }

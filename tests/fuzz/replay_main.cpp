@@ -16,6 +16,7 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+extern "C" __attribute__((weak)) int LLVMFuzzerInitialize(int* argc, char*** argv);
 
 namespace {
 
@@ -87,6 +88,7 @@ int main(int argc, char** argv) {
         else if (std::strncmp(argv[i], "-seed=", 6) == 0) seed = std::strtoull(argv[i] + 6, nullptr, 10);
         else add_inputs(argv[i], files);
     }
+    if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
     std::vector<std::vector<uint8_t>> inputs;
     for (const std::string& f : files) {
         inputs.push_back(read_file(f));

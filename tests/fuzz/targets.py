@@ -79,7 +79,10 @@ def template(data: bytes) -> None:
                 {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "{{ 7 * 7 }}"}]
     try:
         tpl = ChatTemplate(source, "<s>", "</s>")
-        tpl.max_render_seconds = 0.5  # a fuzz hang is 1 s: the limit must fire first
+        # A fuzz hang is 1 s: the limits must stop a hostile template well before that, also under
+        # atheris' instrumentation (tests/test_hardening.py checks the default limits).
+        tpl.max_render_seconds = 0.25
+        tpl.max_output_chars = 1 << 16
         text = tpl.render(messages, add_generation_prompt=True)
         assert isinstance(text, str)
     except _template_errors():
@@ -204,7 +207,8 @@ def _load_gguf(path: str) -> None:
         ids = tok.encode("Hi <|im_start|> the\xff", parse_special=True)
         tok.decode(ids)
         tpl = ChatTemplate.for_tokenizer(read_template(path), tok)
-        tpl.max_render_seconds = 0.5
+        tpl.max_render_seconds = 0.25
+        tpl.max_output_chars = 1 << 16
         tpl.render([{"role": "user", "content": "Hi"}])
     except errors + _template_errors():
         pass
