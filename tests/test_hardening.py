@@ -123,7 +123,9 @@ def test_fuzz_target(name, tmp_path):
         fn(x)
     if _atheris():  # coverage-guided, in a child (atheris takes over the process)
         r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "py-" + name, "--runs", str(RUNS[name]),
-                            "--corpus", str(tmp_path / "corpus")], capture_output=True, text=True, timeout=600,
+                            "--corpus", str(tmp_path / "corpus"),
+                            # a busy CI machine can stall one input for a while: hangs are the campaigns' job
+                            "--timeout", "20"], capture_output=True, text=True, timeout=600,
                            env=CHILD_ENV)
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         assert f"Done {RUNS[name]} runs" in r.stderr
@@ -147,3 +149,23 @@ def test_soak_serve_short(tmp_path):
                        env=CHILD_ENV)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "failures: 0" in r.stdout
+
+
+# ---- regressions found by fuzzing ------------------------------------------------------------------------
+def test_messages_quoting_bytes_that_are_not_utf8(tmp_path):
+    """py-gguf found it: an architecture name with a byte that is not UTF-8 made optiml.Model raise
+    UnicodeDecodeError (the message could not become a Python string) instead of UnsupportedModelError.
+    A file name that is not UTF-8 loads too."""
+    import shutil
+
+    import seeds
+
+    bad = ROOT / "tests" / "fuzz" / "regressions" / "py-gguf" / "arch-not-utf8.gguf"
+    with pytest.raises(optiml.UnsupportedModelError, match=r"architecture 'l\\x8cama' is not supported"):
+        optiml.Model(bad)
+    name = os.fsdecode(os.fsencode(str(tmp_path)) + b"/model-\xff.gguf")
+    seeds.write_model(os.fsencode(name).decode("utf-8", "surrogateescape"), optiml_keys=False)
+    assert len(optiml.Model(name, n_ctx=16).generate("the", max_tokens=2, temperature=0)) >= 0
+    shutil.copy(bad, name)
+    with pytest.raises(optiml.UnsupportedModelError, match=r"model-\\xff\.gguf: architecture"):
+        optiml.Model(name)

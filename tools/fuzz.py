@@ -90,7 +90,7 @@ def write_seeds(target: str, corpus: str) -> None:
 
 
 def libfuzzer_args(a, artifacts: str) -> list[str]:
-    args = ["-timeout=1", "-rss_limit_mb=2048", "-print_final_stats=1", f"-artifact_prefix={artifacts}/"]
+    args = [f"-timeout={a.timeout}", "-rss_limit_mb=2048", "-print_final_stats=1", f"-artifact_prefix={artifacts}/"]
     if a.minutes is not None:
         args.append(f"-max_total_time={int(a.minutes * 60)}")
     if a.runs is not None:
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, help="campaign length (default: 5 minutes unless --runs is given)")
     ap.add_argument("--runs", type=int, help="stop after this many inputs")
     ap.add_argument("--corpus", help="corpus folder (default fuzz-corpus/TARGET)")
+    ap.add_argument("--timeout", type=int, default=1, help="seconds after which an input counts as a hang (default 1)")
     ap.add_argument("--reproduce", metavar="INPUT", help="run one input (a crash file) and exit")
     ap.add_argument("--no-build", action="store_true", help="native: use build/fuzz as it is")
     a = ap.parse_args(argv)
