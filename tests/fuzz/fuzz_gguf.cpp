@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <system_error>
 
@@ -29,6 +30,8 @@ const std::string& input_path() {
         const char* dir = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
         return std::string(dir) + "/optiml-fuzz-gguf-" + std::to_string(getpid()) + ".gguf";
     }();
+    static const bool cleanup = [] { return std::atexit([] { std::remove(path.c_str()); }) == 0; }();
+    (void)cleanup;
     return path;
 }
 

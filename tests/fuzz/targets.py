@@ -14,8 +14,10 @@ inputs on every CI run.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -23,7 +25,8 @@ import tempfile
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRATCH = tempfile.mkdtemp(prefix="optiml-fuzz-")
+SCRATCH = tempfile.mkdtemp(prefix="optiml-fuzz-")  # inputs written as files; removed at exit
+atexit.register(shutil.rmtree, SCRATCH, True)
 
 
 def _optiml_errors():
