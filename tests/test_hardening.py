@@ -160,7 +160,7 @@ def test_messages_quoting_bytes_that_are_not_utf8(tmp_path):
 
     import seeds
 
-    bad = ROOT / "tests" / "fuzz" / "regressions" / "py-gguf" / "arch-not-utf8.gguf"
+    bad = ROOT / "tests" / "fuzz" / "regressions" / "py-gguf" / "arch-not-utf8"
     with pytest.raises(optiml.UnsupportedModelError, match=r"architecture 'l\\x8cama' is not supported"):
         optiml.Model(bad)
     name = os.fsdecode(os.fsencode(str(tmp_path)) + b"/model-\xff.gguf")
