@@ -9,8 +9,11 @@ Python targets (atheris; tests/fuzz/targets.py):
     py-template, py-convert, py-gguf, py-tokenizer
 
     python tools/fuzz.py gguf --minutes 30        # builds build/fuzz with clang first if needed
-    python tools/fuzz.py py-template --runs 100000
+    PYTHONPATH=python python tools/fuzz.py py-template --runs 100000
     python tools/fuzz.py gguf --reproduce crash-0123abcd
+
+The Python targets fuzz the optiml package this interpreter imports: the installed one, or the source
+tree with PYTHONPATH=python in a dev loop (build in place first).
 
 Seeds are generated (tests/fuzz/seeds.py and the seed functions of targets.py) into the corpus folder
 (default fuzz-corpus/TARGET, git-ignored), which grows across campaigns. A crash, a sanitizer report or
