@@ -169,3 +169,13 @@ def test_messages_quoting_bytes_that_are_not_utf8(tmp_path):
     shutil.copy(bad, name)
     with pytest.raises(optiml.UnsupportedModelError, match=r"model-\\xff\.gguf: architecture"):
         optiml.Model(name)
+
+
+def test_deeply_nested_template_is_a_limit_error():
+    """py-template found it: '{{{{{{...' nested a few hundred deep made jinja2's parser raise RecursionError
+    while the template was compiled."""
+    source = (ROOT / "tests" / "fuzz" / "regressions" / "py-template" / "deep-nesting").read_bytes()
+    with pytest.raises(TemplateLimitError, match="nests too deeply"):
+        ChatTemplate(source.decode("utf-8", "replace"))
+    with pytest.raises(TemplateLimitError, match="nests too deeply"):
+        ChatTemplate("{{" + "(" * 5000 + "1" + ")" * 5000 + "}}")

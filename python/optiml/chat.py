@@ -223,7 +223,10 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.stop = list(stop)
         self.fallback = fallback
-        self._template = _compile(source)
+        try:
+            self._template = _compile(source)
+        except RecursionError:  # jinja2's parser recurses per nesting level: '{{{{{{...' (found by fuzzing)
+            raise TemplateLimitError("the chat template nests too deeply to compile; it is broken or hostile") from None
 
     @classmethod
     def for_tokenizer(cls, template: str | None, tokenizer) -> ChatTemplate:
