@@ -244,6 +244,9 @@ nb::ndarray<nb::numpy, float> eval(PySession& s, Tokens1D tokens, bool all_logit
 void bind_model(nb::module_& m) {
     nb::class_<PyModel>(m, "Model")
         .def(nb::new_([](const std::string& path) { return load_model(path); }), nb::arg("path"))
+        // bytes (os.fsencode): file names that are not UTF-8 load too
+        .def(nb::new_([](nb::bytes path) { return load_model(std::string(path.c_str(), path.size())); }),
+             nb::arg("path"))
         .def_prop_ro("hparams", &hparams)
         .def_prop_ro("n_vocab", [](const PyModel& pm) { return pm.model->hp.n_vocab; })
         .def_prop_ro("sparsity", &sparsity_config);

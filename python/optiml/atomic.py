@@ -1,11 +1,47 @@
-"""Output files that appear whole or not at all."""
+"""Output files that appear whole or not at all.
+
+Every file OptiML writes (converted and rewritten GGUF files, activation statistics, figures, pulled
+models) is written under a temporary name in the destination's folder and renamed over the destination
+only once complete: a process killed midway, a full disk or any error leaves the old file (or none) in
+place. A process killed by a signal cannot remove its temporary file; the next write to the same path
+removes the ones whose writer is no longer running (their names carry the writer's process id).
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
 from contextlib import contextmanager
 from typing import Iterator
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike, suffix: str = ".tmp") -> list[str]:
+    """Removes temporary files left next to `path` by writers that were killed (their process is gone).
+    Returns the paths removed."""
+    path = os.path.abspath(os.fspath(path))
+    removed = []
+    pattern = glob.escape(path) + ".pid*.*" + glob.escape(suffix)
+    for tmp in glob.glob(pattern):
+        middle = tmp[len(path) + len(".pid"):]
+        pid = middle.split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.unlink(tmp)
+                removed.append(tmp)
+            except OSError:
+                pass
+    return removed
 
 
 @contextmanager
@@ -14,8 +50,9 @@ def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str
     `path` (with the permissions a plain open() would give), when it fails it is removed. `suffix`
     keeps writers that choose a format by extension (numpy, matplotlib) happy."""
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".",
-                               suffix=suffix)
+    remove_stale_temporaries(path, suffix)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f"{os.path.basename(path)}.pid{os.getpid()}.", suffix=suffix)
     os.close(fd)
     try:
         yield tmp

