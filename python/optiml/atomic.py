@@ -26,6 +26,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check_new_output(out: str | os.PathLike, source: str | os.PathLike) -> str:
+    """`out` as a path, after checking that it is not `source` itself and that its folder exists
+    (ArgumentError otherwise): what a command that writes a new file from a model checks first."""
+    from ._core import ArgumentError
+
+    out = os.fspath(out)
+    if os.path.abspath(out) == os.path.abspath(os.fspath(source)):
+        raise ArgumentError(f"{out}: the output must be a new file, not the model itself")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ArgumentError(f"{out}: the output folder {folder} does not exist")
+    return out
+
+
 def remove_stale_temporaries(path: str | os.PathLike, suffix: str = ".tmp") -> list[str]:
     """Removes temporary files left next to `path` by writers that were killed (their process is gone).
     Returns the paths removed."""

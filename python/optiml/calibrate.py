@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from ._core import ArgumentError
+from .atomic import check_new_output
 from .profile import layer_quantiles, profile
 from .stats import ActivationStats
 
@@ -145,12 +146,7 @@ def calibrate(
         raise ArgumentError(f"allocation must be 'greedy' or 'uniform', not {allocation!r}")
     path = model.path if isinstance(model, Model) else os.fspath(model)
     if out is not None:
-        out = os.fspath(out)
-        if os.path.abspath(out) == os.path.abspath(path):
-            raise ArgumentError(f"{out}: the output must be a new file, not the model itself")
-        folder = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder):
-            raise ArgumentError(f"{out}: the output folder {folder} does not exist")
+        out = check_new_output(out, path)
     have_data = data is not None or texts is not None
     if stats is None:
         if not have_data:

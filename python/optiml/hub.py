@@ -19,7 +19,6 @@ part's path is returned (the loader then says that it reads single files only; s
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ from pathlib import Path, PurePosixPath
 
 from ._core import ArgumentError, OptimlError
 from .models import ChecksumError  # a downloaded file's sha256 is not the one the Hub lists for it
+from .models import sha256_of
 
 __all__ = ["HubRef", "parse", "looks_like_ref", "match_files", "cache_dir", "cached_files", "pull", "resolve"]
 
@@ -184,14 +184,6 @@ def cached_files(repo: str, revision: str = "main") -> tuple[Path, list[str]] | 
         return None
     files = sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
     return snap, files
-
-
-def sha256_of(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _hub():

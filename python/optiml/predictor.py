@@ -125,7 +125,7 @@ def _label_thresholds(m, chunks, label_sparsity):
     if not 0 < share < 1:
         raise ArgumentError(f"label_sparsity must be in (0, 1), got {label_sparsity!r}")
     probe = _core.ActivationRecorder(m._model, np.zeros(L, dtype=np.float32))
-    _run(m, chunks[:1], probe, None)
+    _run(m, chunks[:1], probe)
     r = probe.result()
     return layer_quantiles(r["prod_hist"], r["hist_edges"], share)
 
@@ -212,6 +212,7 @@ def train_predictors(
     from .profile import _chunks, _run, read_texts
     from .stats import model_fingerprint
     from . import _core
+    from .atomic import check_new_output
 
     if isinstance(recall, bool) or not isinstance(recall, (int, float)) or not 0.5 <= recall < 1:
         raise ArgumentError(f"recall must be in [0.5, 1), got {recall!r}")
@@ -225,12 +226,7 @@ def train_predictors(
         raise ArgumentError(f"max_rank must be a positive integer, got {max_rank!r}")
     path = os.fspath(model)
     if out is not None:
-        out = os.fspath(out)
-        if os.path.abspath(out) == os.path.abspath(path):
-            raise ArgumentError(f"{out}: the output must be a new file, not the model itself")
-        folder = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder):
-            raise ArgumentError(f"{out}: the output folder {folder} does not exist")
+        out = check_new_output(out, path)
     docs = texts if texts is not None else read_texts(data, field)
     t0 = time.perf_counter()
     timing = {}
@@ -248,16 +244,7 @@ def train_predictors(
             raise ArgumentError(f"the data gives {total} tokens; training needs at least 64")
         label_thr = _label_thresholds(m, chunks, label_sparsity)
         rec = _core.ActivationRecorder(m._model, label_thr, 1, total)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, unit="tok", desc="samples", file=sys.stderr, dynamic_ncols=True)
-        try:
-            _run(m, chunks, rec, bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        _run(m, chunks, rec, progress, "samples")
         r = rec.result()
         sample_x = r["sample_x"]  # [S, L, E] f16 bits
         sample_mask = r["sample_mask"]  # [S, L, F/8]
@@ -413,7 +400,7 @@ def mask_quality(model, predictors: str | os.PathLike, data=None, n_tokens: int 
         chunks = _chunks(m, docs, min(n_ctx, m.n_ctx), n_tokens)
         total = sum(len(c) for c in chunks)
         rec = _core.ActivationRecorder(m._model, thr, 1, total)
-        _run(m, chunks, rec, None)
+        _run(m, chunks, rec)
         r = rec.result()
     finally:
         m.close()

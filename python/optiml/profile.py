@@ -94,7 +94,14 @@ def _chunks(model, docs: list[str], n_ctx: int, n_tokens: int) -> list[list[int]
     return [ids[i:i + n_ctx] for i in range(0, len(ids), n_ctx)]
 
 
-def _run(model, chunks, recorder, bar) -> None:
+def _run(model, chunks, recorder, progress: bool = False, desc: str = "") -> None:
+    """Runs every chunk (each from an empty context) with `recorder` attached; a progress bar on stderr
+    in tokens when `progress`."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(c) for c in chunks), unit="tok", desc=desc, file=sys.stderr, dynamic_ncols=True)
     sess = model._session
     sess.set_recorder(recorder)
     try:
@@ -106,6 +113,8 @@ def _run(model, chunks, recorder, bar) -> None:
     finally:
         sess.set_recorder(None)
         model.reset()
+        if bar is not None:
+            bar.close()
 
 
 def profile(
@@ -163,23 +172,14 @@ def profile(
             thr = np.full(L, threshold, dtype=np.float32)
         else:  # a first look at the first chunk sets each layer's threshold
             probe = _core.ActivationRecorder(m._model, np.zeros(L, dtype=np.float32))
-            _run(m, chunks[:1], probe, None)
+            _run(m, chunks[:1], probe)
             r = probe.result()
             thr = layer_quantiles(r["prod_hist"], r["hist_edges"], 1.0 - (active_share or DEFAULT_ACTIVE_SHARE))
         total = sum(len(c) for c in chunks)
         every = max(1, total // samples) if samples else 0
         gw = None if gate_weight is None else np.ascontiguousarray(gate_weight, dtype=np.float32).reshape(-1)
         rec = _core.ActivationRecorder(m._model, thr, every, samples, gw)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, unit="tok", desc="profile", file=sys.stderr, dynamic_ncols=True)
-        try:
-            _run(m, chunks, rec, bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        _run(m, chunks, rec, progress, "profile")
         r = rec.result()
         n = max(1, int(r["n_tokens"]))
         mean_abs = (r["sum_abs"] / n).astype(np.float32)

@@ -12,6 +12,21 @@ namespace optiml {
 
 namespace {
 
+// f(t) for every token t of a batch: tokens split across threads, or inline for one token (no
+// hand-off for the common decoding step).
+template <typename F>
+void per_token(ThreadPool& pool, int32_t n, const F& f) {
+    if (n == 1) {
+        f(0);
+        return;
+    }
+    pool.run([&](int ith, int nth) {
+        int64_t t0, t1;
+        split_range(n, ith, nth, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) f(t);
+    });
+}
+
 // Below these shares the down projection runs as a sum of neuron columns; above them the dense kernel
 // is faster. One token: compare bytes read; the 8-bit neuron-major rows cost more per neuron than
 // most dense types, and the column sum (int8 -> float conversions, fma per value) streams them at
@@ -85,15 +100,7 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
             if (sc[j] + bias[j] > pthr && (!in_share || in_share[j] >= 0)) idx[c++] = j;
         ss.count[t] = c;
     };
-    if (n == 1) {
-        predict(0);
-    } else {
-        pool.run([&](int ith, int nth) {
-            int64_t t0, t1;
-            split_range(n, ith, nth, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) predict(t);
-        });
-    }
+    per_token(pool, n, predict);
     const int32_t* uni = ss.idx;
     int64_t n_uni = ss.count[0];
     if (n > 1) {
@@ -155,15 +162,7 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
         }
         ss.count[t] = c;
     };
-    if (n == 1) {
-        activate(0);
-    } else {
-        pool.run([&](int ith, int nth) {
-            int64_t t0, t1;
-            split_range(n, ith, nth, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) activate(t);
-        });
-    }
+    per_token(pool, n, activate);
     return n_uni;
 }
 
@@ -223,15 +222,7 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
         }
         ss.count[t] = c;
     };
-    if (n == 1) {
-        select(0);
-    } else {
-        pool.run([&](int ith, int nth) {
-            int64_t t0, t1;
-            split_range(n, ith, nth, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) select(t);
-        });
-    }
+    per_token(pool, n, select);
     int64_t total = 0;
     for (int32_t t = 0; t < n; t++) total += ss.count[t];
 
