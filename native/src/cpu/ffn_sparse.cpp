@@ -27,6 +27,23 @@ void per_token(ThreadPool& pool, int32_t n, const F& f) {
     });
 }
 
+// The union of the batch's per-token neuron lists (ss.idx, ss.count), in ascending order; one token's
+// list as it is. *n_uni: its length.
+const int32_t* union_of_lists(const SparseScratch& ss, int32_t n, int64_t width, int64_t* n_uni) {
+    if (n == 1) {
+        *n_uni = ss.count[0];
+        return ss.idx;
+    }
+    std::memset(ss.seen, 0, width);
+    for (int32_t t = 0; t < n; t++)
+        for (int32_t i = 0; i < ss.count[t]; i++) ss.seen[ss.idx[t * width + i]] = 1;
+    int64_t c = 0;
+    for (int64_t j = 0; j < width; j++)
+        if (ss.seen[j]) ss.uni[c++] = (int32_t)j;
+    *n_uni = c;
+    return ss.uni;
+}
+
 // Below these shares the down projection runs as a sum of neuron columns; above them the dense kernel
 // is faster. One token: compare bytes read; the 8-bit neuron-major rows cost more per neuron than
 // most dense types, and the column sum (int8 -> float conversions, fma per value) streams them at
@@ -101,17 +118,8 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
         ss.count[t] = c;
     };
     per_token(pool, n, predict);
-    const int32_t* uni = ss.idx;
-    int64_t n_uni = ss.count[0];
-    if (n > 1) {
-        std::memset(ss.seen, 0, width);
-        for (int32_t t = 0; t < n; t++)
-            for (int32_t i = 0; i < ss.count[t]; i++) ss.seen[ss.idx[t * width + i]] = 1;
-        n_uni = 0;
-        for (int32_t j = 0; j < width; j++)
-            if (ss.seen[j]) ss.uni[n_uni++] = j;
-        uni = ss.uni;
-    }
+    int64_t n_uni = 0;
+    const int32_t* uni = union_of_lists(ss, n, width, &n_uni);
 
     // 3. Gate and up rows of the union.
     if (n_uni > 0) {
@@ -228,17 +236,8 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
 
     // 3. Up rows of the union of active neurons, and the activations act(gate) * up.
     if (!on_product) {
-        const int32_t* uni = ss.idx;
-        int64_t n_uni = ss.count[0];
-        if (n > 1) {
-            std::memset(ss.seen, 0, width);
-            for (int32_t t = 0; t < n; t++)
-                for (int32_t i = 0; i < ss.count[t]; i++) ss.seen[ss.idx[t * width + i]] = 1;
-            n_uni = 0;
-            for (int32_t j = 0; j < width; j++)
-                if (ss.seen[j]) ss.uni[n_uni++] = j;
-            uni = ss.uni;
-        }
+        int64_t n_uni = 0;
+        const int32_t* uni = union_of_lists(ss, n, width, &n_uni);
         matmul_rows(pool, kt, w.up.matrix(), uni, n_uni, xn, n, s.up);
         const float* ub = w.up_b.present() ? (const float*)w.up_b.data : nullptr;
         const bool relu_up = hp.ffn_act == FFN_RELU2;
