@@ -77,6 +77,8 @@ def load_config(folder: str) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ConvertError(f"{path}: not a JSON object")
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConvertError(f"{path}: architectures = {archs!r} is not a list of class names")
     hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
     if hf_arch is None:
         raise ConvertError(f"{path}: architecture {', '.join(map(str, archs)) or '(none given)'} is not "
@@ -86,7 +88,7 @@ def load_config(folder: str) -> ModelConfig:
     n_embd = _get(cfg, path, "hidden_size", kind=int)
     n_head = _get(cfg, path, "num_attention_heads", kind=int)
     n_head_kv = _get(cfg, path, "num_key_value_heads", n_head, kind=int)
-    head_dim = cfg.get("head_dim") or n_embd // n_head
+    head_dim = _get(cfg, path, "head_dim", n_embd // n_head, kind=int) if cfg.get("head_dim") else n_embd // n_head
     if n_head % n_head_kv:
         raise ConvertError(f"{path}: {n_head} attention heads cannot share {n_head_kv} KV heads evenly")
 
