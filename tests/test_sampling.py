@@ -389,8 +389,28 @@ def test_nan_and_pos_inf_raise(bad):
 
 
 def test_all_neg_inf_raises():
-    with pytest.raises(optiml.ArgumentError, match="-inf"):
-        Sampler(8).sample(np.full(8, -np.inf, np.float32))
+    for params in (dict(), dict(temperature=0)):
+        with pytest.raises(optiml.ArgumentError, match="-inf"):
+            Sampler(8, **params).sample(np.full(8, -np.inf, np.float32))
+
+
+def test_greedy_fast_path_is_numpy_argmax():
+    # Greedy without penalties skips the candidate list: the first maximum in id order, -inf ignored,
+    # NaN or +inf anywhere (first place included) still named.
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        n = int(rng.integers(1, 3000))
+        logits = rng.integers(-3, 4, n).astype(np.float32)  # many ties
+        logits[rng.random(n) < 0.2] = -np.inf
+        if np.all(logits == -np.inf):
+            logits[0] = 0.0
+        assert Sampler(n, temperature=0).sample(logits) == int(np.argmax(logits))
+    for at in (0, 5, 9):
+        for bad in (np.nan, np.inf):
+            logits = np.zeros(10, np.float32)
+            logits[at] = bad
+            with pytest.raises(optiml.ArgumentError, match=f"token {at}"):
+                Sampler(10, temperature=0).sample(logits)
 
 
 # ---- parameter validation -------------------------------------------------------------------------

@@ -97,6 +97,7 @@ private:
     // Runs penalties and the filters; leaves the survivors in cand_[0 .. n_cand_) and their
     // unnormalized weights in weight_[0 .. n_cand_), with the total in weight_sum_.
     void prepare(const float* logits);
+    bool prepare_greedy(const float* logits);
     void apply_penalties();
     void drop_neg_inf_and_check();
     void top_k(int32_t k);

@@ -200,8 +200,37 @@ void Sampler::min_p(float p) {
     n_sorted_ = sorted_kept;
 }
 
+// Greedy with no penalty to apply: one pass over the logits, the same answer and errors as the full
+// chain (first maximum in id order; NaN or +inf rejected) without copying the vocabulary into
+// candidates, which costs more than the argmax itself at a 150k-token vocabulary.
+bool Sampler::prepare_greedy(const float* logits) {
+    const SamplingParams& p = params_;
+    if (!(p.temperature <= 0.0f || !std::isfinite(1.0f / p.temperature))) return false;
+    if (!ring_.empty() && (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f))
+        return false;
+    int32_t best = -1;
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < n_vocab_; i++) {
+        const float l = logits[i];
+        if (l > mx) {
+            mx = l;
+            best = i;
+        } else if (std::isnan(l)) {
+            return false;  // the full chain says which token and why
+        }
+    }
+    if (best < 0 || !finite(mx)) return false;  // every logit -inf, or a +inf: the full chain's errors
+    cand_[0] = Candidate{mx, best};
+    n_cand_ = n_sorted_ = 1;
+    max_logit_ = mx;
+    weight_[0] = 1.0f;
+    weight_sum_ = 1.0;
+    return true;
+}
+
 void Sampler::prepare(const float* logits) {
     if (!logits) throw ArgumentError("logits is a null pointer");
+    if (prepare_greedy(logits)) return;
     Candidate* c = cand_.data();
     for (int32_t i = 0; i < n_vocab_; i++) c[i] = Candidate{logits[i], i};
     apply_penalties();
