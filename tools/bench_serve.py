@@ -15,17 +15,24 @@ The single-stream reference is optiml.Model.generate in this process.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import re
+import statistics
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 
 import httpx
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
           "combined movable metal type, oil-based ink and a wooden screw press. Write a long story about it:")
+
+
+EVENT_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a server-sent event
 
 
 def free_port() -> int:
@@ -48,17 +55,47 @@ def wait_ready(url: str, proc, timeout: float = 300) -> None:
     raise SystemExit("the server did not become ready")
 
 
-def one_request(url: str, body: dict, out: list) -> None:
-    t0 = time.perf_counter()
+def connect(url: str) -> http.client.HTTPConnection:
+    """One kept-alive connection (a client thread's)."""
+    u = urllib.parse.urlsplit(url)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+
+
+def one_request(conn: http.client.HTTPConnection, body: dict, out: list) -> None:
+    """One streamed request: appends (start, [time of each event that carries text]). The stream is only
+    split and timed while it arrives (the standard library's HTTP client, one read per arrival); its JSON
+    is read afterwards, so the client's own work does not compete with the server for the cores. Both
+    servers get the same client."""
+    payload = json.dumps(body).encode()
+    for attempt in range(2):
+        t0 = time.perf_counter()
+        arrived = []  # (time, one event's bytes)
+        buf = b""
+        try:
+            conn.request("POST", "/v1/completions", body=payload, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            if r.status != 200:
+                raise SystemExit(f"the server answered {r.status}: {r.read()[:300]!r}")
+            while data := r.read1(1 << 16):
+                now = time.perf_counter()
+                buf += data
+                *events, buf = EVENT_END.split(buf)
+                arrived.extend((now, e) for e in events)
+            break
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            # A kept-alive connection the server had closed (llama-server does after some streams):
+            # once more on a new one, with the clock restarted.
+            conn.close()
+            if arrived or attempt:
+                raise
     times = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if d.get("choices") and d["choices"][0].get("text"):
-                times.append(time.perf_counter())
+    for t, e in arrived:
+        line = e.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        d = json.loads(line[6:])
+        if d.get("choices") and d["choices"][0].get("text"):
+            times.append(t)
     out.append((t0, times))
 
 
@@ -66,8 +103,10 @@ def run_level(url: str, clients: int, requests: int, body: dict) -> dict:
     results: list = []
 
     def client():
+        conn = connect(url)
         for _ in range(requests):
-            one_request(url, body, results)
+            one_request(conn, body, results)
+        conn.close()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -85,6 +124,33 @@ def run_level(url: str, clients: int, requests: int, body: dict) -> dict:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
     return {"tok_s": tokens / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p99": pct(itl, 0.99)}
+
+
+def stream_times(model, n: int) -> tuple[float, list]:
+    """Model.stream's (start, time of each piece), as a client sees the server's."""
+    t0 = time.perf_counter()
+    return t0, [time.perf_counter() for _ in model.stream(PROMPT, max_tokens=n, temperature=0)]
+
+
+def single_stream(url: str, model, body: dict, reps: int) -> None:
+    """One client against optiml generate in this process, alternating, same prompt and length."""
+    e2e = {"serve": [], "generate": []}
+    rate = {"serve": [], "generate": []}
+    conn = connect(url)
+    for _ in range(reps):
+        out: list = []
+        one_request(conn, body, out)
+        runs = {"serve": out[0], "generate": stream_times(model, body["max_tokens"])}
+        for name, (t0, ts) in runs.items():
+            e2e[name].append(len(ts) / (ts[-1] - t0))
+            rate[name].append((len(ts) - 1) / (ts[-1] - ts[0]))
+    conn.close()
+    med = statistics.median
+    print(f"\n1 client against optiml generate ({reps} alternating runs of {body['max_tokens']} tokens, medians, "
+          "tokens/s; a streamed piece is a token here, both sides)")
+    for label, d in (("end to end (from the request)", e2e), ("generation (first to last token)", rate)):
+        print(f"  {label:34} serve {med(d['serve']):7.1f}   generate {med(d['generate']):7.1f}   "
+              f"ratio {med(d['serve']) / med(d['generate']):.3f}")
 
 
 def main() -> int:
@@ -105,13 +171,8 @@ def main() -> int:
     body = {"prompt": PROMPT, "max_tokens": args.gen, "temperature": 0, "stream": True, "logit_bias": bias}
     n_par = max(args.clients)
 
-    with optiml.Model(args.model, n_ctx=args.ctx, n_threads=args.threads) as m:
-        m.generate(PROMPT, max_tokens=8, temperature=0)
-        m.generate(PROMPT, max_tokens=args.gen, temperature=0)
-        st = m.last_stats
-        gen_tok_s = st["gen_tokens"] / st["gen_s"]
-    print(f"optiml generate (1 stream, in process): {gen_tok_s:.1f} tokens/s "
-          f"(ended after {st['gen_tokens']} tokens)")
+    model = optiml.Model(args.model, n_ctx=args.ctx, n_threads=args.threads)
+    model.generate(PROMPT, max_tokens=8, temperature=0)  # warm up, and the prompt is cached as the server's is
 
     servers = {}
     port = free_port()
@@ -143,9 +204,9 @@ def main() -> int:
                   ", ".join(f"{c}: {rows[('optiml', c)]['tok_s'] / rows[('llama-server', c)]['tok_s']:.2f}x"
                             for c in args.clients))
         if 1 in args.clients:
-            print(f"1 client vs optiml generate: {rows[('optiml', 1)]['tok_s'] / gen_tok_s:.2f}x "
-                  "(the client's tok/s includes prompt and HTTP time)")
+            single_stream(servers["optiml"][0], model, body, max(args.requests, 5))
     finally:
+        model.close()
         for _, proc in servers.values():
             proc.terminate()
             try:
