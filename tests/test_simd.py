@@ -273,3 +273,20 @@ def test_matmul_matches_scalar(level, name):
     wd = np.stack([dequant_weights(name, w[r]) for r in range(rows)])
     bound = 2e-5 * (np.abs(x).astype(np.float64) @ np.abs(wd).T) * 1.5 + 1e-5
     assert np.all(np.abs(got - ref) <= bound)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("cols", [576, 640, 2048, 4096])
+def test_matvec_rows_equal_their_vec_dot(level, name, cols):
+    # One token goes through the multi-row kernel (short Q8_0 rows one at a time, others 8 at a
+    # time, with a tail): every row must get exactly the bits of the level's own vec_dot.
+    rng = np.random.default_rng(cols)
+    rows = 67
+    tid = WTYPES[name][0]
+    w = random_weights(name, cols, rng, rows)
+    x = activations(cols, rng)
+    got = _core.matmul(w, tid, x[None], level, 2)[0]
+    xq = _core.convert_activation(x, tid, level)
+    want = np.array([_core.vec_dot_converted(tid, w[r], xq, cols, level) for r in range(rows)], np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

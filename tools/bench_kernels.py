@@ -51,6 +51,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--span", type=int, default=512, help="MiB of weight copies cycled through (default 512)")
     ap.add_argument("--simd", default="", help="scalar, avx2, avx512 or neon (default: the best available)")
+    ap.add_argument("--shapes", nargs="*", default=[f"{r}x{c}" for r, c in SHAPES],
+                    help="ROWSxCOLS (default: 4096x4096 4096x11008; Gemma 3 270M's output layer is 262144x640)")
     ap.add_argument("--tokens", type=int, default=1, help="activation rows per product (default 1: matrix-vector)")
     args = ap.parse_args()
 
@@ -68,10 +70,16 @@ def main() -> int:
         (f" | {n}t ms  GFLOP/s" if batch else f" | {n}t ms  GB/s  of-bw") for n in args.threads)
     print(header)
     print("-" * len(header))
-    for rows, cols in SHAPES:
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    except ValueError:
+        ap.error(f"--shapes takes ROWSxCOLS, e.g. 4096x11008; got {args.shapes}")
+    for rows, cols in shapes:
         wf = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
         x = rng.standard_normal((args.tokens, cols), dtype=np.float32)
         for qtype in args.types:
+            if cols % quant.type_info(qtype).block_size:
+                continue  # the row is not whole blocks of this format (640 columns and k-quants)
             w = quant.quantize(wf, qtype)
             copies = [w] + [w.copy() for _ in range(max(1, -(-(args.span << 20) // w.nbytes)) - 1)]
             line = f"{qtype:<6} {rows:>5}x{cols:<5}"
