@@ -1,10 +1,13 @@
 // Column-sparse down projection over grouped neuron-major rows (sparse.h): the lossless 4-bit copy of a
 // Q4_0/Q4_1/Q4_K down matrix, whose scales are shared by the 32 neurons of a source block.
 //
-// The active neurons are sorted by group (stable, so neurons of a group stay in list order); per group
-// the codes are summed with the neurons' coefficients, then scaled once: a group's scales are read once
-// however many of its neurons fire. The scalar kernels here are the reference; the SIMD ones compute
-// the same fma chains and give the same bits.
+// The active neurons are sorted by group (stable, so neurons of a group stay in list order). Per group
+// the coefficients are quantized to int8 with one scale (as llama.cpp quantizes a dense product's
+// activations to Q8_0), the codes are summed with them in integers, exactly, and each output is scaled
+// once: a group's scales are read once however many of its neurons fire, and no float is formed per
+// neuron. The scalar kernels here are the reference; the SIMD ones compute the same integer sums and
+// the same final float steps, so they give the same bits.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -20,26 +23,27 @@ namespace {
 inline float scale_at(const fp16_t* s, int64_t i) { return fp16_to_fp32(s[i]); }
 inline float scale_at(const float* s, int64_t i) { return s[i]; }
 
-// MIN: codes as they are plus a minimum (Q4_1, Q4_K); else centred codes (Q4_0). S: the scales' type.
+// MIN: plus a minimum (Q4_1, Q4_K), else centred codes (Q4_0). S: the scales' type.
 template <bool MIN, typename S>
-void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                       const void* dv, const void* mv, float a_sum) {
+void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, const int8_t* q, int64_t k,
+                       int32_t q_sum, float s, const void* dv, const void* mv) {
     const S* d = (const S*)dv;
     const S* m = (const S*)mv;
+    const int32_t centre = MIN ? 0 : 8 * q_sum;
+    const float ms = s * (float)q_sum;
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
-        float acc[32] = {};
+        int32_t t[32] = {};
         for (int64_t i = 0; i < k; i++) {
-            const uint8_t* q = (const uint8_t*)w[i] + off + r0 / 2;
+            const uint8_t* c = (const uint8_t*)w[i] + off + r0 / 2;
             for (int b = 0; b < 16; b++) {
-                const int lo = q[b] & 0x0F, hi = q[b] >> 4;
-                acc[b] = std::fma(a[i], (float)(MIN ? lo : lo - 8), acc[b]);
-                acc[b + 16] = std::fma(a[i], (float)(MIN ? hi : hi - 8), acc[b + 16]);
+                t[b] += q[i] * (c[b] & 0x0F);
+                t[b + 16] += q[i] * (c[b] >> 4);
             }
         }
-        for (int t = 0; t < 32; t++) {
-            float v = std::fma(scale_at(d, r0 + t), acc[t], y[r0 + t]);
-            if (MIN) v = std::fma(scale_at(m, r0 + t), a_sum, v);
-            y[r0 + t] = v;
+        for (int j = 0; j < 32; j++) {
+            float v = std::fma(scale_at(d, r0 + j) * s, (float)(t[j] - centre), y[r0 + j]);
+            if (MIN) v = std::fma(scale_at(m, r0 + j), ms, v);
+            y[r0 + j] = v;
         }
     }
 }
@@ -48,8 +52,33 @@ void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, co
 struct GroupRun {
     int64_t start, len;
     int64_t group;
-    float a_sum;
+    float s;  // the int8 coefficients' scale
+    int32_t q_sum;
 };
+
+// Quantizes a run's coefficients to q (int8) as Q8_0 quantizes activations: s = max|a| / 127 and
+// q = roundf(a * (1 / s)), so |q| <= 127. All zero: s = 0 (the run adds nothing). Non-finite: s = NaN
+// and q = 0, so the run's outputs are NaN, as a float sum would have them.
+void quantize_run(const float* a, int64_t len, int8_t* q, GroupRun& run) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t i = 0; i < len; i++) {
+        finite = finite && std::isfinite(a[i]);
+        amax = std::max(amax, std::fabs(a[i]));
+    }
+    run.q_sum = 0;
+    if (!finite || amax == 0.0f) {
+        std::memset(q, 0, (size_t)len);
+        run.s = finite ? 0.0f : NAN;
+        return;
+    }
+    run.s = amax / 127.0f;
+    const float id = 1.0f / run.s;
+    for (int64_t i = 0; i < len; i++) {
+        q[i] = (int8_t)std::round(a[i] * id);
+        run.q_sum += q[i];
+    }
+}
 
 }  // namespace
 
@@ -78,6 +107,7 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
     static thread_local std::vector<int64_t> next;
     static thread_local std::vector<const void*> ptrs;
     static thread_local std::vector<float> coef;
+    static thread_local std::vector<int8_t> qs;
     static thread_local std::vector<GroupRun> runs;
     next.assign(d.n_groups + 1, 0);
     for (int64_t i = 0; i < k; i++) {
@@ -90,12 +120,15 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
     }
     runs.clear();
     for (int64_t g = 0; g < d.n_groups; g++) {
-        if (next[g + 1]) runs.push_back({next[g], next[g + 1], g, 0.0f});  // start, count
+        // A group's neurons, kMaxGroupRun at a time (more only when the list repeats neurons).
+        for (int64_t at = 0; at < next[g + 1]; at += kMaxGroupRun)
+            runs.push_back({next[g] + at, std::min(kMaxGroupRun, next[g + 1] - at), g, 0.0f, 0});
         next[g + 1] += next[g];
     }
     if ((int64_t)ptrs.size() < k) {
         ptrs.resize(k);
         coef.resize(k);
+        qs.resize(k);
     }
     const uint8_t* base = d.bytes();
     for (int64_t i = 0; i < k; i++) {
@@ -103,18 +136,14 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         ptrs[at] = base + (size_t)idx[i] * d.row_bytes;
         coef[at] = a[i];
     }
-    for (GroupRun& run : runs) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < run.len; i++) s += coef[run.start + i];
-        run.a_sum = s;
-    }
+    for (GroupRun& run : runs) quantize_run(coef.data() + run.start, run.len, qs.data() + run.start, run);
 
     // Each thread owns a slice of y in whole 32-dimension units: every y[r] sees the same operations
     // whatever the split.
     const int64_t n_units = (int64_t)dim / 32;
     // Locals: inside the workers, the thread_local names would mean the workers' own (empty) buffers.
     const void* const* p = ptrs.data();
-    const float* c = coef.data();
+    const int8_t* q = qs.data();
     const std::vector<GroupRun>& group_runs = runs;
     pool.run([&](int ith, int nth) {
         int64_t u0, u1;
@@ -123,10 +152,11 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         const int64_t r0 = u0 * 32, n = (u1 - u0) * 32;
         if (!accumulate) std::memset(y + r0, 0, sizeof(float) * n);
         for (const GroupRun& run : group_runs) {
+            if (run.s == 0.0f) continue;  // every coefficient zero
             const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
             const uint8_t* gd = d.group_d.data() + at;
             const uint8_t* gm = has_min ? d.group_m.data() + at : nullptr;
-            kernel(n, y + r0, p + run.start, (size_t)r0 / 2, c + run.start, run.len, gd, gm, run.a_sum);
+            kernel(n, y + r0, p + run.start, (size_t)r0 / 2, q + run.start, run.len, run.q_sum, run.s, gd, gm);
         }
     });
 }
