@@ -65,6 +65,11 @@ typedef void (*axpy_group_fn)(int64_t n, float* y, const void* const* w, size_t 
                               int32_t q_sum, float s, const void* d, const void* m);
 // The most rows one axpy_group call sums: |t[r]| <= 15 * 127 * 1024 < 2^24.
 constexpr int64_t kMaxGroupRun = 1024;
+// How far ahead (in dimensions) the axpy_group kernels prefetch a group's rows and its scales (a
+// longer stream, 4 or 8 bytes a dimension against half a byte a row); the caller prefetches the first
+// this many of the next group's while a group runs.
+constexpr int64_t kGroupPrefetchDims = 512;
+constexpr int64_t kGroupScalePrefetchDims = 2048;
 
 struct KernelTable {
     SimdLevel level;

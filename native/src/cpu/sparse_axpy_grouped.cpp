@@ -151,7 +151,22 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         if (u1 <= u0) return;
         const int64_t r0 = u0 * 32, n = (u1 - u0) * 32;
         if (!accumulate) std::memset(y + r0, 0, sizeof(float) * n);
-        for (const GroupRun& run : group_runs) {
+        // While a group runs, the start of the next one's rows and scales is fetched: the kernels
+        // prefetch that far ahead within a group (kernels.h), and each group is a fresh set of streams.
+        const size_t lead = (size_t)std::min<int64_t>(kGroupPrefetchDims, n);
+        const size_t scale_lead = (size_t)std::min<int64_t>(kGroupScalePrefetchDims, n);
+        auto prefetch_run = [&](const GroupRun& run) {
+            const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
+            for (size_t b = 0; b < scale_lead * ss; b += 64) {
+                __builtin_prefetch(d.group_d.data() + at + b);
+                if (has_min) __builtin_prefetch(d.group_m.data() + at + b);
+            }
+            for (int64_t i = 0; i < run.len; i++)
+                for (size_t b = 0; b < lead / 2; b += 64) __builtin_prefetch((const uint8_t*)p[run.start + i] + r0 / 2 + b);
+        };
+        for (size_t j = 0; j < group_runs.size(); j++) {
+            const GroupRun& run = group_runs[j];
+            if (j + 1 < group_runs.size()) prefetch_run(group_runs[j + 1]);
             if (run.s == 0.0f) continue;  // every coefficient zero
             const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
             const uint8_t* gd = d.group_d.data() + at;

@@ -19,7 +19,9 @@ namespace {
 inline __m256 scales8(const fp16_t* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
 inline __m256 scales8(const float* s) { return _mm256_loadu_ps(s); }
 
-constexpr int kPrefetchAhead = 256;  // bytes: 8 passes of 2 chunks
+// Prefetch distances, in dimensions (kernels.h): a row's codes 256 bytes ahead, its group's scales 4 or
+// 8 KiB.
+constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;
 constexpr int kPairsPerWiden = 8;    // pairs summed in int16 before widening: 8 * 3810 < 32768
 
 // The 32 codes of one chunk of rows x and z, interleaved: lo = dimensions 0-15, hi = 16-31, each as
@@ -49,6 +51,12 @@ __attribute__((always_inline)) inline void pass(int64_t r0, float* y, const void
 #pragma GCC unroll 8
     for (int j = 0; j < 4 * C; j++) t[j] = _mm256_setzero_si256();
     const size_t o = off + (size_t)r0 / 2;
+    // The scales are a stream of their own, read once per pass: prefetched like the rows.
+#pragma GCC unroll 8
+    for (int l = 0; l < (int)sizeof(S) * C / 2; l++) {
+        _mm_prefetch((const char*)(d + r0 + kGroupScalePrefetchDims) + 64 * l, _MM_HINT_T0);
+        if (MIN) _mm_prefetch((const char*)(m + r0 + kGroupScalePrefetchDims) + 64 * l, _MM_HINT_T0);
+    }
     for (int64_t i0 = 0; i0 < k; i0 += 2 * kPairsPerWiden) {
         const int64_t i1 = i0 + 2 * kPairsPerWiden < k ? i0 + 2 * kPairsPerWiden : k;
         __m256i acc[2 * C];  // int16 sums: dimensions 0-15 and 16-31 of each chunk
