@@ -505,8 +505,20 @@ void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
                 for (int64_t r = 0; r < n; r++) y[r] = yr[r] = normal();
                 const uint8_t* ds = d.data() + first * ss;
                 const uint8_t* ms = m.data() + first * ss;
-                t.axpy_group[type](n, y.data(), w.data(), first / 2, q.data(), k, q_sum, s, ds, ms);
-                ref.axpy_group[type](n, yr.data(), w.data(), first / 2, q.data(), k, q_sum, s, ds, ms);
+                // The group as one call, and as the second of three (the others: its first and last rows,
+                // other scales): a level may keep y in registers across groups.
+                GroupTerms one = {w.data(), q.data(), k, q_sum, s, ds, ms};
+                t.axpy_group[type](n, y.data(), first / 2, &one, 1);
+                ref.axpy_group[type](n, yr.data(), first / 2, &one, 1);
+                for (int64_t r = 0; r < n; r++)
+                    if (!same_bits(y[r], yr[r])) c.fail("k=%d r=%" PRId64 ": %.9g, scalar %.9g", k, r, y[r], yr[r]);
+                const int8_t q3[2] = {-127, 55};
+                const int64_t k3 = k < 2 ? k : 2;
+                GroupTerms three[3] = {{w.data(), q3, k3, q3[0] + (k3 > 1 ? q3[1] : 0), 0.5f * s, ms, ds},
+                                       one,
+                                       {w.data() + k - k3, q3, k3, q3[0] + (k3 > 1 ? q3[1] : 0), 2.0f * s, ms, ds}};
+                t.axpy_group[type](n, y.data(), first / 2, three, 3);
+                ref.axpy_group[type](n, yr.data(), first / 2, three, 3);
                 for (int64_t r = 0; r < n; r++)
                     if (!same_bits(y[r], yr[r])) c.fail("k=%d r=%" PRId64 ": %.9g, scalar %.9g", k, r, y[r], yr[r]);
             }

@@ -25,27 +25,31 @@ inline float scale_at(const float* s, int64_t i) { return s[i]; }
 
 // MIN: plus a minimum (Q4_1, Q4_K), else centred codes (Q4_0). S: the scales' type.
 template <bool MIN, typename S>
-void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, const int8_t* q, int64_t k,
-                       int32_t q_sum, float s, const void* dv, const void* mv) {
-    const S* d = (const S*)dv;
-    const S* m = (const S*)mv;
-    const int32_t centre = MIN ? 0 : 8 * q_sum;
-    const float ms = s * (float)q_sum;
+void axpy_one_group_scalar(int64_t n, float* y, size_t off, const GroupTerms& g) {
+    const S* d = (const S*)g.d;
+    const S* m = (const S*)g.m;
+    const int32_t centre = MIN ? 0 : 8 * g.q_sum;
+    const float ms = g.s * (float)g.q_sum;
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
         int32_t t[32] = {};
-        for (int64_t i = 0; i < k; i++) {
-            const uint8_t* c = (const uint8_t*)w[i] + off + r0 / 2;
+        for (int64_t i = 0; i < g.k; i++) {
+            const uint8_t* c = (const uint8_t*)g.w[i] + off + r0 / 2;
             for (int b = 0; b < 16; b++) {
-                t[b] += q[i] * (c[b] & 0x0F);
-                t[b + 16] += q[i] * (c[b] >> 4);
+                t[b] += g.q[i] * (c[b] & 0x0F);
+                t[b + 16] += g.q[i] * (c[b] >> 4);
             }
         }
         for (int j = 0; j < 32; j++) {
-            float v = std::fma(scale_at(d, r0 + j) * s, (float)(t[j] - centre), y[r0 + j]);
+            float v = std::fma(scale_at(d, r0 + j) * g.s, (float)(t[j] - centre), y[r0 + j]);
             if (MIN) v = std::fma(scale_at(m, r0 + j), ms, v);
             y[r0 + j] = v;
         }
     }
+}
+
+template <bool MIN, typename S>
+void axpy_group_scalar(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
+    for (int g = 0; g < n_groups; g++) axpy_one_group_scalar<MIN, S>(n, y, off, groups[g]);
 }
 
 // A group's neurons in the sorted list: [start, start + len).
@@ -151,28 +155,40 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         if (u1 <= u0) return;
         const int64_t r0 = u0 * 32, n = (u1 - u0) * 32;
         if (!accumulate) std::memset(y + r0, 0, sizeof(float) * n);
-        // While a group runs, the start of the next one's rows and scales is fetched: the kernels
-        // prefetch that far ahead within a group (kernels.h), and each group is a fresh set of streams.
+        // While a batch of groups runs, the start of the next batch's rows and scales is fetched: the
+        // kernels prefetch that far ahead within a batch (kernels.h), and each batch is a fresh set of
+        // streams.
         const size_t lead = (size_t)std::min<int64_t>(kGroupPrefetchDims, n);
         const size_t scale_lead = (size_t)std::min<int64_t>(kGroupScalePrefetchDims, n);
-        auto prefetch_run = [&](const GroupRun& run) {
-            const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
+        auto prefetch = [&](const GroupTerms& g) {
             for (size_t b = 0; b < scale_lead * ss; b += 64) {
-                __builtin_prefetch(d.group_d.data() + at + b);
-                if (has_min) __builtin_prefetch(d.group_m.data() + at + b);
+                __builtin_prefetch((const uint8_t*)g.d + b);
+                if (has_min) __builtin_prefetch((const uint8_t*)g.m + b);
             }
-            for (int64_t i = 0; i < run.len; i++)
-                for (size_t b = 0; b < lead / 2; b += 64) __builtin_prefetch((const uint8_t*)p[run.start + i] + r0 / 2 + b);
+            for (int64_t i = 0; i < g.k; i++)
+                for (size_t b = 0; b < lead / 2; b += 64) __builtin_prefetch((const uint8_t*)g.w[i] + r0 / 2 + b);
         };
-        for (size_t j = 0; j < group_runs.size(); j++) {
-            const GroupRun& run = group_runs[j];
-            if (j + 1 < group_runs.size()) prefetch_run(group_runs[j + 1]);
-            if (run.s == 0.0f) continue;  // every coefficient zero
-            const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
-            const uint8_t* gd = d.group_d.data() + at;
-            const uint8_t* gm = has_min ? d.group_m.data() + at : nullptr;
-            kernel(n, y + r0, p + run.start, (size_t)r0 / 2, q + run.start, run.len, run.q_sum, run.s, gd, gm);
+        GroupTerms batch[2][kGroupsPerCall];
+        int n_batch[2] = {0, 0};
+        int cur = 0;
+        auto run = [&](int which) {
+            if (n_batch[which]) kernel(n, y + r0, (size_t)r0 / 2, batch[which], n_batch[which]);
+            n_batch[which] = 0;
+        };
+        for (const GroupRun& gr : group_runs) {
+            if (gr.s == 0.0f) continue;  // every coefficient zero
+            const size_t at = ((size_t)gr.group * dim + (size_t)r0) * ss;
+            GroupTerms& g = batch[1 - cur][n_batch[1 - cur]++];
+            g = {p + gr.start, q + gr.start, gr.len, gr.q_sum, gr.s, d.group_d.data() + at,
+                 has_min ? d.group_m.data() + at : nullptr};
+            prefetch(g);
+            if (n_batch[1 - cur] == kGroupsPerCall) {  // the next batch is complete: run the current one
+                run(cur);
+                cur = 1 - cur;
+            }
         }
+        run(cur);
+        run(1 - cur);
     });
 }
 

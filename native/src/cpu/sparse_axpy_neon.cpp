@@ -114,10 +114,14 @@ inline float32x4_t scales4(const float* s) { return vld1q_f32(s); }
 constexpr int64_t kRowsPerWiden = 16;
 
 template <bool MIN, typename S>
-void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, const int8_t* q, int64_t k,
-                     int32_t q_sum, float s, const void* dv, const void* mv) {
-    const S* d = (const S*)dv;
-    const S* m = (const S*)mv;
+void axpy_one_group_neon(int64_t n, float* y, size_t off, const GroupTerms& g) {
+    const void* const* w = g.w;
+    const int8_t* q = g.q;
+    const int64_t k = g.k;
+    const int32_t q_sum = g.q_sum;
+    const float s = g.s;
+    const S* d = (const S*)g.d;
+    const S* m = (const S*)g.m;
     const uint8x16_t mask = vdupq_n_u8(0x0F);
     const int32x4_t centre = vdupq_n_s32(MIN ? 0 : 8 * q_sum);
     const float ms = s * (float)q_sum;
@@ -153,6 +157,11 @@ void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, cons
             vst1q_f32(y + r, out);
         }
     }
+}
+
+template <bool MIN, typename S>
+void axpy_group_neon(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
+    for (int g = 0; g < n_groups; g++) axpy_one_group_neon<MIN, S>(n, y, off, groups[g]);
 }
 
 }  // namespace
