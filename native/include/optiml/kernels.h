@@ -75,9 +75,9 @@ typedef void (*axpy_group_fn)(int64_t n, float* y, size_t w_offset, const GroupT
 constexpr int kGroupsPerCall = 4;
 // The most rows one axpy_group call sums: |t[r]| <= 15 * 127 * 1024 < 2^24.
 constexpr int64_t kMaxGroupRun = 1024;
-// How far ahead (in dimensions) the axpy_group kernels prefetch a group's rows and its scales (a
-// longer stream, 4 or 8 bytes a dimension against half a byte a row); the caller prefetches the first
-// this many of the next group's while a group runs.
+// How far ahead (in dimensions) the axpy_group kernels prefetch a row; while a call runs, the caller
+// prefetches the first kGroupPrefetchDims of the next call's rows and kGroupScalePrefetchDims of its
+// scales (a longer stream: 2 or 4 bytes a dimension against half a byte a row).
 constexpr int64_t kGroupPrefetchDims = 512;
 constexpr int64_t kGroupScalePrefetchDims = 2048;
 

@@ -7,6 +7,10 @@
 // q_i * c_i + q_j * c_j in an int16, in dimension order. |q| <= 127 and c <= 15: a pair adds at most
 // 3810, so eight pairs fit an int16 (30480) before they are widened into int32 sums. The sums are
 // exact, and the final float steps are the scalar reference's: the bits are the same.
+//
+// A group is summed pair by pair, each pair's two rows read front to back over a block of up to 2048
+// dimensions into int16 sums kept in L1 (long sequential streams, as the 8-bit kernel reads its rows;
+// walking all of a group's rows 16 bytes at a time left the memory system idle between short reads).
 #include <immintrin.h>
 
 #include "optiml/ggml_types.h"
@@ -19,9 +23,7 @@ namespace {
 inline __m256 scales8(const fp16_t* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
 inline __m256 scales8(const float* s) { return _mm256_loadu_ps(s); }
 
-// Prefetch distances, in dimensions (kernels.h): a row's codes 256 bytes ahead, its group's scales 4 or
-// 8 KiB.
-constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;
+constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;  // bytes of a row: 256
 constexpr int kPairsPerWiden = 8;    // pairs summed in int16 before widening: 8 * 3810 < 32768
 
 // The 32 codes of one chunk of rows x and z, interleaved: lo = dimensions 0-15, hi = 16-31, each as
