@@ -94,8 +94,9 @@ def test_sparse_token_path_matches_masked_batch_path(smollm2_path, criterion):
     batch = m.eval(ids, all_logits=True)
     m.reset()
     steps = np.stack([m.eval([t]) for t in ids])
-    # The token path's down has float activations (and 8-bit rows, or the file's exact weights with a
-    # compact copy), the batch path's the dense kernel with 8-bit activations: SmolLM2 amplifies that
+    # The token path's down has float activations and 8-bit rows (or the file's exact weights with a
+    # compact copy, and activations quantized to int8 per 32-neuron group), the batch path's the dense
+    # kernel with 8-bit activations per 32 inputs: SmolLM2 amplifies that
     # rounding to this size over its 30 layers (each path is as far from the dense model: about 0.09).
     assert _rel(steps, batch) < 0.12
     # Greedy choices agree wherever the batch's top two logits are not a near-tie (0.25 here: the

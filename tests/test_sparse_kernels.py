@@ -5,7 +5,9 @@
   * repack_neuron_major is the transpose of the dequantized down matrix, requantized row by row:
     exactly equal for an F32 target, and byte-identical to quantizing the transpose for F16/Q8_0;
   * axpy_rows equals a float64 numpy reference within a derived bound, and is bit-identical across
-    thread counts and SIMD levels (every level computes each output as the same fma chain);
+    thread counts and SIMD levels (every level computes each output as the same fma chain); over the
+    grouped 4-bit copy, against float64 references of its int8-quantized math and of the float
+    product, within bounds derived from the final float steps and the int8 rounding;
   * bad input raises optiml.ArgumentError.
 """
 
@@ -188,7 +190,7 @@ def test_axpy_rows_accumulates_into_y(target):
             np.testing.assert_array_equal(_core.axpy_rows(nm, tt, n_ff, n_embd, idx, a, y=y0, n_threads=n, simd=simd), y)
 
 
-# ---- grouped rows: the lossless 4-bit copy of a Q4_0/Q4_1 down matrix ---------------------------
+# ---- grouped rows: the lossless 4-bit copy of a Q4_0/Q4_1/Q4_K down matrix --------------------------
 def _grouped_parts(w, qtype, n_embd, n_ff):
     """The grouped copy's parts as float64: codes (centred for Q4_0) [n_ff, n_embd], and per neuron its
     group's scales and minimums [n_ff, n_embd]."""
@@ -221,27 +223,80 @@ def test_grouped_copy_is_the_file_matrix_exactly(qtype):
     np.testing.assert_array_equal((d * c + m).astype(np.float32), ref.T.astype(np.float32))
 
 
+MAX_GROUP_RUN = 1024  # kMaxGroupRun (kernels.h): a group's neurons are quantized this many at a time
+
+
+def _grouped_quantized(idx, a, group):
+    """The coefficients as axpy_rows_grouped quantizes them, independently of it: neurons sorted by
+    group (stable), a group's neurons MAX_GROUP_RUN at a time; per such run s = max|a| / 127 and
+    q = roundf(a * (1 / s)) in float32 (half away from zero). Returns q (float64, list order), each
+    neuron's run scale s (float32) and the runs (arrays of list positions); all-zero runs are left out."""
+    q = np.zeros(len(idx))
+    s = np.zeros(len(idx), np.float32)
+    order = np.argsort(group[idx], kind="stable")
+    runs = []
+    for g in np.unique(group[idx]):
+        members = order[group[idx][order] == g]
+        for at in range(0, len(members), MAX_GROUP_RUN):
+            run = members[at:at + MAX_GROUP_RUN]
+            amax = np.max(np.abs(a[run]))
+            if amax == 0:
+                continue
+            sc = np.float32(amax) / np.float32(127)
+            v = (a[run] * (np.float32(1) / sc)).astype(np.float64)  # float32 product, as the kernel
+            q[run] = np.sign(v) * np.floor(np.abs(v) + 0.5)
+            s[run] = sc
+            runs.append(run)
+    assert np.all(np.abs(q) <= 127)
+    return q, s, runs
+
+
+def _grouped_check(y, y0, idx, a, c, d, m, group):
+    """Asserts y against two float64 references of y0 + sum_i a[i] * W[idx[i]] (W = d * c + m, the
+    file's weights: test_grouped_copy_is_the_file_matrix_exactly).
+      * the quantized math itself: per run t[r] = sum q_i c_i[r] exactly (integers), then
+        y += f32(d * s) * t (+ m * f32(s * sum q)). The products d * s and s * sum q are formed in float32
+        here as in the kernel, so the only roundings left are the kernel's fma's into y, one or two per
+        run: |error| <= (steps + 1) u (|y0| + sum of the terms' magnitudes);
+      * the float coefficients: each |q s - a| <= s / 2 (plus the float32 rounding of a * (1 / s), a
+        relative 2^-23 of |a / s| <= 127: 2^-16 s), so the int8 rounding adds at most
+        sum_i 0.50002 s_i |W[idx[i]]|, and the two float32 products above a relative u each."""
+    q, s, runs = _grouped_quantized(idx, a, group)
+    y0 = np.zeros(len(y)) if y0 is None else y0.astype(np.float64)
+    exact, mag = y0.copy(), np.abs(y0)
+    has_min = np.any(m != 0)
+    for run in runs:
+        i0 = idx[run[0]]
+        t = q[run] @ c[idx[run]]  # integers below 2^53: exact
+        ds = (d[i0].astype(np.float32) * s[run[0]]).astype(np.float64)
+        ms = np.float64(np.float32(s[run[0]]) * np.float32(q[run].sum()))
+        exact += ds * t + m[i0] * ms
+        mag += np.abs(ds * t) + np.abs(m[i0] * ms)
+    steps = len(runs) * (2 if has_min else 1)
+    assert np.all(np.abs(y - exact) <= (steps + 1) * U * mag + 1e-30)
+    W = d * c + m
+    ref = y0 + (a.astype(np.float64) @ W[idx] if len(idx) else 0)
+    int8 = (0.50002 * s.astype(np.float64)) @ np.abs(W[idx]) if len(idx) else 0
+    assert np.all(np.abs(y - ref) <= int8 + (steps + 3) * U * mag + 1e-30)
+    return exact
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k"])
 def test_grouped_axpy_matches_float64_reference(qtype):
-    n_embd, n_ff = 224, 512  # 7 units of 32: 2 threads get unequal slices
+    n_embd, n_ff = 224, 512  # 7 units of 32: 2 and 3 threads get unequal slices
     tid = quant.type_id(qtype)
     w = _weights(n_embd, n_ff, qtype, seed=22)
     c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
-    W = d * c + m  # [n_ff, n_embd], neuron j's column of down
     rng = np.random.default_rng(23)
-    subsets = [np.zeros(0, np.int32), np.array([3], np.int32), rng.permutation(n_ff).astype(np.int32)]
-    subsets += [rng.choice(n_ff, size=k, replace=False).astype(np.int32) for k in (2, 5, 51)]
+    subsets = [np.zeros(0, np.int32), np.array([3], np.int32),  # no neuron, one neuron
+               rng.permutation(np.arange(64, 96)).astype(np.int32),  # one full group, shuffled
+               rng.permutation(n_ff).astype(np.int32)]  # every neuron
+    subsets += [rng.choice(n_ff, size=k, replace=False).astype(np.int32) for k in (2, 5, 17, 51)]
     for idx in subsets:
         a = rng.standard_normal(len(idx)).astype(np.float32)
-        a64 = np.abs(a.astype(np.float64))
         y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a)
         assert y.shape == (n_embd,) and y.dtype == np.float32
-        ref = a.astype(np.float64) @ W[idx] if len(idx) else np.zeros(n_embd)
-        # Per group an fma chain over its neurons (<= k roundings of terms up to |a d c|), one fma with the
-        # scale, one with the minimum and its sum of coefficients (<= k roundings), one per group into y.
-        groups = len(np.unique(group[idx]))
-        mag = a64 @ (np.abs(d * c) + np.abs(m))[idx] if len(idx) else np.zeros(n_embd)
-        assert np.all(np.abs(y - ref) <= (2 * len(idx) + groups + 3) * U * mag + 1e-30)
+        _grouped_check(y, None, idx, a, c, d, m, group)
         for simd in LEVELS:
             for n in (1, 2, 3):
                 np.testing.assert_array_equal(
@@ -249,21 +304,56 @@ def test_grouped_axpy_matches_float64_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k"])
+def test_grouped_axpy_coefficient_edge_cases(qtype):
+    n_embd, n_ff = 96, 256
+    tid = quant.type_id(qtype)
+    w = _weights(n_embd, n_ff, qtype, seed=27)
+    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
+    rng = np.random.default_rng(28)
+    y0 = rng.standard_normal(n_embd).astype(np.float32)
+    # A group whose coefficients are all zero adds nothing: y keeps its bits, alone or beside others.
+    zeros = np.arange(32, 40, dtype=np.int32)
+    np.testing.assert_array_equal(
+        _core.axpy_rows_grouped(w, tid, n_embd, n_ff, zeros, np.zeros(8, np.float32), y=y0), y0)
+    idx = np.concatenate([zeros, np.array([0, 200, 7], np.int32)])
+    a = np.concatenate([np.zeros(8, np.float32), rng.standard_normal(3).astype(np.float32)])
+    y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a, y=y0)
+    np.testing.assert_array_equal(y, _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx[8:], a[8:], y=y0))
+    _grouped_check(y, y0, idx, a, c, d, m, group)
+    # Coefficients spanning decades: the small ones of a group round to 0 against its largest (as in
+    # a Q8_0 block of activations), within the bound the int8 rounding explains.
+    idx = np.arange(64, 96, dtype=np.int32)
+    a = (rng.standard_normal(32) * 10.0 ** rng.integers(-6, 2, 32)).astype(np.float32)
+    _grouped_check(_core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a), None, idx, a, c, d, m, group)
+    # One neuron listed 1100 times: the group is quantized in runs of MAX_GROUP_RUN, whose integer sums
+    # stay exact in float; every level and thread count gives the same bits.
+    idx = np.full(1100, 5, np.int32)
+    a = rng.standard_normal(1100).astype(np.float32)
+    y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a)
+    _grouped_check(y, None, idx, a, c, d, m, group)
+    for simd in LEVELS:
+        np.testing.assert_array_equal(_core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a, n_threads=2, simd=simd), y)
+    # A non-finite coefficient makes its group's outputs NaN (not a crash, not a silent finite value).
+    for bad in (np.nan, np.inf):
+        a = np.array([1.0, bad], np.float32)
+        for simd in LEVELS:
+            y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, np.array([0, 1], np.int32), a, simd=simd)
+            assert np.all(np.isnan(y))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k"])
 def test_grouped_axpy_over_a_neuron_subset_and_into_y(qtype):
     n_embd, n_ff = 128, 256
     tid = quant.type_id(qtype)
     w = _weights(n_embd, n_ff, qtype, seed=24)
-    c, d, m, _ = _grouped_parts(w, qtype, n_embd, n_ff)
-    W = d * c + m
+    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
     rng = np.random.default_rng(25)
     subset = rng.permutation(n_ff)[:100].astype(np.int32)  # a host share: unsorted, groups scattered
     idx = rng.choice(100, size=37, replace=False).astype(np.int32)
     a = rng.standard_normal(37).astype(np.float32)
     y0 = rng.standard_normal(n_embd).astype(np.float32)
     y = _core.axpy_rows_grouped(w, tid, n_embd, n_ff, idx, a, y=y0, subset=subset)
-    ref = y0.astype(np.float64) + a.astype(np.float64) @ W[subset[idx]]
-    mag = np.abs(y0) + np.abs(a.astype(np.float64)) @ (np.abs(d * c) + np.abs(m))[subset[idx]]
-    assert np.all(np.abs(y - ref) <= 120 * U * mag)
+    _grouped_check(y, y0, subset[idx], a, c, d, m, group)
     # The subset's copy computes what the whole copy computes for the same neurons in the same order.
     np.testing.assert_array_equal(_core.axpy_rows_grouped(w, tid, n_embd, n_ff, subset[idx], a, y=y0), y)
     for simd in LEVELS:

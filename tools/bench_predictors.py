@@ -92,13 +92,15 @@ def bench_speed(a, act: str) -> list[str]:
     tmp = tempfile.mkdtemp(prefix="optiml-pred-")
     for s in a.levels_speed:
         pred = forced_predictor(path, os.path.join(tmp, f"p{s}.gguf"), s, a.rank)
-        m = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, predictors=pred)
-        o, p = bs.alternate(m, peer, ids, n_prompt, n_gen, a.repeats)
-        share = computed_share(m, ids, n_prompt)
-        log(f"7B {act} predicted sparsity {s}: computed {share:.3f}, optiml {[round(x, 2) for x in o]}, "
-            f"llama.cpp {[round(x, 2) for x in p]}")
-        rows.append((f"{s:.0%} predicted", share, o, p))
-        bs.close(m)
+        for copy in a.down_copies:
+            m = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, predictors=pred, down_copy=copy)
+            o, p = bs.alternate(m, peer, ids, n_prompt, n_gen, a.repeats)
+            share = computed_share(m, ids, n_prompt)
+            name = f"{s:.0%} predicted" + (f", {copy} down" if a.down_copies != ["auto"] else "")
+            log(f"7B {act} {name}: computed {share:.3f}, optiml {[round(x, 2) for x in o]}, "
+                f"llama.cpp {[round(x, 2) for x in p]}")
+            rows.append((name, share, o, p))
+            bs.close(m)
         os.unlink(pred)
     bs.close(peer)
     label = {"relu": "ReLU (llama.cpp runs SiLU on it: the same work)", "silu": "SwiGLU"}[act]
@@ -112,11 +114,12 @@ def bench_speed(a, act: str) -> list[str]:
                    f"{statistics.median(o) / statistics.median(p):.2f}x{' (noisy)' if bs.noisy(o, p) else ''} | "
                    f"{statistics.median(o) / od:.2f}x |")
     gs, gr = GOALS[act]
-    hit = [r for r in rows if r[0] == f"{gs:.0%} predicted"]
+    hit = [r for r in rows if r[0].split(",")[0] == f"{gs:.0%} predicted"]
     if hit:
-        r = statistics.median(hit[0][2]) / statistics.median(hit[0][3])
-        out += ["", f"goal: {gs:.0%} predicted sparsity >= {gr}x llama.cpp dense -> {r:.2f}x "
-                    f"({'met' if r >= gr else 'NOT met'})"]
+        out.append("")
+    for h in hit:
+        r = statistics.median(h[2]) / statistics.median(h[3])
+        out.append(f"goal: {h[0]} >= {gr}x llama.cpp dense -> {r:.2f}x ({'met' if r >= gr else 'NOT met'})")
     return out
 
 
@@ -216,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", default="/work/synth")
     ap.add_argument("--acts", nargs="+", default=["relu", "silu"])
     ap.add_argument("--levels-speed", type=float, nargs="+", default=[0.5, 0.8, 0.9])
+    ap.add_argument("--down-copies", nargs="+", default=["auto"], choices=["auto", "fast", "compact"],
+                    help="speed: the sparse FFN's down copy (Model(down_copy=...)), a row per copy and level")
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--n-prompt", type=int, default=16)
     ap.add_argument("--n-gen", type=int, default=24)

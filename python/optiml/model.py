@@ -44,8 +44,10 @@ class Model:
     thresholds: per-layer thresholds (or one for all layers) that override the file's.
     down_copy: the sparse FFN's neuron-major copy of each down matrix: "fast" (8-bit rows, about twice a
     4-bit matrix's size), "compact" (for Q4_0/Q4_1/Q4_K: the file's own codes and scales regrouped, lossless
-    and about the matrix's size; about half as fast to sum today; other types get 8-bit rows), or "auto"
-    (the default: fast while those copies take at most half of the memory available).
+    and about the matrix's size, summed in integers with each 32-neuron group's activations quantized to
+    int8; faster than fast when about half of the neurons fire, slower at 10% and below, where each touched
+    group's scale row costs more than its codes save; other types get 8-bit rows), or "auto" (the default:
+    fast while those copies take at most half of the memory available).
 
     n_seq: sequence slots of the KV cache (each holds n_ctx positions) for :meth:`decode`; generation and
     chat use sequence 0. device, vram, n_gpu_layers, gpu_neurons: where layers run (see optiml.plan):
@@ -198,8 +200,9 @@ class Model:
     def _compact_down(self) -> bool:
         """Whether the sparse FFN's neuron-major down copies are compact (grouped: lossless, about the
         matrix's own size, for Q4_0/Q4_1/Q4_K) rather than fast (8-bit rows: about twice a 4-bit matrix,
-        and today about twice as fast to sum). "auto": fast while the 8-bit copies take at most half of the
-        memory now available."""
+        and 1.5-3x as fast to sum at the 1-10% of active neurons sparse decoding sees; compact wins only
+        around half active: tools/bench_sparse_kernels.py --parts down). "auto": fast while the 8-bit
+        copies take at most half of the memory now available."""
         if self._down_copy != "auto":
             return self._down_copy == "compact"
         h = self.hparams

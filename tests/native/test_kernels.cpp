@@ -459,8 +459,8 @@ void test_axpy(const KernelTable& t, const KernelTable& ref) {
     }
 }
 
-// Grouped rows (the lossless 4-bit copy of a Q4_0/Q4_1/Q4_K down): one group's neurons summed, then scaled,
-// bit-identical to scalar.
+// Grouped rows (the lossless 4-bit copy of a Q4_0/Q4_1/Q4_K down): one group's codes summed with int8
+// coefficients in integers, then scaled, bit-identical to scalar.
 void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
     const char* lv = simd_level_name(t.level);
     for (int32_t type : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q4_K}) {
@@ -488,22 +488,37 @@ void test_axpy_group(const KernelTable& t, const KernelTable& ref) {
         }
         for (int64_t n : {32, 64, 96, 160, 288}) {
             Check c("%s axpy_group %s n=%" PRId64, lv, type_traits(type).name, n);
-            for (int k : {0, 1, 2, 3, 5, 9, 16, 32}) {
+            // k past 16 and 32: the int16 sums are widened every 16 rows (AVX2: 8 pairs); 40 repeats rows.
+            for (int k : {0, 1, 2, 3, 5, 9, 16, 17, 31, 32, 40}) {
                 std::vector<const void*> w(k);
-                std::vector<float> a(k);
-                float a_sum = 0.0f;
+                std::vector<int8_t> q(k);
+                int32_t q_sum = 0;
                 for (int i = 0; i < k; i++) {
                     w[i] = rows[randint(0, n_neurons - 1)].data();
-                    a[i] = normal();
-                    a_sum += a[i];
+                    // The extremes (+-127, the largest int16 partial sums) in every other list.
+                    q[i] = (int8_t)(k % 2 ? (i % 2 ? -127 : 127) : randint(-127, 127));
+                    q_sum += q[i];
                 }
+                const float s = 0.02f * std::fabs(normal()) + 1e-4f;
                 const int64_t first = (dim - n) / 64 * 32;  // whole 32-dimension chunks, first + n <= dim
                 std::vector<float> y(n), yr(n);
                 for (int64_t r = 0; r < n; r++) y[r] = yr[r] = normal();
                 const uint8_t* ds = d.data() + first * ss;
                 const uint8_t* ms = m.data() + first * ss;
-                t.axpy_group[type](n, y.data(), w.data(), first / 2, a.data(), k, ds, ms, a_sum);
-                ref.axpy_group[type](n, yr.data(), w.data(), first / 2, a.data(), k, ds, ms, a_sum);
+                // The group as one call, and as the second of three (the others: its first and last rows,
+                // other scales): a level may keep y in registers across groups.
+                GroupTerms one = {w.data(), q.data(), k, q_sum, s, ds, ms};
+                t.axpy_group[type](n, y.data(), first / 2, &one, 1);
+                ref.axpy_group[type](n, yr.data(), first / 2, &one, 1);
+                for (int64_t r = 0; r < n; r++)
+                    if (!same_bits(y[r], yr[r])) c.fail("k=%d r=%" PRId64 ": %.9g, scalar %.9g", k, r, y[r], yr[r]);
+                const int8_t q3[2] = {-127, 55};
+                const int64_t k3 = k < 2 ? k : 2;
+                GroupTerms three[3] = {{w.data(), q3, k3, q3[0] + (k3 > 1 ? q3[1] : 0), 0.5f * s, ms, ds},
+                                       one,
+                                       {w.data() + k - k3, q3, k3, q3[0] + (k3 > 1 ? q3[1] : 0), 2.0f * s, ms, ds}};
+                t.axpy_group[type](n, y.data(), first / 2, three, 3);
+                ref.axpy_group[type](n, yr.data(), first / 2, three, 3);
                 for (int64_t r = 0; r < n; r++)
                     if (!same_bits(y[r], yr[r])) c.fail("k=%d r=%" PRId64 ": %.9g, scalar %.9g", k, r, y[r], yr[r]);
             }

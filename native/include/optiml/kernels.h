@@ -53,13 +53,33 @@ typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
 // one fused multiply-add per row, rows in list order (a scale per Q8_0 block: fma(a[i] * d, q, y)),
 // so every SIMD level and every split of [0, n) gives the same bits. native/src/cpu/sparse_axpy*.cpp
 typedef void (*axpy_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k);
-// One group of grouped neuron-major rows (sparse.h): acc[r] = the fma chain, in list order from 0, of
-// a[i] * c_i[r] with c_i the 4-bit codes of row i (minus 8 for Q4_0) starting w_offset bytes into w[i];
-// then y[r] = fma(d[r], acc[r], y[r]), and where there are minimums (Q4_1, Q4_K) y[r] = fma(m[r],
-// a_sum, y[r]); d and m are fp16 (Q4_0, Q4_1) or float (Q4_K). n is a multiple of 32. Every SIMD level
-// gives the same bits.
-typedef void (*axpy_group_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k,
-                              const void* d, const void* m, float a_sum);
+// Groups of grouped neuron-major rows (sparse.h), each group's coefficients quantized to int8 with one
+// scale s (q[i] * s stands for neuron i's activation; q_sum = q[0] + ... + q[k-1]). For each group in
+// list order and each row r < n: t[r] = sum_i q[i] * c_i[r] in integers, with c_i the 4-bit codes
+// (0..15) of row i starting w_offset bytes into w[i], minus 8 * q_sum for Q4_0 (centred codes); then
+// y[r] = fma(d[r] * s, (float)t[r], y[r]), and where there are minimums (Q4_1, Q4_K) y[r] = fma(m[r],
+// s * (float)q_sum, y[r]); d and m are fp16 (Q4_0, Q4_1) or float (Q4_K). n is a multiple of 32 and
+// k at most kMaxGroupRun (t[r] then is exact in float). The integer sums are exact and the float
+// steps fixed: every SIMD level gives the same bits, whatever it does between groups.
+struct GroupTerms {
+    const void* const* w;
+    const int8_t* q;
+    int64_t k;
+    int32_t q_sum;
+    float s;
+    const void* d;  // the scales of rows 0 .. n-1
+    const void* m;  // the minimums (Q4_1, Q4_K), else null
+};
+typedef void (*axpy_group_fn)(int64_t n, float* y, size_t w_offset, const GroupTerms* groups, int n_groups);
+// The most groups one axpy_group call takes (a kernel may keep y in registers across them).
+constexpr int kGroupsPerCall = 4;
+// The most rows one axpy_group call sums: |t[r]| <= 15 * 127 * 1024 < 2^24.
+constexpr int64_t kMaxGroupRun = 1024;
+// How far ahead (in dimensions) the axpy_group kernels prefetch a row; while a call runs, the caller
+// prefetches the first kGroupPrefetchDims of the next call's rows and kGroupScalePrefetchDims of its
+// scales (a longer stream: 2 or 4 bytes a dimension against half a byte a row).
+constexpr int64_t kGroupPrefetchDims = 512;
+constexpr int64_t kGroupScalePrefetchDims = 2048;
 
 struct KernelTable {
     SimdLevel level;

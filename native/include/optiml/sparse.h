@@ -82,8 +82,12 @@ NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, in
 // order with one fused multiply-add per neuron. The output range is split across threads in
 // 32-aligned slices. idx must lie in [0, d.n_neurons) (checked: ArgumentError).
 // Grouped rows: the neurons are taken group by group (groups in ascending order, neurons of a group in
-// list order); per group, acc[r] = the fma chain over its neurons of a[i] * code (Q4_0: code - 8),
-// then y[r] = fma(d_g[r], acc[r], y[r]) (with minimums: then fma(m_g[r], sum of the group's a[i], y[r])).
+// list order, at most kMaxGroupRun at a time); per group the coefficients are quantized to int8 with
+// one scale, s = max|a| / 127 and q = roundf(a * (1 / s)) (Q8_0's rounding: llama.cpp's dense product
+// quantizes the activations the same way), and summed with the 4-bit codes in integers, then scaled
+// (kernels.h, axpy_group_fn): y gets the file's weights times the quantized coefficients, rounded only
+// in the final float steps. A group whose coefficients are all zero adds nothing; a non-finite
+// coefficient makes its group's contribution NaN.
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate);
 // axpy_rows for grouped rows (native/src/cpu/sparse_axpy_grouped.cpp).

@@ -1,10 +1,13 @@
 // Column-sparse down projection over grouped neuron-major rows (sparse.h): the lossless 4-bit copy of a
 // Q4_0/Q4_1/Q4_K down matrix, whose scales are shared by the 32 neurons of a source block.
 //
-// The active neurons are sorted by group (stable, so neurons of a group stay in list order); per group
-// the codes are summed with the neurons' coefficients, then scaled once: a group's scales are read once
-// however many of its neurons fire. The scalar kernels here are the reference; the SIMD ones compute
-// the same fma chains and give the same bits.
+// The active neurons are sorted by group (stable, so neurons of a group stay in list order). Per group
+// the coefficients are quantized to int8 with one scale (as llama.cpp quantizes a dense product's
+// activations to Q8_0), the codes are summed with them in integers, exactly, and each output is scaled
+// once: a group's scales are read once however many of its neurons fire, and no float is formed per
+// neuron. The scalar kernels here are the reference; the SIMD ones compute the same integer sums and
+// the same final float steps, so they give the same bits.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -20,36 +23,66 @@ namespace {
 inline float scale_at(const fp16_t* s, int64_t i) { return fp16_to_fp32(s[i]); }
 inline float scale_at(const float* s, int64_t i) { return s[i]; }
 
-// MIN: codes as they are plus a minimum (Q4_1, Q4_K); else centred codes (Q4_0). S: the scales' type.
+// MIN: plus a minimum (Q4_1, Q4_K), else centred codes (Q4_0). S: the scales' type.
 template <bool MIN, typename S>
-void axpy_group_scalar(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                       const void* dv, const void* mv, float a_sum) {
-    const S* d = (const S*)dv;
-    const S* m = (const S*)mv;
+void axpy_one_group_scalar(int64_t n, float* y, size_t off, const GroupTerms& g) {
+    const S* d = (const S*)g.d;
+    const S* m = (const S*)g.m;
+    const int32_t centre = MIN ? 0 : 8 * g.q_sum;
+    const float ms = g.s * (float)g.q_sum;
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
-        float acc[32] = {};
-        for (int64_t i = 0; i < k; i++) {
-            const uint8_t* q = (const uint8_t*)w[i] + off + r0 / 2;
+        int32_t t[32] = {};
+        for (int64_t i = 0; i < g.k; i++) {
+            const uint8_t* c = (const uint8_t*)g.w[i] + off + r0 / 2;
             for (int b = 0; b < 16; b++) {
-                const int lo = q[b] & 0x0F, hi = q[b] >> 4;
-                acc[b] = std::fma(a[i], (float)(MIN ? lo : lo - 8), acc[b]);
-                acc[b + 16] = std::fma(a[i], (float)(MIN ? hi : hi - 8), acc[b + 16]);
+                t[b] += g.q[i] * (c[b] & 0x0F);
+                t[b + 16] += g.q[i] * (c[b] >> 4);
             }
         }
-        for (int t = 0; t < 32; t++) {
-            float v = std::fma(scale_at(d, r0 + t), acc[t], y[r0 + t]);
-            if (MIN) v = std::fma(scale_at(m, r0 + t), a_sum, v);
-            y[r0 + t] = v;
+        for (int j = 0; j < 32; j++) {
+            float v = std::fma(scale_at(d, r0 + j) * g.s, (float)(t[j] - centre), y[r0 + j]);
+            if (MIN) v = std::fma(scale_at(m, r0 + j), ms, v);
+            y[r0 + j] = v;
         }
     }
+}
+
+template <bool MIN, typename S>
+void axpy_group_scalar(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
+    for (int g = 0; g < n_groups; g++) axpy_one_group_scalar<MIN, S>(n, y, off, groups[g]);
 }
 
 // A group's neurons in the sorted list: [start, start + len).
 struct GroupRun {
     int64_t start, len;
     int64_t group;
-    float a_sum;
+    float s;  // the int8 coefficients' scale
+    int32_t q_sum;
 };
+
+// Quantizes a run's coefficients to q (int8) as Q8_0 quantizes activations: s = max|a| / 127 and
+// q = roundf(a * (1 / s)), so |q| <= 127. All zero: s = 0 (the run adds nothing). Non-finite: s = NaN
+// and q = 0, so the run's outputs are NaN, as a float sum would have them.
+void quantize_run(const float* a, int64_t len, int8_t* q, GroupRun& run) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t i = 0; i < len; i++) {
+        finite = finite && std::isfinite(a[i]);
+        amax = std::max(amax, std::fabs(a[i]));
+    }
+    run.q_sum = 0;
+    if (!finite || amax == 0.0f) {
+        std::memset(q, 0, (size_t)len);
+        run.s = finite ? 0.0f : NAN;
+        return;
+    }
+    run.s = amax / 127.0f;
+    const float id = 1.0f / run.s;
+    for (int64_t i = 0; i < len; i++) {
+        q[i] = (int8_t)std::round(a[i] * id);
+        run.q_sum += q[i];
+    }
+}
 
 }  // namespace
 
@@ -78,6 +111,7 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
     static thread_local std::vector<int64_t> next;
     static thread_local std::vector<const void*> ptrs;
     static thread_local std::vector<float> coef;
+    static thread_local std::vector<int8_t> qs;
     static thread_local std::vector<GroupRun> runs;
     next.assign(d.n_groups + 1, 0);
     for (int64_t i = 0; i < k; i++) {
@@ -90,12 +124,15 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
     }
     runs.clear();
     for (int64_t g = 0; g < d.n_groups; g++) {
-        if (next[g + 1]) runs.push_back({next[g], next[g + 1], g, 0.0f});  // start, count
+        // A group's neurons, kMaxGroupRun at a time (more only when the list repeats neurons).
+        for (int64_t at = 0; at < next[g + 1]; at += kMaxGroupRun)
+            runs.push_back({next[g] + at, std::min(kMaxGroupRun, next[g + 1] - at), g, 0.0f, 0});
         next[g + 1] += next[g];
     }
     if ((int64_t)ptrs.size() < k) {
         ptrs.resize(k);
         coef.resize(k);
+        qs.resize(k);
     }
     const uint8_t* base = d.bytes();
     for (int64_t i = 0; i < k; i++) {
@@ -103,18 +140,14 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         ptrs[at] = base + (size_t)idx[i] * d.row_bytes;
         coef[at] = a[i];
     }
-    for (GroupRun& run : runs) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < run.len; i++) s += coef[run.start + i];
-        run.a_sum = s;
-    }
+    for (GroupRun& run : runs) quantize_run(coef.data() + run.start, run.len, qs.data() + run.start, run);
 
     // Each thread owns a slice of y in whole 32-dimension units: every y[r] sees the same operations
     // whatever the split.
     const int64_t n_units = (int64_t)dim / 32;
     // Locals: inside the workers, the thread_local names would mean the workers' own (empty) buffers.
     const void* const* p = ptrs.data();
-    const float* c = coef.data();
+    const int8_t* q = qs.data();
     const std::vector<GroupRun>& group_runs = runs;
     pool.run([&](int ith, int nth) {
         int64_t u0, u1;
@@ -122,12 +155,40 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
         if (u1 <= u0) return;
         const int64_t r0 = u0 * 32, n = (u1 - u0) * 32;
         if (!accumulate) std::memset(y + r0, 0, sizeof(float) * n);
-        for (const GroupRun& run : group_runs) {
-            const size_t at = ((size_t)run.group * dim + (size_t)r0) * ss;
-            const uint8_t* gd = d.group_d.data() + at;
-            const uint8_t* gm = has_min ? d.group_m.data() + at : nullptr;
-            kernel(n, y + r0, p + run.start, (size_t)r0 / 2, c + run.start, run.len, gd, gm, run.a_sum);
+        // While a batch of groups runs, the start of the next batch's rows and scales is fetched: the
+        // kernels prefetch that far ahead within a batch (kernels.h), and each batch is a fresh set of
+        // streams.
+        const size_t lead = (size_t)std::min<int64_t>(kGroupPrefetchDims, n);
+        const size_t scale_lead = (size_t)std::min<int64_t>(kGroupScalePrefetchDims, n);
+        auto prefetch = [&](const GroupTerms& g) {
+            for (size_t b = 0; b < scale_lead * ss; b += 64) {
+                __builtin_prefetch((const uint8_t*)g.d + b);
+                if (has_min) __builtin_prefetch((const uint8_t*)g.m + b);
+            }
+            for (int64_t i = 0; i < g.k; i++)
+                for (size_t b = 0; b < lead / 2; b += 64) __builtin_prefetch((const uint8_t*)g.w[i] + r0 / 2 + b);
+        };
+        GroupTerms batch[2][kGroupsPerCall];
+        int n_batch[2] = {0, 0};
+        int cur = 0;
+        auto run = [&](int which) {
+            if (n_batch[which]) kernel(n, y + r0, (size_t)r0 / 2, batch[which], n_batch[which]);
+            n_batch[which] = 0;
+        };
+        for (const GroupRun& gr : group_runs) {
+            if (gr.s == 0.0f) continue;  // every coefficient zero
+            const size_t at = ((size_t)gr.group * dim + (size_t)r0) * ss;
+            GroupTerms& g = batch[1 - cur][n_batch[1 - cur]++];
+            g = {p + gr.start, q + gr.start, gr.len, gr.q_sum, gr.s, d.group_d.data() + at,
+                 has_min ? d.group_m.data() + at : nullptr};
+            prefetch(g);
+            if (n_batch[1 - cur] == kGroupsPerCall) {  // the next batch is complete: run the current one
+                run(cur);
+                cur = 1 - cur;
+            }
         }
+        run(cur);
+        run(1 - cur);
     });
 }
 

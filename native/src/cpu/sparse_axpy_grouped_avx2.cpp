@@ -1,6 +1,16 @@
-// AVX2 kernels for grouped neuron-major rows (contract: kernels.h, axpy_group_fn). Two 32-dimension
-// chunks per pass keep eight independent fma chains in flight; each element still gets one fma per
-// neuron in list order, then one per scale, so the bits equal the scalar reference's.
+// AVX2 kernels for grouped neuron-major rows (contract: kernels.h, axpy_group_fn): the codes are summed
+// with the int8 coefficients in integers, two neurons per vpmaddubsw.
+//
+// A pair of neurons' 16 code bytes of a 32-dimension chunk are interleaved (byte b of neuron i, then of
+// neuron j, for each b); the low nibbles are then codes of dimensions 0-15 in pairs, the high nibbles
+// those of dimensions 16-31, and vpmaddubsw with (q_i, q_j) repeated gives per dimension
+// q_i * c_i + q_j * c_j in an int16, in dimension order. |q| <= 127 and c <= 15: a pair adds at most
+// 3810, so eight pairs fit an int16 (30480) before they are widened into int32 sums. The sums are
+// exact, and the final float steps are the scalar reference's: the bits are the same.
+//
+// A group is summed pair by pair, each pair's two rows read front to back over a block of up to 2048
+// dimensions into int16 sums kept in L1 (long sequential streams, as the 8-bit kernel reads its rows;
+// walking all of a group's rows 16 bytes at a time left the memory system idle between short reads).
 #include <immintrin.h>
 
 #include "optiml/ggml_types.h"
@@ -10,74 +20,126 @@
 namespace optiml {
 namespace {
 
-// The 32 codes of one chunk as four vectors of 8 floats: dimensions 0-7, 8-15 (low nibbles) and
-// 16-23, 24-31 (high nibbles); without a minimum (Q4_0) the codes are centred (minus 8).
-template <bool MIN>
-__attribute__((always_inline)) inline void codes(const uint8_t* q, __m256* c) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128((const __m128i*)q);
-    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    if (MIN) {
-        c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    } else {
-        const __m128i eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(lo, eight);
-        hi = _mm_sub_epi8(hi, eight);
-        c[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-        c[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-        c[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-        c[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    }
-}
-
 inline __m256 scales8(const fp16_t* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
 inline __m256 scales8(const float* s) { return _mm256_loadu_ps(s); }
 
-constexpr int kPrefetchAhead = 256;  // bytes: 8 passes of 2 chunks
+constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;  // bytes of a row: 256
+constexpr int kPairsPerWiden = 8;    // pairs summed in int16 before widening: 8 * 3810 < 32768
 
-// C chunks of 32 dimensions from r0; S: the scales' type (fp16 or float).
-template <bool MIN, typename S, int C>
-__attribute__((always_inline)) inline void pass(int64_t r0, float* y, const void* const* w, size_t off, const float* a, int64_t k, const S* d,
-                 const S* m, float a_sum) {
-    __m256 acc[4 * C];
-#pragma GCC unroll 8
-    for (int j = 0; j < 4 * C; j++) acc[j] = _mm256_setzero_ps();
-    const size_t o = off + (size_t)r0 / 2;
-    for (int64_t i = 0; i < k; i++) {
-        const __m256 va = _mm256_set1_ps(a[i]);
-        const uint8_t* q = (const uint8_t*)w[i] + o;
-        // Each row is read 32 bytes a pass, a dozen rows at once: too many short streams for the
-        // hardware prefetcher, so ask for the line several passes ahead.
-        _mm_prefetch((const char*)q + kPrefetchAhead, _MM_HINT_T0);
-#pragma GCC unroll 2
-        for (int c = 0; c < C; c++) {
-            __m256 v[4];
-            codes<MIN>(q + 16 * c, v);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) acc[4 * c + j] = _mm256_fmadd_ps(va, v[j], acc[4 * c + j]);
+// The 32 codes of one chunk of rows x and z, interleaved: lo = dimensions 0-15, hi = 16-31, each as
+// (code of x, code of z) byte pairs in dimension order.
+__attribute__((always_inline)) inline void pair_codes(const uint8_t* x, const uint8_t* z, __m256i* lo, __m256i* hi) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i bx = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)x));
+    const __m256i bz = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)z));
+    // Lane 0: bytes 0-7 of x and z interleaved; lane 1: bytes 8-15.
+    const __m256i v = _mm256_blend_epi32(_mm256_unpacklo_epi8(bx, bz), _mm256_unpackhi_epi8(bx, bz), 0xF0);
+    *lo = _mm256_and_si256(v, mask);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+}
+
+constexpr int64_t kBlock = 2048;  // dimensions whose sums are kept at once (12 KiB of int16 + int32)
+
+// One pair of rows (x, z: the chunks of the block, at their byte offset) times (q_x, q_z) into the
+// block's int16 sums; FIRST: the pair starts the sums.
+// nx, nz: the next pair's rows (null at the end), fetched in step: four streams in flight, not two.
+// sd, sm: the block's scales and minimums (null: not this pair), S_BYTES a chunk, fetched in step too:
+// they are read only after the sums, and would otherwise arrive one dependent miss after another.
+template <bool FIRST, int S_BYTES>
+__attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uint8_t* z, const uint8_t* nx,
+                                                     const uint8_t* nz, const char* sd, const char* sm, int nc,
+                                                     __m256i qq, __m256i* acc) {
+    for (int c = 0; c < nc; c++) {
+        if (sd)
+            for (int l = 0; l < S_BYTES; l += 64) {
+                _mm_prefetch(sd + S_BYTES * c + l, _MM_HINT_T0);
+                if (sm) _mm_prefetch(sm + S_BYTES * c + l, _MM_HINT_T0);
+            }
+        if (c % 4 == 0) {
+            _mm_prefetch((const char*)x + 16 * c + kPrefetchAhead, _MM_HINT_T0);
+            _mm_prefetch((const char*)z + 16 * c + kPrefetchAhead, _MM_HINT_T0);
+            if (nx) {
+                _mm_prefetch((const char*)nx + 16 * c, _MM_HINT_T0);
+                _mm_prefetch((const char*)nz + 16 * c, _MM_HINT_T0);
+            }
         }
+        __m256i lo, hi;
+        pair_codes(x + 16 * c, z + 16 * c, &lo, &hi);
+        const __m256i plo = _mm256_maddubs_epi16(lo, qq), phi = _mm256_maddubs_epi16(hi, qq);
+        acc[2 * c] = FIRST ? plo : _mm256_add_epi16(acc[2 * c], plo);
+        acc[2 * c + 1] = FIRST ? phi : _mm256_add_epi16(acc[2 * c + 1], phi);
     }
-    const __m256 vs = _mm256_set1_ps(a_sum);
-#pragma GCC unroll 8
-    for (int j = 0; j < 4 * C; j++) {
-        const int64_t r = r0 + 8 * j;
-        __m256 v = _mm256_fmadd_ps(scales8(d + r), acc[j], _mm256_loadu_ps(y + r));
-        if (MIN) v = _mm256_fmadd_ps(scales8(m + r), vs, v);
-        _mm256_storeu_ps(y + r, v);
+}
+
+// One group: pair by pair, each pair's two rows read front to back over a block of dimensions (two
+// sequential streams, as the 8-bit kernel reads its rows), the sums in int16 in L1, widened into int32
+// every kPairsPerWiden pairs when there are more; then the block's outputs scaled into y.
+template <bool MIN, typename S>
+void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next) {
+    alignas(32) __m256i acc[kBlock / 16];  // int16 sums: dimensions 16j .. 16j + 15
+    alignas(32) __m256i t[kBlock / 8];     // int32 sums (more than 2 * kPairsPerWiden rows): 8j .. 8j + 7
+    const bool wide = g.k > 2 * kPairsPerWiden;
+    const __m256i centre = _mm256_set1_epi32(MIN ? 0 : 8 * g.q_sum);
+    const __m256 vs = _mm256_set1_ps(g.s);
+    const __m256 ms = _mm256_set1_ps(g.s * (float)g.q_sum);
+    for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+        const int nc = (int)((n - b0 < kBlock ? n - b0 : kBlock) / 32);
+        const size_t o = off + (size_t)b0 / 2;
+        if (g.k == 0)  // no rows: sums of zero (the first pair starts them otherwise)
+            for (int j = 0; j < 2 * nc; j++) acc[j] = _mm256_setzero_si256();
+        for (int64_t i0 = 0; i0 < g.k; i0 += 2 * kPairsPerWiden) {
+            const int64_t i1 = i0 + 2 * kPairsPerWiden < g.k ? i0 + 2 * kPairsPerWiden : g.k;
+            for (int64_t i = i0; i < i1; i += 2) {
+                // An odd last row is paired with itself at coefficient 0.
+                const bool two = i + 1 < i1;
+                const uint8_t* x = (const uint8_t*)g.w[i] + o;
+                const uint8_t* z = two ? (const uint8_t*)g.w[i + 1] + o : x;
+                const uint16_t qz = two ? (uint8_t)g.q[i + 1] : 0;
+                const __m256i qq = _mm256_set1_epi16((int16_t)((uint8_t)g.q[i] | qz << 8));
+                // The next pair: of this group, or the next group's first (same block of dimensions).
+                const uint8_t *nx = nullptr, *nz = nullptr;
+                if (i + 2 < g.k) {
+                    nx = (const uint8_t*)g.w[i + 2] + o;
+                    nz = i + 3 < g.k ? (const uint8_t*)g.w[i + 3] + o : nx;
+                } else if (next && next->k > 0) {
+                    nx = (const uint8_t*)next->w[0] + o;
+                    nz = next->k > 1 ? (const uint8_t*)next->w[1] + o : nx;
+                }
+                constexpr int sb = 32 * sizeof(S);
+                if (i == 0)
+                    pair_into<true, sb>(x, z, nx, nz, (const char*)((const S*)g.d + b0),
+                                        MIN ? (const char*)((const S*)g.m + b0) : nullptr, nc, qq, acc);
+                else if (i == i0)
+                    pair_into<true, sb>(x, z, nx, nz, nullptr, nullptr, nc, qq, acc);
+                else
+                    pair_into<false, sb>(x, z, nx, nz, nullptr, nullptr, nc, qq, acc);
+            }
+            if (wide)
+                for (int j = 0; j < 2 * nc; j++) {
+                    const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[j]));
+                    const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[j], 1));
+                    t[2 * j] = i0 == 0 ? lo : _mm256_add_epi32(t[2 * j], lo);
+                    t[2 * j + 1] = i0 == 0 ? hi : _mm256_add_epi32(t[2 * j + 1], hi);
+                }
+        }
+        const S* d = (const S*)g.d + b0;
+        const S* m = (const S*)g.m + b0;
+        float* yb = y + b0;
+        for (int j = 0; j < 4 * nc; j++) {
+            const __m256i tj = wide ? t[j] : _mm256_cvtepi16_epi32(j % 2 ? _mm256_extracti128_si256(acc[j / 2], 1)
+                                                                         : _mm256_castsi256_si128(acc[j / 2]));
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(tj, centre));
+            __m256 out = _mm256_fmadd_ps(_mm256_mul_ps(scales8(d + 8 * j), vs), v, _mm256_loadu_ps(yb + 8 * j));
+            if (MIN) out = _mm256_fmadd_ps(scales8(m + 8 * j), ms, out);
+            _mm256_storeu_ps(yb + 8 * j, out);
+        }
     }
 }
 
 template <bool MIN, typename S>
-void axpy_group_avx2(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k, const void* dv,
-                     const void* mv, float a_sum) {
-    const S* d = (const S*)dv;
-    const S* m = (const S*)mv;
-    int64_t r0 = 0;
-    for (; r0 + 64 <= n; r0 += 64) pass<MIN, S, 2>(r0, y, w, off, a, k, d, m, a_sum);
-    if (r0 < n) pass<MIN, S, 1>(r0, y, w, off, a, k, d, m, a_sum);
+void axpy_group_avx2(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
+    for (int gi = 0; gi < n_groups; gi++)
+        one_group<MIN, S>(n, y, off, groups[gi], gi + 1 < n_groups ? &groups[gi + 1] : nullptr);
 }
 
 }  // namespace

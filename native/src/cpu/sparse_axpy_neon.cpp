@@ -104,47 +104,64 @@ void axpy_float_neon(int64_t n, float* y, const void* const* w, size_t off, cons
     }
 }
 
-// Grouped rows (kernels.h, axpy_group_fn): 32 dimensions per pass, eight fma chains in registers
-// over the group's neurons, then one fma per scale (and minimum), as the scalar reference.
+// Grouped rows (kernels.h, axpy_group_fn): 32 dimensions per pass; each row's codes times its int8
+// coefficient added into int16 sums by widening multiply-accumulates (vmlal_s8: |q * c| <= 127 * 15,
+// so sixteen rows fit an int16, 30480), widened into int32 every sixteen rows. The sums are exact and
+// the final float steps the scalar reference's: the bits are the same.
 inline float32x4_t scales4(const fp16_t* s) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s))); }
 inline float32x4_t scales4(const float* s) { return vld1q_f32(s); }
 
+constexpr int64_t kRowsPerWiden = 16;
+
 template <bool MIN, typename S>
-void axpy_group_neon(int64_t n, float* y, const void* const* w, size_t off, const float* a, int64_t k,
-                     const void* dv, const void* mv, float a_sum) {
-    const S* d = (const S*)dv;
-    const S* m = (const S*)mv;
+void axpy_one_group_neon(int64_t n, float* y, size_t off, const GroupTerms& g) {
+    const void* const* w = g.w;
+    const int8_t* q = g.q;
+    const int64_t k = g.k;
+    const int32_t q_sum = g.q_sum;
+    const float s = g.s;
+    const S* d = (const S*)g.d;
+    const S* m = (const S*)g.m;
     const uint8x16_t mask = vdupq_n_u8(0x0F);
+    const int32x4_t centre = vdupq_n_s32(MIN ? 0 : 8 * q_sum);
+    const float ms = s * (float)q_sum;
     for (int64_t r0 = 0; r0 < n; r0 += 32) {
-        float32x4_t acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = vdupq_n_f32(0.0f);
-        for (int64_t i = 0; i < k; i++) {
-            const uint8x16_t raw = vld1q_u8((const uint8_t*)w[i] + off + r0 / 2);
-            const uint8x16_t half[2] = {vandq_u8(raw, mask), vshrq_n_u8(raw, 4)};  // dims 0-15, 16-31
-            for (int h = 0; h < 2; h++) {
-                int16x8_t lo, hi;
-                if (MIN) {
-                    lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(half[h])));
-                    hi = vreinterpretq_s16_u16(vmovl_high_u8(half[h]));
-                } else {
-                    const int8x16_t c = vsubq_s8(vreinterpretq_s8_u8(half[h]), vdupq_n_s8(8));
-                    lo = vmovl_s8(vget_low_s8(c));
-                    hi = vmovl_high_s8(c);
-                }
-                float32x4_t* o = acc + 4 * h;
-                o[0] = vfmaq_n_f32(o[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), a[i]);
-                o[1] = vfmaq_n_f32(o[1], vcvtq_f32_s32(vmovl_high_s16(lo)), a[i]);
-                o[2] = vfmaq_n_f32(o[2], vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), a[i]);
-                o[3] = vfmaq_n_f32(o[3], vcvtq_f32_s32(vmovl_high_s16(hi)), a[i]);
+        int32x4_t t[8];  // dimensions 4c .. 4c + 3
+        for (int c = 0; c < 8; c++) t[c] = vdupq_n_s32(0);
+        for (int64_t i0 = 0; i0 < k; i0 += kRowsPerWiden) {
+            const int64_t i1 = i0 + kRowsPerWiden < k ? i0 + kRowsPerWiden : k;
+            int16x8_t acc[4];  // dimensions 0-7, 8-15, 16-23, 24-31
+            for (int c = 0; c < 4; c++) acc[c] = vdupq_n_s16(0);
+            for (int64_t i = i0; i < i1; i++) {
+                const uint8x16_t raw = vld1q_u8((const uint8_t*)w[i] + off + r0 / 2);
+                // Codes 0..15 read as int8 are the same numbers.
+                const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, mask));
+                const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+                const int8x8_t qi = vdup_n_s8(q[i]);
+                acc[0] = vmlal_s8(acc[0], vget_low_s8(lo), qi);
+                acc[1] = vmlal_s8(acc[1], vget_high_s8(lo), qi);
+                acc[2] = vmlal_s8(acc[2], vget_low_s8(hi), qi);
+                acc[3] = vmlal_s8(acc[3], vget_high_s8(hi), qi);
+            }
+            for (int c = 0; c < 4; c++) {
+                t[2 * c] = vaddw_s16(t[2 * c], vget_low_s16(acc[c]));
+                t[2 * c + 1] = vaddw_high_s16(t[2 * c + 1], acc[c]);
             }
         }
+        const float32x4_t vs = vdupq_n_f32(s);
         for (int c = 0; c < 8; c++) {
             const int64_t r = r0 + 4 * c;
-            float32x4_t v = vfmaq_f32(vld1q_f32(y + r), scales4(d + r), acc[c]);
-            if (MIN) v = vfmaq_n_f32(v, scales4(m + r), a_sum);
-            vst1q_f32(y + r, v);
+            const float32x4_t v = vcvtq_f32_s32(vsubq_s32(t[c], centre));
+            float32x4_t out = vfmaq_f32(vld1q_f32(y + r), vmulq_f32(scales4(d + r), vs), v);
+            if (MIN) out = vfmaq_n_f32(out, scales4(m + r), ms);
+            vst1q_f32(y + r, out);
         }
     }
+}
+
+template <bool MIN, typename S>
+void axpy_group_neon(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
+    for (int g = 0; g < n_groups; g++) axpy_one_group_neon<MIN, S>(n, y, off, groups[g]);
 }
 
 }  // namespace
