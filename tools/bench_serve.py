@@ -148,9 +148,12 @@ def single_stream(url: str, model, body: dict, reps: int) -> None:
     med = statistics.median
     print(f"\n1 client against optiml generate ({reps} alternating runs of {body['max_tokens']} tokens, medians, "
           "tokens/s; a streamed piece is a token here, both sides)")
+    # The median of each run's ratio to the generate run beside it, as well: the machine's speed drifts
+    # between runs (other work, clocks), much less within a pair.
     for label, d in (("end to end (from the request)", e2e), ("generation (first to last token)", rate)):
+        pairs = med([a / b for a, b in zip(d["serve"], d["generate"])])
         print(f"  {label:34} serve {med(d['serve']):7.1f}   generate {med(d['generate']):7.1f}   "
-              f"ratio {med(d['serve']) / med(d['generate']):.3f}")
+              f"ratio {med(d['serve']) / med(d['generate']):.3f}   (median of paired ratios {pairs:.3f})")
 
 
 def main() -> int:
