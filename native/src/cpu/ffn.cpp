@@ -93,15 +93,7 @@ void ffn_activate(ThreadPool& pool, const KernelTable& kt, const HParams& hp, co
             act(n_ff, gt, ut);
         }
     };
-    if (n == 1) {
-        row(0);
-        return;
-    }
-    pool.run([&](int ith, int nth) {
-        int64_t t0, t1;
-        split_range(n, ith, nth, &t0, &t1);
-        for (int64_t t = t0; t < t1; t++) row(t);
-    });
+    per_token(pool, n, row);
 }
 
 // The share's neurons as a list: its rows, or 0..R-1 of a whole share (a thread-local buffer).

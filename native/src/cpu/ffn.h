@@ -10,6 +10,21 @@
 
 namespace optiml {
 
+// f(t) for every token t of a batch: tokens split across threads, or inline for one token (no
+// hand-off for the common decoding step).
+template <typename F>
+void per_token(ThreadPool& pool, int32_t n, const F& f) {
+    if (n == 1) {
+        f(0);
+        return;
+    }
+    pool.run([&](int ith, int nth) {
+        int64_t t0, t1;
+        split_range(n, ith, nth, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) f(t);
+    });
+}
+
 struct FFNScratch {
     float* gate;  // [n][n_ff]
     float* up;    // [n][n_ff]

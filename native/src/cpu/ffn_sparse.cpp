@@ -12,21 +12,6 @@ namespace optiml {
 
 namespace {
 
-// f(t) for every token t of a batch: tokens split across threads, or inline for one token (no
-// hand-off for the common decoding step).
-template <typename F>
-void per_token(ThreadPool& pool, int32_t n, const F& f) {
-    if (n == 1) {
-        f(0);
-        return;
-    }
-    pool.run([&](int ith, int nth) {
-        int64_t t0, t1;
-        split_range(n, ith, nth, &t0, &t1);
-        for (int64_t t = t0; t < t1; t++) f(t);
-    });
-}
-
 // The union of the batch's per-token neuron lists (ss.idx, ss.count), in ascending order; one token's
 // list as it is. *n_uni: its length.
 const int32_t* union_of_lists(const SparseScratch& ss, int32_t n, int64_t width, int64_t* n_uni) {
