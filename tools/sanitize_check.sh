@@ -15,17 +15,25 @@
 #      in OPTIML_SANITIZE_TESTS to add them.
 # Any sanitizer report stops it with a non-zero status. Run from the repository root:
 #     bash tools/sanitize_check.sh            # OPTIML_SANITIZE_RUNS=N mutations per harness (default 2000)
+#     bash tools/sanitize_check.sh build      # only the build (.ci/run starts it early, in the background)
+#     bash tools/sanitize_check.sh run        # only steps 1 and 2, on an earlier build
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build/asan
 pkg=$build/pkg
 py="${PYTHON:-python}"
 runs="${OPTIML_SANITIZE_RUNS:-2000}"
+step="${1:-all}"
+case "$step" in all|build|run) ;; *) echo "usage: $0 [all|build|run]" >&2; exit 2 ;; esac
 
-cmake -S . -B "$build" -G Ninja -DOPTIML_CUDA=OFF -DOPTIML_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DPython_EXECUTABLE="$(command -v "$py")" \
-  -DOPTIML_MODULE_DIR="$PWD/$pkg/optiml" > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
-cmake --build "$build" -j"${OPTIML_SANITIZE_JOBS:-2}"
+if [ "$step" != run ]; then
+  cmake -S . -B "$build" -G Ninja -DOPTIML_CUDA=OFF -DOPTIML_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DPython_EXECUTABLE="$(command -v "$py")" \
+    -DOPTIML_MODULE_DIR="$PWD/$pkg/optiml" > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
+  cmake --build "$build" -j"${OPTIML_SANITIZE_JOBS:-2}"
+fi
+[ "$step" = build ] && exit 0
+[ -f "$build/replay_gguf" ] || { echo "no sanitized build in $build: run $0 build first" >&2; exit 1; }
 
 # The Python sources next to the sanitized module: a package that imports instead of the installed one.
 mkdir -p "$pkg/optiml"
