@@ -27,6 +27,7 @@ step="${1:-all}"
 case "$step" in all|build|run) ;; *) echo "usage: $0 [all|build|run]" >&2; exit 2 ;; esac
 
 if [ "$step" != run ]; then
+  mkdir -p "$build"
   cmake -S . -B "$build" -G Ninja -DOPTIML_CUDA=OFF -DOPTIML_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DPython_EXECUTABLE="$(command -v "$py")" \
     -DOPTIML_MODULE_DIR="$PWD/$pkg/optiml" > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
