@@ -18,8 +18,8 @@ import argparse
 import http.client
 import json
 import re
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import threading

@@ -28,6 +28,10 @@ struct Better {
 
 bool finite(float x) { return std::isfinite(x); }
 
+// A temperature so small that 1/T overflows would make (logit - max) / T = 0 * inf = NaN for the max;
+// it means "greedy" anyway.
+bool is_greedy(const SamplingParams& p) { return p.temperature <= 0.0f || !std::isfinite(1.0f / p.temperature); }
+
 }  // namespace
 
 void validate_sampling_params(const SamplingParams& p, int32_t n_vocab) {
@@ -205,7 +209,7 @@ void Sampler::min_p(float p) {
 // candidates, which costs more than the argmax itself at a 150k-token vocabulary.
 bool Sampler::prepare_greedy(const float* logits) {
     const SamplingParams& p = params_;
-    if (!(p.temperature <= 0.0f || !std::isfinite(1.0f / p.temperature))) return false;
+    if (!is_greedy(p)) return false;
     if (!ring_.empty() && (p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f))
         return false;
     int32_t best = -1;
@@ -237,9 +241,7 @@ void Sampler::prepare(const float* logits) {
     drop_neg_inf_and_check();
 
     const SamplingParams& p = params_;
-    // A temperature so small that 1/T overflows would make (logit - max) / T = 0 * inf = NaN for the
-    // max; it means "greedy" anyway.
-    if (p.temperature <= 0.0f || !std::isfinite(1.0f / p.temperature)) {
+    if (is_greedy(p)) {
         // Greedy: first maximum in id order (cand_ is still in id order) = lowest id among ties.
         size_t best = 0;
         for (size_t i = 1; i < n_cand_; i++)

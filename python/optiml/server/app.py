@@ -7,8 +7,8 @@ come back (through an asyncio queue) into a JSON answer or server-sent events.
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 import os
 import time
 import uuid
