@@ -1,5 +1,6 @@
 // optiml._core.Generator: the native generation loop (optiml/generate.h) as a Python iterator of text
-// pieces. python/optiml/model.py (Model.stream) drives it.
+// pieces. python/optiml/model.py (Model.stream) drives it. optiml._core.step_sequence: one token of one
+// sequence, for the server's scheduler.
 //
 // __next__ releases the GIL for the whole step (eval, sampling, detokenization, stop strings) and
 // returns one non-empty str, or raises StopIteration at the end. The object keeps the Python Session,
@@ -27,6 +28,7 @@ namespace {
 using namespace optiml;
 
 using Tokens1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Floats1D = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 struct PyGenerator {
     // Declared before `gen`, so they outlive it.
@@ -111,6 +113,35 @@ const Generator& idle(const PyGenerator& g) {
     return *g.gen;
 }
 
+// step_sequence (optiml/generate.h) with the GIL released: (token, end, flush, out, pending). The scheduler
+// calls it from one thread and keeps every object alive across the call; the Model's lock keeps other
+// threads off the session.
+nb::tuple step_sequence_py(nb::handle session, int32_t seq, int32_t pos, int32_t token, Tokens1D bias_ids,
+                           Floats1D bias_values, nb::handle sampler, nb::handle tokenizer, nb::handle detokenizer,
+                           const std::vector<nb::bytes>& stops, nb::bytes pending, bool last) {
+    if (bias_ids.shape(0) != bias_values.shape(0))
+        throw ArgumentError("step_sequence: bias_ids and bias_values must have the same length");
+    Session& s = native_session(session);
+    std::shared_ptr<const Tokenizer> tok = native_tokenizer(tokenizer);
+    Sampler& smp = nb::cast<Sampler&>(sampler);
+    Detokenizer& detok = native_detokenizer(detokenizer);
+    std::vector<std::pair<int32_t, float>> bias(bias_ids.shape(0));
+    for (size_t i = 0; i < bias.size(); i++) bias[i] = {bias_ids(i), bias_values(i)};
+    std::vector<std::string> st;
+    st.reserve(stops.size());
+    for (const nb::bytes& b : stops) st.emplace_back(b.c_str(), b.size());
+    std::string held(pending.c_str(), pending.size());
+    thread_local std::vector<float> logits;  // n_vocab floats: not worth an allocation per token
+    SequenceStep r;
+    {
+        nb::gil_scoped_release release;
+        r = step_sequence(s, seq, pos, token, bias, smp, *tok, detok, st, held, last, logits);
+    }
+    nb::object end = r.end ? nb::object(nb::str(r.end)) : nb::none();
+    return nb::make_tuple(r.token, end, r.flush, nb::str(r.out.data(), r.out.size()),
+                          nb::str(held.data(), held.size()));
+}
+
 }  // namespace
 
 void bind_generate(nb::module_& m) {
@@ -144,4 +175,9 @@ void bind_generate(nb::module_& m) {
             idle(g);
             return stats(g);
         }, "prompt_tokens, prompt_evaluated, prompt_s, gen_tokens, gen_s, busy_s (see optiml/generate.h).");
+    m.def("step_sequence", &step_sequence_py, nb::arg("session"), nb::arg("seq"), nb::arg("pos"), nb::arg("token"),
+          nb::arg("bias_ids"), nb::arg("bias_values"), nb::arg("sampler"), nb::arg("tokenizer"),
+          nb::arg("detokenizer"), nb::arg("stops"), nb::arg("pending"), nb::arg("last"),
+          "Runs `token` at `pos` of sequence `seq`, adds the bias, samples and detokenizes: (token or -1, "
+          "end: None/'stop'/'length', flush, text out, text held back). See optiml/generate.h.");
 }

@@ -132,3 +132,7 @@ void bind_tokenizer(nb::module_& m) {
 std::shared_ptr<const optiml::Tokenizer> native_tokenizer(nb::handle tokenizer) {
     return nb::cast<PyTokenizer&>(tokenizer).tok;
 }
+
+optiml::Detokenizer& native_detokenizer(nb::handle detokenizer) {
+    return nb::cast<PyDetokenizer&>(detokenizer).d;
+}

@@ -32,15 +32,17 @@ const optiml::KernelTable& table_for(const std::string& simd);
 // A pool of n_threads threads, kept across calls (0 = the default pool) (bind_kernels.cpp).
 std::shared_ptr<optiml::ThreadPool> pool_for(int n_threads);
 
-// The native objects behind an optiml._core.Session (bind_model.cpp) and an optiml._core.Tokenizer
-// (bind_tokenizer.cpp); nb::cast_error for another type. The Python object owns them: keep a reference
-// to it for as long as they are used.
+// The native objects behind an optiml._core.Session (bind_model.cpp), an optiml._core.Tokenizer and an
+// optiml._core.Detokenizer (bind_tokenizer.cpp); nb::cast_error for another type. The Python object owns
+// them: keep a reference to it for as long as they are used.
 namespace optiml {
 class Session;
 class Tokenizer;
+class Detokenizer;
 }  // namespace optiml
 optiml::Session& native_session(nb::handle session);
 std::shared_ptr<const optiml::Tokenizer> native_tokenizer(nb::handle tokenizer);
+optiml::Detokenizer& native_detokenizer(nb::handle detokenizer);
 
 // A new C-contiguous numpy array of T that owns its memory (freed when numpy drops it).
 template <typename T>

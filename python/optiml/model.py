@@ -268,6 +268,16 @@ class Model:
                 self._forget_seq0()
             return self._session.decode(tokens, seq, pos, want)
 
+    def _step_sequence(self, seq: int, pos: int, token: int, bias: tuple, sampler, detok, stops: list,
+                       pending: str, last: bool) -> tuple:
+        """One token of sequence ``seq`` run and sampled natively (optiml._core.step_sequence): the server's
+        scheduler, while a request runs alone. Returns (token or -1, end, flush, text out, text held)."""
+        with self._exclusive():
+            if seq == 0:
+                self._forget_seq0()
+            return _core.step_sequence(self._session, seq, pos, token, bias[0], bias[1], sampler._s,
+                                       self.tokenizer._t, detok._d, stops, pending.encode(), last)
+
     def seq_len(self, seq: int) -> int:
         """Positions held by sequence ``seq``."""
         return self._session.seq_len(seq)

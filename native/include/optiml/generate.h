@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "optiml/sampling.h"
@@ -51,6 +52,31 @@ struct GenerateStats {
     double busy_s = 0;             // seconds spent inside next() after the prompt: eval, sampling,
                                    // detokenization and stop strings only (the native part of gen_s)
 };
+
+// The per-token work shared by Generator and a caller that keeps one sequence's state itself: samples
+// from `logits` and takes the token into the text stream. Returns -1 for an end-of-generation token
+// (not accepted, nothing else done). Otherwise the token is accepted by the sampler and pushed through
+// the detokenizer onto `pending`; the text that may go out moves from `pending` to `out`, and `stopped`
+// is set when a stop string matched (`out` then ends before it and `pending` is cleared).
+int32_t sample_into_text(Sampler& sampler, const Tokenizer& tok, Detokenizer& detok,
+                         const std::vector<std::string>& stops, const float* logits, std::string& pending,
+                         std::string& out, bool& stopped);
+
+// One token of one sequence of a multi-sequence Session, for a caller that keeps the sequence's state
+// between calls (the server's scheduler, while one request runs alone): runs `token` at position `pos`
+// of sequence `seq`, adds `bias` to the logits, then sample_into_text(). The text stream ends (`end`)
+// at an end-of-generation token or stop string ("stop"), or after this token when `last` ("length");
+// `flush` says whether the detokenizer's held bytes still go out (not after a stop string).
+struct SequenceStep {
+    int32_t token = -1;  // sampled and kept; -1 at end-of-generation
+    const char* end = nullptr;  // nullptr (more to come), "stop" or "length"
+    bool flush = false;
+    std::string out;
+};
+SequenceStep step_sequence(Session& session, int32_t seq, int32_t pos, int32_t token,
+                           const std::vector<std::pair<int32_t, float>>& bias, Sampler& sampler,
+                           const Tokenizer& tok, Detokenizer& detok, const std::vector<std::string>& stops,
+                           std::string& pending, bool last, std::vector<float>& logits);
 
 class Generator {
 public:

@@ -32,6 +32,59 @@ Generator::Generator(Session& session, const Tokenizer& tokenizer, Sampler& samp
     logits_.resize((size_t)n_vocab);
 }
 
+int32_t sample_into_text(Sampler& sampler, const Tokenizer& tok, Detokenizer& detok,
+                         const std::vector<std::string>& stops, const float* logits, std::string& pending,
+                         std::string& out, bool& stopped) {
+    stopped = false;
+    const int32_t t = sampler.sample(logits);
+    if (tok.is_eog(t)) return -1;
+    sampler.accept(t);
+    pending += detok.push(t);
+    if (stops.empty()) {
+        out.append(pending);
+        pending.clear();
+        return t;
+    }
+    const StopMatch m = find_stop(pending, stops);
+    if (m.pos >= 0) {
+        out.append(pending, 0, (size_t)m.pos);
+        pending.clear();
+        stopped = true;
+        return t;
+    }
+    const size_t ready = pending.size() - m.hold_back;
+    out.append(pending, 0, ready);
+    pending.erase(0, ready);
+    return t;
+}
+
+SequenceStep step_sequence(Session& session, int32_t seq, int32_t pos, int32_t token,
+                           const std::vector<std::pair<int32_t, float>>& bias, Sampler& sampler,
+                           const Tokenizer& tok, Detokenizer& detok, const std::vector<std::string>& stops,
+                           std::string& pending, bool last, std::vector<float>& logits) {
+    const int32_t n_vocab = session.model().hp.n_vocab;
+    if (sampler.n_vocab() != n_vocab)
+        throw ArgumentError(format("the sampler is for %d tokens, the model has %d", sampler.n_vocab(), n_vocab));
+    for (const auto& b : bias)
+        if (b.first < 0 || b.first >= n_vocab)
+            throw ArgumentError(format("logit bias token %d is not in [0, %d)", b.first, n_vocab));
+    logits.resize((size_t)n_vocab);
+    const uint8_t want = 1;
+    session.decode(&token, &seq, &pos, &want, 1, logits.data());
+    for (const auto& b : bias) logits[(size_t)b.first] += b.second;
+    SequenceStep r;
+    bool stopped = false;
+    r.token = sample_into_text(sampler, tok, detok, stops, logits.data(), pending, r.out, stopped);
+    if (r.token < 0 || stopped) {
+        r.end = "stop";
+        r.flush = r.token < 0;
+    } else if (last) {
+        r.end = "length";
+        r.flush = true;
+    }
+    return r;
+}
+
 void Generator::run_prompt() {
     if (n_cached_ > session_.n_past())  // the session changed since the constructor
         throw ArgumentError(format("n_cached (%d) is more than the context holds (%d)", n_cached_, session_.n_past()));
@@ -51,30 +104,18 @@ void Generator::step(std::string& out) {
         state_ = State::flush;
         return;
     }
-    const int32_t tok = sampler_.sample(logits_.data());
-    if (tok_.is_eog(tok)) {
+    bool stopped = false;
+    const int32_t tok = sample_into_text(sampler_, tok_, detok_, stops_, logits_.data(), pending_, out, stopped);
+    if (tok < 0) {
         state_ = State::flush;
         return;
     }
-    sampler_.accept(tok);
     generated_.push_back(tok);
     stats_.gen_tokens++;
     stats_.gen_s = since(gen_start_);
-    pending_ += detok_.push(tok);
-    if (stops_.empty()) {
-        out.append(pending_);
-        pending_.clear();
-    } else {
-        const StopMatch m = find_stop(pending_, stops_);
-        if (m.pos >= 0) {  // the text ends before the stop; what the detokenizer holds is dropped with it
-            out.append(pending_, 0, (size_t)m.pos);
-            pending_.clear();
-            state_ = State::done;
-            return;
-        }
-        const size_t ready = pending_.size() - m.hold_back;
-        out.append(pending_, 0, ready);
-        pending_.erase(0, ready);
+    if (stopped) {  // what the detokenizer holds is dropped with the text after the stop
+        state_ = State::done;
+        return;
     }
     // The last token is not run: no logits are needed after it, and a full context cannot take it.
     if ((int32_t)generated_.size() == max_tokens_ || session_.n_past() >= session_.n_ctx())

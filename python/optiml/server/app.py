@@ -265,15 +265,31 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
             d["usage"] = usage
         return _sse(_dumps(d))
 
+    templates = {}  # choice index -> the JSON of a plain delta, split where its text goes
+
+    def plain_delta(i: int, text: str) -> bytes:
+        # A delta without logprobs is the same JSON every time but for its text: rendered once per choice.
+        t = templates.get(i)
+        if t is None:
+            marker = "\ue000optiml-text\ue000"  # private-use characters: JSON keeps them as they are
+            c = ({"index": i, "delta": {"content": marker}, "logprobs": None, "finish_reason": None} if chat
+                 else {"index": i, "text": marker, "finish_reason": None, "logprobs": None})
+            head, _, tail = chunk([c]).rpartition(_dumps(marker).encode())
+            t = templates[i] = (head, tail)
+        return t[0] + _dumps(text).encode() + t[1]
+
     def delta(ev) -> bytes:
-        i = ev["index"]
+        i, text = ev["index"], ev["text"]
+        offset = offsets[i]
+        offsets[i] += len(text)
+        if not req.logprobs:
+            return plain_delta(i, text)
         if chat:
-            c = {"index": i, "delta": {"content": ev["text"]},
-                 "logprobs": server.chat_logprobs(ev["logprobs"]) if req.logprobs else None, "finish_reason": None}
+            c = {"index": i, "delta": {"content": text}, "logprobs": server.chat_logprobs(ev["logprobs"]),
+                 "finish_reason": None}
         else:
-            c = {"index": i, "text": ev["text"], "finish_reason": None,
-                 "logprobs": server.completion_logprobs(ev["logprobs"], offsets[i]) if req.logprobs else None}
-            offsets[i] += len(ev["text"])
+            c = {"index": i, "text": text, "finish_reason": None,
+                 "logprobs": server.completion_logprobs(ev["logprobs"], offset)}
         return chunk([c])
 
     def finish(ev) -> bytes:

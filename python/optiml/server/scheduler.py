@@ -12,6 +12,11 @@ whose cache shares the longest prefix with its prompt, or copies a longer prefix
 (Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once.
 Sampling and stop handling follow Model.stream step by step, so a greedy job gets the text
 Model.generate/chat gives for the same prompt.
+
+A job that generates alone (nothing else running or waiting) with no logprobs and no response_format
+takes each token in one native call (Model._step_sequence: decode, bias, sampling, detokenization and
+stop strings with the GIL released), so a lone client waits on as little Python per token as
+Model.generate's does. It goes back to batched steps as soon as another job arrives.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class Job:
         self.lp: list = []  # logprob entries not yet sent
         self.t_arrival = time.perf_counter()
         self.t_last = None
+        self.detok = None  # the stream's detokenizer, made at the first sampled token
+        # A job without logprobs or a grammar can take its tokens natively when it runs alone.
+        self.plain = top_logprobs < 0 and constraint is None
+        self._native_args = None  # (bias arrays, stops as bytes), made on the first native step
 
 
 class Slot:
@@ -140,14 +149,19 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self.cond:
+                changed = False
                 for s in self.slots:
                     if s.job is not None and s.job.cancelled:
                         s.job = None  # the client went away: the slot is free now (its KV stays as cache)
+                        changed = True
                 if any(j.cancelled for j in self.waiting):
                     self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
+                    changed = True
                 while self.waiting and any(s.job is None for s in self.slots):
                     self._admit(self.waiting.popleft())
-                self._gauges()
+                    changed = True
+                if changed:
+                    self._gauges()
                 active = [s.job for s in self.slots if s.job is not None]
                 if self.stopping:
                     for j in active + list(self.waiting):
@@ -156,8 +170,12 @@ class Scheduler:
                 if not active:
                     self.cond.wait()
                     continue
+                lone = active[0] if len(active) == 1 and not self.waiting else None
             try:
-                self._step(active)
+                if lone is not None and lone.plain and lone.next_token is not None:
+                    self._lone_step(lone)
+                else:
+                    self._step(active)
             except Exception as e:  # a failed step fails its jobs, not the server
                 traceback.print_exc()
                 for j in active:
@@ -223,6 +241,36 @@ class Scheduler:
             if not j.cancelled:
                 self._sample(j, row, now)
 
+    def _lone_step(self, j: Job) -> None:
+        """One token of a plain job running alone, in one native call (what _step and _sample do for it)."""
+        if j._native_args is None:
+            bias = (np.array(list(j.logit_bias), np.int32), np.array(list(j.logit_bias.values()), np.float32))
+            j._native_args = (bias, [s.encode() for s in j.stops])
+        bias, stops = j._native_args
+        pos = len(j.slot.tokens)
+        last = (j.max_tokens is not None and len(j.generated) + 1 >= j.max_tokens) or pos + 1 >= self.n_ctx
+        tok, end, flush, out, j.pending = self.model._step_sequence(
+            j.slot.index, pos, j.next_token, bias, j.sampler, j.detok, stops, j.pending, last)
+        self.steps += 1
+        now = time.perf_counter()
+        j.slot.tokens.append(j.next_token)
+        j.next_token = None
+        j.slot.last_used = now
+        if self.metrics:
+            self.metrics.batch_tokens.observe(1)
+            self.metrics.batch_sequences.observe(1)
+            self.metrics.itl.observe(now - j.t_last)
+        j.t_last = now
+        if tok >= 0:
+            j.generated.append(tok)
+            if self.metrics:
+                self.metrics.generated_tokens.inc()
+        if out:
+            j.sink({"type": "delta", "index": j.index, "text": out, "logprobs": []})
+        if end is not None:
+            return self._finish(j, end, flush)
+        j.next_token = tok
+
     def _follow(self, j: Job, earlier: list) -> bool:
         """Shares a prompt prefix between jobs that read their prompts at the same time (n > 1, a common
         system prompt): the later job waits while an earlier one computes the shared part, then copies
@@ -271,7 +319,7 @@ class Scheduler:
             j.constraint.accept(tok)
             if j.constraint.error():
                 return self._fail(j, f"response_format: {j.constraint.error()}")
-        if not hasattr(j, "detok"):
+        if j.detok is None:
             j.detok = self.tokenizer.detokenizer()
         j.pending += j.detok.push(tok)
         if j.stops:
@@ -292,7 +340,7 @@ class Scheduler:
         j.next_token = tok
 
     def _finish(self, j: Job, reason: str, flush: bool = True) -> None:
-        if flush and hasattr(j, "detok"):
+        if flush and j.detok is not None:
             j.pending += j.detok.flush()
         if j.pending or j.lp:
             j.sink({"type": "delta", "index": j.index, "text": j.pending, "logprobs": j.lp})
