@@ -165,7 +165,6 @@ def test_plan_without_device_is_cpu(smollm2_path):
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(device="tpu"), "unknown device"),
-    (dict(device="cuda"), "CPU only"),
     (dict(device="cpu:1", n_gpu_layers=31), "30 layers"),
     (dict(device="cpu:1", n_gpu_layers=30, vram="10MiB"), "needs"),
     (dict(device="cpu:1", gpu_neurons=[1, 2]), "2 values for 30 layers"),
@@ -176,6 +175,15 @@ def test_plan_without_device_is_cpu(smollm2_path):
 def test_plan_rejects(smollm2_path, kw, msg):
     with pytest.raises(ArgumentError, match=msg):
         optiml.plan.make(smollm2_path, n_ctx=256, **kw)
+
+
+def test_cuda_without_a_gpu_is_refused(smollm2_path):
+    if optiml.system_info()["cuda_devices"]:
+        pytest.skip("this machine has a CUDA device (tests/test_cuda.py covers it)")
+    with pytest.raises(ArgumentError, match=r"device 'cuda': .*(no CUDA backend|no usable device|no GPU).*device='cpu'"):
+        optiml.plan.make(smollm2_path, n_ctx=256, device="cuda")
+    with pytest.raises(ArgumentError, match="device 'cuda"):
+        optiml.Model(smollm2_path, n_ctx=256, device="cuda:1")
 
 
 def test_bad_neuron_order_is_refused(tiny_f32, tmp_path):

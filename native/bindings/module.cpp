@@ -20,6 +20,7 @@ NB_MODULE(_core, m) {
     bind_model(m);
     bind_sparse(m);
     bind_generate(m);
+    bind_cuda_dequant(m);
 }
 
 namespace {

@@ -3,10 +3,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace optiml {
+
+class Backend;
 
 struct CudaDevice {
     int id;
@@ -21,5 +25,10 @@ struct CudaDevice {
 bool cuda_compiled();
 // Devices usable now; empty with no driver or no GPU. `why_none` (optional) says why it is empty.
 std::vector<CudaDevice> cuda_devices(std::string* why_none = nullptr);
+// The backend of CUDA device `index` (native/src/cuda/backend_cuda.cu); ArgumentError when there is no
+// such device or the build has no CUDA backend.
+std::unique_ptr<Backend> make_cuda_backend(int index);
+// Whether the CUDA backend's products read weights of `type` (false in a CPU-only build).
+bool cuda_reads_type(int32_t type);
 
 }  // namespace optiml

@@ -128,9 +128,11 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     if (dev == "auto") {
         dev = cuda_devices().empty() ? "cpu" : "cuda";
         if (dev == "cuda") {
-            // The CUDA backend's ops are not in this build yet: auto stays on the CPU rather than fail.
+            // The CUDA backend has not yet been verified on a GPU (issue #16): auto stays on the CPU until
+            // it has; device='cuda' asks for it explicitly.
             dev = "cpu";
-            p.reason = "a CUDA device is present but this build has no CUDA executor yet";
+            p.reason = "a CUDA device is present; auto stays on the CPU until the CUDA backend is verified "
+                       "(ask for device='cuda')";
         } else {
             p.reason = cuda_compiled() ? "no CUDA device found" : "built without CUDA";
         }
@@ -141,9 +143,16 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     } else if (device_index(dev, "cpu") >= 1) {
         p.device = dev;
     } else if (device_index(dev, "cuda") >= 0) {
-        throw ArgumentError(format("device '%s': this build of optiml runs models on the CPU only (the CUDA executor "
-                                   "is not part of it yet); use device='cpu'",
-                                   dev.c_str()));
+        std::string why;
+        const std::vector<CudaDevice> gpus = cuda_devices(&why);
+        const int index = device_index(dev, "cuda");
+        if (index >= (int)gpus.size())
+            throw ArgumentError(gpus.empty() ? format("device '%s': %s; use device='cpu'", dev.c_str(), why.c_str())
+                                             : format("device '%s': this machine has %zu CUDA device(s)", dev.c_str(),
+                                                      gpus.size()));
+        p.device = format("cuda:%d", index);
+        // Without a budget: the memory free now, less a tenth for the CUDA context and other programs.
+        if (o.vram < 0) p.budget = (int64_t)(gpus[index].free_memory / 10 * 9);
     } else {
         throw ArgumentError(format("unknown device '%s': use 'auto', 'cpu', 'cpu:N' (a CPU test device) or 'cuda[:N]'",
                                    dev.c_str()));
@@ -155,7 +164,7 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     p.host_scratch_bytes = scratch_bytes(hp, p.n_batch);
 
     if (p.uses_device()) {
-        const int64_t budget = o.vram < 0 ? INT64_MAX : o.vram;
+        const int64_t budget = p.budget < 0 ? INT64_MAX : p.budget;
         PlanBytes& b = p.device_bytes;
         b.scratch = scratch_bytes(hp, p.n_batch);
         int64_t avail = budget - (int64_t)b.scratch;

@@ -6,6 +6,7 @@
 
 #include "layer_exec.h"
 #include "optiml/common.h"
+#include "optiml/cuda.h"
 #include "optiml/model.h"
 #include "optiml/predictor.h"
 #include "optiml/quant.h"
@@ -74,12 +75,37 @@ static StepScratch carve_scratch(Backend& be, const HParams& hp, int32_t n_batch
     return s;
 }
 
+// What the CUDA backend cannot run yet is refused before anything is uploaded, naming it.
+static void check_cuda_types(const Model& M, const Plan& plan) {
+    const HParams& hp = M.hp;
+    for (int il = 0; il < hp.n_layer; il++) {
+        const LayerPlan& lp = plan.layers[il];
+        const LayerWeights& L = M.layers[il];
+        std::vector<const Weight*> ws;
+        if (lp.attn_on_device) ws.insert(ws.end(), {&L.wq, &L.wk, &L.wv, &L.wo});
+        if (lp.ffn_on_device > 0) ws.insert(ws.end(), {&L.ffn.gate, &L.ffn.up, &L.ffn.down});
+        for (const Weight* w : ws)
+            if (!cuda_reads_type(w->type))
+                throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "
+                                                   "CPU (device='cpu')",
+                                                   w->name, type_traits(w->type).name));
+        if (lp.ffn_on_device > 0 && lp.ffn_on_device < hp.n_ff && !plan.neuron_order.empty())
+            throw UnsupportedModelError(format("layer %d: the CUDA backend does not yet run a split layer whose "
+                                               "neurons a placement reordered; use n_gpu_layers",
+                                               il));
+    }
+}
+
 void Session::bind_devices() {
     const Model& M = *model_;
     const HParams& hp = M.hp;
     host_ = make_cpu_backend(pool_);
-    if (plan_.uses_device()) {
-        const int index = std::atoi(plan_.device.c_str() + 4);  // "cpu:N" (the plan accepts no other yet)
+    const bool cuda = plan_.device.compare(0, 4, "cuda") == 0;
+    if (cuda) {
+        device_ = make_cuda_backend(plan_.device.size() > 5 ? std::atoi(plan_.device.c_str() + 5) : 0);  // "cuda[:N]"
+        check_cuda_types(M, plan_);
+    } else if (plan_.uses_device()) {
+        const int index = std::atoi(plan_.device.c_str() + 4);  // "cpu:N"
         device_ = make_cpu_device_backend(index, plan_.device_threads);
     }
     Backend* dev = device_.get();

@@ -1,0 +1,195 @@
+// Attention on the GPU over the KV cache (layouts in optiml/backend.h's KVLayerView): a per-token
+// kernel that normalizes, rotates and stores the new keys and values, and a per-(token, head) kernel
+// that runs the softmax over the token's visible positions in chunks (two passes: max and sum online,
+// then the weighted values; no split over positions yet), for any context length and grouped-query heads.
+#include <cuda_fp16.h>
+
+#include "kernels.cuh"
+#include "optiml/common.h"
+#include "optiml/ggml_types.h"
+
+namespace optiml {
+
+namespace {
+
+constexpr int kThreads = 128;        // threads of the scores kernel: positions per chunk
+constexpr int kMaxHeadDim = 256;     // the models this backend runs (Gemma 3: 256)
+constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
+
+__device__ float warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ float warp_max(float v) {
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
+}
+
+// Sum (or max) over the block; every thread gets the result. `red` holds blockDim.x / 32 floats.
+__device__ float block_reduce(float v, float* red, bool is_max) {
+    v = is_max ? warp_max(v) : warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int i = 1; i < n_warps; i++) r = is_max ? fmaxf(r, red[i]) : r + red[i];
+    __syncthreads();  // red is reused by the next call
+    return r;
+}
+
+__device__ float load_kv(int32_t type, const uint8_t* p, int64_t i) {
+    return type == TYPE_F16 ? __half2float(((const __half*)p)[i]) : ((const float*)p)[i];
+}
+
+__device__ void store_kv(int32_t type, uint8_t* p, int64_t i, float v) {
+    if (type == TYPE_F16)
+        ((__half*)p)[i] = __float2half_rn(v);
+    else
+        ((float*)p)[i] = v;
+}
+
+// One block per token: per-head q/k norms (a warp per head), RoPE, q scaling, then k and v into the cache.
+__global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* v, const int32_t* seq,
+                               const int32_t* pos) {
+    const int t = blockIdx.x;
+    const int hd = a.head_dim;
+    const int64_t n_q = (int64_t)a.n_head * hd, n_kv = (int64_t)a.n_head_kv * hd;
+    float* qt = q + (size_t)t * n_q;
+    float* kt = k + (size_t)t * n_kv;
+    const float* vt = v + (size_t)t * n_kv;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+
+    // Gemma 3 normalizes every head of q and k before rotating them.
+    for (int h = warp; h < a.n_head + a.n_head_kv; h += n_warps) {
+        const bool is_q = h < a.n_head;
+        const float* w = is_q ? a.q_norm : a.k_norm;
+        if (!w) continue;
+        float* x = is_q ? qt + (size_t)h * hd : kt + (size_t)(h - a.n_head) * hd;
+        double sum = 0;
+        for (int i = lane; i < hd; i += 32) sum += (double)x[i] * x[i];
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        const float scale = (float)(1.0 / sqrt(sum / (double)hd + (double)a.rms_eps));
+        for (int i = lane; i < hd; i += 32) x[i] = x[i] * scale * w[i];
+    }
+    __syncthreads();
+
+    // RoPE: pair i of every head turns by pos * base^(-2i/n_rot) (scaled, or divided by its factor).
+    const int half = a.n_rot / 2;
+    const float theta_scale = powf(a.rope_base, -2.0f / (float)a.n_rot);
+    const int n_pairs = (a.n_head + a.n_head_kv) * half;
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int h = p / half, i = p % half;
+        float* x = h < a.n_head ? qt + (size_t)h * hd : kt + (size_t)(h - a.n_head) * hd;
+        // The angle advanced by one float multiplication per pair, as ops.cpp's rope_cos_sin (and ggml)
+        // compute it: powf would be closer to the real angle and further from the CPU's.
+        float theta = (float)pos[t];
+        for (int k = 0; k < i; k++) theta *= theta_scale;
+        const float ang = a.freq_factors ? theta / a.freq_factors[i] * a.rope_scale : theta * a.rope_scale;
+        float sn, cs;
+        sincosf(ang, &sn, &cs);
+        float* x0 = a.neox ? &x[i] : &x[2 * i];
+        float* x1 = a.neox ? &x[i + half] : &x[2 * i + 1];
+        const float v0 = *x0, v1 = *x1;
+        *x0 = v0 * cs - v1 * sn;
+        *x1 = v0 * sn + v1 * cs;
+    }
+    __syncthreads();
+
+    if (a.q_scale != 1.0f)
+        for (int64_t i = threadIdx.x; i < n_q; i += blockDim.x) qt[i] *= a.q_scale;
+    uint8_t* k_dst = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)pos[t] * a.k_row;
+    uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
+    for (int64_t i = threadIdx.x; i < n_kv; i += blockDim.x) {
+        store_kv(a.kv_type, k_dst, i, kt[i]);
+        store_kv(a.kv_type, v_seq, i * a.n_ctx + pos[t], vt[i]);  // values transposed: [dim][pos]
+    }
+}
+
+// One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
+// the cache's type for the dot products with the keys, the softmax's weights normalized and rounded to it
+// before the sum over the values. Pass 1 runs the softmax's max and sum online over chunks of kThreads
+// positions (one per thread); pass 2 recomputes each chunk's scores, weights them, and each thread
+// accumulates its output dimensions.
+__global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out) {
+    __shared__ float sq[kMaxHeadDim];
+    __shared__ float sp[kThreads];
+    __shared__ float red[kThreads / 32];
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int hd = a.head_dim;
+    const int kvh = h / (a.n_head / a.n_head_kv);
+    const size_t elem = a.kv_type == TYPE_F16 ? 2 : 4;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float v = q[((size_t)t * a.n_head + h) * hd + d];
+        sq[d] = a.kv_type == TYPE_F16 ? __half2float(__float2half_rn(v)) : v;
+    }
+    __syncthreads();
+
+    const int64_t n_seen = (int64_t)pos[t] + 1;
+    const int64_t first = a.n_swa > 0 && n_seen > a.n_swa ? n_seen - a.n_swa : 0;
+    const uint8_t* k_seq = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)kvh * hd * elem;
+    const uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
+    auto score = [&](int64_t s) {
+        const uint8_t* kr = k_seq + (size_t)s * a.k_row;
+        float dot = 0.0f;
+        for (int d = 0; d < hd; d++) dot += sq[d] * load_kv(a.kv_type, kr, d);
+        return dot * a.kq_scale;
+    };
+
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
+        const int64_t s = s0 + threadIdx.x;
+        const float sc = s < n_seen ? score(s) : -INFINITY;
+        const float m_new = fmaxf(m, block_reduce(sc, red, true));
+        const float chunk_sum = block_reduce(s < n_seen ? expf(sc - m_new) : 0.0f, red, false);
+        l = l * expf(m - m_new) + chunk_sum;
+        m = m_new;
+    }
+    const float inv = 1.0f / l;
+
+    float o[kDimsPerThread];
+    for (int j = 0; j < kDimsPerThread; j++) o[j] = 0.0f;
+    for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
+        const int64_t s = s0 + threadIdx.x;
+        float p = s < n_seen ? expf(score(s) - m) * inv : 0.0f;
+        if (a.kv_type == TYPE_F16) p = __half2float(__float2half_rn(p));
+        sp[threadIdx.x] = p;
+        __syncthreads();
+        const int count = (int)(n_seen - s0 < kThreads ? n_seen - s0 : kThreads);
+        for (int j = 0; j < kDimsPerThread; j++) {
+            const int d = threadIdx.x + j * kThreads;
+            if (d >= hd) break;
+            const uint8_t* vr = v_seq + ((size_t)(kvh * hd + d) * a.n_ctx + s0) * elem;
+            float acc = 0.0f;
+            for (int i = 0; i < count; i++) acc += sp[i] * load_kv(a.kv_type, vr, i);
+            o[j] += acc;
+        }
+        __syncthreads();  // sp is rewritten by the next chunk
+    }
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d < hd) out[((size_t)t * a.n_head + h) * hd + d] = o[j];
+    }
+}
+
+}  // namespace
+
+void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
+                       const int32_t* pos, int32_t n) {
+    if (n <= 0) return;
+    OPTIML_LAUNCH(prepare_kernel, n, 128, s, a, q, k, v, seq, pos);
+    cuda_check(cudaSuccess, "attention (prepare)");
+}
+
+void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
+                      int32_t n, float* out) {
+    if (n <= 0) return;
+    if (a.head_dim > kMaxHeadDim)
+        throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
+                                           kMaxHeadDim, a.head_dim));
+    if (n > 65535) throw ArgumentError(format("cuda attention: %d tokens is more than one launch holds", n));
+    OPTIML_LAUNCH(scores_kernel, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+    cuda_check(cudaSuccess, "attention (scores)");
+}
+
+}  // namespace optiml

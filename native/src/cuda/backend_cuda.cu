@@ -1,0 +1,269 @@
+// The CUDA device behind the backend interface (optiml/backend.h): one stream per backend, device
+// memory from cudaMalloc counted by Backend::alloc, events for the order between devices, and the
+// forward pass's ops as kernels (kernels.cuh).
+//
+// Activations are rounded as the CPU rounds them before its products (8-bit blocks for quantized weights),
+// then multiplied in float: the devices then differ only in summation order.
+//
+// What this first version does not do yet (issue #16, #17): integer (dp4a) products, CUDA graphs,
+// tiled prompt kernels, pinned host staging (a copy to pageable host memory blocks the calling thread
+// until the stream reaches it, so a split FFN whose residual lives on the host does not overlap yet),
+// and a split layer whose neurons were reordered by a placement (its down matrix is neuron-major).
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels.cuh"
+#include "optiml/backend.h"
+#include "optiml/common.h"
+#include "optiml/cuda.h"
+#include "optiml/ggml_types.h"
+#include "optiml/model.h"
+
+namespace optiml {
+
+namespace {
+
+// Events are recorded into a ring: waiting on a slot that a later record() reused waits for that later
+// point of the same stream, which is also after the one asked for.
+constexpr int kEvents = 256;
+
+class CudaBackend : public Backend {
+public:
+    explicit CudaBackend(int device) : Backend(format("cuda:%d", device)), device_(device) {
+        use();
+        cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
+        events_.resize(kEvents);
+        for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
+    }
+
+    ~CudaBackend() override {
+        cudaSetDevice(device_);
+        cudaStreamSynchronize(stream_);
+        free_all();
+        for (cudaEvent_t e : events_) cudaEventDestroy(e);
+        cudaStreamDestroy(stream_);
+    }
+
+    bool host_memory() const override { return false; }
+    bool synchronous() const override { return false; }
+
+    // ---- stream --------------------------------------------------------------------------------
+    Event record() override {
+        use();
+        const uint64_t seq = ++recorded_;
+        cuda_check(cudaEventRecord(events_[seq % kEvents], stream_), "recording an event");
+        return Event{this, seq};
+    }
+
+    void wait(const Event& e) override {
+        if (!e.backend || e.backend == this) return;  // stream order already
+        if (e.backend->synchronous()) return;         // the host's ops are done when they return
+        e.backend->host_wait(e);
+    }
+
+    void host_wait(const Event& e) override {
+        if (e.seq == 0) return;
+        use();
+        cuda_check(cudaEventSynchronize(events_[e.seq % kEvents]), "waiting for the GPU");
+    }
+
+    void synchronize() override {
+        use();
+        cuda_check(cudaStreamSynchronize(stream_), "waiting for the GPU");
+    }
+
+    void copy_from_host(void* dst, const void* src, size_t bytes) override {
+        use();
+        cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copying to the GPU");
+    }
+    void copy_to_host(void* dst, const void* src, size_t bytes) override {
+        use();
+        cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copying from the GPU");
+    }
+    void copy(void* dst, const void* src, size_t bytes) override {
+        use();
+        cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copying on the GPU");
+    }
+
+    // ---- ops -----------------------------------------------------------------------------------
+    void embed(const Weight&, const int32_t*, int32_t, float, float*) override {
+        throw Error("internal: the embedding runs on the host, not on " + name_);
+    }
+
+    void rms_norm(const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) override {
+        use();
+        cuda_rms_norm(stream_, x, (const float*)w.data, out, n, dim, eps);
+    }
+
+    void attention(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
+                   const KVLayerView& kv, const BatchView& b, float* x, const StepScratch& s) override {
+        use();
+        const int32_t n = b.n;
+        const int32_t* seq = batch_on_device(b);
+        const int32_t* pos = seq + n;
+        cuda_rms_norm(stream_, x, (const float*)L.attn_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
+        int32_t held = -1;  // s.y holds xn rounded for q, k and v (the FFN's y is free until the FFN)
+        product(L.wq, s.xn, s.y, held, n, s.q, false);
+        product(L.wk, s.xn, s.y, held, n, s.k, false);
+        product(L.wv, s.xn, s.y, held, n, s.v, false);
+        cuda_add_bias(stream_, s.q, (const float*)L.bq.data, n, hp.n_embd_q());
+        cuda_add_bias(stream_, s.k, (const float*)L.bk.data, n, hp.n_embd_kv());
+        cuda_add_bias(stream_, s.v, (const float*)L.bv.data, n, hp.n_embd_kv());
+
+        const bool swa = hp.is_swa(layer);
+        CudaAttnArgs a{};
+        a.n_head = hp.n_head;
+        a.n_head_kv = hp.n_head_kv;
+        a.head_dim = hp.head_dim;
+        a.n_rot = hp.n_rot;
+        a.neox = hp.rope_type == ROPE_NEOX;
+        a.rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
+        a.rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
+        a.q_scale = hp.attn_q_scale;
+        a.kq_scale = hp.attn_kq_scale;
+        a.rms_eps = hp.rms_eps;
+        a.n_swa = swa ? hp.n_swa : 0;
+        a.freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
+        a.q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
+        a.k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
+        a.kv_type = kv.type;
+        a.n_ctx = kv.n_ctx;
+        a.k_cache = kv.k;
+        a.v_cache = kv.v;
+        a.k_row = kv.k_row;
+        a.k_seq = kv.k_seq;
+        a.v_seq = kv.v_seq;
+        cuda_attn_prepare(stream_, a, s.q, s.k, s.v, seq, pos, n);
+        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn);
+
+        // Output projection into the residual stream (Gemma 3 normalizes it first).
+        held = -1;  // attn is rounded in place: nothing reads it after the projection
+        if (!L.attn_post_norm.present()) {
+            product(L.wo, s.attn, s.attn, held, n, x, true);
+            cuda_add_bias(stream_, x, (const float*)L.bo.data, n, hp.n_embd);
+            return;
+        }
+        product(L.wo, s.attn, s.attn, held, n, s.xn, false);
+        cuda_add_bias(stream_, s.xn, (const float*)L.bo.data, n, hp.n_embd);
+        cuda_rms_norm(stream_, s.xn, (const float*)L.attn_post_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
+        cuda_add(stream_, x, s.xn, nullptr, (int64_t)n * hp.n_embd);
+    }
+
+    void ffn(const HParams& hp, int, const FFNShare& share, const FFNSparsity& sp, const float* xn, int32_t n,
+             float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) override {
+        // The plan gives a device packed shares computed dense (forward.cpp): the rest is the host's work.
+        if (recorder || sp.enabled || share.rows)
+            throw Error("internal: the CUDA backend computes packed FFN shares densely only");
+        if (!share.w->down.present())
+            throw UnsupportedModelError(
+                "the CUDA backend does not yet run a split layer whose neurons a placement reordered; use "
+                "n_gpu_layers, or a file without optiml.placement");
+        use();
+        const FFNWeights& w = *share.w;
+        const int64_t width = w.gate.rows;
+        int32_t held = -1;  // y holds xn rounded for gate and up until down writes it
+        product(w.gate, xn, y, held, n, s.gate, false);
+        product(w.up, xn, y, held, n, s.up, false);
+        cuda_add_bias(stream_, s.gate, (const float*)w.gate_b.data, n, width);
+        cuda_add_bias(stream_, s.up, (const float*)w.up_b.data, n, width);
+        // GELU as the CPU's ffn_activate picks it: the f16 table unless the gate's input stays float.
+        const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
+        const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
+        cuda_act_mul(stream_, hp.ffn_act, gelu_f16, s.gate, s.up, (int64_t)n * width);
+        held = -1;
+        product(w.down, s.gate, s.gate, held, n, y, false);
+        if (active) *active += (int64_t)n * width;
+    }
+
+    void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
+        use();
+        const int64_t count = (int64_t)n * hp.n_embd;
+        if (y2) cuda_add(stream_, y, y2, nullptr, count);
+        cuda_add_bias(stream_, y, (const float*)w.down_b.data, n, hp.n_embd);
+        if (w.post_norm.present()) cuda_rms_norm(stream_, y, (const float*)w.post_norm.data, y, n, hp.n_embd, hp.rms_eps);
+        cuda_add(stream_, x, y, nullptr, count);
+    }
+
+    void logits(const HParams&, const Weight&, const Weight&, const float*, const int32_t*, int32_t, float*,
+                float*) override {
+        throw Error("internal: the logits run on the host, not on " + name_);
+    }
+
+private:
+    void use() { cuda_check(cudaSetDevice(device_), "selecting the GPU"); }
+
+    // y (+)= W x, with x first rounded into `buf` the way the CPU rounds activations for W's type (the
+    // products then differ from the CPU's only in summation order). `held` is the type buf already holds x
+    // rounded to (-1: none), so matrices that share an input round it once; buf may be x itself when
+    // nothing reads x afterwards.
+    void product(const Weight& w, const float* x, float* buf, int32_t& held, int32_t n, float* y, bool accumulate) {
+        const int32_t t = type_traits(w.type).vec_dot_type;
+        const float* in = x;
+        if (t != TYPE_F32) {
+            if (held != t) {
+                cuda_round_activations(stream_, t, x, buf, n, w.cols);
+                held = t;
+            }
+            in = buf;
+        }
+        cuda_matmul(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, in, n, y, accumulate);
+    }
+
+    // The batch's sequence ids and positions on the device ([seq..., pos...]), copied once per step: the
+    // layers of a step see the same batch, so a copy happens only when its contents change.
+    const int32_t* batch_on_device(const BatchView& b) {
+        const size_t count = 2 * (size_t)b.n;
+        std::vector<int32_t> now(count);
+        std::memcpy(now.data(), b.seq, sizeof(int32_t) * b.n);
+        std::memcpy(now.data() + b.n, b.pos, sizeof(int32_t) * b.n);
+        if (now == batch_host_ && batch_dev_) return batch_dev_;
+        if (count > batch_capacity_) {
+            // Grows to the largest batch once; counted as scratch like the rest of the step's memory.
+            batch_capacity_ = count < 1024 ? 1024 : count;
+            batch_dev_ = (int32_t*)alloc(sizeof(int32_t) * batch_capacity_, "scratch");
+        }
+        batch_host_ = std::move(now);
+        copy_from_host(batch_dev_, batch_host_.data(), sizeof(int32_t) * count);
+        return batch_dev_;
+    }
+
+    void* device_alloc(size_t bytes) override {
+        use();
+        void* p = nullptr;
+        const cudaError_t err = cudaMalloc(&p, bytes);
+        if (err != cudaSuccess) {
+            cudaGetLastError();
+            throw Error(format("%s: out of GPU memory allocating %zu bytes (%s); lower vram or n_gpu_layers",
+                               name_.c_str(), bytes, cudaGetErrorString(err)));
+        }
+        cuda_check(cudaMemset(p, 0, bytes), "clearing GPU memory");
+        return p;
+    }
+    void device_free(void* p) override { cudaFree(p); }
+
+    int device_;
+    cudaStream_t stream_ = nullptr;
+    std::vector<cudaEvent_t> events_;
+    uint64_t recorded_ = 0;
+    int32_t* batch_dev_ = nullptr;
+    size_t batch_capacity_ = 0;
+    std::vector<int32_t> batch_host_;  // what batch_dev_ holds
+};
+
+}  // namespace
+
+bool cuda_reads_type(int32_t type) { return cuda_type_supported(type); }
+
+std::unique_ptr<Backend> make_cuda_backend(int index) {
+    std::string why;
+    const std::vector<CudaDevice> devices = cuda_devices(&why);
+    if (index < 0 || index >= (int)devices.size())
+        throw ArgumentError(devices.empty() ? format("cuda:%d: %s", index, why.c_str())
+                                            : format("cuda:%d: this machine has %zu CUDA device(s)", index,
+                                                     devices.size()));
+    return std::make_unique<CudaBackend>(index);
+}
+
+}  // namespace optiml

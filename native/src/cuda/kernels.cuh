@@ -1,0 +1,71 @@
+// The CUDA backend's kernels as its host code calls them (native/src/cuda/backend_cuda.cu). Every
+// launcher enqueues on `stream` and returns at once; pointers are device pointers unless a comment
+// says otherwise. Launch errors are reported by cuda_check() after the launch.
+//
+// First version: every kernel is written for correctness and plainness (one warp per output row,
+// values dequantized in registers eight at a time, float accumulation), not yet for the speed goals
+// of issue #16 (integer dot products, CUDA graphs, tiled prompt kernels).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+// kernel<<<grid, block, 0, stream>>>(args...), written so that the CPU emulator (emu/cuda_runtime.h, which
+// defines its own) can run the same sources as C++.
+#if !defined(OPTIML_LAUNCH)
+#define OPTIML_LAUNCH(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+#endif
+
+namespace optiml {
+
+struct HParams;
+
+// Throws optiml::Error naming `what` when `err` (or, for cudaSuccess, the last launch) failed.
+void cuda_check(cudaError_t err, const char* what);
+
+// y[t][r] (+)= sum_c W[r][c] * x[t][c] for t < n, r < rows; W holds `rows` rows of `cols` values of
+// `type`, row_bytes apart. UnsupportedModelError for a type the CUDA backend does not read.
+void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
+                 const float* x, int32_t n, float* y, bool accumulate);
+// Whether cuda_matmul reads `type`.
+bool cuda_type_supported(int32_t type);
+
+// out[t] = rms_norm(x[t]) * w (w may be nullptr: no scale), n rows of dim values; out may be x.
+void cuda_rms_norm(cudaStream_t s, const float* x, const float* w, float* out, int32_t n, int64_t dim, float eps);
+// rows[t][i] += bias[i] for t < n, i < dim.
+void cuda_add_bias(cudaStream_t s, float* rows, const float* bias, int32_t n, int64_t dim);
+// x[i] += y[i] (+ y2[i] when y2) for i < count.
+void cuda_add(cudaStream_t s, float* x, const float* y, const float* y2, int64_t count);
+// out = x rounded as the CPU rounds activations for a product with weights whose vec_dot_type is
+// `type` (optiml/ggml_types.h): 8-bit blocks (Q8_0, Q8_1, Q8_K) or F16/BF16, back in float; F32 copies.
+// The product kernels then see the CPU's activations, so the two devices differ only in summation
+// order. out may be x.
+void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float* out, int32_t n, int64_t cols);
+// g = act(g) * u elementwise over count values; act as FFNActivation (GELU: the tanh form, through
+// f16 as the CPU's table when gelu_f16: the CPU does so where the gate's input is 8-bit anyway).
+void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count);
+
+// The per-token part of attention before the scores: biases already added, per-head q/k RMSNorm
+// (q_norm/k_norm may be nullptr), RoPE, q scaled by hp.attn_q_scale, and the keys and values written
+// into the cache (F16 or F32; values transposed). seq/pos: device copies of the batch's.
+struct CudaAttnArgs {
+    int32_t n_head, n_head_kv, head_dim, n_rot;
+    bool neox;
+    float rope_base, rope_scale, q_scale, kq_scale, rms_eps;
+    int32_t n_swa;  // 0: attend to every earlier position
+    const float* freq_factors;  // nullptr or [n_rot / 2]
+    const float* q_norm;
+    const float* k_norm;
+    int32_t kv_type, n_ctx;
+    uint8_t* k_cache;
+    uint8_t* v_cache;
+    size_t k_row, k_seq, v_seq;
+};
+void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
+                       const int32_t* pos, int32_t n);
+// out[t][h] = softmax(q[t][h] . K / scale) V over positions [first, pos[t]] of sequence seq[t].
+void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
+                      int32_t n, float* out);
+
+}  // namespace optiml

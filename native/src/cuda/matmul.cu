@@ -1,0 +1,89 @@
+// Products of quantized weights with float activations on the GPU: one warp per weight row, each lane
+// dequantizing eight values at a time (dequant.cuh, the same arithmetic as the CPU's dequantization)
+// and applying them to up to kTokens tokens, then a warp reduction. A prompt runs as kTokens-token
+// slices of the grid, each reading the weights again: correct at any batch size, fast only for decode.
+#include "dequant.cuh"
+#include "kernels.cuh"
+#include "optiml/common.h"
+
+namespace optiml {
+
+namespace {
+
+constexpr int kTokens = 8;        // tokens one warp carries per dequantized group
+constexpr int kRowsPerBlock = 4;  // warps (rows) per thread block
+
+template <int TYPE>
+__global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
+                              const float* __restrict__ x, int32_t n, float* __restrict__ y, bool accumulate) {
+    using Q = cudaq::QType<TYPE>;
+    const int lane = threadIdx.x;
+    const int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.y;
+    if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
+    const int32_t t0 = (int32_t)blockIdx.y * kTokens;
+    const int nt = n - t0 < kTokens ? n - t0 : kTokens;
+    const uint8_t* row = w + (size_t)r * row_bytes;
+
+    float acc[kTokens];
+#pragma unroll
+    for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
+    for (int64_t c = (int64_t)lane * 8; c < cols; c += 32 * 8) {
+        float v[8];
+        Q::dequant8(row + (size_t)(c / Q::block_size) * Q::block_bytes, (int)(c % Q::block_size), v);
+#pragma unroll
+        for (int t = 0; t < kTokens; t++) {
+            if (t >= nt) break;
+            const float* xt = x + (size_t)(t0 + t) * cols + c;
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) s += v[i] * xt[i];
+            acc[t] += s;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < kTokens; t++) {
+        if (t >= nt) break;  // the same for the whole warp: a decode step reduces one sum, not kTokens
+        float s = acc[t];
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (lane == 0) {
+            float* out = y + (size_t)(t0 + t) * rows + r;
+            *out = accumulate ? *out + s : s;
+        }
+    }
+}
+
+template <int TYPE>
+void launch(cudaStream_t s, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes, const float* x, int32_t n,
+            float* y, bool accumulate) {
+    const dim3 block(32, kRowsPerBlock);
+    const dim3 grid((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock), (unsigned)((n + kTokens - 1) / kTokens));
+    OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
+}
+
+}  // namespace
+
+bool cuda_type_supported(int32_t type) { return cudaq::block_size_of(type) > 0; }
+
+void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
+                 const float* x, int32_t n, float* y, bool accumulate) {
+    if (n <= 0 || rows <= 0) return;
+    if (cols % 8 != 0)
+        throw UnsupportedModelError(format("the CUDA backend needs rows of a multiple of 8 values, got %lld",
+                                           (long long)cols));
+    if ((n + kTokens - 1) / kTokens > 65535)
+        throw ArgumentError(format("cuda_matmul: %d tokens is more than one launch holds", n));
+    switch (type) {
+#define OPTIML_MATMUL_CASE(T)                                                  \
+    case T:                                                                    \
+        launch<T>(s, w, rows, cols, row_bytes, x, n, y, accumulate);           \
+        break;
+        OPTIML_CUDA_FOR_EACH_TYPE(OPTIML_MATMUL_CASE)
+#undef OPTIML_MATMUL_CASE
+        default:
+            throw UnsupportedModelError(format("the CUDA backend does not read %s weights yet",
+                                               type_traits(type).name ? type_traits(type).name : "these"));
+    }
+    cuda_check(cudaSuccess, "matmul");
+}
+
+}  // namespace optiml
