@@ -1,0 +1,103 @@
+// A CUDA emulator on the CPU, for testing the CUDA backend where there is no GPU (OPTIML_CUDA=EMU).
+//
+// The CUDA sources (native/src/cuda/*.cu) are compiled as C++ with this header in place of the real
+// cuda_runtime.h. Each thread of a block is a fiber on the calling thread; __syncthreads() and warp
+// shuffles suspend a fiber until every live thread of its block (or warp) has arrived, so kernels run
+// with CUDA's semantics for everything they synchronize on. Blocks run one after another, which makes
+// __shared__ (a static per calling thread here) each block's own. Memory is host memory, every stream
+// call completes before it returns, and there is one device ("OptiML CUDA emulator"). Slow (a fiber
+// switch per thread per barrier), correct for tests; never a way to run models.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+extern thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace optiml_emu {
+// Runs body() once per thread of every block of the grid, as the threads of a kernel.
+void launch(dim3 grid, dim3 block, const std::function<void()>& body);
+void syncthreads();
+// Suspends until the other live threads of this warp arrive here too.
+void warp_barrier();
+// This thread's index in the block, and the 8-byte slot the warp shuffles exchange values through.
+int lane_index();
+uint64_t* shuffle_slot(int linear_thread);
+bool thread_live(int linear_thread);
+
+template <typename T>
+T shfl_xor(T v, int mask) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    const int me = lane_index();
+    std::memcpy(shuffle_slot(me), &v, sizeof(T));
+    warp_barrier();
+    const int src = (me & ~31) | ((me & 31) ^ mask);
+    T r = v;
+    if (thread_live(src)) std::memcpy(&r, shuffle_slot(src), sizeof(T));
+    warp_barrier();  // nobody overwrites a slot before its readers have read it
+    return r;
+}
+}  // namespace optiml_emu
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static thread_local
+#define __syncthreads() ::optiml_emu::syncthreads()
+#define __shfl_xor_sync(mask, v, off) ::optiml_emu::shfl_xor((v), (off))
+#define OPTIML_LAUNCH(kernel, grid, block, stream, ...) \
+    ::optiml_emu::launch(dim3(grid), dim3(block), [&] { kernel(__VA_ARGS__); })
+
+// ---- the runtime API the backend uses --------------------------------------------------------------
+enum cudaError_t {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorNoDevice = 100,
+    cudaErrorInvalidDevice = 101,
+};
+enum cudaMemcpyKind {
+    cudaMemcpyHostToHost = 0,
+    cudaMemcpyHostToDevice = 1,
+    cudaMemcpyDeviceToHost = 2,
+    cudaMemcpyDeviceToDevice = 3,
+};
+typedef struct optiml_emu_stream* cudaStream_t;
+typedef struct optiml_emu_event* cudaEvent_t;
+constexpr unsigned cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDisableTiming = 2;
+
+struct cudaDeviceProp {
+    char name[256];
+    size_t totalGlobalMem;
+    int major, minor;
+    int multiProcessorCount;
+};
+
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+cudaError_t cudaGetLastError();
+const char* cudaGetErrorString(cudaError_t err);
+const char* cudaGetErrorName(cudaError_t err);
+cudaError_t cudaMalloc(void** p, size_t bytes);
+cudaError_t cudaFree(void* p);
+cudaError_t cudaMemset(void* p, int value, size_t bytes);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);

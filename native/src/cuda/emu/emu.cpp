@@ -1,0 +1,280 @@
+// The CUDA emulator's fibers and runtime calls (see cuda_runtime.h beside this file).
+//
+// A block's threads are fibers on the calling thread, switched by a few instructions of assembly on
+// x86-64 (swapcontext elsewhere: correct, much slower, since it saves the signal mask with a system
+// call). The scheduler runs every runnable fiber in turn; a fiber that reaches a barrier stops there
+// until all live fibers of its block (or warp) have reached it, and a barrier that can never open (a
+// kernel that diverges around __syncthreads) aborts with a message rather than hang.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace optiml_emu {
+
+namespace {
+
+constexpr size_t kStackBytes = 64 << 10;
+
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save and continues
+// on the stack `load` (the state another emu_switch saved there, or a new fiber's first frame).
+extern "C" void optiml_emu_switch(void** save, void* load);
+asm(R"(
+    .text
+    .globl optiml_emu_switch
+    .type optiml_emu_switch, @function
+optiml_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size optiml_emu_switch, .-optiml_emu_switch
+)");
+#endif
+
+enum State { kRunnable, kAtBlockBarrier, kAtWarpBarrier, kDone };
+
+struct Fiber {
+    std::unique_ptr<char[]> stack;
+    dim3 tid;
+    State state = kDone;
+#if defined(__x86_64__)
+    void* sp = nullptr;
+#else
+    ucontext_t ctx;
+#endif
+};
+
+struct Block {
+    std::vector<Fiber> fibers;
+    std::vector<uint64_t> slots;
+    std::vector<int> warp_live, warp_arrived;
+    int live = 0, block_arrived = 0, current = -1;
+    const std::function<void()>* body = nullptr;
+#if defined(__x86_64__)
+    void* scheduler_sp = nullptr;
+#else
+    ucontext_t scheduler;
+#endif
+};
+
+thread_local Block* g_block = nullptr;
+
+void to_scheduler() {
+    Block& b = *g_block;
+#if defined(__x86_64__)
+    optiml_emu_switch(&b.fibers[b.current].sp, b.scheduler_sp);
+#else
+    swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
+#endif
+}
+
+void fiber_main() {
+    Block& b = *g_block;
+    (*b.body)();
+    b.fibers[b.current].state = kDone;
+    to_scheduler();
+    std::abort();  // a finished fiber is never resumed
+}
+
+void start_fiber(Block& b, int i) {
+    Fiber& f = b.fibers[i];
+    if (!f.stack) f.stack.reset(new char[kStackBytes]);
+    f.state = kRunnable;
+#if defined(__x86_64__)
+    // The first switch pops six registers and returns into fiber_main with the stack as after a call.
+    uintptr_t top = ((uintptr_t)f.stack.get() + kStackBytes) & ~(uintptr_t)15;
+    void** sp = (void**)(top - 64);
+    for (int r = 0; r < 6; r++) sp[r] = nullptr;
+    sp[6] = (void*)&fiber_main;
+    sp[7] = nullptr;
+    f.sp = sp;
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.get();
+    f.ctx.uc_stack.ss_size = kStackBytes;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_main, 0);
+#endif
+}
+
+void resume(Block& b, int i) {
+    b.current = i;
+    threadIdx = b.fibers[i].tid;
+#if defined(__x86_64__)
+    optiml_emu_switch(&b.scheduler_sp, b.fibers[i].sp);
+#else
+    swapcontext(&b.scheduler, &b.fibers[i].ctx);
+#endif
+}
+
+void run_block(Block& b) {
+    const int n = (int)b.fibers.size();
+    for (int i = 0; i < n; i++) start_fiber(b, i);
+    b.live = n;
+    b.block_arrived = 0;
+    const int n_warps = (n + 31) / 32;
+    b.warp_live.assign(n_warps, 0);
+    b.warp_arrived.assign(n_warps, 0);
+    for (int i = 0; i < n; i++) b.warp_live[i / 32]++;
+    while (b.live > 0) {
+        bool ran = false;
+        for (int i = 0; i < n; i++) {
+            if (b.fibers[i].state != kRunnable) continue;
+            resume(b, i);
+            ran = true;
+            if (b.fibers[i].state == kDone) {
+                b.live--;
+                b.warp_live[i / 32]--;
+            }
+        }
+        bool opened = false;
+        for (int w = 0; w < n_warps; w++)
+            if (b.warp_arrived[w] > 0 && b.warp_arrived[w] == b.warp_live[w]) {
+                for (int i = w * 32; i < n && i < w * 32 + 32; i++)
+                    if (b.fibers[i].state == kAtWarpBarrier) b.fibers[i].state = kRunnable;
+                b.warp_arrived[w] = 0;
+                opened = true;
+            }
+        if (b.block_arrived > 0 && b.block_arrived == b.live) {
+            for (Fiber& f : b.fibers)
+                if (f.state == kAtBlockBarrier) f.state = kRunnable;
+            b.block_arrived = 0;
+            opened = true;
+        }
+        if (!ran && !opened && b.live > 0) {
+            std::fprintf(stderr, "optiml CUDA emulator: block (%u,%u,%u) deadlocked: %d threads wait at a barrier "
+                         "that the others never reach\n", blockIdx.x, blockIdx.y, blockIdx.z, b.live);
+            std::abort();
+        }
+    }
+}
+
+}  // namespace
+
+void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+    thread_local Block b;  // fibers and their stacks are kept for the next launch
+    Block* outer = g_block;
+    g_block = &b;
+    const int n = (int)(block.x * block.y * block.z);
+    if ((int)b.fibers.size() < n) b.fibers.resize(n);
+    b.fibers.resize(n);
+    b.slots.assign(n, 0);
+    b.body = &body;
+    for (int i = 0; i < n; i++)
+        b.fibers[i].tid = dim3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
+    blockDim = block;
+    gridDim = grid;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                blockIdx = dim3(x, y, z);
+                run_block(b);
+            }
+    g_block = outer;
+}
+
+void syncthreads() {
+    Block& b = *g_block;
+    b.fibers[b.current].state = kAtBlockBarrier;
+    b.block_arrived++;
+    to_scheduler();
+}
+
+void warp_barrier() {
+    Block& b = *g_block;
+    b.fibers[b.current].state = kAtWarpBarrier;
+    b.warp_arrived[b.current / 32]++;
+    to_scheduler();
+}
+
+int lane_index() { return g_block->current; }
+uint64_t* shuffle_slot(int i) { return &g_block->slots[i]; }
+bool thread_live(int i) { return i < (int)g_block->fibers.size() && g_block->fibers[i].state != kDone; }
+
+}  // namespace optiml_emu
+
+// ---- runtime API: host memory, everything done before returning --------------------------------------
+namespace {
+const char* error_name(cudaError_t e) {
+    switch (e) {
+        case cudaSuccess: return "cudaSuccess";
+        case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+        case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+        case cudaErrorNoDevice: return "cudaErrorNoDevice";
+        default: return "cudaErrorInvalidDevice";
+    }
+}
+constexpr size_t kEmulatedMemory = size_t(8) << 30;
+}  // namespace
+
+cudaError_t cudaGetDeviceCount(int* count) {
+    *count = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+    if (device != 0) return cudaErrorInvalidDevice;
+    std::memset(prop, 0, sizeof(*prop));
+    std::snprintf(prop->name, sizeof(prop->name), "OptiML CUDA emulator (CPU)");
+    prop->totalGlobalMem = kEmulatedMemory;
+    prop->major = 9;
+    prop->multiProcessorCount = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+    *free_bytes = *total_bytes = kEmulatedMemory;
+    return cudaSuccess;
+}
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+const char* cudaGetErrorString(cudaError_t e) { return error_name(e); }
+const char* cudaGetErrorName(cudaError_t e) { return error_name(e); }
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+    *p = std::calloc(bytes ? bytes : 1, 1);
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFree(void* p) {
+    std::free(p);
+    return cudaSuccess;
+}
+cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+    std::memset(p, value, bytes);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+    *s = nullptr;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+    *e = nullptr;
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
