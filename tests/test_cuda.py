@@ -119,6 +119,30 @@ def test_splits_match_the_cpu(tiny, split):
     assert mean_kld(ref, got) < 1e-4
 
 
+def test_placement_with_stored_neuron_order(tiny, tmp_path):
+    """A placed file that kept its weights in file order and stores the hot-first order: the GPU gathers its
+    neurons (gate/up rows exactly, down as 8-bit neuron-major rows with per-dimension scales), the CPU
+    computes the rest in place, the budget counts every byte."""
+    from optiml.gguf_edit import GGUFValueType as VT
+    from optiml.gguf_edit import rewrite_gguf
+
+    n_layer, n_ff = 4, 1024
+    rng = np.random.default_rng(0)
+    order = np.concatenate([rng.permutation(n_ff) for _ in range(n_layer)]).astype(np.int32)
+    placed = tmp_path / "ordered.gguf"
+    rewrite_gguf(tiny["q4_0"], placed, set_kv={
+        "optiml.placement.gpu_neurons": (np.full(n_layer, 384, np.int32), VT.ARRAY),
+        "optiml.placement.neuron_order": (order, VT.ARRAY)}, progress=False)
+    ids = list(range(900, 910))
+    # The oracle: the same placement on the second CPU device, which rounds the down rows the same way.
+    ref = logits(placed, ids, device="cpu:1")
+    with optiml.Model(placed, n_ctx=128, device="cuda") as m:
+        assert [layer["ffn_on_device"] for layer in m.plan.layers] == [384] * n_layer
+        assert sum(m._session.device_allocations.values()) == m.plan.device_bytes["total"]
+        got = m.eval(ids, all_logits=True)
+    assert mean_kld(ref, got) < 1e-4
+
+
 def test_greedy_decoding_matches_the_cpu(tiny):
     """Decode steps (one token each, the KV cache growing) on both devices: the same tokens until the CPU's
     top two logits are a near-tie."""

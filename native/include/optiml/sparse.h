@@ -48,8 +48,10 @@ struct NeuronMajor {
     std::vector<int32_t> group;     // [n_neurons]: the group of each row
     std::vector<uint8_t> group_d;   // [n_groups * dim] scales of grouped_scale_size(type) bytes
     std::vector<uint8_t> group_m;   // the same for minimums (Q4_1, Q4_K), else empty
-    // When set, the rows live there (a device's memory) instead of in `data`.
+    // When set, the rows live there (a device's memory) instead of in `data`, and a copy of dim_scale
+    // beside them (kernels that cannot read host memory use it).
     const uint8_t* external = nullptr;
+    const float* external_dim_scale = nullptr;
     const uint8_t* bytes() const { return external ? external : data.data(); }
     const uint8_t* row(int64_t j) const { return bytes() + (size_t)j * row_bytes; }
 };

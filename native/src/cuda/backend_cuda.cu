@@ -8,7 +8,7 @@
 // What this first version does not do yet (issue #16, #17): integer (dp4a) products, CUDA graphs,
 // tiled prompt kernels, pinned host staging (a copy to pageable host memory blocks the calling thread
 // until the stream reaches it, so a split FFN whose residual lives on the host does not overlap yet),
-// and a split layer whose neurons were reordered by a placement (its down matrix is neuron-major).
+// and the output matrix on the GPU (the logits run on the host).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -156,10 +156,10 @@ public:
         // The plan gives a device packed shares computed dense (forward.cpp): the rest is the host's work.
         if (recorder || sp.enabled || share.rows)
             throw Error("internal: the CUDA backend computes packed FFN shares densely only");
-        if (!share.w->down.present())
-            throw UnsupportedModelError(
-                "the CUDA backend does not yet run a split layer whose neurons a placement reordered; use "
-                "n_gpu_layers, or a file without optiml.placement");
+        const NeuronMajor* nm = share.down_nm;
+        if (!share.w->down.present() &&
+            (!nm || nm->type != TYPE_Q8_0 || nm->grouped || share.nm_slot || !nm->external_dim_scale))
+            throw Error("internal: a CUDA share's down matrix is neither dense nor 8-bit neuron-major rows");
         use();
         const FFNWeights& w = *share.w;
         const int64_t width = w.gate.rows;
@@ -172,8 +172,13 @@ public:
         const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
         const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
         cuda_act_mul(stream_, hp.ffn_act, gelu_f16, s.gate, s.up, (int64_t)n * width);
-        held = -1;
-        product(w.down, s.gate, s.gate, held, n, y, false);
+        if (w.down.present()) {
+            held = -1;
+            product(w.down, s.gate, s.gate, held, n, y, false);
+        } else {  // a placement's reordered share: its down columns as neuron-major rows (session.cpp)
+            cuda_down_neuron_major_q8(stream_, nm->bytes(), nm->row_bytes, nm->external_dim_scale, s.gate, width,
+                                      hp.n_embd, n, y);
+        }
         if (active) *active += (int64_t)n * width;
     }
 

@@ -31,6 +31,11 @@ void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, i
 // Whether cuda_matmul reads `type`.
 bool cuda_type_supported(int32_t type);
 
+// y[t][d] = dim_scale[d] * sum_j h[t][j] * down[j][d]: a share's down product over its neuron-major Q8_0
+// rows (optiml/sparse.h's NeuronMajor: row j is neuron j's down column), for n_neurons neurons and dim
+// outputs, as the CPU's axpy_rows computes it.
+void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_bytes, const float* dim_scale,
+                               const float* h, int64_t n_neurons, int64_t dim, int32_t n, float* y);
 // out[t] = rms_norm(x[t]) * w (w may be nullptr: no scale), n rows of dim values; out may be x.
 void cuda_rms_norm(cudaStream_t s, const float* x, const float* w, float* out, int32_t n, int64_t dim, float eps);
 // rows[t][i] += bias[i] for t < n, i < dim.

@@ -60,7 +60,35 @@ void launch(cudaStream_t s, const uint8_t* w, int64_t rows, int64_t cols, size_t
     OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
 }
 
+// One thread per output dimension and token: consecutive threads read consecutive bytes of each row.
+__global__ void down_nm_q8_kernel(const uint8_t* __restrict__ rows, size_t row_bytes, const float* __restrict__ dim_scale,
+                                  const float* __restrict__ h, int64_t n_neurons, int64_t dim, float* __restrict__ y) {
+    const int64_t d = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int t = blockIdx.y;
+    if (d >= dim) return;
+    const float* ht = h + (size_t)t * n_neurons;
+    const size_t block = (size_t)(d / 32) * sizeof(block_q8_0);
+    const int in_block = (int)(d % 32);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n_neurons; j++) {
+        const uint8_t* b = rows + (size_t)j * row_bytes + block;
+        const float w = cudaq::half_to_float(cudaq::load_u16(b)) * (float)(int8_t)b[2 + in_block];
+        sum += ht[j] * w;
+    }
+    y[(size_t)t * dim + d] = dim_scale[d] * sum;
+}
+
 }  // namespace
+
+void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_bytes, const float* dim_scale,
+                               const float* h, int64_t n_neurons, int64_t dim, int32_t n, float* y) {
+    if (n <= 0) return;
+    if (n > 65535) throw ArgumentError(format("cuda down product: %d tokens is more than one launch holds", n));
+    const unsigned threads = 128;
+    OPTIML_LAUNCH(down_nm_q8_kernel, dim3((unsigned)((dim + threads - 1) / threads), (unsigned)n), threads, s, rows,
+                  row_bytes, dim_scale, h, n_neurons, dim, y);
+    cuda_check(cudaSuccess, "down product (neuron-major)");
+}
 
 bool cuda_type_supported(int32_t type) { return cudaq::block_size_of(type) > 0; }
 

@@ -41,8 +41,8 @@ size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous) {
     n += sizeof(float) * (size_t)k * (w.gate_b.present() + w.up_b.present());
     if (contiguous || k == hp.n_ff)
         n += row_size(w.down.type, k) * (size_t)hp.n_embd;
-    else
-        n += row_size(TYPE_Q8_0, hp.n_embd) * (size_t)k;
+    else  // neuron-major 8-bit rows, and their per-dimension scales
+        n += row_size(TYPE_Q8_0, hp.n_embd) * (size_t)k + sizeof(float) * (size_t)hp.n_embd;
     return n;
 }
 

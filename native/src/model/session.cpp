@@ -89,10 +89,6 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "
                                                    "CPU (device='cpu')",
                                                    w->name, type_traits(w->type).name));
-        if (lp.ffn_on_device > 0 && lp.ffn_on_device < hp.n_ff && !plan.neuron_order.empty())
-            throw UnsupportedModelError(format("layer %d: the CUDA backend does not yet run a split layer whose "
-                                               "neurons a placement reordered; use n_gpu_layers",
-                                               il));
     }
 }
 
@@ -177,7 +173,10 @@ void Session::bind_devices() {
                     nm = neuron_major_rows(*pool_, L.ffn.down, rows.data(), E.k, /*compact=*/false);
                     uint8_t* p = (uint8_t*)dev->alloc(nm.data.size(), "ffn weights");
                     dev->copy_from_host(p, nm.data.data(), nm.data.size());
+                    float* ds = (float*)dev->alloc(sizeof(float) * nm.dim_scale.size(), "ffn weights");
+                    dev->copy_from_host(ds, nm.dim_scale.data(), sizeof(float) * nm.dim_scale.size());
                     dev->synchronize();
+                    nm.external_dim_scale = ds;
                     nm.data = {};
                     nm.external = p;
                     E.device_share.down_nm = &nm;
