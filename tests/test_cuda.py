@@ -9,8 +9,9 @@ Oracle: the same model on the CPU (device="cpu"), which the engine's other tests
 llama.cpp. The GPU rounds activations as the CPU does before its products and differs only in summation
 order, so logits are compared through their distributions: mean KL divergence under 0.002 (issue #16's
 bound), or under twice the CPU's own difference between its scalar and SIMD kernels on the same prompt
-where that is larger (on a few tokens of a real model it is about 0.002 already). Greedy text is compared
-token by token except where the CPU's top two logits are a near-tie.
+where that is larger: Gemma 3 is sensitive to the last bits of its sums, and the CPU's scalar and AVX2
+kernels alone differ by a mean KL of 0.0026 on 8 tokens of this prompt and 0.0044 on 24 (SmolLM2: 0.0024
+on 8). Greedy text is compared token by token except where the CPU's top two logits are a near-tie.
 """
 
 import os
@@ -89,10 +90,15 @@ def test_whole_model_on_the_gpu(request, name):
     path = request.getfixturevalue(f"{name}_path")
     ids = prompt_ids(path)
     ref = logits(path, ids, device="cpu")
-    with optiml.Model(path, n_ctx=128, device="cuda") as m:
+    kw = {}
+    if EMULATED and name == "gemma3":  # its 262144-row output matrix takes minutes there: logits on the host
+        p = optiml.plan.make(path, n_ctx=128, device="cuda").device_bytes
+        kw["vram"] = p["total"] - p["output"]
+    with optiml.Model(path, n_ctx=128, device="cuda", **kw) as m:
         assert m.plan.device.startswith("cuda")
         assert all(layer["attention"] != "cpu" and layer["ffn_on_device"] == m.hparams["n_ff"]
                    for layer in m.plan.layers), str(m.plan)
+        assert m.plan._d["output_on_device"] != bool(kw)  # the logits too, unless kept on the host
         assert sum(m._session.device_allocations.values()) == m.plan.device_bytes["total"]  # byte for byte
         got = m.eval(ids, all_logits=True)
     assert np.isfinite(got).all()
@@ -103,7 +109,7 @@ def test_whole_model_on_the_gpu(request, name):
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_k"])
 def test_synthetic_model_matches_the_cpu(tiny, kind):
-    ids = list(range(200, 216))
+    ids = list(range(200, 208))
     ref = logits(tiny[kind], ids, device="cpu")
     got = logits(tiny[kind], ids, device="cuda")
     assert mean_kld(ref, got) < 1e-4
@@ -113,7 +119,7 @@ def test_synthetic_model_matches_the_cpu(tiny, kind):
 def test_splits_match_the_cpu(tiny, split):
     """Whole layers (llama.cpp's -ngl), and neurons [0, k) of every layer on the GPU with the rest on the
     CPU (the parts joined where the residual stream lives)."""
-    ids = list(range(300, 312))
+    ids = list(range(300, 308))
     ref = logits(tiny["q4_0"], ids, device="cpu")
     got = logits(tiny["q4_0"], ids, device="cuda", **split)
     assert mean_kld(ref, got) < 1e-4
@@ -133,7 +139,7 @@ def test_placement_with_stored_neuron_order(tiny, tmp_path):
     rewrite_gguf(tiny["q4_0"], placed, set_kv={
         "optiml.placement.gpu_neurons": (np.full(n_layer, 384, np.int32), VT.ARRAY),
         "optiml.placement.neuron_order": (order, VT.ARRAY)}, progress=False)
-    ids = list(range(900, 910))
+    ids = list(range(900, 908))
     # The oracle: the same placement on the second CPU device, which rounds the down rows the same way.
     ref = logits(placed, ids, device="cpu:1")
     with optiml.Model(placed, n_ctx=128, device="cuda") as m:

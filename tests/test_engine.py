@@ -119,6 +119,27 @@ def test_split_sparse_relu(tiny_relu):
     assert kl(ref, got) < 1e-3
 
 
+def test_logits_on_the_device(tiny_f32):
+    """With the last layer on the device and room for the output matrix, the final norm and the logits run
+    there too (in chunks of plan.logits_rows rows); the same logits as the host's."""
+    ref, _ = run_logits(tiny_f32, device="cpu")
+    got, plan = run_logits(tiny_f32, device="cpu:1", n_gpu_layers=2)
+    assert plan._d["output_on_device"] and plan.device_bytes["output"] > 0
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    # a budget without room for the output matrix keeps the logits on the host
+    tight = plan.device_bytes["total"] - plan.device_bytes["output"]
+    got2, plan2 = run_logits(tiny_f32, device="cpu:1", n_gpu_layers=2, vram=tight)
+    assert not plan2._d["output_on_device"] and plan2.device_bytes["output"] == 0
+    np.testing.assert_allclose(got2, ref, rtol=1e-5, atol=1e-5)
+    ids = list(range(200, 300))  # 100 rows of logits: chunks of 64 and 36
+    with optiml.Model(tiny_f32, n_ctx=128, n_batch=128, device="cpu:1", n_gpu_layers=4) as m:
+        assert m.plan._d["output_on_device"] and m.plan._d["logits_rows"] == 64
+        assert sum(m._session.device_allocations.values()) == m.plan.device_bytes["total"]
+        many = m.eval(ids, all_logits=True)
+    with optiml.Model(tiny_f32, n_ctx=128, n_batch=128, device="cpu") as m:
+        np.testing.assert_allclose(many, m.eval(ids, all_logits=True), rtol=1e-5, atol=1e-5)
+
+
 def test_split_with_stored_neuron_order(tiny_f32, tmp_path):
     """A placed file that kept its weights in file order and stores the order (optiml.placement.neuron_order):
     the device gathers its neurons (gate/up rows exactly, down as 8-bit neuron-major rows) and the host

@@ -184,8 +184,11 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
     bytes["ffn_weights"] = p.device_bytes.ffn_weights;
     bytes["kv"] = p.device_bytes.kv;
     bytes["scratch"] = p.device_bytes.scratch;
+    bytes["output"] = p.device_bytes.output;
     bytes["total"] = p.device_bytes.total();
     d["device_bytes"] = bytes;
+    d["output_on_device"] = p.output_on_device;
+    d["logits_rows"] = p.logits_rows;
     d["host_kv_bytes"] = p.host_kv_bytes;
     d["host_scratch_bytes"] = p.host_scratch_bytes;
     d["neuron_order"] = !p.neuron_order.empty();

@@ -236,6 +236,8 @@ private:
     std::vector<LayerExec> exec_;
     std::vector<LayerWeights> device_layers_;  // uploaded attention weights (and norms) of device layers
     Weight device_rope_freqs_;
+    Weight device_output_norm_, device_output_;  // with plan_.output_on_device
+    float* device_logits_ = nullptr;             // [plan_.logits_rows][n_vocab] on the device
     StepScratch host_s_, device_s_;
 
     SparsitySettings sparsity_;

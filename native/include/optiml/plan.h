@@ -38,7 +38,8 @@ struct LayerPlan {
 // Device bytes by use, as the engine allocates them.
 struct PlanBytes {
     size_t attn_weights = 0, ffn_weights = 0, kv = 0, scratch = 0;
-    size_t total() const { return attn_weights + ffn_weights + kv + scratch; }
+    size_t output = 0;  // the final norm, the output matrix and a buffer of logits_rows rows of logits
+    size_t total() const { return attn_weights + ffn_weights + kv + scratch + output; }
 };
 
 struct Plan {
@@ -48,6 +49,10 @@ struct Plan {
     std::vector<LayerPlan> layers;
     std::vector<int32_t> neuron_order;  // [n_layer * n_ff] placed -> file neuron; empty: identity
     PlanBytes device_bytes;
+    // The logits on the device too (when the last layer's attention is there and the budget holds the output
+    // matrix), logits_rows rows at a time.
+    bool output_on_device = false;
+    int32_t logits_rows = 0;
     size_t host_kv_bytes = 0, host_scratch_bytes = 0;
     int32_t n_ctx = 0, n_seq = 1, n_batch = 512, kv_type = TYPE_F16, device_threads = 1;
 
@@ -70,6 +75,8 @@ size_t attn_layer_bytes(const Model& m, int il);
 // The device's share of layer il's FFN, k placed neurons (contiguous: down as a column slice; else
 // neuron-major Q8_0 rows).
 size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous);
+// The final norm, the output matrix and logits_rows rows of logits.
+size_t output_bytes(const Model& m, int32_t logits_rows);
 // The block size k must be a multiple of for a contiguous share (the down matrix's block size).
 int32_t ffn_share_align(const Model& m, int il);
 

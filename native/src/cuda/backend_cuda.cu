@@ -8,7 +8,7 @@
 // What this first version does not do yet (issue #16, #17): integer (dp4a) products, CUDA graphs,
 // tiled prompt kernels, pinned host staging (a copy to pageable host memory blocks the calling thread
 // until the stream reaches it, so a split FFN whose residual lives on the host does not overlap yet),
-// and the output matrix on the GPU (the logits run on the host).
+// and the embedding table on the GPU (the embedding runs on the host; its rows are copied over).
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -88,7 +88,7 @@ public:
     }
 
     // ---- ops -----------------------------------------------------------------------------------
-    void embed(const Weight&, const int32_t*, int32_t, float, float*) override {
+    void embed(const Weight&, const int32_t*, int32_t, float, float*) override {  // (the plan keeps it there)
         throw Error("internal: the embedding runs on the host, not on " + name_);
     }
 
@@ -191,9 +191,22 @@ public:
         cuda_add(stream_, x, y, nullptr, count);
     }
 
-    void logits(const HParams&, const Weight&, const Weight&, const float*, const int32_t*, int32_t, float*,
-                float*) override {
-        throw Error("internal: the logits run on the host, not on " + name_);
+    void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x, const int32_t* rows,
+                int32_t n_rows, float* logits, float* scratch) override {
+        use();
+        const int64_t dim = hp.n_embd;
+        // Rows in place when they are the batch's last ones in order (the usual case), else gathered.
+        const float* in = x + (int64_t)rows[0] * dim;
+        for (int32_t r = 1; r < n_rows; r++)
+            if (rows[r] != rows[0] + r) {
+                for (int32_t i = 0; i < n_rows; i++) copy(scratch + i * dim, x + (int64_t)rows[i] * dim, 4 * dim);
+                in = scratch;
+                break;
+            }
+        cuda_rms_norm(stream_, in, (const float*)norm.data, scratch, n_rows, dim, hp.rms_eps);
+        int32_t held = -1;
+        product(output, scratch, scratch, held, n_rows, logits, false);
+        if (hp.final_softcap > 0) cuda_softcap(stream_, logits, (int64_t)n_rows * hp.n_vocab, hp.final_softcap);
     }
 
 private:

@@ -47,6 +47,8 @@ void cuda_add(cudaStream_t s, float* x, const float* y, const float* y2, int64_t
 // The product kernels then see the CPU's activations, so the two devices differ only in summation
 // order. out may be x.
 void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float* out, int32_t n, int64_t cols);
+// x = tanh(x / cap) * cap over count values (the final logits' soft cap).
+void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap);
 // g = act(g) * u elementwise over count values; act as FFNActivation (GELU: the tanh form, through
 // f16 as the CPU's table when gelu_f16: the CPU does so where the gate's input is 8-bit anyway).
 void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count);

@@ -140,6 +140,11 @@ __global__ void act_round_kernel(int32_t type, const float* x, float* out, int64
     }
 }
 
+__global__ void softcap_kernel(float* x, int64_t count, float cap) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] = tanhf(x[i] / cap) * cap;
+}
+
 unsigned blocks(int64_t count) { return (unsigned)((count + kThreads - 1) / kThreads); }
 
 }  // namespace
@@ -187,6 +192,12 @@ void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float*
             throw UnsupportedModelError(format("the CUDA backend cannot convert activations to type %d", type));
     }
     cuda_check(cudaSuccess, "activation rounding");
+}
+
+void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap) {
+    if (count <= 0) return;
+    OPTIML_LAUNCH(softcap_kernel, blocks(count), kThreads, s, x, count, cap);
+    cuda_check(cudaSuccess, "softcap");
 }
 
 void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count) {

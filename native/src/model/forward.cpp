@@ -2,6 +2,7 @@
 // embed -> per layer (attention, FFN) -> final norm -> logits. Every op goes to the backend the plan
 // names; the residual stream follows the layer's attention, and a layer's FFN may run on two devices
 // at once, each over its share of the neurons, the parts summed where the residual lives.
+#include <algorithm>
 #include <cstring>
 
 #include "layer_exec.h"
@@ -43,8 +44,18 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
         ffn_seen_[il] += (int64_t)n * hp.n_ff;
     }
 
+    if (plan_.output_on_device && n_out > 0) {  // home is the device: the last layer's attention runs there
+        Backend* dev = device_.get();
+        for (int32_t i = 0; i < n_out; i += plan_.logits_rows) {
+            const int32_t c = std::min(plan_.logits_rows, n_out - i);
+            dev->logits(hp, device_output_norm_, device_output_, device_s_.x, out_rows + i, c, device_logits_,
+                        device_s_.xn);
+            dev->copy_to_host(logits + (size_t)i * hp.n_vocab, device_logits_, sizeof(float) * c * hp.n_vocab);
+        }
+    }
     move(home, scratch(home).x, host_.get(), host_s_.x, x_floats);
-    if (n_out > 0) host_->logits(hp, M.output_norm, M.output, host_s_.x, out_rows, n_out, logits, host_s_.xn);
+    if (n_out > 0 && !plan_.output_on_device)
+        host_->logits(hp, M.output_norm, M.output, host_s_.x, out_rows, n_out, logits, host_s_.xn);
 }
 
 // One layer's FFN: the norm where the residual lives (`home`), then each device's share of the neurons,

@@ -46,6 +46,10 @@ size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous) {
     return n;
 }
 
+size_t output_bytes(const Model& m, int32_t logits_rows) {
+    return weight_bytes(m.output_norm) + weight_bytes(m.output) + sizeof(float) * (size_t)logits_rows * m.hp.n_vocab;
+}
+
 int32_t ffn_share_align(const Model& m, int il) {
     return (int32_t)type_traits(m.layers[il].ffn.down.type).block_size;
 }
@@ -73,9 +77,10 @@ std::string Plan::summary(const Model& m) const {
         s += format("device: %s, budget %s, used %s (%s)\n", device.c_str(),
                     budget < 0 ? "unlimited" : mib((size_t)budget).c_str(), mib(device_bytes.total()).c_str(),
                     reason.c_str());
-        s += format("  attention weights %s, FFN weights %s, KV cache %s, scratch %s\n",
+        s += format("  attention weights %s, FFN weights %s, KV cache %s, scratch %s, output %s%s\n",
                     mib(device_bytes.attn_weights).c_str(), mib(device_bytes.ffn_weights).c_str(),
-                    mib(device_bytes.kv).c_str(), mib(device_bytes.scratch).c_str());
+                    mib(device_bytes.kv).c_str(), mib(device_bytes.scratch).c_str(), mib(device_bytes.output).c_str(),
+                    output_on_device ? " (the logits on the device)" : "");
         s += format("  %d of %d layers' attention on the device; %lld of %lld FFN neurons (%.1f%%)%s\n",
                     layers_on_device(), hp.n_layer, (long long)neurons_on_device(),
                     (long long)hp.n_layer * hp.n_ff, 100.0 * neurons_on_device() / ((double)hp.n_layer * hp.n_ff),
@@ -235,6 +240,16 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
                 p.reason += format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str());
                 b = PlanBytes{};
                 p.device.clear();
+            }
+        }
+        // The logits where the residual stream ends, when the output matrix fits beside the rest.
+        if (p.uses_device() && p.layers[hp.n_layer - 1].attn_on_device) {
+            const int32_t rows = std::min(p.n_batch, 64);
+            const size_t ob = output_bytes(m, rows);
+            if ((int64_t)(b.total() + ob) <= budget) {
+                p.output_on_device = true;
+                p.logits_rows = rows;
+                b.output = ob;
             }
         }
     }

@@ -193,6 +193,11 @@ void Session::bind_devices() {
             }
         }
     }
+    if (plan_.output_on_device) {
+        device_output_norm_ = dev->upload(M.output_norm, "output");
+        device_output_ = dev->upload(M.output, "output");
+        device_logits_ = (float*)dev->alloc(sizeof(float) * (size_t)plan_.logits_rows * hp.n_vocab, "output");
+    }
     if (dev) dev->synchronize();
     // The plan's count is the allocation's: a mismatch is a bug in one of them.
     if (dev && dev->allocated_bytes() != plan_.device_bytes.total())
