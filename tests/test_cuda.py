@@ -90,15 +90,11 @@ def test_whole_model_on_the_gpu(request, name):
     path = request.getfixturevalue(f"{name}_path")
     ids = prompt_ids(path)
     ref = logits(path, ids, device="cpu")
-    kw = {}
-    if EMULATED and name == "gemma3":  # its 262144-row output matrix takes minutes there: logits on the host
-        p = optiml.plan.make(path, n_ctx=128, device="cuda").device_bytes
-        kw["vram"] = p["total"] - p["output"]
-    with optiml.Model(path, n_ctx=128, device="cuda", **kw) as m:
+    with optiml.Model(path, n_ctx=128, device="cuda") as m:
         assert m.plan.device.startswith("cuda")
         assert all(layer["attention"] != "cpu" and layer["ffn_on_device"] == m.hparams["n_ff"]
                    for layer in m.plan.layers), str(m.plan)
-        assert m.plan._d["output_on_device"] != bool(kw)  # the logits too, unless kept on the host
+        assert m.plan._d["output_on_device"]  # the logits too
         assert sum(m._session.device_allocations.values()) == m.plan.device_bytes["total"]  # byte for byte
         got = m.eval(ids, all_logits=True)
     assert np.isfinite(got).all()
@@ -149,21 +145,22 @@ def test_placement_with_stored_neuron_order(tiny, tmp_path):
     assert mean_kld(ref, got) < 1e-4
 
 
-def test_greedy_decoding_matches_the_cpu(tiny):
+@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+def test_greedy_decoding_matches_the_cpu(request, tiny, name):
     """Decode steps (one token each, the KV cache growing) on both devices: the same tokens until the CPU's
     top two logits are a near-tie."""
-    path = tiny["q4_k"]
+    path = tiny["q4_k"] if name == "tiny" else request.getfixturevalue("smollm2_path")
     with optiml.Model(path, n_ctx=64, device="cpu") as cpu, optiml.Model(path, n_ctx=64, device="cuda") as gpu:
-        ids = list(range(400, 406))
+        ids = list(range(400, 406)) if name == "tiny" else prompt_ids(path)[:6]
         lc, lg = cpu.eval(ids), gpu.eval(ids)
-        for i in range(12):
+        for i in range(12 if EMULATED else 32):
             x, y = int(np.argmax(lc)), int(np.argmax(lg))
             if x != y:
                 top = np.sort(lc)[-2:]
                 assert top[1] - top[0] < NEAR_TIE, f"token {i}: GPU {y}, CPU {x}, CPU margin {top[1] - top[0]:.3f}"
                 return
             lc, lg = cpu.eval([x]), gpu.eval([x])
-        assert mean_kld(lc[None], lg[None]) < 1e-4
+        assert mean_kld(lc[None], lg[None]) < (1e-4 if name == "tiny" else KLD_BOUND)
 
 
 def test_batched_decode_equals_one_sequence_at_a_time(tiny):

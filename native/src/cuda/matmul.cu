@@ -1,6 +1,6 @@
 // Products of quantized weights with float activations on the GPU: one warp per weight row, each lane
 // dequantizing eight values at a time (dequant.cuh, the same arithmetic as the CPU's dequantization)
-// and applying them to up to kTokens tokens, then a warp reduction. A prompt runs as kTokens-token
+// and applying them to up to kTokens tokens, then the lanes' sums added through shared memory. A prompt runs as kTokens-token
 // slices of the grid, each reading the weights again: correct at any batch size, fast only for decode.
 #include "dequant.cuh"
 #include "kernels.cuh"
@@ -40,15 +40,18 @@ __global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64
             acc[t] += s;
         }
     }
+    // The warp's 32 partial sums of each token through shared memory: lane t adds token t's, one exchange
+    // for all tokens instead of a five-shuffle tree per token.
+    __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
 #pragma unroll
-    for (int t = 0; t < kTokens; t++) {
-        if (t >= nt) break;  // the same for the whole warp: a decode step reduces one sum, not kTokens
-        float s = acc[t];
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (lane == 0) {
-            float* out = y + (size_t)(t0 + t) * rows + r;
-            *out = accumulate ? *out + s : s;
-        }
+    for (int t = 0; t < kTokens; t++)
+        if (t < nt) partial[threadIdx.y][t][lane] = acc[t];
+    __syncwarp();
+    if (lane < nt) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += partial[threadIdx.y][lane][i];
+        float* out = y + (size_t)(t0 + lane) * rows + r;
+        *out = accumulate ? *out + s : s;
     }
 }
 

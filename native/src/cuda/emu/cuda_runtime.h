@@ -53,6 +53,7 @@ T shfl_xor(T v, int mask) {
 #define __forceinline__ inline
 #define __shared__ static thread_local
 #define __syncthreads() ::optiml_emu::syncthreads()
+#define __syncwarp(...) ::optiml_emu::warp_barrier()
 #define __shfl_xor_sync(mask, v, off) ::optiml_emu::shfl_xor((v), (off))
 #define OPTIML_LAUNCH(kernel, grid, block, stream, ...) \
     ::optiml_emu::launch(dim3(grid), dim3(block), [&] { kernel(__VA_ARGS__); })
