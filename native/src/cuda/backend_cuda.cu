@@ -232,17 +232,18 @@ private:
     // The batch's sequence ids and positions on the device ([seq..., pos...]), copied once per step: the
     // layers of a step see the same batch, so a copy happens only when its contents change.
     const int32_t* batch_on_device(const BatchView& b) {
-        const size_t count = 2 * (size_t)b.n;
-        std::vector<int32_t> now(count);
-        std::memcpy(now.data(), b.seq, sizeof(int32_t) * b.n);
-        std::memcpy(now.data() + b.n, b.pos, sizeof(int32_t) * b.n);
-        if (now == batch_host_ && batch_dev_) return batch_dev_;
+        const size_t count = 2 * (size_t)b.n, half = sizeof(int32_t) * b.n;
+        if (batch_dev_ && batch_host_.size() == count && std::memcmp(batch_host_.data(), b.seq, half) == 0 &&
+            std::memcmp(batch_host_.data() + b.n, b.pos, half) == 0)
+            return batch_dev_;
         if (count > batch_capacity_) {
             // Grows to the largest batch once; counted as scratch like the rest of the step's memory.
             batch_capacity_ = count < 1024 ? 1024 : count;
             batch_dev_ = (int32_t*)alloc(sizeof(int32_t) * batch_capacity_, "scratch");
         }
-        batch_host_ = std::move(now);
+        batch_host_.resize(count);
+        std::memcpy(batch_host_.data(), b.seq, half);
+        std::memcpy(batch_host_.data() + b.n, b.pos, half);
         copy_from_host(batch_dev_, batch_host_.data(), sizeof(int32_t) * count);
         return batch_dev_;
     }
@@ -271,8 +272,6 @@ private:
 };
 
 }  // namespace
-
-bool cuda_reads_type(int32_t type) { return cuda_type_supported(type); }
 
 std::unique_ptr<Backend> make_cuda_backend(int index) {
     std::string why;

@@ -28,8 +28,6 @@ void cuda_check(cudaError_t err, const char* what);
 // `type`, row_bytes apart. UnsupportedModelError for a type the CUDA backend does not read.
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate);
-// Whether cuda_matmul reads `type`.
-bool cuda_type_supported(int32_t type);
 
 // y[t][d] = dim_scale[d] * sum_j h[t][j] * down[j][d]: a share's down product over its neuron-major Q8_0
 // rows (optiml/sparse.h's NeuronMajor: row j is neuron j's down column), for n_neurons neurons and dim

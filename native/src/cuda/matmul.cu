@@ -5,6 +5,7 @@
 #include "dequant.cuh"
 #include "kernels.cuh"
 #include "optiml/common.h"
+#include "optiml/cuda.h"
 
 namespace optiml {
 
@@ -93,7 +94,7 @@ void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_b
     cuda_check(cudaSuccess, "down product (neuron-major)");
 }
 
-bool cuda_type_supported(int32_t type) { return cudaq::block_size_of(type) > 0; }
+bool cuda_reads_type(int32_t type) { return cudaq::block_size_of(type) > 0; }
 
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate) {

@@ -177,7 +177,6 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
     Block* outer = g_block;
     g_block = &b;
     const int n = (int)(block.x * block.y * block.z);
-    if ((int)b.fibers.size() < n) b.fibers.resize(n);
     b.fibers.resize(n);
     b.slots.assign(n, 0);
     b.body = &body;
