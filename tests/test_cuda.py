@@ -190,3 +190,18 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny):
 def test_budget_too_small_is_refused(tiny):
     with pytest.raises(optiml.ArgumentError, match="needs"):
         optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, vram="1MiB")
+
+
+def test_timeline_times_the_gpu_ops(tiny):
+    """optiml bench --timeline on a split model: the GPU's ops are timed between CUDA events and land on
+    the host's clock, inside the recorded window, with both devices' FFN shares in every layer."""
+    with optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", gpu_neurons=512) as m:
+        t = m.timeline(2, prompt="Hello world")
+    assert t.devices[1].startswith("cuda")
+    first, last = min(s[3] for s in t.spans), max(s[4] for s in t.spans)
+    for dev, layer, kind, t0, t1 in t.spans:
+        assert first <= t0 <= t1 <= last
+    for layer in range(4):
+        kinds = {(s[0], s[2]) for s in t.spans if s[1] == layer}
+        assert {(0, "ffn"), (1, "ffn")} <= kinds, (layer, kinds)
+    assert sum(1 for s in t.spans if s[0] == 1 and s[2] == "ffn") == 2 * 4  # one per layer and step

@@ -9,6 +9,8 @@
 #include <nanobind/stl/vector.h>
 
 #include "optiml/common.h"
+#include "optiml/cuda.h"
+#include "optiml/measure_device.h"
 #include "optiml/model.h"
 #include "optiml/predictor.h"
 
@@ -244,7 +246,36 @@ nb::ndarray<nb::numpy, float> eval(PySession& s, Tokens1D tokens, bool all_logit
 
 }  // namespace
 
+// optiml hw: a device's sync, copy and per-op costs, measured through the backend interface.
+nb::dict measure_device_py(const std::string& device, size_t bytes, size_t small_bytes, int n_threads) {
+    std::unique_ptr<Backend> be;
+    if (device.compare(0, 4, "cuda") == 0 && (device.size() == 4 || device[4] == ':')) {
+        be = make_cuda_backend(device.size() > 5 ? std::atoi(device.c_str() + 5) : 0);
+    } else if (device.compare(0, 4, "cpu:") == 0 && device.size() > 4) {
+        be = make_cpu_device_backend(std::atoi(device.c_str() + 4), n_threads < 1 ? 1 : n_threads);
+    } else {
+        throw ArgumentError(format("measure_device: %s is not a device to measure; use cuda[:N] or cpu:N",
+                                   device.c_str()));
+    }
+    DeviceMeasurements r;
+    {
+        nb::gil_scoped_release release;
+        r = measure_device(*be, bytes, small_bytes);
+    }
+    nb::dict d;
+    d["device"] = be->name();
+    d["sync_s"] = r.sync_s;
+    d["transfer_latency_s"] = r.transfer_latency_s;
+    d["h2d_bytes_per_s"] = r.h2d_bytes_per_s;
+    d["d2h_bytes_per_s"] = r.d2h_bytes_per_s;
+    d["device_bytes_per_s"] = r.device_bytes_per_s;
+    d["op_s"] = r.op_s;
+    return d;
+}
+
 void bind_model(nb::module_& m) {
+    m.def("measure_device", &measure_device_py, nb::arg("device"), nb::arg("bytes") = (size_t)256 << 20,
+          nb::arg("small_bytes") = (size_t)16384, nb::arg("n_threads") = 1);
     nb::class_<PyModel>(m, "Model")
         .def(nb::new_([](const std::string& path) { return load_model(path); }), nb::arg("path"))
         // bytes (os.fsencode): file names that are not UTF-8 load too
@@ -284,6 +315,21 @@ void bind_model(nb::module_& m) {
             nb::dict d;
             for (const auto& [k, v] : s.session->device_allocations()) d[k.c_str()] = v;
             return d;
+        })
+        .def("timeline_start", [](PySession& s) {
+            nb::gil_scoped_release release;  // waits for the device's stream
+            s.session->timeline_start();
+        })
+        .def("timeline_stop", [](PySession& s) {
+            std::vector<Session::TimedSpan> spans;
+            {
+                nb::gil_scoped_release release;
+                spans = s.session->timeline_stop();
+            }
+            nb::list out;  // (device 0 host / 1 the plan's device, layer or -1, kind, t0, t1)
+            for (const Session::TimedSpan& t : spans)
+                out.append(nb::make_tuple(t.device, t.span.layer, span_kind_name(t.span.kind), t.span.t0, t.span.t1));
+            return out;
         })
         .def("eval", &eval, nb::arg("tokens"), nb::arg("all_logits") = false)
         .def_prop_ro("n_past", [](const PySession& s) { return s.session->n_past(); })

@@ -330,6 +330,38 @@ class Model:
             self._tokens.extend(int(t) for t in ids)
         return logits
 
+    def timeline(self, n_tokens: int = 8, prompt: str = "The history of the printing press begins",
+                 batch: int = 1):
+        """Decodes ``n_tokens`` steps greedily after ``prompt`` while the engine times every op, copy and
+        wait on each device (optiml.timeline.Timeline; str() is a per-layer table). batch > 1 times steps
+        of that many tokens instead (the prompt's last tokens again, as in prompt processing). The context
+        is emptied before and after."""
+        from .timeline import Timeline
+
+        n_tokens = _positive_int("n_tokens", n_tokens)
+        batch = _positive_int("batch", batch)
+        ids = self.tokenize(prompt)
+        if len(ids) + n_tokens * batch > self.n_ctx:
+            raise ArgumentError(f"the prompt ({len(ids)} tokens) and {n_tokens} steps of {batch} token(s) do not "
+                                f"fit the context of {self.n_ctx}; use fewer tokens or a larger n_ctx")
+        self.reset()
+        with self._exclusive():
+            self._forget_seq0()
+            logits = self._session.eval(np.asarray(ids, np.int32), False)
+            self._session.timeline_start()
+            try:
+                for _ in range(n_tokens):
+                    step = np.asarray(ids[-batch:] if batch > 1 else [int(np.argmax(logits))], np.int32)
+                    if len(step) < batch:
+                        step = np.resize(step, batch)
+                    logits = self._session.eval(step, False)
+            finally:
+                spans = self._session.timeline_stop()
+        self.reset()
+        plan = self.plan
+        devices = (("cpu", plan.device) if plan.device != "cpu" else ("cpu",))
+        return Timeline(spans, devices, n_tokens)
+
     def reset(self) -> None:
         """Empties the context."""
         with self._exclusive():

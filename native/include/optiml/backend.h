@@ -104,6 +104,18 @@ struct StepScratch {
     float *gate = nullptr, *up = nullptr, *y = nullptr, *y2 = nullptr;
 };
 
+// One span of a backend's timeline (`optiml bench --timeline`): what ran on the backend's stream, for
+// which layer (-1: outside the layers), from t0 to t1 in seconds of the host's steady clock. Wait is a
+// stream (or, for the host, its thread) standing still until another backend reaches an event.
+enum class SpanKind : uint8_t { Embed, Norm, Attention, FFN, Join, Logits, CopyIn, CopyOut, Copy, Wait };
+struct Span {
+    int32_t layer;
+    SpanKind kind;
+    double t0, t1;
+};
+const char* span_kind_name(SpanKind k);
+double trace_clock();  // seconds, the clock spans are in
+
 class Backend {
 public:
     explicit Backend(std::string name) : name_(std::move(name)) {}
@@ -159,6 +171,14 @@ public:
     virtual void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x,
                         const int32_t* rows, int32_t n_rows, float* logits, float* scratch) = 0;
 
+    // ---- timeline ------------------------------------------------------------------------------
+    // Between trace_start() and trace_stop() every op and copy enqueued is timed where it runs (on the
+    // device: events around it). trace_stop() waits for the stream and returns the spans in order.
+    // trace_layer() names the layer the next ops belong to (the session sets it; -1 outside layers).
+    void trace_start();
+    std::vector<Span> trace_stop();
+    void trace_layer(int layer) { trace_layer_.store(layer, std::memory_order_relaxed); }
+
     // ---- weights on this device ----------------------------------------------------------------
     // A copy of w (or of its rows [r0, r1)) in this backend's memory, counted as "weights".
     Weight upload(const Weight& w, const char* what = "weights");
@@ -168,6 +188,14 @@ public:
 
 protected:
     std::string name_;
+
+    bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
+    int current_trace_layer() const { return trace_layer_.load(std::memory_order_relaxed); }
+    void add_span(int layer, SpanKind kind, double t0, double t1);
+    // A device whose spans are timed by events marks the start of the timeline (trace_start, stream
+    // drained) and turns its events into spans (trace_stop, stream drained).
+    virtual void begin_spans() {}
+    virtual void collect_spans() {}
 
 private:
     virtual void* device_alloc(size_t bytes) = 0;  // zeroed memory
@@ -185,6 +213,11 @@ private:
     std::vector<Allocation> blocks_;
     size_t allocated_ = 0;
     std::mutex alloc_mutex_;
+
+    std::atomic<bool> tracing_{false};
+    std::atomic<int> trace_layer_{-1};
+    std::mutex trace_mutex_;
+    std::vector<Span> spans_;
 };
 
 // "cpu": the host backend over `pool`. "cpu:N" (N >= 1): another CPU instance with its own worker

@@ -218,10 +218,21 @@ public:
     // dense, on the host: ArgumentError when the plan puts any layer on a device). nullptr detaches.
     void set_recorder(std::shared_ptr<ActivationRecorder> rec);
 
+    // The timeline of the steps run between the two calls: every span of the host (index 0) and of
+    // the plan's device (index 1), in time order (see Backend::trace_start).
+    struct TimedSpan {
+        int32_t device;
+        Span span;
+    };
+    void timeline_start();
+    std::vector<TimedSpan> timeline_stop();
+    const Backend* device_backend() const { return device_.get(); }
+
 private:
     struct LayerExec;
     void forward(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home);
+    void trace_layer(int layer);
     void move(Backend* from, const float* src, Backend* to, float* dst, size_t n_floats);
     const StepScratch& scratch(const Backend* be) const;
     void bind_devices();

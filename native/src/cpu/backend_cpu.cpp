@@ -54,12 +54,18 @@ public:
     void wait(const Event& e) override {
         if (!e.backend || e.backend == this) return;  // stream order already
         if (!async_) {
+            if (!tracing()) {
+                e.backend->host_wait(e);
+                return;
+            }
+            const double t0 = trace_clock();
             e.backend->host_wait(e);
+            add_span(current_trace_layer(), SpanKind::Wait, t0, trace_clock());
             return;
         }
         Backend* other = e.backend;
         const Event ev = e;
-        submit([other, ev] { other->host_wait(ev); });
+        submit(SpanKind::Wait, [other, ev] { other->host_wait(ev); });
     }
 
     void host_wait(const Event& e) override {
@@ -72,19 +78,19 @@ public:
     void synchronize() override { host_wait(record()); }
 
     void copy_from_host(void* dst, const void* src, size_t bytes) override {
-        submit([=] { std::memcpy(dst, src, bytes); });
+        submit(SpanKind::CopyIn, [=] { std::memcpy(dst, src, bytes); });
     }
     void copy_to_host(void* dst, const void* src, size_t bytes) override {
-        submit([=] { std::memcpy(dst, src, bytes); });
+        submit(SpanKind::CopyOut, [=] { std::memcpy(dst, src, bytes); });
     }
     void copy(void* dst, const void* src, size_t bytes) override {
-        submit([=] { std::memmove(dst, src, bytes); });
+        submit(SpanKind::Copy, [=] { std::memmove(dst, src, bytes); });
     }
 
     // ---- ops -----------------------------------------------------------------------------------
     void embed(const Weight& table, const int32_t* tokens, int32_t n, float scale, float* x) override {
         const Weight w = table;
-        submit([=] {
+        submit(SpanKind::Embed, [=] {
             const int64_t dim = w.cols;
             for (int32_t t = 0; t < n; t++) {
                 float* xt = x + t * dim;
@@ -97,7 +103,7 @@ public:
 
     void rms_norm(const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) override {
         const Weight ww = w;
-        submit([=] { rms_norm_rows(*pool_, x, ww, out, n, dim, eps); });
+        submit(SpanKind::Norm, [=] { rms_norm_rows(*pool_, x, ww, out, n, dim, eps); });
     }
 
     void attention(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
@@ -105,13 +111,13 @@ public:
         const HParams* php = &hp;
         const LayerWeights* pl = &L;
         const Weight rf = rope_freqs;
-        submit([=] { attention_cpu(*pool_, kt_, *php, layer, *pl, rf, kv, b, x, s); });
+        submit(SpanKind::Attention, [=] { attention_cpu(*pool_, kt_, *php, layer, *pl, rf, kv, b, x, s); });
     }
 
     void ffn(const HParams& hp, int layer, const FFNShare& share, const FFNSparsity& sp, const float* xn, int32_t n,
              float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) override {
         const HParams* php = &hp;
-        submit([=] {
+        submit(SpanKind::FFN, [=] {
             const HParams& h = *php;
             const FFNScratch fs{s.gate, s.up};
             const int64_t all = (int64_t)n * (share.rows ? share.n_rows : share.w->gate.rows);
@@ -152,7 +158,7 @@ public:
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
         const HParams* php = &hp;
         const FFNWeights* pw = &w;
-        submit([=] {
+        submit(SpanKind::Join, [=] {
             const int64_t m = (int64_t)n * php->n_embd;
             if (y2)
                 for (int64_t i = 0; i < m; i++) y[i] += y2[i];
@@ -164,7 +170,7 @@ public:
                 int32_t n_rows, float* logits, float* scratch) override {
         const HParams* php = &hp;
         const Weight nw = norm, ow = output;
-        submit([=] {
+        submit(SpanKind::Logits, [=] {
             const HParams& h = *php;
             const int64_t dim = h.n_embd;
             // Rows in place when they are the batch's last ones in order (the usual case), else gathered.
@@ -194,7 +200,16 @@ private:
     }
     void device_free(void* p) override { std::free(p); }
 
-    void submit(std::function<void()> fn) {
+    // Runs fn on this backend's stream (inline for the host), timed as a span of `kind` while tracing.
+    void submit(SpanKind kind, std::function<void()> fn) {
+        if (tracing()) {
+            const int layer = current_trace_layer();
+            fn = [this, kind, layer, op = std::move(fn)] {
+                const double t0 = trace_clock();
+                op();
+                add_span(layer, kind, t0, trace_clock());
+            };
+        }
         if (!async_) {
             fn();
             return;

@@ -43,6 +43,11 @@ public:
         cudaStreamSynchronize(stream_);
         free_all();
         for (cudaEvent_t e : events_) cudaEventDestroy(e);
+        for (const TimedOp& op : timed_) {
+            cudaEventDestroy(op.start);
+            cudaEventDestroy(op.end);
+        }
+        if (trace_base_) cudaEventDestroy(trace_base_);
         cudaStreamDestroy(stream_);
     }
 
@@ -76,14 +81,17 @@ public:
 
     void copy_from_host(void* dst, const void* src, size_t bytes) override {
         use();
+        const OpSpan span(*this, SpanKind::CopyIn);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copying to the GPU");
     }
     void copy_to_host(void* dst, const void* src, size_t bytes) override {
         use();
+        const OpSpan span(*this, SpanKind::CopyOut);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copying from the GPU");
     }
     void copy(void* dst, const void* src, size_t bytes) override {
         use();
+        const OpSpan span(*this, SpanKind::Copy);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copying on the GPU");
     }
 
@@ -94,12 +102,14 @@ public:
 
     void rms_norm(const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) override {
         use();
+        const OpSpan span(*this, SpanKind::Norm);
         cuda_rms_norm(stream_, x, (const float*)w.data, out, n, dim, eps);
     }
 
     void attention(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
                    const KVLayerView& kv, const BatchView& b, float* x, const StepScratch& s) override {
         use();
+        const OpSpan span(*this, SpanKind::Attention);
         const int32_t n = b.n;
         const int32_t* seq = batch_on_device(b);
         const int32_t* pos = seq + n;
@@ -161,6 +171,7 @@ public:
             (!nm || nm->type != TYPE_Q8_0 || nm->grouped || share.nm_slot || !nm->external_dim_scale))
             throw Error("internal: a CUDA share's down matrix is neither dense nor 8-bit neuron-major rows");
         use();
+        const OpSpan span(*this, SpanKind::FFN);
         const FFNWeights& w = *share.w;
         const int64_t width = w.gate.rows;
         int32_t held = -1;  // y holds xn rounded for gate and up until down writes it
@@ -184,6 +195,7 @@ public:
 
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
         use();
+        const OpSpan span(*this, SpanKind::Join);
         const int64_t count = (int64_t)n * hp.n_embd;
         if (y2) cuda_add(stream_, y, y2, nullptr, count);
         cuda_add_bias(stream_, y, (const float*)w.down_b.data, n, hp.n_embd);
@@ -194,6 +206,7 @@ public:
     void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x, const int32_t* rows,
                 int32_t n_rows, float* logits, float* scratch) override {
         use();
+        const OpSpan span(*this, SpanKind::Logits);
         const int64_t dim = hp.n_embd;
         // Rows in place when they are the batch's last ones in order (the usual case), else gathered.
         const float* in = x + (int64_t)rows[0] * dim;
@@ -248,6 +261,69 @@ private:
         return batch_dev_;
     }
 
+    // ---- timeline: a pair of timing events around each op while tracing ---------------------------
+    struct TimedOp {
+        int layer;
+        SpanKind kind;
+        cudaEvent_t start, end;
+    };
+    // An event recorded now on the stream, or nullptr when CUDA refuses (the op's span is then left out:
+    // timing must never fail the op it times, nor throw from a destructor).
+    cudaEvent_t timing_event() noexcept {
+        cudaEvent_t e = nullptr;
+        if (cudaEventCreate(&e) != cudaSuccess) {
+            cudaGetLastError();
+            return nullptr;
+        }
+        if (cudaEventRecord(e, stream_) != cudaSuccess) {
+            cudaGetLastError();
+            cudaEventDestroy(e);
+            return nullptr;
+        }
+        return e;
+    }
+    struct OpSpan {
+        CudaBackend& be;
+        int layer = -1;
+        SpanKind kind;
+        cudaEvent_t start = nullptr;
+        OpSpan(CudaBackend& b, SpanKind k) : be(b), kind(k) {
+            if (be.tracing()) {
+                layer = be.current_trace_layer();
+                start = be.timing_event();
+            }
+        }
+        ~OpSpan() {
+            if (!start) return;
+            cudaEvent_t end = be.timing_event();
+            if (end) {
+                be.timed_.push_back({layer, kind, start, end});
+            } else {
+                cudaEventDestroy(start);
+            }
+        }
+    };
+    // The stream is empty: an event recorded now completes at once, at (about) this host time.
+    void begin_spans() override {
+        use();
+        if (!trace_base_) cuda_check(cudaEventCreate(&trace_base_), "creating a timing event");
+        cuda_check(cudaEventRecord(trace_base_, stream_), "recording a timing event");
+        cuda_check(cudaEventSynchronize(trace_base_), "waiting for the GPU");
+        trace_base_host_ = trace_clock();
+    }
+    void collect_spans() override {
+        use();
+        for (const TimedOp& op : timed_) {
+            float a = 0, b = 0;
+            cuda_check(cudaEventElapsedTime(&a, trace_base_, op.start), "timing an op");
+            cuda_check(cudaEventElapsedTime(&b, trace_base_, op.end), "timing an op");
+            add_span(op.layer, op.kind, trace_base_host_ + a * 1e-3, trace_base_host_ + b * 1e-3);
+            cudaEventDestroy(op.start);
+            cudaEventDestroy(op.end);
+        }
+        timed_.clear();
+    }
+
     void* device_alloc(size_t bytes) override {
         use();
         void* p = nullptr;
@@ -269,6 +345,9 @@ private:
     int32_t* batch_dev_ = nullptr;
     size_t batch_capacity_ = 0;
     std::vector<int32_t> batch_host_;  // what batch_dev_ holds
+    std::vector<TimedOp> timed_;
+    cudaEvent_t trace_base_ = nullptr;
+    double trace_base_host_ = 0;
 };
 
 }  // namespace

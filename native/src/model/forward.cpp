@@ -13,6 +13,25 @@ namespace optiml {
 
 const StepScratch& Session::scratch(const Backend* be) const { return be == host_.get() ? host_s_ : device_s_; }
 
+void Session::trace_layer(int layer) {
+    host_->trace_layer(layer);
+    if (device_) device_->trace_layer(layer);
+}
+
+void Session::timeline_start() {
+    host_->trace_start();
+    if (device_) device_->trace_start();
+}
+
+std::vector<Session::TimedSpan> Session::timeline_stop() {
+    std::vector<TimedSpan> out;
+    for (const Span& s : host_->trace_stop()) out.push_back({0, s});
+    if (device_)
+        for (const Span& s : device_->trace_stop()) out.push_back({1, s});
+    std::stable_sort(out.begin(), out.end(), [](const TimedSpan& a, const TimedSpan& b) { return a.span.t0 < b.span.t0; });
+    return out;
+}
+
 // Moves n floats between backends in stream order: the receiver can use them in its next op.
 void Session::move(Backend* from, const float* src, Backend* to, float* dst, size_t n) {
     if (from == to) return;
@@ -32,10 +51,12 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
     const size_t x_floats = (size_t)n * hp.n_embd;
 
     Backend* home = host_.get();  // where the residual stream is
+    trace_layer(-1);
     home->embed(M.tok_embd, tokens, n, hp.embd_scale, host_s_.x);
 
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerExec& E = exec_[il];
+        trace_layer(il);
         move(home, scratch(home).x, E.attn, scratch(E.attn).x, x_floats);
         home = E.attn;
         const Weight& rope_freqs = home == host_.get() ? M.rope_freqs : device_rope_freqs_;
@@ -44,6 +65,7 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
         ffn_seen_[il] += (int64_t)n * hp.n_ff;
     }
 
+    trace_layer(-1);
     if (plan_.output_on_device && n_out > 0) {  // home is the device: the last layer's attention runs there
         Backend* dev = device_.get();
         for (int32_t i = 0; i < n_out; i += plan_.logits_rows) {

@@ -1,6 +1,8 @@
 // What every backend shares: counted allocations and uploads of weights (native/include/optiml/backend.h).
 #include "optiml/backend.h"
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 
 #include "optiml/common.h"
@@ -29,6 +31,40 @@ std::vector<std::pair<std::string, size_t>> Backend::allocation_summary() const 
     std::map<std::string, size_t> by_use;
     for (const Allocation& a : blocks_) by_use[a.what] += a.bytes;
     return {by_use.begin(), by_use.end()};
+}
+
+const char* span_kind_name(SpanKind k) {
+    static const char* const names[] = {"embed", "norm", "attention", "ffn", "join", "logits",
+                                        "copy_in", "copy_out", "copy", "wait"};
+    return names[(int)k];
+}
+
+double trace_clock() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void Backend::trace_start() {
+    synchronize();  // spans of work queued before the start would straddle it
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    spans_.clear();
+    begin_spans();
+    tracing_.store(true);
+}
+
+std::vector<Span> Backend::trace_stop() {
+    synchronize();
+    collect_spans();
+    tracing_.store(false);
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    std::vector<Span> out = std::move(spans_);
+    spans_.clear();
+    std::stable_sort(out.begin(), out.end(), [](const Span& a, const Span& b) { return a.t0 < b.t0; });
+    return out;
+}
+
+void Backend::add_span(int layer, SpanKind kind, double t0, double t1) {
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    spans_.push_back({layer, kind, t0, t1});
 }
 
 Weight Backend::upload(const Weight& w, const char* what) {

@@ -5,6 +5,7 @@
 // call). The scheduler runs every runnable fiber in turn; a fiber that reaches a barrier stops there
 // until all live fibers of its block (or warp) have reached it, and a barrier that can never open (a
 // kernel that diverges around __syncthreads) aborts with a message rather than hang.
+#include <chrono>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -270,10 +271,26 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
 }
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
-    *e = nullptr;
+// Launches and copies run to completion when they are made, so an event completes when it is recorded:
+// its time is the host's clock then.
+struct optiml_emu_event {
+    double t = 0;
+};
+cudaError_t cudaEventCreate(cudaEvent_t* e) {
+    *e = new optiml_emu_event;
     return cudaSuccess;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+    e->t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+    *ms = (float)((end->t - start->t) * 1e3);
+    return cudaSuccess;
+}
 cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
