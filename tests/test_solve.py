@@ -76,6 +76,59 @@ def test_hardware_auto():
     assert "cpu_bandwidth" in hw.source or hw.source == "defaults"
 
 
+def test_hardware_measure_on_the_second_cpu_device(tmp_path):
+    """optiml hw's numbers: every rate and cost measured (positive, finite), the profile round-trips through
+    its JSON file, and solve weighs the CPU share at the measured rate of the model's FFN type."""
+    hw = Hardware.measure(device="cpu:1", types=("q4_0", "q8_0"), weight_bytes=4 << 20, n_threads=1)
+    assert set(hw.cpu_dense) == set(hw.cpu_sparse) == {"q4_0", "q8_0"}
+    for v in [*hw.cpu_dense.values(), *hw.cpu_sparse.values(), hw.cpu_bandwidth, hw.gpu_bandwidth,
+              hw.transfer_bandwidth, hw.transfer_latency, hw.launch_overhead]:
+        assert 0 < v < 1e15 and math.isfinite(v)
+    assert hw.sync_cost >= 0 and "cpu:1" in hw.source and "gpu_bandwidth" in hw.source
+    p = tmp_path / "hw.json"
+    hw.save(p)
+    back = Hardware.from_json(p)
+    assert back.to_dict() | {"source": ""} == hw.to_dict() | {"source": ""}
+    q4 = back.for_type("Q4_0")
+    assert q4.cpu_bandwidth == hw.cpu_sparse["q4_0"] and "Q4_0 rate" in q4.source
+    assert back.for_type("F16") is back  # not measured: cpu_bandwidth as it is
+
+
+@pytest.mark.parametrize("content", [{"cpu_sparse": {"q4_0": -1.0}}, {"cpu_dense": [1, 2]},
+                                     {"cpu_sparse": {"q4_0": True}}])
+def test_hardware_json_bad_rates(tmp_path, content):
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(content))
+    with pytest.raises(ArgumentError, match="type names to bytes/s"):
+        Hardware.from_json(p)
+
+
+def test_hardware_measure_bad_input():
+    with pytest.raises(ArgumentError, match="density"):
+        Hardware.measure(density=0)
+    with pytest.raises(ArgumentError, match="not a device"):
+        Hardware.measure(device="gpu", types=(), weight_bytes=1 << 20)
+
+
+def test_hw_command_writes_what_solve_reads(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    rc = cli.main(["hw", "--device", "cpu:1", "--types", "q4_1", "--size", "2MiB", "-t", "1", "-q", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "q4_1" in text and "device cpu:1" in text and f"--hardware {out}" in text
+    assert set(json.loads(out.read_text())["cpu_sparse"]) == {"q4_1"}
+
+
+def test_solve_uses_the_measured_cpu_rate(smollm2_path, smollm2_stats):
+    """SmolLM2's FFN is Q4_1: a profile whose Q4_1 rows are slow makes the CPU share cost more, so the estimate
+    of the all-CPU time grows in proportion."""
+    fast = solve_placement(smollm2_path, smollm2_stats, 60 * 2**20, FAST, ctx=256)
+    slow = solve_placement(smollm2_path, smollm2_stats, 60 * 2**20,
+                           Hardware(**{**{k: v for k, v in FAST.to_dict().items() if k != "source"},
+                                       "cpu_sparse": {"q4_1": FAST.cpu_bandwidth / 4}}), ctx=256)
+    assert slow.cpu_only_token_s > 2 * fast.cpu_only_token_s
+    assert "Q4_1 rate" in slow.hardware["source"]
+
+
 # ---- the program against brute force --------------------------------------------------------------
 def _brute(gbs, cbs, budget, hw):
     """Every x vector, its time from first principles (not layer_times), the best that fits."""

@@ -403,7 +403,7 @@ def _model_layout(path, group: int):
             raise ArgumentError(f"layer {l}: FFN tensor sizes are not whole rows/blocks per neuron")
         col_block = down.n_bytes // (n_ff // bs)
         layers.append(dict(n_ff=n_ff, block=bs, row_bytes=row_bytes, col_block=col_block,
-                            total=sum(t.n_bytes for t in rows) + down.n_bytes))
+                            total=sum(t.n_bytes for t in rows) + down.n_bytes, ffn_type=type_info(up.type).name))
     if n_layer == 0 or all(v is None or v["n_ff"] == 0 for v in layers):
         raise ArgumentError(f"{os.path.basename(path)} has no FFN neurons to place (no ffn_up/ffn_down tensors)")
     missing = [l for l, v in enumerate(layers) if v is None]
@@ -452,6 +452,7 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         if v["n_ff"] != stats.n_ff:
             raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
     g = lay["group"]
+    hardware = hardware.for_type(lay["layers"][0]["ffn_type"])  # the CPU's measured rate for these rows, if any
     fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + 0  # + predictors: none yet
     order = hot_first_order(stats.freq, stats.impact)
     sorted_freq = [np.asarray(stats.freq[l], dtype=np.float64)[order[l]] for l in range(stats.n_layer)]
