@@ -317,3 +317,13 @@ def test_large_heads_match_llama_cpp(tmp_path, shape):
     # Same quantized arithmetic (Q8_0 weights, 8-bit activations, F16 KV): the distributions agree closely.
     assert kl(theirs, ours) < 2e-3
     assert np.abs(ours - theirs).max() <= 0.05 * np.abs(theirs).max()
+
+
+def test_device_options_on_the_commands(tiny_f32):
+    """run takes --device/--gpu-neurons like info --plan; a device that does not exist is bad input (2)."""
+    base = [sys.executable, "-m", "optiml", "run", "-m", str(tiny_f32), "-p", "Hello", "-n", "4", "--temp", "0",
+            "-t", "1"]
+    r = subprocess.run(base + ["--device", "cpu:1", "--gpu-neurons", "512"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(base + ["--device", "tpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and "device" in r.stderr

@@ -87,6 +87,9 @@ run() {
     # The tests look for SmolLM2 and Gemma 3 in the model cache.
     export OPTIML_MODEL_DIR="$PWD/$models"
     step tests "$py" -m pytest -q -x tests/test_cuda.py tests/test_engine.py -p no:cacheprovider
+    step hw "$py" -m optiml hw --device cuda -o "$out/hw.json"
+    step timeline "$py" -m optiml bench -m "$models/llama7b-q4_0.gguf" --device cuda --vram 2GiB --timeline 8 \
+        --trace "$out/timeline.json"
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$py" -m pytest -q -x tests/test_cuda.py \
         -k "whole_model and smollm2" -p no:cacheprovider
 

@@ -85,7 +85,13 @@ def _load(args, n_ctx: int | None = None):
     from .model import Model
 
     return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
-                 sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args))
+                 sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args), **_device(args))
+
+
+def _device(args) -> dict:
+    """Model's keyword arguments for where layers run (the options of _add_device_args)."""
+    return {"device": getattr(args, "device", "auto"), "vram": getattr(args, "vram", None),
+            "n_gpu_layers": getattr(args, "n_gpu_layers", None), "gpu_neurons": getattr(args, "gpu_neurons", None)}
 
 
 PREDICTORS_HELP = ("activation predictors (optiml train-predictors): auto (MODEL.predictors.gguf beside the model "
@@ -205,7 +211,15 @@ def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
 
 
 def cmd_bench(args) -> int:
-    m = _load(args, n_ctx=max(args.n_prompt, args.n_gen) + 8)
+    m = _load(args, n_ctx=max(args.n_prompt, args.n_gen, args.timeline or 0) + 64)
+    if args.timeline or args.trace:
+        t = m.timeline(args.timeline or 8)
+        if args.trace:
+            t.to_chrome_trace(args.trace)
+        print(t)
+        if args.trace:
+            print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+        return 0
     r = bench_model(m, args.n_prompt, args.n_gen, args.repetitions)
     hp = m.hparams
     if args.json:
@@ -295,8 +309,8 @@ def cmd_tokenize(args) -> int:
 
 
 def _add_device_args(p) -> None:
-    p.add_argument("--device", default="auto", help="auto (a GPU when this build runs one, else the CPU), cpu, "
-                   "cpu:1 (a second CPU device for testing split execution) or cuda[:N]")
+    p.add_argument("--device", default="auto", help="auto (the CPU), cpu, cuda[:N] (a GPU, in a CUDA build) or "
+                   "cpu:1 (a second CPU device treated as one, for testing split execution)")
     p.add_argument("--vram", default=None, help="device memory budget: bytes or a size (6GiB, 512MiB)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
                    help="the last N layers whole on the device (as llama.cpp's -ngl)")
@@ -495,13 +509,40 @@ def cmd_chat(args) -> int:
     return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
 
 
+# ---- hw -------------------------------------------------------------------------------------------
+def cmd_hw(args) -> int:
+    from .hardware import Hardware
+    from .solve import parse_size
+
+    say = None if args.quiet or args.json else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr, flush=True))
+    hw = Hardware.measure(device=args.device, types=args.types, weight_bytes=parse_size(args.size),
+                          n_threads=args.threads or 0, progress=say)
+    if args.output:
+        hw.save(args.output)
+    if args.json:
+        _print_json(hw.to_dict())
+        return 0
+    print(f"CPU ({args.threads or _core.get_num_threads()} threads): read bandwidth {hw.cpu_bandwidth / 1e9:.1f} GB/s")
+    print(f"  {'type':8} {'dense GB/s':>10} {'sparse rows GB/s':>16}")
+    for t in hw.cpu_dense:
+        print(f"  {t:8} {hw.cpu_dense[t] / 1e9:10.1f} {hw.cpu_sparse[t] / 1e9:16.1f}")
+    if args.device:
+        print(f"device {args.device}: memory traffic {hw.gpu_bandwidth / 1e9:.1f} GB/s, copies "
+              f"{hw.transfer_bandwidth / 1e9:.1f} GB/s (pageable host memory), small copy and wait "
+              f"{hw.transfer_latency * 1e6:.1f} us, event round trip {hw.sync_cost * 1e6:.1f} us, per op "
+              f"{hw.launch_overhead * 1e6:.2f} us")
+    if args.output:
+        print(f"wrote {args.output} (optiml solve --hardware {args.output})")
+    return 0
+
+
 # ---- serve ----------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
     from .server import serve
 
     serve(_model(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
           api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
-          predictors=_predictors(args))
+          predictors=_predictors(args), **_device(args))
     return 0
 
 
@@ -592,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
     p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
     p.add_argument("-s", "--system", default=None, help="system message")
+    _add_device_args(p)
     _sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
@@ -607,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(p)
     p.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    _add_device_args(p)
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -623,12 +666,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="instead of the speed table: time N decode steps op by op on each device and print where "
+                        "the time goes per layer (busy, copies, waits, overlap of the host and the device)")
+    p.add_argument("--trace", metavar="FILE", help="with --timeline: also write the spans as a Chrome trace (JSON)")
+    _add_device_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's convention); KL divergence "
                        "against a saved base model")
     _add_model_args(p)
     p.add_argument("-f", "--file", help="text file (needed except with --kl-divergence, which reads the base's tokens)")
+    _add_device_args(p)
     p.add_argument("--chunks", type=int, default=-1, help="windows to score (default: all)")
     p.add_argument("--kl-divergence-base", metavar="FILE",
                    help="without --kl-divergence: save this model's log-probs of the scored tokens to FILE; "
@@ -734,8 +783,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats", required=True, help="activation statistics (.npz from optiml profile)")
     p.add_argument("--vram", required=True,
                    help="GPU memory budget: bytes or a size with a unit (6GiB, 512MiB, 6GB)")
-    p.add_argument("--hardware", default="auto",
-                   help="auto (measure the CPU bandwidth, defaults for the rest) or a JSON file (see optiml.hardware)")
+    p.add_argument("--hardware", "--hw", default="auto",
+                   help="auto (measure the CPU bandwidth, defaults for the rest) or a JSON file from optiml hw -o")
     p.add_argument("--ctx", type=int, default=4096, help="context length whose KV cache is placed (default 4096)")
     p.add_argument("--group", type=int, default=64,
                    help="neurons per group (rounded up to the quant block size; default 64)")
@@ -755,7 +804,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256, help="most prompt tokens run per step (across requests)")
     p.add_argument("--alias", default=None, help="model id clients use (default: the file name)")
     p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
+    _add_device_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("hw", help="measure this machine for optiml solve: CPU product rates per weight type, and "
+                       "with --device a GPU's bandwidth, copy latency and sync cost")
+    p.add_argument("--device", default=None,
+                   help="cuda[:N]: measure that GPU too (cpu:1: the same path on a second CPU device, for testing)")
+    p.add_argument("--types", nargs="+", default=["q4_0", "q4_1", "q4_k", "q8_0"], help="weight types to time")
+    p.add_argument("--size", default="256MiB", help="weights per timed product (beyond the caches; default 256MiB)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-o", "--output", help="write the profile as JSON (for optiml solve --hardware FILE)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_hw)
 
     p = sub.add_parser("system", help="SIMD level, threads and CUDA devices of this build and machine")
     p.set_defaults(func=cmd_system)

@@ -22,9 +22,10 @@ def __getattr__(name):
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel: int = 4, n_ctx: int | None = None,
           api_key: str | None = None, n_threads: int | None = None, max_queue: int = 64, chunk: int = 256,
-          model_id: str | None = None, log_level: str = "info", predictors="auto") -> None:
+          model_id: str | None = None, log_level: str = "info", predictors="auto", device: str = "auto", vram=None,
+          n_gpu_layers: int | None = None, gpu_neurons=None) -> None:
     """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped.
-    predictors: as optiml.Model's."""
+    predictors, device, vram, n_gpu_layers, gpu_neurons: as optiml.Model's."""
     try:
         import uvicorn
     except ImportError:
@@ -32,7 +33,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     from ..model import Model
     from .app import Server, create_app
 
-    model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors)
+    model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors, device=device,
+                  vram=vram, n_gpu_layers=n_gpu_layers, gpu_neurons=gpu_neurons)
     server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
                     chunk=chunk)
     print(f"optiml serve: {server.model_id} on http://{host}:{port}/v1 ({n_parallel} slots of {model.n_ctx} "
