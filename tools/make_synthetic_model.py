@@ -13,6 +13,17 @@ relu(gate) * up in every FFN (about half of the neurons are exactly zero before 
 llama.cpp does not read that key and runs SiLU on the same file: the same amount of work per token,
 which is all a speed comparison needs (its outputs differ from OptiML's on such a file).
 
+--plant-firing MEAN plants activation locality, as hybrid execution needs to be measured: each layer's
+FFN neurons fire with probabilities that follow a power law (a few neurons for almost every token, most
+rarely; the hottest 20% take 80% of the firings where MEAN allows, a random order per layer) averaging
+MEAN. How: every token embedding gets a common component c*u (u a fixed unit vector, as large as the
+random part), and gate row j gets beta_j*u, which shifts that neuron's pre-activation by a constant so that
+P(gate_j . x > 0) is its planted probability; attn_output and ffn_down are 10x smaller so the residual
+stream stays near the embedding through every layer (the layers' random outputs would wash u out).
+With --activation relu a neuron fires exactly when its gate is positive; with SiLU the hot neurons are the
+ones with large activations, which is what calibration keeps. The speed of a dense run does not depend on
+the values, so llama.cpp's side of a comparison is unaffected.
+
 Tensors are generated, quantized (optiml.quant.quantize, native and multithreaded) and written one at
 a time (optiml.convert.writer.write_gguf), so memory stays near the largest tensor in float32
 (token_embd: 49152 x 4096 x 4 bytes = 0.8 GB); the file appears only once complete.
@@ -59,6 +70,28 @@ def donor_tokenizer(path: str) -> list[tuple[str, object, gguf.GGUFValueType, gg
     return out
 
 
+def power_law_firing(n: int, mean: float) -> np.ndarray:
+    """Firing probabilities of n neurons, hottest first: p_r = p0 (r + 1)^-alpha clipped to [1e-4, 0.98],
+    with mean `mean` and the hottest 20% taking 80% of the firings (or as much as the clip allows)."""
+    r = np.arange(1, n + 1, dtype=np.float64)
+    top = min(0.8, 0.95 * 0.98 * 0.2 / mean)
+
+    def with_alpha(alpha):
+        lo, hi = 1e-12, 1e12
+        for _ in range(200):  # p0 for this alpha: the clipped mean grows with p0
+            p0 = (lo * hi) ** 0.5
+            p = np.clip(p0 * r ** -alpha, 1e-4, 0.98)
+            lo, hi = (p0, hi) if p.mean() < mean else (lo, p0)
+        return p
+
+    lo, hi = 0.0, 6.0
+    for _ in range(60):
+        alpha = (lo + hi) / 2
+        p = with_alpha(alpha)
+        lo, hi = (alpha, hi) if p[: n // 5].sum() / p.sum() < top else (lo, alpha)
+    return p
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--out", required=True, help="output GGUF path")
@@ -74,11 +107,15 @@ def main(argv=None) -> int:
     ap.add_argument("--activation", choices=("silu", "relu"), default="silu")
     ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plant-firing", type=float, default=None, metavar="MEAN",
+                    help="plant power-law FFN firing with this mean rate per neuron (0 < MEAN < 1): see above")
     ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
                     "(its vocab size becomes n_vocab)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
 
+    if a.plant_firing is not None and not 0 < a.plant_firing < 0.98:
+        ap.error("--plant-firing must be in (0, 0.98)")
     if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
         ap.error("n_embd must be a multiple of n_head, and n_head of n_head_kv")
     head_dim = a.n_embd // a.n_head
@@ -120,8 +157,40 @@ def main(argv=None) -> int:
     def ones(n):
         return lambda: np.ones(n, dtype=np.float32)
 
+    plant = a.plant_firing is not None
+    if plant:
+        u = np.random.default_rng([a.seed, 7]).standard_normal(E).astype(np.float32)
+        u /= np.linalg.norm(u)
+        emb_scale = 1.0 / a.std  # embeddings of std 1 (the layers' outputs are small beside them)
+        firing = power_law_firing(FF, a.plant_firing)
+        # x_n = a_u u + r after RMSNorm with |a_u| = |r| = sqrt(E / 2); gate_j . r ~ N(0, std^2 E / 2) and
+        # g_j . u ~ N(0, std^2): P(gate_j . x_n > 0) = Phi(beta_j a_u / (std sqrt(E))) with beta_j = Phi^-1(p_j) std sqrt(2).
+        norm = statistics.NormalDist()
+        beta_of = np.array([norm.inv_cdf(float(p)) for p in firing], dtype=np.float32) * a.std * np.sqrt(2.0)
+
+    def scaled(make, factor):
+        def run():
+            return make() * np.float32(factor)
+        return run
+
+    def embedding(make):
+        def run():  # random part of std 1 plus the common component, as large: sqrt(E) * u
+            x = make() * np.float32(emb_scale)
+            x += np.float32(np.sqrt(E)) * u
+            return x
+        return run
+
+    def planted_gate(make, layer):
+        def run():
+            g = make()
+            beta = beta_of[np.random.default_rng([a.seed, 11, layer]).permutation(FF)]
+            g += beta[:, None] * u[None, :]
+            return g
+        return run
+
     # (name, numpy shape = (rows, cols) with cols the row length, type, compute)
-    tensors = [("token_embd.weight", (n_vocab, E), OT, rand((n_vocab, E), 1_000_000))]
+    emb = rand((n_vocab, E), 1_000_000)
+    tensors = [("token_embd.weight", (n_vocab, E), OT, embedding(emb) if plant else emb)]
     for il in range(a.n_layer):
         p = f"blk.{il}."
         s = 1000 * (il + 1)
@@ -130,11 +199,14 @@ def main(argv=None) -> int:
             (p + "attn_q.weight", (E, E), WT, rand((E, E), s + 1)),
             (p + "attn_k.weight", (kv, E), WT, rand((kv, E), s + 2)),
             (p + "attn_v.weight", (kv, E), WT, rand((kv, E), s + 3)),
-            (p + "attn_output.weight", (E, E), WT, rand((E, E), s + 4)),
+            (p + "attn_output.weight", (E, E), WT,
+             scaled(rand((E, E), s + 4), 0.1) if plant else rand((E, E), s + 4)),
             (p + "ffn_norm.weight", (E,), F32, ones(E)),
-            (p + "ffn_gate.weight", (FF, E), WT, rand((FF, E), s + 5)),
+            (p + "ffn_gate.weight", (FF, E), WT,
+             planted_gate(rand((FF, E), s + 5), il) if plant else rand((FF, E), s + 5)),
             (p + "ffn_up.weight", (FF, E), WT, rand((FF, E), s + 6)),
-            (p + "ffn_down.weight", (E, FF), WT, rand((E, FF), s + 7)),
+            (p + "ffn_down.weight", (E, FF), WT,
+             scaled(rand((E, FF), s + 7), 0.1) if plant else rand((E, FF), s + 7)),
         ]
     tensors += [
         ("output_norm.weight", (E,), F32, ones(E)),
@@ -147,8 +219,9 @@ def main(argv=None) -> int:
         w.add_type("model")
         w.add_name(f"synthetic-llama-{size_label}-{a.activation}-{wtype.name.lower()}")
         w.add_size_label(size_label)
-        w.add_description(f"random weights (normal, std {a.std}, seed {a.seed}) written by "
-                          "tools/make_synthetic_model.py for speed benchmarks; not a language model")
+        w.add_description(f"random weights (normal, std {a.std}, seed {a.seed}"
+                          + (f", planted power-law FFN firing of mean {a.plant_firing}" if plant else "")
+                          + ") written by tools/make_synthetic_model.py for speed benchmarks; not a language model")
         w.add_context_length(a.n_ctx_train)
         w.add_embedding_length(E)
         w.add_block_count(a.n_layer)
