@@ -600,7 +600,7 @@ def cmd_solve(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         placement = solve_placement(model, stats, vram, hw, ctx=args.ctx, group=args.group,
-                                    time_limit=args.time_limit)
+                                    time_limit=args.time_limit, batch=args.batch)
     for w in caught:
         print(f"optiml solve: warning: {w.message}", file=sys.stderr)
     print(format_report(placement))
@@ -788,6 +788,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=4096, help="context length whose KV cache is placed (default 4096)")
     p.add_argument("--group", type=int, default=64,
                    help="neurons per group (rounded up to the quant block size; default 64)")
+    p.add_argument("--batch", type=int, default=512,
+                   help="most tokens per step the model will run with (its n_batch), for the device's scratch")
     p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
     p.add_argument("-o", "--outfile", required=True, help="GGUF file to write (neurons permuted, placement recorded)")
     p.set_defaults(func=cmd_solve)

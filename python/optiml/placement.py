@@ -242,6 +242,8 @@ def placement_kv(stats: ActivationStats, placement: Placement,
         P + "version": (VERSION, VT.UINT32),
         P + "group_size": (int(placement.group), VT.UINT32),
         P + "gpu_neurons": (np.asarray(placement.gpu_neurons, dtype=np.int32), VT.ARRAY),
+        P + "gpu_attention": (np.asarray(getattr(placement, "gpu_attention", None) or [1] * len(placement.gpu_neurons),
+                                         dtype=np.int32), VT.ARRAY),
         P + "coverage": (np.asarray(placement.coverage, dtype=np.float32), VT.ARRAY),
         P + "vram_budget": (int(placement.vram_budget), VT.UINT64),
         P + "vram_used": (int(placement.vram_used), VT.UINT64),
@@ -336,7 +338,7 @@ def read_placement(path_or_file) -> dict | None:
                 d[k] = json.loads(d[k])
             except (TypeError, ValueError):
                 d[k] = {"text": d[k]}
-    for k in ("gpu_neurons", "curve_ranks"):
+    for k in ("gpu_neurons", "gpu_attention", "curve_ranks"):
         if k in d:
             d[k] = [int(v) for v in d[k]]
     if "coverage" in d:

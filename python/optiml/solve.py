@@ -5,8 +5,17 @@ What is placed
     every tensor of the model except the FFN gate/up/down matrices and the token embeddings (llama.cpp keeps
     those on the CPU; when the model ties its output matrix to them, they are counted once, as the output
     matrix), then the f16 KV cache for `ctx` tokens (K and V: n_layer * ctx * n_head_kv * head_dim * 2 bytes
-    each), then predictors (none yet: 0 bytes). If that fixed part does not fit the budget, nothing goes to the
-    GPU (every k_l = 0) and a warning says so.
+    each), the device's scratch for steps of `batch` tokens (as the plan counts it), then predictors (none yet:
+    0 bytes).
+
+    When that fixed part does not fit the budget, the attention (with its norms and KV cache) of layers [0, m)
+    goes to the GPU and the rest stays on the CPU with the output matrix; FFN groups go wherever they pay. Each
+    layer then pays the split cost where its data crosses: attention on the GPU and any FFN neuron on the CPU,
+    or attention on the CPU and any neuron on the GPU (layer_times). Every m whose attention fits is scored
+    with the greedy placement below, and the best m and its neighbours are solved by the program. The placed
+    file records the choice (optiml.placement.gpu_attention) and the plan follows it. Only when not even one
+    layer's attention fits (or nothing on the GPU pays for its transfers) does everything stay on the CPU,
+    with a warning.
 
     The FFN neurons of layer l are taken in hot-first order (optiml.stats.hot_first_order) and cut into G_l groups
     of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants) that is
@@ -120,6 +129,9 @@ class Placement:
     cpu_only_token_s: float = math.nan  # the same estimate with everything on the CPU, for comparison
     ffn_bytes: list[int] = field(default_factory=list)  # per layer: all FFN bytes (gate + up + down)
     gpu_ffn_bytes: list[int] = field(default_factory=list)  # per layer: FFN bytes on the GPU
+    # per layer: its attention and KV cache on the GPU. All True when the fixed part fits; when it does not,
+    # the layers [0, m) the solver chose (see solve_placement); empty: not decided (all where they fit).
+    gpu_attention: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -157,9 +169,11 @@ def make_groups(sorted_freq: np.ndarray, group: int, bytes_of: int | Callable[[i
     return gb, cb
 
 
-def layer_times(group_bytes: np.ndarray, cpu_bytes: np.ndarray, hw: Hardware) -> np.ndarray:
+def layer_times(group_bytes: np.ndarray, cpu_bytes: np.ndarray, hw: Hardware, attention: str | None = None) -> np.ndarray:
     """Seconds per token of one layer for every x = 0..G groups on the GPU: the larger of the GPU and the CPU
-    share's time, plus the split cost when 0 < x < G."""
+    share's time, plus the split cost where the layer's data crosses between the devices: when 0 < x < G
+    (attention None: every layer's attention on the GPU as the fixed part, the model of the module doc);
+    with attention "gpu" when x < G (the CPU computes some of the FFN), with "cpu" when x > 0."""
     gb = np.asarray(group_bytes, dtype=np.float64)
     cb = np.asarray(cpu_bytes, dtype=np.float64)
     G = len(gb)
@@ -167,8 +181,13 @@ def layer_times(group_bytes: np.ndarray, cpu_bytes: np.ndarray, hw: Hardware) ->
     gpu[1:] += hw.launch_overhead
     cpu = np.concatenate([np.cumsum(cb[::-1])[::-1], [0.0]]) / hw.cpu_bandwidth
     t = np.maximum(gpu, cpu)
-    if G > 1:
-        t[1:G] += hw.split_cost
+    if attention is None:
+        if G > 1:
+            t[1:G] += hw.split_cost
+    elif attention == "gpu":
+        t[:G] += hw.split_cost
+    else:
+        t[1:] += hw.split_cost
     return t
 
 
@@ -233,8 +252,9 @@ def _greedy(times: list[np.ndarray], cumb: list[np.ndarray], budget: int) -> lis
     return x
 
 
-def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap):
-    """Builds and solves the program of the module docstring. Returns (x or None, status, gap)."""
+def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
+    """Builds and solves the program of the module docstring. Returns (x or None, status, gap). att: per layer
+    where its attention runs ("gpu", "cpu"), or None for the module doc's model (see layer_times)."""
     import highspy
 
     L = len(gbs)
@@ -270,7 +290,13 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap):
         row([X, A], [1, -G], -inf, 0)               # x <= G a
         row([X, B], [1, -G], 0, inf)                # x >= G b
         row([X, B], [1, -1], -inf, G - 1)           # x = G -> b = 1
-        row([S, A, B], [1, -1, 1], 0, inf)          # s >= a - b
+        where = att[l] if att else None
+        if where is None:
+            row([S, A, B], [1, -1, 1], 0, inf)      # s >= a - b
+        elif where == "gpu":
+            row([S, B], [1, 1], 1, inf)             # s >= 1 - b
+        else:
+            row([S, A], [1, -1], 0, inf)            # s >= a
         gpu_k = Bl / hw.gpu_bandwidth * US
         row([T, X, B, A], [1, -gpu_k, -(Blast - Bl) / hw.gpu_bandwidth * US, -hw.launch_overhead * US], 0, inf)
         mem_ix += [X, B]
@@ -304,7 +330,9 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap):
         for l, xl in enumerate(x0):
             G = len(gbs[l])
             a, b = float(xl > 0), float(G > 0 and xl == G)
-            sol[5 * l: 5 * l + 4] = [xl, a, b, max(0.0, a - b)]
+            where = att[l] if att else None
+            split = max(0.0, a - b) if where is None else (1.0 - b if where == "gpu" else a)
+            sol[5 * l: 5 * l + 4] = [xl, a, b, split]
             t_gpu = (float(np.sum(gbs[l][:xl])) / hw.gpu_bandwidth + hw.launch_overhead * a) * US
             t_cpu = float(np.sum(cbs[l][xl:])) / hw.cpu_bandwidth * US
             sol[5 * l + 4] = max(t_gpu, t_cpu) * (1 + 1e-9) + 1e-9
@@ -324,12 +352,13 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap):
 
 def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarray], budget: int,
                  hardware: Hardware, time_limit: float = 30.0, mip_gap: float = 1e-4,
-                 method: str = "auto") -> GroupSolution:
+                 method: str = "auto", attention: Sequence[str] | None = None) -> GroupSolution:
     """The program on plain arrays, without a model file. Per layer l (hot-first order):
     group_bytes[l]: int [G_l], the exact bytes of each group (all equal but a possibly smaller last one);
     cpu_bytes[l]: float [G_l], expected bytes read per token for the group when it is on the CPU (sum of
     freq * bytes per neuron; non-increasing). budget: bytes for the FFN groups.
-    method: "auto" (MIP; greedy with a SolveWarning if HiGHS has no solution), "mip" (same) or "greedy"."""
+    method: "auto" (MIP; greedy with a SolveWarning if HiGHS has no solution), "mip" (same) or "greedy".
+    attention: per layer "gpu" or "cpu", where its attention runs (see layer_times), or None."""
     if method not in ("auto", "mip", "greedy"):
         raise ArgumentError(f"method must be auto, mip or greedy, not {method!r}")
     if not (time_limit > 0):
@@ -339,12 +368,15 @@ def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarr
     gbs, cbs = _check_inputs(group_bytes, cpu_bytes, budget)
     budget = int(budget)
     t0 = time.perf_counter()
-    times = [layer_times(gb, cb, hardware) for gb, cb in zip(gbs, cbs)]
+    if attention is not None and (len(attention) != len(gbs) or any(a not in ("gpu", "cpu") for a in attention)):
+        raise ArgumentError(f"attention must give 'gpu' or 'cpu' for each of the {len(gbs)} layers")
+    att = list(attention) if attention is not None else [None] * len(gbs)
+    times = [layer_times(gb, cb, hardware, a) for gb, cb, a in zip(gbs, cbs, att)]
     cumb = [np.concatenate([[0], np.cumsum(gb)]).astype(np.int64) for gb in gbs]
     xg = _greedy(times, cumb, budget)
     x, how, status, gap = xg, "greedy", "greedy: asked for", math.nan
     if method != "greedy" and any(len(gb) for gb in gbs):
-        xm, st, g = _mip(gbs, cbs, budget, hardware, xg, time_limit, mip_gap)
+        xm, st, g = _mip(gbs, cbs, budget, hardware, xg, time_limit, mip_gap, attention)
         if xm is None:
             status = f"greedy: HiGHS found no solution ({st})"
             warnings.warn(f"HiGHS found no solution ({st}); using the greedy placement", SolveWarning, stacklevel=2)
@@ -425,14 +457,28 @@ def _model_layout(path, group: int):
     k_len = int(md.get(f"{arch}.attention.key_length", head_dim) or head_dim)
     v_len = int(md.get(f"{arch}.attention.value_length", head_dim) or head_dim)
     kv_per_token = n_layer * n_head_kv * (k_len + v_len) * 2  # f16 K and V
-    return dict(n_layer=n_layer, layers=layers, group=g, weights_fixed=weights_fixed, kv_per_token=kv_per_token)
+    # Per layer, what goes with its attention (as the plan counts it): every tensor of the block but the FFN
+    # matrices and their gate/up biases.
+    attn = [0] * n_layer
+    for n, t in tensors.items():
+        parts = n.split(".")
+        if parts[0] == "blk" and n not in ffn_names and not n.endswith(("ffn_gate.bias", "ffn_up.bias")):
+            attn[int(parts[1])] += t.n_bytes
+    # The device's scratch per token of a batch, as the plan counts it (plan.cpp scratch_bytes): x, xn, attn,
+    # y, y2 [n_embd]; q [n_head * k_len] twice; k, v [n_head_kv * k_len]; gate, up [n_ff].
+    n_ff = max(v["n_ff"] for v in layers)
+    scratch_per_token = 4 * (4 * n_embd + 2 * n_head * k_len + 2 * n_head_kv * k_len + 2 * n_ff)
+    return dict(n_layer=n_layer, layers=layers, group=g, weights_fixed=weights_fixed, kv_per_token=kv_per_token,
+                attn=attn, scratch_per_token=scratch_per_token)
 
 
 def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096, group: int = 64,
-                    time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto") -> Placement:
+                    time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
+                    batch: int = 512) -> Placement:
     """Places the FFN neurons of the model at model_path on the GPU within `vram` bytes (see the module doc).
-    stats: an optiml.stats.ActivationStats measured on this model. Warnings (SolveWarning) for an all-CPU
-    placement, a time limit or the greedy fallback."""
+    stats: an optiml.stats.ActivationStats measured on this model. batch: the most tokens per step the model
+    will run with (its n_batch), for the device's scratch. Warnings (SolveWarning) for an all-CPU placement,
+    a time limit or the greedy fallback."""
     from .stats import hot_first_order
 
     model_path = os.fspath(model_path)
@@ -442,6 +488,8 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         raise ArgumentError(f"ctx must be a whole number of tokens >= 1, not {ctx!r}")
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
         raise ArgumentError(f"group must be a whole number of neurons >= 1, not {group!r}")
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ArgumentError(f"batch must be a whole number of tokens >= 1, not {batch!r}")
     if not os.path.isfile(model_path):
         raise FileNotFoundError(f"model file not found: {model_path}")
     lay = _model_layout(model_path, group)  # first: a model with no FFN is the error to report
@@ -453,7 +501,8 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
             raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
     g = lay["group"]
     hardware = hardware.for_type(lay["layers"][0]["ffn_type"])  # the CPU's measured rate for these rows, if any
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + 0  # + predictors: none yet
+    scratch = lay["scratch_per_token"] * int(batch)
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + 0  # + predictors: none yet
     order = hot_first_order(stats.freq, stats.impact)
     sorted_freq = [np.asarray(stats.freq[l], dtype=np.float64)[order[l]] for l in range(stats.n_layer)]
     gbs, cbs = [], []
@@ -466,14 +515,19 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
     cpu_only = float(sum(layer_times(gb, cb, hardware)[0] for gb, cb in zip(gbs, cbs)))
     fixed_cpu_s = lay["weights_fixed"] / hardware.cpu_bandwidth
     t0 = time.perf_counter()
+    attention = [True] * lay["n_layer"]
     if fixed > vram:
-        warnings.warn(f"the budget of {vram:,} bytes cannot hold the fixed part ({fixed:,} bytes: attention, norms, "
-                      f"output, KV cache for {ctx} tokens); everything stays on the CPU", SolveWarning, stacklevel=2)
-        x = [0] * len(gbs)
-        sol = GroupSolution(x=x, objective_s=cpu_only, ffn_bytes=0, method="all-cpu",
-                            status=f"all-cpu: the fixed part ({fixed:,} bytes) exceeds the budget",
-                            gap=math.nan, solve_s=time.perf_counter() - t0)
-        used, est = 0, cpu_only + fixed_cpu_s
+        sol, attention, used, est = _solve_partial_attention(lay, gbs, cbs, int(vram) - scratch, hardware, int(ctx),
+                                                             time_limit, mip_gap, method, cpu_only + fixed_cpu_s)
+        if sol is not None:
+            used += scratch
+        if sol is None:
+            warnings.warn(f"the budget of {vram:,} bytes cannot hold even one layer's attention and KV cache for {ctx} "
+                          "tokens; everything stays on the CPU", SolveWarning, stacklevel=2)
+            sol = GroupSolution(x=[0] * len(gbs), objective_s=cpu_only, ffn_bytes=0, method="all-cpu",
+                                status=f"all-cpu: no layer's attention fits the budget ({fixed:,} bytes for all)",
+                                gap=math.nan, solve_s=time.perf_counter() - t0)
+            used, est, attention = 0, cpu_only + fixed_cpu_s, [False] * lay["n_layer"]
     else:
         sol = solve_groups(gbs, cbs, vram - fixed, hardware, time_limit, mip_gap, method)
         used = fixed + sol.ffn_bytes
@@ -487,7 +541,47 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
                      ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est), method=sol.method,
                      status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s, coverage=coverage,
                      cpu_only_token_s=cpu_only + fixed_cpu_s, ffn_bytes=[v["total"] for v in lay["layers"]],
-                     gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)])
+                     gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)], gpu_attention=attention)
+
+
+def _solve_partial_attention(lay, gbs, cbs, vram, hw, ctx, time_limit, mip_gap, method, all_cpu_s):
+    """When the fixed part does not fit: attention and KV cache on the GPU for layers [0, m) only, FFN groups
+    anywhere. Every m whose attention fits is scored with the greedy FFN placement (each layer's split cost
+    following where its attention runs, layer_times), then the best m and its neighbours are solved exactly.
+    The output matrix and global norms stay on the CPU (the plan adds the output when room is left).
+    Returns (GroupSolution, attention per layer, bytes used, estimated s/token), or Nones when no layer's
+    attention fits."""
+    L = lay["n_layer"]
+    kv = lay["kv_per_token"] * ctx // L
+    att_b = [a + kv for a in lay["attn"]]
+    att_w = lay["attn"]
+    rest_cpu_s = (lay["weights_fixed"] - sum(att_w)) / hw.cpu_bandwidth  # output, norms, ...
+
+    def score(m, how):
+        need = sum(att_b[:m])
+        where = ["gpu"] * m + ["cpu"] * (L - m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SolveWarning)
+            sol = solve_groups(gbs, cbs, vram - need, hw, time_limit, mip_gap, how, attention=where)
+        est = sol.objective_s + sum(att_w[:m]) / hw.gpu_bandwidth + sum(att_w[m:]) / hw.cpu_bandwidth + rest_cpu_s
+        return est, sol, need
+
+    fits = [m for m in range(1, L + 1) if sum(att_b[:m]) <= vram]
+    if vram <= 0 or not fits:
+        return None, None, None, None
+    greedy = {m: score(m, "greedy") for m in [0] + fits}
+    best_m = min(greedy, key=lambda m: greedy[m][0])
+    best = (best_m, *greedy[best_m])
+    if method != "greedy":
+        for m in sorted({best_m - 1, best_m, best_m + 1} & set([0] + fits)):
+            est, sol, need = score(m, method)
+            if est <= best[1] * (1 + 1e-12):  # the program's answer, also when it only confirms greedy's
+                best = (m, est, sol, need)
+    m, est, sol, need = best
+    if est >= all_cpu_s:  # nothing on the GPU pays for its transfers
+        return None, None, None, None
+    sol.status += f"; attention and KV on the GPU for layers [0, {m}) (the whole fixed part does not fit)"
+    return sol, [l < m for l in range(L)], need + sol.ffn_bytes, est
 
 
 def _mib(n: int) -> str:
@@ -506,7 +600,8 @@ def format_report(p: Placement) -> str:
         f"GPU {p.hardware['gpu_bandwidth'] / 1e9:.1f} GB/s, split cost "
         f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us",
         f"VRAM: {_mib(p.vram_used)} used of {_mib(p.vram_budget)} "
-        f"(fixed part {_mib(p.fixed_bytes)} for ctx {p.ctx}{'' if p.method != 'all-cpu' else ', did not fit'})",
+        f"(fixed part {_mib(p.fixed_bytes)} for ctx {p.ctx}"
+        f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",
         f"FFN: {_mib(gpu_ffn)} on the GPU, {_mib(total_ffn - gpu_ffn)} on the CPU "
         f"({gpu_ffn / total_ffn if total_ffn else 0:.1%} of FFN bytes), group {p.group} neurons",
     ]
@@ -514,6 +609,8 @@ def format_report(p: Placement) -> str:
     if len(cov):
         lines.append(f"firings covered by the GPU: mean {cov.mean():.1%}, min {cov.min():.1%}, max {cov.max():.1%}")
     lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
+    if p.gpu_attention and not all(p.gpu_attention):
+        lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers")
     ratio = p.cpu_only_token_s / p.est_token_s if p.est_token_s > 0 else math.nan
     lines.append(f"estimated {p.est_token_s * 1e3:.3f} ms/token GPU+CPU vs {p.cpu_only_token_s * 1e3:.3f} ms/token "
                  f"all-CPU ({ratio:.2f}x; memory traffic only)")

@@ -134,6 +134,9 @@ public:
     // and, when the weights kept the file's order, placed neuron i of layer l is file neuron
     // placement_order[l * n_ff + i]. Both empty for an unplaced file.
     std::vector<int32_t> placement_gpu_neurons;
+    // 1 where the placement puts the layer's attention and KV cache on the device (empty: every layer, as
+    // far as the budget holds: files from before the solver chose it per layer).
+    std::vector<int32_t> placement_gpu_attention;
     std::vector<int32_t> placement_order;
 
     // Neuron-major copy of layer il's down matrix (row j = neuron j's down column), made the first time a

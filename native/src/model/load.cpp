@@ -165,7 +165,17 @@ SparsityConfig read_sparsity(const GGUFFile& f, const HParams& hp) {
 
 // `optiml.placement.*`: written by `optiml solve`; checked here so a bad file fails at load.
 void read_placement(const GGUFFile& f, const HParams& hp, std::vector<int32_t>& gpu_neurons,
-                    std::vector<int32_t>& order) {
+                    std::vector<int32_t>& gpu_attention, std::vector<int32_t>& order) {
+    if (f.has("optiml.placement.gpu_attention")) {
+        gpu_attention = f.get_i32_array("optiml.placement.gpu_attention");
+        if (gpu_attention.size() != (size_t)hp.n_layer)
+            throw GGUFError(format("%s: optiml.placement.gpu_attention has %zu values for %d layers",
+                                   f.path().c_str(), gpu_attention.size(), hp.n_layer));
+        for (int32_t v : gpu_attention)
+            if (v != 0 && v != 1)
+                throw GGUFError(format("%s: optiml.placement.gpu_attention holds %d; expected 0 or 1 per layer",
+                                       f.path().c_str(), v));
+    }
     if (f.has("optiml.placement.gpu_neurons")) {
         gpu_neurons = f.get_i32_array("optiml.placement.gpu_neurons");
         if (gpu_neurons.size() != (size_t)hp.n_layer)
@@ -309,7 +319,7 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
     }
     M.sparsity = read_sparsity(f, hp);
-    read_placement(f, hp, M.placement_gpu_neurons, M.placement_order);
+    read_placement(f, hp, M.placement_gpu_neurons, M.placement_gpu_attention, M.placement_order);
     return model;
 }
 

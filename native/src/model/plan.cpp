@@ -204,15 +204,26 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
             p.reason = !o.gpu_neurons.empty() ? "gpu_neurons given" : placed ? "the file's placement" : "whole layers";
             const bool contiguous = p.neuron_order.empty();
             if (placed) {
-                // Layer by layer: attention and KV first, then as many hot neurons as the placement asks and
-                // the budget holds.
-                for (int il = 0; il < hp.n_layer; il++) {
+                // Layer by layer: attention and KV first (where the placement puts them on the device; a file
+                // without that choice: every layer until one does not fit), then as many hot neurons as the
+                // placement asks and the budget holds.
+                const std::vector<int32_t>* chosen =
+                    o.gpu_neurons.empty() && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention : nullptr;
+                auto place_attention = [&](int il) {
                     const size_t a = attn_layer_bytes(m, il) + kv;
-                    if ((int64_t)a > avail) break;
+                    if ((int64_t)a > avail) return false;
                     avail -= (int64_t)a;
                     b.attn_weights += attn_layer_bytes(m, il);
                     b.kv += kv;
                     p.layers[il].attn_on_device = true;
+                    return true;
+                };
+                // The solver's choice of layers first (it reserved their attention before any neuron).
+                if (chosen)
+                    for (int il = 0; il < hp.n_layer; il++)
+                        if ((*chosen)[il]) place_attention(il);
+                for (int il = 0; il < hp.n_layer; il++) {
+                    if (!chosen && !place_attention(il)) break;
                     int32_t k = std::min(want[il], hp.n_ff);
                     const int32_t align = ffn_share_align(m, il);
                     if (k < hp.n_ff) k -= k % align;
