@@ -609,7 +609,7 @@ def format_report(p: Placement) -> str:
     if len(cov):
         lines.append(f"firings covered by the GPU: mean {cov.mean():.1%}, min {cov.min():.1%}, max {cov.max():.1%}")
     lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
-    if p.gpu_attention and not all(p.gpu_attention):
+    if any(p.gpu_attention) and not all(p.gpu_attention):
         lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers")
     ratio = p.cpu_only_token_s / p.est_token_s if p.est_token_s > 0 else math.nan
     lines.append(f"estimated {p.est_token_s * 1e3:.3f} ms/token GPU+CPU vs {p.cpu_only_token_s * 1e3:.3f} ms/token "
