@@ -131,6 +131,8 @@ def main() -> int:
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (CUDA build for --device cuda)")
     ap.add_argument("--workdir", default=os.path.join(HERE, "..", "build", "bench-hybrid"))
     ap.add_argument("--profile-tokens", type=int, default=4000)
+    ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
+                    "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
     args = ap.parse_args()
     firing = args.firing if args.firing is not None else (0.1 if args.activation == "relu" else 0.5)
     os.makedirs(args.workdir, exist_ok=True)
@@ -140,7 +142,8 @@ def main() -> int:
     if not os.path.exists(base):
         sh([sys.executable, os.path.join(HERE, "make_synthetic_model.py"), "-o", base, "--quiet",
             "--n-embd", E, "--n-layer", L, "--n-ff", FF, "--n-head", H, "--n-head-kv", HKV, "--type", args.type,
-            "--activation", args.activation, "--plant-firing", firing])
+            "--activation", args.activation, "--plant-firing", firing,
+            *(["--tokenizer-from", args.tokenizer_from] if args.tokenizer_from else [])])
     text = text_file(args.workdir)
     model = base
     if args.activation == "silu":  # thresholds that skip 1 - firing of the activations

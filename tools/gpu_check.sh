@@ -10,6 +10,10 @@
 #                                # against llama.cpp (tools/bench_gpu.py). Real models are used when
 #                                # build/gpu-carry/models/*.gguf is there (carry one in parts: *.gguf.part-*
 #                                # are joined first).
+#   tools/gpu_check.sh hybrid    # there, after run (a warm machine keeps its builds; else they are redone):
+#                                # issue #17's benchmark, tools/bench_hybrid.py, for 7B-shaped ReLU (90%
+#                                # sparse) and SwiGLU (50%) models with planted power-law firing at 25% and
+#                                # 50% of the model in VRAM, against llama.cpp CUDA -ngl at the same memory
 #
 # `run` writes its logs and tables to $OUT when set (the device tool brings that folder back), else to
 # build/gpu-check. It goes on past a failed step and ends with a summary and exit status 1 if any failed.
@@ -49,24 +53,49 @@ PYEOF
     du -sh "$carry"
 }
 
-run() {
-    local out=${OUT:-build/gpu-check}
+out=${OUT:-build/gpu-check}
+failed=()
+step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records a failure
+    local name=$1; shift
+    echo "== $name"
+    if "$@" > "$out/$name.log" 2>&1; then tail -n 5 "$out/$name.log"; else
+        echo "   FAILED (exit $?), last lines:"; tail -n 30 "$out/$name.log"; failed+=("$name"); fi
+}
+
+setup() {  # the carried wheels, OptiML with CUDA (kept when already built)
     mkdir -p "$out"
-    local py; py=$(command -v python3)
-    local failed=()
-    step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records a failure
-        local name=$1; shift
-        echo "== $name"
-        if "$@" > "$out/$name.log" 2>&1; then tail -n 5 "$out/$name.log"; else
-            echo "   FAILED (exit $?), last lines:"; tail -n 30 "$out/$name.log"; failed+=("$name"); fi
-    }
+    py=$(command -v python3)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     export PYTHONPATH="$PWD/python:$PWD/build/pydeps"
     step deps "$py" -m pip install --quiet --no-index --no-deps --target build/pydeps "$carry"/wheels/*.whl
     step build bash -c "cmake -S . -B build/gpu -G Ninja -DOPTIML_CUDA=ON -DOPTIML_CUDA_ARCHS=native \
         -DPython_EXECUTABLE=$py && cmake --build build/gpu -j$(nproc)"
     step import "$py" -c "import optiml, json; print(json.dumps(optiml.system_info(), indent=1))"
+}
 
+llama_build() {  # llama.cpp with CUDA, from the carried sources (kept when already built)
+    [ -x build/llama-cuda/bin/llama-bench ] && [ -x build/llama-cuda/bin/llama-batched-bench ] && return
+    step llama-build bash -c "mkdir -p build/llama-src && tar -xJf $carry/llama.cpp.tar.xz -C build/llama-src && \
+        cmake -S build/llama-src -B build/llama-cuda -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF && \
+        cmake --build build/llama-cuda -j$(nproc) --target llama-bench llama-batched-bench"
+}
+
+hybrid() {
+    setup
+    llama_build
+    for act in relu silu; do
+        step "hybrid-$act" "$py" tools/bench_hybrid.py --device cuda --shape 7b --activation "$act" \
+            --budgets 0.25 0.5 --llama-bench build/llama-cuda/bin/llama-bench \
+            --tokenizer-from "$carry/models/tokenizer-donor.gguf" --workdir build/bench-hybrid
+        cat "$out/hybrid-$act.log" | tail -n 25
+    done
+    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    [ ${#failed[@]} -eq 0 ]
+}
+
+run() {
+    setup
     # Models: real ones carried in parts, synthetic ones made here.
     local models=build/gpu-models
     mkdir -p "$models"
@@ -93,11 +122,7 @@ run() {
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$py" -m pytest -q -x tests/test_cuda.py \
         -k "whole_model and smollm2" -p no:cacheprovider
 
-    # llama.cpp with CUDA, from the carried sources.
-    step llama-build bash -c "mkdir -p build/llama-src && tar -xJf $carry/llama.cpp.tar.xz -C build/llama-src && \
-        cmake -S build/llama-src -B build/llama-cuda -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF && \
-        cmake --build build/llama-cuda -j$(nproc) --target llama-bench llama-batched-bench"
+    llama_build
     local args=()
     for m in "$models"/*.gguf; do [ "$(basename "$m")" = tokenizer-donor.gguf ] || args+=(-m "$m"); done
     step bench "$py" tools/bench_gpu.py "${args[@]}" --llama-bench build/llama-cuda/bin/llama-bench \
@@ -111,5 +136,6 @@ run() {
 case "${1:-}" in
     prepare) prepare ;;
     run) run ;;
-    *) echo "usage: tools/gpu_check.sh prepare|run" >&2; exit 2 ;;
+    hybrid) hybrid ;;
+    *) echo "usage: tools/gpu_check.sh prepare|run|hybrid" >&2; exit 2 ;;
 esac
