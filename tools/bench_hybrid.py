@@ -88,7 +88,8 @@ def tg(model: optiml.Model, n: int, reps: int) -> tuple[float, list]:
 
 
 def llama_layers_for(path: str, budget: int, ctx: int) -> int:
-    """The most whole layers (from the last, as -ngl counts) whose weights and KV cache fit `budget`."""
+    """The most whole layers (from the last, as -ngl counts) whose weights and KV cache fit `budget`. (llama.cpp's
+    own compute buffers are not counted: it gets the benefit of the doubt, where our side counts its scratch.)"""
     with gguf.open(path) as f:
         md = f.metadata
         arch = md["general.architecture"]
@@ -155,14 +156,14 @@ def main() -> int:
     if not os.path.exists(stats):
         sh(optiml_cmd("profile", "-m", model, "--data", text, "--tokens", args.profile_tokens, "-o", stats,
                       "-t", args.threads, "-q"))
-    hw = os.path.join(args.workdir, f"hw-{args.device.replace(':', '')}.json")
+    hw = os.path.join(args.workdir, f"hw-{args.device.replace(':', '')}-{args.type}-t{args.threads}.json")
     if not os.path.exists(hw):
         sh(optiml_cmd("hw", "--device", args.device, "--types", args.type, "-o", hw, "-q", "-t", args.threads))
     size = os.path.getsize(model)
     placed = {}
     for b in args.budgets:
         vram = int(size * b)
-        out = os.path.join(args.workdir, f"{tag}.placed{int(b * 100)}.gguf")
+        out = os.path.join(args.workdir, f"{tag}.placed{int(b * 100)}-ctx{args.ctx}-{os.path.basename(hw)[:-5]}.gguf")
         if not os.path.exists(out):
             sh(optiml_cmd("solve", "-m", model, "--stats", stats, "--vram", str(vram), "--hardware", hw, "--ctx",
                           args.ctx, "-o", out))

@@ -73,7 +73,7 @@ class Connection:
         """POSTs payload and reads the chunked response to its end: (start time, [(time, raw bytes)])."""
         for attempt in range(2):
             if self.sock is None:
-                self.sock = socket.create_connection(self.addr)
+                self.sock = socket.create_connection(self.addr, timeout=600)
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             head = (f"POST {path} HTTP/1.1\r\nHost: {self.addr[0]}:{self.addr[1]}\r\n"
                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()

@@ -163,10 +163,11 @@ def main(argv=None) -> int:
         u /= np.linalg.norm(u)
         emb_scale = 1.0 / a.std  # embeddings of std 1 (the layers' outputs are small beside them)
         firing = power_law_firing(FF, a.plant_firing)
-        # x_n = a_u u + r after RMSNorm with |a_u| = |r| = sqrt(E / 2); gate_j . r ~ N(0, std^2 E / 2) and
-        # g_j . u ~ N(0, std^2): P(gate_j . x_n > 0) = Phi(beta_j a_u / (std sqrt(E))) with beta_j = Phi^-1(p_j) std sqrt(2).
+        # x_n = a_u u + r after RMSNorm with |a_u| = |r| = sqrt(E / 2). Gate row j is g_j (its u component
+        # removed) + beta_j u, so gate_j . x_n = g_j . r + beta_j a_u with g_j . r ~ N(0, std^2 E / 2) over
+        # tokens: P(fire) = Phi(beta_j / std), i.e. beta_j = std * Phi^-1(p_j).
         norm = statistics.NormalDist()
-        beta_of = np.array([norm.inv_cdf(float(p)) for p in firing], dtype=np.float32) * a.std * np.sqrt(2.0)
+        beta_of = np.array([norm.inv_cdf(float(p)) for p in firing], dtype=np.float32) * a.std
 
     def scaled(make, factor):
         def run():
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
         def run():
             g = make()
             beta = beta_of[np.random.default_rng([a.seed, 11, layer]).permutation(FF)]
-            g += beta[:, None] * u[None, :]
+            g += (beta - g @ u)[:, None] * u[None, :]
             return g
         return run
 

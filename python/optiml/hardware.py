@@ -37,6 +37,9 @@ from ._core import ArgumentError
 
 __all__ = ["Hardware"]
 
+# Ops a device queues for one layer's FFN share: gate and up products, their biases, the activation, down.
+FFN_SHARE_OPS = 6
+
 
 @dataclass
 class Hardware:
@@ -130,12 +133,14 @@ class Hardware:
         measured = ["cpu_bandwidth", "cpu_dense", "cpu_sparse"]
         if device is not None:
             say(f"device {device}")
-            d = _core.measure_device(device, max(weight_bytes, 1 << 20) * 2)
+            d = _core.measure_device(device, max(weight_bytes, 1 << 20) * 2, n_threads=max(n_threads, 1))
             hw.gpu_bandwidth = d["device_bytes_per_s"]
-            hw.transfer_latency = d["transfer_latency_s"]
-            hw.transfer_bandwidth = min(d["h2d_bytes_per_s"], d["d2h_bytes_per_s"])
+            # A layer whose data crosses makes two small copies (its FFN input out, the partial output back)
+            # and waits once: the measured copy-and-wait less the wait, twice, and the wait.
             hw.sync_cost = d["sync_s"]
-            hw.launch_overhead = d["op_s"]
+            hw.transfer_latency = 2 * max(d["transfer_latency_s"] - d["sync_s"], 0.0)
+            hw.transfer_bandwidth = min(d["h2d_bytes_per_s"], d["d2h_bytes_per_s"])
+            hw.launch_overhead = FFN_SHARE_OPS * d["op_s"]  # the ops a device's FFN share queues
             measured += ["gpu_bandwidth", "transfer_latency", "transfer_bandwidth", "sync_cost", "launch_overhead"]
             cuda = [c for c in _core.system_info().get("cuda_devices", [])]
             if d["device"].startswith("cuda") and cuda:

@@ -26,7 +26,9 @@ What is placed
 
 The program (per layer l; times in microseconds inside the solver)
     x_l in {0..G_l}  groups on the GPU          a_l in {0,1}: x_l >= 1  (x_l <= G_l a_l)
-    b_l in {0,1}: x_l = G_l (x_l >= G_l b_l, x_l <= G_l - 1 + b_l)       s_l >= a_l - b_l: the layer is split
+    b_l in {0,1}: x_l = G_l (x_l >= G_l b_l, x_l <= G_l - 1 + b_l)
+    s_l >= 1 - b_l: the layer's data crosses (its attention is on the GPU and some FFN neuron on the CPU; with
+               its attention on the CPU, s_l >= a_l; solve_groups without attention: s_l >= a_l - b_l)
     bytes_l(x)  = B_l x + (B_last,l - B_l) b_l                 exact bytes of the first x groups
     t_l >= bytes_l(x) / gpu_bandwidth + launch_overhead a_l   the GPU share's time
     t_l >= cpu_l(x)                                           the CPU share's time, run concurrently
@@ -36,7 +38,7 @@ The program (per layer l; times in microseconds inside the solver)
                t_l >= each such line. Lines beyond the first group point where the GPU time alone already
                exceeds cpu_l are dropped: there the GPU bound is the larger one, so the optimum is unchanged
                and the model stays exact at every integer x (no approximation).
-    minimize    sum_l t_l + split_cost s_l            (split_cost = transfer latency + sync, per split layer)
+    minimize    sum_l t_l + split_cost s_l            (split_cost = transfer latency + sync, per crossing layer)
     subject to  fixed + sum_l bytes_l(x_l) <= budget
     HiGHS solves it with a time limit and a relative gap, warm-started from the greedy solution below. The
     returned x is re-checked in exact integer bytes (and trimmed if floating-point tolerance let it overshoot).
@@ -464,8 +466,8 @@ def _model_layout(path, group: int):
         parts = n.split(".")
         if parts[0] == "blk" and n not in ffn_names and not n.endswith(("ffn_gate.bias", "ffn_up.bias")):
             attn[int(parts[1])] += t.n_bytes
-    # The device's scratch per token of a batch, as the plan counts it (plan.cpp scratch_bytes): x, xn, attn,
-    # y, y2 [n_embd]; q [n_head * k_len] twice; k, v [n_head_kv * k_len]; gate, up [n_ff].
+    # The device's scratch per token of a batch, as the plan counts it (plan.cpp scratch_bytes): four rows of
+    # n_embd, two of n_head * k_len, two of n_head_kv * k_len, two of n_ff (floats).
     n_ff = max(v["n_ff"] for v in layers)
     scratch_per_token = 4 * (4 * n_embd + 2 * n_head * k_len + 2 * n_head_kv * k_len + 2 * n_ff)
     return dict(n_layer=n_layer, layers=layers, group=g, weights_fixed=weights_fixed, kv_per_token=kv_per_token,
@@ -500,7 +502,9 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         if v["n_ff"] != stats.n_ff:
             raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
     g = lay["group"]
-    hardware = hardware.for_type(lay["layers"][0]["ffn_type"])  # the CPU's measured rate for these rows, if any
+    # The FFN groups' CPU time at the CPU's measured row-sparse rate for their type (when `optiml hw` measured
+    # it); attention and the output stay at cpu_bandwidth.
+    ffn_hw = hardware.for_type(lay["layers"][0]["ffn_type"])
     scratch = lay["scratch_per_token"] * int(batch)
     fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + 0  # + predictors: none yet
     order = hot_first_order(stats.freq, stats.impact)
@@ -512,24 +516,26 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         assert int(gb.sum()) == v["total"], "group bytes must add up to the layer's FFN tensors"
         gbs.append(gb)
         cbs.append(cb)
-    cpu_only = float(sum(layer_times(gb, cb, hardware)[0] for gb, cb in zip(gbs, cbs)))
+    cpu_only = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
     fixed_cpu_s = lay["weights_fixed"] / hardware.cpu_bandwidth
     t0 = time.perf_counter()
     attention = [True] * lay["n_layer"]
     if fixed > vram:
-        sol, attention, used, est = _solve_partial_attention(lay, gbs, cbs, int(vram) - scratch, hardware, int(ctx),
-                                                             time_limit, mip_gap, method, cpu_only + fixed_cpu_s)
-        if sol is not None:
-            used += scratch
-        if sol is None:
-            warnings.warn(f"the budget of {vram:,} bytes cannot hold even one layer's attention and KV cache for {ctx} "
-                          "tokens; everything stays on the CPU", SolveWarning, stacklevel=2)
+        sol, attention, used, est = _solve_partial_attention(lay, gbs, cbs, int(vram) - scratch, hardware, ffn_hw,
+                                                             int(ctx), time_limit, mip_gap, method,
+                                                             cpu_only + fixed_cpu_s)
+        if isinstance(sol, str):  # why nothing goes to the GPU
+            why = sol
+            warnings.warn(f"the budget of {vram:,} bytes: {why}; everything stays on the CPU", SolveWarning,
+                          stacklevel=2)
             sol = GroupSolution(x=[0] * len(gbs), objective_s=cpu_only, ffn_bytes=0, method="all-cpu",
-                                status=f"all-cpu: no layer's attention fits the budget ({fixed:,} bytes for all)",
+                                status=f"all-cpu: {why} (the whole fixed part takes {fixed:,} bytes)",
                                 gap=math.nan, solve_s=time.perf_counter() - t0)
             used, est, attention = 0, cpu_only + fixed_cpu_s, [False] * lay["n_layer"]
     else:
-        sol = solve_groups(gbs, cbs, vram - fixed, hardware, time_limit, mip_gap, method)
+        # Every layer's attention is on the GPU: a layer pays the transfer unless its whole FFN is there too.
+        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method,
+                           attention=["gpu"] * lay["n_layer"])
         used = fixed + sol.ffn_bytes
         est = sol.objective_s + lay["weights_fixed"] / hardware.gpu_bandwidth
     k = [min(x * g, v["n_ff"]) for x, v in zip(sol.x, lay["layers"])]
@@ -544,13 +550,15 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
                      gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)], gpu_attention=attention)
 
 
-def _solve_partial_attention(lay, gbs, cbs, vram, hw, ctx, time_limit, mip_gap, method, all_cpu_s):
+def _solve_partial_attention(lay, gbs, cbs, vram, hw, ffn_hw, ctx, time_limit, mip_gap, method, all_cpu_s):
     """When the fixed part does not fit: attention and KV cache on the GPU for layers [0, m) only, FFN groups
     anywhere. Every m whose attention fits is scored with the greedy FFN placement (each layer's split cost
     following where its attention runs, layer_times), then the best m and its neighbours are solved exactly.
-    The output matrix and global norms stay on the CPU (the plan adds the output when room is left).
-    Returns (GroupSolution, attention per layer, bytes used, estimated s/token), or Nones when no layer's
-    attention fits."""
+    The output matrix and global norms stay on the CPU (the plan puts the output on the device only when the
+    last layer's attention is there and room is left). m = 0 (FFN neurons only) is a candidate too. The
+    FFN groups are timed with ffn_hw, the rest with hw. vram: the budget less the device's scratch.
+    Returns (GroupSolution, attention per layer, bytes placed, estimated s/token), or (why, None, None, None)
+    when nothing goes to the GPU."""
     L = lay["n_layer"]
     kv = lay["kv_per_token"] * ctx // L
     att_b = [a + kv for a in lay["attn"]]
@@ -562,24 +570,24 @@ def _solve_partial_attention(lay, gbs, cbs, vram, hw, ctx, time_limit, mip_gap, 
         where = ["gpu"] * m + ["cpu"] * (L - m)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SolveWarning)
-            sol = solve_groups(gbs, cbs, vram - need, hw, time_limit, mip_gap, how, attention=where)
+            sol = solve_groups(gbs, cbs, vram - need, ffn_hw, time_limit, mip_gap, how, attention=where)
         est = sol.objective_s + sum(att_w[:m]) / hw.gpu_bandwidth + sum(att_w[m:]) / hw.cpu_bandwidth + rest_cpu_s
         return est, sol, need
 
-    fits = [m for m in range(1, L + 1) if sum(att_b[:m]) <= vram]
-    if vram <= 0 or not fits:
-        return None, None, None, None
-    greedy = {m: score(m, "greedy") for m in [0] + fits}
+    if vram <= 0:
+        return "it does not hold the device's scratch", None, None, None
+    fits = [m for m in range(0, L + 1) if sum(att_b[:m]) <= vram]
+    greedy = {m: score(m, "greedy") for m in fits}
     best_m = min(greedy, key=lambda m: greedy[m][0])
     best = (best_m, *greedy[best_m])
     if method != "greedy":
-        for m in sorted({best_m - 1, best_m, best_m + 1} & set([0] + fits)):
+        for m in sorted({best_m - 1, best_m, best_m + 1} & set(fits)):
             est, sol, need = score(m, method)
             if est <= best[1] * (1 + 1e-12):  # the program's answer, also when it only confirms greedy's
                 best = (m, est, sol, need)
     m, est, sol, need = best
-    if est >= all_cpu_s:  # nothing on the GPU pays for its transfers
-        return None, None, None, None
+    if est >= all_cpu_s or (m == 0 and sol.ffn_bytes == 0):
+        return "nothing that fits beside the scratch pays for its transfers", None, None, None
     sol.status += f"; attention and KV on the GPU for layers [0, {m}) (the whole fixed part does not fit)"
     return sol, [l < m for l in range(L)], need + sol.ffn_bytes, est
 
@@ -598,7 +606,8 @@ def format_report(p: Placement) -> str:
         f"solver: {p.method}, status {p.status}, gap {gap}, {p.solve_s:.2f} s",
         f"hardware ({p.hardware.get('source', '?')}): CPU {p.hardware['cpu_bandwidth'] / 1e9:.1f} GB/s, "
         f"GPU {p.hardware['gpu_bandwidth'] / 1e9:.1f} GB/s, split cost "
-        f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us",
+        f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us"
+        + "".join(f", CPU {t.upper()} rows {v / 1e9:.1f} GB/s" for t, v in p.hardware.get("cpu_sparse", {}).items()),
         f"VRAM: {_mib(p.vram_used)} used of {_mib(p.vram_budget)} "
         f"(fixed part {_mib(p.fixed_bytes)} for ctx {p.ctx}"
         f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",

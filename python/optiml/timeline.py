@@ -1,7 +1,10 @@
 """Where a step's time goes, device by device: `optiml bench --timeline`, Model.timeline().
 
 The engine times every op and copy where it runs (the host's ops on the calling thread, a second CPU
-device's on its worker, a GPU's between CUDA events) and every wait of one device for another. From those
+device's on its worker, a GPU's between CUDA events) and every wait of one device for another. (On a GPU
+the host's wait for a copy into pageable memory happens inside the copy call: it shows as a gap in the
+host's row rather than as a wait. Ops that queue copies of their own, a GPU's attention, count those twice
+in the per-kind sums, not in busy time.) From those
 spans this module builds, per layer, how long each device was busy, how long copies and waits took, and how
 long both devices computed at the same time (the overlap that hybrid execution exists for). It also writes
 the spans as a Chrome trace (chrome://tracing, https://ui.perfetto.dev).
@@ -58,7 +61,7 @@ class LayerTimes:
     copies: float = 0.0
     host_wait: float = 0.0
     device_wait: float = 0.0
-    overlap: float = 0.0  # both devices computing at once
+    overlap: float = 0.0  # both devices busy at once (the device's copies count as busy)
     host_ops: dict = field(default_factory=dict)  # kind -> seconds
     device_ops: dict = field(default_factory=dict)
 
@@ -74,7 +77,8 @@ class Timeline:
 
     @property
     def wall(self) -> float:
-        """Seconds from the first span's start to the last one's end."""
+        """Seconds from the first span's start to the last one's end (between steps: the caller's own time,
+        e.g. Model.timeline's greedy pick, is included)."""
         if not self.spans:
             return 0.0
         return max(s[4] for s in self.spans) - min(s[3] for s in self.spans)

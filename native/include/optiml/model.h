@@ -229,7 +229,6 @@ public:
     };
     void timeline_start();
     std::vector<TimedSpan> timeline_stop();
-    const Backend* device_backend() const { return device_.get(); }
 
 private:
     struct LayerExec;

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include "kernels.cuh"
@@ -43,10 +44,7 @@ public:
         cudaStreamSynchronize(stream_);
         free_all();
         for (cudaEvent_t e : events_) cudaEventDestroy(e);
-        for (const TimedOp& op : timed_) {
-            cudaEventDestroy(op.start);
-            cudaEventDestroy(op.end);
-        }
+        drop_timed();
         if (trace_base_) cudaEventDestroy(trace_base_);
         cudaStreamDestroy(stream_);
     }
@@ -268,7 +266,7 @@ private:
         cudaEvent_t start, end;
     };
     // An event recorded now on the stream, or nullptr when CUDA refuses (the op's span is then left out:
-    // timing must never fail the op it times, nor throw from a destructor).
+    // timing must never fail the op it times).
     cudaEvent_t timing_event() noexcept {
         cudaEvent_t e = nullptr;
         if (cudaEventCreate(&e) != cudaSuccess) {
@@ -296,32 +294,58 @@ private:
         ~OpSpan() {
             if (!start) return;
             cudaEvent_t end = be.timing_event();
-            if (end) {
-                be.timed_.push_back({layer, kind, start, end});
-            } else {
-                cudaEventDestroy(start);
+            try {
+                if (end) {
+                    be.timed_.push_back({layer, kind, start, end});
+                    return;
+                }
+            } catch (...) {  // out of memory for the span: it is left out
+                cudaEventDestroy(end);
             }
+            cudaEventDestroy(start);
         }
     };
+    void drop_timed() {
+        for (const TimedOp& op : timed_) {
+            cudaEventDestroy(op.start);
+            cudaEventDestroy(op.end);
+        }
+        timed_.clear();
+    }
     // The stream is empty: an event recorded now completes at once, at (about) this host time.
     void begin_spans() override {
         use();
+        drop_timed();  // a trace started again without being stopped
         if (!trace_base_) cuda_check(cudaEventCreate(&trace_base_), "creating a timing event");
         cuda_check(cudaEventRecord(trace_base_, stream_), "recording a timing event");
         cuda_check(cudaEventSynchronize(trace_base_), "waiting for the GPU");
         trace_base_host_ = trace_clock();
     }
+    // Start times from the base; durations from each op's own pair (float milliseconds lose microseconds
+    // over a long trace when both ends are taken from the base).
     void collect_spans() override {
         use();
-        for (const TimedOp& op : timed_) {
-            float a = 0, b = 0;
-            cuda_check(cudaEventElapsedTime(&a, trace_base_, op.start), "timing an op");
-            cuda_check(cudaEventElapsedTime(&b, trace_base_, op.end), "timing an op");
-            add_span(op.layer, op.kind, trace_base_host_ + a * 1e-3, trace_base_host_ + b * 1e-3);
+        std::vector<TimedOp> ops;
+        ops.swap(timed_);
+        std::exception_ptr err;
+        for (const TimedOp& op : ops) {
+            float at = 0, dur = 0;
+            if (!err) {
+                const cudaError_t e1 = cudaEventElapsedTime(&at, trace_base_, op.start);
+                const cudaError_t e2 = cudaEventElapsedTime(&dur, op.start, op.end);
+                if (e1 == cudaSuccess && e2 == cudaSuccess) {
+                    const double t0 = trace_base_host_ + at * 1e-3;
+                    add_span(op.layer, op.kind, t0, t0 + dur * 1e-3);
+                } else {
+                    cudaGetLastError();
+                    err = std::make_exception_ptr(Error(format("%s: timing an op: %s", name_.c_str(),
+                                                               cudaGetErrorString(e1 != cudaSuccess ? e1 : e2))));
+                }
+            }
             cudaEventDestroy(op.start);
             cudaEventDestroy(op.end);
         }
-        timed_.clear();
+        if (err) std::rethrow_exception(err);
     }
 
     void* device_alloc(size_t bytes) override {

@@ -131,10 +131,11 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
     if (home == host) {
         dev->copy_from_host(ds.xn, ks.xn, xn_floats * sizeof(float));
         dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
-        dev->copy_to_host(ks.y2, ds.y, xn_floats * sizeof(float));
-        const Event done = dev->record();
         host->ffn(hp, il, E.host_share, sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
-        host->wait(done);
+        // Queued after the host's share: a copy into pageable host memory blocks the calling thread
+        // until the device gets there, which would otherwise serialize the two shares.
+        dev->copy_to_host(ks.y2, ds.y, xn_floats * sizeof(float));
+        host->wait(dev->record());
         host->ffn_join(hp, L.ffn, ks.y, ks.y2, n, ks.x);
     } else {
         dev->copy_to_host(ks.xn, ds.xn, xn_floats * sizeof(float));

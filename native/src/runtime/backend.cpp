@@ -52,9 +52,9 @@ void Backend::trace_start() {
 }
 
 std::vector<Span> Backend::trace_stop() {
+    tracing_.store(false);  // first: a failure below must not leave every later op timed
     synchronize();
     collect_spans();
-    tracing_.store(false);
     std::lock_guard<std::mutex> lock(trace_mutex_);
     std::vector<Span> out = std::move(spans_);
     spans_.clear();

@@ -1,7 +1,6 @@
 #include "optiml/measure_device.h"
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "optiml/common.h"
