@@ -12,6 +12,7 @@
 #include "optiml/common.h"
 #include "optiml/kernels.h"
 #include "optiml/matmul.h"
+#include "optiml/paged_kv.h"
 #include "optiml/threadpool.h"
 
 namespace {
@@ -50,6 +51,36 @@ float vec_dot_converted(int32_t wtype, Bytes1D w, Bytes1D xq, int64_t n, const s
     float s = 0;
     table_for(simd).vec_dot[wtype](n, &s, w.data(), xq.data());
     return s;
+}
+
+using Ints1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void paged_store(PagedKV& kv, int32_t layer, int32_t seq, int32_t pos, Floats1D k, Floats1D v) {
+    const size_t width = (size_t)kv.n_head_kv() * kv.head_dim();
+    if (k.shape(0) != width || v.shape(0) != width)
+        throw ArgumentError(format("PagedKV.store: k and v need %zu values each (n_head_kv * head_dim), got %zu and %zu",
+                                   width, (size_t)k.shape(0), (size_t)v.shape(0)));
+    kv.store(layer, seq, pos, k.data(), v.data());
+}
+
+nb::ndarray<nb::numpy, float> paged_attend(const PagedKV& kv, int32_t layer, Floats2D q, Ints1D seq, Ints1D pos,
+                                           float scale, const std::string& simd, int n_threads) {
+    const size_t n = q.shape(0);
+    if (seq.shape(0) != n || pos.shape(0) != n)
+        throw ArgumentError(format("PagedKV.attend: %zu query rows, %zu sequence ids and %zu positions", n,
+                                   (size_t)seq.shape(0), (size_t)pos.shape(0)));
+    if (q.shape(1) % kv.head_dim())
+        throw ArgumentError(format("PagedKV.attend: query rows of %zu values are not whole heads of %d",
+                                   (size_t)q.shape(1), kv.head_dim()));
+    const int32_t n_head = (int32_t)(q.shape(1) / kv.head_dim());
+    const KernelTable& kt = table_for(simd);
+    std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+    auto out = new_array<float>({n, (size_t)q.shape(1)});
+    {
+        nb::gil_scoped_release release;
+        kv.attend(*pool, kt, layer, n_head, q.data(), seq.data(), pos.data(), (int32_t)n, scale, out.data());
+    }
+    return out;
 }
 
 nb::ndarray<nb::numpy, float> matmul_py(Bytes2D w, int32_t wtype, Floats2D x, const std::string& simd,
@@ -111,4 +142,15 @@ void bind_kernels(nb::module_& m) {
           nb::arg("simd") = "", "Dot product of one weight row with an already converted activation row.");
     m.def("matmul", &matmul_py, nb::arg("w"), nb::arg("wtype"), nb::arg("x"), nb::arg("simd") = "",
           nb::arg("n_threads") = 0, "Y[t, r] = dot(W[r], X[t]) for weight rows W (bytes) and activations X.");
+
+    nb::class_<PagedKV>(m, "PagedKV", "A KV cache in host memory in blocks of 32 positions (optiml/paged_kv.h).")
+        .def(nb::init<int32_t, int32_t, int32_t, int32_t>(), nb::arg("n_layer"), nb::arg("n_head_kv"),
+             nb::arg("head_dim"), nb::arg("n_blocks"))
+        .def("store", &paged_store, nb::arg("layer"), nb::arg("seq"), nb::arg("pos"), nb::arg("k"), nb::arg("v"))
+        .def("free", &PagedKV::free_seq, nb::arg("seq"))
+        .def("length", &PagedKV::length, nb::arg("seq"))
+        .def_prop_ro("blocks_free", &PagedKV::blocks_free)
+        .def_prop_ro("bytes", &PagedKV::bytes)
+        .def("attend", &paged_attend, nb::arg("layer"), nb::arg("q"), nb::arg("seq"), nb::arg("pos"),
+             nb::arg("scale"), nb::arg("simd") = "", nb::arg("n_threads") = 0);
 }
