@@ -205,3 +205,18 @@ def test_timeline_times_the_gpu_ops(tiny):
         kinds = {(s[0], s[2]) for s in t.spans if s[1] == layer}
         assert {(0, "ffn"), (1, "ffn")} <= kinds, (layer, kinds)
     assert sum(1 for s in t.spans if s[0] == 1 and s[2] == "ffn") == 2 * 4  # one per layer and step
+
+
+@pytest.mark.skipif(EMULATED, reason="the emulator's device memory is host memory")
+def test_budget_is_never_exceeded_on_the_device(tiny):
+    """Device memory measured before and after (issue #17): loading and generating take no more than the
+    budget, beyond the allocator's granularity and lazily loaded kernels (the context exists already:
+    system_info() queried the device)."""
+    before = optiml.system_info()["cuda_devices"][0]["free_memory"]
+    vram = 24 * 2**20
+    with optiml.Model(tiny["q4_0"], n_ctx=128, device="cuda", vram=vram, gpu_neurons=512) as m:
+        m.generate("Hello", max_tokens=8, temperature=0)
+        during = optiml.system_info()["cuda_devices"][0]["free_memory"]
+        planned = m.plan.device_bytes["total"]
+    assert planned <= vram
+    assert before - during <= vram + 64 * 2**20, (before - during, vram)
