@@ -9,7 +9,6 @@
 #include <nanobind/stl/vector.h>
 
 #include "optiml/common.h"
-#include "optiml/cuda.h"
 #include "optiml/measure_device.h"
 #include "optiml/model.h"
 #include "optiml/predictor.h"
@@ -248,24 +247,7 @@ nb::ndarray<nb::numpy, float> eval(PySession& s, Tokens1D tokens, bool all_logit
 
 // optiml hw: a device's sync, copy and per-op costs, measured through the backend interface.
 nb::dict measure_device_py(const std::string& device, size_t bytes, size_t small_bytes, int n_threads) {
-    // "cuda", "cuda:N" or "cpu:N" with N all digits.
-    auto index_after = [&](size_t at) -> int {
-        if (at >= device.size() || device.size() - at > 4 ||
-            device.find_first_not_of("0123456789", at) != std::string::npos)
-            return -1;
-        return std::atoi(device.c_str() + at);
-    };
-    std::unique_ptr<Backend> be;
-    if (device == "cuda") {
-        be = make_cuda_backend(0);
-    } else if (device.compare(0, 5, "cuda:") == 0 && index_after(5) >= 0) {
-        be = make_cuda_backend(index_after(5));
-    } else if (device.compare(0, 4, "cpu:") == 0 && index_after(4) >= 0) {
-        be = make_cpu_device_backend(index_after(4), n_threads < 1 ? 1 : n_threads);
-    } else {
-        throw ArgumentError(format("measure_device: %s is not a device to measure; use cuda[:N] or cpu:N",
-                                   device.c_str()));
-    }
+    std::unique_ptr<Backend> be = make_device_backend(device, n_threads < 1 ? 1 : n_threads);
     DeviceMeasurements r;
     {
         nb::gil_scoped_release release;

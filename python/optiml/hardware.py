@@ -142,7 +142,7 @@ class Hardware:
             hw.transfer_bandwidth = min(d["h2d_bytes_per_s"], d["d2h_bytes_per_s"])
             hw.launch_overhead = FFN_SHARE_OPS * d["op_s"]  # the ops a device's FFN share queues
             measured += ["gpu_bandwidth", "transfer_latency", "transfer_bandwidth", "sync_cost", "launch_overhead"]
-            cuda = [c for c in _core.system_info().get("cuda_devices", [])]
+            cuda = _core.system_info().get("cuda_devices", [])
             if d["device"].startswith("cuda") and cuda:
                 hw.gpu_memory = int(cuda[int(d["device"].split(":")[1])]["total_memory"])
                 measured.append("gpu_memory")

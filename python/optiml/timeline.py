@@ -110,9 +110,10 @@ class Timeline:
             rows.append(r)
         return rows
 
-    def totals(self) -> LayerTimes:
+    def totals(self, rows: list[LayerTimes] | None = None) -> LayerTimes:
+        """The sums over the layers (rows: self.layers(), when already computed)."""
         t = LayerTimes(-2)
-        for r in self.layers():
+        for r in self.layers() if rows is None else rows:
             for name in ("host_busy", "device_busy", "copies", "host_wait", "device_wait", "overlap"):
                 setattr(t, name, getattr(t, name) + getattr(r, name))
         return t
@@ -127,7 +128,9 @@ class Timeline:
         if dev:
             head += f" {'dev busy':>8} {'copies':>8} {'dev wait':>8} {'overlap':>8}"
         lines.append(head + "  ops on the host" + (" | on the device" if dev else ""))
-        for r in self.layers() + [self.totals()]:
+        rows = self.layers()
+        t = self.totals(rows)
+        for r in rows + [t]:
             name = "total" if r.layer == -2 else ("-" if r.layer == -1 else str(r.layer))
             line = f"{name:>5} {ms(r.host_busy):>9} {ms(r.host_wait):>9}"
             if dev:
@@ -137,7 +140,6 @@ class Timeline:
                 if dev and r.device_ops:
                     line += " | " + " ".join(f"{k} {v / n * 1e3:.3f}" for k, v in r.device_ops.items() if k != "wait")
             lines.append(line)
-        t = self.totals()
         if dev:
             both = min(t.host_busy, t.device_busy)
             lines.append(f"overlap: {t.overlap / n * 1e3:.3f} ms per step, "

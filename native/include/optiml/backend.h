@@ -225,4 +225,9 @@ private:
 std::unique_ptr<Backend> make_cpu_backend(std::shared_ptr<ThreadPool> pool);
 std::unique_ptr<Backend> make_cpu_device_backend(int index, int n_threads);
 
+// "cpu:N" -> N (prefix "cpu"), "cuda" / "cuda:N" -> N (prefix "cuda"); -1 when d is not such a name.
+int device_index(const std::string& d, const char* prefix);
+// The accelerator named "cuda[:N]" or "cpu:N" (N >= 1, with n_threads threads); ArgumentError otherwise.
+std::unique_ptr<Backend> make_device_backend(const std::string& device, int n_threads);
+
 }  // namespace optiml

@@ -54,13 +54,10 @@ public:
     void wait(const Event& e) override {
         if (!e.backend || e.backend == this) return;  // stream order already
         if (!async_) {
-            if (!tracing()) {
-                e.backend->host_wait(e);
-                return;
-            }
-            const double t0 = trace_clock();
+            const bool timed = tracing();
+            const double t0 = timed ? trace_clock() : 0.0;
             e.backend->host_wait(e);
-            add_span(current_trace_layer(), SpanKind::Wait, t0, trace_clock());
+            if (timed) add_span(current_trace_layer(), SpanKind::Wait, t0, trace_clock());
             return;
         }
         Backend* other = e.backend;

@@ -2,7 +2,6 @@
 #include "optiml/plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "optiml/common.h"
 #include "optiml/cuda.h"
@@ -99,21 +98,6 @@ std::string Plan::summary(const Model& m) const {
     return s;
 }
 
-namespace {
-
-// "cpu:N" -> N, "cuda" / "cuda:N" -> N, else -1.
-int device_index(const std::string& d, const char* prefix) {
-    const size_t n = std::char_traits<char>::length(prefix);
-    if (d.compare(0, n, prefix) != 0) return -1;
-    if (d.size() == n) return 0;
-    if (d[n] != ':' || d.size() == n + 1) return -1;
-    char* end = nullptr;
-    const long v = std::strtol(d.c_str() + n + 1, &end, 10);
-    return *end || v < 0 ? -1 : (int)v;
-}
-
-}  // namespace
-
 Plan make_plan(const Model& m, const PlanOptions& o) {
     const HParams& hp = m.hp;
     Plan p;
@@ -204,9 +188,9 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
             p.reason = !o.gpu_neurons.empty() ? "gpu_neurons given" : placed ? "the file's placement" : "whole layers";
             const bool contiguous = p.neuron_order.empty();
             if (placed) {
-                // Layer by layer: attention and KV first (where the placement puts them on the device; a file
-                // without that choice: every layer until one does not fit), then as many hot neurons as the
-                // placement asks and the budget holds.
+                // Attention and KV first: the layers the placement chose (as far as the budget holds), or, in
+                // a file without that choice, layer by layer until one does not fit. Then as many hot neurons
+                // per layer as the placement asks and the budget holds.
                 const std::vector<int32_t>* chosen =
                     o.gpu_neurons.empty() && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention : nullptr;
                 auto place_attention = [&](int il) {

@@ -96,13 +96,9 @@ void Session::bind_devices() {
     const Model& M = *model_;
     const HParams& hp = M.hp;
     host_ = make_cpu_backend(pool_);
-    const bool cuda = plan_.device.compare(0, 4, "cuda") == 0;
-    if (cuda) {
-        device_ = make_cuda_backend(plan_.device.size() > 5 ? std::atoi(plan_.device.c_str() + 5) : 0);  // "cuda[:N]"
-        check_cuda_types(M, plan_);
-    } else if (plan_.uses_device()) {
-        const int index = std::atoi(plan_.device.c_str() + 4);  // "cpu:N"
-        device_ = make_cpu_device_backend(index, plan_.device_threads);
+    if (plan_.uses_device()) {
+        device_ = make_device_backend(plan_.device, plan_.device_threads);
+        if (device_index(plan_.device, "cuda") >= 0) check_cuda_types(M, plan_);
     }
     Backend* dev = device_.get();
     std::vector<Backend*> kv_home(hp.n_layer);

@@ -3,9 +3,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
+#include <string>
 
 #include "optiml/common.h"
+#include "optiml/cuda.h"
 #include "optiml/model.h"
 #include "optiml/quant.h"
 
@@ -31,6 +34,23 @@ std::vector<std::pair<std::string, size_t>> Backend::allocation_summary() const 
     std::map<std::string, size_t> by_use;
     for (const Allocation& a : blocks_) by_use[a.what] += a.bytes;
     return {by_use.begin(), by_use.end()};
+}
+
+int device_index(const std::string& d, const char* prefix) {
+    const size_t n = std::char_traits<char>::length(prefix);
+    if (d.compare(0, n, prefix) != 0) return -1;
+    if (d.size() == n) return 0;
+    if (d[n] != ':' || d.size() == n + 1) return -1;
+    char* end = nullptr;
+    const long v = std::strtol(d.c_str() + n + 1, &end, 10);
+    return *end || v < 0 ? -1 : (int)v;
+}
+
+std::unique_ptr<Backend> make_device_backend(const std::string& device, int n_threads) {
+    if (device_index(device, "cuda") >= 0) return make_cuda_backend(device_index(device, "cuda"));
+    if (device_index(device, "cpu") >= 0 && device.size() > 3)
+        return make_cpu_device_backend(device_index(device, "cpu"), n_threads);
+    throw ArgumentError(format("%s is not a device; use cuda[:N] or cpu:N", device.c_str()));
 }
 
 const char* span_kind_name(SpanKind k) {
