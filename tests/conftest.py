@@ -1,5 +1,9 @@
+import contextlib
 import json
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +52,32 @@ def gemma3_path() -> Path:
     if not p.is_file():
         _missing(str(p), "run: python tools/fetch_models.py gemma3-270m-q4_k_m (.ci/run does)")
     return p
+
+
+@contextlib.contextmanager
+def live_server(srv):
+    """Serves optiml.server.Server `srv` with uvicorn on a free loopback port, in a thread; srv.url is its
+    address while the block runs."""
+    import uvicorn
+
+    from optiml.server import create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
+    t = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    for _ in range(200):
+        if uv.started:
+            break
+        time.sleep(0.05)
+    assert uv.started, "the server did not start"
+    srv.url = f"http://127.0.0.1:{port}"
+    try:
+        yield srv
+    finally:
+        uv.should_exit = True
+        t.join(timeout=30)
+        sock.close()

@@ -220,3 +220,30 @@ def test_budget_is_never_exceeded_on_the_device(tiny):
         planned = m.plan.device_bytes["total"]
     assert planned <= vram
     assert before - during <= vram + 64 * 2**20, (before - during, vram)
+
+
+def test_attention_offload_matches_the_gpu_alone(tiny):
+    """CPU attention offload (issue #19): two of three sequences keep their KV cache in host memory and the
+    CPU computes their attention while the GPU runs the linear layers. The CPU's attention sums in another
+    order than the GPU's, so the logits are compared as distributions."""
+    prompts = [list(range(500, 507)), list(range(600, 603)), list(range(700, 711))]
+
+    def run(offload):
+        with optiml.Model(tiny["q4_0"], n_ctx=64, n_seq=3, device="cuda") as m:
+            for s in offload:
+                m.kv_place(s, "host")
+            b = Batch()
+            for s, p in enumerate(prompts):
+                b.add_sequence(p, s, 0, logits="last")
+            out = [m.decode(b)]
+            for step in range(3):
+                b = Batch()
+                for s, p in enumerate(prompts):
+                    b.add(800 + s + step, s, len(p) + step, logits=True)
+                out.append(m.decode(b))
+            assert [m.kv_where(s) for s in range(3)] == ["host" if s in offload else "device" for s in range(3)]
+            return np.vstack(out)
+
+    ref = run([])
+    got = run([0, 2])
+    assert mean_kld(ref, got) < 1e-4

@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import optiml  # noqa: E402
+from conftest import live_server  # noqa: E402
 
 KEY = "sk-test-key"
 PARALLEL = 2
@@ -35,29 +36,12 @@ def ref(smollm2_path):
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    import uvicorn
-
-    from optiml.server import Server, create_app
+    from optiml.server import Server
 
     model = optiml.Model(smollm2_path, n_ctx=N_CTX, n_seq=PARALLEL)
     srv = Server(model, n_parallel=PARALLEL, api_key=KEY, model_id="smollm2", max_queue=QUEUE, chunk=32)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
-    t = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    assert uv.started, "the server did not start"
-    srv.url = f"http://127.0.0.1:{port}"
-    yield srv
-    uv.should_exit = True
-    t.join(timeout=30)
-    sock.close()
+    with live_server(srv):
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,9 @@
 #                                # issue #17's benchmark, tools/bench_hybrid.py, for 7B-shaped ReLU (90%
 #                                # sparse) and SwiGLU (50%) models with planted power-law firing at 25% and
 #                                # 50% of the model in VRAM, against llama.cpp CUDA -ngl at the same memory
+#   tools/gpu_check.sh offload   # there, after run: issue #19's benchmark, tools/bench_offload.py: the 7B-shaped
+#                                # model served to 16 clients with device KV memory for a quarter of them
+#                                # (and for all), GPU-only vs CPU attention offload vs llama-server CUDA
 #
 # `run` writes its logs and tables to $OUT when set (the device tool brings that folder back), else to
 # build/gpu-check. It goes on past a failed step and ends with a summary and exit status 1 if any failed.
@@ -74,11 +77,12 @@ setup() {  # the carried wheels, OptiML with CUDA (kept when already built)
 }
 
 llama_build() {  # llama.cpp with CUDA, from the carried sources (kept when already built)
-    [ -x build/llama-cuda/bin/llama-bench ] && [ -x build/llama-cuda/bin/llama-batched-bench ] && return
+    [ -x build/llama-cuda/bin/llama-bench ] && [ -x build/llama-cuda/bin/llama-batched-bench ] && \
+        [ -x build/llama-cuda/bin/llama-server ] && return
     step llama-build bash -c "mkdir -p build/llama-src && tar -xJf $carry/llama.cpp.tar.xz -C build/llama-src && \
         cmake -S build/llama-src -B build/llama-cuda -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF && \
-        cmake --build build/llama-cuda -j$(nproc) --target llama-bench llama-batched-bench"
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON && \
+        cmake --build build/llama-cuda -j$(nproc) --target llama-bench llama-batched-bench llama-server"
 }
 
 hybrid() {
@@ -94,10 +98,9 @@ hybrid() {
     [ ${#failed[@]} -eq 0 ]
 }
 
-run() {
-    setup
-    # Models: real ones carried in parts, synthetic ones made here.
-    local models=build/gpu-models
+models=build/gpu-models
+
+make_models() {  # real ones carried in parts, synthetic ones made here (kept when already made)
     mkdir -p "$models"
     for p in "$carry"/models/*.gguf.part-aa; do
         [ -e "$p" ] || continue
@@ -112,10 +115,29 @@ run() {
         [ -e "$models/$name.gguf" ] || step "make-$name" "$py" tools/make_synthetic_model.py -o "$models/$name.gguf" \
             --tokenizer-from "$donor" --quiet "$@"
     done
+}
+
+offload() {
+    setup
+    make_models
+    llama_build
+    for share in 0.25 1; do
+        step "offload-$share" "$py" tools/bench_offload.py -m "$models/llama7b-q4_0.gguf" --device cuda \
+            --offered 16 --kv-share "$share" --ctx 2048 --gen 128 --llama-server build/llama-cuda/bin/llama-server
+        cat "$out/offload-$share.log" | tail -n 12
+    done
+    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    [ ${#failed[@]} -eq 0 ]
+}
+
+run() {
+    setup
+    make_models
 
     # The tests look for SmolLM2 and Gemma 3 in the model cache.
     export OPTIML_MODEL_DIR="$PWD/$models"
-    step tests "$py" -m pytest -q -x tests/test_cuda.py tests/test_engine.py -p no:cacheprovider
+    step tests "$py" -m pytest -q -x tests/test_cuda.py tests/test_engine.py tests/test_attention_offload.py \
+        -p no:cacheprovider
     step hw "$py" -m optiml hw --device cuda -o "$out/hw.json"
     step timeline "$py" -m optiml bench -m "$models/llama7b-q4_0.gguf" --device cuda --vram 2GiB --timeline 8 \
         --trace "$out/timeline.json"
@@ -137,5 +159,6 @@ case "${1:-}" in
     prepare) prepare ;;
     run) run ;;
     hybrid) hybrid ;;
-    *) echo "usage: tools/gpu_check.sh prepare|run|hybrid" >&2; exit 2 ;;
+    offload) offload ;;
+    *) echo "usage: tools/gpu_check.sh prepare|run|hybrid|offload" >&2; exit 2 ;;
 esac

@@ -152,7 +152,7 @@ int32_t kv_type_id(const std::string& kv_type) {
 
 PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std::string& kv_type, int32_t n_batch,
                        int32_t n_seq, const std::string& device, int64_t vram, int32_t n_gpu_layers,
-                       std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads) {
+                       std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads, int64_t kv_vram) {
     const int32_t kvt = kv_type_id(kv_type);
     if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = physical cores)");
     PlanOptions o;
@@ -161,6 +161,7 @@ PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std
     o.n_gpu_layers = n_gpu_layers;
     if (gpu_neurons) o.gpu_neurons = *gpu_neurons;
     o.device_threads = device_threads;
+    o.kv_vram = kv_vram;
     std::shared_ptr<ThreadPool> pool = n_threads == 0 ? default_pool() : std::make_shared<ThreadPool>(n_threads);
     nb::gil_scoped_release release;  // uploads weights to the device
     return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch, n_seq, &o)};
@@ -191,6 +192,8 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
     d["output_on_device"] = p.output_on_device;
     d["logits_rows"] = p.logits_rows;
     d["host_kv_bytes"] = p.host_kv_bytes;
+    d["n_seq"] = p.n_seq;
+    d["n_seq_device"] = p.n_seq_device;
     d["host_scratch_bytes"] = p.host_scratch_bytes;
     d["neuron_order"] = !p.neuron_order.empty();
     d["summary"] = p.summary(m);
@@ -199,8 +202,9 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
 
 nb::dict make_plan_py(const PyModel& m, int32_t n_ctx, int32_t n_seq, int32_t n_batch, const std::string& kv_type,
                       const std::string& device, int64_t vram, int32_t n_gpu_layers,
-                      std::optional<std::vector<int32_t>> gpu_neurons) {
+                      std::optional<std::vector<int32_t>> gpu_neurons, int64_t kv_vram) {
     PlanOptions o;
+    o.kv_vram = kv_vram;
     o.n_ctx = n_ctx;
     o.n_seq = n_seq;
     o.n_batch = n_batch;
@@ -283,14 +287,14 @@ void bind_model(nb::module_& m) {
         .def("result", &recorder_result);
     m.def("make_plan", &make_plan_py, nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_seq") = 1,
           nb::arg("n_batch") = 512, nb::arg("kv_type") = "f16", nb::arg("device") = "auto", nb::arg("vram") = -1,
-          nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none());
+          nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(), nb::arg("kv_vram") = -1);
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
     nb::class_<PySession>(m, "Session")
         .def(nb::new_(&make_session), nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_threads") = 0,
              nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512, nb::arg("n_seq") = 1, nb::arg("device") = "cpu",
              nb::arg("vram") = -1, nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(),
-             nb::arg("device_threads") = 1)
+             nb::arg("device_threads") = 1, nb::arg("kv_vram") = -1)
         .def("decode", &decode, nb::arg("tokens"), nb::arg("seq"), nb::arg("pos"), nb::arg("logits"))
         .def_prop_ro("n_seq", [](const PySession& s) { return s.session->n_seq(); })
         .def("seq_len", [](const PySession& s, int32_t seq) { return s.session->kv().seq_len(seq); }, nb::arg("seq"))
@@ -301,6 +305,14 @@ void bind_model(nb::module_& m) {
             nb::gil_scoped_release release;
             s.session->kv().copy(src, dst, n);
         }, nb::arg("src"), nb::arg("dst"), nb::arg("n") = -1)
+        .def("kv_place", [](PySession& s, int32_t seq, bool on_host) {
+            nb::gil_scoped_release release;
+            s.session->place_seq(seq, on_host);
+        }, nb::arg("seq"), nb::arg("on_host"))
+        .def("kv_on_host", [](const PySession& s, int32_t seq) {
+            s.session->kv().check_seq(seq);
+            return s.session->kv().on_host(seq);
+        }, nb::arg("seq"))
         .def_prop_ro("plan", [](const PySession& s) { return plan_dict(s.session->plan(), s.session->model()); })
         .def_prop_ro("device_allocations", [](const PySession& s) {
             nb::dict d;

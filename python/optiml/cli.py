@@ -542,7 +542,7 @@ def cmd_serve(args) -> int:
 
     serve(_model(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
           api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
-          predictors=_predictors(args), **_device(args))
+          predictors=_predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms, **_device(args))
     return 0
 
 
@@ -807,6 +807,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alias", default=None, help="model id clients use (default: the file name)")
     p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
     _add_device_args(p)
+    p.add_argument("--kv-vram", default=None,
+                   help="device memory for the KV cache (a size: 2GiB); with less than --parallel sequences need, "
+                        "the others keep their KV cache in host memory and their attention runs on the CPU while "
+                        "the device runs the linear layers (CPU attention offload), when the measured costs say "
+                        "it raises throughput")
+    p.add_argument("--max-itl-ms", type=float, default=None,
+                   help="with --kv-vram: start a sequence on the CPU only while a step stays within this many "
+                        "milliseconds")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("hw", help="measure this machine for optiml solve: CPU product rates per weight type, and "

@@ -54,7 +54,10 @@ class Model:
     device "auto" (the default: the CPU unless this build can run the GPU), "cpu", "cpu:N" (a second CPU
     instance treated as an accelerator, for testing split execution), "cuda[:N]"; vram a budget such as
     "6GiB"; n_gpu_layers the last N layers whole on the device; gpu_neurons FFN neurons per layer on the
-    device (overrides the file's placement). The result is :attr:`plan`.
+    device (overrides the file's placement). The result is :attr:`plan`. kv_vram (such as "2GiB") limits
+    the device's KV cache: it then holds as many sequences as fit, the others live in host memory and
+    their attention runs on the CPU (CPU attention offload, see :meth:`kv_place`); it needs every layer's
+    attention on the device.
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists), a path, or None.
@@ -76,6 +79,7 @@ class Model:
         gpu_neurons=None,
         predictors="auto",
         down_copy: str = "auto",
+        kv_vram=None,
     ):
         from .models import resolve
 
@@ -95,7 +99,7 @@ class Model:
         n_seq = _positive_int("n_seq", n_seq)
         from .plan import plan_args
 
-        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons)
+        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
         self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch, n_seq, **where)
         self._tokens: list[int] = []  # what the context (KV cache) holds
         self._busy = threading.Lock()
@@ -305,6 +309,23 @@ class Model:
                                   -1 if n is None else _non_negative_int("n", n))
             if dst == 0:
                 self._forget_seq0()
+
+    def kv_place(self, seq: int, where: str) -> None:
+        """CPU attention offload: moves sequence ``seq``'s KV cache to host memory (``where="host"``) or
+        back to the device (``"device"``). From the next decode on, the host computes that sequence's
+        attention while the device runs the linear layers, the batch split in two sub-batches so that
+        both work at once (NEO). Needs a device holding every layer's attention (e.g.
+        ``device="cuda"``, or ``"cpu:1"`` with enough ``vram``); the tokens and logits are the same
+        wherever a sequence lives."""
+        if where not in ("host", "device"):  # a device slot must be free to move a sequence back
+            raise ArgumentError(f"where must be 'host' or 'device', not {where!r}")
+        with self._exclusive():
+            self._session.kv_place(_non_negative_int("seq", seq), where == "host")
+
+    def kv_where(self, seq: int) -> str:
+        """Where sequence ``seq``'s KV cache lives: "device" (for a CPU-only plan: with the rest) or
+        "host" (moved by :meth:`kv_place`, or beyond what ``kv_vram`` holds on the device)."""
+        return "host" if self._session.kv_on_host(_non_negative_int("seq", seq)) else "device"
 
     def _forget_seq0(self) -> None:
         """Sequence 0 changed outside generate/chat: nothing of it is reused as a cached prompt."""

@@ -46,14 +46,15 @@ class Plan:
         return f"<optiml.Plan device={self._d['device']!r} {self._d['device_bytes']['total']} device bytes>"
 
 
-def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None) -> dict:
+def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
+              kv_vram=None) -> dict:
     """The native keyword arguments for a plan, validated."""
     from .solve import parse_size
 
     if not isinstance(device, str) or not device:
         raise ArgumentError(f"device must be a string such as 'auto', 'cpu', 'cpu:1' or 'cuda', not {device!r}")
     args = {"device": device, "vram": -1 if vram is None else parse_size(vram), "n_gpu_layers": -1,
-            "gpu_neurons": None}
+            "gpu_neurons": None, "kv_vram": -1 if kv_vram is None else parse_size(kv_vram)}
     if n_gpu_layers is not None:
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < 0:
             raise ArgumentError(f"n_gpu_layers must be a non-negative integer, not {n_gpu_layers!r}")
@@ -68,12 +69,13 @@ def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, 
 
 
 def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_batch: int = 512,
-         kv_type: str = "f16", device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None) -> Plan:
+         kv_type: str = "f16", device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
+         kv_vram=None) -> Plan:
     """The plan a model would run with (nothing is uploaded or allocated)."""
     from .models import resolve
 
     model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams
     n_ctx = min(hp["n_ctx_train"], 4096) if n_ctx is None else n_ctx
-    args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons)
+    args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
     return Plan(_core.make_plan(model, n_ctx, n_seq, n_batch, kv_type, **args))

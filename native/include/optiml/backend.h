@@ -160,6 +160,16 @@ public:
     // causal (and sliding-window) attention over each token's sequence, output projection.
     virtual void attention(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
                            const KVLayerView& kv, const BatchView& b, float* x, const StepScratch& s) = 0;
+    // The same block in three parts, for a batch whose attention is split between devices (CPU attention
+    // offload, forward_offload.cpp): attention_qkv writes the norm of x and the q/k/v projections (with
+    // biases) of n tokens to s.q, s.k, s.v; attention_core applies the per-head norms and RoPE, writes
+    // the new keys and values into kv and the attention of each token into s.attn; attention_out adds
+    // the output projection of s.attn into x. attention() is the three in order, with the same bits.
+    virtual void attention_qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n,
+                               const StepScratch& s) = 0;
+    virtual void attention_core(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
+                                const KVLayerView& kv, const BatchView& b, const StepScratch& s) = 0;
+    virtual void attention_out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) = 0;
     // y[t] = the share's part of the FFN for xn[t] (no bias of down, no post-norm): see FFNShare.
     // The (token, neuron) activations computed are added to *active (host memory) when the op has run.
     // recorder: profile the FFN (dense, whole layers on a host backend only).

@@ -195,6 +195,9 @@ public:
     // Forgets everything of sequence 0 after the first n positions (0 = reset).
     void truncate(int32_t n) { kv_->truncate(0, n); }
     KVCache& kv() { return *kv_; }
+    // CPU attention offload: sequence s's KV cache moves to host memory (on_host) or back to the device,
+    // and from the next step its attention runs on the host (see forward_offload.cpp).
+    void place_seq(int32_t s, bool on_host) { kv_->place(s, on_host); }
 
     const Model& model() const { return *model_; }
     const Plan& plan() const { return plan_; }
@@ -233,7 +236,11 @@ public:
 private:
     struct LayerExec;
     void forward(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out, float* logits);
-    void ffn_layer(int il, int32_t n, Backend* home);
+    void forward_offload(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out,
+                         float* logits);
+    void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
+    void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
+    StepScratch scratch_rows(const Backend* be, int32_t r0) const;
     void trace_layer(int layer);
     void move(Backend* from, const float* src, Backend* to, float* dst, size_t n_floats);
     const StepScratch& scratch(const Backend* be) const;
@@ -252,6 +259,8 @@ private:
     Weight device_output_norm_, device_output_;  // with plan_.output_on_device
     float* device_logits_ = nullptr;             // [plan_.logits_rows][n_vocab] on the device
     StepScratch host_s_, device_s_;
+    std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
+    std::vector<int32_t> off_tok_, off_seq_, off_slot_, off_pos_, off_rows_;  // forward_offload's reordered batch
 
     SparsitySettings sparsity_;
     std::vector<int64_t> host_active_, device_active_, ffn_seen_;

@@ -28,6 +28,10 @@ struct PlanOptions {
     int32_t n_ctx = 0, n_seq = 1, n_batch = 512;
     int32_t kv_type = TYPE_F16;
     int32_t device_threads = 1;         // threads of a cpu:N device
+    // CPU attention offload: device bytes for the KV cache (-1: a slot for every sequence). The device
+    // then holds the KV cache of as many sequences as fit; the others live in host memory, where the
+    // host computes their attention (forward_offload.cpp). Needs every layer's attention on the device.
+    int64_t kv_vram = -1;
 };
 
 struct LayerPlan {
@@ -55,6 +59,7 @@ struct Plan {
     int32_t logits_rows = 0;
     size_t host_kv_bytes = 0, host_scratch_bytes = 0;
     int32_t n_ctx = 0, n_seq = 1, n_batch = 512, kv_type = TYPE_F16, device_threads = 1;
+    int32_t n_seq_device = 1;  // sequences whose KV cache the device (or, without one, the host) holds
 
     bool uses_device() const { return !device.empty(); }
     int32_t layers_on_device() const;   // attention on the device

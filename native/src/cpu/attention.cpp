@@ -26,23 +26,27 @@ T* thread_buffer(size_t n, int which) {
 
 }  // namespace
 
-void attention_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
-                   const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, float* x,
-                   const StepScratch& sc) {
-    const int64_t n_embd = hp.n_embd, n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv(), hd = hp.head_dim;
+void attention_cpu_qkv(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const LayerWeights& L,
+                       const float* x, int32_t n, const StepScratch& sc) {
+    rms_norm_rows(pool, x, L.attn_norm, sc.xn, n, hp.n_embd, hp.rms_eps);
+    const Weight* qkv[3] = {&L.wq, &L.wk, &L.wv};
+    float* outs[3] = {sc.q, sc.k, sc.v};
+    matmul_shared_input(pool, kt, qkv, outs, 3, sc.xn, n);
+    add_bias_rows(L.bq, sc.q, n);
+    add_bias_rows(L.bk, sc.k, n);
+    add_bias_rows(L.bv, sc.v, n);
+}
+
+void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
+                        const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, const StepScratch& sc) {
+    const int64_t n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv(), hd = hp.head_dim;
     const int32_t n = b.n;
-    float* xn = sc.xn;
     float* q = sc.q;
     float* k = sc.k;
     float* v = sc.v;
     float* attn = sc.attn;
 
-    rms_norm_rows(pool, x, L.attn_norm, xn, n, n_embd, hp.rms_eps);
-    const Weight* qkv[3] = {&L.wq, &L.wk, &L.wv};
-    float* outs[3] = {q, k, v};
-    matmul_shared_input(pool, kt, qkv, outs, 3, xn, n);
-
-    // Biases, rotary position embedding, and the new keys and values into the cache.
+    // Rotary position embedding, and the new keys and values into the cache.
     const size_t kv_elem = type_traits(kv.type).type_size;
     const from_float_fn to_kv = kt.from_float[kv.type];
     const float* freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
@@ -57,9 +61,6 @@ void attention_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, i
         float* kt_ = k + t * n_kv;
         float* vt = v + t * n_kv;
         const int32_t seq = b.seq[t], pos = b.pos[t];
-        add_bias_rows(L.bq, qt, 1);
-        add_bias_rows(L.bk, kt_, 1);
-        add_bias_rows(L.bv, vt, 1);
         float* cos = thread_buffer<float>((size_t)hp.n_rot, 0);
         float* sin = cos + hp.n_rot / 2;
         // Gemma 3 normalizes every head of q and k before rotating them.
@@ -135,9 +136,20 @@ void attention_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, i
         // Strided, not contiguous: later tokens see more positions, so this balances the work.
         for (int64_t task = ith; task < n_tasks; task += nth) attend(task);
     });
+}
 
+void attention_cpu_out(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const LayerWeights& L, int32_t n,
+                       float* x, const StepScratch& sc) {
     // Output projection, added into the residual stream (Gemma 3 normalizes it first).
-    add_to_residual(pool, kt, hp, L.wo, L.bo, L.attn_post_norm, attn, n, x, xn);
+    add_to_residual(pool, kt, hp, L.wo, L.bo, L.attn_post_norm, sc.attn, n, x, sc.xn);
+}
+
+void attention_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
+                   const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, float* x,
+                   const StepScratch& sc) {
+    attention_cpu_qkv(pool, kt, hp, L, x, b.n, sc);
+    attention_cpu_core(pool, kt, hp, il, L, rope_freqs, kv, b, sc);
+    attention_cpu_out(pool, kt, hp, L, b.n, x, sc);
 }
 
 }  // namespace optiml

@@ -111,6 +111,27 @@ public:
         submit(SpanKind::Attention, [=] { attention_cpu(*pool_, kt_, *php, layer, *pl, rf, kv, b, x, s); });
     }
 
+    void attention_qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n,
+                       const StepScratch& s) override {
+        const HParams* php = &hp;
+        const LayerWeights* pl = &L;
+        submit(SpanKind::Attention, [=] { attention_cpu_qkv(*pool_, kt_, *php, *pl, x, n, s); });
+    }
+
+    void attention_core(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
+                        const KVLayerView& kv, const BatchView& b, const StepScratch& s) override {
+        const HParams* php = &hp;
+        const LayerWeights* pl = &L;
+        const Weight rf = rope_freqs;
+        submit(SpanKind::Attention, [=] { attention_cpu_core(*pool_, kt_, *php, layer, *pl, rf, kv, b, s); });
+    }
+
+    void attention_out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) override {
+        const HParams* php = &hp;
+        const LayerWeights* pl = &L;
+        submit(SpanKind::Attention, [=] { attention_cpu_out(*pool_, kt_, *php, *pl, n, x, s); });
+    }
+
     void ffn(const HParams& hp, int layer, const FFNShare& share, const FFNSparsity& sp, const float* xn, int32_t n,
              float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) override {
         const HParams* php = &hp;

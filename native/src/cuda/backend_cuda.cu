@@ -108,55 +108,29 @@ public:
                    const KVLayerView& kv, const BatchView& b, float* x, const StepScratch& s) override {
         use();
         const OpSpan span(*this, SpanKind::Attention);
-        const int32_t n = b.n;
-        const int32_t* seq = batch_on_device(b);
-        const int32_t* pos = seq + n;
-        cuda_rms_norm(stream_, x, (const float*)L.attn_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
-        int32_t held = -1;  // s.y holds xn rounded for q, k and v (the FFN's y is free until the FFN)
-        product(L.wq, s.xn, s.y, held, n, s.q, false);
-        product(L.wk, s.xn, s.y, held, n, s.k, false);
-        product(L.wv, s.xn, s.y, held, n, s.v, false);
-        cuda_add_bias(stream_, s.q, (const float*)L.bq.data, n, hp.n_embd_q());
-        cuda_add_bias(stream_, s.k, (const float*)L.bk.data, n, hp.n_embd_kv());
-        cuda_add_bias(stream_, s.v, (const float*)L.bv.data, n, hp.n_embd_kv());
+        qkv(hp, L, x, b.n, s);
+        core(hp, layer, L, rope_freqs, kv, b, s);
+        out(hp, L, b.n, x, s);
+    }
 
-        const bool swa = hp.is_swa(layer);
-        CudaAttnArgs a{};
-        a.n_head = hp.n_head;
-        a.n_head_kv = hp.n_head_kv;
-        a.head_dim = hp.head_dim;
-        a.n_rot = hp.n_rot;
-        a.neox = hp.rope_type == ROPE_NEOX;
-        a.rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
-        a.rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
-        a.q_scale = hp.attn_q_scale;
-        a.kq_scale = hp.attn_kq_scale;
-        a.rms_eps = hp.rms_eps;
-        a.n_swa = swa ? hp.n_swa : 0;
-        a.freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
-        a.q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
-        a.k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
-        a.kv_type = kv.type;
-        a.n_ctx = kv.n_ctx;
-        a.k_cache = kv.k;
-        a.v_cache = kv.v;
-        a.k_row = kv.k_row;
-        a.k_seq = kv.k_seq;
-        a.v_seq = kv.v_seq;
-        cuda_attn_prepare(stream_, a, s.q, s.k, s.v, seq, pos, n);
-        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn);
+    void attention_qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n,
+                       const StepScratch& s) override {
+        use();
+        const OpSpan span(*this, SpanKind::Attention);
+        qkv(hp, L, x, n, s);
+    }
 
-        // Output projection into the residual stream (Gemma 3 normalizes it first).
-        held = -1;  // attn is rounded in place: nothing reads it after the projection
-        if (!L.attn_post_norm.present()) {
-            product(L.wo, s.attn, s.attn, held, n, x, true);
-            cuda_add_bias(stream_, x, (const float*)L.bo.data, n, hp.n_embd);
-            return;
-        }
-        product(L.wo, s.attn, s.attn, held, n, s.xn, false);
-        cuda_add_bias(stream_, s.xn, (const float*)L.bo.data, n, hp.n_embd);
-        cuda_rms_norm(stream_, s.xn, (const float*)L.attn_post_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
-        cuda_add(stream_, x, s.xn, nullptr, (int64_t)n * hp.n_embd);
+    void attention_core(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs,
+                        const KVLayerView& kv, const BatchView& b, const StepScratch& s) override {
+        use();
+        const OpSpan span(*this, SpanKind::Attention);
+        core(hp, layer, L, rope_freqs, kv, b, s);
+    }
+
+    void attention_out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) override {
+        use();
+        const OpSpan span(*this, SpanKind::Attention);
+        out(hp, L, n, x, s);
     }
 
     void ffn(const HParams& hp, int, const FFNShare& share, const FFNSparsity& sp, const float* xn, int32_t n,
@@ -242,6 +216,64 @@ private:
 
     // The batch's sequence ids and positions on the device ([seq..., pos...]), copied once per step: the
     // layers of a step see the same batch, so a copy happens only when its contents change.
+    // The attention block's three parts (see Backend::attention_qkv).
+    void qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n, const StepScratch& s) {
+        cuda_rms_norm(stream_, x, (const float*)L.attn_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
+        int32_t held = -1;  // s.y holds xn rounded for q, k and v (the FFN's y is free until the FFN)
+        product(L.wq, s.xn, s.y, held, n, s.q, false);
+        product(L.wk, s.xn, s.y, held, n, s.k, false);
+        product(L.wv, s.xn, s.y, held, n, s.v, false);
+        cuda_add_bias(stream_, s.q, (const float*)L.bq.data, n, hp.n_embd_q());
+        cuda_add_bias(stream_, s.k, (const float*)L.bk.data, n, hp.n_embd_kv());
+        cuda_add_bias(stream_, s.v, (const float*)L.bv.data, n, hp.n_embd_kv());
+    }
+
+    void core(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs, const KVLayerView& kv,
+              const BatchView& b, const StepScratch& s) {
+        const int32_t n = b.n;
+        const int32_t* seq = batch_on_device(b);
+        const int32_t* pos = seq + n;
+        const bool swa = hp.is_swa(layer);
+        CudaAttnArgs a{};
+        a.n_head = hp.n_head;
+        a.n_head_kv = hp.n_head_kv;
+        a.head_dim = hp.head_dim;
+        a.n_rot = hp.n_rot;
+        a.neox = hp.rope_type == ROPE_NEOX;
+        a.rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
+        a.rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
+        a.q_scale = hp.attn_q_scale;
+        a.kq_scale = hp.attn_kq_scale;
+        a.rms_eps = hp.rms_eps;
+        a.n_swa = swa ? hp.n_swa : 0;
+        a.freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
+        a.q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
+        a.k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
+        a.kv_type = kv.type;
+        a.n_ctx = kv.n_ctx;
+        a.k_cache = kv.k;
+        a.v_cache = kv.v;
+        a.k_row = kv.k_row;
+        a.k_seq = kv.k_seq;
+        a.v_seq = kv.v_seq;
+        cuda_attn_prepare(stream_, a, s.q, s.k, s.v, seq, pos, n);
+        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn);
+    }
+
+    // Output projection into the residual stream (Gemma 3 normalizes it first).
+    void out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) {
+        int32_t held = -1;  // attn is rounded in place: nothing reads it after the projection
+        if (!L.attn_post_norm.present()) {
+            product(L.wo, s.attn, s.attn, held, n, x, true);
+            cuda_add_bias(stream_, x, (const float*)L.bo.data, n, hp.n_embd);
+            return;
+        }
+        product(L.wo, s.attn, s.attn, held, n, s.xn, false);
+        cuda_add_bias(stream_, s.xn, (const float*)L.bo.data, n, hp.n_embd);
+        cuda_rms_norm(stream_, s.xn, (const float*)L.attn_post_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
+        cuda_add(stream_, x, s.xn, nullptr, (int64_t)n * hp.n_embd);
+    }
+
     const int32_t* batch_on_device(const BatchView& b) {
         const size_t count = 2 * (size_t)b.n, half = sizeof(int32_t) * b.n;
         if (batch_dev_ && batch_host_.size() == count && std::memcmp(batch_host_.data(), b.seq, half) == 0 &&

@@ -13,6 +13,18 @@ namespace optiml {
 
 const StepScratch& Session::scratch(const Backend* be) const { return be == host_.get() ? host_s_ : device_s_; }
 
+// The scratch of `be` from token row r0 on: a sub-batch's rows of every buffer.
+StepScratch Session::scratch_rows(const Backend* be, int32_t r0) const {
+    const HParams& hp = model_->hp;
+    StepScratch s = scratch(be);
+    const size_t r = (size_t)r0;
+    for (float** p : {&s.x, &s.xn, &s.y, &s.y2}) *p += r * hp.n_embd;
+    for (float** p : {&s.q, &s.attn}) *p += r * hp.n_embd_q();
+    for (float** p : {&s.k, &s.v}) *p += r * hp.n_embd_kv();
+    for (float** p : {&s.gate, &s.up}) *p += r * hp.n_ff;
+    return s;
+}
+
 void Session::trace_layer(int layer) {
     host_->trace_layer(layer);
     if (device_) device_->trace_layer(layer);
@@ -50,6 +62,11 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
     const int32_t n = b.n;
     const size_t x_floats = (size_t)n * hp.n_embd;
 
+    // The attention reads each sequence's KV cache at its device slot.
+    slot_buf_.resize(n);
+    for (int32_t t = 0; t < n; t++) slot_buf_[t] = kv_->device_slot(b.seq[t]);
+    const BatchView kb{n, slot_buf_.data(), b.pos};
+
     Backend* home = host_.get();  // where the residual stream is
     trace_layer(-1);
     home->embed(M.tok_embd, tokens, n, hp.embd_scale, host_s_.x);
@@ -60,11 +77,20 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
         move(home, scratch(home).x, E.attn, scratch(E.attn).x, x_floats);
         home = E.attn;
         const Weight& rope_freqs = home == host_.get() ? M.rope_freqs : device_rope_freqs_;
-        home->attention(hp, il, *E.attn_w, rope_freqs, kv_->layer(il), b, scratch(home).x, scratch(home));
+        home->attention(hp, il, *E.attn_w, rope_freqs, kv_->layer(il), kb, scratch(home).x, scratch(home));
         ffn_layer(il, n, home);
         ffn_seen_[il] += (int64_t)n * hp.n_ff;
     }
 
+    output(home, n, out_rows, n_out, logits);
+}
+
+// After the last layer: the final norm and the logits of the rows asked for, and the residual stream
+// back on the host.
+void Session::output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits) {
+    const Model& M = *model_;
+    const HParams& hp = M.hp;
+    const size_t x_floats = (size_t)n * hp.n_embd;
     trace_layer(-1);
     if (plan_.output_on_device && n_out > 0) {  // home is the device: the last layer's attention runs there
         Backend* dev = device_.get();
@@ -82,11 +108,11 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
 
 // One layer's FFN: the norm where the residual lives (`home`), then each device's share of the neurons,
 // the device's queued first so both run at once, and the sum joined into the residual stream.
-void Session::ffn_layer(int il, int32_t n, Backend* home) {
+void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const HParams& hp = model_->hp;
     const LayerExec& E = exec_[il];
     const LayerWeights& L = model_->layers[il];
-    const StepScratch& hs = scratch(home);
+    const StepScratch hs = scratch_rows(home, r0);
     const size_t xn_floats = (size_t)n * hp.n_embd;
     ActivationRecorder* rec = recorder_.get();
     FFNSparsity sp;
@@ -116,7 +142,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
     if (on_host != on_dev) {  // one device computes the whole FFN
         Backend* be = on_host ? host : dev;
         const FFNShare& share = on_host ? E.host_share : E.device_share;
-        const StepScratch& s = scratch(be);
+        const StepScratch s = scratch_rows(be, r0);
         move(home, hs.xn, be, s.xn, xn_floats);
         int64_t* active = on_host ? &host_active_[il] : &device_active_[il];
         be->ffn(hp, il, share, on_host ? sp : dense, s.xn, n, s.y, s, active, on_host ? rec : nullptr);
@@ -126,8 +152,8 @@ void Session::ffn_layer(int il, int32_t n, Backend* home) {
     }
 
     // Split: the device's share is queued first, then the host computes its share while it runs.
-    const StepScratch& ds = device_s_;
-    const StepScratch& ks = host_s_;
+    const StepScratch ds = scratch_rows(dev, r0);
+    const StepScratch ks = scratch_rows(host, r0);
     if (home == host) {
         dev->copy_from_host(ds.xn, ks.xn, xn_floats * sizeof(float));
         dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);

@@ -1,5 +1,6 @@
 #include "optiml/kv_cache.h"
 
+#include <algorithm>
 #include <set>
 
 #include "optiml/common.h"
@@ -9,23 +10,77 @@
 namespace optiml {
 
 KVCache::KVCache(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t type,
-                 const std::vector<Backend*>& layer_backend)
-    : n_ctx_(n_ctx), n_seq_(n_seq), type_(type), n_embd_kv_(hp.n_embd_kv()), backend_(layer_backend),
-      len_(n_seq, 0) {
+                 const std::vector<Backend*>& layer_backend, Backend* host, int32_t n_seq_device)
+    : n_ctx_(n_ctx), n_seq_(n_seq), n_slots_(n_seq_device < 0 ? n_seq : n_seq_device), type_(type),
+      n_embd_kv_(hp.n_embd_kv()), backend_(layer_backend), len_(n_seq, 0), host_(host), slot_(n_seq, -1),
+      slot_used_(n_slots_, 0) {
     if (type != TYPE_F16 && type != TYPE_F32) throw ArgumentError("the KV cache type must be f16 or f32");
     if (n_ctx <= 0 || n_seq <= 0) throw ArgumentError("the KV cache needs n_ctx > 0 and n_seq > 0");
-    layers_.resize(hp.n_layer);
-    for (int il = 0; il < hp.n_layer; il++) {
-        KVLayerView& v = layers_[il];
-        v.type = type;
-        v.n_ctx = n_ctx;
-        v.k_row = row_size(type, n_embd_kv_);
-        v.k_seq = v.k_row * (size_t)n_ctx;
+    if (n_slots_ > n_seq) throw ArgumentError("the KV cache has more device slots than sequences");
+    if (n_slots_ < n_seq) check_offload();
+    if (n_slots_ > 0) layers_ = alloc_layers(backend_, n_slots_);
+    else layers_.resize(backend_.size());
+    for (int32_t s = 0; s < n_slots_; s++) {
+        slot_[s] = s;
+        slot_used_[s] = 1;
+    }
+    if (n_slots_ < n_seq) host_layers_ = alloc_layers(std::vector<Backend*>(backend_.size(), host_), n_seq);
+}
+
+std::vector<KVLayerView> KVCache::alloc_layers(const std::vector<Backend*>& where, int32_t n_slots) const {
+    std::vector<KVLayerView> layers(where.size());
+    for (size_t il = 0; il < where.size(); il++) {
+        KVLayerView& v = layers[il];
+        v.type = type_;
+        v.n_ctx = n_ctx_;
+        v.k_row = row_size(type_, n_embd_kv_);
+        v.k_seq = v.k_row * (size_t)n_ctx_;
         v.v_seq = v.k_seq;
         // Zeroed: the padded attention window multiplies values past a sequence's end by weight 0.
-        v.k = (uint8_t*)backend_[il]->alloc(v.k_seq * n_seq, "kv");
-        v.v = (uint8_t*)backend_[il]->alloc(v.v_seq * n_seq, "kv");
+        v.k = (uint8_t*)where[il]->alloc(v.k_seq * n_slots, "kv");
+        v.v = (uint8_t*)where[il]->alloc(v.v_seq * n_slots, "kv");
     }
+    return layers;
+}
+
+void KVCache::check_offload() const {
+    for (Backend* be : backend_)
+        if (!host_ || be == host_)
+            throw ArgumentError("CPU attention offload needs every layer's attention (and KV cache) on the device: "
+                                "this plan keeps some on the host");
+}
+
+void KVCache::place(int32_t s, bool to_host) {
+    check_seq(s);
+    if (on_host(s) == to_host) return;
+    check_offload();
+    if (host_layers_.empty()) host_layers_ = alloc_layers(std::vector<Backend*>(backend_.size(), host_), n_seq_);
+    int32_t slot = slot_[s];
+    if (!to_host) {
+        slot = (int32_t)(std::find(slot_used_.begin(), slot_used_.end(), 0) - slot_used_.begin());
+        if (slot == n_slots_)
+            throw ArgumentError(format("the device's KV cache holds %d sequence(s) and all are there: move one to the "
+                                       "host first", n_slots_));
+    }
+    std::set<Backend*> used;
+    for (size_t il = 0; il < layers_.size(); il++) {
+        const KVLayerView& d = layers_[il];
+        const KVLayerView& h = host_layers_[il];
+        Backend* be = backend_[il];
+        used.insert(be);
+        const size_t dk = (size_t)slot * d.k_seq, dv = (size_t)slot * d.v_seq;
+        const size_t hk = (size_t)s * h.k_seq, hv = (size_t)s * h.v_seq;
+        if (to_host) {
+            be->copy_to_host(h.k + hk, d.k + dk, d.k_seq);
+            be->copy_to_host(h.v + hv, d.v + dv, d.v_seq);
+        } else {
+            be->copy_from_host(d.k + dk, h.k + hk, d.k_seq);
+            be->copy_from_host(d.v + dv, h.v + hv, d.v_seq);
+        }
+    }
+    for (Backend* be : used) be->synchronize();
+    slot_used_[slot] = !to_host;
+    slot_[s] = to_host ? -1 : slot;
 }
 
 void KVCache::check_seq(int32_t s) const {
@@ -64,17 +119,29 @@ void KVCache::copy(int32_t src, int32_t dst, int32_t n) {
         len_[dst] = n;
         return;
     }
+    // Each side in its own place: a device slot on the layer's backend, or the host's slot of the sequence.
+    // The keys' first n rows are one block; the values (transposed) n positions per dimension.
     const size_t elem = type_traits(type_).type_size;
     std::set<Backend*> used;
     for (size_t il = 0; il < layers_.size(); il++) {
-        const KVLayerView& v = layers_[il];
         Backend* be = backend_[il];
-        used.insert(be);
+        const bool sh = on_host(src), dh = on_host(dst);
+        const KVLayerView& sv = sh ? host_layers_[il] : layers_[il];
+        const KVLayerView& dv = dh ? host_layers_[il] : layers_[il];
+        const int32_t si = sh ? src : slot_[src], di = dh ? dst : slot_[dst];
+        // Host to host moves on the host; anything touching the device goes on the device's stream.
+        Backend* runs = sh && dh ? host_ : be;
+        used.insert(runs);
         if (n == 0) continue;
-        be->copy(v.k + (size_t)dst * v.k_seq, v.k + (size_t)src * v.k_seq, (size_t)n * v.k_row);
+        auto move = [&](uint8_t* to, const uint8_t* from, size_t bytes) {
+            if (sh == dh) runs->copy(to, from, bytes);
+            else if (dh) be->copy_to_host(to, from, bytes);
+            else be->copy_from_host(to, from, bytes);
+        };
+        move(dv.k + (size_t)di * dv.k_seq, sv.k + (size_t)si * sv.k_seq, (size_t)n * sv.k_row);
         for (int64_t j = 0; j < n_embd_kv_; j++)
-            be->copy(v.v + (size_t)dst * v.v_seq + (size_t)j * n_ctx_ * elem,
-                     v.v + (size_t)src * v.v_seq + (size_t)j * n_ctx_ * elem, (size_t)n * elem);
+            move(dv.v + (size_t)di * dv.v_seq + (size_t)j * n_ctx_ * elem,
+                 sv.v + (size_t)si * sv.v_seq + (size_t)j * n_ctx_ * elem, (size_t)n * elem);
     }
     for (Backend* be : used) be->synchronize();
     len_[dst] = n;

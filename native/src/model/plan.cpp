@@ -87,6 +87,9 @@ std::string Plan::summary(const Model& m) const {
     }
     s += format("host: KV cache %s, scratch %s; context %d x %d sequence(s), batch %d\n", mib(host_kv_bytes).c_str(),
                 mib(host_scratch_bytes).c_str(), n_ctx, n_seq, n_batch);
+    if (n_seq_device < n_seq)
+        s += format("KV cache of %d of %d sequences on the device, the others in host memory (their attention on "
+                    "the CPU)\n", n_seq_device, n_seq);
     if (uses_device()) {
         s += "layer  attention  FFN on device\n";
         for (size_t il = 0; il < layers.size(); il++) {
@@ -149,7 +152,18 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     if (o.vram < -1) throw ArgumentError("vram must be >= 0 bytes");
 
     if (m.placement_order.size() == (size_t)hp.n_layer * hp.n_ff) p.neuron_order = m.placement_order;
-    const size_t kv = kv_layer_bytes(hp, o.n_ctx, o.n_seq, o.kv_type);
+    // The device's KV slots: every sequence's, or as many as kv_vram holds (the rest offloaded).
+    p.n_seq_device = o.n_seq;
+    if (o.kv_vram >= 0) {
+        if (!p.uses_device())
+            throw ArgumentError("kv_vram limits the device's KV cache, and there is no device: give device='cuda' "
+                                "(or 'cpu:1'), or leave kv_vram out");
+        const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, 1, o.kv_type);
+        p.n_seq_device = (int32_t)std::min<int64_t>(o.n_seq, o.kv_vram / (int64_t)per_seq);
+    } else if (o.kv_vram < -1) {
+        throw ArgumentError("kv_vram must be >= 0 bytes");
+    }
+    const size_t kv = kv_layer_bytes(hp, o.n_ctx, p.n_seq_device, o.kv_type);
     p.host_scratch_bytes = scratch_bytes(hp, p.n_batch);
 
     if (p.uses_device()) {
@@ -252,6 +266,15 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
         p.device_bytes.attn_weights += weight_bytes(m.rope_freqs);  // one copy on the device
     for (const LayerPlan& l : p.layers)
         if (!l.attn_on_device) p.host_kv_bytes += kv;
+    if (p.n_seq_device < p.n_seq) {
+        if (p.layers_on_device() < hp.n_layer)
+            throw ArgumentError(format("kv_vram holds the KV cache of %d of %d sequences on the device, and the rest "
+                                       "need CPU attention offload, which needs every layer's attention on the "
+                                       "device: this budget puts %d of %d layers there",
+                                       p.n_seq_device, p.n_seq, p.layers_on_device(), hp.n_layer));
+        // The host holds a slot for every sequence (indexed by sequence id), so any can move there.
+        p.host_kv_bytes += (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, o.n_seq, o.kv_type);
+    }
     return p;
 }
 

@@ -103,7 +103,7 @@ void Session::bind_devices() {
     Backend* dev = device_.get();
     std::vector<Backend*> kv_home(hp.n_layer);
     for (int il = 0; il < hp.n_layer; il++) kv_home[il] = plan_.layers[il].attn_on_device ? dev : host_.get();
-    kv_ = std::make_unique<KVCache>(hp, n_ctx_, plan_.n_seq, plan_.kv_type, kv_home);
+    kv_ = std::make_unique<KVCache>(hp, n_ctx_, plan_.n_seq, plan_.kv_type, kv_home, host_.get(), plan_.n_seq_device);
     host_s_ = carve_scratch(*host_, hp, n_batch_);
     if (dev) {
         device_s_ = carve_scratch(*dev, hp, n_batch_);
@@ -202,12 +202,12 @@ void Session::bind_devices() {
 }
 
 size_t Session::kv_bytes() const {
-    size_t n = 0;
-    for (int il = 0; il < model_->hp.n_layer; il++) {
-        const KVLayerView& v = kv_->layer(il);
-        n += (v.k_seq + v.v_seq) * (size_t)kv_->n_seq();
-    }
-    return n;
+    // Device slots, and the host's slots once a sequence has been offloaded.
+    const HParams& hp = model_->hp;
+    const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, n_ctx_, 1, kv_->type());
+    bool host = false;
+    for (int32_t s = 0; s < kv_->n_seq() && !host; s++) host = kv_->on_host(s);
+    return per_seq * (kv_->n_seq_device() + (host || kv_->n_seq_device() < kv_->n_seq() ? kv_->n_seq() : 0));
 }
 
 std::vector<std::pair<std::string, size_t>> Session::device_allocations() const {
@@ -336,7 +336,10 @@ int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t
         for (int32_t t = 0; t < m; t++)
             if (want[done + t]) rows.push_back(t);
         const BatchView b{m, seq + done, pos + done};
-        forward(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
+        bool offload = false;
+        for (int32_t t = 0; t < m && !offload; t++) offload = kv_->on_host(seq[done + t]);
+        if (offload) forward_offload(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
+        else forward(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
         for (int32_t t = 0; t < m; t++) kv_->set_seq_len(seq[done + t], pos[done + t] + 1);
         if (logits) logits += rows.size() * (size_t)hp.n_vocab;
         done += m;

@@ -54,7 +54,8 @@ class Server:
     """The state behind the routes: the model, its scheduler, metrics and settings."""
 
     def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
-                 max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES):
+                 max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
+                 max_itl_ms: float | None = None):
         self.model = model
         self.max_body = max_body
         self.tokenizer = model.tokenizer
@@ -62,7 +63,15 @@ class Server:
         self.created = int(os.path.getmtime(model.path))
         self.api_key = api_key
         self.metrics = Metrics()
-        self.scheduler = Scheduler(model, n_parallel, max_queue, chunk, self.metrics)
+        policy = None
+        if model.plan.n_seq_device < n_parallel:  # --kv-vram: some sequences' attention on the CPU
+            from .offload import OffloadPolicy
+
+            policy = OffloadPolicy(None if max_itl_ms is None else max_itl_ms / 1000.0)
+        elif max_itl_ms is not None:
+            raise ValueError("--max-itl-ms bounds CPU attention offload, which needs --kv-vram smaller than the "
+                             "KV cache of --parallel sequences")
+        self.scheduler = Scheduler(model, n_parallel, max_queue, chunk, self.metrics, policy)
         self._grammars = None
 
     @property

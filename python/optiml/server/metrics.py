@@ -29,6 +29,13 @@ class Metrics:
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("optiml_inter_token_latency_seconds", "Between consecutive tokens of a sequence",
                              buckets=_LATENCY, registry=r)
+        # CPU attention offload (--kv-vram): the steps by kind, the policy's admissions, host sequences.
+        self.offload_steps = Counter("optiml_offload_steps", "Decode steps by kind: gpu_only (every sequence's "
+                                     "attention on the device) or pipelined (some on the CPU)", ["mode"], registry=r)
+        self.offload_decisions = Counter("optiml_offload_decisions", "What the offload policy decided for a "
+                                         "sequence that found every device KV slot busy", ["decision"], registry=r)
+        self.host_sequences = Gauge("optiml_host_sequences", "Running sequences whose KV cache is in host memory",
+                                    registry=r)
         self.rejected = Counter("optiml_rejected", "Requests turned away because the queue was full", registry=r)
 
     def render(self) -> bytes:

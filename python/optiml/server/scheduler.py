@@ -13,6 +13,11 @@ whose cache shares the longest prefix with its prompt, or copies a longer prefix
 Sampling and stop handling follow Model.stream step by step, so a greedy job gets the text
 Model.generate/chat gives for the same prompt.
 
+CPU attention offload (offload.py): when the model's device holds the KV cache of fewer sequences than
+there are slots (optiml serve --kv-vram), a job that finds every device slot busy starts in a host slot,
+its attention on the CPU, if the policy's measured cost model says the step's throughput goes up within
+--max-itl-ms; otherwise it waits. A device slot freed by a finishing job goes to a running host job.
+
 A job that generates alone (nothing else running or waiting) with no logprobs and no response_format
 takes each token in one native call (Model._step_sequence: decode, bias, sampling, detokenization and
 stop strings with the GIL released), so a lone client waits on as little Python per token as
@@ -92,9 +97,10 @@ def _log_softmax(row: np.ndarray) -> np.ndarray:
 
 
 class Scheduler:
-    def __init__(self, model, n_parallel: int, max_queue: int, chunk: int = 256, metrics=None):
+    def __init__(self, model, n_parallel: int, max_queue: int, chunk: int = 256, metrics=None, policy=None):
         if n_parallel > model.n_seq:
             raise ValueError(f"n_parallel ({n_parallel}) exceeds the model's sequence slots ({model.n_seq})")
+        self.policy = policy  # an OffloadPolicy when the device holds fewer sequences than there are slots
         self.model = model
         self.tokenizer = model.tokenizer
         self.n_ctx = model.n_ctx
@@ -158,8 +164,12 @@ class Scheduler:
                     self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
                     changed = True
                 while self.waiting and any(s.job is None for s in self.slots):
-                    self._admit(self.waiting.popleft())
+                    if not self._admit(self.waiting[0]):
+                        break  # the policy keeps it waiting for a device slot
+                    self.waiting.popleft()
                     changed = True
+                if self.policy is not None:
+                    changed |= self._promote()
                 if changed:
                     self._gauges()
                 active = [s.job for s in self.slots if s.job is not None]
@@ -181,9 +191,21 @@ class Scheduler:
                 for j in active:
                     self._fail(j, f"generation failed: {e}")
 
-    def _admit(self, job: Job) -> None:
-        """Gives `job` a free slot, reusing the longest cached prefix of its prompt."""
+    def _admit(self, job: Job) -> bool:
+        """Gives `job` a free slot, reusing the longest cached prefix of its prompt. With offload, a slot
+        whose KV cache is on the device if there is one; else a host slot if the policy agrees (False:
+        the job keeps waiting)."""
         free = [s for s in self.slots if s.job is None]
+        if self.policy is not None:
+            on_device = [s for s in free if self.model.kv_where(s.index) == "device"]
+            if on_device:
+                free = on_device
+            else:
+                ok = self.policy.admit_on_host(self._features(), len(job.prompt))
+                if self.metrics:
+                    self.metrics.offload_decisions.labels(self.policy.last[0].split(":")[0]).inc()
+                if not ok:
+                    return False
         slot = max(free, key=lambda s: (_common(s.tokens, job.prompt), -s.last_used))
         keep = _common(slot.tokens, job.prompt)
         donor = max(self.slots, key=lambda s: _common(s.tokens, job.prompt))
@@ -199,6 +221,41 @@ class Scheduler:
         job.sampler.accept(job.prompt)  # the prompt counts for the penalties, as in Model.stream
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(job.prompt))
+        return True
+
+    def _features(self, jobs=None):
+        """The next step's features for the cost model: one token per running job (its prompt counts as
+        its first step's attention), split by where each job's KV cache lives."""
+        from .offload import StepFeatures
+
+        f = StepFeatures(0, 0, 0)
+        for j in jobs if jobs is not None else [s.job for s in self.slots if s.job is not None]:
+            kv = len(j.slot.tokens) + 1 if j.next_token is not None else len(j.prompt)
+            f.tokens += 1
+            if self.model.kv_where(j.slot.index) == "host":
+                f.kv_host += kv
+            else:
+                f.kv_device += kv
+        return f
+
+    def _promote(self) -> bool:
+        """A device slot held by an idle slot's cache goes to a running job on the host: the idle cache
+        moves to the host, the job's to the device. True when something moved."""
+        where = {s.index: self.model.kv_where(s.index) for s in self.slots}
+        moved = False
+        for s in self.slots:
+            if s.job is None or where[s.index] != "host":
+                continue
+            idle = next((t for t in self.slots if t.job is None and where[t.index] == "device"), None)
+            if idle is None:
+                break
+            self.model.kv_place(idle.index, "host")
+            self.model.kv_place(s.index, "device")
+            where[idle.index], where[s.index] = "host", "device"
+            moved = True
+        if self.metrics:
+            self.metrics.host_sequences.set(sum(1 for s in self.slots if s.job is not None and where[s.index] == "host"))
+        return moved
 
     def _step(self, active: list) -> None:
         batch = Batch()
@@ -223,7 +280,13 @@ class Scheduler:
             if last:
                 rows.append(j)
             budget -= len(take)
+        features = self._step_features(batch) if self.policy is not None else None
+        t0 = time.perf_counter()
         logits = self.model.decode(batch)
+        if features is not None:
+            self.policy.cost.observe(features, time.perf_counter() - t0)
+            if self.metrics:
+                self.metrics.offload_steps.labels("pipelined" if features.pipelined else "gpu_only").inc()
         self.steps += 1
         if self.metrics:
             self.metrics.batch_tokens.observe(len(batch))
@@ -240,6 +303,22 @@ class Scheduler:
             j.slot.last_used = now
             if not j.cancelled:
                 self._sample(j, row, now)
+
+    def _step_features(self, batch: Batch):
+        """What the cost model reads of a step: its tokens and the positions each attends over, by where
+        its sequence's KV cache lives."""
+        from .offload import StepFeatures
+
+        where = {}
+        f = StepFeatures(len(batch), 0, 0)
+        for seq, pos in zip(batch.seq, batch.pos):
+            if seq not in where:
+                where[seq] = self.model.kv_where(seq)
+            if where[seq] == "host":
+                f.kv_host += pos + 1
+            else:
+                f.kv_device += pos + 1
+        return f
 
     def _lone_step(self, j: Job) -> None:
         """One token of a plain job running alone, in one native call (what _step and _sample do for it)."""
