@@ -123,3 +123,29 @@ def test_bad_offload_arguments_are_refused(smollm2_path):
             m.kv_where(5)
         with pytest.raises(ArgumentError):
             m.kv_place(-1, "host")
+
+
+def test_the_host_attention_overlaps_the_device(smollm2_path):
+    """The timeline of one pipelined step (four sequences reading 128-token prompts, two with their KV
+    cache on the host): the host computes attention in every layer, and in most layers that work is in
+    flight while the device computes (long enough to be seen even when one core serves both threads)."""
+    from optiml.timeline import Timeline
+
+    with optiml.Model(smollm2_path, n_ctx=256, n_threads=1, n_seq=4, device="cpu:1", vram="2GiB") as m:
+        m.kv_place(1, "host")
+        m.kv_place(3, "host")
+        b = optiml.Batch()
+        for s in range(4):
+            b.add_sequence([(97 + 31 * s + 7 * i) % 4000 + 100 for i in range(128)], seq=s, logits="none")
+        m._session.timeline_start()
+        try:
+            m.decode(b)
+        finally:
+            spans = m._session.timeline_stop()
+        t = Timeline(spans, ("cpu", "cpu:1"), 1)
+    layers = [r for r in t.layers() if r.layer >= 0]
+    assert len(layers) == m.hparams["n_layer"]
+    for r in layers:
+        assert r.host_ops.get("attention", 0) > 0 and r.device_ops.get("attention", 0) > 0, r
+        assert r.device_ops.get("ffn", 0) > 0 and r.host_ops.get("ffn", 0) == 0, r  # linear work on the device
+    assert sum(r.overlap > 0 for r in layers) >= len(layers) // 2 + 1, str(t)

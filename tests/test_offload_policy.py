@@ -5,8 +5,6 @@ Oracles: costs generated from known linear formulas (the fit must recover them a
 the ones those formulas imply), and Model.generate alone for the greedy text of each served job.
 """
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -14,6 +12,7 @@ import optiml
 from optiml.sampling import Sampler, SamplingParams
 from optiml.server.offload import MIN_FIT, CostModel, OffloadPolicy, StepFeatures
 from optiml.server.scheduler import Job, Scheduler
+from test_scheduler_lone import Result
 
 
 def gpu_cost(f):  # seconds: 2 ms a step, 0.1 ms a token, 1 us per device KV position
@@ -86,22 +85,6 @@ def test_an_uncalibrated_policy_explores_unless_the_bound_was_seen_broken():
 # ---- the scheduler with one device KV slot for three ---------------------------------------------------
 PROMPTS = ["The history of the printing press begins in the fifteenth century, when",
            "Write a short poem about the sea:", "The three primary colours are"]
-
-
-class Result:
-    def __init__(self):
-        self.pieces, self.done, self.error = [], None, None
-        self.finished = threading.Event()
-
-    def sink(self, ev):
-        if ev["type"] == "delta":
-            self.pieces.append(ev["text"])
-        elif ev["type"] == "done":
-            self.done = ev
-            self.finished.set()
-        else:
-            self.error = ev["message"]
-            self.finished.set()
 
 
 def test_jobs_beyond_the_device_kv_run_on_the_host_with_the_same_text(smollm2_path):

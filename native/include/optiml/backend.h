@@ -149,6 +149,12 @@ public:
     virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
     virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
     virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+    // Page-locks host memory that this device copies to and from every step (the host's scratch, the KV
+    // cache of offloaded sequences), so those copies run asynchronously and at full bus speed: a CUDA
+    // copy into pageable memory blocks the calling thread, which would serialize the host's work behind
+    // the device's. Best effort (nothing on a CPU device; a failure leaves the memory pageable); undone
+    // when the backend goes, which must be before the memory is freed.
+    virtual void pin_host(void* p, size_t bytes) { (void)p, (void)bytes; }
 
     // ---- the ops of the forward pass ---------------------------------------------------------------
     // x[t] = row tokens[t] of the embedding table (dequantized) times scale. tokens: host memory.

@@ -58,6 +58,7 @@ public:
 private:
     std::vector<KVLayerView> alloc_layers(const std::vector<Backend*>& where, int32_t n_slots) const;
     void check_offload() const;
+    void alloc_host_layers();
 
     int32_t n_ctx_, n_seq_, n_slots_, type_;
     int64_t n_embd_kv_;

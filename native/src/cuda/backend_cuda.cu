@@ -42,6 +42,7 @@ public:
     ~CudaBackend() override {
         cudaSetDevice(device_);
         cudaStreamSynchronize(stream_);
+        for (void* p : pinned_) cudaHostUnregister(p);
         free_all();
         for (cudaEvent_t e : events_) cudaEventDestroy(e);
         drop_timed();
@@ -75,6 +76,12 @@ public:
     void synchronize() override {
         use();
         cuda_check(cudaStreamSynchronize(stream_), "waiting for the GPU");
+    }
+
+    void pin_host(void* p, size_t bytes) override {
+        use();
+        if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) pinned_.push_back(p);
+        else cudaGetLastError();  // stays pageable: slower copies, same results
     }
 
     void copy_from_host(void* dst, const void* src, size_t bytes) override {
@@ -401,6 +408,7 @@ private:
     int32_t* batch_dev_ = nullptr;
     size_t batch_capacity_ = 0;
     std::vector<int32_t> batch_host_;  // what batch_dev_ holds
+    std::vector<void*> pinned_;        // host ranges page-locked by pin_host
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;
     double trace_base_host_ = 0;

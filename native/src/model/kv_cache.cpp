@@ -24,7 +24,14 @@ KVCache::KVCache(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t type,
         slot_[s] = s;
         slot_used_[s] = 1;
     }
-    if (n_slots_ < n_seq) host_layers_ = alloc_layers(std::vector<Backend*>(backend_.size(), host_), n_seq);
+    if (n_slots_ < n_seq) alloc_host_layers();
+}
+
+// Not page-locked (that would make all of it resident at once): a step moves only the queries, keys,
+// values and attention outputs of the host's tokens, through the host scratch, which is; a sequence's
+// cache crosses the bus only when it moves.
+void KVCache::alloc_host_layers() {
+    host_layers_ = alloc_layers(std::vector<Backend*>(backend_.size(), host_), n_seq_);
 }
 
 std::vector<KVLayerView> KVCache::alloc_layers(const std::vector<Backend*>& where, int32_t n_slots) const {
@@ -54,7 +61,7 @@ void KVCache::place(int32_t s, bool to_host) {
     check_seq(s);
     if (on_host(s) == to_host) return;
     check_offload();
-    if (host_layers_.empty()) host_layers_ = alloc_layers(std::vector<Backend*>(backend_.size(), host_), n_seq_);
+    if (host_layers_.empty()) alloc_host_layers();
     int32_t slot = slot_[s];
     if (!to_host) {
         slot = (int32_t)(std::find(slot_used_.begin(), slot_used_.end(), 0) - slot_used_.begin());

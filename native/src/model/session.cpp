@@ -106,6 +106,7 @@ void Session::bind_devices() {
     kv_ = std::make_unique<KVCache>(hp, n_ctx_, plan_.n_seq, plan_.kv_type, kv_home, host_.get(), plan_.n_seq_device);
     host_s_ = carve_scratch(*host_, hp, n_batch_);
     if (dev) {
+        dev->pin_host(host_s_.x, scratch_bytes(hp, n_batch_));  // carve_scratch's block starts at x
         device_s_ = carve_scratch(*dev, hp, n_batch_);
         if (M.rope_freqs.present() && plan_.layers_on_device() > 0)
             device_rope_freqs_ = dev->upload(M.rope_freqs, "attention weights");

@@ -265,6 +265,9 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
     std::memmove(dst, src, bytes);
     return cudaSuccess;
 }
+// Host memory is host memory here: page-locking changes nothing.
+cudaError_t cudaHostRegister(void*, size_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaHostUnregister(void*) { return cudaSuccess; }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
     *s = nullptr;
     return cudaSuccess;
