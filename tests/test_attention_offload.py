@@ -126,17 +126,21 @@ def test_bad_offload_arguments_are_refused(smollm2_path):
 
 
 def test_the_host_attention_overlaps_the_device(smollm2_path):
-    """The timeline of one pipelined step (four sequences reading 128-token prompts, two with their KV
-    cache on the host): the host computes attention in every layer, and in most layers that work is in
-    flight while the device computes (long enough to be seen even when one core serves both threads)."""
+    """The timeline of one pipelined step (four sequences reading prompts, two with their KV cache on the
+    host): the host computes attention in every layer, and in most layers that work is in flight while the
+    device computes. The host's prompts are long (its attention grows with their square) so that its work
+    in a layer outlasts the OS's time slice: then the overlap shows even when one core serves both
+    threads, as under the test suite's parallel workers."""
     from optiml.timeline import Timeline
 
-    with optiml.Model(smollm2_path, n_ctx=256, n_threads=1, n_seq=4, device="cpu:1", vram="2GiB") as m:
+    lengths = [64, 448, 64, 448]
+    with optiml.Model(smollm2_path, n_ctx=512, n_threads=1, n_seq=4, n_batch=1024, device="cpu:1",
+                      vram="2GiB") as m:
         m.kv_place(1, "host")
         m.kv_place(3, "host")
         b = optiml.Batch()
         for s in range(4):
-            b.add_sequence([(97 + 31 * s + 7 * i) % 4000 + 100 for i in range(128)], seq=s, logits="none")
+            b.add_sequence([(97 + 31 * s + 7 * i) % 4000 + 100 for i in range(lengths[s])], seq=s, logits="none")
         m._session.timeline_start()
         try:
             m.decode(b)
