@@ -331,7 +331,7 @@ def cmd_info(args) -> int:
         from . import plan
 
         print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, device=args.device, vram=args.vram,
-                        n_gpu_layers=args.n_gpu_layers, gpu_neurons=args.gpu_neurons), end="")
+                        n_gpu_layers=args.n_gpu_layers, gpu_neurons=args.gpu_neurons, kv_vram=args.kv_vram), end="")
         return 0
     with gguf.open(args.model) as f:
         print(f.summary())
@@ -713,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=None, help="context length per sequence for --plan (default: the "
                    "model's, at most 4096)")
     p.add_argument("--parallel", type=int, default=1, help="sequence slots for --plan")
+    p.add_argument("--kv-vram", default=None, help="device memory for the KV cache, for --plan (see optiml serve)")
     p.add_argument("--json", action="store_true", help="print one JSON object: header, metadata, placement, "
                    "hyperparameters")
     p.set_defaults(func=cmd_info)
