@@ -14,9 +14,10 @@
 #                                # issue #17's benchmark, tools/bench_hybrid.py, for 7B-shaped ReLU (90%
 #                                # sparse) and SwiGLU (50%) models with planted power-law firing at 25% and
 #                                # 50% of the model in VRAM, against llama.cpp CUDA -ngl at the same memory
-#   tools/gpu_check.sh offload   # there, after run: issue #19's benchmark, tools/bench_offload.py: the 7B-shaped
-#                                # model served to 16 clients with device KV memory for a quarter of them
-#                                # (and for all), GPU-only vs CPU attention offload vs llama-server CUDA
+#   tools/gpu_check.sh offload   # there (after run, or alone): issue #19's GPU test and benchmark,
+#                                # tools/bench_offload.py: the 7B-shaped model served to 16 clients with device
+#                                # KV memory for a quarter of them (and for all), GPU-only vs CPU attention
+#                                # offload vs llama-server CUDA (built without its web UI: no network there)
 #
 # `run` writes its logs and tables to $OUT when set (the device tool brings that folder back), else to
 # build/gpu-check. It goes on past a failed step and ends with a summary and exit status 1 if any failed.
@@ -81,7 +82,7 @@ llama_build() {  # llama.cpp with CUDA, from the carried sources (kept when alre
         [ -x build/llama-cuda/bin/llama-server ] && return
     step llama-build bash -c "mkdir -p build/llama-src && tar -xJf $carry/llama.cpp.tar.xz -C build/llama-src && \
         cmake -S build/llama-src -B build/llama-cuda -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON && \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF && \
         cmake --build build/llama-cuda -j$(nproc) --target llama-bench llama-batched-bench llama-server"
 }
 
@@ -120,6 +121,9 @@ make_models() {  # real ones carried in parts, synthetic ones made here (kept wh
 offload() {
     setup
     make_models
+    export OPTIML_MODEL_DIR="$PWD/$models"
+    step offload-tests "$py" -m pytest -q tests/test_cuda.py -k offload tests/test_attention_offload.py \
+        tests/test_offload_policy.py -p no:cacheprovider
     llama_build
     for share in 0.25 1; do
         step "offload-$share" "$py" tools/bench_offload.py -m "$models/llama7b-q4_0.gguf" --device cuda \
