@@ -30,6 +30,11 @@ inline void matmul(ThreadPool& pool, const KernelTable& kt, int32_t wtype, const
     matmul_many(pool, kt, &m, &Y, 1, X, n_tokens, accumulate);
 }
 
+// Converts n_tokens rows of `cols` floats (X) to the weights' vec_dot_type, x_row bytes apart in xq:
+// a few rows on the calling thread, more across the pool.
+void convert_activations(ThreadPool& pool, from_float_fn convert, const float* X, int64_t cols, int64_t n_tokens,
+                         uint8_t* xq, size_t x_row);
+
 // Checks that (wtype, cols) can be multiplied; throws ArgumentError naming the problem.
 void check_matmul_args(int32_t wtype, int64_t cols);
 

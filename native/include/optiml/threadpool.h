@@ -24,17 +24,20 @@ public:
 
     int size() const { return n_threads_; }
 
-    // Runs fn(ith, nth) on every thread (ith = 0..nth-1) and returns when all have finished.
-    // The first exception thrown by any share is rethrown here. Calls from several host threads
-    // are serialized; a call from inside a job runs inline on the calling thread (nth = 1).
+    // Runs fn(ith, nth) once for every share ith = 0..nth-1 (nth = size()) and returns when all have
+    // finished. Shares are claimed by whichever threads come first: the caller runs share 0 and then
+    // any share no worker has picked up yet, so a worker the OS has descheduled (another process, the
+    // server's event loop) does not stall the job. Two shares may therefore run one after the other
+    // on one thread: a share must never wait for another (no barriers inside a job; split the work
+    // into two run() calls instead). The first exception thrown by any share is rethrown here. Calls
+    // from several host threads are serialized; a call from inside a job runs inline on the calling
+    // thread (nth = 1).
     void run(const std::function<void(int ith, int nth)>& fn);
 
-    // Inside run(): waits until every thread of the job has reached this point.
-    void barrier();
-
 private:
-    void worker_main(int ith);
+    void worker_main();
     void execute(int ith);
+    void run_claimed_shares();
 
     int n_threads_;
     std::vector<std::thread> workers_;
@@ -42,9 +45,8 @@ private:
 
     const std::function<void(int, int)>* job_ = nullptr;
     alignas(64) std::atomic<uint64_t> generation_{0};
-    alignas(64) std::atomic<int> pending_{0};
-    alignas(64) std::atomic<int> barrier_count_{0};
-    alignas(64) std::atomic<int> barrier_phase_{0};
+    alignas(64) std::atomic<int> next_share_{0};  // the next share to claim (>= nth: none left)
+    alignas(64) std::atomic<int> done_shares_{0};  // shares 1..nth-1 finished
     std::atomic<bool> stop_{false};
 
     std::mutex sleep_mutex_;

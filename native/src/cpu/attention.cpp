@@ -1,6 +1,7 @@
 // The attention block on the CPU for a batch of tokens from any number of sequences: norm, q/k/v,
 // RoPE, the KV cache, causal attention per (token, head), output projection into the residual stream.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -132,9 +133,11 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         for (int64_t d = 0; d < hd; d++)
             dot(n_window, &out[d], v_seq + ((size_t)(kvh * hd + d) * kv.n_ctx) * kv_elem, conv);
     };
-    pool.run([&](int ith, int nth) {
-        // Strided, not contiguous: later tokens see more positions, so this balances the work.
-        for (int64_t task = ith; task < n_tasks; task += nth) attend(task);
+    // Tasks go to whichever thread is free, last first: later tokens see more positions, so the
+    // long tasks are taken early and the short ones even out the end.
+    std::atomic<int64_t> next{0};
+    pool.run([&](int, int) {
+        for (int64_t c = next.fetch_add(1); c < n_tasks; c = next.fetch_add(1)) attend(n_tasks - 1 - c);
     });
 }
 

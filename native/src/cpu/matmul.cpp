@@ -24,6 +24,19 @@ void check_matmul_args(int32_t wtype, int64_t cols) {
                                    (long long)cols, (long long)need, wt.name));
 }
 
+void convert_activations(ThreadPool& pool, from_float_fn convert, const float* X, int64_t cols, int64_t n_tokens,
+                         uint8_t* xq, size_t x_row) {
+    if (n_tokens * cols <= 16384) {  // a few microseconds: less than handing it to the pool and back
+        for (int64_t t = 0; t < n_tokens; t++) convert(X + t * cols, xq + t * x_row, cols);
+        return;
+    }
+    pool.run([&](int ith, int nth) {
+        int64_t t0, t1;
+        split_range(n_tokens, ith, nth, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) convert(X + t * cols, xq + t * x_row, cols);
+    });
+}
+
 void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w, float* const* y, int n_mats,
                  const float* X, int64_t n_tokens, bool accumulate) {
     if (n_mats <= 0 || n_tokens <= 0) return;
@@ -64,13 +77,8 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     chunk_start[n_mats] = n_chunks;
     std::atomic<int64_t> next{0};
 
-    pool.run([&](int ith, int nth_run) {
-        if (!direct) {
-            int64_t t0, t1;
-            split_range(n_tokens, ith, nth_run, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) convert(X + t * cols, xq + t * x_row, cols);
-            pool.barrier();
-        }
+    if (!direct) convert_activations(pool, convert, X, cols, n_tokens, xq, x_row);
+    pool.run([&](int, int) {
         int m = 0;
         for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
             while (c >= chunk_start[m + 1]) m++;

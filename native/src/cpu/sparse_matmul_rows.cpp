@@ -60,13 +60,8 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
     const int64_t n_chunks = (n_rows + chunk - 1) / chunk;
     std::atomic<int64_t> next{0};
 
-    pool.run([&](int ith, int nth_run) {
-        if (!direct) {
-            int64_t t0, t1;
-            split_range(n_tokens, ith, nth_run, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) convert(X + t * cols, xq + t * x_row, cols);
-            pool.barrier();
-        }
+    if (!direct) convert_activations(pool, convert, X, cols, n_tokens, xq, x_row);
+    pool.run([&](int, int) {
         for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
             const int64_t i0 = c * chunk, i1 = i0 + chunk < n_rows ? i0 + chunk : n_rows;
             if (n_tokens == 1 && dot_rows) {

@@ -39,12 +39,11 @@ inline void spin_until(Done done) {
     }
 }
 thread_local bool tls_in_job = false;     // this thread is running a share of a job
-thread_local int tls_inline_depth = 0;     // ...of a job that run() is executing inline (nth = 1)
 }  // namespace
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
     workers_.reserve(n_threads_ - 1);
-    for (int i = 1; i < n_threads_; i++) workers_.emplace_back([this, i] { worker_main(i); });
+    for (int i = 1; i < n_threads_; i++) workers_.emplace_back([this] { worker_main(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -68,7 +67,19 @@ void ThreadPool::execute(int ith) {
     tls_in_job = false;
 }
 
-void ThreadPool::worker_main(int ith) {
+// Claims and runs shares of the current job until none is left. A claim is a ticket from
+// next_share_: run() resets it to 1 (share 0 is the caller's) only after publishing the job, and
+// does not return before every claimed share has finished, so a ticket below nth always belongs to
+// the job in flight (a straggler from the previous job that draws one simply helps with this one).
+void ThreadPool::run_claimed_shares() {
+    for (int s = next_share_.fetch_add(1, std::memory_order_acq_rel); s < n_threads_;
+         s = next_share_.fetch_add(1, std::memory_order_acq_rel)) {
+        execute(s);
+        done_shares_.fetch_add(1, std::memory_order_acq_rel);
+    }
+}
+
+void ThreadPool::worker_main() {
     uint64_t seen = 0;
     for (;;) {
         uint64_t gen = generation_.load(std::memory_order_acquire);
@@ -86,46 +97,33 @@ void ThreadPool::worker_main(int ith) {
         }
         seen = gen;
         if (stop_.load()) return;
-        execute(ith);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+        run_claimed_shares();
     }
 }
 
 void ThreadPool::run(const std::function<void(int, int)>& fn) {
     if (tls_in_job || n_threads_ == 1) {
         // Nested call from inside a job, or nothing to share: run inline as a single thread.
-        struct Depth {
-            Depth() { tls_inline_depth++; }
-            ~Depth() { tls_inline_depth--; }
-        } depth;
         fn(0, 1);
         return;
     }
     std::lock_guard<std::mutex> run_lock(run_mutex_);
     job_ = &fn;
     error_ = nullptr;
-    pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+    done_shares_.store(0, std::memory_order_relaxed);
+    next_share_.store(1, std::memory_order_release);  // publishes the job to claimers
     generation_.fetch_add(1, std::memory_order_acq_rel);
     if (sleepers_.load() > 0) {
         std::lock_guard<std::mutex> lk(sleep_mutex_);
         wake_.notify_all();
     }
     execute(0);
-    spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+    // Shares no worker has claimed yet are the caller's: waiting for a worker to wake up (or to be
+    // scheduled again) would leave this core idle.
+    run_claimed_shares();
+    spin_until([&] { return done_shares_.load(std::memory_order_acquire) == n_threads_ - 1; });
     job_ = nullptr;
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-}
-
-void ThreadPool::barrier() {
-    if (n_threads_ == 1 || !tls_in_job || tls_inline_depth > 0) return;
-    // Sense-reversing barrier: the last thread to arrive resets the count and flips the phase.
-    const int phase = barrier_phase_.load(std::memory_order_acquire);
-    if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == n_threads_ - 1) {
-        barrier_count_.store(0, std::memory_order_relaxed);
-        barrier_phase_.fetch_add(1, std::memory_order_acq_rel);
-        return;
-    }
-    spin_until([&] { return barrier_phase_.load(std::memory_order_acquire) != phase; });
 }
 
 int physical_core_count() {
