@@ -91,6 +91,21 @@ nb::dict threadpool_selftest(int n_threads, int n_jobs) {
             if (ran.load() != n_threads) short_jobs++;
         }
     }
+    // Workers asleep (idle long enough to stop spinning): a short job does not wait for them to wake
+    // up, the caller runs every share itself. Counted over a few tries, each after an idle pause.
+    int64_t caller_ran_all = 0;
+    if (n_threads > 1) {
+        nb::gil_scoped_release release;
+        const std::thread::id caller = std::this_thread::get_id();
+        for (int k = 0; k < 20; k++) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            std::atomic<int> on_caller{0};
+            pool.run([&](int, int) {
+                if (std::this_thread::get_id() == caller) on_caller.fetch_add(1);
+            });
+            if (on_caller.load() == n_threads) caller_ran_all++;
+        }
+    }
     bool propagated = false;
     try {
         pool.run([&](int ith, int nth) {
@@ -109,6 +124,7 @@ nb::dict threadpool_selftest(int n_threads, int n_jobs) {
     out["runs_per_share"] = per_share;
     out["bad_nth"] = bad_nth.load();
     out["short_jobs"] = short_jobs;
+    out["caller_ran_all"] = caller_ran_all;
     out["exception_propagated"] = propagated;
     out["shares_after_exception"] = after.load();
     return out;
