@@ -82,6 +82,14 @@ def test_an_uncalibrated_policy_explores_unless_the_bound_was_seen_broken():
     assert not p.admit_on_host(StepFeatures(2, 100, 0), 50)
 
 
+def test_with_nothing_running_a_job_starts_on_the_host_whatever_the_bound():
+    # No device slot at all (or none will free up): waiting would be forever.
+    p = OffloadPolicy(max_itl_s=0.01)
+    p.cost.observe(StepFeatures(3, 100, 50), 0.05)  # pipelined steps broke the bound
+    assert p.admit_on_host(StepFeatures(0, 0, 0), 500)
+    assert p.last[0] == "host: idle"
+
+
 # ---- the scheduler with one device KV slot for three ---------------------------------------------------
 PROMPTS = ["The history of the printing press begins in the fifteenth century, when",
            "Write a short poem about the sea:", "The three primary colours are"]

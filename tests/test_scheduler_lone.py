@@ -159,3 +159,26 @@ def test_step_sequence_rejects_bad_input(model):
     model.kv_clear(1)
     tok, end, flush, out, held = model._step_sequence(1, 0, model.tokenize("Hello")[0], no_bias, ok, det, [], "", True)
     assert 0 <= tok < model.n_vocab and end == "length" and flush and held == ""
+
+
+def test_a_job_whose_admission_fails_fails_alone(sched, model, ref, monkeypatch):
+    """A KV operation that raises while a job is admitted fails that job with a message; the scheduler
+    thread lives on, and the next job gets its text."""
+    real = model.kv_truncate
+    calls = {"n": 0}
+
+    def broken_once(seq, n):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise optiml.OptimlError("simulated KV failure")
+        return real(seq, n)
+
+    monkeypatch.setattr(model, "kv_truncate", broken_once)
+    r = Result()
+    sched.submit([job(model, PROMPT, r.sink, max_tokens=8)])
+    assert r.finished.wait(120)
+    assert r.error is not None and "simulated KV failure" in r.error
+    assert sched.thread.is_alive()
+    monkeypatch.setattr(model, "kv_truncate", real)
+    assert run(sched, model, PROMPT, max_tokens=12).text == ref.generate(PROMPT, max_tokens=12, temperature=0)
+    assert sched.status() == {"slots_idle": 2, "slots_processing": 0, "queue": 0}

@@ -93,7 +93,12 @@ class OffloadPolicy:
         """now: the features of the running batch's next step; added_kv: the positions the new sequence
         would attend over in its first generating step (its prompt length)."""
         after = StepFeatures(now.tokens + 1, now.kv_device, now.kv_host + added_kv)
-        t_now = self.cost.predict(now) if now.tokens else 0.0
+        if not now.tokens:
+            # Nothing runs, so no device slot will free up for it (with one free, the host is not asked):
+            # waiting would wait forever, and there is nobody's latency to protect.
+            self.last = ("host: idle", 0.0, self.cost.predict(after))
+            return True
+        t_now = self.cost.predict(now)
         t_after = self.cost.predict(after)
         if t_after is None or t_now is None:
             # Not calibrated yet: learn by doing, unless pipelined steps already broke the bound.

@@ -155,32 +155,32 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self.cond:
-                changed = False
-                for s in self.slots:
-                    if s.job is not None and s.job.cancelled:
-                        s.job = None  # the client went away: the slot is free now (its KV stays as cache)
-                        changed = True
-                if any(j.cancelled for j in self.waiting):
-                    self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
-                    changed = True
-                while self.waiting and any(s.job is None for s in self.slots):
-                    if not self._admit(self.waiting[0]):
-                        break  # the policy keeps it waiting for a device slot
-                    self.waiting.popleft()
-                    changed = True
-                if self.policy is not None:
-                    changed |= self._promote()
+                changed = self._drop_cancelled()
+                if self.stopping:
+                    for j in [s.job for s in self.slots if s.job is not None] + list(self.waiting):
+                        j.sink({"type": "error", "index": j.index, "message": "the server is shutting down"})
+                    return
+                if not self.waiting and all(s.job is None for s in self.slots):
+                    if changed:
+                        self._gauges()
+                    self.cond.wait()
+                    continue
+            # Admissions and KV moves run outside the lock (only this thread changes the slots): a long KV
+            # copy (a shared prefix, a cache moving between the device and the host) must not hold up the
+            # event loop's submit, cancel and status.
+            changed |= self._admit_waiting()
+            if self.policy is not None:
+                changed |= self._promote()
+            with self.cond:
                 if changed:
                     self._gauges()
                 active = [s.job for s in self.slots if s.job is not None]
-                if self.stopping:
-                    for j in active + list(self.waiting):
-                        j.sink({"type": "error", "index": j.index, "message": "the server is shutting down"})
-                    return
-                if not active:
-                    self.cond.wait()
-                    continue
                 lone = active[0] if len(active) == 1 and not self.waiting else None
+            if not active:
+                if not changed:  # waiting jobs the policy keeps waiting: sleep until something happens
+                    with self.cond:
+                        self.cond.wait(timeout=0.1)
+                continue
             try:
                 if lone is not None and lone.plain and lone.next_token is not None:
                     self._lone_step(lone)
@@ -190,6 +190,42 @@ class Scheduler:
                 traceback.print_exc()
                 for j in active:
                     self._fail(j, f"generation failed: {e}")
+
+    def _drop_cancelled(self) -> bool:
+        """Frees the slots of jobs whose client went away and forgets cancelled waiting jobs (under the
+        lock). True when something changed."""
+        changed = False
+        for s in self.slots:
+            if s.job is not None and s.job.cancelled:
+                s.job = None  # the slot is free now (its KV stays as cache)
+                changed = True
+        if any(j.cancelled for j in self.waiting):
+            self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
+            changed = True
+        return changed
+
+    def _admit_waiting(self) -> bool:
+        """Admits waiting jobs in order while slots are free and the policy agrees. A job whose admission
+        fails (a KV copy error) fails alone. True when the queue changed."""
+        changed = False
+        while True:
+            with self.cond:
+                if not self.waiting or all(s.job is not None for s in self.slots):
+                    return changed
+                job = self.waiting[0]  # stays the head: only this thread takes jobs out
+            error = None
+            try:
+                ok = self._admit(job)
+            except Exception as e:
+                traceback.print_exc()
+                ok, error = True, e
+            if not ok:
+                return changed  # the policy keeps it waiting for a device slot
+            with self.cond:
+                self.waiting.popleft()
+            changed = True
+            if error is not None:
+                self._fail(job, f"could not start: {error}")
 
     def _admit(self, job: Job) -> bool:
         """Gives `job` a free slot, reusing the longest cached prefix of its prompt. With offload, a slot
@@ -209,12 +245,16 @@ class Scheduler:
         slot = max(free, key=lambda s: (_common(s.tokens, job.prompt), -s.last_used))
         keep = _common(slot.tokens, job.prompt)
         donor = max(self.slots, key=lambda s: _common(s.tokens, job.prompt))
-        if donor is not slot and _common(donor.tokens, job.prompt) > keep:
-            keep = _common(donor.tokens, job.prompt)
-            self.model.kv_copy(donor.index, slot.index, keep)
-            slot.tokens = donor.tokens[:keep]
-        keep = min(keep, len(job.prompt) - 1)  # the last prompt token runs: its logits start generation
-        self.model.kv_truncate(slot.index, keep)
+        try:
+            if donor is not slot and _common(donor.tokens, job.prompt) > keep:
+                keep = _common(donor.tokens, job.prompt)
+                self.model.kv_copy(donor.index, slot.index, keep)
+                slot.tokens = donor.tokens[:keep]
+            keep = min(keep, len(job.prompt) - 1)  # the last prompt token runs: its logits start generation
+            self.model.kv_truncate(slot.index, keep)
+        except Exception:
+            slot.tokens = []  # what its KV holds is unknown now: never reuse it as a prefix
+            raise
         del slot.tokens[keep:]
         slot.job, job.slot = job, slot
         job.n_done = job.cached = keep
@@ -249,8 +289,13 @@ class Scheduler:
             idle = next((t for t in self.slots if t.job is None and where[t.index] == "device"), None)
             if idle is None:
                 break
-            self.model.kv_place(idle.index, "host")
-            self.model.kv_place(s.index, "device")
+            try:
+                self.model.kv_place(idle.index, "host")
+                self.model.kv_place(s.index, "device")
+            except Exception:  # the job runs on where its cache is; the next round reads the places anew
+                traceback.print_exc()
+                where = {t.index: self.model.kv_where(t.index) for t in self.slots}
+                break
             where[idle.index], where[s.index] = "host", "device"
             moved = True
         if self.metrics:
