@@ -24,7 +24,7 @@ uint64_t sum_words(const uint64_t* p, size_t n) {
 double measure_read_bandwidth(ThreadPool& pool, size_t bytes, int repeats) {
     const size_t n = bytes / sizeof(uint64_t);
     std::unique_ptr<uint64_t[]> buf(new uint64_t[n]);
-    // Each thread first touches its own part, so pages are mapped before timing starts.
+    // Touch every page first, so pages are mapped before timing starts.
     pool.run([&](int ith, int nth) {
         int64_t b, e;
         split_range((int64_t)n, ith, nth, &b, &e);
