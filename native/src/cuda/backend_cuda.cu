@@ -281,21 +281,29 @@ private:
         cuda_add(stream_, x, s.xn, nullptr, (int64_t)n * hp.n_embd);
     }
 
+    // The batch's seq and pos on the device. The offload pass (forward_offload.cpp) alternates two
+    // sub-batches at every layer: one cached copy each, so neither goes up again per layer (a copy from
+    // pageable memory first waits for the stream, which would undo the overlap that pass is for).
     const int32_t* batch_on_device(const BatchView& b) {
         const size_t count = 2 * (size_t)b.n, half = sizeof(int32_t) * b.n;
-        if (batch_dev_ && batch_host_.size() == count && std::memcmp(batch_host_.data(), b.seq, half) == 0 &&
-            std::memcmp(batch_host_.data() + b.n, b.pos, half) == 0)
-            return batch_dev_;
-        if (count > batch_capacity_) {
+        for (BatchOnDevice& c : batch_cache_)
+            if (c.dev && c.host.size() == count && std::memcmp(c.host.data(), b.seq, half) == 0 &&
+                std::memcmp(c.host.data() + b.n, b.pos, half) == 0) {
+                c.used = ++batch_clock_;
+                return c.dev;
+            }
+        BatchOnDevice& c = batch_cache_[0].used <= batch_cache_[1].used ? batch_cache_[0] : batch_cache_[1];
+        if (count > c.capacity) {
             // Grows to the largest batch once; counted as scratch like the rest of the step's memory.
-            batch_capacity_ = count < 1024 ? 1024 : count;
-            batch_dev_ = (int32_t*)alloc(sizeof(int32_t) * batch_capacity_, "scratch");
+            c.capacity = count < 1024 ? 1024 : count;
+            c.dev = (int32_t*)alloc(sizeof(int32_t) * c.capacity, "scratch");
         }
-        batch_host_.resize(count);
-        std::memcpy(batch_host_.data(), b.seq, half);
-        std::memcpy(batch_host_.data() + b.n, b.pos, half);
-        copy_from_host(batch_dev_, batch_host_.data(), sizeof(int32_t) * count);
-        return batch_dev_;
+        c.host.resize(count);
+        std::memcpy(c.host.data(), b.seq, half);
+        std::memcpy(c.host.data() + b.n, b.pos, half);
+        copy_from_host(c.dev, c.host.data(), sizeof(int32_t) * count);
+        c.used = ++batch_clock_;
+        return c.dev;
     }
 
     // ---- timeline: a pair of timing events around each op while tracing ---------------------------
@@ -405,9 +413,14 @@ private:
     cudaStream_t stream_ = nullptr;
     std::vector<cudaEvent_t> events_;
     uint64_t recorded_ = 0;
-    int32_t* batch_dev_ = nullptr;
-    size_t batch_capacity_ = 0;
-    std::vector<int32_t> batch_host_;  // what batch_dev_ holds
+    struct BatchOnDevice {
+        int32_t* dev = nullptr;
+        size_t capacity = 0;
+        std::vector<int32_t> host;  // what dev holds: seq then pos
+        uint64_t used = 0;          // batch_clock_ at the last use (the older entry is replaced)
+    };
+    BatchOnDevice batch_cache_[2];
+    uint64_t batch_clock_ = 0;
     std::vector<void*> pinned_;        // host ranges page-locked by pin_host
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;

@@ -146,6 +146,13 @@ void KVCache::copy(int32_t src, int32_t dst, int32_t n) {
             else be->copy_from_host(to, from, bytes);
         };
         move(dv.k + (size_t)di * dv.k_seq, sv.k + (size_t)si * sv.k_seq, (size_t)n * sv.k_row);
+        if (sh != dh) {
+            // Across the bus, one transfer of the slot's whole value block instead of n_embd_kv short
+            // ones (each a round trip through pageable memory): the positions past n come along, finite
+            // values the attention window weighs 0, as a truncated sequence leaves them.
+            move(dv.v + (size_t)di * dv.v_seq, sv.v + (size_t)si * sv.v_seq, sv.v_seq);
+            continue;
+        }
         for (int64_t j = 0; j < n_embd_kv_; j++)
             move(dv.v + (size_t)di * dv.v_seq + (size_t)j * n_ctx_ * elem,
                  sv.v + (size_t)si * sv.v_seq + (size_t)j * n_ctx_ * elem, (size_t)n * elem);
