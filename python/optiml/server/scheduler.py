@@ -213,14 +213,13 @@ class Scheduler:
                 if not self.waiting or all(s.job is not None for s in self.slots):
                     return changed
                 job = self.waiting[0]  # stays the head: only this thread takes jobs out
-            error = None
             try:
-                ok = self._admit(job)
+                if not self._admit(job):
+                    return changed  # the policy keeps it waiting for a device slot
+                error = None
             except Exception as e:
                 traceback.print_exc()
-                ok, error = True, e
-            if not ok:
-                return changed  # the policy keeps it waiting for a device slot
+                error = e
             with self.cond:
                 self.waiting.popleft()
             changed = True
