@@ -16,13 +16,14 @@ from pathlib import Path
 
 try:
     from optiml import models
-except ImportError:  # not installed or not built: load the registry module alone (stdlib only)
-    import importlib.util
+except ImportError:  # not installed or not built: the package's pure-Python modules without its __init__
+    import types
 
-    _spec = importlib.util.spec_from_file_location(
-        "optiml_models", Path(__file__).resolve().parent.parent / "python" / "optiml" / "models.py")
-    models = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(models)
+    sys.modules.pop("optiml", None)
+    _pkg = types.ModuleType("optiml")  # (which loads the native core); models.py's relative imports
+    _pkg.__path__ = [str(Path(__file__).resolve().parent.parent / "python" / "optiml")]  # (atomic, hub) work
+    sys.modules["optiml"] = _pkg
+    from optiml import models
 
 
 def main() -> int:
