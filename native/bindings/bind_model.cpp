@@ -319,6 +319,7 @@ void bind_model(nb::module_& m) {
             for (const auto& [k, v] : s.session->device_allocations()) d[k.c_str()] = v;
             return d;
         })
+        .def_prop_ro("recorded_steps", [](const PySession& s) { return s.session->recorded_steps(); })
         .def("timeline_start", [](PySession& s) {
             nb::gil_scoped_release release;  // waits for the device's stream
             s.session->timeline_start();

@@ -156,6 +156,26 @@ public:
     // when the backend goes, which must be before the memory is freed.
     virtual void pin_host(void* p, size_t bytes) { (void)p, (void)bytes; }
 
+    // ---- steps recorded once and launched again as one unit -------------------------------------
+    // A decode step enqueues hundreds of small ops; on a GPU the host's cost of launching each one sets
+    // its speed. A device that can record a step (CUDA graphs) launches it again in one call:
+    //   upload_batch(b)  each such step: b's sequence slots and positions to where the recorded
+    //                    attention reads them;
+    //   replay(key)      true when the ops recorded under `key` were launched (the caller skips them);
+    //   capture_begin(key) / capture_end(ok)  otherwise, around the caller enqueuing them; capture_end
+    //                    launches what was recorded and returns true, or false when the ops did not run
+    //                    (recording failed, or ok was false after an exception): the caller runs them plain.
+    // The key names everything the ops depend on besides memory contents (token count, rows of logits);
+    // a recording is dropped when the backend's memory is allocated or freed again. Devices without the
+    // feature keep the defaults: replay() false, capture_begin() false (the ops run as usual), and so does
+    // a CUDA device when OPTIML_CUDA_GRAPHS=0 (comparisons, or a driver whose graphs misbehave).
+    virtual void upload_batch(const BatchView& b) { (void)b; }
+    virtual bool replay(const std::vector<int32_t>& key) { (void)key; return false; }
+    virtual bool capture_begin(const std::vector<int32_t>& key) { (void)key; return false; }
+    virtual bool capture_end(bool ok) { (void)ok; return true; }
+    // Steps launched from a recording so far (replay() true, or capture_end() launching what it recorded).
+    virtual int64_t recorded_launches() const { return 0; }
+
     // ---- the ops of the forward pass ---------------------------------------------------------------
     // x[t] = row tokens[t] of the embedding table (dequantized) times scale. tokens: host memory.
     virtual void embed(const Weight& table, const int32_t* tokens, int32_t n, float scale, float* x) = 0;

@@ -204,6 +204,8 @@ public:
     size_t kv_bytes() const;
     // Bytes allocated on the plan's device (0 without one), by use.
     std::vector<std::pair<std::string, size_t>> device_allocations() const;
+    // Steps the device launched from a recording (Backend::replay): 0 without a device that records.
+    int64_t recorded_steps() const { return device_ ? device_->recorded_launches() : 0; }
 
     // Sparse FFN from the next eval on; ArgumentError for thresholds that do not fit the model.
     void set_sparsity(const SparsitySettings& s);
@@ -238,6 +240,7 @@ private:
     void forward(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out, float* logits);
     void forward_offload(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out,
                          float* logits);
+    bool forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits);
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
     StepScratch scratch_rows(const Backend* be, int32_t r0) const;
@@ -260,6 +263,9 @@ private:
     float* device_logits_ = nullptr;             // [plan_.logits_rows][n_vocab] on the device
     StepScratch host_s_, device_s_;
     std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
+    bool whole_on_device_ = false;   // every layer (attention, KV, whole FFN) and the logits on the device
+    bool timing_ = false;            // between timeline_start and timeline_stop
+    std::vector<int32_t> step_key_;  // forward_recorded's key of the step
     std::vector<int32_t> off_tok_, off_seq_, off_slot_, off_pos_, off_rows_;  // forward_offload's reordered batch
 
     SparsitySettings sparsity_;

@@ -11,8 +11,10 @@
 // and the embedding table on the GPU (the embedding runs on the host; its rows are copied over).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <vector>
 
 #include "kernels.cuh"
@@ -34,6 +36,7 @@ class CudaBackend : public Backend {
 public:
     explicit CudaBackend(int device) : Backend(format("cuda:%d", device)), device_(device) {
         use();
+        if (const char* env = std::getenv("OPTIML_CUDA_GRAPHS")) graphs_ = std::strcmp(env, "0") != 0;
         cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
         events_.resize(kEvents);
         for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
@@ -41,7 +44,15 @@ public:
 
     ~CudaBackend() override {
         cudaSetDevice(device_);
+        if (capturing_) {  // (an exception between capture_begin and capture_end that nobody ended)
+            cudaGraph_t g = nullptr;
+            cudaStreamEndCapture(stream_, &g);
+            if (g) cudaGraphDestroy(g);
+            cudaGetLastError();
+        }
         cudaStreamSynchronize(stream_);
+        for (auto& [key, rec] : recordings_)
+            if (rec.exec) cudaGraphExecDestroy(rec.exec);
         for (void* p : pinned_) cudaHostUnregister(p);
         free_all();
         for (cudaEvent_t e : events_) cudaEventDestroy(e);
@@ -98,6 +109,82 @@ public:
         use();
         const OpSpan span(*this, SpanKind::Copy);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copying on the GPU");
+    }
+
+    // ---- recorded steps (CUDA graphs) ------------------------------------------------------------
+    void upload_batch(const BatchView& b) override {
+        use();
+        const size_t count = 2 * (size_t)b.n;
+        if (count > step_batch_capacity_) {  // once: the largest recorded step (a new allocation drops recordings)
+            step_batch_capacity_ = count < 64 ? 64 : count;
+            step_batch_ = (int32_t*)alloc(sizeof(int32_t) * step_batch_capacity_, "scratch");
+        }
+        step_batch_host_.assign(b.seq, b.seq + b.n);
+        step_batch_host_.insert(step_batch_host_.end(), b.pos, b.pos + b.n);
+        copy_from_host(step_batch_, step_batch_host_.data(), sizeof(int32_t) * count);
+    }
+
+    bool replay(const std::vector<int32_t>& key) override {
+        auto it = recordings_.find(key);
+        if (it == recordings_.end() || !it->second.exec || it->second.epoch != alloc_epoch_) return false;
+        use();
+        cuda_check(cudaGraphLaunch(it->second.exec, stream_), "launching a recorded step");
+        ++launches_;
+        return true;
+    }
+    int64_t recorded_launches() const override { return launches_; }
+
+    bool capture_begin(const std::vector<int32_t>& key) override {
+        if (!graphs_ || tracing()) return false;  // (tracing: ops timed one by one)
+        if (recordings_.size() >= kMaxRecorded && !recordings_.count(key)) drop_recordings();
+        Recording& rec = recordings_[key];
+        // The first step of a shape runs plain: memory the ops allocate on first use (outside a recording,
+        // where allocating is not allowed) exists from then on.
+        if (rec.failed || ++rec.seen < 2) return false;
+        use();
+        if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+            cudaGetLastError();
+            rec.failed = true;  // this device cannot record: every step of this shape runs plain
+            return false;
+        }
+        capturing_ = &rec;
+        return true;
+    }
+
+    bool capture_end(bool ok) override {
+        Recording* rec = capturing_;
+        if (!rec) return ok;
+        capturing_ = nullptr;
+        use();
+        cudaGraph_t graph = nullptr;
+        cudaError_t err = cudaStreamEndCapture(stream_, &graph);
+        if (ok && err == cudaSuccess && graph) {
+            if (rec->exec) {  // the same shape after memory moved: update the launchable graph in place
+                cudaGraphExecUpdateResultInfo info;
+                if (cudaGraphExecUpdate(rec->exec, graph, &info) != cudaSuccess) {
+                    cudaGetLastError();
+                    cudaGraphExecDestroy(rec->exec);
+                    rec->exec = nullptr;
+                }
+            }
+            if (!rec->exec) err = cudaGraphInstantiate(&rec->exec, graph, 0);
+        }
+        if (graph) cudaGraphDestroy(graph);
+        if (!ok) {
+            cudaGetLastError();
+            return false;
+        }
+        if (err != cudaSuccess || !rec->exec) {
+            cudaGetLastError();
+            rec->failed = true;
+            if (rec->exec) cudaGraphExecDestroy(rec->exec);
+            rec->exec = nullptr;
+            return false;
+        }
+        rec->epoch = alloc_epoch_;
+        cuda_check(cudaGraphLaunch(rec->exec, stream_), "launching a recorded step");
+        ++launches_;
+        return true;
     }
 
     // ---- ops -----------------------------------------------------------------------------------
@@ -285,6 +372,7 @@ private:
     // sub-batches at every layer: one cached copy each, so neither goes up again per layer (a copy from
     // pageable memory first waits for the stream, which would undo the overlap that pass is for).
     const int32_t* batch_on_device(const BatchView& b) {
+        if (capturing_) return step_batch_;  // a recorded step reads what upload_batch wrote
         const size_t count = 2 * (size_t)b.n, half = sizeof(int32_t) * b.n;
         for (BatchOnDevice& c : batch_cache_)
             if (c.dev && c.host.size() == count && std::memcmp(c.host.data(), b.seq, half) == 0 &&
@@ -405,9 +493,18 @@ private:
                                name_.c_str(), bytes, cudaGetErrorString(err)));
         }
         cuda_check(cudaMemset(p, 0, bytes), "clearing GPU memory");
+        ++alloc_epoch_;  // recorded steps may point at memory that moved
         return p;
     }
-    void device_free(void* p) override { cudaFree(p); }
+    void device_free(void* p) override {
+        ++alloc_epoch_;
+        cudaFree(p);
+    }
+    void drop_recordings() {
+        for (auto& [key, rec] : recordings_)
+            if (rec.exec) cudaGraphExecDestroy(rec.exec);
+        recordings_.clear();
+    }
 
     int device_;
     cudaStream_t stream_ = nullptr;
@@ -421,6 +518,22 @@ private:
     };
     BatchOnDevice batch_cache_[2];
     uint64_t batch_clock_ = 0;
+    // Recorded steps by key (Backend::replay); epoch: alloc_epoch_ when recorded.
+    struct Recording {
+        cudaGraphExec_t exec = nullptr;
+        uint64_t epoch = 0;
+        int seen = 0;
+        bool failed = false;
+    };
+    static constexpr size_t kMaxRecorded = 32;  // shapes kept (decode steps of 1..16 tokens, a few logits rows)
+    std::map<std::vector<int32_t>, Recording> recordings_;
+    Recording* capturing_ = nullptr;
+    uint64_t alloc_epoch_ = 0;
+    int64_t launches_ = 0;
+    bool graphs_ = true;  // OPTIML_CUDA_GRAPHS=0 turns recording off
+    int32_t* step_batch_ = nullptr;  // upload_batch's seq and pos
+    size_t step_batch_capacity_ = 0;
+    std::vector<int32_t> step_batch_host_;
     std::vector<void*> pinned_;        // host ranges page-locked by pin_host
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;

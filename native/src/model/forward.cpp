@@ -31,11 +31,13 @@ void Session::trace_layer(int layer) {
 }
 
 void Session::timeline_start() {
+    timing_ = true;  // every op timed on its own: no recorded steps
     host_->trace_start();
     if (device_) device_->trace_start();
 }
 
 std::vector<Session::TimedSpan> Session::timeline_stop() {
+    timing_ = false;
     std::vector<TimedSpan> out;
     for (const Span& s : host_->trace_stop()) out.push_back({0, s});
     if (device_)
@@ -70,6 +72,7 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
     Backend* home = host_.get();  // where the residual stream is
     trace_layer(-1);
     home->embed(M.tok_embd, tokens, n, hp.embd_scale, host_s_.x);
+    if (forward_recorded(kb, out_rows, n_out, logits)) return;
 
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerExec& E = exec_[il];
@@ -83,6 +86,51 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
     }
 
     output(home, n, out_rows, n_out, logits);
+}
+
+// A step with every layer and the logits on the device, of few tokens (decode): the device records its
+// ops once per shape and launches them again as one unit (Backend::replay), since launching each of a
+// step's hundreds of small ops from the host costs more than the GPU takes to run them. The same ops
+// as the plain path, in the same order. False when the step does not qualify (the caller runs it).
+bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits) {
+    constexpr int32_t kMaxRecordedTokens = 16;  // beyond, launches are a small share of a step
+    const HParams& hp = model_->hp;
+    Backend* dev = device_.get();
+    const int32_t n = kb.n;
+    if (!whole_on_device_ || timing_ || recorder_ || n > kMaxRecordedTokens || n_out > plan_.logits_rows) return false;
+    const size_t x_floats = (size_t)n * hp.n_embd;
+    move(host_.get(), host_s_.x, dev, device_s_.x, x_floats);
+    dev->upload_batch(kb);
+    step_key_.assign({n, n_out});
+    step_key_.insert(step_key_.end(), out_rows, out_rows + n_out);
+
+    auto enqueue = [&] {
+        for (int il = 0; il < hp.n_layer; il++) {
+            dev->attention(hp, il, *exec_[il].attn_w, device_rope_freqs_, kv_->layer(il), kb, device_s_.x, device_s_);
+            ffn_layer(il, n, dev);
+        }
+        if (n_out > 0)
+            dev->logits(hp, device_output_norm_, device_output_, device_s_.x, out_rows, n_out, device_logits_,
+                        device_s_.xn);
+    };
+    if (dev->replay(step_key_)) {
+        for (int il = 0; il < hp.n_layer; il++)  // what the recorded ffn ops counted when they were enqueued
+            device_active_[il] += (int64_t)n * exec_[il].device_share.w->gate.rows;
+    } else {
+        const bool recording = dev->capture_begin(step_key_);
+        try {
+            enqueue();
+        } catch (...) {
+            if (recording) dev->capture_end(false);
+            throw;
+        }
+        if (recording && !dev->capture_end(true)) enqueue();  // not recorded: the ops did not run
+    }
+    for (int il = 0; il < hp.n_layer; il++) ffn_seen_[il] += (int64_t)n * hp.n_ff;
+
+    if (n_out > 0) dev->copy_to_host(logits, device_logits_, sizeof(float) * n_out * hp.n_vocab);
+    move(dev, device_s_.x, host_.get(), host_s_.x, x_floats);
+    return true;
 }
 
 // After the last layer: the final norm and the logits of the rows asked for, and the residual stream

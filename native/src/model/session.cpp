@@ -195,6 +195,9 @@ void Session::bind_devices() {
         device_output_ = dev->upload(M.output, "output");
         device_logits_ = (float*)dev->alloc(sizeof(float) * (size_t)plan_.logits_rows * hp.n_vocab, "output");
     }
+    whole_on_device_ = dev && plan_.output_on_device;
+    for (int il = 0; il < hp.n_layer && whole_on_device_; il++)
+        whole_on_device_ = exec_[il].attn == dev && exec_[il].k == hp.n_ff;
     if (dev) dev->synchronize();
     // The plan's count is the allocation's: a mismatch is a bug in one of them.
     if (dev && dev->allocated_bytes() != plan_.device_bytes.total())

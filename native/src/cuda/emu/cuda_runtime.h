@@ -55,8 +55,9 @@ T shfl_xor(T v, int mask) {
 #define __syncthreads() ::optiml_emu::syncthreads()
 #define __syncwarp(...) ::optiml_emu::warp_barrier()
 #define __shfl_xor_sync(mask, v, off) ::optiml_emu::shfl_xor((v), (off))
+// (The arguments are captured by value: a stream being recorded into a graph keeps the launch for later.)
 #define OPTIML_LAUNCH(kernel, grid, block, stream, ...) \
-    ::optiml_emu::launch(dim3(grid), dim3(block), [&] { kernel(__VA_ARGS__); })
+    ::optiml_emu::launch(dim3(grid), dim3(block), [=] { kernel(__VA_ARGS__); })
 
 // ---- the runtime API the backend uses --------------------------------------------------------------
 enum cudaError_t {
@@ -65,6 +66,8 @@ enum cudaError_t {
     cudaErrorMemoryAllocation = 2,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
 };
 enum cudaMemcpyKind {
     cudaMemcpyHostToHost = 0,
@@ -107,3 +110,21 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
+
+// Graphs: while a stream is captured, launches and device-to-device copies are kept instead of run; any
+// other call that would touch the stream or allocate breaks the capture (as CUDA's thread-local mode
+// refuses them). Launching the graph runs what was kept, in order.
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1,
+                             cudaStreamCaptureModeRelaxed = 2 };
+typedef struct optiml_emu_graph* cudaGraph_t;
+typedef struct optiml_emu_graph* cudaGraphExec_t;
+struct cudaGraphExecUpdateResultInfo {
+    int result;
+};
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags);
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUpdateResultInfo* info);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);

@@ -173,7 +173,15 @@ void run_block(Block& b) {
 
 }  // namespace
 
+// The graph being captured (nullptr: none), and whether a call refused during the capture broke it.
+thread_local std::vector<std::function<void()>>* g_capture = nullptr;
+thread_local bool g_capture_broken = false;
+
 void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+    if (g_capture) {
+        g_capture->push_back([grid, block, body] { launch(grid, block, body); });
+        return;
+    }
     thread_local Block b;  // fibers and their stacks are kept for the next launch
     Block* outer = g_block;
     g_block = &b;
@@ -222,11 +230,65 @@ const char* error_name(cudaError_t e) {
         case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
         case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
         case cudaErrorNoDevice: return "cudaErrorNoDevice";
+        case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+        case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
         default: return "cudaErrorInvalidDevice";
     }
 }
 constexpr size_t kEmulatedMemory = size_t(8) << 30;
+
+// A call that a capture does not allow: it breaks the capture and fails.
+bool refused_in_capture() {
+    if (!optiml_emu::g_capture) return false;
+    optiml_emu::g_capture_broken = true;
+    return true;
+}
 }  // namespace
+
+struct optiml_emu_graph {
+    std::vector<std::function<void()>> ops;
+};
+cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+    if (optiml_emu::g_capture) return cudaErrorStreamCaptureUnsupported;
+    optiml_emu::g_capture = new std::vector<std::function<void()>>;
+    optiml_emu::g_capture_broken = false;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* graph) {
+    std::vector<std::function<void()>>* ops = optiml_emu::g_capture;
+    *graph = nullptr;
+    if (!ops) return cudaErrorInvalidValue;
+    optiml_emu::g_capture = nullptr;
+    if (optiml_emu::g_capture_broken) {
+        delete ops;
+        return cudaErrorStreamCaptureInvalidated;
+    }
+    *graph = new optiml_emu_graph{std::move(*ops)};
+    delete ops;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+    *exec = new optiml_emu_graph{graph->ops};
+    return cudaSuccess;
+}
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUpdateResultInfo* info) {
+    exec->ops = graph->ops;
+    if (info) info->result = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
+    if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
+    for (const auto& op : exec->ops) op();
+    return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    delete graph;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    delete exec;
+    return cudaSuccess;
+}
 
 cudaError_t cudaGetDeviceCount(int* count) {
     *count = 1;
@@ -250,6 +312,7 @@ cudaError_t cudaGetLastError() { return cudaSuccess; }
 const char* cudaGetErrorString(cudaError_t e) { return error_name(e); }
 const char* cudaGetErrorName(cudaError_t e) { return error_name(e); }
 cudaError_t cudaMalloc(void** p, size_t bytes) {
+    if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
     *p = std::calloc(bytes ? bytes : 1, 1);
     return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
@@ -258,10 +321,16 @@ cudaError_t cudaFree(void* p) {
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+    if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
     std::memset(p, value, bytes);
     return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+    if (optiml_emu::g_capture) {  // device-to-device copies are kept; host memory is not for a graph here
+        if (kind != cudaMemcpyDeviceToDevice && refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
+        optiml_emu::g_capture->push_back([=] { std::memmove(dst, src, bytes); });
+        return cudaSuccess;
+    }
     std::memmove(dst, src, bytes);
     return cudaSuccess;
 }
@@ -273,7 +342,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    return refused_in_capture() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
 // Launches and copies run to completion when they are made, so an event completes when it is recorded:
 // its time is the host's clock then.
 struct optiml_emu_event {
@@ -289,6 +360,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
     return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+    if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
     e->t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
     return cudaSuccess;
 }
@@ -296,4 +368,6 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
     *ms = (float)((end->t - start->t) * 1e3);
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+    return refused_in_capture() ? cudaErrorStreamCaptureUnsupported : cudaSuccess;
+}
