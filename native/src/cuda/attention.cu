@@ -38,6 +38,11 @@ __device__ float block_reduce(float v, float* red, bool is_max) {
     return r;
 }
 
+// Eight F16 values read as one 16-byte load.
+struct alignas(16) Half8 {
+    __half h[8];
+};
+
 __device__ float load_kv(int32_t type, const uint8_t* p, int64_t i) {
     return type == TYPE_F16 ? __half2float(((const __half*)p)[i]) : ((const float*)p)[i];
 }
@@ -129,10 +134,25 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     const int64_t first = a.n_swa > 0 && n_seen > a.n_swa ? n_seen - a.n_swa : 0;
     const uint8_t* k_seq = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)kvh * hd * elem;
     const uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
+    // F16 rows read 16 bytes at a time where they are aligned (a thread's key row is one contiguous run,
+    // so byte-wide loads would leave most of each memory transaction unused); the sums run in the same
+    // order either way.
+    const bool k_vec = a.kv_type == TYPE_F16 && hd % 8 == 0 && a.k_row % 16 == 0 && a.k_seq % 16 == 0 &&
+                       ((uintptr_t)a.k_cache % 16) == 0;
+    const bool v_vec = a.kv_type == TYPE_F16 && a.n_ctx % 8 == 0 && a.v_seq % 16 == 0 &&
+                       ((uintptr_t)a.v_cache % 16) == 0;
     auto score = [&](int64_t s) {
         const uint8_t* kr = k_seq + (size_t)s * a.k_row;
         float dot = 0.0f;
-        for (int d = 0; d < hd; d++) dot += sq[d] * load_kv(a.kv_type, kr, d);
+        if (k_vec) {
+            for (int d0 = 0; d0 < hd; d0 += 8) {
+                const Half8 k8 = *(const Half8*)(kr + 2 * (size_t)d0);
+#pragma unroll
+                for (int i = 0; i < 8; i++) dot += sq[d0 + i] * __half2float(k8.h[i]);
+            }
+        } else {
+            for (int d = 0; d < hd; d++) dot += sq[d] * load_kv(a.kv_type, kr, d);
+        }
         return dot * a.kq_scale;
     };
 
@@ -161,7 +181,14 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
             if (d >= hd) break;
             const uint8_t* vr = v_seq + ((size_t)(kvh * hd + d) * a.n_ctx + s0) * elem;
             float acc = 0.0f;
-            for (int i = 0; i < count; i++) acc += sp[i] * load_kv(a.kv_type, vr, i);
+            int i = 0;
+            if (v_vec && s0 % 8 == 0)
+                for (; i + 8 <= count; i += 8) {
+                    const Half8 v8 = *(const Half8*)(vr + 2 * (size_t)i);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc += sp[i + e] * __half2float(v8.h[e]);
+                }
+            for (; i < count; i++) acc += sp[i] * load_kv(a.kv_type, vr, i);
             o[j] += acc;
         }
         __syncthreads();  // sp is rewritten by the next chunk

@@ -1,7 +1,12 @@
-// Products of quantized weights with float activations on the GPU: one warp per weight row, each lane
-// dequantizing eight values at a time (dequant.cuh, the same arithmetic as the CPU's dequantization)
-// and applying them to up to kTokens tokens, then the lanes' sums added through shared memory. A prompt runs as kTokens-token
+// Products of quantized weights with float activations on the GPU: one warp per weight row, applying each
+// dequantized group of eight values (dequant.cuh, the same arithmetic as the CPU's dequantization) to up
+// to kTokens tokens, then the lanes' sums added through shared memory. A prompt runs as kTokens-token
 // slices of the grid, each reading the weights again: correct at any batch size, fast only for decode.
+//
+// Rows whose bytes are 16-byte aligned (every common shape) take the staged kernel: the warp reads its
+// row a chunk at a time with coalesced 16-byte loads into shared memory, the next chunk's loads in flight
+// while the lanes decode the current one from there (a block is only 2-byte aligned, so decoding straight
+// from global memory means byte loads, few bytes in flight, and a bandwidth far under the memory's).
 #include "dequant.cuh"
 #include "kernels.cuh"
 #include "optiml/common.h"
@@ -56,12 +61,109 @@ __global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64
     }
 }
 
+struct alignas(16) Bytes16 {
+    uint32_t w[4];
+};
+struct alignas(16) Floats4 {
+    float v[4];
+};
+
+// The staged kernel's chunk of a row for type Q: whole blocks, at least 1024 values, a multiple of 16
+// bytes (so every chunk starts 16-byte aligned when the row does).
+template <int TYPE>
+struct Chunk {
+    using Q = cudaq::QType<TYPE>;
+    static constexpr int blocks() {
+        int b = (1024 + Q::block_size - 1) / Q::block_size;
+        while ((b * Q::block_bytes) % 16 != 0) b *= 2;
+        return b;
+    }
+    static constexpr int kBlocks = blocks();
+    static constexpr int kValues = kBlocks * Q::block_size;
+    static constexpr int kBytes = kBlocks * Q::block_bytes;
+    static constexpr int kLoads = (kBytes / 16 + 31) / 32;  // 16-byte loads per lane
+    static constexpr int kGroups = kValues / 8;             // groups of eight values
+};
+
+template <int TYPE>
+__global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
+                                     const float* __restrict__ x, int32_t n, float* __restrict__ y, bool accumulate) {
+    using Q = cudaq::QType<TYPE>;
+    using C = Chunk<TYPE>;
+    __shared__ Bytes16 stage[kRowsPerBlock][C::kBytes / 16];
+    __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + warp;
+    if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
+    const int32_t t0 = (int32_t)blockIdx.y * kTokens;
+    const int nt = n - t0 < kTokens ? n - t0 : kTokens;
+    const Bytes16* row = (const Bytes16*)(w + (size_t)r * row_bytes);
+    const int64_t row_units = (int64_t)(row_bytes / 16);
+    const uint8_t* chunk = (const uint8_t*)stage[warp];
+
+    float acc[kTokens];
+#pragma unroll
+    for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
+    Bytes16 next[C::kLoads];
+    auto fetch = [&](int64_t c0) {  // the chunk starting at value c0 into registers (bytes past the row: none)
+        const int64_t u0 = c0 / Q::block_size * Q::block_bytes / 16;
+#pragma unroll
+        for (int i = 0; i < C::kLoads; i++) {
+            const int u = lane + 32 * i;
+            if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
+        }
+    };
+    fetch(0);
+    for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
+        __syncwarp();  // every lane is done reading the previous chunk
+#pragma unroll
+        for (int i = 0; i < C::kLoads; i++) {
+            const int u = lane + 32 * i;
+            if (u < C::kBytes / 16) stage[warp][u] = next[i];
+        }
+        __syncwarp();
+        if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
+        const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
+        for (int g = lane; g < C::kGroups && 8 * g < valid; g += 32) {
+            const int v0 = 8 * g;
+            float v[8];
+            Q::dequant8(chunk + (v0 / Q::block_size) * Q::block_bytes, v0 % Q::block_size, v);
+#pragma unroll
+            for (int t = 0; t < kTokens; t++) {
+                if (t >= nt) break;
+                const Floats4* xt = (const Floats4*)(x + (size_t)(t0 + t) * cols + c0 + v0);
+                const Floats4 a = xt[0], b = xt[1];
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; i++) s += v[i] * a.v[i];
+#pragma unroll
+                for (int i = 0; i < 4; i++) s += v[4 + i] * b.v[i];
+                acc[t] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < kTokens; t++)
+        if (t < nt) partial[warp][t][lane] = acc[t];
+    __syncwarp();
+    if (lane < nt) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += partial[warp][lane][i];
+        float* out = y + (size_t)(t0 + lane) * rows + r;
+        *out = accumulate ? *out + s : s;
+    }
+}
+
 template <int TYPE>
 void launch(cudaStream_t s, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes, const float* x, int32_t n,
             float* y, bool accumulate) {
     const dim3 block(32, kRowsPerBlock);
     const dim3 grid((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock), (unsigned)((n + kTokens - 1) / kTokens));
-    OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
+    // The staged kernel reads rows as 16-byte units and the activations as 4 floats at a time.
+    if (row_bytes % 16 == 0 && (uintptr_t)w % 16 == 0 && (uintptr_t)x % 16 == 0)
+        OPTIML_LAUNCH(matmul_staged_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
+    else
+        OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
 }
 
 // One thread per output dimension and token: consecutive threads read consecutive bytes of each row.
