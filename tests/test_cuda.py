@@ -72,14 +72,17 @@ def cpu_noise(path, ids, ref):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm2_path):
-    """Small llama-shaped models (4 layers, grouped-query heads): Q4_0 and Q4_K weights."""
+def tiny(tmp_path_factory, request):
+    """Small llama-shaped models (4 layers, grouped-query heads): Q4_0 and Q4_K weights. Their tokenizer comes
+    from SmolLM2, or from $OPTIML_TOKENIZER_DONOR (a GGUF with SmolLM2's tokenizer: the GPU machine, where the
+    real model may be missing, gets tools/gpu_check.sh's small donor)."""
+    donor = os.environ.get("OPTIML_TOKENIZER_DONOR") or request.getfixturevalue("smollm2_path")
     out = {}
     for kind in ("q4_0", "q4_k"):
         path = tmp_path_factory.mktemp("cuda") / f"tiny_{kind}.gguf"
         subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
                         "-o", str(path), "--n-embd", "256", "--n-layer", "4", "--n-ff", "1024", "--n-head", "4",
-                        "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from", str(smollm2_path)],
+                        "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from", str(donor)],
                        check=True)
         out[kind] = path
     return out
@@ -185,6 +188,35 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny):
     for s in range(3):
         for step in range(2):
             np.testing.assert_allclose(together[step][s], alone[s][step][0], rtol=1e-4, atol=1e-4)
+
+
+def test_recorded_decode_steps_equal_plain_ones(tiny, monkeypatch):
+    """Decode steps of a model wholly on the GPU are recorded once per shape (a CUDA graph) and launched
+    again as one unit: the same kernels in the same order, so the logits equal those of steps enqueued op
+    by op (OPTIML_CUDA_GRAPHS=0), bit for bit, across steps whose positions and KV lengths change."""
+    def run():
+        with optiml.Model(tiny["q4_k"], n_ctx=64, n_seq=2, device="cuda") as m:
+            out = [m.eval(list(range(400, 406)))]
+            for i in range(6):
+                out.append(m.eval([410 + i]))
+            pos = [12, 0]  # two sequences: steps of another shape, recorded on their own
+            for step in range(3):
+                b = Batch()
+                for s in (0, 1):
+                    b.add(420 + 2 * step + s, s, pos[s], logits=True)
+                    pos[s] += 1
+                out.append(m.decode(b))
+            return np.concatenate([np.atleast_2d(o) for o in out]), m._session.recorded_steps
+
+    monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "0")
+    plain, none = run()
+    monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "1")
+    recorded, launches = run()
+    assert none == 0
+    # Per shape the first step runs plain, the second is recorded and launched, the rest are replayed:
+    # 5 of the six one-token steps, 2 of the three two-sequence steps (the 6-token prompt: one, plain).
+    assert launches == 7
+    np.testing.assert_array_equal(recorded, plain)
 
 
 def test_budget_too_small_is_refused(tiny):

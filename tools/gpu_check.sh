@@ -4,12 +4,16 @@
 #   tools/gpu_check.sh prepare   # here, with network: writes build/gpu-carry/ (under 64 MiB): the wheels the
 #                                # GPU image lacks, llama.cpp's sources (from llama-cpp-python's sdist), and a
 #                                # tokenizer-only GGUF for the synthetic models
-#   tools/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA and llama.cpp with
-#                                # CUDA, makes synthetic 7B/13B-shaped models, runs the GPU tests (and
-#                                # compute-sanitizer's memcheck over the whole-model test), then benchmarks
-#                                # against llama.cpp (tools/bench_gpu.py). Real models are used when
-#                                # build/gpu-carry/models/*.gguf is there (carry one in parts: *.gguf.part-*
-#                                # are joined first).
+#   tools/gpu_check.sh prepare-llama  # here (nvcc, no GPU; long on 2 cores): llama.cpp's CUDA programs built
+#                                # for sm_90 and packed into the carry, so the GPU machine does not compile them
+#   tools/gpu_check.sh split M.gguf  # here: a real model too big for one call in two halves,
+#                                # build/gpu-parts-a and -b, to carry over two back-to-back calls
+#   tools/gpu_check.sh verify    # there, in one call of under 10 minutes: the GPU tests, tools/bench_gpu.py on
+#                                # a 7B Q4_0 model against llama.cpp, and the hybrid benchmark (ReLU, 25%)
+#   tools/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
+#                                # not carried prebuilt), runs the GPU tests (with the real models when
+#                                # their parts were carried) and compute-sanitizer's memcheck, makes synthetic
+#                                # 7B/13B-shaped models, then benchmarks against llama.cpp (tools/bench_gpu.py)
 #   tools/gpu_check.sh hybrid    # there, after run (a warm machine keeps its builds; else they are redone):
 #                                # issue #17's benchmark, tools/bench_hybrid.py, for 7B-shaped ReLU (90%
 #                                # sparse) and SwiGLU (50%) models with planted power-law firing at 25% and
@@ -35,15 +39,11 @@ prepare() {
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
         gguf highspy prompt_toolkit wcwidth
     local src=${LLAMA_SDIST:-}
-    if [ -z "$src" ]; then  # the sdist itself, straight from PyPI (pip download would build its metadata)
+    if [ -z "$src" ]; then  # the sdist itself (pip only prepares its metadata; nothing is built)
         mkdir -p "$carry/sdist"
-        src=$carry/sdist/llama_cpp_python.tar.gz
-        "$py" - "$src" <<'PYEOF'
-import json, sys, urllib.request
-info = json.load(urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-python/0.3.36/json"))
-url = next(u["url"] for u in info["urls"] if u["packagetype"] == "sdist")
-urllib.request.urlretrieve(url, sys.argv[1])
-PYEOF
+        "$py" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation -d "$carry/sdist" \
+            llama-cpp-python==0.3.36
+        src=$(ls "$carry"/sdist/llama_cpp_python-*.tar.gz)
     fi
     local tmp; tmp=$(mktemp -d)
     tar -xzf "$src" -C "$tmp"
@@ -77,13 +77,35 @@ setup() {  # the carried wheels, OptiML with CUDA (kept when already built)
     step import "$py" -c "import optiml, json; print(json.dumps(optiml.system_info(), indent=1))"
 }
 
-llama_build() {  # llama.cpp with CUDA, from the carried sources (kept when already built)
+llama_build() {  # llama.cpp with CUDA: carried prebuilt (prepare-llama), else built from the carried sources
     [ -x build/llama-cuda/bin/llama-bench ] && [ -x build/llama-cuda/bin/llama-batched-bench ] && \
         [ -x build/llama-cuda/bin/llama-server ] && return
+    if [ -e "$carry/llama-bin.tar.xz" ]; then
+        step llama-unpack bash -c "mkdir -p build/llama-cuda/bin && tar -xJf $carry/llama-bin.tar.xz -C build/llama-cuda/bin && \
+            build/llama-cuda/bin/llama-bench --list-devices"
+        return
+    fi
     step llama-build bash -c "mkdir -p build/llama-src && tar -xJf $carry/llama.cpp.tar.xz -C build/llama-src && \
         cmake -S build/llama-src -B build/llama-cuda -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF && \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF && \
         cmake --build build/llama-cuda -j$(nproc) --target llama-bench llama-batched-bench llama-server"
+}
+
+# Here (nvcc, no GPU needed): llama.cpp with CUDA for sm_90 from the sdist's sources, packed into the carry so
+# that the GPU machine's time is not spent compiling it. Shared libraries beside the programs ($ORIGIN rpath);
+# every CPU variant built and chosen at run time (the hybrid comparison runs llama.cpp's CPU layers there).
+# No VMM pool: it needs libcuda.so at link time, which a machine without a driver lacks.
+prepare_llama() {
+    set -e
+    local src=build/llama-src
+    mkdir -p "$src" && tar -xJf "$carry/llama.cpp.tar.xz" -C "$src"
+    cmake -S "$src" -B build/llama-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=${LLAMA_CUDA_ARCHS:-90-real} -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON \
+        -DGGML_CPU_ALL_VARIANTS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DCMAKE_BUILD_RPATH='$ORIGIN'
+    cmake --build build/llama-cuda -j"$(nproc)" --target llama-bench llama-batched-bench llama-server
+    (cd build/llama-cuda/bin && tar -cJf "$OLDPWD/$carry/llama-bin.tar.xz" llama-bench llama-batched-bench llama-server ./*.so*)
+    du -sh "$carry"
 }
 
 hybrid() {
@@ -101,12 +123,30 @@ hybrid() {
 
 models=build/gpu-models
 
-make_models() {  # real ones carried in parts, synthetic ones made here (kept when already made)
+verify() {
+    setup
+    export OPTIML_TOKENIZER_DONOR="$PWD/$carry/models/tokenizer-donor.gguf"
     mkdir -p "$models"
-    for p in "$carry"/models/*.gguf.part-aa; do
-        [ -e "$p" ] || continue
-        cat "${p%.part-aa}".part-* > "$models/$(basename "${p%.part-aa}")"
-    done
+    "$py" tools/make_synthetic_model.py -o "$models/llama7b-q4_0.gguf" --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
+        --quiet --type q4_0 > "$out/make-llama7b-q4_0.log" 2>&1 &
+    local maker=$!
+    step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
+    llama_build
+    wait "$maker" || failed+=(make-llama7b-q4_0)
+    step bench "$py" tools/bench_gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 \
+        --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench
+    cat "$out/bench.log"
+    step hybrid-relu "$py" tools/bench_hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
+        --tokens 32 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
+        --workdir build/bench-hybrid
+    tail -n 25 "$out/hybrid-relu.log"
+    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    [ ${#failed[@]} -eq 0 ]
+}
+
+make_models() {  # real ones carried in parts (join_parts), synthetic ones made here (kept when already made)
+    mkdir -p "$models"
+    join_parts "$models"
     cp "$carry"/models/*.gguf "$models/" 2>/dev/null || true
     local donor=$models/tokenizer-donor.gguf
     for spec in "llama7b-q4_0 --type q4_0" "llama7b-q4_k --type q4_k" \
@@ -121,7 +161,7 @@ make_models() {  # real ones carried in parts, synthetic ones made here (kept wh
 offload() {
     setup
     make_models
-    export OPTIML_MODEL_DIR="$PWD/$models"
+    export OPTIML_MODEL_DIR="$PWD/$models" OPTIML_TOKENIZER_DONOR="$PWD/$models/tokenizer-donor.gguf"
     step offload-tests "$py" -m pytest -q tests/test_cuda.py -k offload tests/test_attention_offload.py \
         tests/test_offload_policy.py -p no:cacheprovider
     llama_build
@@ -136,33 +176,61 @@ offload() {
 
 run() {
     setup
-    make_models
-
-    # The tests look for SmolLM2 and Gemma 3 in the model cache.
-    export OPTIML_MODEL_DIR="$PWD/$models"
-    step tests "$py" -m pytest -q -x tests/test_cuda.py tests/test_engine.py tests/test_attention_offload.py \
-        -p no:cacheprovider
+    lscpu > "$out/cpu.txt" 2>&1
+    # The tests first (they need only the donor; the real models when carried), then the measurements.
+    local real=build/gpu-models
+    mkdir -p "$real"
+    join_parts "$real"
+    export OPTIML_MODEL_CACHE="$PWD/$real" OPTIML_TOKENIZER_DONOR="$PWD/$carry/models/tokenizer-donor.gguf"
+    step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
     step hw "$py" -m optiml hw --device cuda -o "$out/hw.json"
+    step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$py" -m pytest -q -x tests/test_cuda.py \
+        -k "synthetic_model_matches_the_cpu or splits_match or whole_model" -p no:cacheprovider
+    make_models
     step timeline "$py" -m optiml bench -m "$models/llama7b-q4_0.gguf" --device cuda --vram 2GiB --timeline 8 \
         --trace "$out/timeline.json"
-    step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$py" -m pytest -q -x tests/test_cuda.py \
-        -k "whole_model and smollm2" -p no:cacheprovider
 
     llama_build
     local args=()
-    for m in "$models"/*.gguf; do [ "$(basename "$m")" = tokenizer-donor.gguf ] || args+=(-m "$m"); done
-    step bench "$py" tools/bench_gpu.py "${args[@]}" --llama-bench build/llama-cuda/bin/llama-bench \
-        --llama-batched-bench build/llama-cuda/bin/llama-batched-bench
+    for m in "$models"/llama*.gguf; do args+=(-m "$m"); done
+    [ -x build/llama-cuda/bin/llama-bench ] && args+=(--llama-bench build/llama-cuda/bin/llama-bench \
+        --llama-batched-bench build/llama-cuda/bin/llama-batched-bench)
+    step bench "$py" tools/bench_gpu.py "${args[@]}"
     cat "$out/bench.log"
 
     echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
     [ ${#failed[@]} -eq 0 ]
 }
 
+# A real model too big for one call travels in parts over back-to-back calls (the machine keeps what earlier
+# calls left): build/gpu-parts-*/NAME.gguf.part-* are joined into DIR once every part is there
+# (tools/gpu_check.sh split MODEL.gguf writes two halves into build/gpu-parts-a and -b).
+join_parts() {
+    local dir=$1 first
+    for first in build/gpu-parts-a/*.gguf.part-aa; do
+        [ -e "$first" ] || continue
+        local name; name=$(basename "${first%.part-aa}")
+        [ -e "$dir/$name" ] && continue
+        local parts=(build/gpu-parts-*/"$name".part-*)
+        if [ ${#parts[@]} -ge 2 ]; then cat "${parts[@]}" > "$dir/$name"; echo "== joined $name"; fi
+    done
+}
+
+split_model() {
+    local m=$1 name; name=$(basename "$m")
+    rm -rf build/gpu-parts-a build/gpu-parts-b && mkdir -p build/gpu-parts-a build/gpu-parts-b
+    split -n 2 -a 2 "$m" "build/gpu-parts-a/$name.part-"
+    mv "build/gpu-parts-a/$name.part-ab" build/gpu-parts-b/
+    du -sh build/gpu-parts-a build/gpu-parts-b
+}
+
 case "${1:-}" in
     prepare) prepare ;;
+    prepare-llama) prepare_llama ;;
     run) run ;;
+    verify) verify ;;
+    split) split_model "$2" ;;
     hybrid) hybrid ;;
     offload) offload ;;
-    *) echo "usage: tools/gpu_check.sh prepare|run|hybrid|offload" >&2; exit 2 ;;
+    *) echo "usage: tools/gpu_check.sh prepare|prepare-llama|split|verify|run|hybrid|offload" >&2; exit 2 ;;
 esac
