@@ -82,7 +82,7 @@ struct Chunk {
     static constexpr int kValues = kBlocks * Q::block_size;
     static constexpr int kBytes = kBlocks * Q::block_bytes;
     static constexpr int kLoads = (kBytes / 16 + 31) / 32;  // 16-byte loads per lane
-    static constexpr int kGroups = kValues / 8;             // groups of eight values
+    static constexpr int kGroups = kValues / 8;             // groups of eight values (a multiple of 32)
 };
 
 template <int TYPE>
@@ -124,6 +124,39 @@ __global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows
         __syncwarp();
         if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
         const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
+        if (valid == C::kValues) {
+            // A whole chunk: each lane's groups decoded, then their activations loaded together, so the
+            // loads of every group are in flight at once rather than one group's at a time.
+            constexpr int G = C::kGroups / 32;
+            float v[G][8];
+#pragma unroll
+            for (int k = 0; k < G; k++) {
+                const int v0 = 8 * (lane + 32 * k);
+                Q::dequant8(chunk + (v0 / Q::block_size) * Q::block_bytes, v0 % Q::block_size, v[k]);
+            }
+#pragma unroll
+            for (int t = 0; t < kTokens; t++) {
+                if (t >= nt) break;
+                const float* xt = x + (size_t)(t0 + t) * cols + c0;
+                Floats4 xa[G][2];
+#pragma unroll
+                for (int k = 0; k < G; k++) {
+                    const Floats4* p = (const Floats4*)(xt + 8 * (lane + 32 * k));
+                    xa[k][0] = p[0];
+                    xa[k][1] = p[1];
+                }
+#pragma unroll
+                for (int k = 0; k < G; k++) {  // (the sums in the tail loop's order: the same bits either way)
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) s += v[k][i] * xa[k][0].v[i];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) s += v[k][4 + i] * xa[k][1].v[i];
+                    acc[t] += s;
+                }
+            }
+            continue;
+        }
         for (int g = lane; g < C::kGroups && 8 * g < valid; g += 32) {
             const int v0 = 8 * g;
             float v[8];
