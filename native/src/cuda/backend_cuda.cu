@@ -492,7 +492,10 @@ private:
             throw Error(format("%s: out of GPU memory allocating %zu bytes (%s); lower vram or n_gpu_layers",
                                name_.c_str(), bytes, cudaGetErrorString(err)));
         }
-        cuda_check(cudaMemset(p, 0, bytes), "clearing GPU memory");
+        // On this backend's stream: cudaMemset runs on the legacy default stream, which a non-blocking
+        // stream does not wait for, so it could land after the copies that fill the memory (seen on an
+        // H200: a lazily allocated buffer of positions zeroed after they were uploaded).
+        cuda_check(cudaMemsetAsync(p, 0, bytes, stream_), "clearing GPU memory");
         ++alloc_epoch_;  // recorded steps may point at memory that moved
         return p;
     }

@@ -325,6 +325,11 @@ cudaError_t cudaMemset(void* p, int value, size_t bytes) {
     std::memset(p, value, bytes);
     return cudaSuccess;
 }
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+    if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;  // (no graph here records a memset)
+    std::memset(p, value, bytes);
+    return cudaSuccess;
+}
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
     if (optiml_emu::g_capture) {  // device-to-device copies are kept; host memory is not for a graph here
         if (kind != cudaMemcpyDeviceToDevice && refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
