@@ -240,7 +240,7 @@ public:
         const OpSpan span(*this, SpanKind::FFN);
         const FFNWeights& w = *share.w;
         const int64_t width = w.gate.rows;
-        int32_t held = -1;  // y holds xn rounded for gate and up until down writes it
+        Rounded held;  // y holds xn rounded for gate and up until down writes it
         product(w.gate, xn, y, held, n, s.gate, false);
         product(w.up, xn, y, held, n, s.up, false);
         cuda_add_bias(stream_, s.gate, (const float*)w.gate_b.data, n, width);
@@ -250,7 +250,7 @@ public:
         const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
         cuda_act_mul(stream_, hp.ffn_act, gelu_f16, s.gate, s.up, (int64_t)n * width);
         if (w.down.present()) {
-            held = -1;
+            held = {};
             product(w.down, s.gate, s.gate, held, n, y, false);
         } else {  // a placement's reordered share: its down columns as neuron-major rows (session.cpp)
             cuda_down_neuron_major_q8(stream_, nm->bytes(), nm->row_bytes, nm->external_dim_scale, s.gate, width,
@@ -283,7 +283,7 @@ public:
                 break;
             }
         cuda_rms_norm(stream_, in, (const float*)norm.data, scratch, n_rows, dim, hp.rms_eps);
-        int32_t held = -1;
+        Rounded held;
         product(output, scratch, scratch, held, n_rows, logits, false);
         if (hp.final_softcap > 0) cuda_softcap(stream_, logits, (int64_t)n_rows * hp.n_vocab, hp.final_softcap);
     }
@@ -291,21 +291,57 @@ public:
 private:
     void use() { cuda_check(cudaSetDevice(device_), "selecting the GPU"); }
 
-    // y (+)= W x, with x first rounded into `buf` the way the CPU rounds activations for W's type (the
-    // products then differ from the CPU's only in summation order). `held` is the type buf already holds x
-    // rounded to (-1: none), so matrices that share an input round it once; buf may be x itself when
-    // nothing reads x afterwards.
-    void product(const Weight& w, const float* x, float* buf, int32_t& held, int32_t n, float* y, bool accumulate) {
+    // What a group of products sharing one input has made of it so far: x rounded into buf as the CPU
+    // rounds activations for a type (-1: not yet), and x's 8-bit codes in codes_ (the integer path).
+    struct Rounded {
+        int32_t type = -1;
+        bool codes = false;
+    };
+
+    // y (+)= W x, with x first converted the way the CPU converts activations for W's type (the products
+    // then differ from the CPU's only in summation order): for Q4_0/Q4_1/Q8_0 weights, to 8-bit codes
+    // multiplied as integers (dp4a, as the CPU's own block dot products), else rounded into
+    // `buf` and multiplied in float. `held` lets matrices sharing an input convert it once; buf may be x
+    // itself when nothing reads x afterwards.
+    void product(const Weight& w, const float* x, float* buf, Rounded& held, int32_t n, float* y, bool accumulate) {
         const int32_t t = type_traits(w.type).vec_dot_type;
+        if (cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data)) {
+            ensure_codes(w.cols);
+            if (n <= kCodeTokens) {  // the codes of every token fit: converted once for the group
+                if (!held.codes) cuda_quantize_q8x(stream_, x, n, w.cols, codes_, codes_meta_);
+                held.codes = true;
+                cuda_matmul_q8x(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, codes_, codes_meta_, n, y,
+                                accumulate);
+                return;
+            }
+            for (int32_t t0 = 0; t0 < n; t0 += kCodeTokens) {  // a prompt: kCodeTokens rows at a time
+                const int32_t m = n - t0 < kCodeTokens ? n - t0 : kCodeTokens;
+                cuda_quantize_q8x(stream_, x + (size_t)t0 * w.cols, m, w.cols, codes_, codes_meta_);
+                cuda_matmul_q8x(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, codes_, codes_meta_, m,
+                                y + (size_t)t0 * w.rows, accumulate);
+            }
+            return;
+        }
         const float* in = x;
         if (t != TYPE_F32) {
-            if (held != t) {
+            if (held.type != t) {
                 cuda_round_activations(stream_, t, x, buf, n, w.cols);
-                held = t;
+                held.type = t;
             }
             in = buf;
         }
         cuda_matmul(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, in, n, y, accumulate);
+    }
+
+    // The 8-bit codes of up to kCodeTokens rows of `cols` values (a longer batch is converted a slice at a
+    // time): grown on first use (a plain step always runs before a step of its shape is recorded, so
+    // growing never happens while recording).
+    static constexpr int32_t kCodeTokens = 16;
+    void ensure_codes(int64_t cols) {
+        if (cols <= codes_cols_) return;
+        codes_cols_ = cols < 16384 ? 16384 : cols;  // n_embd and n_ff of most models in one allocation
+        codes_ = (int8_t*)alloc((size_t)kCodeTokens * codes_cols_, "scratch");
+        codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * kCodeTokens * (size_t)(codes_cols_ / 32), "scratch");
     }
 
     // The batch's sequence ids and positions on the device ([seq..., pos...]), copied once per step: the
@@ -313,7 +349,7 @@ private:
     // The attention block's three parts (see Backend::attention_qkv).
     void qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n, const StepScratch& s) {
         cuda_rms_norm(stream_, x, (const float*)L.attn_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
-        int32_t held = -1;  // s.y holds xn rounded for q, k and v (the FFN's y is free until the FFN)
+        Rounded held;  // s.y holds xn rounded for q, k and v (the FFN's y is free until the FFN)
         product(L.wq, s.xn, s.y, held, n, s.q, false);
         product(L.wk, s.xn, s.y, held, n, s.k, false);
         product(L.wv, s.xn, s.y, held, n, s.v, false);
@@ -356,7 +392,7 @@ private:
 
     // Output projection into the residual stream (Gemma 3 normalizes it first).
     void out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) {
-        int32_t held = -1;  // attn is rounded in place: nothing reads it after the projection
+        Rounded held;  // attn is rounded in place: nothing reads it after the projection
         if (!L.attn_post_norm.present()) {
             product(L.wo, s.attn, s.attn, held, n, x, true);
             cuda_add_bias(stream_, x, (const float*)L.bo.data, n, hp.n_embd);
@@ -534,6 +570,9 @@ private:
     uint64_t alloc_epoch_ = 0;
     int64_t launches_ = 0;
     bool graphs_ = true;  // OPTIML_CUDA_GRAPHS=0 turns recording off
+    int8_t* codes_ = nullptr;  // product()'s 8-bit activations: [kCodeTokens][codes_cols_]
+    CudaQ8Meta* codes_meta_ = nullptr;
+    int64_t codes_cols_ = 0;
     int32_t* step_batch_ = nullptr;  // upload_batch's seq and pos
     size_t step_batch_capacity_ = 0;
     std::vector<int32_t> step_batch_host_;

@@ -29,6 +29,21 @@ void cuda_check(cudaError_t err, const char* what);
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate);
 
+// The integer path for a few tokens: x's rows as 8-bit codes per 32 values, as the CPU's Q8_0/Q8_1
+// activations (quant_legacy.cpp's q8_activation_codes), with per block the scale d (f16-rounded), Q8_1's
+// s = d * sum(codes) (from the unrounded d, f16-rounded) and the codes' sum. codes: [n][cols],
+// meta: [n][cols / 32].
+struct CudaQ8Meta {
+    float d, s;
+    int32_t sum, unused;
+};
+void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, int8_t* codes, CudaQ8Meta* meta);
+// True when cuda_matmul_q8x handles these weights: Q4_0, Q4_1 or Q8_0 rows, 16-byte aligned.
+bool cuda_matmul_q8x_reads(int32_t type, int64_t cols, size_t row_bytes, const void* w);
+// y[t][r] (+)= the CPU's block dot products of W's row r with x's codes (integer sums per block, scaled).
+void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
+                     const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate);
+
 // y[t][d] = dim_scale[d] * sum_j h[t][j] * down[j][d]: a share's down product over its neuron-major Q8_0
 // rows (optiml/sparse.h's NeuronMajor: row j is neuron j's down column), for n_neurons neurons and dim
 // outputs, as the CPU's axpy_rows computes it.

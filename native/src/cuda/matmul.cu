@@ -187,6 +187,104 @@ __global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows
     }
 }
 
+// Four bytes of shared memory at a 2-byte aligned address (blocks hold 16-bit fields first).
+__device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
+    const uint16_t* h = (const uint16_t*)p;
+    return (int)((uint32_t)h[0] | ((uint32_t)h[1] << 16));
+}
+
+// The integer path: one warp per row, one block of 32 weights per lane and chunk (Chunk<T> holds 32 blocks
+// of these types), staged through shared memory as the float kernel does; per block the integer dot
+// product of the weights' codes with x's (dp4a) and the CPU's scaling (vec_dot_scalar.cpp).
+template <int TYPE>
+__global__ void matmul_q8x_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
+                                  const int8_t* __restrict__ codes, const CudaQ8Meta* __restrict__ meta, int32_t n,
+                                  float* __restrict__ y, bool accumulate) {
+    using Q = cudaq::QType<TYPE>;
+    using C = Chunk<TYPE>;
+    static_assert(C::kBlocks == 32 && Q::block_size == 32, "one 32-value block per lane");
+    __shared__ Bytes16 stage[kRowsPerBlock][C::kBytes / 16];
+    __shared__ float partial[kRowsPerBlock][kTokens][33];
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + warp;
+    if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
+    const int32_t t0 = (int32_t)blockIdx.y * kTokens;
+    const int nt = n - t0 < kTokens ? n - t0 : kTokens;
+    const Bytes16* row = (const Bytes16*)(w + (size_t)r * row_bytes);
+    const int64_t row_units = (int64_t)(row_bytes / 16), n_blocks = cols / 32;
+    const uint8_t* wb = (const uint8_t*)stage[warp] + lane * Q::block_bytes;
+
+    float acc[kTokens];
+#pragma unroll
+    for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
+    Bytes16 next[C::kLoads];
+    auto fetch = [&](int64_t c0) {
+        const int64_t u0 = c0 / 32 * Q::block_bytes / 16;
+#pragma unroll
+        for (int i = 0; i < C::kLoads; i++) {
+            const int u = lane + 32 * i;
+            if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
+        }
+    };
+    fetch(0);
+    for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < C::kLoads; i++) {
+            const int u = lane + 32 * i;
+            if (u < C::kBytes / 16) stage[warp][u] = next[i];
+        }
+        __syncwarp();
+        if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
+        const int64_t blk = c0 / 32 + lane;
+        if (blk >= n_blocks) continue;
+        // The weights' codes as 8 words of four bytes: for Q4_0/Q4_1 words 0-3 hold values 0-15 (low
+        // nibbles) and 4-7 values 16-31 (high nibbles), in x's order.
+        int wq[8];
+        float dw, mw = 0.0f;
+        dw = cudaq::half_to_float(cudaq::load_u16(wb));
+        if (TYPE == TYPE_Q8_0) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) wq[j] = load_i32_a2(wb + 2 + 4 * j);
+        } else {
+            const int qs_at = TYPE == TYPE_Q4_1 ? 4 : 2;
+            if (TYPE == TYPE_Q4_1) mw = cudaq::half_to_float(cudaq::load_u16(wb + 2));
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int q = load_i32_a2(wb + qs_at + 4 * j);
+                wq[j] = q & 0x0F0F0F0F;
+                wq[4 + j] = (q >> 4) & 0x0F0F0F0F;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < kTokens; t++) {
+            if (t >= nt) break;
+            const Bytes16* xq = (const Bytes16*)(codes + (size_t)(t0 + t) * cols + 32 * blk);
+            const Bytes16 a = xq[0], b = xq[1];
+            const CudaQ8Meta m = meta[(size_t)(t0 + t) * n_blocks + blk];
+            int sumi = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) sumi = __dp4a(wq[j], (int)a.w[j], sumi);
+#pragma unroll
+            for (int j = 0; j < 4; j++) sumi = __dp4a(wq[4 + j], (int)b.w[j], sumi);
+            if (TYPE == TYPE_Q4_0) sumi -= 8 * m.sum;  // codes are the nibbles minus 8
+            float v = (float)sumi * (dw * m.d);
+            if (TYPE == TYPE_Q4_1) v += mw * m.s;
+            acc[t] += v;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < kTokens; t++)
+        if (t < nt) partial[warp][t][lane] = acc[t];
+    __syncwarp();
+    if (lane < nt) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += partial[warp][lane][i];
+        float* out = y + (size_t)(t0 + lane) * rows + r;
+        *out = accumulate ? *out + s : s;
+    }
+}
+
 template <int TYPE>
 void launch(cudaStream_t s, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes, const float* x, int32_t n,
             float* y, bool accumulate) {
@@ -230,6 +328,32 @@ void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_b
 }
 
 bool cuda_reads_type(int32_t type) { return cudaq::block_size_of(type) > 0; }
+
+bool cuda_matmul_q8x_reads(int32_t type, int64_t cols, size_t row_bytes, const void* w) {
+    return (type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0) && cols % 32 == 0 && row_bytes % 16 == 0 &&
+           (uintptr_t)w % 16 == 0;
+}
+
+void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
+                     const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate) {
+    if (n <= 0 || rows <= 0) return;
+    const dim3 block(32, kRowsPerBlock);
+    const dim3 grid((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock), (unsigned)((n + kTokens - 1) / kTokens));
+    switch (type) {
+        case TYPE_Q4_0:
+            OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_0>, grid, block, s, w, rows, cols, row_bytes, codes, meta, n, y, accumulate);
+            break;
+        case TYPE_Q4_1:
+            OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_1>, grid, block, s, w, rows, cols, row_bytes, codes, meta, n, y, accumulate);
+            break;
+        case TYPE_Q8_0:
+            OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q8_0>, grid, block, s, w, rows, cols, row_bytes, codes, meta, n, y, accumulate);
+            break;
+        default:
+            throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
+    }
+    cuda_check(cudaSuccess, "matmul (integer)");
+}
 
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate) {

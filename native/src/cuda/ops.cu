@@ -89,6 +89,25 @@ __global__ void act_q8_0_kernel(const float* x, float* out, int64_t n_blocks) {
     out[b * 32 + threadIdx.x % 32] = d * rintf(v * id);
 }
 
+// The same codes kept as integers for the integer products (kernels.cuh's CudaQ8Meta). One warp per block.
+__global__ void quantize_q8x_kernel(const float* x, int8_t* codes, CudaQ8Meta* meta, int64_t n_blocks) {
+    const int64_t b = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (b >= n_blocks) return;  // whole warps leave together
+    const int lane = threadIdx.x % 32;
+    const float v = x[b * 32 + lane];
+    float amax = fabsf(v);
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const int q = (int)rintf(v * id);
+    codes[b * 32 + lane] = (int8_t)q;
+    int sum = q;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+        const float d = amax / 127.0f;
+        meta[b] = CudaQ8Meta{__half2float(__float2half_rn(d)), __half2float(__float2half_rn(d * (float)sum)), sum, 0};
+    }
+}
+
 // Q8_K activations (quant_kquants.cpp's quantize_row_q8_K): per 256 values the first value of largest
 // magnitude sets iscale = -127 / max, codes min(127, rint(iscale * x)), scale 1 / iscale (float). One
 // block of 256 threads per 256 values.
@@ -192,6 +211,14 @@ void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float*
             throw UnsupportedModelError(format("the CUDA backend cannot convert activations to type %d", type));
     }
     cuda_check(cudaSuccess, "activation rounding");
+}
+
+void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, int8_t* codes, CudaQ8Meta* meta) {
+    const int64_t count = (int64_t)n * cols;
+    if (count <= 0) return;
+    if (cols % 32) throw ArgumentError("8-bit activations need rows of whole 32-value blocks");
+    OPTIML_LAUNCH(quantize_q8x_kernel, blocks(count), kThreads, s, x, codes, meta, count / 32);
+    cuda_check(cudaSuccess, "activation codes");
 }
 
 void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap) {

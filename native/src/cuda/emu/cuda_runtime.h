@@ -55,6 +55,11 @@ T shfl_xor(T v, int mask) {
 #define __syncthreads() ::optiml_emu::syncthreads()
 #define __syncwarp(...) ::optiml_emu::warp_barrier()
 #define __shfl_xor_sync(mask, v, off) ::optiml_emu::shfl_xor((v), (off))
+// Four signed bytes of a times those of b, plus c.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+}
 // (The arguments are captured by value: a stream being recorded into a graph keeps the launch for later.)
 #define OPTIML_LAUNCH(kernel, grid, block, stream, ...) \
     ::optiml_emu::launch(dim3(grid), dim3(block), [=] { kernel(__VA_ARGS__); })
