@@ -54,42 +54,50 @@ __device__ void store_kv(int32_t type, uint8_t* p, int64_t i, float v) {
         ((float*)p)[i] = v;
 }
 
-// One block per token: per-head q/k norms (a warp per head), RoPE, q scaling, then k and v into the cache.
+// One block per (token, head) of q, k and v together (grid.y: n_head q heads, then n_head_kv k heads, then
+// n_head_kv v heads), so a decode step spreads over as many multiprocessors as it has heads: Gemma 3's
+// per-head norm, RoPE, q's scaling, and the new key or value into the cache.
 __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* v, const int32_t* seq,
                                const int32_t* pos) {
-    const int t = blockIdx.x;
+    const int t = blockIdx.x, h = blockIdx.y;
     const int hd = a.head_dim;
     const int64_t n_q = (int64_t)a.n_head * hd, n_kv = (int64_t)a.n_head_kv * hd;
-    float* qt = q + (size_t)t * n_q;
-    float* kt = k + (size_t)t * n_kv;
-    const float* vt = v + (size_t)t * n_kv;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-
-    // Gemma 3 normalizes every head of q and k before rotating them.
-    for (int h = warp; h < a.n_head + a.n_head_kv; h += n_warps) {
-        const bool is_q = h < a.n_head;
-        const float* w = is_q ? a.q_norm : a.k_norm;
-        if (!w) continue;
-        float* x = is_q ? qt + (size_t)h * hd : kt + (size_t)(h - a.n_head) * hd;
-        double sum = 0;
-        for (int i = lane; i < hd; i += 32) sum += (double)x[i] * x[i];
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        const float scale = (float)(1.0 / sqrt(sum / (double)hd + (double)a.rms_eps));
-        for (int i = lane; i < hd; i += 32) x[i] = x[i] * scale * w[i];
+    if (h >= a.n_head + a.n_head_kv) {  // a value head: into the cache, transposed ([dim][pos])
+        const int hv = h - a.n_head - a.n_head_kv;
+        const float* vt = v + (size_t)t * n_kv + (size_t)hv * hd;
+        uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x)
+            store_kv(a.kv_type, v_seq, ((int64_t)hv * hd + i) * a.n_ctx + pos[t], vt[i]);
+        return;
     }
-    __syncthreads();
+    const bool is_q = h < a.n_head;
+    float* x = is_q ? q + (size_t)t * n_q + (size_t)h * hd : k + (size_t)t * n_kv + (size_t)(h - a.n_head) * hd;
 
-    // RoPE: pair i of every head turns by pos * base^(-2i/n_rot) (scaled, or divided by its factor).
+    // Gemma 3 normalizes every head of q and k before rotating them (the sum of squares in double).
+    const float* w = is_q ? a.q_norm : a.k_norm;
+    if (w) {
+        double sum = 0;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) sum += (double)x[i] * x[i];
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        __shared__ double dred[kThreads / 32];
+        if (threadIdx.x % 32 == 0) dred[threadIdx.x / 32] = sum;
+        __syncthreads();
+        double total = 0;
+        for (int i = 0; i < (int)(blockDim.x / 32); i++) total += dred[i];
+        const float scale = (float)(1.0 / sqrt(total / (double)hd + (double)a.rms_eps));
+        __syncthreads();
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) x[i] = x[i] * scale * w[i];
+        __syncthreads();
+    }
+
+    // RoPE: pair i turns by pos * base^(-2i/n_rot) (scaled, or divided by its factor).
     const int half = a.n_rot / 2;
     const float theta_scale = powf(a.rope_base, -2.0f / (float)a.n_rot);
-    const int n_pairs = (a.n_head + a.n_head_kv) * half;
-    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
-        const int h = p / half, i = p % half;
-        float* x = h < a.n_head ? qt + (size_t)h * hd : kt + (size_t)(h - a.n_head) * hd;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
         // The angle advanced by one float multiplication per pair, as ops.cpp's rope_cos_sin (and ggml)
         // compute it: powf would be closer to the real angle and further from the CPU's.
         float theta = (float)pos[t];
-        for (int k = 0; k < i; k++) theta *= theta_scale;
+        for (int j = 0; j < i; j++) theta *= theta_scale;
         const float ang = a.freq_factors ? theta / a.freq_factors[i] * a.rope_scale : theta * a.rope_scale;
         float sn, cs;
         sincosf(ang, &sn, &cs);
@@ -101,14 +109,14 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
     }
     __syncthreads();
 
-    if (a.q_scale != 1.0f)
-        for (int64_t i = threadIdx.x; i < n_q; i += blockDim.x) qt[i] *= a.q_scale;
-    uint8_t* k_dst = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)pos[t] * a.k_row;
-    uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
-    for (int64_t i = threadIdx.x; i < n_kv; i += blockDim.x) {
-        store_kv(a.kv_type, k_dst, i, kt[i]);
-        store_kv(a.kv_type, v_seq, i * a.n_ctx + pos[t], vt[i]);  // values transposed: [dim][pos]
+    if (is_q) {
+        if (a.q_scale != 1.0f)
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) x[i] *= a.q_scale;
+        return;
     }
+    uint8_t* k_dst = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)pos[t] * a.k_row;
+    const int64_t k0 = (int64_t)(h - a.n_head) * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) store_kv(a.kv_type, k_dst, k0 + i, x[i]);
 }
 
 // One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
@@ -204,7 +212,8 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n) {
     if (n <= 0) return;
-    OPTIML_LAUNCH(prepare_kernel, n, 128, s, a, q, k, v, seq, pos);
+    // 64 threads: a head's pairs (head_dim / 2) at most twice over for the usual head sizes.
+    OPTIML_LAUNCH(prepare_kernel, dim3(n, a.n_head + 2 * a.n_head_kv), 64, s, a, q, k, v, seq, pos);
     cuda_check(cudaSuccess, "attention (prepare)");
 }
 

@@ -22,9 +22,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One block per row; the sum of squares in double, as the CPU (and ggml) keep it.
+// One block per row (up to 1024 threads: a decode step has one row, and one thread's long serial loop
+// over it set the kernel's time); the sum of squares in double, as the CPU (and ggml) keep it.
 __global__ void rms_norm_kernel(const float* x, const float* w, float* out, int64_t dim, float eps) {
-    __shared__ double partial[kThreads / 32];
+    __shared__ double partial[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* outr = out + (size_t)blockIdx.x * dim;
     double sum = 0;
@@ -170,7 +171,9 @@ unsigned blocks(int64_t count) { return (unsigned)((count + kThreads - 1) / kThr
 
 void cuda_rms_norm(cudaStream_t s, const float* x, const float* w, float* out, int32_t n, int64_t dim, float eps) {
     if (n <= 0) return;
-    OPTIML_LAUNCH(rms_norm_kernel, n, kThreads, s, x, w, out, dim, eps);
+    int64_t threads = (dim / 4 + 31) / 32 * 32;  // about four values a thread
+    threads = threads < 32 ? 32 : threads > 1024 ? 1024 : threads;
+    OPTIML_LAUNCH(rms_norm_kernel, n, (unsigned)threads, s, x, w, out, dim, eps);
     cuda_check(cudaSuccess, "rms_norm");
 }
 
