@@ -78,6 +78,12 @@ setup() {  # the carried wheels, OptiML with CUDA (kept when already built)
 }
 
 llama_build() {  # llama.cpp with CUDA: carried prebuilt (prepare-llama), else built from the carried sources
+    # A carried build finds cuBLAS in the GPU image (the CUDA toolkit's, or the one beside its PyTorch).
+    local cublas
+    cublas=$(find /usr/local/cuda*/lib* /usr/local/cuda*/targets/*/lib /usr/lib/x86_64-linux-gnu \
+        "$("$py" -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)" \
+        -name 'libcublas.so.13*' 2>/dev/null | head -n 1)
+    [ -n "$cublas" ] && export LD_LIBRARY_PATH="$(dirname "$cublas")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     [ -x build/llama-cuda/bin/llama-bench ] && [ -x build/llama-cuda/bin/llama-batched-bench ] && \
         [ -x build/llama-cuda/bin/llama-server ] && return
     if [ -e "$carry/llama-bin.tar.xz" ]; then
@@ -92,17 +98,22 @@ llama_build() {  # llama.cpp with CUDA: carried prebuilt (prepare-llama), else b
 }
 
 # Here (nvcc, no GPU needed): llama.cpp with CUDA for sm_90 from the sdist's sources, packed into the carry so
-# that the GPU machine's time is not spent compiling it. Shared libraries beside the programs ($ORIGIN rpath);
-# every CPU variant built and chosen at run time (the hybrid comparison runs llama.cpp's CPU layers there).
-# No VMM pool: it needs libcuda.so at link time, which a machine without a driver lacks.
+# that the GPU machine's time is not spent compiling it (about 40 minutes on 2 cores). Shared libraries beside
+# the programs ($ORIGIN rpath). Its CPU backend is built for the GPU machine's processor (seen: a Xeon with
+# AVX-512, VNNI, BF16 and AMX; LLAMA_CPU_FLAGS to change), since the hybrid comparison runs llama.cpp's CPU
+# layers there: every CPU variant (GGML_CPU_ALL_VARIANTS) would take hours here. No VMM pool: it needs
+# libcuda.so at link time, which a machine without a driver lacks.
 prepare_llama() {
     set -e
     local src=build/llama-src
     mkdir -p "$src" && tar -xJf "$carry/llama.cpp.tar.xz" -C "$src"
+    # shellcheck disable=SC2086
     cmake -S "$src" -B build/llama-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON \
         -DCMAKE_CUDA_ARCHITECTURES=${LLAMA_CUDA_ARCHS:-90-real} -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON \
-        -DGGML_CPU_ALL_VARIANTS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DCMAKE_BUILD_RPATH='$ORIGIN'
+        ${LLAMA_CPU_FLAGS:--DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
+        -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=ON \
+        -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON} \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DCMAKE_BUILD_RPATH='$ORIGIN'
     cmake --build build/llama-cuda -j"$(nproc)" --target llama-bench llama-batched-bench llama-server
     (cd build/llama-cuda/bin && tar -cJf "$OLDPWD/$carry/llama-bin.tar.xz" llama-bench llama-batched-bench llama-server ./*.so*)
     du -sh "$carry"
