@@ -19,6 +19,22 @@ namespace {
 constexpr int kTokens = 8;        // tokens one warp carries per dequantized group
 constexpr int kRowsPerBlock = 4;  // warps (rows) per thread block
 
+// The warp's 32 partial sums of each token through shared memory (`partial`: the warp's [kTokens][33]),
+// lane t adding token t's: one exchange for all tokens instead of a five-shuffle tree per token.
+__device__ __forceinline__ void write_row(float (*partial)[33], const float* acc, int nt, int lane, float* y,
+                                          int64_t rows, int64_t r, int32_t t0, bool accumulate) {
+#pragma unroll
+    for (int t = 0; t < kTokens; t++)
+        if (t < nt) partial[t][lane] = acc[t];
+    __syncwarp();
+    if (lane < nt) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += partial[lane][i];
+        float* out = y + (size_t)(t0 + lane) * rows + r;
+        *out = accumulate ? *out + s : s;
+    }
+}
+
 template <int TYPE>
 __global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
                               const float* __restrict__ x, int32_t n, float* __restrict__ y, bool accumulate) {
@@ -46,19 +62,8 @@ __global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64
             acc[t] += s;
         }
     }
-    // The warp's 32 partial sums of each token through shared memory: lane t adds token t's, one exchange
-    // for all tokens instead of a five-shuffle tree per token.
     __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
-#pragma unroll
-    for (int t = 0; t < kTokens; t++)
-        if (t < nt) partial[threadIdx.y][t][lane] = acc[t];
-    __syncwarp();
-    if (lane < nt) {
-        float s = 0.0f;
-        for (int i = 0; i < 32; i++) s += partial[threadIdx.y][lane][i];
-        float* out = y + (size_t)(t0 + lane) * rows + r;
-        *out = accumulate ? *out + s : s;
-    }
+    write_row(partial[threadIdx.y], acc, nt, lane, y, rows, r, t0, accumulate);
 }
 
 struct alignas(16) Bytes16 {
@@ -85,6 +90,36 @@ struct Chunk {
     static constexpr int kGroups = kValues / 8;             // groups of eight values (a multiple of 32)
 };
 
+// A warp's row, a chunk at a time: fetch() starts the 16-byte loads of the chunk at value c0 into
+// registers (bytes past the row: none), store() puts them into the warp's shared memory once every lane
+// is done with the previous chunk.
+template <int TYPE>
+struct RowStager {
+    using C = Chunk<TYPE>;
+    const Bytes16* row;
+    int64_t row_units;
+    int lane;
+    Bytes16 next[C::kLoads];
+
+    __device__ __forceinline__ void fetch(int64_t c0) {
+        const int64_t u0 = c0 / cudaq::QType<TYPE>::block_size * cudaq::QType<TYPE>::block_bytes / 16;
+#pragma unroll
+        for (int i = 0; i < C::kLoads; i++) {
+            const int u = lane + 32 * i;
+            if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
+        }
+    }
+    __device__ __forceinline__ void store(Bytes16* stage) {
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < C::kLoads; i++) {
+            const int u = lane + 32 * i;
+            if (u < C::kBytes / 16) stage[u] = next[i];
+        }
+        __syncwarp();
+    }
+};
+
 template <int TYPE>
 __global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
                                      const float* __restrict__ x, int32_t n, float* __restrict__ y, bool accumulate) {
@@ -97,32 +132,16 @@ __global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows
     if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
     const int32_t t0 = (int32_t)blockIdx.y * kTokens;
     const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    const Bytes16* row = (const Bytes16*)(w + (size_t)r * row_bytes);
-    const int64_t row_units = (int64_t)(row_bytes / 16);
+    RowStager<TYPE> rs{(const Bytes16*)(w + (size_t)r * row_bytes), (int64_t)(row_bytes / 16), lane};
     const uint8_t* chunk = (const uint8_t*)stage[warp];
 
     float acc[kTokens];
 #pragma unroll
     for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
-    Bytes16 next[C::kLoads];
-    auto fetch = [&](int64_t c0) {  // the chunk starting at value c0 into registers (bytes past the row: none)
-        const int64_t u0 = c0 / Q::block_size * Q::block_bytes / 16;
-#pragma unroll
-        for (int i = 0; i < C::kLoads; i++) {
-            const int u = lane + 32 * i;
-            if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
-        }
-    };
-    fetch(0);
+    rs.fetch(0);
     for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
-        __syncwarp();  // every lane is done reading the previous chunk
-#pragma unroll
-        for (int i = 0; i < C::kLoads; i++) {
-            const int u = lane + 32 * i;
-            if (u < C::kBytes / 16) stage[warp][u] = next[i];
-        }
-        __syncwarp();
-        if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
+        rs.store(stage[warp]);
+        if (c0 + C::kValues < cols) rs.fetch(c0 + C::kValues);
         const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
         if (valid == C::kValues) {
             // A whole chunk: each lane's groups decoded, then their activations loaded together, so the
@@ -175,16 +194,7 @@ __global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < kTokens; t++)
-        if (t < nt) partial[warp][t][lane] = acc[t];
-    __syncwarp();
-    if (lane < nt) {
-        float s = 0.0f;
-        for (int i = 0; i < 32; i++) s += partial[warp][lane][i];
-        float* out = y + (size_t)(t0 + lane) * rows + r;
-        *out = accumulate ? *out + s : s;
-    }
+    write_row(partial[warp], acc, nt, lane, y, rows, r, t0, accumulate);
 }
 
 // Four bytes of shared memory at a 2-byte aligned address (blocks hold 16-bit fields first).
@@ -210,32 +220,17 @@ __global__ void matmul_q8x_kernel(const uint8_t* __restrict__ w, int64_t rows, i
     if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
     const int32_t t0 = (int32_t)blockIdx.y * kTokens;
     const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    const Bytes16* row = (const Bytes16*)(w + (size_t)r * row_bytes);
-    const int64_t row_units = (int64_t)(row_bytes / 16), n_blocks = cols / 32;
+    RowStager<TYPE> rs{(const Bytes16*)(w + (size_t)r * row_bytes), (int64_t)(row_bytes / 16), lane};
+    const int64_t n_blocks = cols / 32;
     const uint8_t* wb = (const uint8_t*)stage[warp] + lane * Q::block_bytes;
 
     float acc[kTokens];
 #pragma unroll
     for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
-    Bytes16 next[C::kLoads];
-    auto fetch = [&](int64_t c0) {
-        const int64_t u0 = c0 / 32 * Q::block_bytes / 16;
-#pragma unroll
-        for (int i = 0; i < C::kLoads; i++) {
-            const int u = lane + 32 * i;
-            if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
-        }
-    };
-    fetch(0);
+    rs.fetch(0);
     for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < C::kLoads; i++) {
-            const int u = lane + 32 * i;
-            if (u < C::kBytes / 16) stage[warp][u] = next[i];
-        }
-        __syncwarp();
-        if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
+        rs.store(stage[warp]);
+        if (c0 + C::kValues < cols) rs.fetch(c0 + C::kValues);
         const int64_t blk = c0 / 32 + lane;
         if (blk >= n_blocks) continue;
         // The weights' codes as 8 words of four bytes: for Q4_0/Q4_1 words 0-3 hold values 0-15 (low
@@ -273,16 +268,7 @@ __global__ void matmul_q8x_kernel(const uint8_t* __restrict__ w, int64_t rows, i
             acc[t] += v;
         }
     }
-#pragma unroll
-    for (int t = 0; t < kTokens; t++)
-        if (t < nt) partial[warp][t][lane] = acc[t];
-    __syncwarp();
-    if (lane < nt) {
-        float s = 0.0f;
-        for (int i = 0; i < 32; i++) s += partial[warp][lane][i];
-        float* out = y + (size_t)(t0 + lane) * rows + r;
-        *out = accumulate ? *out + s : s;
-    }
+    write_row(partial[warp], acc, nt, lane, y, rows, r, t0, accumulate);
 }
 
 template <int TYPE>
