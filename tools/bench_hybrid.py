@@ -132,6 +132,8 @@ def main() -> int:
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (CUDA build for --device cuda)")
     ap.add_argument("--workdir", default=os.path.join(HERE, "..", "build", "bench-hybrid"))
     ap.add_argument("--profile-tokens", type=int, default=4000)
+    ap.add_argument("--calibrate-tokens", type=int, default=8192,
+                    help="SwiGLU thresholds from this many tokens (on the CPU: 8192 took 3 minutes of a GPU call)")
     ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
                     "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
     args = ap.parse_args()
@@ -151,7 +153,7 @@ def main() -> int:
         model = os.path.join(args.workdir, f"{tag}.sparse.gguf")
         if not os.path.exists(model):
             sh(optiml_cmd("calibrate", "-m", base, "--data", text, "--target", f"{1 - firing:g}", "-o", model,
-                          "-t", args.threads))
+                          "-t", args.threads, "--tokens", args.calibrate_tokens))
     stats = os.path.join(args.workdir, f"{tag}.stats.npz")
     if not os.path.exists(stats):
         sh(optiml_cmd("profile", "-m", model, "--data", text, "--tokens", args.profile_tokens, "-o", stats,

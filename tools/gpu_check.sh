@@ -124,7 +124,7 @@ hybrid() {
     llama_build
     for act in relu silu; do
         step "hybrid-$act" "$py" tools/bench_hybrid.py --device cuda --shape 7b --activation "$act" \
-            --budgets 0.25 0.5 --llama-bench build/llama-cuda/bin/llama-bench \
+            --budgets 0.25 0.5 --calibrate-tokens 2048 --llama-bench build/llama-cuda/bin/llama-bench \
             --tokenizer-from "$carry/models/tokenizer-donor.gguf" --workdir build/bench-hybrid
         cat "$out/hybrid-$act.log" | tail -n 25
     done
