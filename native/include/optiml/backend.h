@@ -214,6 +214,7 @@ public:
     void trace_start();
     std::vector<Span> trace_stop();
     void trace_layer(int layer) { trace_layer_.store(layer, std::memory_order_relaxed); }
+    bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
 
     // ---- weights on this device ----------------------------------------------------------------
     // A copy of w (or of its rows [r0, r1)) in this backend's memory, counted as "weights".
@@ -225,7 +226,6 @@ public:
 protected:
     std::string name_;
 
-    bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
     int current_trace_layer() const { return trace_layer_.load(std::memory_order_relaxed); }
     void add_span(int layer, SpanKind kind, double t0, double t1);
     // A device whose spans are timed by events marks the start of the timeline (trace_start, stream

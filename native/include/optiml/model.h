@@ -264,7 +264,6 @@ private:
     StepScratch host_s_, device_s_;
     std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
     bool whole_on_device_ = false;   // every layer (attention, KV, whole FFN) and the logits on the device
-    bool timing_ = false;            // between timeline_start and timeline_stop
     std::vector<int32_t> step_key_;  // forward_recorded's key of the step
     std::vector<int32_t> off_tok_, off_seq_, off_slot_, off_pos_, off_rows_;  // forward_offload's reordered batch
 

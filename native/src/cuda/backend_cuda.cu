@@ -344,8 +344,6 @@ private:
         codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * kCodeTokens * (size_t)(codes_cols_ / 32), "scratch");
     }
 
-    // The batch's sequence ids and positions on the device ([seq..., pos...]), copied once per step: the
-    // layers of a step see the same batch, so a copy happens only when its contents change.
     // The attention block's three parts (see Backend::attention_qkv).
     void qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n, const StepScratch& s) {
         cuda_rms_norm(stream_, x, (const float*)L.attn_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);

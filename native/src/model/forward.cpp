@@ -31,13 +31,11 @@ void Session::trace_layer(int layer) {
 }
 
 void Session::timeline_start() {
-    timing_ = true;  // every op timed on its own: no recorded steps
     host_->trace_start();
     if (device_) device_->trace_start();
 }
 
 std::vector<Session::TimedSpan> Session::timeline_stop() {
-    timing_ = false;
     std::vector<TimedSpan> out;
     for (const Span& s : host_->trace_stop()) out.push_back({0, s});
     if (device_)
@@ -97,7 +95,8 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
     const HParams& hp = model_->hp;
     Backend* dev = device_.get();
     const int32_t n = kb.n;
-    if (!whole_on_device_ || timing_ || recorder_ || n > kMaxRecordedTokens || n_out > plan_.logits_rows) return false;
+    // (while tracing every op is timed on its own, in its layer: no recorded steps)
+    if (!whole_on_device_ || host_->tracing() || recorder_ || n > kMaxRecordedTokens || n_out > plan_.logits_rows) return false;
     const size_t x_floats = (size_t)n * hp.n_embd;
     move(host_.get(), host_s_.x, dev, device_s_.x, x_floats);
     dev->upload_batch(kb);

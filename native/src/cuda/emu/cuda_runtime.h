@@ -101,7 +101,6 @@ const char* cudaGetErrorString(cudaError_t err);
 const char* cudaGetErrorName(cudaError_t err);
 cudaError_t cudaMalloc(void** p, size_t bytes);
 cudaError_t cudaFree(void* p);
-cudaError_t cudaMemset(void* p, int value, size_t bytes);
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s);
 constexpr unsigned cudaHostRegisterDefault = 0;

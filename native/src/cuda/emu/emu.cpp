@@ -320,11 +320,6 @@ cudaError_t cudaFree(void* p) {
     std::free(p);
     return cudaSuccess;
 }
-cudaError_t cudaMemset(void* p, int value, size_t bytes) {
-    if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
-    std::memset(p, value, bytes);
-    return cudaSuccess;
-}
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
     if (refused_in_capture()) return cudaErrorStreamCaptureUnsupported;  // (no graph here records a memset)
     std::memset(p, value, bytes);
