@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "optiml/huge_pages.h"
 #include "optiml/kernels.h"
 #include "optiml/matmul.h"
 #include "optiml/threadpool.h"
@@ -37,7 +38,7 @@ struct NeuronMajor {
     int64_t n_neurons = 0;
     int64_t dim = 0;
     size_t row_bytes = 0;
-    std::vector<uint8_t> data;
+    HugePageVector<uint8_t> data;  // rows read at random: huge pages where possible
     // [dim] or empty. Q8_0 rows are stored divided by a per-dimension scale (the largest |weight| of
     // that output dimension): the residual stream's outlier dimensions have down weights far larger
     // than the rest, and would otherwise set the scale of every 32-block they fall in, drowning the
