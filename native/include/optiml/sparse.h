@@ -22,6 +22,15 @@ namespace optiml {
 // token. rows must lie in [0, W.rows) (checked: ArgumentError); duplicates are allowed but wasteful.
 void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W, const int32_t* rows,
                  int64_t n_rows, const float* X, int64_t n_tokens, float* Y);
+// matmul_rows for n_mats (1 to 7) matrices of the same shape and vec_dot_type over the same rows and
+// input, in one job: Ys[m] gets Ws[m]'s rows.
+void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* Ws, float* const* Ys, int n_mats,
+                      const int32_t* rows, int64_t n_rows, const float* X, int64_t n_tokens);
+// Gate and up rows of the same neurons: one matmul_rows_many job where the two matrices allow it,
+// else two matmul_rows calls.
+void matmul_rows_gate_up(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& gate, float* y_gate,
+                         const WeightMatrix& up, float* y_up, const int32_t* rows, int64_t n_rows, const float* X,
+                         int64_t n_tokens);
 
 // The down matrix stored neuron-major: row j holds the dim = n_embd weights of neuron j (column j of
 // down) in `type` (F32, F16 or Q8_0), rows row_bytes apart.

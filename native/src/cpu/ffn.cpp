@@ -143,8 +143,7 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
         // (act(0) * 0 = 0 for every activation), so the full-width down adds nothing for them.
         std::memset(s.gate, 0, sizeof(float) * n * width);
         std::memset(s.up, 0, sizeof(float) * n * width);
-        matmul_rows(pool, kt, w.gate.matrix(), share.rows, share.n_rows, xn, n, s.gate);
-        matmul_rows(pool, kt, w.up.matrix(), share.rows, share.n_rows, xn, n, s.up);
+        matmul_rows_gate_up(pool, kt, w.gate.matrix(), s.gate, w.up.matrix(), s.up, share.rows, share.n_rows, xn, n);
         for (const auto& [bias, out] : {std::pair{&w.gate_b, s.gate}, std::pair{&w.up_b, s.up}}) {
             if (!bias->present()) continue;
             const float* b = (const float*)bias->data;

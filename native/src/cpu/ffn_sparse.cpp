@@ -98,8 +98,16 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
         const float* sc = scores + t * width;
         int32_t* idx = ss.idx + t * width;
         int32_t c = 0;
-        for (int32_t j = 0; j < width; j++)
-            if (sc[j] + bias[j] > pthr && (!in_share || in_share[j] >= 0)) idx[c++] = j;
+        // Branch-free: about which neurons fire the branch predictor can only guess (the store is
+        // overwritten while the condition is false).
+        if (!in_share)
+            for (int32_t j = 0; j < width; j++) {
+                idx[c] = j;
+                c += sc[j] + bias[j] > pthr;
+            }
+        else
+            for (int32_t j = 0; j < width; j++)
+                if (sc[j] + bias[j] > pthr && in_share[j] >= 0) idx[c++] = j;
         ss.count[t] = c;
     };
     per_token(pool, n, predict);
@@ -108,8 +116,7 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
 
     // 3. Gate and up rows of the union.
     if (n_uni > 0) {
-        matmul_rows(pool, kt, w.gate.matrix(), uni, n_uni, xn, n, s.gate);
-        matmul_rows(pool, kt, w.up.matrix(), uni, n_uni, xn, n, s.up);
+        matmul_rows_gate_up(pool, kt, w.gate.matrix(), s.gate, w.up.matrix(), s.up, uni, n_uni, xn, n);
     }
 
     // 4. Activations and the criterion, token by token.
@@ -181,8 +188,10 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
     // act(gate) * up (up for all the share's rows).
     if (share.rows) {
         std::memset(s.gate, 0, sizeof(float) * n * width);
-        matmul_rows(pool, kt, w.gate.matrix(), share.rows, share.n_rows, xn, n, s.gate);
-        if (on_product) matmul_rows(pool, kt, w.up.matrix(), share.rows, share.n_rows, xn, n, s.up);
+        if (on_product)
+            matmul_rows_gate_up(pool, kt, w.gate.matrix(), s.gate, w.up.matrix(), s.up, share.rows, share.n_rows, xn, n);
+        else
+            matmul_rows(pool, kt, w.gate.matrix(), share.rows, share.n_rows, xn, n, s.gate);
     } else {
         const Weight* gate_up[2] = {&w.gate, &w.up};
         float* outs[2] = {s.gate, s.up};

@@ -23,25 +23,44 @@ inline void prefetch_row(const uint8_t* p, size_t bytes) {
 
 void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W, const int32_t* rows,
                  int64_t n_rows, const float* X, int64_t n_tokens, float* Y) {
-    check_matmul_args(W.type, W.cols);
+    matmul_rows_many(pool, kt, &W, &Y, 1, rows, n_rows, X, n_tokens);
+}
+
+void matmul_rows_gate_up(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& gate, float* y_gate,
+                         const WeightMatrix& up, float* y_up, const int32_t* rows, int64_t n_rows, const float* X,
+                         int64_t n_tokens) {
+    if (gate.cols == up.cols && gate.rows == up.rows && type_is_known(gate.type) && type_is_known(up.type) &&
+        type_traits(gate.type).vec_dot_type == type_traits(up.type).vec_dot_type) {
+        const WeightMatrix ws[2] = {gate, up};
+        float* ys[2] = {y_gate, y_up};
+        matmul_rows_many(pool, kt, ws, ys, 2, rows, n_rows, X, n_tokens);
+        return;
+    }
+    matmul_rows(pool, kt, gate, rows, n_rows, X, n_tokens, y_gate);
+    matmul_rows(pool, kt, up, rows, n_rows, X, n_tokens, y_up);
+}
+
+void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* Ws, float* const* Ys, int n_mats,
+                      const int32_t* rows, int64_t n_rows, const float* X, int64_t n_tokens) {
+    if (n_mats < 1 || n_mats > 7) throw ArgumentError("matmul_rows_many takes 1 to 7 matrices");
+    const int64_t cols = Ws[0].cols;
+    const int32_t xtype = type_traits(Ws[0].type).vec_dot_type;
+    for (int m = 0; m < n_mats; m++) {
+        check_matmul_args(Ws[m].type, Ws[m].cols);
+        if (Ws[m].cols != cols || type_traits(Ws[m].type).vec_dot_type != xtype || Ws[m].rows != Ws[0].rows)
+            throw ArgumentError("matmul_rows_many: the matrices need the same shape and vec_dot_type");
+    }
     if (n_rows < 0 || n_tokens < 0) throw ArgumentError("matmul_rows: negative row or token count");
     // A bad index would read outside the weights and write outside Y: check them all up front
     // (one compare per row, nothing next to a dot product of a whole row).
     for (int64_t i = 0; i < n_rows; i++)
-        if (rows[i] < 0 || rows[i] >= W.rows)
+        if (rows[i] < 0 || rows[i] >= Ws[0].rows)
             throw ArgumentError(format("matmul_rows: row index %d at position %lld is outside [0, %lld)", rows[i],
-                                       (long long)i, (long long)W.rows));
+                                       (long long)i, (long long)Ws[0].rows));
     if (n_rows == 0 || n_tokens == 0) return;
 
-    const int64_t cols = W.cols;
-    const int32_t xtype = type_traits(W.type).vec_dot_type;
     const size_t x_row = row_size(xtype, cols);
-    const size_t w_row = row_size(W.type, cols);
     const from_float_fn convert = kt.from_float[xtype];
-    const vec_dot_fn dot = kt.vec_dot[W.type];
-    const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
-    const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
-    const gemm_fn gemm = kt.gemm[W.type];
 
     // Activations converted once per call into a buffer of the calling thread (F32 reads X as is).
     static thread_local std::vector<uint8_t> xq_buf;
@@ -49,21 +68,31 @@ void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W,
     if (!direct && xq_buf.size() < x_row * n_tokens) xq_buf.resize(x_row * n_tokens);
     uint8_t* xq = xq_buf.data();
     const uint8_t* xbase = direct ? (const uint8_t*)X : xq;
-    const uint8_t* wbase = (const uint8_t*)W.data;
 
-    // Chunks of the row list from a shared counter (as matmul_many): the listed rows are scattered,
-    // so a static split could leave one thread with all the slow cache misses.
+    // Chunks of the row list of every matrix from one shared counter (as matmul_many): the listed rows
+    // are scattered, so a static split could leave one thread with all the slow cache misses, and one
+    // job for all the matrices (gate and up) waits for its slowest thread once. Chunks are whole
+    // multiples of 8 rows, the one-token kernel's tile.
     const int nth = pool.size();
-    int64_t chunk = n_rows / (nth * 8);
-    if (chunk < 16) chunk = 16;
+    int64_t chunk = n_mats * n_rows / (nth * 8);
+    chunk = chunk < 16 ? 16 : (chunk + 7) / 8 * 8;
     if (n_tokens > 1 && chunk > 64) chunk = 64;  // the batch path below holds 64 rows at most
-    const int64_t n_chunks = (n_rows + chunk - 1) / chunk;
+    const int64_t per_mat = (n_rows + chunk - 1) / chunk;
+    const int64_t n_chunks = per_mat * n_mats;
     std::atomic<int64_t> next{0};
 
     if (!direct) convert_activations(pool, convert, X, cols, n_tokens, xq, x_row);
     pool.run([&](int, int) {
         for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-            const int64_t i0 = c * chunk, i1 = i0 + chunk < n_rows ? i0 + chunk : n_rows;
+            const WeightMatrix& W = Ws[c / per_mat];
+            float* Y = Ys[c / per_mat];
+            const size_t w_row = row_size(W.type, cols);
+            const uint8_t* wbase = (const uint8_t*)W.data;
+            const vec_dot_fn dot = kt.vec_dot[W.type];
+            const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
+            const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
+            const gemm_fn gemm = kt.gemm[W.type];
+            const int64_t i0 = (c % per_mat) * chunk, i1 = i0 + chunk < n_rows ? i0 + chunk : n_rows;
             if (n_tokens == 1 && dot_rows) {
                 // One token: the multi-row kernel over the listed rows, 64 at a time (the same bits).
                 float s[64];
