@@ -124,6 +124,7 @@ void fill_ops_neon(KernelTable& table);
 void fill_sparse_scalar(KernelTable& table);
 void fill_sparse_avx2(KernelTable& table);
 void fill_sparse_avx512(KernelTable& table);
+void fill_sparse_grouped_avx512vnni(KernelTable& table);  // grouped rows, when the CPU has VNNI
 void fill_sparse_neon(KernelTable& table);
 
 // Is the level compiled into this build and supported by this CPU?

@@ -89,6 +89,7 @@ const KernelTable& kernel_table(SimdLevel level) {
         fill_ops_avx512(avx512);
         fill_sparse_avx2(avx512);  // grouped rows: the AVX2 kernels
         fill_sparse_avx512(avx512);
+        if (f.avx512vnni) fill_sparse_grouped_avx512vnni(avx512);
 #endif
 #if defined(OPTIML_ARM)
         fill_kernels_neon(tables[SIMD_NEON]);

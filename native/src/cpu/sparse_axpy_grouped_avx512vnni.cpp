@@ -1,0 +1,139 @@
+// AVX-512 VNNI kernels for grouped neuron-major rows (contract: kernels.h, axpy_group_fn): four neurons'
+// codes of a dimension side by side in an int32 lane, summed with their four int8 coefficients by one
+// vpdpbusd, straight into int32 (the AVX2 kernel forms int16 pair sums with vpmaddubsw and widens them).
+//
+// A 32-dimension chunk of four rows is 4 x 16 bytes (Q4_0's nibble order: byte b holds dimension b in
+// its low nibble, b + 16 in its high one). Loaded into the four 128-bit lanes of a zmm, a dword
+// permute brings bytes 4L..4L+3 of every row into lane L and an in-lane byte shuffle puts the four
+// rows' bytes of each dimension side by side; the nibbles then split into dimensions 0-15 and 16-31.
+// The sums are exact integers (|t| <= 15 * 127 * kMaxGroupRun < 2^24) and the float steps are the
+// scalar reference's, lane for lane: the bits are the same.
+//
+// As in the AVX2 kernel, a group is summed eight rows at a time over a block of up to 2048 dimensions,
+// each row read front to back (long sequential streams), the int32 sums kept in L1.
+#include <immintrin.h>
+
+#include "optiml/ggml_types.h"
+#include "optiml/kernels.h"
+#include "optiml/sparse.h"
+
+namespace optiml {
+namespace {
+
+inline __m512 scales16(const fp16_t* s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s)); }
+inline __m512 scales16(const float* s) { return _mm512_loadu_ps(s); }
+
+constexpr int64_t kBlock = 2048;                         // dimensions whose sums are kept at once (8 KiB)
+constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;  // bytes of a row: 256
+
+// The codes of one chunk of rows x[0..3]: lo = dimensions 0-15, hi = 16-31, int32 lane j holding the
+// four rows' codes of dimension j (row r in byte r).
+__attribute__((always_inline)) inline void quad_codes(const uint8_t* const* x, size_t at, __m512i* lo, __m512i* hi) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(x[0] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(x[1] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(x[2] + at)), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(x[3] + at)), 3);
+    // Lane L: dword L (bytes 4L..4L+3) of rows 0..3; then byte 4k + r <- byte 4r + k.
+    v = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+    v = _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
+                                                                    11, 15)));
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(v, mask);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+}
+
+// Rows i..i+3 of g at byte offset o (rows past k: row i again, at coefficient 0) and their coefficients
+// as the four bytes of an int32.
+inline __m512i quad_rows(const GroupTerms& g, int64_t i, size_t o, const uint8_t** x) {
+    uint32_t q = 0;
+    for (int r = 0; r < 4; r++) {
+        const bool real = i + r < g.k;
+        x[r] = (const uint8_t*)g.w[real ? i + r : i] + o;
+        q |= (uint32_t)(real ? (uint8_t)g.q[i + r] : 0) << (8 * r);
+    }
+    return _mm512_set1_epi32((int32_t)q);
+}
+
+template <bool MIN, typename S>
+void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next) {
+    alignas(64) int32_t acc[kBlock];
+    const __m512i centre = _mm512_set1_epi32(MIN ? 0 : 8 * g.q_sum);
+    const __m512 vs = _mm512_set1_ps(g.s);
+    const __m512 ms = _mm512_set1_ps(g.s * (float)g.q_sum);
+    constexpr int sb = 32 * sizeof(S);  // scale bytes of a chunk
+    for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+        const int nc = (int)((n - b0 < kBlock ? n - b0 : kBlock) / 32);
+        const size_t o = off + (size_t)b0 / 2;
+        const char* sd = (const char*)((const S*)g.d + b0);
+        const char* sm = MIN ? (const char*)((const S*)g.m + b0) : nullptr;
+        for (int j = 0; j < 2 * nc; j++) _mm512_store_si512(acc + 16 * j, _mm512_setzero_si512());
+        for (int64_t i = 0; i < g.k; i += 8) {
+            const uint8_t* xa[4];
+            const uint8_t* xb[4];
+            const __m512i qa = quad_rows(g, i, o, xa);
+            const bool two = i + 4 < g.k;
+            const __m512i qb = two ? quad_rows(g, i + 4, o, xb) : _mm512_setzero_si512();
+            // The rows after these: of this group, or the next group's first (same block of dimensions).
+            const uint8_t* nx[2] = {nullptr, nullptr};
+            if (i + 8 < g.k) {
+                nx[0] = (const uint8_t*)g.w[i + 8] + o;
+                nx[1] = i + 9 < g.k ? (const uint8_t*)g.w[i + 9] + o : nullptr;
+            } else if (next && next->k > 0) {
+                nx[0] = (const uint8_t*)next->w[0] + o;
+                nx[1] = next->k > 1 ? (const uint8_t*)next->w[1] + o : nullptr;
+            }
+            for (int c = 0; c < nc; c++) {
+                if (i == 0)  // the scales are read only after the sums: fetched in step with the first rows
+                    for (int l = 0; l < sb; l += 64) {
+                        _mm_prefetch(sd + sb * c + l, _MM_HINT_T0);
+                        if (MIN) _mm_prefetch(sm + sb * c + l, _MM_HINT_T0);
+                    }
+                if (c % 4 == 0) {
+                    for (int r = 0; r < 4; r++) {
+                        _mm_prefetch((const char*)xa[r] + 16 * c + kPrefetchAhead, _MM_HINT_T0);
+                        if (two) _mm_prefetch((const char*)xb[r] + 16 * c + kPrefetchAhead, _MM_HINT_T0);
+                    }
+                    for (const uint8_t* p : nx)
+                        if (p) _mm_prefetch((const char*)p + 16 * c, _MM_HINT_T0);
+                }
+                __m512i lo, hi;
+                __m512i a0 = _mm512_load_si512(acc + 32 * c), a1 = _mm512_load_si512(acc + 32 * c + 16);
+                quad_codes(xa, 16 * (size_t)c, &lo, &hi);
+                a0 = _mm512_dpbusd_epi32(a0, lo, qa);
+                a1 = _mm512_dpbusd_epi32(a1, hi, qa);
+                if (two) {
+                    quad_codes(xb, 16 * (size_t)c, &lo, &hi);
+                    a0 = _mm512_dpbusd_epi32(a0, lo, qb);
+                    a1 = _mm512_dpbusd_epi32(a1, hi, qb);
+                }
+                _mm512_store_si512(acc + 32 * c, a0);
+                _mm512_store_si512(acc + 32 * c + 16, a1);
+            }
+        }
+        const S* d = (const S*)g.d + b0;
+        const S* m = (const S*)g.m + b0;
+        float* yb = y + b0;
+        for (int j = 0; j < 2 * nc; j++) {
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc + 16 * j), centre));
+            __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(scales16(d + 16 * j), vs), v, _mm512_loadu_ps(yb + 16 * j));
+            if (MIN) out = _mm512_fmadd_ps(scales16(m + 16 * j), ms, out);
+            _mm512_storeu_ps(yb + 16 * j, out);
+        }
+    }
+}
+
+template <bool MIN, typename S>
+void axpy_group_avx512vnni(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
+    for (int gi = 0; gi < n_groups; gi++)
+        one_group<MIN, S>(n, y, off, groups[gi], gi + 1 < n_groups ? &groups[gi + 1] : nullptr);
+}
+
+}  // namespace
+
+void fill_sparse_grouped_avx512vnni(KernelTable& t) {
+    t.axpy_group[TYPE_Q4_0] = axpy_group_avx512vnni<false, fp16_t>;
+    t.axpy_group[TYPE_Q4_1] = axpy_group_avx512vnni<true, fp16_t>;
+    t.axpy_group[TYPE_Q4_K] = axpy_group_avx512vnni<true, float>;
+}
+
+}  // namespace optiml
