@@ -17,8 +17,9 @@
 
 namespace optiml {
 
-// Allocations of at least a huge page are aligned to one and advised to use huge pages before any
-// byte is touched (so the first touch faults in whole 2 MiB pages); smaller ones are plain.
+// On Linux, allocations of at least a huge page are aligned to one and advised to use huge pages before
+// any byte is touched (so the first touch faults in whole 2 MiB pages); smaller ones, and every one
+// elsewhere, are plain.
 template <typename T>
 struct HugePageAllocator {
     typedef T value_type;
@@ -30,17 +31,17 @@ struct HugePageAllocator {
 
     T* allocate(size_t n) {
         const size_t bytes = n * sizeof(T);
-        if (bytes < kHugePage) {
-            if (void* p = std::malloc(bytes ? bytes : 1)) return (T*)p;
-            throw std::bad_alloc();
-        }
-        const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-        void* p = std::aligned_alloc(kHugePage, rounded);
-        if (!p) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-        madvise(p, rounded, MADV_HUGEPAGE);  // advice only: without huge pages it stays 4 KiB pages
+        if (bytes >= kHugePage) {
+            const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+            void* p = std::aligned_alloc(kHugePage, rounded);
+            if (!p) throw std::bad_alloc();
+            madvise(p, rounded, MADV_HUGEPAGE);  // advice only: without huge pages it stays 4 KiB pages
+            return (T*)p;
+        }
 #endif
-        return (T*)p;
+        if (void* p = std::malloc(bytes ? bytes : 1)) return (T*)p;
+        throw std::bad_alloc();
     }
     void deallocate(T* p, size_t) { std::free(p); }
 

@@ -22,7 +22,7 @@ namespace optiml {
 // token. rows must lie in [0, W.rows) (checked: ArgumentError); duplicates are allowed but wasteful.
 void matmul_rows(ThreadPool& pool, const KernelTable& kt, const WeightMatrix& W, const int32_t* rows,
                  int64_t n_rows, const float* X, int64_t n_tokens, float* Y);
-// matmul_rows for n_mats (1 to 7) matrices of the same shape and vec_dot_type over the same rows and
+// matmul_rows for n_mats matrices of the same shape and vec_dot_type over the same rows and
 // input, in one job: Ys[m] gets Ws[m]'s rows.
 void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* Ws, float* const* Ys, int n_mats,
                       const int32_t* rows, int64_t n_rows, const float* X, int64_t n_tokens);

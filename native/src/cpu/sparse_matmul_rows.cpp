@@ -42,14 +42,13 @@ void matmul_rows_gate_up(ThreadPool& pool, const KernelTable& kt, const WeightMa
 
 void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* Ws, float* const* Ys, int n_mats,
                       const int32_t* rows, int64_t n_rows, const float* X, int64_t n_tokens) {
-    if (n_mats < 1 || n_mats > 7) throw ArgumentError("matmul_rows_many takes 1 to 7 matrices");
+    if (n_mats < 1) throw ArgumentError("matmul_rows_many: no matrix");
+    for (int m = 0; m < n_mats; m++) check_matmul_args(Ws[m].type, Ws[m].cols);
     const int64_t cols = Ws[0].cols;
     const int32_t xtype = type_traits(Ws[0].type).vec_dot_type;
-    for (int m = 0; m < n_mats; m++) {
-        check_matmul_args(Ws[m].type, Ws[m].cols);
+    for (int m = 1; m < n_mats; m++)
         if (Ws[m].cols != cols || type_traits(Ws[m].type).vec_dot_type != xtype || Ws[m].rows != Ws[0].rows)
             throw ArgumentError("matmul_rows_many: the matrices need the same shape and vec_dot_type");
-    }
     if (n_rows < 0 || n_tokens < 0) throw ArgumentError("matmul_rows: negative row or token count");
     // A bad index would read outside the weights and write outside Y: check them all up front
     // (one compare per row, nothing next to a dot product of a whole row).
