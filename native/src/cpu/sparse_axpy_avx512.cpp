@@ -18,9 +18,10 @@ inline __m512 q8x16(const int8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_
 // too short a stream for the hardware prefetcher to get going on its own.
 template <int M>
 void q8_0_pass(int64_t nb, float* y, const block_q8_0* const* b, const float* a, const block_q8_0* const* nxt,
-               int n_nxt) {
+               int n_nxt, const block_q8_0* const* far, int n_far) {
     for (int64_t j = 0; j < nb; j++) {
         for (int m = 0; m < n_nxt; m++) _mm_prefetch((const char*)(nxt[m] + j), _MM_HINT_T0);
+        for (int m = 0; m < n_far; m++) _mm_prefetch((const char*)(far[m] + j), _MM_HINT_T1);
         float* yj = y + j * OPTIML_QK8_0;
         __m512 y0 = _mm512_loadu_ps(yj), y1 = _mm512_loadu_ps(yj + 16);
         for (int m = 0; m < M; m++) {
@@ -43,14 +44,16 @@ void axpy_q8_0_avx512(int64_t n, float* y, const void* const* w, size_t off, con
     };
     const block_q8_0* b[4];
     const block_q8_0* nxt[4];
+    const block_q8_0* far[4];
     int cur = rows(0, b);
     for (int64_t i = 0; i < k; i += 4) {
         const int n_nxt = rows(i + 4, nxt);
+        const int n_far = rows(i + 8, far);
         switch (cur) {
-            case 4: q8_0_pass<4>(nb, y, b, a + i, nxt, n_nxt); break;
-            case 3: q8_0_pass<3>(nb, y, b, a + i, nxt, n_nxt); break;
-            case 2: q8_0_pass<2>(nb, y, b, a + i, nxt, n_nxt); break;
-            default: q8_0_pass<1>(nb, y, b, a + i, nxt, n_nxt); break;
+            case 4: q8_0_pass<4>(nb, y, b, a + i, nxt, n_nxt, far, n_far); break;
+            case 3: q8_0_pass<3>(nb, y, b, a + i, nxt, n_nxt, far, n_far); break;
+            case 2: q8_0_pass<2>(nb, y, b, a + i, nxt, n_nxt, far, n_far); break;
+            default: q8_0_pass<1>(nb, y, b, a + i, nxt, n_nxt, far, n_far); break;
         }
         for (int m = 0; m < n_nxt; m++) b[m] = nxt[m];
         cur = n_nxt;

@@ -45,10 +45,13 @@ constexpr int64_t kBlock = 2048;  // dimensions whose sums are kept at once (12 
 // nx, nz: the next pair's rows (null at the end), fetched in step: four streams in flight, not two.
 // sd, sm: the block's scales and minimums (null: not this pair), S_BYTES a chunk, fetched in step too:
 // they are read only after the sums, and would otherwise arrive one dependent miss after another.
+// fx, fz: the pair three passes ahead (null: none), fetched into L2 in step: the rows are short streams at
+// random addresses, and one pass of lead does not cover the memory latency.
 template <bool FIRST, int S_BYTES>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uint8_t* z, const uint8_t* nx,
-                                                     const uint8_t* nz, const char* sd, const char* sm, int nc,
-                                                     __m256i qq, __m256i* acc) {
+                                                     const uint8_t* nz, const uint8_t* fx, const uint8_t* fz,
+                                                     const char* sd, const char* sm, int nc, __m256i qq,
+                                                     __m256i* acc) {
     for (int c = 0; c < nc; c++) {
         if (sd)
             for (int l = 0; l < S_BYTES; l += 64) {
@@ -62,6 +65,8 @@ __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uin
                 _mm_prefetch((const char*)nx + 16 * c, _MM_HINT_T0);
                 _mm_prefetch((const char*)nz + 16 * c, _MM_HINT_T0);
             }
+            if (fx) _mm_prefetch((const char*)fx + 16 * c, _MM_HINT_T1);
+            if (fz) _mm_prefetch((const char*)fz + 16 * c, _MM_HINT_T1);
         }
         __m256i lo, hi;
         pair_codes(x + 16 * c, z + 16 * c, &lo, &hi);
@@ -75,7 +80,7 @@ __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uin
 // sequential streams, as the 8-bit kernel reads its rows), the sums in int16 in L1, widened into int32
 // every kPairsPerWiden pairs when there are more; then the block's outputs scaled into y.
 template <bool MIN, typename S>
-void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next) {
+void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next, int n_next) {
     alignas(32) __m256i acc[kBlock / 16];  // int16 sums: dimensions 16j .. 16j + 15
     alignas(32) __m256i t[kBlock / 8];     // int32 sums (more than 2 * kPairsPerWiden rows): 8j .. 8j + 7
     const bool wide = g.k > 2 * kPairsPerWiden;
@@ -101,18 +106,27 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                 if (i + 2 < g.k) {
                     nx = (const uint8_t*)g.w[i + 2] + o;
                     nz = i + 3 < g.k ? (const uint8_t*)g.w[i + 3] + o : nx;
-                } else if (next && next->k > 0) {
+                } else if (n_next > 0 && next->k > 0) {
                     nx = (const uint8_t*)next->w[0] + o;
                     nz = next->k > 1 ? (const uint8_t*)next->w[1] + o : nx;
                 }
+                // Rows i + 8 and i + 9 counted on through the following groups.
+                const uint8_t* f[2] = {nullptr, nullptr};
+                int64_t ahead = i + 8;
+                for (int h = -1, got = 0; h < n_next && got < 2; h++) {
+                    const GroupTerms& gh = h < 0 ? g : next[h];
+                    for (; ahead < gh.k && got < 2; ahead++) f[got++] = (const uint8_t*)gh.w[ahead] + o;
+                    ahead -= gh.k;
+                }
+                const uint8_t *fx = f[0], *fz = f[1];
                 constexpr int sb = 32 * sizeof(S);
                 if (i == 0)
-                    pair_into<true, sb>(x, z, nx, nz, (const char*)((const S*)g.d + b0),
+                    pair_into<true, sb>(x, z, nx, nz, fx, fz, (const char*)((const S*)g.d + b0),
                                         MIN ? (const char*)((const S*)g.m + b0) : nullptr, nc, qq, acc);
                 else if (i == i0)
-                    pair_into<true, sb>(x, z, nx, nz, nullptr, nullptr, nc, qq, acc);
+                    pair_into<true, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nc, qq, acc);
                 else
-                    pair_into<false, sb>(x, z, nx, nz, nullptr, nullptr, nc, qq, acc);
+                    pair_into<false, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nc, qq, acc);
             }
             if (wide)
                 for (int j = 0; j < 2 * nc; j++) {
@@ -139,7 +153,7 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
 template <bool MIN, typename S>
 void axpy_group_avx2(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
     for (int gi = 0; gi < n_groups; gi++)
-        one_group<MIN, S>(n, y, off, groups[gi], gi + 1 < n_groups ? &groups[gi + 1] : nullptr);
+        one_group<MIN, S>(n, y, off, groups[gi], groups + gi + 1, n_groups - gi - 1);
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ inline __m512i quad_rows(const GroupTerms& g, int64_t i, size_t o, const uint8_t
 }
 
 template <bool MIN, typename S>
-void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next) {
+void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next, int n_next) {
     alignas(64) int32_t acc[kBlock];
     const __m512i centre = _mm512_set1_epi32(MIN ? 0 : 8 * g.q_sum);
     const __m512 vs = _mm512_set1_ps(g.s);
@@ -73,15 +73,15 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
             const __m512i qa = quad_rows(g, i, o, xa);
             const bool two = i + 4 < g.k;
             const __m512i qb = two ? quad_rows(g, i + 4, o, xb) : _mm512_setzero_si512();
-            // The rows after these: of this group, or the next group's first (same block of dimensions).
-            const uint8_t* nx[2] = {nullptr, nullptr};
-            if (i + 8 < g.k) {
-                nx[0] = (const uint8_t*)g.w[i + 8] + o;
-                nx[1] = i + 9 < g.k ? (const uint8_t*)g.w[i + 9] + o : nullptr;
-            } else if (next && next->k > 0) {
-                nx[0] = (const uint8_t*)next->w[0] + o;
-                nx[1] = next->k > 1 ? (const uint8_t*)next->w[1] + o : nullptr;
-            }
+            // The sixteen rows after these (of this group, then the next groups' first ones), fetched into L2
+            // a line per row every four chunks: two passes of lead, so their lines arrive long before
+            // they are read, whatever the memory latency (rows are short streams at random addresses,
+            // which the hardware prefetchers learn too late).
+            const uint8_t* nx[16];
+            int n_nx = 0;
+            for (int64_t j = i + 8; j < g.k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)g.w[j] + o;
+            for (int h = 0; h < n_next && n_nx < 16; h++)
+                for (int64_t j = 0; j < next[h].k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)next[h].w[j] + o;
             for (int c = 0; c < nc; c++) {
                 if (i == 0)  // the scales are read only after the sums: fetched in step with the first rows
                     for (int l = 0; l < sb; l += 64) {
@@ -93,8 +93,7 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                         _mm_prefetch((const char*)xa[r] + 16 * c + kPrefetchAhead, _MM_HINT_T0);
                         if (two) _mm_prefetch((const char*)xb[r] + 16 * c + kPrefetchAhead, _MM_HINT_T0);
                     }
-                    for (const uint8_t* p : nx)
-                        if (p) _mm_prefetch((const char*)p + 16 * c, _MM_HINT_T0);
+                    for (int r = 0; r < n_nx; r++) _mm_prefetch((const char*)nx[r] + 16 * c, _MM_HINT_T1);
                 }
                 __m512i lo, hi;
                 __m512i a0 = _mm512_load_si512(acc + 32 * c), a1 = _mm512_load_si512(acc + 32 * c + 16);
@@ -125,7 +124,7 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
 template <bool MIN, typename S>
 void axpy_group_avx512vnni(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
     for (int gi = 0; gi < n_groups; gi++)
-        one_group<MIN, S>(n, y, off, groups[gi], gi + 1 < n_groups ? &groups[gi + 1] : nullptr);
+        one_group<MIN, S>(n, y, off, groups[gi], groups + gi + 1, n_groups - gi - 1);
 }
 
 }  // namespace
