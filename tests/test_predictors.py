@@ -98,6 +98,50 @@ def test_all_active_predictor_equals_dense(relu_model, smollm2_path, tmp_path):
     assert p.sparsity_stats()["skipped"] == 0
 
 
+def _fixed_predictor(model_path, out, active, recorded_share, seed=0):
+    """A predictor marking the same random ``active`` share of each layer's neurons at every token (zero
+    low-rank part, random biases against the threshold); the file says ``recorded_share`` were active on
+    held-out tokens (what Model's down_copy="auto" reads)."""
+    import statistics
+
+    hp = optiml.Model(model_path, n_ctx=64, predictors=None).hparams
+    L, E, F, r = hp["n_layer"], hp["n_embd"], hp["n_ff"], 32
+    t = statistics.NormalDist().inv_cdf(1 - active)
+    res = P.PredictorTraining(np.full(L, r, np.int32), np.full(L, t, np.float32), np.ones(L, np.float32),
+                              np.full(L, recorded_share, np.float32), np.zeros(L, np.float32),
+                              np.zeros(L, np.float32), 0.99, 0, "q8_0")
+    rng = np.random.default_rng(seed)
+    layers = [(np.zeros((r, E), np.float32), np.zeros((F, r), np.float32), rng.standard_normal(F, dtype=np.float32))
+              for _ in range(L)]
+    P._write(out, layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
+    return out
+
+
+def test_predictors_use_the_chosen_down_copy(smollm2_path, tmp_path):
+    """A gated model with predictors and no sparsity criterion: down_copy reaches the engine (8-bit rows
+    or the grouped copy of the file's Q4_1 codes: close, not the same bits), and "auto" takes the grouped
+    copy when the predictors mark at least 40% of the neurons active, the 8-bit rows below that."""
+    few = _fixed_predictor(smollm2_path, str(tmp_path / "few.gguf"), 0.3, 0.3)
+    many = _fixed_predictor(smollm2_path, str(tmp_path / "many.gguf"), 0.3, 0.6)  # same weights
+    ids = optiml.Model(smollm2_path, n_ctx=64, predictors=None).tokenize(shared_eval_text())[:12]
+
+    def steps(pred, copy):
+        m = optiml.Model(smollm2_path, n_ctx=64, n_threads=2, sparsity="none", predictors=pred, down_copy=copy)
+        out = np.stack([m.eval([t]) for t in ids])
+        assert 0.6 < m.sparsity_stats()["skipped"] < 0.8
+        return out
+
+    fast, compact = steps(few, "fast"), steps(few, "compact")
+    assert not np.array_equal(fast, compact)
+    # The same neurons and activations; the grouped copy sums the file's exact weights with each group's
+    # activations rounded to int8, the 8-bit rows round the weights instead. SmolLM2 amplifies such
+    # rounding over its 30 layers to about 0.1 of the largest logit (test_sparse_ffn: each path about
+    # 0.09 from the dense model); a wrong neuron or copy would move logits by their own size.
+    assert float(np.max(np.abs(fast - compact)) / np.max(np.abs(fast))) < 0.15
+    assert np.array_equal(steps(few, "auto"), fast)
+    assert np.array_equal(steps(many, "auto"), compact)
+
+
 def test_predictor_for_another_model_is_refused(relu_model, smollm2_path, gemma3_path, trained, tmp_path):
     _, out = trained
     with pytest.raises(P.PredictorMismatchError, match="trained for another model"):

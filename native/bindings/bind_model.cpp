@@ -343,6 +343,10 @@ void bind_model(nb::module_& m) {
         .def("set_sparsity", &set_sparsity, nb::arg("enabled"), nb::arg("thresholds") = nb::none(),
              nb::arg("on_product") = false, nb::arg("neuron_scale").none() = nb::none(),
              nb::arg("compact_down") = false)
+        .def("set_compact_down", [](PySession& s, bool compact) {
+            nb::gil_scoped_release release;  // may repack the down matrices
+            s.session->set_compact_down(compact);
+        }, nb::arg("compact"))
         .def("sparsity_counts", &sparsity_counts)
         .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
         .def("set_predictors", [](PySession& s, std::optional<std::string> path) {

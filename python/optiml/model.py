@@ -110,8 +110,9 @@ class Model:
         if down_copy not in ("auto", "fast", "compact"):
             raise ArgumentError(f"down_copy must be 'auto', 'fast' or 'compact', not {down_copy!r}")
         self._down_copy = down_copy
-        self.sparsity = "none"
-        self.set_sparsity(sparsity, thresholds)
+        self._predicted_share = None  # of the attached predictors (see _compact_down)
+        # Predictors before the sparsity mode: both need the down copies, and the predictors' share of
+        # active neurons picks which kind (_compact_down), so they are made once.
         self.predictors: str | None = None
         if predictors == "auto":
             from .predictor import default_predictor_path
@@ -121,6 +122,8 @@ class Model:
                 self.set_predictors(beside)
         elif predictors is not None:
             self.set_predictors(predictors)
+        self.sparsity = "none"
+        self.set_sparsity(sparsity, thresholds)
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -195,20 +198,29 @@ class Model:
             chosen, thr = "none", None
         with self._exclusive():
             if chosen == "none":
-                self._session.set_sparsity(False)
+                self._session.set_sparsity(False, compact_down=self._compact_down())
             else:
                 self._session.set_sparsity(True, thr, (criterion or "gate") == "product", scale,
                                            compact_down=self._compact_down())
         self.sparsity = chosen
 
-    def _compact_down(self) -> bool:
+    def _compact_down(self, predicted_share: float | None = None) -> bool:
         """Whether the sparse FFN's neuron-major down copies are compact (grouped: lossless, about the
-        matrix's own size, for Q4_0/Q4_1/Q4_K) rather than fast (8-bit rows: about twice a 4-bit matrix,
-        and 1.5-3x as fast to sum at the 1-10% of active neurons sparse decoding sees; compact wins only
-        around half active: tools/bench_sparse_kernels.py --parts down). "auto": fast while the 8-bit
-        copies take at most half of the memory now available."""
+        matrix's own size, for Q4_0/Q4_1/Q4_K) rather than fast (8-bit rows: about twice a 4-bit matrix).
+        Summing them (tools/bench_sparse_kernels.py --parts down, 7B shapes, 2 threads): fast is 1.8-2x
+        as fast at 10-20% of the neurons, they are even around 40%, and from 50% on compact is 15-20%
+        faster (fast then loses to the dense kernel, compact does not). "auto": compact when the
+        predictors in use (predicted_share: the mean share of neurons they predicted active on held-out
+        tokens, default: those attached) mark at least 40% of a gated FFN's neurons active (a ReLU FFN
+        sums only the predicted neurons that fire: far fewer), or when the 8-bit copies would take more
+        than half of the memory now available; else fast."""
         if self._down_copy != "auto":
             return self._down_copy == "compact"
+        if predicted_share is None:
+            predicted_share = self._predicted_share
+        relu = self.hparams["ffn_act"] in ("relu", "relu2")
+        if predicted_share is not None and not relu and predicted_share >= 0.4:
+            return True
         h = self.hparams
         need = h["n_layer"] * h["n_ff"] * h["n_embd"] * 34 / 32  # Q8_0: 34 bytes per 32 weights
         try:
@@ -225,15 +237,22 @@ class Model:
         from .predictor import check_predictors
 
         if path is None:
+            self._predicted_share = None
             with self._exclusive():
                 self._session.set_predictors(None)
+                self._session.set_compact_down(self._compact_down())
             self.predictors = None
             return
         path = os.fspath(path)
-        check_predictors(path, self.path, self.hparams["ffn_act"])
+        meta = check_predictors(path, self.path, self.hparams["ffn_act"])
+        share = meta.get("optiml.predictor.heldout_predicted")
+        share = float(np.mean(share)) if share is not None and len(share) else None
         with self._exclusive():
+            # The copy the predictors favour first: set_predictors then makes it, and only it.
+            self._session.set_compact_down(self._compact_down(share))
             self._session.set_predictors(path)
         self.predictors = path
+        self._predicted_share = share
 
     def sparsity_stats(self, reset: bool = False) -> dict:
         """Neurons skipped since the model was made (or the last reset=True): per layer and overall

@@ -209,6 +209,9 @@ public:
 
     // Sparse FFN from the next eval on; ArgumentError for thresholds that do not fit the model.
     void set_sparsity(const SparsitySettings& s);
+    // Which neuron-major down copies the sparse FFN uses (SparsitySettings::compact_down), whether or not
+    // a sparsity criterion is set (predictors use them too); made now when either is in use.
+    void set_compact_down(bool compact);
     const SparsitySettings& sparsity() const { return sparsity_; }
     // Per layer: FFN neurons computed and neuron slots seen (tokens x n_ff) since the last reset.
     std::vector<int64_t> ffn_active() const;

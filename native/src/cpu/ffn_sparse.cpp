@@ -30,11 +30,13 @@ const int32_t* union_of_lists(const SparseScratch& ss, int32_t n, int64_t width,
 }
 
 // Below these shares the down projection runs as a sum of neuron columns; above them the dense kernel
-// is faster. One token: compare bytes read; the 8-bit neuron-major rows cost more per neuron than
-// most dense types, and the column sum (int8 -> float conversions, fma per value) streams them at
-// about half the dense kernel's rate (7B shapes, AVX-512), hence 0.5. A batch: dense kernels reuse
-// each weight block across tokens, so sparse must skip most of the work to win.
-constexpr double kSparseDownBytes = 0.5;
+// is faster. One token: compare bytes read, weighed by how fast each kernel streams them (7B shapes,
+// AVX-512, 2 threads, tools/bench_sparse_kernels.py): the 8-bit rows at about the dense kernel's rate,
+// so they win while they are under ~0.85 of the dense bytes (about 45% of the neurons); the grouped
+// rows at about 60-65% of it, with their groups' scales on top, so under ~0.55 (about 60%).
+// A batch: dense kernels reuse each weight block across tokens, so sparse must skip most of the work.
+constexpr double kSparseDownBytes8 = 0.85;
+constexpr double kSparseDownBytesGrouped = 0.55;
 constexpr double kSparseDownBatch = 0.25;
 
 // The down projection of the active neurons (ss: per token ids into the share's rows and activations)
@@ -48,7 +50,8 @@ void down_projection(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
     const NeuronMajor& nm = *share.down_nm;
     const bool has_dense = w.down.present();
     const size_t dense_bytes = has_dense ? row_size(w.down.type, w.down.cols) * (size_t)n_embd : 0;
-    const bool sparse_down = !has_dense || (n == 1 ? (double)total * nm.row_bytes < kSparseDownBytes * dense_bytes
+    const double one_token_limit = (nm.grouped ? kSparseDownBytesGrouped : kSparseDownBytes8) * dense_bytes;
+    const bool sparse_down = !has_dense || (n == 1 ? (double)total * nm.row_bytes < one_token_limit
                                                    : (double)total < kSparseDownBatch * (double)n * n_list);
     if (sparse_down) {
         for (int32_t t = 0; t < n; t++) {

@@ -232,8 +232,13 @@ void Session::set_sparsity(const SparsitySettings& st) {
                                        st.neuron_scale.size(), (long long)hp.n_layer * hp.n_ff));
     }
     sparsity_ = st;
-    if (st.enabled) prepare_sparse();  // the repack happens now, not inside the first token
+    if (st.enabled || predictors_) prepare_sparse();  // the repack happens now, not inside the first token
     reset_sparsity_counts();
+}
+
+void Session::set_compact_down(bool compact) {
+    sparsity_.compact_down = compact;
+    if (sparsity_.enabled || predictors_) prepare_sparse();
 }
 
 // Neuron-major down rows for the neurons the host computes sparsely: all of a layer the host computes
