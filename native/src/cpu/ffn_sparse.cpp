@@ -29,6 +29,24 @@ const int32_t* union_of_lists(const SparseScratch& ss, int32_t n, int64_t width,
     return ss.uni;
 }
 
+// val *= up (plus its bias; clamped at 0 for dReLU) for each token's listed neurons: the activations
+// act(gate) * up once the gate criterion has chosen them and their up rows are in (at their rows of up).
+void times_up(const HParams& hp, const FFNWeights& w, int32_t n, int64_t width, const float* up,
+              const SparseScratch& ss) {
+    const float* ub = w.up_b.present() ? (const float*)w.up_b.data : nullptr;
+    const bool relu_up = hp.ffn_act == FFN_RELU2;
+    for (int32_t t = 0; t < n; t++) {
+        const int32_t* idx = ss.idx + t * width;
+        const float* u = up + t * width;
+        float* val = ss.val + t * width;
+        for (int32_t i = 0; i < ss.count[t]; i++) {
+            float uj = u[idx[i]] + (ub ? ub[idx[i]] : 0.0f);
+            if (relu_up && uj < 0) uj = 0.0f;
+            val[i] *= uj;
+        }
+    }
+}
+
 // Below these shares the down projection runs as a sum of neuron columns; above them the dense kernel
 // is faster. One token: compare bytes read, weighed by how fast each kernel streams them (7B shapes,
 // AVX-512, 2 threads, tools/bench_sparse_kernels.py): the 8-bit rows at about the dense kernel's rate,
@@ -71,10 +89,11 @@ void down_projection(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
 }
 
 // The FFN over the neurons a predictor marks active. 1. z = A x and the scores B z + bias per token
-// (in ss.val); 2. the predicted neurons of each token and their union; 3. gate and up for the union's
-// rows only; 4. per token, its predicted neurons' activations (gathered in place to the front of its
-// gate/up rows: the list is ascending, so entry i is read from position >= i), filtered by the
-// criterion. The caller then runs the down projection.
+// (in ss.val); 2. the predicted neurons of each token and their union; 3. gate (and, with the product
+// criterion, up) for the union's rows only; 4. per token, its predicted neurons' activations (gathered
+// in place to the front of its gate/up rows: the list is ascending, so entry i is read from position
+// >= i), filtered by the criterion; 5. with the gate criterion, up for the neurons it kept. The caller
+// then runs the down projection.
 int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
                       const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s,
                       const SparseScratch& ss) {
@@ -117,15 +136,20 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
     int64_t n_uni = 0;
     const int32_t* uni = union_of_lists(ss, n, width, &n_uni);
 
-    // 3. Gate and up rows of the union.
+    // 3. Gate and up rows of the union. With the gate criterion the up rows wait for it (step 5): only
+    // the neurons it keeps need theirs (ReLU: about half of those predicted). Each row's value is the
+    // same whichever rows are computed beside it (matmul_rows), so the result is too.
+    const bool up_after_gate = !sp.on_product;
     if (n_uni > 0) {
-        matmul_rows_gate_up(pool, kt, w.gate.matrix(), s.gate, w.up.matrix(), s.up, uni, n_uni, xn, n);
+        if (up_after_gate)
+            matmul_rows(pool, kt, w.gate.matrix(), uni, n_uni, xn, n, s.gate);
+        else
+            matmul_rows_gate_up(pool, kt, w.gate.matrix(), s.gate, w.up.matrix(), s.up, uni, n_uni, xn, n);
     }
 
     // 4. Activations and the criterion, token by token.
     const float* gb = w.gate_b.present() ? (const float*)w.gate_b.data : nullptr;
     const float* ub = w.up_b.present() ? (const float*)w.up_b.data : nullptr;
-    const bool relu_up = hp.ffn_act == FFN_RELU2;
     const float threshold = sp.threshold;
     const float* neuron_scale = sp.neuron_scale;
     // Each token keeps its own predicted neurons (computed for the whole batch as the union): the
@@ -138,7 +162,7 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
         for (int64_t i = 0; i < n_own; i++) {
             const int32_t j = idx[i];
             g[i] = g[j] + (gb ? gb[j] : 0.0f);
-            u[i] = u[j] + (ub ? ub[j] : 0.0f);
+            if (!up_after_gate) u[i] = u[j] + (ub ? ub[j] : 0.0f);
         }
         float* val = ss.val + t * width;
         int32_t c = 0;  // idx[c] is rewritten only after idx[i >= c] was read
@@ -156,9 +180,8 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
                 const int32_t j = idx[i];
                 const float m = neuron_scale ? std::fabs(g[i]) * neuron_scale[j] : std::fabs(g[i]);
                 if (m > threshold) {
-                    const float uj = relu_up && u[i] < 0 ? 0.0f : u[i];
                     idx[c] = j;
-                    val[c] = g[i] * uj;
+                    val[c] = g[i];
                     c++;
                 }
             }
@@ -166,6 +189,14 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
         ss.count[t] = c;
     };
     per_token(pool, n, activate);
+
+    // 5. Gate criterion: the up rows of the neurons it kept, and act(gate) * up.
+    if (up_after_gate) {
+        int64_t n_kept = 0;
+        const int32_t* kept = union_of_lists(ss, n, width, &n_kept);
+        if (n_kept > 0) matmul_rows(pool, kt, w.up.matrix(), kept, n_kept, xn, n, s.up);
+        times_up(hp, w, n, width, s.up, ss);
+    }
     return n_uni;
 }
 
@@ -236,18 +267,7 @@ int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, c
         int64_t n_uni = 0;
         const int32_t* uni = union_of_lists(ss, n, width, &n_uni);
         matmul_rows(pool, kt, w.up.matrix(), uni, n_uni, xn, n, s.up);
-        const float* ub = w.up_b.present() ? (const float*)w.up_b.data : nullptr;
-        const bool relu_up = hp.ffn_act == FFN_RELU2;
-        for (int32_t t = 0; t < n; t++) {
-            const int32_t* idx = ss.idx + t * width;
-            float* val = ss.val + t * width;
-            const float* u = s.up + t * width;
-            for (int32_t i = 0; i < ss.count[t]; i++) {
-                float uj = u[idx[i]] + (ub ? ub[idx[i]] : 0.0f);
-                if (relu_up && uj < 0) uj = 0;
-                val[i] *= uj;
-            }
-        }
+        times_up(hp, w, n, width, s.up, ss);
     }
 
     down_projection(pool, kt, hp, share, n, n_list, total, s, ss, y);
