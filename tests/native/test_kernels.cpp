@@ -240,7 +240,7 @@ void test_batched_dots(const KernelTable& t, const KernelTable& ref) {
                 }
                 for (int n_rows : {1, 3, 4, 5, 8, 13, 17}) {
                     // rows in any order, repeats allowed (the row-sparse product passes active rows)
-                    std::vector<const void*> rows(n_rows + 8);
+                    std::vector<const void*> rows(n_rows + kRowsAhead);
                     for (auto& p : rows) p = pool.data() + randint(0, pool_rows - 1) * w_row;
                     std::vector<float> s(n_rows);
                     t.vec_dot_rows[wtype](n, s.data(), rows.data(), xq.data(), n_rows);

@@ -29,11 +29,12 @@ typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
 typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, size_t x_stride);
 // s[r] = dot(rows[r], x) for n_rows weight rows and one activation row: a matrix-vector kernel that
 // shares each activation block across several rows; every s[r] equals what vec_dot gives for that
-// row, bit for bit (same per-row block order, interleaved across rows). rows holds n_rows + 8
-// pointers: the 8 past the end are only prefetched (the rows that come next; repeat the last row
-// when none do). Rows may lie anywhere: the dense product passes consecutive ones, the row-sparse
+// row, bit for bit (same per-row block order, interleaved across rows). rows holds n_rows +
+// kRowsAhead pointers: those past the end are only prefetched (the rows that come next; repeat the
+// last row when none do). Rows may lie anywhere: the dense product passes consecutive ones, the row-sparse
 // product the active ones.
 typedef void (*vec_dot_rows_fn)(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows);
+constexpr int64_t kRowsAhead = 24;
 // s[t * n_rows + r] = dot(rows[r], x_t) for r < n_rows and t < n_tok, x_t = x + t * x_stride bytes:
 // the batched product, in register tiles of several rows and tokens, so that each unpacked weight
 // block serves several tokens and each activation block several rows. Every s[t * n_rows + r]

@@ -58,13 +58,15 @@ inline float hsum_half(__m128 lo, __m128 hi) {
     return _mm_cvtss_f32(s);
 }
 
-template <typename WBlock>
+template <typename WBlock, bool FAR>
 inline void dot_rows8_512(int64_t nb, float* s, const void* const* rows, const typename Q32<WBlock>::X* b) {
     const WBlock* a[8];
     const WBlock* ahead[8];  // the next 8 rows, prefetched in step
+    const WBlock* far[8];    // and, when rows are short (FAR), the 8 two passes after those
     for (int r = 0; r < 8; r++) {
         a[r] = (const WBlock*)rows[r];
         ahead[r] = (const WBlock*)rows[r + 8];
+        far[r] = (const WBlock*)rows[r + 24];
     }
     __m512 acc[4];
     for (int p = 0; p < 4; p++) acc[p] = _mm512_setzero_ps();
@@ -91,6 +93,10 @@ inline void dot_rows8_512(int64_t nb, float* s, const void* const* rows, const t
         for (int p = 0; p < 4; p++) {
             _mm_prefetch((const char*)&ahead[2 * p][i], _MM_HINT_T1);
             _mm_prefetch((const char*)&ahead[2 * p + 1][i], _MM_HINT_T1);
+            if (FAR) {
+                _mm_prefetch((const char*)&far[2 * p][i], _MM_HINT_T1);
+                _mm_prefetch((const char*)&far[2 * p + 1][i], _MM_HINT_T1);
+            }
             const __m512i q = codes_pair(a[2 * p][i], a[2 * p + 1][i]);
             const __m512i pi = _mm512_dpbusd_epi32(negcorr, q, X);
             acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx[p], d8), _mm512_cvtepi32_ps(pi), acc[p]);
@@ -107,7 +113,14 @@ inline void dot_rows8_512(int64_t nb, float* s, const void* const* rows, const t
 template <typename WBlock>
 void vec_dot_rows_512(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
     int64_t r = 0;
-    for (; r + 8 <= n_rows; r += 8) dot_rows8_512<WBlock>(n / 32, s + r, rows + r, (const typename Q32<WBlock>::X*)x);
+    // Short rows (the predictors' n_ff x rank matrices): a pass of 8 is too little lead for the memory
+    // latency, so the rows three passes ahead are fetched too.
+    const bool short_rows = (size_t)(n / 32) * sizeof(WBlock) < 1024;
+    if (short_rows)
+        for (; r + 8 <= n_rows; r += 8)
+            dot_rows8_512<WBlock, true>(n / 32, s + r, rows + r, (const typename Q32<WBlock>::X*)x);
+    for (; r + 8 <= n_rows; r += 8)
+        dot_rows8_512<WBlock, false>(n / 32, s + r, rows + r, (const typename Q32<WBlock>::X*)x);
     if (r < n_rows) vec_dot_rows_32<WBlock>(n, s + r, rows + r, x, n_rows - r);
 }
 

@@ -95,10 +95,10 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
                 // same bits per row as dot).
                 float* out = y[m];
                 float s[64];
-                const void* rows[64 + 8];
+                const void* rows[64 + kRowsAhead];
                 for (int64_t rb = r0; rb < r1; rb += 64) {
                     const int64_t nr = r1 - rb < 64 ? r1 - rb : 64;
-                    for (int64_t k = 0; k < nr + 8; k++) {
+                    for (int64_t k = 0; k < nr + kRowsAhead; k++) {
                         const int64_t r = rb + k < W.rows ? rb + k : W.rows - 1;
                         rows[k] = wbase + r * w_row;
                     }

@@ -95,10 +95,10 @@ void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatri
             if (n_tokens == 1 && dot_rows) {
                 // One token: the multi-row kernel over the listed rows, 64 at a time (the same bits).
                 float s[64];
-                const void* ptrs[64 + 8];
+                const void* ptrs[64 + kRowsAhead];
                 for (int64_t ib = i0; ib < i1; ib += 64) {
                     const int64_t nr = i1 - ib < 64 ? i1 - ib : 64;
-                    for (int64_t k = 0; k < nr + 8; k++)
+                    for (int64_t k = 0; k < nr + kRowsAhead; k++)
                         ptrs[k] = wbase + (int64_t)rows[ib + k < n_rows ? ib + k : n_rows - 1] * w_row;
                     dot_rows(cols, s, ptrs, xbase, nr);
                     for (int64_t k = 0; k < nr; k++) Y[rows[ib + k]] = s[k];
