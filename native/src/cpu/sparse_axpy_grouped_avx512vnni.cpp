@@ -54,49 +54,77 @@ inline __m512i quad_rows(const GroupTerms& g, int64_t i, size_t o, const uint8_t
     return _mm512_set1_epi32((int32_t)q);
 }
 
+// The float step of 16 outputs from their integer sums t (contract: kernels.h).
+template <bool MIN, typename S>
+__attribute__((always_inline)) inline void scale_into(float* y, __m512i t, const S* d, const S* m, __m512i centre,
+                                                      __m512 vs, __m512 ms) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(t, centre));
+    __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(scales16(d), vs), v, _mm512_loadu_ps(y));
+    if (MIN) out = _mm512_fmadd_ps(scales16(m), ms, out);
+    _mm512_storeu_ps(y, out);
+}
+
 template <bool MIN, typename S>
 void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next, int n_next) {
-    alignas(64) int32_t acc[kBlock];
+    alignas(64) int32_t acc[kBlock];  // sums between passes (groups of more than 8 rows)
     const __m512i centre = _mm512_set1_epi32(MIN ? 0 : 8 * g.q_sum);
     const __m512 vs = _mm512_set1_ps(g.s);
     const __m512 ms = _mm512_set1_ps(g.s * (float)g.q_sum);
     constexpr int sb = 32 * sizeof(S);  // scale bytes of a chunk
+    constexpr int kScaleAhead = 8;      // chunks: the scales are read in the last pass, fetched this far ahead
     for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
         const int nc = (int)((n - b0 < kBlock ? n - b0 : kBlock) / 32);
         const size_t o = off + (size_t)b0 / 2;
-        const char* sd = (const char*)((const S*)g.d + b0);
-        const char* sm = MIN ? (const char*)((const S*)g.m + b0) : nullptr;
-        for (int j = 0; j < 2 * nc; j++) _mm512_store_si512(acc + 16 * j, _mm512_setzero_si512());
+        const S* d = (const S*)g.d + b0;
+        const S* m = MIN ? (const S*)g.m + b0 : nullptr;
+        float* yb = y + b0;
+        if (MIN)  // the first chunks' scales; the loop fetches the rest ahead
+            for (int l = 0; l < sb * kScaleAhead && l < sb * nc; l += 64) {
+                _mm_prefetch((const char*)d + l, _MM_HINT_T0);
+                _mm_prefetch((const char*)m + l, _MM_HINT_T0);
+            }
+        else
+            for (int l = 0; l < sb * kScaleAhead && l < sb * nc; l += 64) _mm_prefetch((const char*)d + l, _MM_HINT_T0);
+        if (g.k == 0)  // sums of zero, still scaled in (the contract's centring term)
+            for (int j = 0; j < 2 * nc; j++)
+                scale_into<MIN, S>(yb + 16 * j, _mm512_setzero_si512(), d + 16 * j, MIN ? m + 16 * j : nullptr, centre,
+                                   vs, ms);
+        // Passes of eight rows. The first starts the sums from zero, the last scales them straight into y:
+        // a group of at most eight rows (most of them at high sparsity) never touches acc.
         for (int64_t i = 0; i < g.k; i += 8) {
+            const bool first = i == 0, last = i + 8 >= g.k;
             const uint8_t* xa[4];
             const uint8_t* xb[4];
             const __m512i qa = quad_rows(g, i, o, xa);
             const bool two = i + 4 < g.k;
             const __m512i qb = two ? quad_rows(g, i + 4, o, xb) : _mm512_setzero_si512();
-            // The sixteen rows after these (of this group, then the next groups' first ones), fetched into L2
-            // a line per row every four chunks: two passes of lead, so their lines arrive long before
+            // The sixteen rows after these (of this group, then the next groups' first ones), fetched into
+            // L2 a line per row every four chunks: two passes of lead, so their lines arrive long before
             // they are read, whatever the memory latency (rows are short streams at random addresses,
-            // which the hardware prefetchers learn too late).
+            // which the hardware prefetchers learn too late). Missing ones repeat the last (no branches
+            // in the loop).
             const uint8_t* nx[16];
             int n_nx = 0;
             for (int64_t j = i + 8; j < g.k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)g.w[j] + o;
             for (int h = 0; h < n_next && n_nx < 16; h++)
                 for (int64_t j = 0; j < next[h].k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)next[h].w[j] + o;
+            for (int r = n_nx; r < 16; r++) nx[r] = n_nx ? nx[n_nx - 1] : xa[0];
             for (int c = 0; c < nc; c++) {
-                if (i == 0)  // the scales are read only after the sums: fetched in step with the first rows
+                if (last && c + kScaleAhead < nc)
                     for (int l = 0; l < sb; l += 64) {
-                        _mm_prefetch(sd + sb * c + l, _MM_HINT_T0);
-                        if (MIN) _mm_prefetch(sm + sb * c + l, _MM_HINT_T0);
+                        _mm_prefetch((const char*)d + sb * (c + kScaleAhead) + l, _MM_HINT_T0);
+                        if (MIN) _mm_prefetch((const char*)m + sb * (c + kScaleAhead) + l, _MM_HINT_T0);
                     }
                 if (c % 4 == 0) {
                     for (int r = 0; r < 4; r++) {
                         _mm_prefetch((const char*)xa[r] + 16 * c + kPrefetchAhead, _MM_HINT_T0);
                         if (two) _mm_prefetch((const char*)xb[r] + 16 * c + kPrefetchAhead, _MM_HINT_T0);
                     }
-                    for (int r = 0; r < n_nx; r++) _mm_prefetch((const char*)nx[r] + 16 * c, _MM_HINT_T1);
+                    for (int r = 0; r < 16; r++) _mm_prefetch((const char*)nx[r] + 16 * c, _MM_HINT_T1);
                 }
                 __m512i lo, hi;
-                __m512i a0 = _mm512_load_si512(acc + 32 * c), a1 = _mm512_load_si512(acc + 32 * c + 16);
+                __m512i a0 = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + 32 * c);
+                __m512i a1 = first ? _mm512_setzero_si512() : _mm512_load_si512(acc + 32 * c + 16);
                 quad_codes(xa, 16 * (size_t)c, &lo, &hi);
                 a0 = _mm512_dpbusd_epi32(a0, lo, qa);
                 a1 = _mm512_dpbusd_epi32(a1, hi, qa);
@@ -105,18 +133,15 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                     a0 = _mm512_dpbusd_epi32(a0, lo, qb);
                     a1 = _mm512_dpbusd_epi32(a1, hi, qb);
                 }
-                _mm512_store_si512(acc + 32 * c, a0);
-                _mm512_store_si512(acc + 32 * c + 16, a1);
+                if (last) {
+                    scale_into<MIN, S>(yb + 32 * c, a0, d + 32 * c, MIN ? m + 32 * c : nullptr, centre, vs, ms);
+                    scale_into<MIN, S>(yb + 32 * c + 16, a1, d + 32 * c + 16, MIN ? m + 32 * c + 16 : nullptr, centre,
+                                       vs, ms);
+                } else {
+                    _mm512_store_si512(acc + 32 * c, a0);
+                    _mm512_store_si512(acc + 32 * c + 16, a1);
+                }
             }
-        }
-        const S* d = (const S*)g.d + b0;
-        const S* m = (const S*)g.m + b0;
-        float* yb = y + b0;
-        for (int j = 0; j < 2 * nc; j++) {
-            const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc + 16 * j), centre));
-            __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(scales16(d + 16 * j), vs), v, _mm512_loadu_ps(yb + 16 * j));
-            if (MIN) out = _mm512_fmadd_ps(scales16(m + 16 * j), ms, out);
-            _mm512_storeu_ps(yb + 16 * j, out);
         }
     }
 }
