@@ -207,9 +207,10 @@ class Model:
     def _compact_down(self, predicted_share: float | None = None) -> bool:
         """Whether the sparse FFN's neuron-major down copies are compact (grouped: lossless, about the
         matrix's own size, for Q4_0/Q4_1/Q4_K) rather than fast (8-bit rows: about twice a 4-bit matrix).
-        Summing them (tools/bench_sparse_kernels.py --parts down, 7B shapes, 2 threads): fast is 1.8-2x
-        as fast at 10-20% of the neurons, they are even around 40%, and from 50% on compact is 15-20%
-        faster (fast then loses to the dense kernel, compact does not). "auto": compact when the
+        Summing them (tools/bench_sparse_kernels.py --parts down, 7B shapes, 2 threads, AVX-512): fast
+        takes 0.5x compact's time at 5% of the neurons, 0.65x at 10%, 0.85x at 20%; compact is 10-25%
+        faster at 40%, 20-25% at 50% (where fast loses to the dense kernel, compact does not). Compact
+        is also the smaller copy, so the crossover is put at 40%. "auto": compact when the
         predictors in use (predicted_share: the mean share of neurons they predicted active on held-out
         tokens, default: those attached) mark at least 40% of a gated FFN's neurons active (a ReLU FFN
         sums only the predicted neurons that fire: far fewer), or when the 8-bit copies would take more
