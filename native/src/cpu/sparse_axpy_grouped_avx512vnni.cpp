@@ -109,7 +109,15 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
             for (int h = 0; h < n_next && n_nx < 16; h++)
                 for (int64_t j = 0; j < next[h].k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)next[h].w[j] + o;
             for (int r = n_nx; r < 16; r++) nx[r] = n_nx ? nx[n_nx - 1] : xa[0];
+            // The next group's scales (and minimums) of this block, into L2 during this group's first pass.
+            const char* nd = first && n_next > 0 ? (const char*)((const S*)next[0].d + b0) : nullptr;
+            const char* nm = MIN && nd ? (const char*)((const S*)next[0].m + b0) : nullptr;
             for (int c = 0; c < nc; c++) {
+                if (nd)
+                    for (int l = 0; l < sb; l += 64) {
+                        _mm_prefetch(nd + sb * c + l, _MM_HINT_T1);
+                        if (MIN) _mm_prefetch(nm + sb * c + l, _MM_HINT_T1);
+                    }
                 if (last && c + kScaleAhead < nc)
                     for (int l = 0; l < sb; l += 64) {
                         _mm_prefetch((const char*)d + sb * (c + kScaleAhead) + l, _MM_HINT_T0);
