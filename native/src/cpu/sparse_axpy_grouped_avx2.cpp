@@ -47,16 +47,19 @@ constexpr int64_t kBlock = 2048;  // dimensions whose sums are kept at once (12 
 // they are read only after the sums, and would otherwise arrive one dependent miss after another.
 // fx, fz: the pair three passes ahead (null: none), fetched into L2 in step: the rows are short streams at
 // random addresses, and one pass of lead does not cover the memory latency.
+// nsd, nsm: the next group's scales and minimums (null: none), fetched into L2 in step (with sd).
 template <bool FIRST, int S_BYTES>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uint8_t* z, const uint8_t* nx,
                                                      const uint8_t* nz, const uint8_t* fx, const uint8_t* fz,
-                                                     const char* sd, const char* sm, int nc, __m256i qq,
-                                                     __m256i* acc) {
+                                                     const char* sd, const char* sm, const char* nsd,
+                                                     const char* nsm, int nc, __m256i qq, __m256i* acc) {
     for (int c = 0; c < nc; c++) {
         if (sd)
             for (int l = 0; l < S_BYTES; l += 64) {
                 _mm_prefetch(sd + S_BYTES * c + l, _MM_HINT_T0);
                 if (sm) _mm_prefetch(sm + S_BYTES * c + l, _MM_HINT_T0);
+                if (nsd) _mm_prefetch(nsd + S_BYTES * c + l, _MM_HINT_T1);
+                if (nsm) _mm_prefetch(nsm + S_BYTES * c + l, _MM_HINT_T1);
             }
         if (c % 4 == 0) {
             _mm_prefetch((const char*)x + 16 * c + kPrefetchAhead, _MM_HINT_T0);
@@ -120,13 +123,15 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                 }
                 const uint8_t *fx = f[0], *fz = f[1];
                 constexpr int sb = 32 * sizeof(S);
+                const char* nsd = n_next > 0 ? (const char*)((const S*)next->d + b0) : nullptr;
+                const char* nsm = MIN && n_next > 0 ? (const char*)((const S*)next->m + b0) : nullptr;
                 if (i == 0)
                     pair_into<true, sb>(x, z, nx, nz, fx, fz, (const char*)((const S*)g.d + b0),
-                                        MIN ? (const char*)((const S*)g.m + b0) : nullptr, nc, qq, acc);
+                                        MIN ? (const char*)((const S*)g.m + b0) : nullptr, nsd, nsm, nc, qq, acc);
                 else if (i == i0)
-                    pair_into<true, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nc, qq, acc);
+                    pair_into<true, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nullptr, nullptr, nc, qq, acc);
                 else
-                    pair_into<false, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nc, qq, acc);
+                    pair_into<false, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nullptr, nullptr, nc, qq, acc);
             }
             if (wide)
                 for (int j = 0; j < 2 * nc; j++) {
