@@ -40,19 +40,45 @@ __attribute__((always_inline)) inline void pair_codes(const uint8_t* x, const ui
 
 constexpr int64_t kBlock = 2048;  // dimensions whose sums are kept at once (12 KiB of int16 + int32)
 
+// The float step of a block's outputs (contract: kernels.h): y, the scales d and minimums m of its first
+// dimension, and the group's constants.
+template <typename S>
+struct ScaleInto {
+    float* y;
+    const S* d;
+    const S* m;  // null without minimums
+    __m256i centre;
+    __m256 vs, ms;
+    // Outputs 8j .. 8j + 7 from their int32 sums.
+    __attribute__((always_inline)) void put(int j, __m256i t) const {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(t, centre));
+        __m256 out = _mm256_fmadd_ps(_mm256_mul_ps(scales8(d + 8 * j), vs), v, _mm256_loadu_ps(y + 8 * j));
+        if (m) out = _mm256_fmadd_ps(scales8(m + 8 * j), ms, out);
+        _mm256_storeu_ps(y + 8 * j, out);
+    }
+    // Outputs 16j .. 16j + 15 from their int16 sums.
+    __attribute__((always_inline)) void put16(int j, __m256i t16) const {
+        put(2 * j, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(t16)));
+        put(2 * j + 1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(t16, 1)));
+    }
+};
+
 // One pair of rows (x, z: the chunks of the block, at their byte offset) times (q_x, q_z) into the
-// block's int16 sums; FIRST: the pair starts the sums.
+// block's int16 sums; FIRST: the pair starts the sums; LAST: the group's last pair, its sums (whole in
+// int16: at most 2 * kPairsPerWiden rows) scaled straight into y through out, never stored.
 // nx, nz: the next pair's rows (null at the end), fetched in step: four streams in flight, not two.
 // sd, sm: the block's scales and minimums (null: not this pair), S_BYTES a chunk, fetched in step too:
 // they are read only after the sums, and would otherwise arrive one dependent miss after another.
 // fx, fz: the pair three passes ahead (null: none), fetched into L2 in step: the rows are short streams at
 // random addresses, and one pass of lead does not cover the memory latency.
 // nsd, nsm: the next group's scales and minimums (null: none), fetched into L2 in step (with sd).
-template <bool FIRST, int S_BYTES>
+template <bool FIRST, bool LAST, typename S>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uint8_t* z, const uint8_t* nx,
                                                      const uint8_t* nz, const uint8_t* fx, const uint8_t* fz,
                                                      const char* sd, const char* sm, const char* nsd,
-                                                     const char* nsm, int nc, __m256i qq, __m256i* acc) {
+                                                     const char* nsm, int nc, __m256i qq, __m256i* acc,
+                                                     const ScaleInto<S>& out) {
+    constexpr int S_BYTES = 32 * sizeof(S);
     for (int c = 0; c < nc; c++) {
         if (sd)
             for (int l = 0; l < S_BYTES; l += 64) {
@@ -74,14 +100,23 @@ __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uin
         __m256i lo, hi;
         pair_codes(x + 16 * c, z + 16 * c, &lo, &hi);
         const __m256i plo = _mm256_maddubs_epi16(lo, qq), phi = _mm256_maddubs_epi16(hi, qq);
-        acc[2 * c] = FIRST ? plo : _mm256_add_epi16(acc[2 * c], plo);
-        acc[2 * c + 1] = FIRST ? phi : _mm256_add_epi16(acc[2 * c + 1], phi);
+        const __m256i slo = FIRST ? plo : _mm256_add_epi16(acc[2 * c], plo);
+        const __m256i shi = FIRST ? phi : _mm256_add_epi16(acc[2 * c + 1], phi);
+        if (LAST) {
+            out.put16(2 * c, slo);
+            out.put16(2 * c + 1, shi);
+        } else {
+            acc[2 * c] = slo;
+            acc[2 * c + 1] = shi;
+        }
     }
 }
 
 // One group: pair by pair, each pair's two rows read front to back over a block of dimensions (two
 // sequential streams, as the 8-bit kernel reads its rows), the sums in int16 in L1, widened into int32
-// every kPairsPerWiden pairs when there are more; then the block's outputs scaled into y.
+// every kPairsPerWiden pairs when there are more; then the block's outputs scaled into y: by the last
+// pair itself when the int16 sums are whole (at most 2 * kPairsPerWiden rows, every group at the
+// sparsities decoding sees), after the widened sums otherwise.
 template <bool MIN, typename S>
 void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const GroupTerms* next, int n_next) {
     alignas(32) __m256i acc[kBlock / 16];  // int16 sums: dimensions 16j .. 16j + 15
@@ -93,8 +128,7 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
     for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
         const int nc = (int)((n - b0 < kBlock ? n - b0 : kBlock) / 32);
         const size_t o = off + (size_t)b0 / 2;
-        if (g.k == 0)  // no rows: sums of zero (the first pair starts them otherwise)
-            for (int j = 0; j < 2 * nc; j++) acc[j] = _mm256_setzero_si256();
+        const ScaleInto<S> out = {y + b0, (const S*)g.d + b0, MIN ? (const S*)g.m + b0 : nullptr, centre, vs, ms};
         for (int64_t i0 = 0; i0 < g.k; i0 += 2 * kPairsPerWiden) {
             const int64_t i1 = i0 + 2 * kPairsPerWiden < g.k ? i0 + 2 * kPairsPerWiden : g.k;
             for (int64_t i = i0; i < i1; i += 2) {
@@ -122,16 +156,21 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                     ahead -= gh.k;
                 }
                 const uint8_t *fx = f[0], *fz = f[1];
-                constexpr int sb = 32 * sizeof(S);
                 const char* nsd = n_next > 0 ? (const char*)((const S*)next->d + b0) : nullptr;
                 const char* nsm = MIN && n_next > 0 ? (const char*)((const S*)next->m + b0) : nullptr;
-                if (i == 0)
-                    pair_into<true, sb>(x, z, nx, nz, fx, fz, (const char*)((const S*)g.d + b0),
-                                        MIN ? (const char*)((const S*)g.m + b0) : nullptr, nsd, nsm, nc, qq, acc);
+                const char* sd = i == 0 ? (const char*)((const S*)g.d + b0) : nullptr;
+                const char* sm = MIN && i == 0 ? (const char*)((const S*)g.m + b0) : nullptr;
+                if (i > 0) nsd = nsm = nullptr;
+                // Up to 2 * kPairsPerWiden rows the group's last pair scales its sums straight into y.
+                const bool last = !wide && i + 2 >= g.k;
+                if (i == i0 && last)
+                    pair_into<true, true>(x, z, nx, nz, fx, fz, sd, sm, nsd, nsm, nc, qq, acc, out);
                 else if (i == i0)
-                    pair_into<true, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nullptr, nullptr, nc, qq, acc);
+                    pair_into<true, false>(x, z, nx, nz, fx, fz, sd, sm, nsd, nsm, nc, qq, acc, out);
+                else if (last)
+                    pair_into<false, true>(x, z, nx, nz, fx, fz, sd, sm, nsd, nsm, nc, qq, acc, out);
                 else
-                    pair_into<false, sb>(x, z, nx, nz, fx, fz, nullptr, nullptr, nullptr, nullptr, nc, qq, acc);
+                    pair_into<false, false>(x, z, nx, nz, fx, fz, sd, sm, nsd, nsm, nc, qq, acc, out);
             }
             if (wide)
                 for (int j = 0; j < 2 * nc; j++) {
@@ -141,17 +180,10 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                     t[2 * j + 1] = i0 == 0 ? hi : _mm256_add_epi32(t[2 * j + 1], hi);
                 }
         }
-        const S* d = (const S*)g.d + b0;
-        const S* m = (const S*)g.m + b0;
-        float* yb = y + b0;
-        for (int j = 0; j < 4 * nc; j++) {
-            const __m256i tj = wide ? t[j] : _mm256_cvtepi16_epi32(j % 2 ? _mm256_extracti128_si256(acc[j / 2], 1)
-                                                                         : _mm256_castsi256_si128(acc[j / 2]));
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(tj, centre));
-            __m256 out = _mm256_fmadd_ps(_mm256_mul_ps(scales8(d + 8 * j), vs), v, _mm256_loadu_ps(yb + 8 * j));
-            if (MIN) out = _mm256_fmadd_ps(scales8(m + 8 * j), ms, out);
-            _mm256_storeu_ps(yb + 8 * j, out);
-        }
+        if (wide)
+            for (int j = 0; j < 4 * nc; j++) out.put(j, t[j]);
+        else if (g.k == 0)
+            for (int j = 0; j < 2 * nc; j++) out.put16(j, _mm256_setzero_si256());
     }
 }
 
