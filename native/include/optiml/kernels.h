@@ -72,6 +72,18 @@ struct GroupTerms {
     const void* m;  // the minimums (Q4_1, Q4_K), else null
 };
 typedef void (*axpy_group_fn)(int64_t n, float* y, size_t w_offset, const GroupTerms* groups, int n_groups);
+// Up to max_rows row pointers (at byte offset off) from row `from` of g on, counted on through the
+// groups after it (next[0 .. n_next)): the rows a kernel reads later, to prefetch. Returns how many.
+inline int group_rows_ahead(const GroupTerms& g, const GroupTerms* next, int n_next, int64_t from, size_t off,
+                            const uint8_t** out, int max_rows) {
+    int got = 0;
+    for (int h = -1; h < n_next && got < max_rows; h++) {
+        const GroupTerms& gh = h < 0 ? g : next[h];
+        for (; from < gh.k && got < max_rows; from++) out[got++] = (const uint8_t*)gh.w[from] + off;
+        from = from > gh.k ? from - gh.k : 0;
+    }
+    return got;
+}
 // The most groups one axpy_group call takes (a kernel may keep y in registers across them).
 constexpr int kGroupsPerCall = 4;
 // The most rows one axpy_group call sums: |t[r]| <= 15 * 127 * 1024 < 2^24.

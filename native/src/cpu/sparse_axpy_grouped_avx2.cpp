@@ -138,29 +138,21 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
                 const uint8_t* z = two ? (const uint8_t*)g.w[i + 1] + o : x;
                 const uint16_t qz = two ? (uint8_t)g.q[i + 1] : 0;
                 const __m256i qq = _mm256_set1_epi16((int16_t)((uint8_t)g.q[i] | qz << 8));
-                // The next pair: of this group, or the next group's first (same block of dimensions).
-                const uint8_t *nx = nullptr, *nz = nullptr;
-                if (i + 2 < g.k) {
-                    nx = (const uint8_t*)g.w[i + 2] + o;
-                    nz = i + 3 < g.k ? (const uint8_t*)g.w[i + 3] + o : nx;
-                } else if (n_next > 0 && next->k > 0) {
-                    nx = (const uint8_t*)next->w[0] + o;
-                    nz = next->k > 1 ? (const uint8_t*)next->w[1] + o : nx;
-                }
-                // Rows i + 8 and i + 9 counted on through the following groups.
+                // The next pair (rows i + 2, i + 3) and the pair three passes ahead (i + 8, i + 9), of this
+                // group or the following ones (same block of dimensions); a missing second row repeats the
+                // first.
+                const uint8_t* nxt[2] = {nullptr, nullptr};
                 const uint8_t* f[2] = {nullptr, nullptr};
-                int64_t ahead = i + 8;
-                for (int h = -1, got = 0; h < n_next && got < 2; h++) {
-                    const GroupTerms& gh = h < 0 ? g : next[h];
-                    for (; ahead < gh.k && got < 2; ahead++) f[got++] = (const uint8_t*)gh.w[ahead] + o;
-                    ahead -= gh.k;
-                }
-                const uint8_t *fx = f[0], *fz = f[1];
-                const char* nsd = n_next > 0 ? (const char*)((const S*)next->d + b0) : nullptr;
-                const char* nsm = MIN && n_next > 0 ? (const char*)((const S*)next->m + b0) : nullptr;
-                const char* sd = i == 0 ? (const char*)((const S*)g.d + b0) : nullptr;
-                const char* sm = MIN && i == 0 ? (const char*)((const S*)g.m + b0) : nullptr;
-                if (i > 0) nsd = nsm = nullptr;
+                if (group_rows_ahead(g, next, n_next, i + 2, o, nxt, 2) == 1) nxt[1] = nxt[0];
+                group_rows_ahead(g, next, n_next, i + 8, o, f, 2);
+                const uint8_t *nx = nxt[0], *nz = nxt[1], *fx = f[0], *fz = f[1];
+                // The group's scales, and the next group's, fetched during its first pair.
+                const bool scales = i == 0;
+                const bool next_scales = scales && n_next > 0;
+                const char* sd = scales ? (const char*)((const S*)g.d + b0) : nullptr;
+                const char* sm = MIN && scales ? (const char*)((const S*)g.m + b0) : nullptr;
+                const char* nsd = next_scales ? (const char*)((const S*)next->d + b0) : nullptr;
+                const char* nsm = MIN && next_scales ? (const char*)((const S*)next->m + b0) : nullptr;
                 // Up to 2 * kPairsPerWiden rows the group's last pair scales its sums straight into y.
                 const bool last = !wide && i + 2 >= g.k;
                 if (i == i0 && last)

@@ -78,13 +78,10 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
         const S* d = (const S*)g.d + b0;
         const S* m = MIN ? (const S*)g.m + b0 : nullptr;
         float* yb = y + b0;
-        if (MIN)  // the first chunks' scales; the loop fetches the rest ahead
-            for (int l = 0; l < sb * kScaleAhead && l < sb * nc; l += 64) {
-                _mm_prefetch((const char*)d + l, _MM_HINT_T0);
-                _mm_prefetch((const char*)m + l, _MM_HINT_T0);
-            }
-        else
-            for (int l = 0; l < sb * kScaleAhead && l < sb * nc; l += 64) _mm_prefetch((const char*)d + l, _MM_HINT_T0);
+        for (int l = 0; l < sb * kScaleAhead && l < sb * nc; l += 64) {  // the first chunks' scales; the
+            _mm_prefetch((const char*)d + l, _MM_HINT_T0);                 // loop fetches the rest ahead
+            if (MIN) _mm_prefetch((const char*)m + l, _MM_HINT_T0);
+        }
         if (g.k == 0)  // sums of zero, still scaled in (the contract's centring term)
             for (int j = 0; j < 2 * nc; j++)
                 scale_into<MIN, S>(yb + 16 * j, _mm512_setzero_si512(), d + 16 * j, MIN ? m + 16 * j : nullptr, centre,
@@ -104,10 +101,7 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
             // which the hardware prefetchers learn too late). Missing ones repeat the last (no branches
             // in the loop).
             const uint8_t* nx[16];
-            int n_nx = 0;
-            for (int64_t j = i + 8; j < g.k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)g.w[j] + o;
-            for (int h = 0; h < n_next && n_nx < 16; h++)
-                for (int64_t j = 0; j < next[h].k && n_nx < 16; j++) nx[n_nx++] = (const uint8_t*)next[h].w[j] + o;
+            const int n_nx = group_rows_ahead(g, next, n_next, i + 8, o, nx, 16);
             for (int r = n_nx; r < 16; r++) nx[r] = n_nx ? nx[n_nx - 1] : xa[0];
             // The next group's scales (and minimums) of this block, into L2 during this group's first pass.
             const char* nd = first && n_next > 0 ? (const char*)((const S*)next[0].d + b0) : nullptr;
