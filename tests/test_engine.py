@@ -315,7 +315,10 @@ def test_large_heads_match_llama_cpp(tmp_path, shape):
     theirs = np.asarray(peer.scores[: len(ids)], dtype=np.float32)
     del peer
     # Same quantized arithmetic (Q8_0 weights, 8-bit activations, F16 KV): the distributions agree closely.
-    assert kl(theirs, ours) < 2e-3
+    # Not bit for bit: our 32-element-block products sum each block's integers exactly before scaling
+    # (simd_q32.h), llama.cpp's keep 8 float lanes; 8-bit activations turn that last-bit difference into
+    # a KL of 3.0e-3 on these random weights (7e-4 when both summed in llama.cpp's order).
+    assert kl(theirs, ours) < 6e-3
     assert np.abs(ours - theirs).max() <= 0.05 * np.abs(theirs).max()
 
 

@@ -28,12 +28,12 @@ def model_path(tmp_path_factory):
 
 
 def test_split_layers_overlap_on_the_second_device(model_path):
-    # 128-token steps: each share's FFN takes several milliseconds, longer than the OS's time slice, so
+    # 256-token steps: each share's FFN takes several milliseconds, longer than the OS's time slice, so
     # the two are seen in flight together even where the machine has one free core for both threads (as
     # under the test suite's parallel workers); with two free cores they run in parallel.
-    with optiml.Model(model_path, n_ctx=512, n_threads=1, device="cpu:1", gpu_neurons=1024) as m:
+    with optiml.Model(model_path, n_ctx=1024, n_threads=1, device="cpu:1", gpu_neurons=1024) as m:
         assert all(0 < layer["ffn_on_device"] < 2048 for layer in m.plan.layers)
-        t = m.timeline(3, batch=128)
+        t = m.timeline(3, batch=256)
     assert t.devices == ("cpu", "cpu:1") and t.n_tokens == 3
     layers = [r for r in t.layers() if r.layer >= 0]
     assert [r.layer for r in layers] == [0, 1, 2, 3]

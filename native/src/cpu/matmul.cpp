@@ -67,6 +67,7 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     int64_t chunk = total_rows / (nth * 8);
     if (chunk < 16) chunk = 16;
     if (n_tokens > 1 && chunk > 64) chunk = 64;  // the batch path below holds 64 rows at most
+    chunk = (chunk + 7) / 8 * 8;  // whole 8-row tiles: a matrix's last rows are its only remainder
     int64_t chunk_start[8];  // first global chunk index of each matrix (n_mats is small)
     if (n_mats > 7) throw ArgumentError("matmul_many takes at most 7 matrices");
     int64_t n_chunks = 0;

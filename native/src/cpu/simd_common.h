@@ -7,36 +7,43 @@
 #include "simd_convert.h"
 #include "simd_float.h"
 #include "simd_gemm.h"
+#include "simd_gemm_q32.h"
 #include "simd_kquants.h"
 #include "simd_q32.h"
 
 namespace optiml {
 namespace {
 
-// Tile sizes (rows x tokens) of the batched product: 4 x 4 for the 32-element formats, 2 x 4 for the
-// k-quants (whose tile keeps 8 integer sums and 4 activation chunks in registers). Chosen with
-// llvm-mca for Zen 3 among 2..4 x 2..6 for the 16 vector registers of AVX2 (the AVX-512 files use
-// them as they are; with 32 registers larger tiles may do better, unmeasured).
-constexpr int kQ32Rows = 4, kQ32Tokens = 4, kKRows = 2, kKTokens = 4;
+// Tile sizes (rows x tokens) of the k-quants' batched product: 2 x 4 (the tile keeps 8 integer sums
+// and 4 activation chunks in registers), chosen with llvm-mca for Zen 3 among 2..4 x 2..6 for the 16
+// vector registers of AVX2 (the AVX-512 files use them as they are).
+constexpr int kKRows = 2, kKTokens = 4;
+// Rows per tile of the 32-element formats' batched product (simd_gemm_q32.h): each row keeps an
+// integer and a float accumulator, so 8 rows where AVX-512VL gives 32 vector registers, 4 with 16.
+#if defined(__AVX512VL__)
+constexpr int kPanelRows = 8;
+#else
+constexpr int kPanelRows = 4;
+#endif
 
 // The quant kernels: vec_dot, the matrix-vector product (vec_dot_rows) and the batched product (gemm).
 inline void fill_quant_kernels(KernelTable& t) {
-    constexpr int QR = kQ32Rows, QT = kQ32Tokens, KR = kKRows, KT = kKTokens;
-    t.vec_dot[TYPE_Q4_0] = vec_dot_tiled<Q32Tile<block_q4_0>>;
-    t.vec_dot[TYPE_Q4_1] = vec_dot_tiled<Q32Tile<block_q4_1>>;
-    t.vec_dot[TYPE_Q5_0] = vec_dot_tiled<Q32Tile<block_q5_0>>;
-    t.vec_dot[TYPE_Q5_1] = vec_dot_tiled<Q32Tile<block_q5_1>>;
-    t.vec_dot[TYPE_Q8_0] = vec_dot_tiled<Q32Tile<block_q8_0>>;
+    constexpr int KR = kKRows, KT = kKTokens, PR = kPanelRows;
+    t.vec_dot[TYPE_Q4_0] = vec_dot_32<block_q4_0>;
+    t.vec_dot[TYPE_Q4_1] = vec_dot_32<block_q4_1>;
+    t.vec_dot[TYPE_Q5_0] = vec_dot_32<block_q5_0>;
+    t.vec_dot[TYPE_Q5_1] = vec_dot_32<block_q5_1>;
+    t.vec_dot[TYPE_Q8_0] = vec_dot_32<block_q8_0>;
     t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_32<block_q4_0>;
     t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1>;
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1>;
     t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0>;
-    t.gemm[TYPE_Q4_0] = gemm_tiled<Q32UnpackedTile<block_q4_0>, QR, QT>;
-    t.gemm[TYPE_Q4_1] = gemm_tiled<Q32UnpackedTile<block_q4_1>, QR, QT>;
-    t.gemm[TYPE_Q5_0] = gemm_tiled<Q32UnpackedTile<block_q5_0>, QR, QT>;
-    t.gemm[TYPE_Q5_1] = gemm_tiled<Q32UnpackedTile<block_q5_1>, QR, QT>;
-    t.gemm[TYPE_Q8_0] = gemm_tiled<Q32UnpackedTile<block_q8_0>, QR, QT>;
+    t.gemm[TYPE_Q4_0] = gemm_panels_32<block_q4_0, PR>;
+    t.gemm[TYPE_Q4_1] = gemm_panels_32<block_q4_1, PR>;
+    t.gemm[TYPE_Q5_0] = gemm_panels_32<block_q5_0, PR>;
+    t.gemm[TYPE_Q5_1] = gemm_panels_32<block_q5_1, PR>;
+    t.gemm[TYPE_Q8_0] = gemm_panels_32<block_q8_0, PR>;
 
     t.vec_dot[TYPE_Q2_K] = vec_dot_tiled<KTile<block_q2_K>>;
     t.vec_dot[TYPE_Q3_K] = vec_dot_tiled<KTile<block_q3_K>>;

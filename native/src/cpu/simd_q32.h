@@ -1,11 +1,12 @@
-// The 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against Q8_0/Q8_1 activations): one
-// tile kernel that serves vec_dot (1 x 1), the matrix-vector product (rows x 1) and the batched
-// product (rows x tokens).
+// The 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against Q8_0/Q8_1 activations): vec_dot
+// (one row, one token) and the matrix-vector product (rows x 1); the batched product is in
+// simd_gemm_q32.h.
 //
-// Per (row, token), each block's integer dot is exact; it is converted to float, scaled by d_w * d_x
-// and added into one 8-lane float vector, block after block, then summed horizontally (plus the min
-// terms of Q4_1/Q5_1, fma'd in block order): the order of llama.cpp's 256-bit kernels, so results
-// agree with it bit for bit (activations are 8-bit, so last bits can decide close tokens).
+// Per (row, token), each block's integer dot is summed exactly, converted to float and accumulated
+// block after block as acc = fma(float(isum), d_w * d_x, acc) (then acc = fma(m_w, s_x, acc) for
+// Q4_1/Q5_1). Every kernel of these formats, batched or not, runs exactly that, so a token's values do
+// not depend on what else is in its batch. llama.cpp sums the same terms in another order (8 float
+// lanes per row, added at the end), so results differ from its in the last bits.
 #pragma once
 
 #include <new>
@@ -101,163 +102,98 @@ struct Q32Blocks {
     void get(int64_t i, Q32Ready& u) const { ready_block(a[i], u, false); }
 };
 
-// ... or the row unpacked beforehand (the batched product meets each block once per token, so it
-// unpacks a few rows once and runs all its tokens over them).
-struct Q32Unpacked {
-    int8_t v[32];
-    float d, m;
-};
-template <class WBlock>
-struct Q32FromUnpacked {
-    static constexpr bool signed_values = Q32<WBlock>::offset != 0 || Q32<WBlock>::is_signed;
-    const Q32Unpacked* u;
-    explicit Q32FromUnpacked(const void* p) : u((const Q32Unpacked*)p) {}
-    void get(int64_t i, Q32Ready& r) const {
-        r.v = load256(u[i].v);
-        if (signed_values) r.absv = _mm256_sign_epi8(r.v, r.v);
-        r.d = u[i].d;
-        r.m = u[i].m;
-    }
-};
-
-template <class WBlock>
-inline void unpack_row_32(const void* row, int64_t nb, Q32Unpacked* out) {
-    const WBlock* a = (const WBlock*)row;
-    for (int64_t i = 0; i < nb; i++) {
-        Q32Ready u;
-        ready_block(a[i], u, true);
-        _mm256_storeu_si256((__m256i*)out[i].v, u.v);
-        out[i].d = u.d;
-        out[i].m = u.m;
-    }
+// Lane r of the result: the sum of p[r]'s 8 lanes (exact: integers).
+inline __m256i reduce8_epi32(const __m256i p[8]) {
+    const __m256i a0 = _mm256_hadd_epi32(p[0], p[1]), a1 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i a2 = _mm256_hadd_epi32(p[4], p[5]), a3 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
-// NR rows x NT tokens over nb blocks: s[t * s_stride + r] = dot(row r, x_t), rows read through Src.
-// When ahead is not null, ahead[r] is a row read in step with row r a little later (the
-// matrix-vector product passes the next rows): short interleaved streams train the hardware
-// prefetcher poorly.
-template <class WBlock, class Src, int NR, int NT>
-inline void tile_32(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const void* const* ahead,
-                    const uint8_t* x, size_t x_stride) {
+// Block i's integer dot of one row against the activation block (xv its bytes, base the per-token
+// correction of offset formats' unsigned codes), as 8 int32 lanes.
+template <class WBlock>
+inline __m256i block_lanes(const WBlock& a, __m256i xv, __m256i base) {
+    Q32Ready u;
+    ready_block(a, u, false);
+    return Q32<WBlock>::is_signed ? dot_u8s8(base, u.absv, _mm256_sign_epi8(xv, u.v)) : dot_u8s8(base, u.v, xv);
+}
+template <class WBlock>
+inline __m256i block_base(__m256i xv) {
     typedef Q32<WBlock> Q;
-    typedef typename Q::X XBlock;
-    constexpr bool is_signed = Src::signed_values;
-    // Unsigned codes of an offset format: the correction -off * (4-group sums of x) per token.
-    constexpr bool correct = Q::offset != 0 && !is_signed;
-    const Src* src[NR];
-    alignas(Src) unsigned char src_mem[NR][sizeof(Src)];
-    const XBlock* b[NT];
-    static_assert(NT <= 8, "a tile holds at most 8 tokens");
-    __m256 acc[NR][NT];
-    __m256 mins[NR];  // Q4_1/Q5_1: lane t is token t's sum of the min terms m_w * s_x
-    for (int r = 0; r < NR; r++) src[r] = new (src_mem[r]) Src(rows[r]);
-    for (int t = 0; t < NT; t++) b[t] = (const XBlock*)(x + t * x_stride);
-    for (int r = 0; r < NR; r++) {
-        mins[r] = _mm256_setzero_ps();
-        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
-    }
+    if (Q::offset == 0) return _mm256_setzero_si256();
+    const __m256i z = _mm256_setzero_si256();
+    return _mm256_sub_epi32(z, dot_u8s8(z, _mm256_set1_epi8((char)Q::offset), xv));
+}
+inline float sum_scale(const block_q8_1& b) { return h2f(b.s); }
+inline float sum_scale(const block_q8_0&) { return 0.0f; }
+
+// The 32-element formats' dot product, one row against one token. Per block the integer dot is
+// summed exactly, then acc = fma(float(isum), d_w * d_x, acc), and for Q4_1/Q5_1 acc = fma(m_w, s_x,
+// acc), block after block: the arithmetic of every lane of the batched product (simd_gemm_q32.h), so
+// a token gets the same bits alone (this, and the matrix-vector kernel below) or in a batch. (llama.cpp
+// instead keeps 8 float lanes per row and sums them at the end; the two differ in the last bits.)
+template <class WBlock>
+inline float dot_row_32(int64_t nb, const WBlock* a, const typename Q32<WBlock>::X* b) {
+    float acc = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
-        // The tokens' activation blocks, shared by every row.
-        __m256i xv[NT], base[NT];
-        __m256 dx[NT];
-        for (int t = 0; t < NT; t++) {
-            xv[t] = load256(b[t][i].qs);
-            // d_x in every lane, converted in the vector unit: then d_w * d_x is one vmulps per (row,
-            // token) (the same value as the scalar product; written as set1(d_w * d_x) the compiler
-            // emits a scalar multiply and a broadcast).
-            dx[t] = _mm256_cvtph_ps(_mm_set1_epi16((short)b[t][i].d));
-            base[t] = _mm256_setzero_si256();
-            if (correct)
-                base[t] = _mm256_sub_epi32(base[t], dot_u8s8(base[t], _mm256_set1_epi8((char)Q::offset), xv[t]));
-        }
-        __m256 sx = _mm256_setzero_ps();
-        if constexpr (Q::has_min) sx = sums_of<NT>(b, i);
-        auto ready = [&](int r, Q32Ready& u) {
-            if (ahead) _mm_prefetch((const char*)&((const WBlock*)ahead[r])[i], _MM_HINT_T1);
-            src[r]->get(i, u);
-            // Q4_1/Q5_1: one fma per (row, token), the tokens side by side in lanes.
-            if constexpr (Q::has_min) mins[r] = _mm256_fmadd_ps(_mm256_set1_ps(u.m), sx, mins[r]);
-        };
-        auto pair = [&](int r, int t, const Q32Ready& u) {
-            const __m256i p = is_signed ? dot_u8s8(base[t], u.absv, _mm256_sign_epi8(xv[t], u.v))
-                                        : dot_u8s8(base[t], u.v, xv[t]);
-            acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(u.d), dx[t]), _mm256_cvtepi32_ps(p), acc[r][t]);
-        };
-        // The same arithmetic in two orders: with one token (many rows) row by row keeps few
-        // registers live; with several tokens, every row's block unpacked first and then token by
-        // token measured 5-10% faster (llvm-mca, Zen 3).
-        if constexpr (NT == 1) {
-            for (int r = 0; r < NR; r++) {
-                Q32Ready u;
-                ready(r, u);
-                pair(r, 0, u);
-            }
-        } else {
-            Q32Ready u[NR];
-            for (int r = 0; r < NR; r++) ready(r, u[r]);
-            for (int t = 0; t < NT; t++)
-                for (int r = 0; r < NR; r++) pair(r, t, u[r]);
-        }
+        const __m256i xv = load256(b[i].qs);
+        const int isum = hsum_epi32(block_lanes(a[i], xv, block_base<WBlock>(xv)));
+        acc = std::fma((float)isum, h2f(a[i].d) * h2f(b[i].d), acc);
+        if constexpr (Q32<WBlock>::has_min) acc = std::fma(min_of(a[i]), sum_scale(b[i]), acc);
     }
-    for (int r = 0; r < NR; r++) {
-        alignas(32) float m[8];
-        _mm256_store_ps(m, mins[r]);
-        for (int t = 0; t < NT; t++) s[t * s_stride + r] = hsum_ps(acc[r][t]) + m[t];
-    }
+    return acc;
 }
 
-// vec_dot's tile: rows read straight from their blocks.
 template <class WBlock>
-struct Q32Tile {
-    static const void* const* prepare(int64_t, const void* const* rows, int64_t) { return rows; }
-    template <int NR, int NT>
-    static void run(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x, size_t x_stride) {
-        tile_32<WBlock, Q32Blocks<WBlock>, NR, NT>(n / 32, s, s_stride, rows, nullptr, x, x_stride);
-    }
-};
+void vec_dot_32(int64_t n, float* s, const void* w, const void* x) {
+    *s = dot_row_32<WBlock>(n / 32, (const WBlock*)w, (const typename Q32<WBlock>::X*)x);
+}
 
-// The batched product's tile: prepare unpacks the tile's rows once (into a buffer of the calling
-// thread), run reads them from there for every token.
-template <class WBlock>
-struct Q32UnpackedTile {
-    static const void* const* prepare(int64_t n, const void* const* rows, int64_t n_rows) {
-        static thread_local std::vector<Q32Unpacked> buf;
-        static thread_local std::vector<const void*> ptrs;
-        const int64_t nb = n / 32;
-        if ((int64_t)buf.size() < n_rows * nb) buf.resize(n_rows * nb);
-        if ((int64_t)ptrs.size() < n_rows) ptrs.resize(n_rows);
-        for (int64_t r = 0; r < n_rows; r++) {
-            unpack_row_32<WBlock>(rows[r], nb, buf.data() + r * nb);
-            ptrs[r] = buf.data() + r * nb;
+// 8 rows against one token, the rows side by side in the lanes of one float accumulator (each lane
+// runs dot_row_32's arithmetic). ahead[r] is read in step a pass later, and with FAR so is far[r] three
+// passes later: several rows read in step are short interleaved streams that the hardware prefetcher
+// follows poorly.
+template <class WBlock, bool FAR>
+inline void dot_rows8_32(int64_t nb, float* s, const void* const* rows, const typename Q32<WBlock>::X* b) {
+    const WBlock* a[8];
+    for (int r = 0; r < 8; r++) a[r] = (const WBlock*)rows[r];
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256i xv = load256(b[i].qs);
+        const __m256i base = block_base<WBlock>(xv);
+        __m256i p[8];
+        for (int r = 0; r < 8; r++) {
+            _mm_prefetch((const char*)((const WBlock*)rows[r + 8] + i), _MM_HINT_T1);
+            if (FAR) _mm_prefetch((const char*)((const WBlock*)rows[r + 24] + i), _MM_HINT_T1);
+            p[r] = block_lanes(a[r][i], xv, base);
         }
-        return ptrs.data();
+        const __m128i dh = _mm_setr_epi16((short)a[0][i].d, (short)a[1][i].d, (short)a[2][i].d, (short)a[3][i].d,
+                                          (short)a[4][i].d, (short)a[5][i].d, (short)a[6][i].d, (short)a[7][i].d);
+        const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_cvtph_ps(_mm_set1_epi16((short)b[i].d)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8_epi32(p)), scale, acc);
+        if constexpr (Q32<WBlock>::has_min) {
+            const __m128i mh = _mm_setr_epi16((short)a[0][i].m, (short)a[1][i].m, (short)a[2][i].m, (short)a[3][i].m,
+                                              (short)a[4][i].m, (short)a[5][i].m, (short)a[6][i].m, (short)a[7][i].m);
+            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(sum_scale(b[i])), acc);
+        }
     }
-    template <int NR, int NT>
-    static void run(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x, size_t x_stride) {
-        tile_32<WBlock, Q32FromUnpacked<WBlock>, NR, NT>(n / 32, s, s_stride, rows, nullptr, x, x_stride);
-    }
-};
+    _mm256_storeu_ps(s, acc);
+}
 
-// Matrix-vector product (vec_dot_rows_fn): rows 8 at a time sharing each activation block, the 8
-// rows after them prefetched in step; every row's value is its vec_dot, bit for bit.
-//
-// Short Q8_0 rows (output layers: SmolLM2's 49152 x 576, Gemma 3's 262144 x 640) go one row at a
-// time instead (still prefetching, in step, the row 8 further on). Eight rows in step are eight short
-// streams that restart every tile, which the hardware prefetcher follows poorly; one row at a time is
-// a single sequential stream. Measured on Zen 3 with 2 threads: 1.3-1.7x faster up to 2048 columns,
-// the same at 4096. The 4-bit formats
-// unpack more per byte and are bound by arithmetic there: they keep the 8-row tiles (one row at a
-// time measured 10-20% slower at 640 columns).
+// Matrix-vector product (vec_dot_rows_fn): rows 8 at a time, the last ones one by one; every row's
+// value is its vec_dot, bit for bit. Short rows (the predictors' n_ff x rank matrices, output layers)
+// also fetch the rows three passes ahead: a pass of 8 is too little lead for the memory latency.
 template <class WBlock>
 void vec_dot_rows_32(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
-    typedef Q32Blocks<WBlock> Src;
-    const uint8_t* xb = (const uint8_t*)x;
+    typedef typename Q32<WBlock>::X XBlock;
+    const int64_t nb = n / 32;
+    const XBlock* b = (const XBlock*)x;
     int64_t r = 0;
-    if (std::is_same<WBlock, block_q8_0>::value && (size_t)(n / 32) * sizeof(WBlock) <= 2304)
-        for (; r < n_rows; r++) tile_32<WBlock, Src, 1, 1>(n / 32, s + r, 1, rows + r, rows + r + 8, xb, 0);
-    for (; r + 8 <= n_rows; r += 8) tile_32<WBlock, Src, 8, 1>(n / 32, s + r, 1, rows + r, rows + r + 8, xb, 0);
-    for (; r + 4 <= n_rows; r += 4) tile_32<WBlock, Src, 4, 1>(n / 32, s + r, 1, rows + r, rows + r + 4, xb, 0);
-    for (; r < n_rows; r++) tile_32<WBlock, Src, 1, 1>(n / 32, s + r, 1, rows + r, rows + r + 1, xb, 0);
+    if ((size_t)nb * sizeof(WBlock) < 1024)
+        for (; r + 8 <= n_rows; r += 8) dot_rows8_32<WBlock, true>(nb, s + r, rows + r, b);
+    for (; r + 8 <= n_rows; r += 8) dot_rows8_32<WBlock, false>(nb, s + r, rows + r, b);
+    for (; r < n_rows; r++) s[r] = dot_row_32<WBlock>(nb, (const WBlock*)rows[r], b);
 }
 
 }  // namespace
