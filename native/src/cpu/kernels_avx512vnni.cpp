@@ -94,26 +94,22 @@ inline void dot_rows8_512(int64_t nb, float* s, const void* const* rows, const t
 }
 
 template <typename WBlock>
-void vec_dot_rows_512(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
-    typedef typename Q32<WBlock>::X XBlock;
-    const int64_t nb = n / 32;
-    const XBlock* b = (const XBlock*)x;
-    int64_t r = 0;
-    if ((size_t)nb * sizeof(WBlock) < 1024)
-        for (; r + 8 <= n_rows; r += 8) dot_rows8_512<WBlock, true>(nb, s + r, rows + r, b);
-    for (; r + 8 <= n_rows; r += 8) dot_rows8_512<WBlock, false>(nb, s + r, rows + r, b);
-    for (; r < n_rows; r++) s[r] = dot_row_32<WBlock>(nb, (const WBlock*)rows[r], b);
-}
+struct Rows8x512 {
+    template <bool FAR>
+    static void run(int64_t nb, float* s, const void* const* rows, const typename Q32<WBlock>::X* b) {
+        dot_rows8_512<WBlock, FAR>(nb, s, rows, b);
+    }
+};
 
 }  // namespace
 
 void fill_kernels_avx512vnni(KernelTable& t) {
     fill_quant_kernels(t);
-    t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_512<block_q8_0>;
-    t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_512<block_q4_0>;
-    t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_512<block_q4_1>;
-    t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_512<block_q5_0>;
-    t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_512<block_q5_1>;
+    t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0, Rows8x512<block_q8_0>>;
+    t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_32<block_q4_0, Rows8x512<block_q4_0>>;
+    t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1, Rows8x512<block_q4_1>>;
+    t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0, Rows8x512<block_q5_0>>;
+    t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1, Rows8x512<block_q5_1>>;
 }
 
 }  // namespace optiml

@@ -20,6 +20,7 @@
 // reach 255, so without VNNI Q8_0 uses signed bytes (ByteRows).
 #pragma once
 
+#include <type_traits>
 #include <vector>
 
 #include "simd_q32.h"
@@ -37,7 +38,6 @@ struct XPanel {
     __m256 dx, sx;
     __m256i nc;
 };
-
 
 // 8 x 8 transpose of int32 lanes: out[g] lane t = in[t] lane g.
 inline void transpose8_epi32(__m256i v[8]) {
@@ -57,9 +57,6 @@ inline void transpose8_epi32(__m256i v[8]) {
         v[k + 4] = _mm256_permute2x128_si256(b[k], b[k + 4], 0x31);
     }
 }
-
-inline fp16_t sum_of(const block_q8_1& b) { return b.s; }
-inline fp16_t sum_of(const block_q8_0&) { return 0; }
 
 // The panels of n_tok tokens (x + t * x_stride), ceil(n_tok / 8) groups of nb blocks each, for
 // weight codes that carry offset off.
@@ -172,9 +169,8 @@ struct ByteRows {
     }
     static __m256i dot(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
         if (offset) return dot_groups2(acc, w0, x0, w1, x1);
-        const __m256i ones = _mm256_set1_epi16(1);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones));
-        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones));
+        acc = dot_u8s8(acc, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+        return dot_u8s8(acc, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
     }
     void scales(int64_t i, __m256& d, __m256& m) const { scales_of(a[i], d, m); }
 };

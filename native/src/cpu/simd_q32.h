@@ -9,10 +9,6 @@
 // lanes per row, added at the end), so results differ from its in the last bits.
 #pragma once
 
-#include <new>
-#include <type_traits>
-#include <vector>
-
 #include "simd_x86.h"
 
 namespace optiml {
@@ -21,11 +17,9 @@ namespace {
 // A weight block's codes: unsigned bytes whose values are code - offset (Q4_0, Q5_0) or code
 // (Q4_1, Q5_1, whose mins are added apart), or signed bytes (Q8_0). Signed values meet the activation
 // as |q| . (x with q's sign), which keeps vpmaddubsw's u8 x s8 form and is exact for x in [-127, 127]
-// (all Q8_0/Q8_1 conversion produces). With one token (vec_dot, the matrix-vector product) the
-// offset formats keep their unsigned codes instead and take the offset back out with a correction
-// that depends on the activation block only ((q - off) . x = q . x - off * x summed per 4-byte
-// group), shared by every row; with several tokens that correction would cost more per token than
-// the sign step costs per (row, token). Both forms give the same int32 lanes.
+// (all Q8_0/Q8_1 conversion produces). The offset formats keep their unsigned codes and take the
+// offset back out with a correction that depends on the activation block only ((q - off) . x =
+// q . x - off * x summed), shared by every row.
 template <class WBlock> struct Q32;
 template <> struct Q32<block_q4_0> {
     typedef block_q8_0 X;
@@ -67,41 +61,6 @@ template <> struct Q32<block_q8_0> {
 inline float min_of(const block_q4_1& a) { return h2f(a.m); }
 inline float min_of(const block_q5_1& a) { return h2f(a.m); }
 template <class WBlock> inline float min_of(const WBlock&) { return 0.0f; }
-// The fp16 sums s = d * sum(q) of NT Q8_1 blocks (block i of each token), as floats in lanes 0..NT-1.
-template <int NT>
-inline __m256 sums_of(const block_q8_1* const* b, int64_t i) {
-    auto h = [&](int t) { return t < NT ? (short)b[t][i].s : (short)0; };
-    return _mm256_cvtph_ps(_mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7)));
-}
-
-// A weight block as the integer dot meets it: v holds its values as bytes (signed values, or the
-// unsigned codes of Q4_1/Q5_1, whose mins are added apart), absv = |v| for the signed formats.
-struct Q32Ready {
-    __m256i v, absv;
-    float d, m;
-};
-
-// signed_values: Q4_0/Q5_0 codes become their signed values (code - offset) and absv is set.
-template <class WBlock>
-inline void ready_block(const WBlock& a, Q32Ready& u, bool signed_values) {
-    typedef Q32<WBlock> Q;
-    u.v = Q::codes(a);
-    if (Q::offset != 0 && signed_values) u.v = _mm256_sub_epi8(u.v, _mm256_set1_epi8((char)Q::offset));
-    if ((Q::offset != 0 && signed_values) || Q::is_signed) u.absv = _mm256_sign_epi8(u.v, u.v);
-    u.d = h2f(a.d);
-    u.m = min_of(a);
-}
-
-// Where a tile reads a weight row from: its blocks, unpacked as they are met (vec_dot and the
-// matrix-vector product meet each block once; one token, so offset formats keep unsigned codes) ...
-template <class WBlock>
-struct Q32Blocks {
-    static constexpr bool signed_values = Q32<WBlock>::is_signed;
-    const WBlock* a;
-    explicit Q32Blocks(const void* p) : a((const WBlock*)p) {}
-    void get(int64_t i, Q32Ready& u) const { ready_block(a[i], u, false); }
-};
-
 // Lane r of the result: the sum of p[r]'s 8 lanes (exact: integers).
 inline __m256i reduce8_epi32(const __m256i p[8]) {
     const __m256i a0 = _mm256_hadd_epi32(p[0], p[1]), a1 = _mm256_hadd_epi32(p[2], p[3]);
@@ -114,9 +73,8 @@ inline __m256i reduce8_epi32(const __m256i p[8]) {
 // correction of offset formats' unsigned codes), as 8 int32 lanes.
 template <class WBlock>
 inline __m256i block_lanes(const WBlock& a, __m256i xv, __m256i base) {
-    Q32Ready u;
-    ready_block(a, u, false);
-    return Q32<WBlock>::is_signed ? dot_u8s8(base, u.absv, _mm256_sign_epi8(xv, u.v)) : dot_u8s8(base, u.v, xv);
+    const __m256i v = Q32<WBlock>::codes(a);
+    return Q32<WBlock>::is_signed ? dot_u8s8(base, _mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v)) : dot_u8s8(base, v, xv);
 }
 template <class WBlock>
 inline __m256i block_base(__m256i xv) {
@@ -125,8 +83,10 @@ inline __m256i block_base(__m256i xv) {
     const __m256i z = _mm256_setzero_si256();
     return _mm256_sub_epi32(z, dot_u8s8(z, _mm256_set1_epi8((char)Q::offset), xv));
 }
-inline float sum_scale(const block_q8_1& b) { return h2f(b.s); }
-inline float sum_scale(const block_q8_0&) { return 0.0f; }
+// An activation block's s = d * sum(q) (Q8_1; 0 for Q8_0, which pairs with formats without mins).
+inline fp16_t sum_of(const block_q8_1& b) { return b.s; }
+inline fp16_t sum_of(const block_q8_0&) { return 0; }
+template <class XBlock> inline float sum_scale(const XBlock& b) { return h2f(sum_of(b)); }
 
 // The 32-element formats' dot product, one row against one token. Per block the integer dot is
 // summed exactly, then acc = fma(float(isum), d_w * d_x, acc), and for Q4_1/Q5_1 acc = fma(m_w, s_x,
@@ -181,18 +141,27 @@ inline void dot_rows8_32(int64_t nb, float* s, const void* const* rows, const ty
     _mm256_storeu_ps(s, acc);
 }
 
+// The 256-bit 8-row kernel, as vec_dot_rows_32's Rows8 (kernels_avx512vnni.cpp has a 512-bit one).
+template <class WBlock>
+struct Rows8x256 {
+    template <bool FAR>
+    static void run(int64_t nb, float* s, const void* const* rows, const typename Q32<WBlock>::X* b) {
+        dot_rows8_32<WBlock, FAR>(nb, s, rows, b);
+    }
+};
+
 // Matrix-vector product (vec_dot_rows_fn): rows 8 at a time, the last ones one by one; every row's
 // value is its vec_dot, bit for bit. Short rows (the predictors' n_ff x rank matrices, output layers)
 // also fetch the rows three passes ahead: a pass of 8 is too little lead for the memory latency.
-template <class WBlock>
+template <class WBlock, class Rows8 = Rows8x256<WBlock>>
 void vec_dot_rows_32(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
     typedef typename Q32<WBlock>::X XBlock;
     const int64_t nb = n / 32;
     const XBlock* b = (const XBlock*)x;
     int64_t r = 0;
     if ((size_t)nb * sizeof(WBlock) < 1024)
-        for (; r + 8 <= n_rows; r += 8) dot_rows8_32<WBlock, true>(nb, s + r, rows + r, b);
-    for (; r + 8 <= n_rows; r += 8) dot_rows8_32<WBlock, false>(nb, s + r, rows + r, b);
+        for (; r + 8 <= n_rows; r += 8) Rows8::template run<true>(nb, s + r, rows + r, b);
+    for (; r + 8 <= n_rows; r += 8) Rows8::template run<false>(nb, s + r, rows + r, b);
     for (; r < n_rows; r++) s[r] = dot_row_32<WBlock>(nb, (const WBlock*)rows[r], b);
 }
 
