@@ -78,11 +78,40 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     chunk_start[n_mats] = n_chunks;
     std::atomic<int64_t> next{0};
 
+    // The first rows of a chunk: the rows that follow are fetched while the rows before them are
+    // computed, but a chunk's first ones would be waited for. A batch step computes long enough per
+    // chunk to hide them, so with a batch each thread claims its next chunk one ahead and fetches
+    // its first rows into L2 now.
+    auto chunk_matrix = [&](int64_t c) {
+        int m = 0;
+        while (c >= chunk_start[m + 1]) m++;
+        return m;
+    };
+    auto fetch_chunk_start = [&](int64_t c) {
+        const int m = chunk_matrix(c);
+        const size_t w_row = row_size(w[m].type, cols);
+        const int64_t r0 = (c - chunk_start[m]) * chunk;
+        const int64_t nr = w[m].rows - r0 < 8 ? w[m].rows - r0 : 8;
+        const char* p = (const char*)w[m].data + r0 * w_row;
+        for (size_t off = 0; off < nr * w_row; off += 64) __builtin_prefetch(p + off, 0, 2);
+    };
+    const bool claim_ahead = n_tokens > 1;
+
     if (!direct) convert_activations(pool, convert, X, cols, n_tokens, xq, x_row);
     pool.run([&](int, int) {
-        int m = 0;
-        for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-            while (c >= chunk_start[m + 1]) m++;
+        int64_t c = next.fetch_add(1), ahead = n_chunks;
+        if (claim_ahead && c < n_chunks) ahead = next.fetch_add(1);
+        auto advance = [&] {
+            if (!claim_ahead) {
+                c = next.fetch_add(1);
+                return;
+            }
+            c = ahead;
+            ahead = c < n_chunks ? next.fetch_add(1) : n_chunks;
+        };
+        for (; c < n_chunks; advance()) {
+            if (ahead < n_chunks) fetch_chunk_start(ahead);
+            const int m = chunk_matrix(c);
             const WeightMatrix& W = w[m];
             const vec_dot_fn dot = kt.vec_dot[W.type];
             const size_t w_row = row_size(W.type, cols);
