@@ -192,6 +192,31 @@ def test_vec_dot(level, name):
                 assert abs(got - ref) <= bound, (name, n, got, ref)
 
 
+# ---- attention's dots over many rows ----------------------------------------------------------------
+@pytest.mark.parametrize("level", _core.simd_levels())
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_attn_dot_rows_equal_each_row_alone(level, dtype):
+    """Attention dots K rows against q and V's dimension rows against the weights many rows at once; every
+    row must keep the bits it has alone, and both must agree with a float64 sum."""
+    rng = np.random.default_rng(7)
+    tid = WTYPES["F16"][0] if dtype == np.float16 else WTYPES["F32"][0]
+    for n in (16, 33, 64, 96, 160, 256):
+        for n_rows in (1, 3, 4, 5, 9, 64):
+            stride = n + 11
+            rows = rng.standard_normal(stride * n_rows).astype(dtype)
+            y = rng.standard_normal(n).astype(dtype)
+            args = (tid, rows.view(np.uint8), stride, y.view(np.uint8), n, n_rows)
+            together = _core.attn_dot_rows(*args, together=True, simd=level)
+            alone = _core.attn_dot_rows(*args, together=False, simd=level)
+            np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32), err_msg=f"n={n} rows={n_rows}")
+            m = np.lib.stride_tricks.as_strided(rows, (n_rows, n), (stride * rows.itemsize, rows.itemsize))
+            terms = m.astype(np.float64) * y.astype(np.float64)
+            bound = 2e-5 * np.abs(terms).sum(axis=1) + 1e-6
+            assert (np.abs(together - terms.sum(axis=1)) <= bound).all(), (n, n_rows)
+    with pytest.raises(_core.ArgumentError, match="F16 or F32"):
+        _core.attn_dot_rows(WTYPES["Q8_0"][0], np.zeros(64, np.uint8), 16, np.zeros(32, np.uint8), 16, 1)
+
+
 # ---- activation conversion -----------------------------------------------------------------------
 def conversion_inputs(n, rng, act):
     yield activations(n, rng)

@@ -53,6 +53,29 @@ float vec_dot_converted(int32_t wtype, Bytes1D w, Bytes1D xq, int64_t n, const s
     return s;
 }
 
+// Attention's dot of each row of `rows` (F16 or F32 values, row_stride elements apart) with y, n
+// elements each: by the level's many-row kernel when `together` (where it has one), else row by row.
+nb::ndarray<nb::numpy, float> attn_dot_rows_py(int32_t type, Bytes1D rows, int64_t row_stride, Bytes1D y, int64_t n,
+                                               int64_t n_rows, bool together, const std::string& simd) {
+    if (type != TYPE_F16 && type != TYPE_F32) throw ArgumentError("attention dots take F16 or F32 rows");
+    const KernelTable& kt = table_for(simd);
+    const size_t elem = type_traits(type).type_size;
+    if (n <= 0 || n_rows <= 0 || row_stride < n)
+        throw ArgumentError(format("attn_dot_rows: n=%lld, n_rows=%lld, row_stride=%lld (need n, n_rows > 0 and "
+                                   "row_stride >= n)", (long long)n, (long long)n_rows, (long long)row_stride));
+    if ((size_t)y.shape(0) != n * elem || (size_t)rows.shape(0) < ((n_rows - 1) * row_stride + n) * elem)
+        throw ArgumentError(format("attn_dot_rows: y holds %zu bytes (need %zu), rows %zu (need %zu)",
+                                   (size_t)y.shape(0), (size_t)(n * elem), (size_t)rows.shape(0),
+                                   (size_t)(((n_rows - 1) * row_stride + n) * elem)));
+    auto out = new_array<float>({(size_t)n_rows});
+    if (together && kt.attn_dot_rows[type]) {
+        kt.attn_dot_rows[type](n, out.data(), rows.data(), row_stride * elem, y.data(), n_rows);
+    } else {
+        for (int64_t r = 0; r < n_rows; r++) kt.attn_dot[type](n, out.data() + r, rows.data() + r * row_stride * elem, y.data());
+    }
+    return out;
+}
+
 using Ints1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 void paged_store(PagedKV& kv, int32_t layer, int32_t seq, int32_t pos, Floats1D k, Floats1D v) {
@@ -140,6 +163,9 @@ void bind_kernels(nb::module_& m) {
           "Converts float32 activations to the type that a dot product with `wtype` weights uses.");
     m.def("vec_dot_converted", &vec_dot_converted, nb::arg("wtype"), nb::arg("w"), nb::arg("xq"), nb::arg("n"),
           nb::arg("simd") = "", "Dot product of one weight row with an already converted activation row.");
+    m.def("attn_dot_rows", &attn_dot_rows_py, nb::arg("type"), nb::arg("rows"), nb::arg("row_stride"), nb::arg("y"),
+          nb::arg("n"), nb::arg("n_rows"), nb::arg("together") = true, nb::arg("simd") = "",
+          "Attention's dot products of F16/F32 rows with y, many rows at once or row by row.");
     m.def("matmul", &matmul_py, nb::arg("w"), nb::arg("wtype"), nb::arg("x"), nb::arg("simd") = "",
           nb::arg("n_threads") = 0, "Y[t, r] = dot(W[r], X[t]) for weight rows W (bytes) and activations X.");
 

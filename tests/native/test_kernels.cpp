@@ -360,6 +360,31 @@ void test_attn_dot(const KernelTable& t, const KernelTable& ref) {
     }
 }
 
+// attn_dot_rows: every row the same bits as attn_dot on it alone (a token's attention must not
+// depend on how many rows a kernel takes at once), for row counts around the kernels' group sizes
+// and rows with gaps between them (the stride of the V and K caches).
+void test_attn_dot_rows(const KernelTable& t) {
+    const char* lv = simd_level_name(t.level);
+    for (int32_t type : {TYPE_F32, TYPE_F16}) {
+        if (!t.attn_dot_rows[type]) continue;
+        const size_t elem = type_traits(type).type_size;
+        for (int64_t n : {1, 16, 33, 64, 96, 100, 160, 256}) {
+            for (int64_t n_rows : {1, 2, 3, 4, 5, 7, 8, 17, 64}) {
+                Check c("%s attn_dot_rows %s n=%" PRId64 " rows=%" PRId64, lv, type_traits(type).name, n, n_rows);
+                const int64_t row_len = n + 13;  // elements between row starts
+                const std::vector<uint8_t> rows = random_row(type, row_len * n_rows), y = random_row(type, n);
+                std::vector<float> got(n_rows);
+                t.attn_dot_rows[type](n, got.data(), rows.data(), row_len * elem, y.data(), n_rows);
+                for (int64_t r = 0; r < n_rows; r++) {
+                    float want;
+                    t.attn_dot[type](n, &want, rows.data() + r * row_len * elem, y.data());
+                    if (std::memcmp(&got[r], &want, 4) != 0) c.fail("row %" PRId64 ": %.9g, alone %.9g", r, got[r], want);
+                }
+            }
+        }
+    }
+}
+
 bool close_rel(float got, float want, double rel, double abs_tol) {
     if (std::isnan(want)) return std::isnan(got);
     if (std::isinf(want)) return got == want;
@@ -628,6 +653,7 @@ int main(int argc, char** argv) {
         test_batched_dots(t, ref);
         test_from_float(t, ref);
         test_attn_dot(t, ref);
+        test_attn_dot_rows(t);
         test_softmax(t, ref);
         test_act_mul(t, ref);
         test_axpy(t, ref);

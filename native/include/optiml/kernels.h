@@ -24,6 +24,8 @@ const char* simd_level_name(SimdLevel level);
 
 // *s = dot(w[0..n), x[0..n)); w is a row of the weight type, x is a row already in its vec_dot_type.
 typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
+// s[r] = dot(row r, y) for n_rows rows `stride` bytes apart, each with attn_dot's bits.
+typedef void (*attn_dot_rows_fn)(int64_t n, float* s, const void* rows, size_t stride, const void* y, int64_t n_rows);
 // s[t] = dot(w, x_t) for 4 activation rows x_t = x + t * x_stride bytes: a batch kernel that unpacks
 // each weight block once; every s[t] equals what vec_dot gives for that row, bit for bit.
 typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, size_t x_stride);
@@ -107,6 +109,9 @@ struct KernelTable {
     // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows
     // llama.cpp's arithmetic (8-bit activations downstream make last bits decide close tokens).
     vec_dot_fn attn_dot[TYPE_COUNT];
+    // Optional: attn_dot over many rows (K rows against q, V's dimension rows against the weights),
+    // sharing y's loads and conversions; where null, attention calls attn_dot per row.
+    attn_dot_rows_fn attn_dot_rows[TYPE_COUNT];
     softmax_exp_fn softmax_exp;
     act_mul_fn silu_mul;                   // silu(g) * u, silu(x) = x / (1 + e^-x)
     act_mul_fn relu_mul;                   // max(g, 0) * u

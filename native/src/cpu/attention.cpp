@@ -78,8 +78,15 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         uint8_t* vconv = thread_buffer<uint8_t>((size_t)n_kv * kv_elem, 1);
         to_kv(vt, vconv, n_kv);
         uint8_t* v_seq = kv.v + (size_t)seq * kv.v_seq;
-        for (int64_t j = 0; j < n_kv; j++)
-            std::memcpy(v_seq + ((size_t)j * kv.n_ctx + pos) * kv_elem, vconv + j * kv_elem, kv_elem);
+        // V is stored transposed (a row per dimension), so each value goes to its own row: a copy of
+        // a size known here is one move, where a size known only at run time was a call per value.
+        auto scatter = [&](auto elem) {
+            constexpr size_t size = sizeof(elem);
+            for (int64_t j = 0; j < n_kv; j++)
+                std::memcpy(v_seq + ((size_t)j * kv.n_ctx + pos) * size, vconv + j * size, size);
+        };
+        if (kv_elem == 2) scatter(uint16_t());  // F16
+        else scatter(uint32_t());               // F32, the cache's only other type
     };
     if (n == 1) {
         prepare(0);
@@ -104,6 +111,12 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
     const int32_t xtype = type_traits(kv.type).vec_dot_type;  // F16 or F32
     const from_float_fn to_dot = kt.from_float[xtype];
     const vec_dot_fn dot = kt.attn_dot[kv.type];
+    const attn_dot_rows_fn dot_rows_kernel = kt.attn_dot_rows[kv.type];
+    // s[r] = row r . y, rows `stride` bytes apart (the same bits either way).
+    auto dot_rows = [&](int64_t len, float* s, const uint8_t* rows, size_t stride, const void* y, int64_t n_rows) {
+        if (dot_rows_kernel) return dot_rows_kernel(len, s, rows, stride, y, n_rows);
+        for (int64_t r = 0; r < n_rows; r++) dot(len, &s[r], rows + r * stride, y);
+    };
     const size_t head_bytes = row_size(kv.type, hd);
     const int64_t n_tasks = (int64_t)n * hp.n_head;
     auto attend = [&](int64_t task) {
@@ -113,15 +126,20 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         const int64_t n_window = std::min<int64_t>(kv.n_ctx, (n_seen + 31) / 32 * 32);
         const uint8_t* k_seq = kv.k + (size_t)b.seq[t] * kv.k_seq;
         const uint8_t* v_seq = kv.v + (size_t)b.seq[t] * kv.v_seq;
+        // This head's V rows are read last; fetching them now lets the K pass and the softmax hide
+        // their latency (they are n_ctx values apart, a pattern the hardware prefetcher misses).
+        const uint8_t* v_head = v_seq + (size_t)kvh * hd * kv.n_ctx * kv_elem;
+        for (int64_t d = 0; d < hd; d++)
+            for (int64_t off = 0; off < n_window * (int64_t)kv_elem; off += 64)
+                __builtin_prefetch(v_head + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
         float* scores = thread_buffer<float>((size_t)n_window, 0);
         uint8_t* conv = thread_buffer<uint8_t>((size_t)std::max<int64_t>(n_window, hd) * sizeof(float), 2);
         to_dot(q + t * n_q + h * hd, conv, hd);
         const int64_t first = n_swa ? std::max<int64_t>(0, n_seen - n_swa) : 0;
         for (int64_t s = 0; s < first; s++) scores[s] = -INFINITY;
-        for (int64_t s = first; s < n_seen; s++) {
-            dot(hd, &scores[s], k_seq + (size_t)s * kv.k_row + kvh * head_bytes, conv);
-            scores[s] *= scale;
-        }
+        dot_rows(hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes, kv.k_row, conv,
+                 n_seen - first);
+        for (int64_t s = first; s < n_seen; s++) scores[s] *= scale;
         for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
         for (int64_t s = first; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
@@ -130,8 +148,7 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
         to_dot(scores, conv, n_window);
         float* out = attn + t * n_q + h * hd;
-        for (int64_t d = 0; d < hd; d++)
-            dot(n_window, &out[d], v_seq + ((size_t)(kvh * hd + d) * kv.n_ctx) * kv_elem, conv);
+        dot_rows(n_window, out, v_head, kv.n_ctx * kv_elem, conv, hd);
     };
     // Tasks go to whichever thread is free, last first: later tokens see more positions, so the
     // long tasks are taken early and the short ones even out the end.

@@ -7,6 +7,7 @@
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
 #include "optiml/ops.h"
+#include "attn_dot_rows.h"
 
 namespace optiml {
 
@@ -107,40 +108,69 @@ double softmax_exp_avx2(int64_t n, float* y, const float* x, float max) {
     return sum;
 }
 
-// One accumulator, 8 lanes at a time, horizontal sum at the end; a tail (n % 8) in double.
-void attn_dot_f32_avx2(int64_t n, float* s, const void* a, const void* b) {
-    const float* x = (const float*)a;
-    const float* y = (const float*)b;
-    __m256 acc = _mm256_setzero_ps();
+// R rows against the same y at once (y converted once for all of them); each row sums exactly as
+// it would alone: attn_dot is this with R = 1.
+//
+// F32: one accumulator, 8 lanes at a time, horizontal sum at the end; a tail (n % 8) in double.
+template <int R>
+inline void dot_f32_rows(int64_t n, float* s, const float* const* x, const float* y) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
-    double sum = hsum_ps(acc);
-    for (; i < n; i++) sum += (double)(x[i] * y[i]);
-    *s = (float)sum;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 yv = _mm256_loadu_ps(y + i);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + i), yv, acc[r]);
+    }
+    float red[R];  // reduced apart from the tails, so the accumulators stay in registers
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) red[r] = hsum_ps(acc[r]);
+    for (int r = 0; r < R; r++) {
+        double sum = red[r];
+        for (int64_t k = i; k < n; k++) sum += (double)(x[r][k] * y[k]);
+        s[r] = (float)sum;
+    }
 }
 
-// Four accumulators over steps of 32, folded (0+2)+(1+3), summed with hadd, then a tail in double:
-// ggml_vec_dot_f16's AVX2 order, which llama.cpp's attention follows.
-void attn_dot_f16_avx2(int64_t n, float* s, const void* a, const void* b) {
-    const fp16_t* x = (const fp16_t*)a;
-    const fp16_t* y = (const fp16_t*)b;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+// F16: four accumulators over steps of 32, folded (0+2)+(1+3), summed with hadd, then a tail in
+// double: ggml_vec_dot_f16's AVX2 order, which llama.cpp's attention follows.
+template <int R>
+inline void dot_f16_rows(int64_t n, float* s, const fp16_t* const* x, const fp16_t* y) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
         for (int j = 0; j < 4; j++) {
-            const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + i + 8 * j)));
             const __m256 yv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(y + i + 8 * j)));
-            acc[j] = _mm256_fmadd_ps(xv, yv, acc[j]);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x[r] + i + 8 * j)));
+                acc[r][j] = _mm256_fmadd_ps(xv, yv, acc[r][j]);
+            }
         }
     }
-    acc[0] = _mm256_add_ps(acc[0], acc[2]);
-    acc[1] = _mm256_add_ps(acc[1], acc[3]);
-    acc[0] = _mm256_add_ps(acc[0], acc[1]);
-    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
-    const __m128 t1 = _mm_hadd_ps(t0, t0);
-    double sum = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
-    for (; i < n; i++) sum += (double)(fp16_to_fp32(x[i]) * fp16_to_fp32(y[i]));
-    *s = (float)sum;
+    float red[R];  // reduced apart from the tails, so the accumulators stay in registers
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]), _mm256_add_ps(acc[r][1], acc[r][3]));
+        const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        const __m128 t1 = _mm_hadd_ps(t0, t0);
+        red[r] = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+    }
+    for (int r = 0; r < R; r++) {
+        double sum = red[r];
+        for (int64_t k = i; k < n; k++) sum += (double)(fp16_to_fp32(x[r][k]) * fp16_to_fp32(y[k]));
+        s[r] = (float)sum;
+    }
+}
+
+void attn_dot_f32_avx2(int64_t n, float* s, const void* a, const void* b) {
+    const float* x = (const float*)a;
+    dot_f32_rows<1>(n, s, &x, (const float*)b);
+}
+
+void attn_dot_f16_avx2(int64_t n, float* s, const void* a, const void* b) {
+    const fp16_t* x = (const fp16_t*)a;
+    dot_f16_rows<1>(n, s, &x, (const fp16_t*)b);
 }
 
 }  // namespace
@@ -148,6 +178,9 @@ void attn_dot_f16_avx2(int64_t n, float* s, const void* a, const void* b) {
 void fill_ops_avx2(KernelTable& t) {
     t.attn_dot[TYPE_F32] = attn_dot_f32_avx2;
     t.attn_dot[TYPE_F16] = attn_dot_f16_avx2;
+    // 16 registers: 4 rows of F32 at once (4 accumulators), 2 of F16 (8).
+    t.attn_dot_rows[TYPE_F32] = attn_dot_rows_by<float, 4, dot_f32_rows<4>, dot_f32_rows<1>>;
+    t.attn_dot_rows[TYPE_F16] = attn_dot_rows_by<fp16_t, 2, dot_f16_rows<2>, dot_f16_rows<1>>;
     t.softmax_exp = softmax_exp_avx2;
     t.silu_mul = silu_mul_avx2;
     t.relu_mul = relu_mul_avx2;

@@ -8,6 +8,7 @@
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
 #include "optiml/ops.h"
+#include "attn_dot_rows.h"
 
 namespace optiml {
 
@@ -81,41 +82,78 @@ double softmax_exp_avx512(int64_t n, float* y, const float* x, float max) {
     return sum;
 }
 
-void attn_dot_f32_avx512(int64_t n, float* s, const void* a, const void* b) {
-    const float* x = (const float*)a;
-    const float* y = (const float*)b;
-    __m512 acc = _mm512_setzero_ps();
+// R rows against the same y at once (y converted once for all of them); each row sums exactly as
+// it would alone: attn_dot is this with R = 1.
+//
+// F32: one accumulator, 16 lanes at a time, reduced, then a tail in double.
+template <int R>
+inline void dot_f32_rows(int64_t n, float* s, const float* const* x, const float* y) {
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), acc);
-    double sum = _mm512_reduce_add_ps(acc);
-    for (; i < n; i++) sum += (double)(x[i] * y[i]);
-    *s = (float)sum;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 yv = _mm512_loadu_ps(y + i);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x[r] + i), yv, acc[r]);
+    }
+    float red[R];  // reduced apart from the tails, so the accumulators stay in registers
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) red[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; r++) {
+        double sum = red[r];
+        for (int64_t k = i; k < n; k++) sum += (double)(x[r][k] * y[k]);
+        s[r] = (float)sum;
+    }
 }
 
-// Four accumulators over steps of 64, folded (0+2)+(1+3), then a tail in double: ggml_vec_dot_f16's
-// order, which llama.cpp's attention follows, except that whole 16-element chunks of the tail go
-// through the vector unit too (ggml takes them one by one). The attention's windows are multiples
-// of 32, so a window of 32 mod 64 (every V dot of a context under 32) ran its last 32 elements
-// scalar: 15% of a 7B-shaped model's attention per decode step at such contexts.
+// F16: four accumulators over steps of 64, folded (0+2)+(1+3), then a tail in double:
+// ggml_vec_dot_f16's order, which llama.cpp's attention follows, except that whole 16-element chunks
+// of the tail go through the vector unit too (ggml takes them one by one). The attention's windows
+// are multiples of 32, so a window of 32 mod 64 (every V dot of a context under 32) ran its last 32
+// elements scalar: 15% of a 7B-shaped model's attention per decode step at such contexts.
+template <int R>
+inline void step_f16(__m512* acc, const fp16_t* const* x, const fp16_t* y, int64_t i) {
+    const __m512 yv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(y + i)));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x[r] + i))), yv, acc[r]);
+}
+
+template <int R>
+inline void dot_f16_rows(int64_t n, float* s, const fp16_t* const* x, const fp16_t* y) {
+    // Accumulator j of row r: a<j>[r] (four arrays with constant indices stay in registers).
+    __m512 a0[R], a1[R], a2[R], a3[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        step_f16<R>(a0, x, y, i);
+        step_f16<R>(a1, x, y, i + 16);
+        step_f16<R>(a2, x, y, i + 32);
+        step_f16<R>(a3, x, y, i + 48);
+    }
+    // The whole 16-element chunks left (at most 3) into accumulators 0, 1, 2 in turn.
+    if (i + 16 <= n) step_f16<R>(a0, x, y, i), i += 16;
+    if (i + 16 <= n) step_f16<R>(a1, x, y, i), i += 16;
+    if (i + 16 <= n) step_f16<R>(a2, x, y, i), i += 16;
+    float red[R];  // reduced apart from the tails, so the accumulators stay in registers
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        red[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a2[r]), _mm512_add_ps(a1[r], a3[r])));
+    for (int r = 0; r < R; r++) {
+        double sum = red[r];
+        for (int64_t k = i; k < n; k++) sum += (double)(fp16_to_fp32(x[r][k]) * fp16_to_fp32(y[k]));
+        s[r] = (float)sum;
+    }
+}
+
+void attn_dot_f32_avx512(int64_t n, float* s, const void* a, const void* b) {
+    const float* x = (const float*)a;
+    dot_f32_rows<1>(n, s, &x, (const float*)b);
+}
+
 void attn_dot_f16_avx512(int64_t n, float* s, const void* a, const void* b) {
     const fp16_t* x = (const fp16_t*)a;
-    const fp16_t* y = (const fp16_t*)b;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    auto step = [&](int64_t i, int j) {
-        const __m512 xv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i)));
-        const __m512 yv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(y + i)));
-        acc[j] = _mm512_fmadd_ps(xv, yv, acc[j]);
-    };
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64)
-        for (int j = 0; j < 4; j++) step(i + 16 * j, j);
-    for (int j = 0; i + 16 <= n; i += 16, j++) step(i, j);
-    acc[0] = _mm512_add_ps(acc[0], acc[2]);
-    acc[1] = _mm512_add_ps(acc[1], acc[3]);
-    acc[0] = _mm512_add_ps(acc[0], acc[1]);
-    double sum = _mm512_reduce_add_ps(acc[0]);
-    for (; i < n; i++) sum += (double)(fp16_to_fp32(x[i]) * fp16_to_fp32(y[i]));
-    *s = (float)sum;
+    dot_f16_rows<1>(n, s, &x, (const fp16_t*)b);
 }
 
 }  // namespace
@@ -123,6 +161,9 @@ void attn_dot_f16_avx512(int64_t n, float* s, const void* a, const void* b) {
 void fill_ops_avx512(KernelTable& t) {
     t.attn_dot[TYPE_F32] = attn_dot_f32_avx512;
     t.attn_dot[TYPE_F16] = attn_dot_f16_avx512;
+    // 32 registers: 4 rows at once (16 accumulators for F16).
+    t.attn_dot_rows[TYPE_F32] = attn_dot_rows_by<float, 4, dot_f32_rows<4>, dot_f32_rows<1>>;
+    t.attn_dot_rows[TYPE_F16] = attn_dot_rows_by<fp16_t, 4, dot_f16_rows<4>, dot_f16_rows<1>>;
     t.softmax_exp = softmax_exp_avx512;
     t.silu_mul = silu_mul_avx512;
     t.gelu_mul = gelu_mul_avx512;
