@@ -51,8 +51,8 @@ void add_to_residual(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
 
 void rms_norm_rows(ThreadPool& pool, const float* x, const Weight& w, float* out, int32_t n, int64_t dim, float eps) {
     const float* scale = (const float*)w.data;
-    if (n == 1) {  // a decode step: not worth waking the pool
-        rms_norm(x, scale, out, dim, eps);
+    if (n * dim <= 16384) {  // a decode step (of a few sequences): less than waking the pool
+        for (int32_t t = 0; t < n; t++) rms_norm(x + t * dim, scale, out + t * dim, dim, eps);
         return;
     }
     pool.run([&](int ith, int nth) {
