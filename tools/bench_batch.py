@@ -4,7 +4,8 @@ llama.cpp's own batched decoding (llama-cpp-python's low-level llama_batch API),
 
 Each round: N different prompts (short, so generation dominates) are evaluated, then `--tokens` decode
 steps advance all N sequences at once (one token each per step, greedy); the time of the decode steps
-alone is measured. Runs alternate between the two engines, medians are reported.
+alone is measured. Rounds go N after N and engine after engine, rep after rep, so every N sees the same
+phases of a shared machine; medians are reported, and each scaling is the median of per-rep ratios.
 
     python tools/bench_batch.py                       # SmolLM2 Q4_1, 2 threads, N = 1 4 8 16
     python tools/bench_batch.py -m MODEL.gguf -n 1 8 --tokens 64 --reps 3
@@ -151,34 +152,46 @@ def main(argv=None) -> int:
 
     print(f"model: {os.path.basename(path)}; CPU: {cpu_name()}; threads: {a.threads}; "
           f"simd: {optiml.system_info()['simd']}; {a.tokens} decode steps per round, {a.reps} rounds, medians")
-    rows = []
+    # Every engine and N is loaded first, then the rounds go N after N, engine after engine, rep after
+    # rep: on a shared machine whose speed drifts, each N then sees the same phases, and a round's
+    # scaling is taken against the N = 1 round of the same rep (paired), not against another minute.
+    setups = []
     for n in a.n_seq:
         m = optiml.Model(path, n_ctx=n_ctx_seq, n_threads=a.threads, n_seq=n, sparsity="none")
         prompts = [m.tokenize(PROMPTS[s % len(PROMPTS)]) for s in range(n)]
         peer = None if a.no_peer else LlamaBatched(path, n, n_ctx_seq, a.threads)
-        ours, theirs = [], []
         optiml_round(m, prompts, 2)  # warm-up
         if peer:
             peer.round(prompts, 2)
-        for _ in range(a.reps):
-            ours.append(n * a.tokens / optiml_round(m, prompts, a.tokens))
+        setups.append((n, m, prompts, peer))
+    ours = {n: [] for n in a.n_seq}
+    theirs = {n: [] for n in a.n_seq}
+    for _ in range(a.reps):
+        for n, m, prompts, peer in setups:
+            ours[n].append(n * a.tokens / optiml_round(m, prompts, a.tokens))
             if peer:
-                theirs.append(n * a.tokens / peer.round(prompts, a.tokens))
+                theirs[n].append(n * a.tokens / peer.round(prompts, a.tokens))
+    for n, m, _, peer in setups:
         m.close()
         if peer:
             peer.close()
-        rows.append((n, statistics.median(ours), min(ours), max(ours),
-                     statistics.median(theirs) if theirs else float("nan")))
-        print(f"  N={n:3d}: optiml {rows[-1][1]:8.1f} tok/s  llama.cpp {rows[-1][4]:8.1f} tok/s", flush=True)
 
-    base_o = rows[0][1] if rows[0][0] == 1 else float("nan")
-    base_l = rows[0][4] if rows[0][0] == 1 else float("nan")
+    def med(xs):
+        return statistics.median(xs) if xs else float("nan")
+
+    def paired(runs, n):  # median over reps of (N's round / the same rep's N = 1 round)
+        if 1 not in runs or not runs[1]:
+            return float("nan")
+        return med([x / one for x, one in zip(runs[n], runs[1])])
+
     print()
     print("| N | optiml tok/s (range) | llama.cpp tok/s | optiml / llama.cpp | optiml scaling vs N=1 | llama.cpp scaling |")
     print("|---|---|---|---|---|---|")
-    for n, med, lo, hi, peer in rows:
-        print(f"| {n} | {med:.1f} ({lo:.1f}-{hi:.1f}) | {peer:.1f} | {med / peer:.2f}x | {med / base_o:.2f}x | "
-              f"{peer / base_l:.2f}x |")
+    for n in a.n_seq:
+        o, t = med(ours[n]), med(theirs[n])
+        print(f"| {n} | {o:.1f} ({min(ours[n]):.1f}-{max(ours[n]):.1f}) | {t:.1f} | {o / t:.2f}x | "
+              f"{paired(ours, n):.2f}x | {paired(theirs, n):.2f}x |")
+    print("\nscaling: the median over rounds of a round's tok/s against the N = 1 round of the same rep")
     return 0
 
 
