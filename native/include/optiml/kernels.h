@@ -125,6 +125,14 @@ struct KernelTable {
     axpy_group_fn axpy_group[TYPE_COUNT];  // grouped rows: Q4_0, Q4_1, Q4_K
 };
 
+// Attention's dots of n_rows rows (`stride` bytes apart) with y: the level's many-row kernel where it
+// has one, attn_dot row by row otherwise (the same bits either way).
+inline void attn_dots(const KernelTable& kt, int32_t type, int64_t n, float* s, const void* rows, size_t stride,
+                      const void* y, int64_t n_rows) {
+    if (kt.attn_dot_rows[type]) return kt.attn_dot_rows[type](n, s, rows, stride, y, n_rows);
+    for (int64_t r = 0; r < n_rows; r++) kt.attn_dot[type](n, &s[r], (const uint8_t*)rows + r * stride, y);
+}
+
 // Each SIMD file fills in the entries it implements and leaves the others untouched.
 void fill_kernels_scalar(KernelTable& table);
 void fill_kernels_avx2(KernelTable& table);

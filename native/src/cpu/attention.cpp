@@ -110,13 +110,6 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
     const int64_t n_swa = swa ? hp.n_swa : 0;
     const int32_t xtype = type_traits(kv.type).vec_dot_type;  // F16 or F32
     const from_float_fn to_dot = kt.from_float[xtype];
-    const vec_dot_fn dot = kt.attn_dot[kv.type];
-    const attn_dot_rows_fn dot_rows_kernel = kt.attn_dot_rows[kv.type];
-    // s[r] = row r . y, rows `stride` bytes apart (the same bits either way).
-    auto dot_rows = [&](int64_t len, float* s, const uint8_t* rows, size_t stride, const void* y, int64_t n_rows) {
-        if (dot_rows_kernel) return dot_rows_kernel(len, s, rows, stride, y, n_rows);
-        for (int64_t r = 0; r < n_rows; r++) dot(len, &s[r], rows + r * stride, y);
-    };
     const size_t head_bytes = row_size(kv.type, hd);
     const int64_t n_tasks = (int64_t)n * hp.n_head;
     auto attend = [&](int64_t task) {
@@ -137,8 +130,8 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         to_dot(q + t * n_q + h * hd, conv, hd);
         const int64_t first = n_swa ? std::max<int64_t>(0, n_seen - n_swa) : 0;
         for (int64_t s = 0; s < first; s++) scores[s] = -INFINITY;
-        dot_rows(hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes, kv.k_row, conv,
-                 n_seen - first);
+        attn_dots(kt, kv.type, hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes, kv.k_row,
+                  conv, n_seen - first);
         for (int64_t s = first; s < n_seen; s++) scores[s] *= scale;
         for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
@@ -148,7 +141,7 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
         to_dot(scores, conv, n_window);
         float* out = attn + t * n_q + h * hd;
-        dot_rows(n_window, out, v_head, kv.n_ctx * kv_elem, conv, hd);
+        attn_dots(kt, kv.type, n_window, out, v_head, kv.n_ctx * kv_elem, conv, hd);
     };
     // Tasks go to whichever thread is free, last first: later tokens see more positions, so the
     // long tasks are taken early and the short ones even out the end.

@@ -79,11 +79,10 @@ void PagedKV::attend(ThreadPool& pool, const KernelTable& kt, int32_t layer, int
                                        pos[t], seq[t], length(seq[t])));
     const int64_t hd = head_dim_, width = (int64_t)n_head_kv_ * hd, n_q = (int64_t)n_head * hd;
     const int32_t group = n_head / n_head_kv_;
-    const vec_dot_fn dot = kt.attn_dot[TYPE_F16];
     const from_float_fn to_f16 = kt.from_float[TYPE_F16];
     const int64_t n_tasks = (int64_t)n * n_head;
     pool.run([&](int ith, int nth) {
-        std::vector<float> scores;
+        std::vector<float> scores, parts;
         std::vector<uint16_t> qh(hd), wh;
         for (int64_t task = ith; task < n_tasks; task += nth) {
             const int64_t t = task / n_head, h = task % n_head, kvh = h / group;
@@ -92,11 +91,12 @@ void PagedKV::attend(ThreadPool& pool, const KernelTable& kt, int32_t layer, int
             const std::vector<int32_t>& table = tables_[seq[t]];
             scores.assign((size_t)n_blk * kBlock, -INFINITY);
             to_f16(q + t * n_q + h * hd, qh.data(), hd);
-            for (int64_t s = 0; s < n_seen; s++) {
-                const uint16_t* krow = block(layer, table[s / kBlock]) + (size_t)(s % kBlock) * width + kvh * hd;
-                dot(hd, &scores[s], krow, qh.data());
-                scores[s] *= scale;
+            for (int64_t b = 0; b < n_blk; b++) {  // a block's keys are `width` values apart
+                const uint16_t* k0 = block(layer, table[b]) + kvh * hd;
+                const int64_t n_in = std::min<int64_t>(kBlock, n_seen - b * kBlock);
+                attn_dots(kt, TYPE_F16, hd, &scores[b * kBlock], k0, (size_t)width * 2, qh.data(), n_in);
             }
+            for (int64_t s = 0; s < n_seen; s++) scores[s] *= scale;
             float max = -INFINITY;
             for (int64_t s = 0; s < n_seen; s++) max = std::max(max, scores[s]);
             const double sum = kt.softmax_exp((int64_t)scores.size(), scores.data(), scores.data(), max);
@@ -106,13 +106,11 @@ void PagedKV::attend(ThreadPool& pool, const KernelTable& kt, int32_t layer, int
             to_f16(scores.data(), wh.data(), (int64_t)scores.size());
             float* o = out + t * n_q + h * hd;
             for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+            parts.resize(hd);
             for (int64_t b = 0; b < n_blk; b++) {
                 const uint16_t* vt = block(layer, table[b]) + (size_t)kBlock * width + (size_t)(kvh * hd) * kBlock;
-                for (int64_t d = 0; d < hd; d++) {
-                    float part;
-                    dot(kBlock, &part, vt + d * kBlock, wh.data() + b * kBlock);
-                    o[d] += part;
-                }
+                attn_dots(kt, TYPE_F16, kBlock, parts.data(), vt, kBlock * 2, wh.data() + b * kBlock, hd);
+                for (int64_t d = 0; d < hd; d++) o[d] += parts[d];
             }
         }
     });
