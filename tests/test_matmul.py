@@ -96,7 +96,7 @@ def test_batched_product_equals_rowwise_dot(qtype, simd):
     # full tiles, the row and token edges of the tile sizes, and the 64-token blocks of matmul.cpp.
     cols = 512
     rng = np.random.default_rng(11)
-    for rows, n_tokens in ((1, 2), (5, 3), (9, 7), (19, 17), (6, 67)):
+    for rows, n_tokens in ((1, 2), (5, 3), (17, 4), (8, 2), (9, 7), (19, 17), (6, 67)):
         w = _weights(rows, cols, qtype, seed=rows * 31 + n_tokens)
         x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
         y = quant.matmul(w, qtype, x, n_threads=2, simd=simd)

@@ -60,19 +60,26 @@ inline void transpose8_epi32(__m256i v[8]) {
 
 // The panels of n_tok tokens (x + t * x_stride), ceil(n_tok / 8) groups of nb blocks each, for
 // weight codes that carry offset off.
+// With `twice` (at most 4 tokens), lanes 4-7 repeat tokens 0-3, for tiles that put two rows in a
+// vector (rows2_tile).
 template <class WBlock, int off>
-inline void build_panels(const uint8_t* x, size_t x_stride, int64_t n_tok, int64_t nb, XPanel* out) {
+inline void build_panels(const uint8_t* x, size_t x_stride, int64_t n_tok, int64_t nb, XPanel* out,
+                         bool twice = false) {
     typedef typename Q32<WBlock>::X XBlock;
     for (int64_t t0 = 0; t0 < n_tok; t0 += kPanelTokens) {
         const int64_t nt = n_tok - t0 < kPanelTokens ? n_tok - t0 : kPanelTokens;
         const XBlock* b[kPanelTokens];
-        for (int t = 0; t < kPanelTokens; t++) b[t] = (const XBlock*)(x + (t0 + (t < nt ? t : 0)) * x_stride);
+        int lane_token[kPanelTokens];
+        for (int t = 0; t < kPanelTokens; t++) {
+            lane_token[t] = twice ? t % 4 : t;
+            b[t] = (const XBlock*)(x + (t0 + (lane_token[t] < nt ? lane_token[t] : 0)) * x_stride);
+        }
         XPanel* p = out + (t0 / kPanelTokens) * nb;
         for (int64_t i = 0; i < nb; i++) {
             __m256i v[8];
             short d[8], s[8];
             for (int t = 0; t < 8; t++) {
-                const bool live = t < nt;
+                const bool live = lane_token[t] < nt;
                 v[t] = live ? load256(b[t][i].qs) : _mm256_setzero_si256();
                 d[t] = live ? (short)b[t][i].d : 0;
                 s[t] = live ? (short)sum_of(b[t][i]) : 0;
@@ -94,6 +101,14 @@ inline __m256i bcast32(const uint8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+// The dword at p in lanes 0-3, the one at q in lanes 4-7.
+inline __m256i bcast32x2(const uint8_t* p, const uint8_t* q) {
+    int32_t u, v;
+    std::memcpy(&u, p, 4);
+    std::memcpy(&v, q, 4);
+    return _mm256_blend_epi32(_mm256_set1_epi32(u), _mm256_set1_epi32(v), 0xF0);
 }
 
 // Two groups of one row (unsigned codes w0, w1, broadcast) against 8 tokens (x0, x1), added into acc.
@@ -120,6 +135,18 @@ inline void scales_of(const WBlock& a, __m256& d, __m256& m) {
         d = _mm256_cvtph_ps(_mm_set1_epi16((short)a.d));
         m = d;
     }
+}
+
+// Two rows' scales (and mins): row a's in lanes 0-3, row b's in lanes 4-7; the same conversions of
+// the same fp16 values as scales_of.
+template <class WBlock>
+inline void scales2_of(const WBlock& a, const WBlock& b, __m256& d, __m256& m) {
+    int32_t da = 0, db = 0;
+    std::memcpy(&da, &a.d, Q32<WBlock>::has_min ? 4 : 2);
+    std::memcpy(&db, &b.d, Q32<WBlock>::has_min ? 4 : 2);
+    const __m256 f = _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_set1_epi32(da), _mm_set1_epi32(db)));
+    d = _mm256_permute_ps(f, 0x00);
+    m = Q32<WBlock>::has_min ? _mm256_permute_ps(f, 0x55) : d;
 }
 
 // Where a tile reads a row's codes from, two groups at a time: pair(i, k, w0, w1) gives block i's
@@ -154,6 +181,14 @@ struct NibbleRows {
         w1 = high16 ? _mm256_xor_si256(b, w0) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
     }
     void scales(int64_t i, __m256& d, __m256& m) const { scales_of(a[i], d, m); }
+    // This row in lanes 0-3, row o in lanes 4-7.
+    void pair2(const NibbleRows& o, int64_t i, int k, __m256i& w0, __m256i& w1) const {
+        const __m256i b = bcast32x2(a[i].qs + 4 * k, o.a[i].qs + 4 * k);
+        const __m256i m = _mm256_set1_epi8(0x0F);
+        w0 = _mm256_and_si256(b, m);
+        w1 = high16 ? _mm256_xor_si256(b, w0) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    }
+    void scales2(const NibbleRows& o, int64_t i, __m256& d, __m256& m) const { scales2_of(a[i], o.a[i], d, m); }
 };
 // Q8_0 from its blocks. With VNNI as unsigned codes (signed bytes + 128, offset 128); without it the
 // codes would leave vpmaddubsw's exact range, so the signed bytes meet the activations as |w| . (x with
@@ -183,6 +218,17 @@ struct ByteRows {
         return dot_u8s8(acc, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
     }
     void scales(int64_t i, __m256& d, __m256& m) const { scales_of(a[i], d, m); }
+    void pair2(const ByteRows& o, int64_t i, int k, __m256i& w0, __m256i& w1) const {
+        // Both groups of each row in one broadcast qword, the offset added once, then spread.
+        int64_t u, v;
+        std::memcpy(&u, (const uint8_t*)a[i].qs + 8 * k, 8);
+        std::memcpy(&v, (const uint8_t*)o.a[i].qs + 8 * k, 8);
+        __m256i b = _mm256_blend_epi32(_mm256_set1_epi64x(u), _mm256_set1_epi64x(v), 0xF0);
+        if (offset) b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
+        w0 = _mm256_shuffle_epi32(b, 0x00);
+        w1 = _mm256_shuffle_epi32(b, 0x55);
+    }
+    void scales2(const ByteRows& o, int64_t i, __m256& d, __m256& m) const { scales2_of(a[i], o.a[i], d, m); }
 };
 // Q5_0/Q5_1: the fifth bit is spread over qh, so rows are unpacked to 32 code bytes per block first
 // (once per call, shared by every token group).
@@ -209,6 +255,14 @@ struct CodeRows {
         d = _mm256_set1_ps(a[i].d);
         m = _mm256_set1_ps(a[i].m);
     }
+    void pair2(const CodeRows& o, int64_t i, int k, __m256i& w0, __m256i& w1) const {
+        w0 = bcast32x2(a[i].q + 8 * k, o.a[i].q + 8 * k);
+        w1 = bcast32x2(a[i].q + 8 * k + 4, o.a[i].q + 8 * k + 4);
+    }
+    void scales2(const CodeRows& o, int64_t i, __m256& d, __m256& m) const {
+        d = _mm256_set_m128(_mm_set1_ps(o.a[i].d), _mm_set1_ps(a[i].d));
+        m = _mm256_set_m128(_mm_set1_ps(o.a[i].m), _mm_set1_ps(a[i].m));
+    }
 };
 
 template <class WBlock> struct PanelSource { typedef NibbleRows<WBlock> T; };
@@ -229,54 +283,68 @@ inline void unpack_code_row(const void* row, int64_t nb, CodeBlock* out) {
     }
 }
 
-// NR rows against one panel group (8 tokens): out[r][t].
-template <class WBlock, int NR>
+// NR rows against one panel group (8 tokens): out[r][t]. With Pairs (panels built `twice`, at most 4
+// tokens), a vector holds rows 2v (lanes 0-3) and 2v + 1 (lanes 4-7) against the same 4 tokens: half
+// the integer dots, logic and float steps of a vector per row with 4 lanes idle.
+template <class WBlock, int NR, bool Pairs = false>
 inline void panel_tile(int64_t nb, const void* const* rows, const void* const* ahead, const XPanel* p,
                        float out[][kPanelTokens]) {
     typedef typename PanelSource<WBlock>::T Src;
     constexpr bool offset = Src::offset != 0;
+    constexpr int NV = Pairs ? NR / 2 : NR;  // vectors
+    static_assert(!Pairs || NR % 2 == 0, "a tile of row pairs takes an even number of rows");
     Src src[NR];
-    __m256 acc[NR];
-    for (int r = 0; r < NR; r++) {
-        src[r].set(rows[r]);
-        acc[r] = _mm256_setzero_ps();
-    }
+    __m256 acc[NV];
+    for (int r = 0; r < NR; r++) src[r].set(rows[r]);
+    for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();
+    auto codes = [&](int v, int64_t i, int k, __m256i& w0, __m256i& w1) {
+        if constexpr (Pairs) src[2 * v].pair2(src[2 * v + 1], i, k, w0, w1);
+        else src[v].pair(i, k, w0, w1);
+    };
     for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[NR];
-        for (int r = 0; r < NR; r++) isum[r] = offset ? p[i].nc : _mm256_setzero_si256();
+        __m256i isum[NV];
+        for (int v = 0; v < NV; v++) isum[v] = offset ? p[i].nc : _mm256_setzero_si256();
         if (ahead)
             for (int r = 0; r < NR; r++) _mm_prefetch((const char*)ahead[r] + i * sizeof(WBlock), _MM_HINT_T1);
         if constexpr (Src::high16) {
-            __m256i hsum[NR];
-            for (int r = 0; r < NR; r++) hsum[r] = _mm256_setzero_si256();
+            __m256i hsum[NV];
+            for (int v = 0; v < NV; v++) hsum[v] = _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) {
                 const __m256i x0 = p[i].x[Src::group0(k)], x1 = p[i].x[Src::group1(k)];
-                for (int r = 0; r < NR; r++) {
+                for (int v = 0; v < NV; v++) {
                     __m256i w0, w1;
-                    src[r].pair(i, k, w0, w1);
-                    isum[r] = dot_u8s8(isum[r], w0, x0);
-                    hsum[r] = dot_u8s8(hsum[r], w1, x1);
+                    codes(v, i, k, w0, w1);
+                    isum[v] = dot_u8s8(isum[v], w0, x0);
+                    hsum[v] = dot_u8s8(hsum[v], w1, x1);
                 }
             }
-            for (int r = 0; r < NR; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_srai_epi32(hsum[r], 4));
+            for (int v = 0; v < NV; v++) isum[v] = _mm256_add_epi32(isum[v], _mm256_srai_epi32(hsum[v], 4));
         } else {
             for (int k = 0; k < 4; k++) {
                 const __m256i x0 = p[i].x[Src::group0(k)], x1 = p[i].x[Src::group1(k)];
-                for (int r = 0; r < NR; r++) {
+                for (int v = 0; v < NV; v++) {
                     __m256i w0, w1;
-                    src[r].pair(i, k, w0, w1);
-                    isum[r] = Src::dot(isum[r], w0, x0, w1, x1);
+                    codes(v, i, k, w0, w1);
+                    isum[v] = Src::dot(isum[v], w0, x0, w1, x1);
                 }
             }
         }
-        for (int r = 0; r < NR; r++) {
+        for (int v = 0; v < NV; v++) {
             __m256 d, m;
-            src[r].scales(i, d, m);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, p[i].dx), acc[r]);
-            if constexpr (Q32<WBlock>::has_min) acc[r] = _mm256_fmadd_ps(m, p[i].sx, acc[r]);
+            if constexpr (Pairs) src[2 * v].scales2(src[2 * v + 1], i, d, m);
+            else src[v].scales(i, d, m);
+            acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[v]), _mm256_mul_ps(d, p[i].dx), acc[v]);
+            if constexpr (Q32<WBlock>::has_min) acc[v] = _mm256_fmadd_ps(m, p[i].sx, acc[v]);
         }
     }
-    for (int r = 0; r < NR; r++) _mm256_storeu_ps(out[r], acc[r]);
+    for (int v = 0; v < NV; v++) {
+        if constexpr (Pairs) {
+            _mm_storeu_ps(out[2 * v], _mm256_castps256_ps128(acc[v]));
+            _mm_storeu_ps(out[2 * v + 1], _mm256_extractf128_ps(acc[v], 1));
+        } else {
+            _mm256_storeu_ps(out[v], acc[v]);
+        }
+    }
 }
 
 // gemm_fn: s[t * n_rows + r] = row r . token t. The tokens are transposed into panels once per call
@@ -292,7 +360,10 @@ void gemm_panels_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
     static thread_local std::vector<CodeBlock> codes;
     static thread_local std::vector<const void*> unpacked_rows;
     if ((int64_t)panels.size() < n_groups * nb) panels.resize(n_groups * nb);
-    build_panels<WBlock, PanelSource<WBlock>::T::offset>((const uint8_t*)x, x_stride, n_tok, nb, panels.data());
+    // Up to 4 tokens: two rows per vector (4 lanes each) instead of one row with half its lanes idle.
+    const bool pairs = n_tok <= 4;
+    build_panels<WBlock, PanelSource<WBlock>::T::offset>((const uint8_t*)x, x_stride, n_tok, nb, panels.data(),
+                                                         pairs);
     if (unpacked) {
         if ((int64_t)codes.size() < n_rows * nb) codes.resize(n_rows * nb);
         if ((int64_t)unpacked_rows.size() < n_rows) unpacked_rows.resize(n_rows);
@@ -315,7 +386,8 @@ void gemm_panels_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
             // Into L2, not L1: SmolLM2's rows from DRAM, 8 tokens, 1 thread, 122-130 GFLOP/s into L1
             // against 135-150 into L2 (one tile ahead; two ahead was no better).
             const void* const* ahead = g == 0 && !unpacked && r0 + 2 * nr <= n_rows ? rows + r0 + nr : nullptr;
-            panel_tile<WBlock, nr>(nb, rows + r0, ahead, panels.data() + g * nb, out);
+            if (nr > 1 && pairs) panel_tile<WBlock, nr, (nr > 1)>(nb, rows + r0, ahead, panels.data() + g * nb, out);
+            else panel_tile<WBlock, nr>(nb, rows + r0, ahead, panels.data() + g * nb, out);
             const int64_t t0 = g * kPanelTokens;
             const int64_t nt = n_tok - t0 < kPanelTokens ? n_tok - t0 : kPanelTokens;
             for (int64_t t = 0; t < nt; t++)
