@@ -80,15 +80,7 @@ inline void dot_rows8_512(int64_t nb, float* s, const void* const* rows, const t
             }
             p[k] = _mm512_dpbusd_epi32(negcorr, codes_pair(a[2 * k][i], a[2 * k + 1][i]), X);
         }
-        const __m128i dh = _mm_setr_epi16((short)a[0][i].d, (short)a[1][i].d, (short)a[2][i].d, (short)a[3][i].d,
-                                          (short)a[4][i].d, (short)a[5][i].d, (short)a[6][i].d, (short)a[7][i].d);
-        const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_cvtph_ps(_mm_set1_epi16((short)b[i].d)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce_pairs(p)), scale, acc);
-        if constexpr (Q32<WBlock>::has_min) {
-            const __m128i mh = _mm_setr_epi16((short)a[0][i].m, (short)a[1][i].m, (short)a[2][i].m, (short)a[3][i].m,
-                                              (short)a[4][i].m, (short)a[5][i].m, (short)a[6][i].m, (short)a[7][i].m);
-            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(sum_scale(b[i])), acc);
-        }
+        acc = scale_rows8(a, i, b[i], reduce_pairs(p), acc);
     }
     _mm256_storeu_ps(s, acc);
 }

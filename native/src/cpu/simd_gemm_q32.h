@@ -113,12 +113,9 @@ inline __m256i bcast32x2(const uint8_t* p, const uint8_t* q) {
 
 // Two groups of one row (unsigned codes w0, w1, broadcast) against 8 tokens (x0, x1), added into acc.
 inline __m256i dot_groups2(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    return dot_u8s8(dot_u8s8(acc, w0, x0), w1, x1);
-#else
+    if constexpr (kVnni256) return dot_u8s8(dot_u8s8(acc, w0, x0), w1, x1);
     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
 }
 
 // A block's scale (and min) in every lane, converted in the vector unit: the fp16 pair d, m of
@@ -162,11 +159,7 @@ inline void scales2_of(const WBlock& a, const WBlock& b, __m256& d, __m256& m) {
 template <class WBlock>
 struct NibbleRows {
     static constexpr int offset = Q32<WBlock>::offset;
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    static constexpr bool high16 = true;
-#else
-    static constexpr bool high16 = false;
-#endif
+    static constexpr bool high16 = kVnni256;
     static __m256i dot(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
         return dot_groups2(acc, w0, x0, w1, x1);
     }
@@ -174,19 +167,17 @@ struct NibbleRows {
     static int group1(int k) { return k + 4; }
     const WBlock* a;
     void set(const void* row) { a = (const WBlock*)row; }
-    void pair(int64_t i, int k, __m256i& w0, __m256i& w1) const {
-        const __m256i b = bcast32(a[i].qs + 4 * k);
+    // Broadcast packed bytes b -> the low nibbles' codes w0, the high nibbles' w1 (16 * code with high16).
+    static void split(__m256i b, __m256i& w0, __m256i& w1) {
         const __m256i m = _mm256_set1_epi8(0x0F);
         w0 = _mm256_and_si256(b, m);
         w1 = high16 ? _mm256_xor_si256(b, w0) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
     }
+    void pair(int64_t i, int k, __m256i& w0, __m256i& w1) const { split(bcast32(a[i].qs + 4 * k), w0, w1); }
     void scales(int64_t i, __m256& d, __m256& m) const { scales_of(a[i], d, m); }
     // This row in lanes 0-3, row o in lanes 4-7.
     void pair2(const NibbleRows& o, int64_t i, int k, __m256i& w0, __m256i& w1) const {
-        const __m256i b = bcast32x2(a[i].qs + 4 * k, o.a[i].qs + 4 * k);
-        const __m256i m = _mm256_set1_epi8(0x0F);
-        w0 = _mm256_and_si256(b, m);
-        w1 = high16 ? _mm256_xor_si256(b, w0) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+        split(bcast32x2(a[i].qs + 4 * k, o.a[i].qs + 4 * k), w0, w1);
     }
     void scales2(const NibbleRows& o, int64_t i, __m256& d, __m256& m) const { scales2_of(a[i], o.a[i], d, m); }
 };
@@ -195,22 +186,16 @@ struct NibbleRows {
 // w's sign), exact for x in [-127, 127], each group widened to int32 on its own.
 struct ByteRows {
     static constexpr bool high16 = false;
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    static constexpr int offset = 128;
-#else
-    static constexpr int offset = 0;
-#endif
+    static constexpr int offset = kVnni256 ? 128 : 0;
+    // Signed bytes as the codes the dot takes: + 128 with VNNI (unsigned), as they are without.
+    static __m256i codes(__m256i b) { return offset ? _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80)) : b; }
     static int group0(int k) { return 2 * k; }
     static int group1(int k) { return 2 * k + 1; }
     const block_q8_0* a;
     void set(const void* row) { a = (const block_q8_0*)row; }
     void pair(int64_t i, int k, __m256i& w0, __m256i& w1) const {
-        w0 = bcast32((const uint8_t*)a[i].qs + 8 * k);
-        w1 = bcast32((const uint8_t*)a[i].qs + 8 * k + 4);
-        if (offset) {
-            w0 = _mm256_xor_si256(w0, _mm256_set1_epi8((char)0x80));
-            w1 = _mm256_xor_si256(w1, _mm256_set1_epi8((char)0x80));
-        }
+        w0 = codes(bcast32((const uint8_t*)a[i].qs + 8 * k));
+        w1 = codes(bcast32((const uint8_t*)a[i].qs + 8 * k + 4));
     }
     static __m256i dot(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
         if (offset) return dot_groups2(acc, w0, x0, w1, x1);
@@ -223,8 +208,7 @@ struct ByteRows {
         int64_t u, v;
         std::memcpy(&u, (const uint8_t*)a[i].qs + 8 * k, 8);
         std::memcpy(&v, (const uint8_t*)o.a[i].qs + 8 * k, 8);
-        __m256i b = _mm256_blend_epi32(_mm256_set1_epi64x(u), _mm256_set1_epi64x(v), 0xF0);
-        if (offset) b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
+        const __m256i b = codes(_mm256_blend_epi32(_mm256_set1_epi64x(u), _mm256_set1_epi64x(v), 0xF0));
         w0 = _mm256_shuffle_epi32(b, 0x00);
         w1 = _mm256_shuffle_epi32(b, 0x55);
     }

@@ -110,6 +110,23 @@ void vec_dot_32(int64_t n, float* s, const void* w, const void* x) {
     *s = dot_row_32<WBlock>(n / 32, (const WBlock*)w, (const typename Q32<WBlock>::X*)x);
 }
 
+// Block i's float steps for 8 rows side by side (lane r: row a[r]), isum their exact block sums with
+// token block x: dot_row_32's arithmetic in each lane.
+template <class WBlock>
+inline __m256 scale_rows8(const WBlock* const* a, int64_t i, const typename Q32<WBlock>::X& x, __m256i isum,
+                          __m256 acc) {
+    const __m128i dh = _mm_setr_epi16((short)a[0][i].d, (short)a[1][i].d, (short)a[2][i].d, (short)a[3][i].d,
+                                      (short)a[4][i].d, (short)a[5][i].d, (short)a[6][i].d, (short)a[7][i].d);
+    const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_cvtph_ps(_mm_set1_epi16((short)x.d)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
+    if constexpr (Q32<WBlock>::has_min) {
+        const __m128i mh = _mm_setr_epi16((short)a[0][i].m, (short)a[1][i].m, (short)a[2][i].m, (short)a[3][i].m,
+                                          (short)a[4][i].m, (short)a[5][i].m, (short)a[6][i].m, (short)a[7][i].m);
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(sum_scale(x)), acc);
+    }
+    return acc;
+}
+
 // 8 rows against one token, the rows side by side in the lanes of one float accumulator (each lane
 // runs dot_row_32's arithmetic). ahead[r] is read in step a pass later, and with FAR so is far[r] three
 // passes later: several rows read in step are short interleaved streams that the hardware prefetcher
@@ -128,15 +145,7 @@ inline void dot_rows8_32(int64_t nb, float* s, const void* const* rows, const ty
             if (FAR) _mm_prefetch((const char*)((const WBlock*)rows[r + 24] + i), _MM_HINT_T1);
             p[r] = block_lanes(a[r][i], xv, base);
         }
-        const __m128i dh = _mm_setr_epi16((short)a[0][i].d, (short)a[1][i].d, (short)a[2][i].d, (short)a[3][i].d,
-                                          (short)a[4][i].d, (short)a[5][i].d, (short)a[6][i].d, (short)a[7][i].d);
-        const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_cvtph_ps(_mm_set1_epi16((short)b[i].d)));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8_epi32(p)), scale, acc);
-        if constexpr (Q32<WBlock>::has_min) {
-            const __m128i mh = _mm_setr_epi16((short)a[0][i].m, (short)a[1][i].m, (short)a[2][i].m, (short)a[3][i].m,
-                                              (short)a[4][i].m, (short)a[5][i].m, (short)a[6][i].m, (short)a[7][i].m);
-            acc = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(sum_scale(b[i])), acc);
-        }
+        acc = scale_rows8(a, i, b[i], reduce8_epi32(p), acc);
     }
     _mm256_storeu_ps(s, acc);
 }

@@ -57,6 +57,12 @@ inline float hmax_ps(__m256 v) {
 }
 
 // ---- integer dot primitives (the only place where VNNI and non-VNNI code differ) ----------------
+// Whether dot_u8s8 is vpdpbusd: exact for any u8 codes (no int16 pair sums to overflow).
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool kVnni256 = true;
+#else
+constexpr bool kVnni256 = false;
+#endif
 // acc + (sum of the 4 adjacent u8*s8 products), per int32 lane. Exact when every adjacent pair sum
 // fits int16 (vpmaddubsw saturates): the kernels use u <= 128 and s in [-127, 127].
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
