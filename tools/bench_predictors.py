@@ -268,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-samples", type=int, default=512)
     ap.add_argument("--max-rank-7b", type=int, default=1024)
     a = ap.parse_args(argv)
+    bad = [s for s in a.levels_speed + a.levels if not 0.0 < s < 1.0]
+    if bad:
+        ap.error(f"sparsity levels are fractions between 0 and 1 (0.9 for 90%), got {bad}")
     # bench_sparse.synthetic_path reads these names
     parts = a.only or ["speed", "quality"]
     import llama_cpp

@@ -112,11 +112,11 @@ nb::dict recorder_result(const PyRecorder& pr) {
     return d;
 }
 
-PyModel load_model(const std::string& path) {
+PyModel load_model(const std::string& path, bool in_memory) {
     std::shared_ptr<GGUFFile> f;
     {
         nb::gil_scoped_release release;
-        f = GGUFFile::open(path);
+        f = GGUFFile::open(path, in_memory);
     }
     return PyModel{Model::load(f)};
 }
@@ -272,10 +272,14 @@ void bind_model(nb::module_& m) {
     m.def("measure_device", &measure_device_py, nb::arg("device"), nb::arg("bytes") = (size_t)256 << 20,
           nb::arg("small_bytes") = (size_t)16384, nb::arg("n_threads") = 1);
     nb::class_<PyModel>(m, "Model")
-        .def(nb::new_([](const std::string& path) { return load_model(path); }), nb::arg("path"))
+        .def(nb::new_([](const std::string& path, bool in_memory) { return load_model(path, in_memory); }),
+             nb::arg("path"), nb::arg("in_memory") = false)
         // bytes (os.fsencode): file names that are not UTF-8 load too
-        .def(nb::new_([](nb::bytes path) { return load_model(std::string(path.c_str(), path.size())); }),
-             nb::arg("path"))
+        .def(nb::new_([](nb::bytes path, bool in_memory) {
+                 return load_model(std::string(path.c_str(), path.size()), in_memory);
+             }),
+             nb::arg("path"), nb::arg("in_memory") = false)
+        .def_prop_ro("in_memory", [](const PyModel& pm) { return pm.model->file->mapping()->in_memory(); })
         .def_prop_ro("hparams", &hparams)
         .def_prop_ro("n_vocab", [](const PyModel& pm) { return pm.model->hp.n_vocab; })
         .def_prop_ro("sparsity", &sparsity_config);

@@ -85,7 +85,14 @@ def _load(args, n_ctx: int | None = None):
     from .model import Model
 
     return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
-                 sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args), **_device(args))
+                 sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args), use_mmap=_use_mmap(args),
+                 **_device(args))
+
+
+def _use_mmap(args):
+    """Model's use_mmap from --mmap / --no-mmap (absent: "auto")."""
+    v = getattr(args, "mmap", None)
+    return "auto" if v is None else v
 
 
 def _device(args) -> dict:
@@ -308,7 +315,12 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
-def _add_device_args(p) -> None:
+def _add_device_args(p, loads_weights: bool = True) -> None:
+    if loads_weights:
+        p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,
+                       help="--mmap maps the model file; --no-mmap reads it into memory (2 MiB pages on Linux: "
+                       "faster generation, slower load); default: into memory when the CPU runs every layer and "
+                       "it fits in half of the available memory")
     p.add_argument("--device", default="auto", help="auto (the CPU), cpu, cuda[:N] (a GPU, in a CUDA build) or "
                    "cpu:1 (a second CPU device treated as one, for testing split execution)")
     p.add_argument("--vram", default=None, help="device memory budget: bytes or a size (6GiB, 512MiB)")
@@ -542,7 +554,8 @@ def cmd_serve(args) -> int:
 
     serve(_model(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
           api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
-          predictors=_predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms, **_device(args))
+          predictors=_predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms, use_mmap=_use_mmap(args),
+          **_device(args))
     return 0
 
 
@@ -709,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="activation statistics (optiml profile) to plot, e.g. for a model without a placement")
     p.add_argument("--plan", action="store_true",
                    help="print the execution plan instead: where each layer's attention and FFN neurons run")
-    _add_device_args(p)
+    _add_device_args(p, loads_weights=False)
     p.add_argument("--ctx", type=int, default=None, help="context length per sequence for --plan (default: the "
                    "model's, at most 4096)")
     p.add_argument("--parallel", type=int, default=1, help="sequence slots for --plan")

@@ -31,6 +31,42 @@ from .tokenizer import Tokenizer
 __all__ = ["Model"]
 
 
+def _huge_pages_allowed() -> bool:
+    """Linux transparent huge pages in "always" or "madvise" mode (the native reader advises them)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_into_memory(path: str, use_mmap, device, n_gpu_layers, gpu_neurons) -> bool:
+    """use_mmap ("auto", True or False) as the native loader's in_memory flag (see Model)."""
+    if isinstance(use_mmap, bool):
+        return not use_mmap
+    if use_mmap != "auto":
+        raise ArgumentError(f"use_mmap must be True, False or 'auto', not {use_mmap!r}")
+    if not isinstance(device, str):
+        return False  # plan_args rejects it with its own message
+    cpu_only = device == "cpu" or (device == "auto" and not _core.system_info()["cuda_devices"])
+    if not cpu_only or n_gpu_layers or gpu_neurons or not _huge_pages_allowed():
+        return False
+    available = _memory_available()
+    return available is not None and os.path.getsize(path) <= available // 2
+
+
 class Model:
     """A llama-family GGUF model (llama, mistral, qwen2) with one context.
 
@@ -61,6 +97,13 @@ class Model:
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists), a path, or None.
+
+    use_mmap: True maps the file (weights are paged in as they are first read and shared with the page
+    cache), False reads it whole into private memory backed by 2 MiB pages where the OS has them (Linux
+    transparent huge pages), which the matrix-vector kernels stream about 10-25% faster than a
+    mapping's 4 KiB pages; it costs reading the file at load and its size in memory of this process's own.
+    "auto" (the default) reads into memory when every layer runs on the CPU, the OS allows huge pages and
+    the file takes at most half of the memory available; otherwise maps. :attr:`in_memory` says which.
     """
 
     def __init__(
@@ -80,6 +123,7 @@ class Model:
         predictors="auto",
         down_copy: str = "auto",
         kv_vram=None,
+        use_mmap="auto",
     ):
         from .models import resolve
 
@@ -88,7 +132,8 @@ class Model:
             raise FileNotFoundError(f"model file not found: {self.path}")
         if os.path.isdir(self.path):
             raise IsADirectoryError(f"expected a GGUF file, got a directory: {self.path}")
-        self._model = _core.Model(os.fsencode(self.path))
+        in_memory = _read_into_memory(self.path, use_mmap, device, n_gpu_layers, gpu_neurons)
+        self._model = _core.Model(os.fsencode(self.path), in_memory=in_memory)
         self.hparams: dict = self._model.hparams
         if n_ctx is None:
             n_ctx = min(self.hparams["n_ctx_train"], 4096)
@@ -126,6 +171,11 @@ class Model:
         self.set_sparsity(sparsity, thresholds)
 
     # ---- properties ---------------------------------------------------------------------------
+    @property
+    def in_memory(self) -> bool:
+        """Whether the weights were read into private memory (use_mmap) rather than mapped."""
+        return self._model.in_memory
+
     @property
     def n_ctx(self) -> int:
         return self._session.n_ctx

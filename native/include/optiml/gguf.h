@@ -50,17 +50,28 @@ class MappedFile {
 public:
     // Throws std::system_error when the OS refuses (missing file, no permission, a directory) and
     // GGUFError when the path is not a regular file.
-    explicit MappedFile(const std::string& path);
+    //
+    // in_memory: read the whole file into private memory instead of mapping it; on Linux that memory
+    // is advised to use 2 MiB pages. A decoding step streams every weight once, and over a file mapping's
+    // 4 KiB pages the matrix-vector kernels reach about 80% of the rate they reach over 2 MiB pages (a
+    // 7B Q4_0 model, 2 threads, AVX-512: 28 against 35 GB/s). The cost: the file is read up front, and
+    // the copy is not shared with the page cache or other processes. Elsewhere than on POSIX the file
+    // is mapped either way.
+    explicit MappedFile(const std::string& path, bool in_memory = false);
     ~MappedFile();
     MappedFile(const MappedFile&) = delete;
     MappedFile& operator=(const MappedFile&) = delete;
 
     const uint8_t* data() const { return data_; }
     uint64_t size() const { return size_; }
+    // Whether the bytes are a private copy (in_memory) rather than a mapping of the file.
+    bool in_memory() const { return in_memory_; }
 
 private:
     const uint8_t* data_ = nullptr;
     uint64_t size_ = 0;
+    size_t region_ = 0;  // bytes to unmap
+    bool in_memory_ = false;
 };
 
 // One metadata value. Scalars, strings and arrays of fixed-size elements are the raw
@@ -110,7 +121,7 @@ class GGUFFile {
 public:
     // Maps and parses `path`. Throws std::system_error when the file cannot be opened and
     // GGUFError (message starting with the path) when it is not a valid GGUF file.
-    static std::shared_ptr<GGUFFile> open(const std::string& path);
+    static std::shared_ptr<GGUFFile> open(const std::string& path, bool in_memory = false);
 
     const std::string& path() const { return path_; }
     uint32_t version() const { return version_; }

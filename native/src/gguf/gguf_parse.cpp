@@ -140,10 +140,10 @@ void parse_value(Cursor& c, uint32_t type, GGUFValue& out, const std::string& wh
 
 }  // namespace
 
-std::shared_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
+std::shared_ptr<GGUFFile> GGUFFile::open(const std::string& path, bool in_memory) {
     std::shared_ptr<GGUFFile> f(new GGUFFile());
     f->path_ = path;
-    f->map_ = std::make_shared<const MappedFile>(path);
+    f->map_ = std::make_shared<const MappedFile>(path, in_memory);
     try {
         f->parse();
     } catch (const GGUFError& e) {

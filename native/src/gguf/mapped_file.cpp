@@ -9,6 +9,11 @@
 #define WIN32_LEAN_AND_MEAN
 #include <windows.h>
 #else
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -35,7 +40,7 @@ static std::system_error win_error(const std::string& what) {
     return std::system_error(code, std::generic_category(), what);
 }
 
-MappedFile::MappedFile(const std::string& path) {
+MappedFile::MappedFile(const std::string& path, bool /*in_memory: mapped here either way*/) {
     HANDLE file = CreateFileW(widen(path).c_str(), GENERIC_READ, FILE_SHARE_READ, nullptr,
                               OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, nullptr);
     if (file == INVALID_HANDLE_VALUE) throw win_error("cannot open " + path);
@@ -67,7 +72,63 @@ MappedFile::~MappedFile() {
 
 #else
 
-MappedFile::MappedFile(const std::string& path) {
+namespace {
+
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// size bytes of private memory aligned to a 2 MiB page (huge pages need aligned addresses), advised to
+// use such pages where the OS has them; *region: the bytes to unmap.
+uint8_t* huge_page_region(size_t size, size_t* region) {
+    const size_t rounded = (size + kHugePage - 1) / kHugePage * kHugePage;
+    const size_t len = rounded + kHugePage;
+    void* raw = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    uint8_t* start = (uint8_t*)raw;
+    uint8_t* aligned = (uint8_t*)(((uintptr_t)start + kHugePage - 1) & ~(uintptr_t)(kHugePage - 1));
+    if (aligned > start) munmap(start, (size_t)(aligned - start));
+    if (start + len > aligned + rounded) munmap(aligned + rounded, (size_t)(start + len - (aligned + rounded)));
+#ifdef MADV_HUGEPAGE
+    madvise(aligned, rounded, MADV_HUGEPAGE);  // advice only: without huge pages it stays 4 KiB pages
+#endif
+    *region = rounded;
+    return aligned;
+}
+
+// Reads size bytes of fd into dst with several threads (each first touch of a page also zeroes it, and
+// that work is shared out too). Returns 0 or the errno of the first failure; EIO for a short file.
+int read_parallel(int fd, uint8_t* dst, size_t size) {
+    constexpr size_t kPiece = size_t(16) << 20;
+    const size_t n_pieces = (size + kPiece - 1) / kPiece;
+    std::atomic<size_t> next{0};
+    std::atomic<int> error{0};
+    auto work = [&] {
+        for (size_t i = next++; i < n_pieces && !error.load(); i = next++) {
+            size_t off = i * kPiece;
+            const size_t end = std::min(size, off + kPiece);
+            while (off < end) {
+                const ssize_t k = pread(fd, dst + off, end - off, (off_t)off);
+                if (k < 0 && errno == EINTR) continue;
+                if (k <= 0) {
+                    int expected = 0;
+                    error.compare_exchange_strong(expected, k < 0 ? errno : EIO);
+                    return;
+                }
+                off += (size_t)k;
+            }
+        }
+    };
+    const unsigned hw = std::thread::hardware_concurrency();
+    const size_t n_threads = std::min<size_t>({hw ? hw : 1, 8, n_pieces});
+    std::vector<std::thread> threads;
+    for (size_t t = 1; t < n_threads; t++) threads.emplace_back(work);
+    work();
+    for (std::thread& t : threads) t.join();
+    return error.load();
+}
+
+}  // namespace
+
+MappedFile::MappedFile(const std::string& path, bool in_memory) {
     // O_NONBLOCK: opening a FIFO must not wait for a writer; it is rejected below.
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw std::system_error(errno, std::generic_category(), "cannot open " + path);
@@ -90,7 +151,23 @@ MappedFile::MappedFile(const std::string& path) {
         throw GGUFError(path + ": file too large to map on this system");
     }
     size_ = (uint64_t)st.st_size;
-    if (size_ > 0) {
+    if (size_ > 0 && in_memory) {
+        uint8_t* p = huge_page_region((size_t)size_, &region_);
+        if (!p) {
+            int e = errno;
+            ::close(fd);
+            throw std::system_error(e, std::generic_category(), "cannot allocate memory to read " + path + " into");
+        }
+        if (int e = read_parallel(fd, p, (size_t)size_)) {
+            munmap(p, region_);
+            ::close(fd);
+            throw std::system_error(e, std::generic_category(), "cannot read " + path);
+        }
+        mprotect(p, region_, PROT_READ);  // as the mapping: weights are never written
+        data_ = p;
+        in_memory_ = true;
+    } else if (size_ > 0) {
+        region_ = (size_t)size_;
         void* p = mmap(nullptr, (size_t)size_, PROT_READ, MAP_PRIVATE, fd, 0);
         if (p == MAP_FAILED) {
             int e = errno;
@@ -103,7 +180,7 @@ MappedFile::MappedFile(const std::string& path) {
 }
 
 MappedFile::~MappedFile() {
-    if (data_) munmap((void*)data_, (size_t)size_);
+    if (data_) munmap((void*)data_, region_);
 }
 
 #endif
