@@ -70,7 +70,6 @@ public:
 private:
     const uint8_t* data_ = nullptr;
     uint64_t size_ = 0;
-    size_t region_ = 0;  // bytes to unmap
     bool in_memory_ = false;
 };
 

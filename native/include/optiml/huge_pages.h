@@ -17,6 +17,14 @@
 
 namespace optiml {
 
+// Zeroed memory of at least `bytes` for buffers streamed whole (a model file read into memory: see
+// MappedFile). On Linux a region of at least a huge page is its own anonymous mapping, aligned to and
+// advised to use 2 MiB pages, which the OS zero-fills on first touch as it does calloc's large blocks.
+// Smaller regions, and every one elsewhere, come from calloc. nullptr when the memory cannot be had.
+// huge_page_free takes the same `bytes`.
+void* huge_page_calloc(size_t bytes);
+void huge_page_free(void* p, size_t bytes);
+
 // On Linux, allocations of at least a huge page are aligned to one and advised to use huge pages before
 // any byte is touched (so the first touch faults in whole 2 MiB pages); smaller ones, and every one
 // elsewhere, are plain.

@@ -4,6 +4,7 @@
 #include <system_error>
 
 #include "optiml/gguf.h"
+#include "optiml/huge_pages.h"
 
 #ifdef _WIN32
 #define WIN32_LEAN_AND_MEAN
@@ -74,26 +75,6 @@ MappedFile::~MappedFile() {
 
 namespace {
 
-constexpr size_t kHugePage = size_t(2) << 20;
-
-// size bytes of private memory aligned to a 2 MiB page (huge pages need aligned addresses), advised to
-// use such pages where the OS has them; *region: the bytes to unmap.
-uint8_t* huge_page_region(size_t size, size_t* region) {
-    const size_t rounded = (size + kHugePage - 1) / kHugePage * kHugePage;
-    const size_t len = rounded + kHugePage;
-    void* raw = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) return nullptr;
-    uint8_t* start = (uint8_t*)raw;
-    uint8_t* aligned = (uint8_t*)(((uintptr_t)start + kHugePage - 1) & ~(uintptr_t)(kHugePage - 1));
-    if (aligned > start) munmap(start, (size_t)(aligned - start));
-    if (start + len > aligned + rounded) munmap(aligned + rounded, (size_t)(start + len - (aligned + rounded)));
-#ifdef MADV_HUGEPAGE
-    madvise(aligned, rounded, MADV_HUGEPAGE);  // advice only: without huge pages it stays 4 KiB pages
-#endif
-    *region = rounded;
-    return aligned;
-}
-
 // Reads size bytes of fd into dst with several threads (each first touch of a page also zeroes it, and
 // that work is shared out too). Returns 0 or the errno of the first failure; EIO for a short file.
 int read_parallel(int fd, uint8_t* dst, size_t size) {
@@ -152,22 +133,20 @@ MappedFile::MappedFile(const std::string& path, bool in_memory) {
     }
     size_ = (uint64_t)st.st_size;
     if (size_ > 0 && in_memory) {
-        uint8_t* p = huge_page_region((size_t)size_, &region_);
+        uint8_t* p = (uint8_t*)huge_page_calloc((size_t)size_);
         if (!p) {
             int e = errno;
             ::close(fd);
             throw std::system_error(e, std::generic_category(), "cannot allocate memory to read " + path + " into");
         }
         if (int e = read_parallel(fd, p, (size_t)size_)) {
-            munmap(p, region_);
+            huge_page_free(p, (size_t)size_);
             ::close(fd);
             throw std::system_error(e, std::generic_category(), "cannot read " + path);
         }
-        mprotect(p, region_, PROT_READ);  // as the mapping: weights are never written
         data_ = p;
         in_memory_ = true;
     } else if (size_ > 0) {
-        region_ = (size_t)size_;
         void* p = mmap(nullptr, (size_t)size_, PROT_READ, MAP_PRIVATE, fd, 0);
         if (p == MAP_FAILED) {
             int e = errno;
@@ -180,7 +159,11 @@ MappedFile::MappedFile(const std::string& path, bool in_memory) {
 }
 
 MappedFile::~MappedFile() {
-    if (data_) munmap((void*)data_, region_);
+    if (!data_) return;
+    if (in_memory_)
+        huge_page_free((void*)data_, (size_t)size_);
+    else
+        munmap((void*)data_, (size_t)size_);
 }
 
 #endif
