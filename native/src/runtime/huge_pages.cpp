@@ -2,6 +2,11 @@
 #include "optiml/huge_pages.h"
 
 #include <cstdint>
+#include <cstdlib>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace optiml {
 
