@@ -35,26 +35,62 @@ def test_use_mmap_rejects(smollm2_path, bad):
         optiml.Model(smollm2_path, n_ctx=64, use_mmap=bad)
 
 
-def test_auto_maps_when_the_gpu_runs_layers(smollm2_path):
-    # weights a device holds need no private host copy
-    p = str(smollm2_path)
-    assert not model_mod._read_into_memory(p, "auto", "cuda", None, None)
-    assert not model_mod._read_into_memory(p, "auto", "cpu", 4, None)
-    assert not model_mod._read_into_memory(p, "auto", "cpu", None, [16] * 30)
-    assert model_mod._read_into_memory(p, False, "cuda", None, None)
-    assert not model_mod._read_into_memory(p, True, "cpu", None, None)
-
-
-def test_auto_on_the_cpu_follows_the_os(smollm2_path, monkeypatch):
-    p = str(smollm2_path)
+@pytest.fixture
+def roomy(monkeypatch):
+    """An OS with transparent huge pages and plenty of memory, whatever this machine has."""
     monkeypatch.setattr(model_mod, "_huge_pages_allowed", lambda: True)
     monkeypatch.setattr(model_mod, "_memory_available", lambda: 1 << 40)
-    assert model_mod._read_into_memory(p, "auto", "cpu", None, None)
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: smollm2_path.stat().st_size)  # under twice the file
-    assert not model_mod._read_into_memory(p, "auto", "cpu", None, None)
+
+
+def test_auto_follows_the_plan(smollm2_path, roomy):
+    # every layer on the CPU: read into memory (n_gpu_layers / gpu_neurons are ignored there, as the
+    # plan says); a device instance holding layers: mapped (its weights need no private host copy)
+    assert optiml.Model(smollm2_path, n_ctx=64, device="cpu").in_memory
+    assert optiml.Model(smollm2_path, n_ctx=64, device="cpu", n_gpu_layers=4).in_memory
+    m = optiml.Model(smollm2_path, n_ctx=64, device="cpu:1", vram="64MiB")
+    assert m.plan.device == "cpu:1" and not m.in_memory
+
+
+def test_auto_asks_the_plan_last(smollm2_path, roomy, monkeypatch):
+    p = str(smollm2_path)
+    calls = []
+    plan = lambda: calls.append(1) or {"device": "cpu"}  # noqa: E731
+    assert model_mod._auto_in_memory(p, plan) and calls == [1]
+    assert not model_mod._auto_in_memory(p, lambda: {"device": "cuda:0"})
+
+    def refused():
+        raise optiml.ArgumentError("no such device")
+
+    assert not model_mod._auto_in_memory(p, refused)  # the session then reports it
+    monkeypatch.setattr(model_mod, "_memory_available", lambda: smollm2_path.stat().st_size)  # < 2x the file
+    assert not model_mod._auto_in_memory(p, plan) and calls == [1]
+    monkeypatch.setattr(model_mod, "_memory_available", lambda: None)
+    assert not model_mod._auto_in_memory(p, plan)
     monkeypatch.setattr(model_mod, "_memory_available", lambda: 1 << 40)
     monkeypatch.setattr(model_mod, "_huge_pages_allowed", lambda: False)
-    assert not model_mod._read_into_memory(p, "auto", "cpu", None, None)
+    assert not model_mod._auto_in_memory(p, plan) and calls == [1]
+
+
+def test_memory_available_is_a_positive_count():
+    got = model_mod._memory_available()
+    assert got is None or got >= 0
+
+
+def test_the_commands_pass_use_mmap(smollm2_path, monkeypatch):
+    from optiml import cli
+
+    seen = []
+
+    class FakeModel:
+        def __init__(self, path, **kw):
+            seen.append(kw["use_mmap"])
+            raise SystemExit(0)
+
+    monkeypatch.setattr(model_mod, "Model", FakeModel)
+    for flag, want in (([], "auto"), (["--mmap"], True), (["--no-mmap"], False)):
+        with pytest.raises(SystemExit):
+            cli.main(["run", "-m", str(smollm2_path), "-p", "hi", "-n", "1", *flag])
+    assert seen == ["auto", True, False]
 
 
 @pytest.mark.parametrize("content", [b"", b"GGUF", b"not a gguf file at all" * 100])

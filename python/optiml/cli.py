@@ -319,8 +319,8 @@ def _add_device_args(p, loads_weights: bool = True) -> None:
     if loads_weights:
         p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,
                        help="--mmap maps the model file; --no-mmap reads it into memory (2 MiB pages on Linux: "
-                       "faster generation, slower load); default: into memory when the CPU runs every layer and "
-                       "it fits in half of the available memory")
+                       "faster generation, slower load); default: into memory when the CPU runs every layer, "
+                       "transparent huge pages are on and the file fits in half of the available memory")
     p.add_argument("--device", default="auto", help="auto (the CPU), cpu, cuda[:N] (a GPU, in a CUDA build) or "
                    "cpu:1 (a second CPU device treated as one, for testing split execution)")
     p.add_argument("--vram", default=None, help="device memory budget: bytes or a size (6GiB, 512MiB)")

@@ -40,31 +40,50 @@ def _huge_pages_allowed() -> bool:
         return False
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _memory_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    """Bytes this process can still take: MemAvailable of /proc/meminfo, lowered to the room left under
+    a cgroup memory limit (a container's --memory) where there is one. None where nothing says."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)  # "max" (no limit) reads as None
+        if limit is not None and usage is not None and limit < 1 << 60:
+            room = max(0, limit - usage)
+            available = room if available is None else min(available, room)
+            break
+    return available
 
 
-def _read_into_memory(path: str, use_mmap, device, n_gpu_layers, gpu_neurons) -> bool:
-    """use_mmap ("auto", True or False) as the native loader's in_memory flag (see Model)."""
-    if isinstance(use_mmap, bool):
-        return not use_mmap
-    if use_mmap != "auto":
-        raise ArgumentError(f"use_mmap must be True, False or 'auto', not {use_mmap!r}")
-    if not isinstance(device, str):
-        return False  # plan_args rejects it with its own message
-    cpu_only = device == "cpu" or (device == "auto" and not _core.system_info()["cuda_devices"])
-    if not cpu_only or n_gpu_layers or gpu_neurons or not _huge_pages_allowed():
+def _auto_in_memory(path: str, plan) -> bool:
+    """use_mmap="auto": read the file into memory when the OS has transparent huge pages, the file takes
+    at most half of the memory available, and the plan (a callable returning the plan dict, called last)
+    runs every layer on the CPU: a device's weights need no private host copy."""
+    if not _huge_pages_allowed():
         return False
     available = _memory_available()
-    return available is not None and os.path.getsize(path) <= available // 2
+    if available is None or os.path.getsize(path) > available // 2:
+        return False
+    try:
+        return plan()["device"] == "cpu"
+    except OptimlError:
+        return False  # the session reports the bad plan itself
 
 
 class Model:
@@ -101,9 +120,11 @@ class Model:
     use_mmap: True maps the file (weights are paged in as they are first read and shared with the page
     cache), False reads it whole into private memory backed by 2 MiB pages where the OS has them (Linux
     transparent huge pages), which the matrix-vector kernels stream about 10-25% faster than a
-    mapping's 4 KiB pages; it costs reading the file at load and its size in memory of this process's own.
-    "auto" (the default) reads into memory when every layer runs on the CPU, the OS allows huge pages and
-    the file takes at most half of the memory available; otherwise maps. :attr:`in_memory` says which.
+    mapping's 4 KiB pages; it costs reading the file at load and its size in memory of this process's own
+    (on Windows the file is mapped either way). "auto" (the default) reads into memory when the plan runs
+    every layer on the CPU, the OS has transparent huge pages enabled and the file takes at most half of
+    the memory available (MemAvailable, or the room under a cgroup limit); otherwise it maps.
+    :attr:`in_memory` says which.
     """
 
     def __init__(
@@ -132,8 +153,10 @@ class Model:
             raise FileNotFoundError(f"model file not found: {self.path}")
         if os.path.isdir(self.path):
             raise IsADirectoryError(f"expected a GGUF file, got a directory: {self.path}")
-        in_memory = _read_into_memory(self.path, use_mmap, device, n_gpu_layers, gpu_neurons)
-        self._model = _core.Model(os.fsencode(self.path), in_memory=in_memory)
+        if not isinstance(use_mmap, bool) and use_mmap != "auto":
+            raise ArgumentError(f"use_mmap must be True, False or 'auto', not {use_mmap!r}")
+        # "auto" opens the file mapped first (metadata only is read) to learn where layers would run.
+        self._model = _core.Model(os.fsencode(self.path), in_memory=use_mmap is False)
         self.hparams: dict = self._model.hparams
         if n_ctx is None:
             n_ctx = min(self.hparams["n_ctx_train"], 4096)
@@ -145,6 +168,9 @@ class Model:
         from .plan import plan_args
 
         where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
+        if use_mmap == "auto" and _auto_in_memory(
+                self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):
+            self._model = _core.Model(os.fsencode(self.path), in_memory=True)
         self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch, n_seq, **where)
         self._tokens: list[int] = []  # what the context (KV cache) holds
         self._busy = threading.Lock()

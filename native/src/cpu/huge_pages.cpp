@@ -15,7 +15,7 @@ constexpr size_t kHugePage = size_t(2) << 20;
 
 bool own_mapping(size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    return bytes >= kHugePage;
+    return bytes >= kHugePage && bytes <= SIZE_MAX - 2 * kHugePage;  // larger: calloc refuses it
 #else
     (void)bytes;
     return false;

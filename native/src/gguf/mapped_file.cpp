@@ -101,7 +101,11 @@ int read_parallel(int fd, uint8_t* dst, size_t size) {
     const unsigned hw = std::thread::hardware_concurrency();
     const size_t n_threads = std::min<size_t>({hw ? hw : 1, 8, n_pieces});
     std::vector<std::thread> threads;
-    for (size_t t = 1; t < n_threads; t++) threads.emplace_back(work);
+    try {
+        for (size_t t = 1; t < n_threads; t++) threads.emplace_back(work);
+    } catch (const std::system_error&) {
+        // No more threads to be had: the ones started (and this one) share out all the pieces anyway.
+    }
     work();
     for (std::thread& t : threads) t.join();
     return error.load();
@@ -133,9 +137,10 @@ MappedFile::MappedFile(const std::string& path, bool in_memory) {
     }
     size_ = (uint64_t)st.st_size;
     if (size_ > 0 && in_memory) {
+        errno = 0;
         uint8_t* p = (uint8_t*)huge_page_calloc((size_t)size_);
         if (!p) {
-            int e = errno;
+            const int e = errno ? errno : ENOMEM;
             ::close(fd);
             throw std::system_error(e, std::generic_category(), "cannot allocate memory to read " + path + " into");
         }
