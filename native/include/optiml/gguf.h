@@ -118,8 +118,9 @@ struct GGUFTensorInfo {
 
 class GGUFFile {
 public:
-    // Maps and parses `path`. Throws std::system_error when the file cannot be opened and
-    // GGUFError (message starting with the path) when it is not a valid GGUF file.
+    // Maps `path` (with in_memory, reads it: see MappedFile) and parses it. Throws std::system_error when
+    // the file cannot be opened and GGUFError (message starting with the path) when it is not a valid
+    // GGUF file.
     static std::shared_ptr<GGUFFile> open(const std::string& path, bool in_memory = false);
 
     const std::string& path() const { return path_; }

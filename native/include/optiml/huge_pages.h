@@ -14,10 +14,10 @@
 
 namespace optiml {
 
-// Zeroed memory of at least `bytes`. On Linux a region of at least a huge page is its own anonymous mapping, aligned to and
-// advised to use 2 MiB pages, which the OS zero-fills on first touch as it does calloc's large blocks.
-// Smaller regions, and every one elsewhere, come from calloc. nullptr when the memory cannot be had.
-// huge_page_free takes the same `bytes`.
+// Zeroed memory of at least `bytes`. On Linux a region of at least a huge page is its own anonymous
+// mapping, aligned to and advised to use 2 MiB pages, which the OS zero-fills on first touch as it does
+// calloc's large blocks. Smaller regions, and every one elsewhere, come from calloc. nullptr when the
+// memory cannot be had. huge_page_free takes the same `bytes`.
 void* huge_page_calloc(size_t bytes);
 void huge_page_free(void* p, size_t bytes);
 
