@@ -49,8 +49,10 @@ def _read_int(path: str) -> int | None:
 
 
 def _memory_available() -> int | None:
-    """Bytes this process can still take: MemAvailable of /proc/meminfo, lowered to the room left under
-    a cgroup memory limit (a container's --memory) where there is one. None where nothing says."""
+    """Bytes this process can still take: MemAvailable of /proc/meminfo (free memory plus the page cache
+    the kernel can drop, such as a model file's pages once it was read into memory), else the free pages
+    sysconf reports, lowered to the room left under a cgroup memory limit (a container's --memory) where
+    there is one. None where nothing says."""
     available = None
     try:
         with open("/proc/meminfo") as f:
@@ -60,6 +62,11 @@ def _memory_available() -> int | None:
                     break
     except (OSError, ValueError, IndexError):
         pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
@@ -300,9 +307,8 @@ class Model:
             return True
         h = self.hparams
         need = h["n_layer"] * h["n_ff"] * h["n_embd"] * 34 / 32  # Q8_0: 34 bytes per 32 weights
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):  # not POSIX: no way to tell, favour speed
+        available = _memory_available()
+        if available is None:  # no way to tell: favour speed
             return False
         return need > available / 2
 
