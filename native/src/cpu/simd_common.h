@@ -8,6 +8,9 @@
 #include "simd_float.h"
 #include "simd_gemm.h"
 #include "simd_gemm_q32.h"
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include "simd_gemm_q32_rows.h"
+#endif
 #include "simd_kquants.h"
 #include "simd_q32.h"
 
@@ -39,11 +42,19 @@ inline void fill_quant_kernels(KernelTable& t) {
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1>;
     t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0>;
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+    t.gemm[TYPE_Q4_0] = gemm_q32_vnni<block_q4_0, PR>;
+    t.gemm[TYPE_Q4_1] = gemm_q32_vnni<block_q4_1, PR>;
+    t.gemm[TYPE_Q5_0] = gemm_q32_vnni<block_q5_0, PR>;
+    t.gemm[TYPE_Q5_1] = gemm_q32_vnni<block_q5_1, PR>;
+    t.gemm[TYPE_Q8_0] = gemm_q32_vnni<block_q8_0, PR>;
+#else
     t.gemm[TYPE_Q4_0] = gemm_panels_32<block_q4_0, PR>;
     t.gemm[TYPE_Q4_1] = gemm_panels_32<block_q4_1, PR>;
     t.gemm[TYPE_Q5_0] = gemm_panels_32<block_q5_0, PR>;
     t.gemm[TYPE_Q5_1] = gemm_panels_32<block_q5_1, PR>;
     t.gemm[TYPE_Q8_0] = gemm_panels_32<block_q8_0, PR>;
+#endif
 
     t.vec_dot[TYPE_Q2_K] = vec_dot_tiled<KTile<block_q2_K>>;
     t.vec_dot[TYPE_Q3_K] = vec_dot_tiled<KTile<block_q3_K>>;
