@@ -29,6 +29,14 @@ constexpr int kPanelRows = 8;
 constexpr int kPanelRows = 4;
 #endif
 
+// The 32-element formats' batched product: with AVX-512VNNI rows in the lanes from 32 tokens
+// (simd_gemm_q32_rows.h), else tokens in the lanes (simd_gemm_q32.h).
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+template <class WBlock, int NR> constexpr gemm_fn kGemmQ32 = gemm_q32_vnni<WBlock, NR>;
+#else
+template <class WBlock, int NR> constexpr gemm_fn kGemmQ32 = gemm_panels_32<WBlock, NR>;
+#endif
+
 // The quant kernels: vec_dot, the matrix-vector product (vec_dot_rows) and the batched product (gemm).
 inline void fill_quant_kernels(KernelTable& t) {
     constexpr int KR = kKRows, KT = kKTokens, PR = kPanelRows;
@@ -42,19 +50,11 @@ inline void fill_quant_kernels(KernelTable& t) {
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1>;
     t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0>;
-#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
-    t.gemm[TYPE_Q4_0] = gemm_q32_vnni<block_q4_0, PR>;
-    t.gemm[TYPE_Q4_1] = gemm_q32_vnni<block_q4_1, PR>;
-    t.gemm[TYPE_Q5_0] = gemm_q32_vnni<block_q5_0, PR>;
-    t.gemm[TYPE_Q5_1] = gemm_q32_vnni<block_q5_1, PR>;
-    t.gemm[TYPE_Q8_0] = gemm_q32_vnni<block_q8_0, PR>;
-#else
-    t.gemm[TYPE_Q4_0] = gemm_panels_32<block_q4_0, PR>;
-    t.gemm[TYPE_Q4_1] = gemm_panels_32<block_q4_1, PR>;
-    t.gemm[TYPE_Q5_0] = gemm_panels_32<block_q5_0, PR>;
-    t.gemm[TYPE_Q5_1] = gemm_panels_32<block_q5_1, PR>;
-    t.gemm[TYPE_Q8_0] = gemm_panels_32<block_q8_0, PR>;
-#endif
+    t.gemm[TYPE_Q4_0] = kGemmQ32<block_q4_0, PR>;
+    t.gemm[TYPE_Q4_1] = kGemmQ32<block_q4_1, PR>;
+    t.gemm[TYPE_Q5_0] = kGemmQ32<block_q5_0, PR>;
+    t.gemm[TYPE_Q5_1] = kGemmQ32<block_q5_1, PR>;
+    t.gemm[TYPE_Q8_0] = kGemmQ32<block_q8_0, PR>;
 
     t.vec_dot[TYPE_Q2_K] = vec_dot_tiled<KTile<block_q2_K>>;
     t.vec_dot[TYPE_Q3_K] = vec_dot_tiled<KTile<block_q3_K>>;

@@ -11,7 +11,7 @@
 //
 // The panel is worth its cost only when enough tokens share it: measured with tools/bench_kernels.py
 // (Zen 4, 2 threads, weights streamed from memory, SmolLM2's shapes), against the token-lane kernel,
-// 8 tokens: 0.6-0.8x; 16: 0.8-1.0x; 32: 1.0-1.45x; 64: 1.12-1.33x. So gemm_q32_vnni below takes this
+// 8 tokens: 0.64-0.83x; 16: 0.81-1.05x; 32: 0.97-1.45x; 64: 1.13-1.34x. So gemm_q32_vnni below takes this
 // kernel from kRowLaneTokens tokens (prompt processing's 64-token blocks) and the token-lane one
 // under it (batched decoding).
 //
