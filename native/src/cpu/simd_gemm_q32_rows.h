@@ -37,12 +37,6 @@ struct RowPanel {
     __m512 d, m;
 };
 
-inline int32_t dword_at(const void* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-}
-
 // Rows a[0..7]'s block i: g[k] group k of row r in lane r, d and m their scales and mins. Nibble
 // formats transpose their packed dwords (dword k holds groups k and k + 4 in its low and high nibbles)
 // and split afterwards: 12 shuffles and 12 logic operations per 8 rows instead of unpacking each row
@@ -71,31 +65,7 @@ inline void build_rows8(const WBlock* const a[8], int64_t i, __m256i g[8], __m25
         }
         transpose8_epi32(g);
     }
-    // The fp16 scales (and mins, the fp16 after each scale), inserted from each row straight into a
-    // vector: scalar copies to the stack and one vector load would stall on store forwarding.
-    if constexpr (Q::has_min) {
-        __m128i lo = _mm_cvtsi32_si128(dword_at(&a[0][i].d)), hi = _mm_cvtsi32_si128(dword_at(&a[4][i].d));
-        lo = _mm_insert_epi32(lo, dword_at(&a[1][i].d), 1);
-        hi = _mm_insert_epi32(hi, dword_at(&a[5][i].d), 1);
-        lo = _mm_insert_epi32(lo, dword_at(&a[2][i].d), 2);
-        hi = _mm_insert_epi32(hi, dword_at(&a[6][i].d), 2);
-        lo = _mm_insert_epi32(lo, dword_at(&a[3][i].d), 3);
-        hi = _mm_insert_epi32(hi, dword_at(&a[7][i].d), 3);
-        const __m256i v = _mm256_setr_m128i(lo, hi);
-        d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(v));
-        m = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(v, 16)));
-    } else {
-        __m128i h = _mm_cvtsi32_si128(a[0][i].d);
-        h = _mm_insert_epi16(h, a[1][i].d, 1);
-        h = _mm_insert_epi16(h, a[2][i].d, 2);
-        h = _mm_insert_epi16(h, a[3][i].d, 3);
-        h = _mm_insert_epi16(h, a[4][i].d, 4);
-        h = _mm_insert_epi16(h, a[5][i].d, 5);
-        h = _mm_insert_epi16(h, a[6][i].d, 6);
-        h = _mm_insert_epi16(h, a[7][i].d, 7);
-        d = _mm256_cvtph_ps(h);
-        m = _mm256_setzero_ps();
-    }
+    scales_rows8(a, i, d, m);
 }
 
 // Rows a[0..15]'s block i into p (two halves of 8 rows built in ymm).

@@ -110,20 +110,30 @@ void vec_dot_32(int64_t n, float* s, const void* w, const void* x) {
     *s = dot_row_32<WBlock>(n / 32, (const WBlock*)w, (const typename Q32<WBlock>::X*)x);
 }
 
+// Block i's scales (and mins; zero for formats without) of 8 rows as floats, lane r: row a[r].
+template <class WBlock>
+inline void scales_rows8(const WBlock* const* a, int64_t i, __m256& d, __m256& m) {
+    const __m128i dh = _mm_setr_epi16((short)a[0][i].d, (short)a[1][i].d, (short)a[2][i].d, (short)a[3][i].d,
+                                      (short)a[4][i].d, (short)a[5][i].d, (short)a[6][i].d, (short)a[7][i].d);
+    d = _mm256_cvtph_ps(dh);
+    m = _mm256_setzero_ps();
+    if constexpr (Q32<WBlock>::has_min) {
+        const __m128i mh = _mm_setr_epi16((short)a[0][i].m, (short)a[1][i].m, (short)a[2][i].m, (short)a[3][i].m,
+                                          (short)a[4][i].m, (short)a[5][i].m, (short)a[6][i].m, (short)a[7][i].m);
+        m = _mm256_cvtph_ps(mh);
+    }
+}
+
 // Block i's float steps for 8 rows side by side (lane r: row a[r]), isum their exact block sums with
 // token block x: dot_row_32's arithmetic in each lane.
 template <class WBlock>
 inline __m256 scale_rows8(const WBlock* const* a, int64_t i, const typename Q32<WBlock>::X& x, __m256i isum,
                           __m256 acc) {
-    const __m128i dh = _mm_setr_epi16((short)a[0][i].d, (short)a[1][i].d, (short)a[2][i].d, (short)a[3][i].d,
-                                      (short)a[4][i].d, (short)a[5][i].d, (short)a[6][i].d, (short)a[7][i].d);
-    const __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_cvtph_ps(_mm_set1_epi16((short)x.d)));
+    __m256 d, m;
+    scales_rows8(a, i, d, m);
+    const __m256 scale = _mm256_mul_ps(d, _mm256_cvtph_ps(_mm_set1_epi16((short)x.d)));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
-    if constexpr (Q32<WBlock>::has_min) {
-        const __m128i mh = _mm_setr_epi16((short)a[0][i].m, (short)a[1][i].m, (short)a[2][i].m, (short)a[3][i].m,
-                                          (short)a[4][i].m, (short)a[5][i].m, (short)a[6][i].m, (short)a[7][i].m);
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_set1_ps(sum_scale(x)), acc);
-    }
+    if constexpr (Q32<WBlock>::has_min) acc = _mm256_fmadd_ps(m, _mm256_set1_ps(sum_scale(x)), acc);
     return acc;
 }
 
