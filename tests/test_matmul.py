@@ -121,3 +121,56 @@ def test_kquant_matvec_kernel_equals_rowwise_dot(qtype, simd):
             y = quant.matmul(w, qtype, x, n_threads=2, simd=simd)
             ref = np.array([quant.dot(w[r], qtype, x, simd=simd) for r in range(rows)], np.float32)
             np.testing.assert_array_equal(y, ref)
+
+
+ROWS16_TYPES = ["q4_0", "q4_1", "q8_0"]
+ROWS16_LEVELS = [lv for lv in optiml._core.simd_levels() if optiml._core.has_rows16(lv)]
+
+
+@pytest.mark.skipif(not ROWS16_LEVELS, reason="no SIMD level here has the rows16 product (AVX-512VNNI)")
+@pytest.mark.parametrize("qtype", ROWS16_TYPES)
+def test_rows16_product_equals_rowwise_dot(qtype):
+    # The rows16 layout (16 rows' blocks together, read by the row-lane kernel without a per-call
+    # transpose): every (row, token) equals that row's own dot product bit for bit. Token counts cover
+    # the 8-token tiles and each remainder tile (1-7, which take 4, 2 or 1 panels side by side), the
+    # 64-token blocks of matmul.cpp; row counts the panels left over after those side-by-side groups.
+    rng = np.random.default_rng(5)
+    for simd in ROWS16_LEVELS:
+        for rows, cols, n_tokens in ((16, 32, 1), (80, 64, 1), (112, 64, 2), (48, 96, 3), (208, 64, 4), (32, 512, 5),
+                                     (96, 64, 6), (64, 128, 7), (48, 576, 8), (32, 256, 13), (160, 64, 40),
+                                     (16, 64, 70)):
+            w = _weights(rows, cols, qtype, seed=rows + n_tokens)
+            x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+            w16 = quant.rows16(w, qtype, cols)
+            assert not np.array_equal(w16, w) and w16.shape == w.shape  # a permutation of the same bytes
+            y = quant.matmul(w16, qtype, x, n_threads=2, simd=simd, rows16=True)
+            ref = np.array([[quant.dot(w[r], qtype, x[t], simd=simd) for r in range(rows)] for t in range(n_tokens)],
+                           np.float32)
+            np.testing.assert_array_equal(y, ref, err_msg=f"{simd}: {rows} rows x {n_tokens} tokens")
+
+
+@pytest.mark.parametrize("qtype", ROWS16_TYPES)
+def test_rows16_layout_round_trip_and_rows(qtype):
+    # Back to rows gives the very bytes; one row read out of the layout dequantizes as its own row does
+    # (gguf-py's dequantization is the independent reference).
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf import GGMLQuantizationType
+
+    rows, cols = 48, 96
+    w = _weights(rows, cols, qtype, seed=3)
+    w16 = quant.rows16(w, qtype, cols)
+    np.testing.assert_array_equal(quant.rows16(w16, qtype, cols, back=True), w)
+    ref = gguf_dequantize(w, GGMLQuantizationType[qtype.upper()])
+    for r in (0, 15, 16, 47):
+        np.testing.assert_array_equal(optiml._core.rows16_row(w16, quant.type_id(qtype), cols, r), ref[r])
+
+
+def test_rows16_rejects_what_it_cannot_hold():
+    with pytest.raises(optiml.ArgumentError, match="no rows16 layout"):
+        quant.rows16(_weights(16, 256, "q4_k"), "q4_k", 256)
+    with pytest.raises(optiml.ArgumentError, match="no rows16 layout"):
+        quant.rows16(_weights(20, 64, "q4_0"), "q4_0", 64)  # rows not a multiple of 16
+    w16 = quant.rows16(_weights(16, 64, "q4_0"), "q4_0", 64)
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(optiml.ArgumentError, match="no rows16 product"):
+        quant.matmul(w16, "q4_0", x, simd="scalar", rows16=True)

@@ -31,15 +31,16 @@ FORMATS = ["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0",
 SHAPES = [(4096, 4096), (4096, 11008)]
 
 
-def time_matvec(copies: list, qtype: str, x: np.ndarray, simd: str, n_threads: int, repeats: int) -> float:
+def time_matvec(copies: list, qtype: str, x: np.ndarray, simd: str, n_threads: int, repeats: int,
+                rows16: bool = False) -> float:
     """Median seconds of one matrix-vector product, cycling through copies so none stays cached."""
     for w in copies:  # warm up: pool threads, page faults
-        quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
+        quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd, rows16=rows16)
     passes = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for w in copies:
-            quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd)
+            quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd, rows16=rows16)
         passes.append((time.perf_counter() - t0) / len(copies))
     return statistics.median(passes)
 
@@ -54,6 +55,8 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="*", default=[f"{r}x{c}" for r, c in SHAPES],
                     help="ROWSxCOLS (default: 4096x4096 4096x11008; Gemma 3 270M's output layer is 262144x640)")
     ap.add_argument("--tokens", type=int, default=1, help="activation rows per product (default 1: matrix-vector)")
+    ap.add_argument("--rows16", action="store_true",
+                    help="also time the rows16 layout (Q4_0/Q4_1/Q8_0, AVX-512VNNI) and print rows16 / rows")
     args = ap.parse_args()
 
     info = optiml.system_info()
@@ -82,16 +85,27 @@ def main() -> int:
                 continue  # the row is not whole blocks of this format (640 columns and k-quants)
             w = quant.quantize(wf, qtype)
             copies = [w] + [w.copy() for _ in range(max(1, -(-(args.span << 20) // w.nbytes)) - 1)]
-            line = f"{qtype:<6} {rows:>5}x{cols:<5}"
-            for n in args.threads:
-                s = time_matvec(copies, qtype, x, simd, n, args.repeats)
-                if batch:
-                    line += f" | {s * 1e3:6.2f} {2 * rows * cols * args.tokens / s / 1e9:8.1f}"
-                    continue
-                gbs = w.nbytes / s / 1e9
-                line += f" | {s * 1e3:6.2f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:6.0%}"
-            print(line, flush=True)
+            layouts = [False]
+            if args.rows16 and qtype in ("q4_0", "q4_1", "q8_0") and rows % 16 == 0:
+                layouts.append(True)
+                copies16 = [quant.rows16(c, qtype, cols) for c in copies]
+            for rows16 in layouts:
+                line = f"{qtype + ('/r16' if rows16 else ''):<8} {rows:>5}x{cols:<5}"
+                for n in args.threads:
+                    # The two layouts alternate rep by rep, so both see the same phases of a shared machine.
+                    s = time_matvec(copies16 if rows16 else copies, qtype, x, simd, n, args.repeats, rows16)
+                    if rows16:
+                        s0 = time_matvec(copies, qtype, x, simd, n, args.repeats)
+                    if batch:
+                        line += f" | {s * 1e3:6.2f} {2 * rows * cols * args.tokens / s / 1e9:8.1f}"
+                    else:
+                        gbs = w.nbytes / s / 1e9
+                        line += f" | {s * 1e3:6.2f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:6.0%}"
+                    if rows16:
+                        line += f" ({s0 / s:.2f}x rows)"
+                print(line, flush=True)
             del copies
+            copies16 = None
     return 0
 
 

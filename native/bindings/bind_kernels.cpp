@@ -3,6 +3,7 @@
 
 #include <map>
 #include <memory>
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -13,6 +14,7 @@
 #include "optiml/kernels.h"
 #include "optiml/matmul.h"
 #include "optiml/paged_kv.h"
+#include "optiml/rows16.h"
 #include "optiml/threadpool.h"
 
 namespace {
@@ -107,17 +109,44 @@ nb::ndarray<nb::numpy, float> paged_attend(const PagedKV& kv, int32_t layer, Flo
 }
 
 nb::ndarray<nb::numpy, float> matmul_py(Bytes2D w, int32_t wtype, Floats2D x, const std::string& simd,
-                                     int n_threads) {
+                                     int n_threads, bool rows16) {
     const int64_t rows = (int64_t)w.shape(0), cols = (int64_t)x.shape(1), n_tokens = (int64_t)x.shape(0);
     check_row_bytes(wtype, cols, w.shape(1), "the weight matrix");
     const KernelTable& kt = table_for(simd);
+    if (rows16 && !rows16_fits(wtype, rows, cols))
+        throw ArgumentError("rows16: the matrix must be Q4_0, Q4_1 or Q8_0 with a multiple of 16 rows");
+    if (rows16 && !kt.gemm_rows16[wtype])
+        throw ArgumentError(format("the %s kernels have no rows16 product", simd_level_name(kt.level)));
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
     auto y = new_array<float>({(size_t)n_tokens, (size_t)rows});
     {
         nb::gil_scoped_release release;
-        optiml::matmul(*pool, kt, wtype, w.data(), rows, cols, x.data(), n_tokens, y.data());
+        const WeightMatrix m{wtype, rows, cols, w.data(), rows16};
+        float* out = y.data();
+        matmul_many(*pool, kt, &m, &out, 1, x.data(), n_tokens);
     }
     return y;
+}
+
+// A copy of row-layout matrix w in the rows16 layout (to_rows16) or back.
+nb::ndarray<nb::numpy, uint8_t> rows16_py(Bytes2D w, int32_t wtype, int64_t cols, bool to_rows16) {
+    const int64_t rows = (int64_t)w.shape(0);
+    check_row_bytes(wtype, cols, w.shape(1), "the weight matrix");
+    auto out = new_array<uint8_t>({(size_t)rows, w.shape(1)});
+    std::memcpy(out.data(), w.data(), (size_t)rows * w.shape(1));
+    if (to_rows16) repack_rows16(wtype, out.data(), rows, cols);
+    else unpack_rows16(wtype, out.data(), rows, cols);
+    return out;
+}
+
+nb::ndarray<nb::numpy, float> rows16_row_py(Bytes2D w, int32_t wtype, int64_t cols, int64_t r) {
+    const int64_t rows = (int64_t)w.shape(0);
+    check_row_bytes(wtype, cols, w.shape(1), "the weight matrix");
+    if (!rows16_fits(wtype, rows, cols)) throw ArgumentError("not a matrix the rows16 layout takes");
+    if (r < 0 || r >= rows) throw ArgumentError(format("row %lld of a %lld-row matrix", (long long)r, (long long)rows));
+    auto out = new_array<float>({(size_t)cols});
+    dequantize_rows16_row(wtype, w.data(), r, cols, out.data());
+    return out;
 }
 
 }  // namespace
@@ -153,6 +182,9 @@ void bind_kernels(nb::module_& m) {
         },
         nb::arg("bytes") = (size_t)1 << 30, nb::arg("repeats") = 5, nb::arg("n_threads") = 0,
         "Best memory read bandwidth in bytes/s over `repeats` passes of a buffer of `bytes`.");
+    m.def(
+        "has_rows16", [](const std::string& simd) { return table_for(simd).gemm_rows16[TYPE_Q4_0] != nullptr; },
+        nb::arg("simd") = "", "Whether the kernels of a SIMD level (default: the one in use) have the rows16 product.");
     m.def("simd_levels", [] {
         nb::list out;
         for (int l = 0; l < SIMD_LEVEL_COUNT; l++)
@@ -167,7 +199,12 @@ void bind_kernels(nb::module_& m) {
           nb::arg("n"), nb::arg("n_rows"), nb::arg("together") = true, nb::arg("simd") = "",
           "Attention's dot products of F16/F32 rows with y, many rows at once or row by row.");
     m.def("matmul", &matmul_py, nb::arg("w"), nb::arg("wtype"), nb::arg("x"), nb::arg("simd") = "",
-          nb::arg("n_threads") = 0, "Y[t, r] = dot(W[r], X[t]) for weight rows W (bytes) and activations X.");
+          nb::arg("n_threads") = 0, nb::arg("rows16") = false,
+          "Y[t, r] = dot(W[r], X[t]) for weight rows W (bytes, or the rows16 layout) and activations X.");
+    m.def("rows16", &rows16_py, nb::arg("w"), nb::arg("wtype"), nb::arg("cols"), nb::arg("to_rows16") = true,
+          "A copy of matrix w repacked into the rows16 layout (optiml/rows16.h), or back with to_rows16=False.");
+    m.def("rows16_row", &rows16_row_py, nb::arg("w"), nb::arg("wtype"), nb::arg("cols"), nb::arg("r"),
+          "Row r of a rows16 matrix, dequantized.");
 
     nb::class_<PagedKV>(m, "PagedKV", "A KV cache in host memory in blocks of 32 positions (optiml/paged_kv.h).")
         .def(nb::init<int32_t, int32_t, int32_t, int32_t>(), nb::arg("n_layer"), nb::arg("n_head_kv"),

@@ -116,12 +116,20 @@ def dot(w_row, qtype, x, simd: str | None = None) -> float:
     return _core.vec_dot_converted(t, w, xq, xa.shape[0], _simd(simd))
 
 
-def matmul(w, qtype, x, n_threads: int = 0, simd: str | None = None) -> np.ndarray:
-    """``y[..., r] = dot(w[r], x[...])`` for weight rows ``w`` (2-D bytes) and activations ``x`` (1-D or 2-D)."""
+def matmul(w, qtype, x, n_threads: int = 0, simd: str | None = None, rows16: bool = False) -> np.ndarray:
+    """``y[..., r] = dot(w[r], x[...])`` for weight rows ``w`` (2-D bytes) and activations ``x`` (1-D or 2-D).
+    rows16: ``w`` is in the rows16 layout (:func:`rows16`; the kernels with a rows16 product only)."""
     t = type_id(qtype)
     wa = _bytes(w, "w")
     xa = _floats(x, "x")
     if wa.ndim != 2 or xa.ndim not in (1, 2):
         raise ArgumentError("matmul takes 2-D weight bytes and 1-D or 2-D activations")
-    y = _core.matmul(wa, t, xa.reshape(-1, xa.shape[-1]), _simd(simd), int(n_threads))
+    y = _core.matmul(wa, t, xa.reshape(-1, xa.shape[-1]), _simd(simd), int(n_threads), bool(rows16))
     return y[0] if xa.ndim == 1 else y
+
+
+def rows16(w, qtype, cols: int, back: bool = False) -> np.ndarray:
+    """A copy of row-layout matrix ``w`` (2-D bytes, ``cols`` elements a row) in the rows16 layout that
+    CPU-only models read into memory keep their dense Q4_0/Q4_1/Q8_0 matrices in (16 rows' blocks
+    together); with ``back``, a rows16 matrix returned to rows."""
+    return _core.rows16(_bytes(w, "w"), type_id(qtype), int(cols), not back)

@@ -44,6 +44,10 @@ constexpr int64_t kRowsAhead = 24;
 // row-sparse product passes the active ones).
 typedef void (*gemm_fn)(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
                         int64_t n_tok);
+// The same product with a matrix in the rows16 layout (optiml/rows16.h): n_rows (a multiple of 16)
+// rows from w, which is where row 0's panel starts.
+typedef void (*gemm_rows16_fn)(int64_t n, float* s, const void* w, int64_t n_rows, const void* x, size_t x_stride,
+                               int64_t n_tok);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
@@ -104,6 +108,9 @@ struct KernelTable {
     // Optional, indexed by weight type. A level that has no gemm for a type leaves it null (the
     // scalar table has none): matmul then calls that level's vec_dot (or vec_dot4) per (row, token).
     gemm_fn gemm[TYPE_COUNT];
+    // Optional, Q4_0/Q4_1/Q8_0 only: the product with rows16 matrices, for any number of tokens. Where a
+    // level has it, a CPU-only model read into memory keeps its dense matrices in that layout.
+    gemm_rows16_fn gemm_rows16[TYPE_COUNT];
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
     // Attention's dot products (K.q and the weighted sum of V), for F16 and F32 rows. For F16 they sum
     // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows

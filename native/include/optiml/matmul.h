@@ -15,12 +15,13 @@ struct WeightMatrix {
     int64_t rows;
     int64_t cols;
     const void* data;
+    bool rows16 = false;  // in the rows16 layout (optiml/rows16.h) rather than row after row
 };
 
 // For each matrix m: Y[m][t][r] = dot(W[m] row r, X[t]) (or += with accumulate), for n_tokens
 // activation vectors X[t] of `cols` floats. The matrices share the input, so they must have the same
 // cols and vec_dot_type; the input is converted once and all rows go through one pool dispatch.
-// n_tokens == 1 is the matrix-vector product.
+// n_tokens == 1 is the matrix-vector product. rows16 matrices need a level with gemm_rows16 for their type.
 void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w, float* const* y, int n_mats,
                  const float* X, int64_t n_tokens, bool accumulate = false);
 

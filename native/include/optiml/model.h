@@ -5,11 +5,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "optiml/common.h"
 #include "optiml/gguf.h"
 #include "optiml/backend.h"
 #include "optiml/kernels.h"
@@ -81,10 +83,16 @@ struct Weight {
     int64_t rows = 0;  // ne[1]
     const uint8_t* data = nullptr;
     size_t row_bytes = 0;
+    // In the rows16 layout (optiml/rows16.h): only the dense product (matmul_many) and the embedding
+    // lookup read such a matrix; row() refuses it.
+    bool rows16 = false;
 
     bool present() const { return data != nullptr; }
-    const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
-    WeightMatrix matrix() const { return WeightMatrix{type, rows, cols, data}; }
+    const uint8_t* row(int64_t r) const {
+        if (rows16) throw Error(format("internal: %s is in the rows16 layout, which has no plain rows", name));
+        return data + r * row_bytes;
+    }
+    WeightMatrix matrix() const { return WeightMatrix{type, rows, cols, data, rows16}; }
 };
 
 struct FFNWeights {
@@ -147,6 +155,12 @@ public:
 
     // Bytes of weights, for reporting.
     size_t weight_bytes() const;
+
+    // Puts each matrix (attention, FFN, output; tok_embd with output when tied) into the rows16 layout
+    // where want(w) says so and rows16_fits, back into rows elsewhere. Only an in-memory copy of the file
+    // can change: a mapped model stays as it is. Not while a forward pass runs on this model: sessions
+    // call it when they are built and when their sparsity, predictors or recorder change.
+    void set_rows16(ThreadPool& pool, const std::function<bool(const Weight& w, int layer, bool ffn)>& want);
 
 private:
     mutable std::mutex down_nm_mutex_;
@@ -274,6 +288,13 @@ private:
     std::vector<int64_t> host_active_, device_active_, ffn_seen_;
     std::shared_ptr<ActivationRecorder> recorder_;
     std::shared_ptr<const Predictors> predictors_;
+
+    // The layout of the model's dense matrices (Model::set_rows16) follows this session's needs: rows16
+    // where only this CPU's dense product reads a matrix, rows where anything else does. Placed before
+    // the first step (not at construction, which the sparsity settings usually follow at once), and at
+    // once wherever rows are needed now.
+    void place_weights();
+    bool weights_placed_ = false;
 };
 
 }  // namespace optiml

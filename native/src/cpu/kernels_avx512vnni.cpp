@@ -102,6 +102,9 @@ void fill_kernels_avx512vnni(KernelTable& t) {
     t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1, Rows8x512<block_q4_1>>;
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0, Rows8x512<block_q5_0>>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1, Rows8x512<block_q5_1>>;
+    t.gemm_rows16[TYPE_Q4_0] = gemm_rows16_packed<block_q4_0>;
+    t.gemm_rows16[TYPE_Q4_1] = gemm_rows16_packed<block_q4_1>;
+    t.gemm_rows16[TYPE_Q8_0] = gemm_rows16_packed<block_q8_0>;
 }
 
 }  // namespace optiml

@@ -42,8 +42,13 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     if (n_mats <= 0 || n_tokens <= 0) return;
     const int64_t cols = w[0].cols;
     const int32_t xtype = type_traits(w[0].type).vec_dot_type;
+    bool any_rows16 = false;
     for (int m = 0; m < n_mats; m++) {
         check_matmul_args(w[m].type, w[m].cols);
+        if (w[m].rows16 && !kt.gemm_rows16[w[m].type])
+            throw Error(format("internal: a %s matrix in the rows16 layout, and the %s kernels have no product for it",
+                               type_traits(w[m].type).name, simd_level_name(kt.level)));
+        any_rows16 = any_rows16 || w[m].rows16;
         if (w[m].cols != cols || type_traits(w[m].type).vec_dot_type != xtype)
             throw ArgumentError("matmul_many: matrices sharing an input need the same row length and vec_dot_type");
     }
@@ -68,6 +73,7 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     if (chunk < 16) chunk = 16;
     if (n_tokens > 1 && chunk > 64) chunk = 64;  // the batch path below holds 64 rows at most
     chunk = (chunk + 7) / 8 * 8;  // whole 8-row tiles: a matrix's last rows are its only remainder
+    if (any_rows16) chunk = (chunk + 15) / 16 * 16;  // whole panels of 16 rows
     int64_t chunk_start[8];  // first global chunk index of each matrix (n_mats is small)
     if (n_mats > 7) throw ArgumentError("matmul_many takes at most 7 matrices");
     int64_t n_chunks = 0;
@@ -120,6 +126,28 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
             const uint8_t* wbase = (const uint8_t*)W.data;
             const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
             const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
+            if (W.rows16) {
+                // Panels of 16 rows (r0 is a multiple of 16, so the chunk starts at row r0's bytes).
+                const gemm_rows16_fn gemm16 = kt.gemm_rows16[W.type];
+                if (n_tokens == 1 && !accumulate) {
+                    gemm16(cols, y[m] + r0, wbase + r0 * w_row, r1 - r0, xbase, x_row, 1);
+                    continue;
+                }
+                float s[64 * kGemmTokens];  // 64 rows (4 panels) at a time: a one-token chunk may be longer
+                for (int64_t rb = r0; rb < r1; rb += 64) {
+                    const int64_t nrb = r1 - rb < 64 ? r1 - rb : 64;
+                    for (int64_t t0 = 0; t0 < n_tokens; t0 += kGemmTokens) {
+                        const int64_t nt = n_tokens - t0 < kGemmTokens ? n_tokens - t0 : kGemmTokens;
+                        gemm16(cols, s, wbase + rb * w_row, nrb, xbase + t0 * x_row, x_row, nt);
+                        for (int64_t t = 0; t < nt; t++) {
+                            float* out = y[m] + (t0 + t) * W.rows + rb;
+                            const float* st = s + t * nrb;
+                            for (int64_t k = 0; k < nrb; k++) out[k] = accumulate ? out[k] + st[k] : st[k];
+                        }
+                    }
+                }
+                continue;
+            }
             if (n_tokens == 1 && dot_rows) {
                 // One token: a kernel that shares each activation block across several rows (the
                 // same bits per row as dot).

@@ -23,6 +23,7 @@
 
 #include <vector>
 
+#include "optiml/rows16.h"
 #include "simd_gemm_q32.h"
 
 namespace optiml {
@@ -80,9 +81,12 @@ inline void build_row_panel(const WBlock* const a[16], int64_t i, RowPanel& p) {
     p.m = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
 }
 
-// Per (token, block) activation terms: the scale, the Q8_1 sum d * sum(q) (min formats) and -offset *
-// sum(q) (offset formats; Q8_0 weights count as offset 128).
+// The call's activations regrouped for the tiles: for token group g (tokens 8g..8g+7) and block i,
+// slot (g * nb + i) * 8 + t holds token 8g + t's codes, scale dx, Q8_1 sum sx (min formats) and nc =
+// -offset * sum(q) (offset formats; Q8_0 weights count as offset 128). A tile then reads all of them
+// from one pointer at fixed offsets, instead of a pointer per token (8 general registers, spilled).
 struct TokenTerms {
+    std::vector<uint8_t> q;  // 32 bytes a slot
     std::vector<float> dx, sx;
     std::vector<int32_t> nc;
 };
@@ -92,21 +96,25 @@ inline void token_terms(const uint8_t* x, size_t x_stride, int64_t n_tok, int64_
     typedef Q32<WBlock> Q;
     typedef typename Q::X XBlock;
     constexpr int offset = Q::is_signed ? 128 : Q::offset;
-    tt.dx.resize(n_tok * nb);
-    tt.sx.resize(n_tok * nb);
-    tt.nc.resize(n_tok * nb);
+    const size_t n_slots = (size_t)((n_tok + 7) / 8) * nb * 8;
+    tt.q.resize(n_slots * 32);
+    tt.dx.resize(n_slots);
+    tt.sx.resize(n_slots);
+    tt.nc.resize(n_slots);
     for (int64_t t = 0; t < n_tok; t++) {
         const XBlock* b = (const XBlock*)(x + t * x_stride);
         for (int64_t i = 0; i < nb; i++) {
-            tt.dx[t * nb + i] = h2f(b[i].d);
-            tt.sx[t * nb + i] = Q::has_min ? h2f(sum_of(b[i])) : 0.0f;
+            const size_t slot = (size_t)((t / 8) * nb + i) * 8 + t % 8;
+            std::memcpy(&tt.q[slot * 32], b[i].qs, 32);
+            tt.dx[slot] = h2f(b[i].d);
+            tt.sx[slot] = Q::has_min ? h2f(sum_of(b[i])) : 0.0f;
             if (offset) {
                 // sum(q) of the signed bytes: their unsigned sum (+ 128 each) by vpsadbw, less 32 * 128.
                 const __m256i u = _mm256_xor_si256(load256(b[i].qs), _mm256_set1_epi8((char)0x80));
                 const __m256i s4 = _mm256_sad_epu8(u, _mm256_setzero_si256());
                 const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
                 const int32_t sum = (int32_t)(_mm_cvtsi128_si32(s2) + _mm_extract_epi32(s2, 2)) - 32 * 128;
-                tt.nc[t * nb + i] = -offset * sum;
+                tt.nc[slot] = -offset * sum;
             }
         }
     }
@@ -122,17 +130,60 @@ struct Ahead {
     int64_t block_size = 0;
 };
 
-// The panel's 16 rows against T tokens (blocks xb[t], terms at dx/sx/nc + term0[t]): out[t] lane r =
-// row r . token t.
-template <class WBlock, int T>
-inline void row_tile(int64_t nb, const RowPanel* p, const typename Q32<WBlock>::X* const* xb, const TokenTerms& tt,
-                     const int64_t* term0, const Ahead& ahead, __m512 out[T]) {
+// Where row_tile reads 16 rows' block i from (load(i, g, d, m): RowPanel's fields): the panels built
+// for the call.
+struct PanelArray {
+    const RowPanel* p;
+    void load(int64_t i, __m512i g[8], __m512& d, __m512& m) const {
+        for (int k = 0; k < 8; k++) g[k] = p[i].g[k];
+        d = p[i].d;
+        m = p[i].m;
+    }
+};
+// A rows16 panel (optiml/rows16.h) is already a RowPanel but for splitting the nibbles and converting
+// the scales: 12 logic operations and 2 conversions per 16 rows' block (Q8_0: the scale conversion only).
+template <class WBlock>
+struct Rows16 {
+    static constexpr int32_t type = std::is_same<WBlock, block_q8_0>::value ? TYPE_Q8_0
+                                    : Q32<WBlock>::has_min                  ? TYPE_Q4_1
+                                                                            : TYPE_Q4_0;
+    static constexpr int64_t code_bytes = (int64_t)rows16_code_bytes(type);
+    static constexpr int64_t share = 16 * sizeof(WBlock);  // a block's share of its panel: 16 blocks' bytes
+    // Block i of the panel at q (nb blocks): g[k] lane r = group k of row r, d and m the rows' scales.
+    static void load(const uint8_t* q, int64_t nb, int64_t i, __m512i g[8], __m512& d, __m512& m) {
+        const uint8_t* qi = q + i * code_bytes;
+        if constexpr (type == TYPE_Q8_0) {
+            for (int k = 0; k < 8; k++) g[k] = _mm512_loadu_si512((const void*)(qi + 64 * k));
+        } else {
+            const __m512i lo4 = _mm512_set1_epi8(0x0F);
+            for (int k = 0; k < 4; k++) {
+                const __m512i v = _mm512_loadu_si512((const void*)(qi + 64 * k));
+                g[k] = _mm512_and_si512(v, lo4);
+                g[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+            }
+        }
+        const uint8_t* scales = q + nb * code_bytes;
+        d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + 32 * i)));
+        if constexpr (Q32<WBlock>::has_min)
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + 32 * (nb + i))));
+        else m = d;
+    }
+};
+
+// The panel's 16 rows against the first T tokens of token group g: out[t] lane r = row r . token 8g + t.
+template <class WBlock, int T, class Src>
+inline void row_tile(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g, const Ahead& ahead, __m512 out[T]) {
     typedef Q32<WBlock> Q;
     constexpr bool offset = Q::offset != 0 || Q::is_signed;
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    const size_t slot0 = (size_t)g * nb * 8;
+    const uint8_t* xq = tt.q.data() + slot0 * 32;
+    const float* dx = tt.dx.data() + slot0;
+    const float* sx = tt.sx.data() + slot0;
+    const int32_t* nc = tt.nc.data() + slot0;
     int64_t line = -1;
-    for (int64_t i = 0; i < nb; i++) {
+    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, nc += 8) {
         if (ahead.rows) {
             const int64_t end = (i + 1) * ahead.block_size - 1;
             if (end / 64 != line) {
@@ -140,52 +191,52 @@ inline void row_tile(int64_t nb, const RowPanel* p, const typename Q32<WBlock>::
                 for (int64_t r = 0; r < ahead.n; r++) _mm_prefetch((const char*)ahead.rows[r] + end, _MM_HINT_T1);
             }
         }
+        __m512i w[8];
+        __m512 d, m;
+        src.load(i, w, d, m);
         __m512i isum[T];
-        for (int t = 0; t < T; t++)
-            isum[t] = offset ? _mm512_set1_epi32(tt.nc[term0[t] + i]) : _mm512_setzero_si512();
+        for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(nc[t]) : _mm512_setzero_si512();
         for (int k = 0; k < 8; k++) {
-            const __m512i w = p[i].g[k];
             for (int t = 0; t < T; t++) {
                 int32_t xk;
-                std::memcpy(&xk, (const uint8_t*)xb[t][i].qs + 4 * k, 4);
-                isum[t] = _mm512_dpbusd_epi32(isum[t], w, _mm512_set1_epi32(xk));
+                std::memcpy(&xk, xq + 32 * t + 4 * k, 4);
+                isum[t] = _mm512_dpbusd_epi32(isum[t], w[k], _mm512_set1_epi32(xk));
             }
         }
         for (int t = 0; t < T; t++) {
-            const __m512 dd = _mm512_mul_ps(p[i].d, _mm512_set1_ps(tt.dx[term0[t] + i]));
+            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[t]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, acc[t]);
-            if constexpr (Q::has_min) acc[t] = _mm512_fmadd_ps(p[i].m, _mm512_set1_ps(tt.sx[term0[t] + i]), acc[t]);
+            if constexpr (Q::has_min) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t]), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) out[t] = acc[t];
 }
 
-// Tokens t0..t0 + T - 1 against the panel, into s (the panel's nr live rows from row r0).
-template <class WBlock, int T>
-inline void row_tile_store(int64_t nb, const RowPanel* p, const uint8_t* x, size_t x_stride, int64_t t0,
-                           const TokenTerms& tt, const Ahead& ahead, float* s, int64_t n_rows, int64_t r0, int64_t nr) {
-    typedef typename Q32<WBlock>::X XBlock;
-    const XBlock* xb[T];
-    int64_t term0[T];
-    for (int t = 0; t < T; t++) {
-        xb[t] = (const XBlock*)(x + (t0 + t) * x_stride);
-        term0[t] = (t0 + t) * nb;
-    }
+// Tokens 8g..8g + T - 1 against the panel, into s (the panel's nr live rows from row r0).
+template <class WBlock, int T, class Src>
+inline void row_tile_store(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g, const Ahead& ahead, float* s,
+                           int64_t n_rows, int64_t r0, int64_t nr) {
     __m512 out[T];
-    row_tile<WBlock, T>(nb, p, xb, tt, term0, ahead, out);
+    row_tile<WBlock, T>(nb, src, tt, g, ahead, out);
     const __mmask16 live = (__mmask16)((1u << nr) - 1);
-    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(s + (t0 + t) * n_rows + r0, live, out[t]);
+    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(s + (8 * g + t) * n_rows + r0, live, out[t]);
 }
 
-// The last n_tok % 8 tokens: a tile of exactly that many (T counts down to it).
-template <class WBlock, int T = 7>
-inline void row_tile_rest(int64_t n_rest, int64_t nb, const RowPanel* p, const uint8_t* x, size_t x_stride,
-                          int64_t t0, const TokenTerms& tt, const Ahead& ahead, float* s, int64_t n_rows, int64_t r0,
-                          int64_t nr) {
+// Every token against the panel: tiles of 8, then one of the n_tok % 8 left (T counts down to it).
+template <class WBlock, class Src, int T = 7>
+inline void row_tile_rest(int64_t n_rest, int64_t nb, const Src& src, const TokenTerms& tt, int64_t g,
+                          const Ahead& ahead, float* s, int64_t n_rows, int64_t r0, int64_t nr) {
     if constexpr (T > 0) {
-        if (n_rest == T) row_tile_store<WBlock, T>(nb, p, x, x_stride, t0, tt, ahead, s, n_rows, r0, nr);
-        else row_tile_rest<WBlock, T - 1>(n_rest, nb, p, x, x_stride, t0, tt, ahead, s, n_rows, r0, nr);
+        if (n_rest == T) row_tile_store<WBlock, T>(nb, src, tt, g, ahead, s, n_rows, r0, nr);
+        else row_tile_rest<WBlock, Src, T - 1>(n_rest, nb, src, tt, g, ahead, s, n_rows, r0, nr);
     }
+}
+template <class WBlock, class Src>
+inline void row_tiles(int64_t n_tok, int64_t nb, const Src& src, const TokenTerms& tt, const Ahead& ahead, float* s,
+                      int64_t n_rows, int64_t r0, int64_t nr) {
+    int64_t g = 0;
+    for (; 8 * g + 8 <= n_tok; g++) row_tile_store<WBlock, 8>(nb, src, tt, g, g == 0 ? ahead : Ahead(), s, n_rows, r0, nr);
+    row_tile_rest<WBlock>(n_tok - 8 * g, nb, src, tt, g, g == 0 ? ahead : Ahead(), s, n_rows, r0, nr);
 }
 
 // gemm_fn: s[t * n_rows + r] = row r . token t. Per 16 rows: their panel, then every token, 8 at a
@@ -206,13 +257,101 @@ void gemm_rows16_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
         for (int64_t i = 0; i < nb; i++) build_row_panel<WBlock>(a, i, panel[i]);
         const int64_t n_ahead = n_rows - (r0 + 16) < 16 ? n_rows - (r0 + 16) : 16;
         const Ahead ahead = {n_ahead > 0 ? rows + r0 + 16 : nullptr, n_ahead, sizeof(WBlock)};
-        int64_t t0 = 0;
-        for (; t0 + 8 <= n_tok; t0 += 8)
-            row_tile_store<WBlock, 8>(nb, panel.data(), xb, x_stride, t0, tt, t0 == 0 ? ahead : Ahead(), s, n_rows,
-                                      r0, nr);
-        row_tile_rest<WBlock>(n_tok - t0, nb, panel.data(), xb, x_stride, t0, tt, t0 == 0 ? ahead : Ahead(), s,
-                              n_rows, r0, nr);
+        row_tiles<WBlock>(n_tok, nb, PanelArray{panel.data()}, tt, ahead, s, n_rows, r0, nr);
     }
+}
+
+// P panels of a rows16 matrix (from q, panel_bytes apart) against the first T tokens of token group
+// g, block by block side by side: out[p][t] lane r = row 16 p + r . token 8 g + t. With few tokens one
+// panel's integer dots are a chain of 8 dependent vpdpbusd a block; P panels give the core P independent
+// chains. The P panels after these (the next tile's) are fetched in step, a block's share of each per
+// block: sequential as panels are, the hardware prefetcher alone left the matrix-vector product at half
+// the bandwidth the row layout reaches. The float steps are row_tile's, so the bits are vec_dot's.
+template <class WBlock, int T, int P>
+inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const TokenTerms& tt, int64_t g,
+                        __m512 out[P][T]) {
+    typedef Q32<WBlock> Q;
+    typedef Rows16<WBlock> R;
+    constexpr bool offset = Q::offset != 0 || Q::is_signed;
+    __m512 acc[P][T];
+    for (int p = 0; p < P; p++)
+        for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
+    const size_t slot0 = (size_t)g * nb * 8;
+    const uint8_t* xq = tt.q.data() + slot0 * 32;
+    const float* dx = tt.dx.data() + slot0;
+    const float* sx = tt.sx.data() + slot0;
+    const int32_t* nc = tt.nc.data() + slot0;
+    const char* next = (const char*)q + P * panel_bytes;
+    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, nc += 8, next += R::share) {
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) {
+            for (int64_t off = 0; off < R::share; off += 64) _mm_prefetch(next + p * panel_bytes + off, _MM_HINT_T1);
+            __m512i w[8];
+            __m512 d, m;
+            R::load(q + p * panel_bytes, nb, i, w, d, m);
+            __m512i isum[T];
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(nc[t]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+#pragma GCC unroll 8
+                for (int t = 0; t < T; t++) {
+                    int32_t xk;
+                    std::memcpy(&xk, xq + 32 * t + 4 * k, 4);
+                    isum[t] = _mm512_dpbusd_epi32(isum[t], w[k], _mm512_set1_epi32(xk));
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[t]));
+                acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, acc[p][t]);
+                if constexpr (Q::has_min) acc[p][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t]), acc[p][t]);
+            }
+        }
+    }
+    for (int p = 0; p < P; p++)
+        for (int t = 0; t < T; t++) out[p][t] = acc[p][t];
+}
+
+// Every panel of the matrix at w (n_rows rows) against T tokens of group g, into s: P panels at a time,
+// P as many as the registers hold (accumulators P * T), then the panels left one by one.
+template <class WBlock, int T>
+inline void rows16_group(int64_t nb, const uint8_t* w, int64_t n_rows, const TokenTerms& tt, int64_t g, float* s) {
+    constexpr int P = T <= 2 ? 4 : T <= 4 ? 2 : 1;
+    const int64_t panel_bytes = 16 * nb * sizeof(WBlock);
+    const int64_t n_panels = n_rows / 16;
+    auto run = [&](auto p_const, int64_t p0) {
+        constexpr int NP = decltype(p_const)::value;
+        __m512 out[NP][T];
+        rows16_tile<WBlock, T, NP>(nb, w + p0 * panel_bytes, panel_bytes, tt, g, out);
+        for (int p = 0; p < NP; p++)
+            for (int t = 0; t < T; t++) _mm512_storeu_ps(s + (8 * g + t) * n_rows + (p0 + p) * 16, out[p][t]);
+    };
+    int64_t p0 = 0;
+    for (; p0 + P <= n_panels; p0 += P) run(std::integral_constant<int, P>(), p0);
+    for (; p0 < n_panels; p0++) run(std::integral_constant<int, 1>(), p0);
+}
+
+template <class WBlock, int T = 7>
+inline void rows16_rest(int64_t n_rest, int64_t nb, const uint8_t* w, int64_t n_rows, const TokenTerms& tt, int64_t g,
+                        float* s) {
+    if constexpr (T > 0) {
+        if (n_rest == T) rows16_group<WBlock, T>(nb, w, n_rows, tt, g, s);
+        else rows16_rest<WBlock, T - 1>(n_rest, nb, w, n_rows, tt, g, s);
+    }
+}
+
+// gemm_rows16_fn: the product with a rows16 matrix (optiml/rows16.h), any number of tokens, 8 at a time
+// and then the rest, each tile reading the rows' blocks as they are stored.
+template <class WBlock>
+void gemm_rows16_packed(int64_t n, float* s, const void* w, int64_t n_rows, const void* x, size_t x_stride,
+                        int64_t n_tok) {
+    const int64_t nb = n / 32;
+    static thread_local TokenTerms tt;
+    token_terms<WBlock>((const uint8_t*)x, x_stride, n_tok, nb, tt);
+    int64_t g = 0;
+    for (; 8 * g + 8 <= n_tok; g++) rows16_group<WBlock, 8>(nb, (const uint8_t*)w, n_rows, tt, g, s);
+    rows16_rest<WBlock>(n_tok - 8 * g, nb, (const uint8_t*)w, n_rows, tt, g, s);
 }
 
 // The batched product of the AVX-512VNNI kernel set: rows in the lanes from kRowLaneTokens tokens,

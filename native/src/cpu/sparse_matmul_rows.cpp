@@ -43,6 +43,8 @@ void matmul_rows_gate_up(ThreadPool& pool, const KernelTable& kt, const WeightMa
 void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* Ws, float* const* Ys, int n_mats,
                       const int32_t* rows, int64_t n_rows, const float* X, int64_t n_tokens) {
     if (n_mats < 1) throw ArgumentError("matmul_rows_many: no matrix");
+    for (int m = 0; m < n_mats; m++)
+        if (Ws[m].rows16) throw Error("internal: the row-sparse product takes plain rows, not the rows16 layout");
     for (int m = 0; m < n_mats; m++) check_matmul_args(Ws[m].type, Ws[m].cols);
     const int64_t cols = Ws[0].cols;
     const int32_t xtype = type_traits(Ws[0].type).vec_dot_type;

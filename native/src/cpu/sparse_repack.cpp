@@ -36,6 +36,7 @@ void check_neuron_major(int32_t type, int64_t n_neurons, int64_t dim) {
 }
 
 NeuronMajor repack_neuron_major(ThreadPool& pool, const WeightMatrix& down, int32_t type) {
+    if (down.rows16) throw Error("internal: a neuron-major copy is made from plain rows, not the rows16 layout");
     if (!type_is_known(down.type) || !can_dequantize(down.type))
         throw ArgumentError(format("repack_neuron_major: cannot dequantize weight type %s",
                                    type_is_known(down.type) ? type_traits(down.type).name : "(unknown)"));

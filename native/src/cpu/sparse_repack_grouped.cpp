@@ -64,6 +64,7 @@ bool can_group_neuron_major(int32_t type, int64_t dim) {
 }
 
 NeuronMajor repack_neuron_major_grouped(ThreadPool& pool, const WeightMatrix& down) {
+    if (down.rows16) throw Error("internal: a neuron-major copy is made from plain rows, not the rows16 layout");
     if (!can_group_neuron_major(down.type, down.rows))
         throw ArgumentError(format("a grouped neuron-major copy needs a Q4_0, Q4_1 or Q4_K matrix with a multiple of 32 "
                                    "rows, not %s with %lld rows",

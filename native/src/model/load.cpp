@@ -6,6 +6,7 @@
 
 #include "optiml/common.h"
 #include "optiml/model.h"
+#include "optiml/rows16.h"
 #include "optiml/quant.h"
 
 namespace optiml {
@@ -334,6 +335,28 @@ const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il, bool compa
                                                              : repack_neuron_major(pool, down, TYPE_Q8_0));
     }
     return *down_nm_[il];
+}
+
+void Model::set_rows16(ThreadPool& pool, const std::function<bool(const Weight& w, int layer, bool ffn)>& want) {
+    if (!file->mapping()->in_memory()) return;  // a mapping is read-only (and shared with the page cache)
+    auto place = [&](Weight& w, bool to_rows16) {
+        if (!w.present() || !rows16_fits(w.type, w.rows, w.cols)) return;
+        if (w.rows16 == to_rows16) return;
+        // The bytes are the private copy the model owns (in_memory), so they may be rewritten.
+        uint8_t* data = const_cast<uint8_t*>(w.data);
+        if (to_rows16) repack_rows16(w.type, data, w.rows, w.cols, &pool);
+        else unpack_rows16(w.type, data, w.rows, w.cols, &pool);
+        w.rows16 = to_rows16;
+    };
+    for (int il = 0; il < (int)layers.size(); il++) {
+        LayerWeights& L = layers[il];
+        for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo}) place(*w, want(*w, il, false));
+        for (Weight* w : {&L.ffn.gate, &L.ffn.up, &L.ffn.down}) place(*w, want(*w, il, true));
+    }
+    const bool tied = output.data == tok_embd.data;
+    place(output, want(output, -1, false));
+    if (tied) tok_embd.rows16 = output.rows16;  // the same bytes
+    else place(tok_embd, want(tok_embd, -1, false));
 }
 
 size_t Model::weight_bytes() const {

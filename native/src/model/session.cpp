@@ -28,6 +28,7 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     o.kv_type = kv_type;
     plan_ = make_plan(*model_, o);
     n_batch_ = plan_.n_batch;
+    if (plan_.uses_device()) place_weights();  // rows for the upload (another session may have repacked)
     bind_devices();
     reset_sparsity_counts();
 }
@@ -218,6 +219,20 @@ std::vector<std::pair<std::string, size_t>> Session::device_allocations() const 
     return device_ ? device_->allocation_summary() : std::vector<std::pair<std::string, size_t>>{};
 }
 
+// rows16 (optiml/rows16.h) for matrices only this CPU's dense product reads, where its kernels have a
+// product for the type: every matrix of a CPU-only plan but the FFN's while they run sparsely or are
+// recorded (the row-sparse product, the neuron-major copies and the recorder take rows). A device
+// plan keeps rows everywhere (uploads read rows).
+void Session::place_weights() {
+    const KernelTable& kt = kernel_table();
+    const bool cpu_only = !plan_.uses_device();
+    const bool ffn_dense = !sparsity_.enabled && !predictors_ && !recorder_;
+    model_->set_rows16(*pool_, [&](const Weight& w, int, bool ffn) {
+        return cpu_only && kt.gemm_rows16[w.type] != nullptr && (!ffn || ffn_dense);
+    });
+    weights_placed_ = true;
+}
+
 void Session::set_sparsity(const SparsitySettings& st) {
     const HParams& hp = model_->hp;
     if (st.enabled) {
@@ -232,7 +247,12 @@ void Session::set_sparsity(const SparsitySettings& st) {
                                        st.neuron_scale.size(), (long long)hp.n_layer * hp.n_ff));
     }
     sparsity_ = st;
-    if (st.enabled || predictors_) prepare_sparse();  // the repack happens now, not inside the first token
+    if (st.enabled || predictors_) {
+        place_weights();  // the FFN back into rows
+        prepare_sparse();  // the repack happens now, not inside the first token
+    } else {
+        weights_placed_ = false;  // dense again: the FFN may go into rows16 before the next step
+    }
     reset_sparsity_counts();
 }
 
@@ -274,9 +294,14 @@ void Session::set_predictors(std::shared_ptr<const Predictors> p) {
         for (const LayerPredictor& L : p->layers)
             if (L.a.cols != hp.n_embd || L.b.rows != hp.n_ff || L.bias.cols != hp.n_ff)
                 throw ArgumentError("the predictors do not fit this model's shapes");
-        prepare_sparse();
     }
     predictors_ = std::move(p);
+    if (predictors_) {
+        place_weights();
+        prepare_sparse();
+    } else {
+        weights_placed_ = false;
+    }
     reset_sparsity_counts();
 }
 
@@ -296,6 +321,8 @@ void Session::set_recorder(std::shared_ptr<ActivationRecorder> rec) {
     if (rec && plan_.uses_device())
         throw ArgumentError("profiling runs the model on the CPU alone: make the Model with device='cpu'");
     recorder_ = std::move(rec);
+    if (recorder_) place_weights();  // the recorder reads the FFN's rows
+    else weights_placed_ = false;
 }
 
 void Session::eval(const int32_t* tokens, int32_t n, bool all_logits, float* logits) {
@@ -337,6 +364,7 @@ int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t
         n_out += want[t] != 0;
     }
     if (n_out > 0 && !logits) throw ArgumentError("decode: tokens want logits but no output was given");
+    if (!weights_placed_) place_weights();
 
     std::vector<int32_t> rows;
     for (int32_t done = 0; done < n;) {
