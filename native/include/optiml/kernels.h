@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "optiml/ggml_types.h"
 
@@ -44,10 +45,30 @@ constexpr int64_t kRowsAhead = 24;
 // row-sparse product passes the active ones).
 typedef void (*gemm_fn)(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
                         int64_t n_tok);
-// The same product with a matrix in the rows16 layout (optiml/rows16.h): n_rows (a multiple of 16)
-// rows from w, which is where row 0's panel starts.
-typedef void (*gemm_rows16_fn)(int64_t n, float* s, const void* w, int64_t n_rows, const void* x, size_t x_stride,
-                               int64_t n_tok);
+// The activations of a product with rows16 matrices (optiml/rows16.h), regrouped once per call for all
+// its row chunks: for token group g (tokens 8g..8g+7) and block i, slot (g * nb + i) * 8 + t holds
+// token 8g + t's 32 codes, its scale dx, its Q8_1 sum d * sum(q) (sx; Q8_1 only) and sum(q) (qsum).
+struct Rows16Terms {
+    std::vector<uint8_t> q;
+    std::vector<float> dx, sx;
+    std::vector<int32_t> qsum;
+};
+inline void rows16_terms_size(int64_t n_tok, int64_t nb, Rows16Terms& t) {
+    const size_t n_slots = (size_t)((n_tok + 7) / 8) * (size_t)nb * 8;
+    t.q.resize(n_slots * 32);
+    t.dx.resize(n_slots);
+    t.sx.resize(n_slots);
+    t.qsum.resize(n_slots);
+}
+// Fills tokens [t0, t1) of terms sized by rows16_terms_size from activations x (xtype Q8_0 or Q8_1, rows
+// x_stride bytes apart, nb blocks each); threads may fill disjoint ranges at once.
+typedef void (*rows16_terms_fn)(int32_t xtype, const void* x, size_t x_stride, int64_t nb, int64_t t0, int64_t t1,
+                                Rows16Terms& t);
+// The product with a matrix in the rows16 layout: n_rows (a multiple of 16) rows from w, which is
+// where row 0's panel starts, against tokens t0..t0 + n_tok - 1 of x (t0 a multiple of 8);
+// s[t * ldo + r] = row r . token t0 + t.
+typedef void (*gemm_rows16_fn)(int64_t n, float* s, int64_t ldo, const void* w, int64_t n_rows, const Rows16Terms& x,
+                               int64_t t0, int64_t n_tok);
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
@@ -111,6 +132,7 @@ struct KernelTable {
     // Optional, Q4_0/Q4_1/Q8_0 only: the product with rows16 matrices, for any number of tokens. Where a
     // level has it, a CPU-only model read into memory keeps its dense matrices in that layout.
     gemm_rows16_fn gemm_rows16[TYPE_COUNT];
+    rows16_terms_fn rows16_terms;  // with gemm_rows16
     from_float_fn from_float[TYPE_COUNT];  // indexed by activation type
     // Attention's dot products (K.q and the weighted sum of V), for F16 and F32 rows. For F16 they sum
     // in ggml_vec_dot_f16's order and softmax_exp uses ggml's vectorized exp, so attention follows

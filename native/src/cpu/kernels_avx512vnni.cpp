@@ -105,6 +105,7 @@ void fill_kernels_avx512vnni(KernelTable& t) {
     t.gemm_rows16[TYPE_Q4_0] = gemm_rows16_packed<block_q4_0>;
     t.gemm_rows16[TYPE_Q4_1] = gemm_rows16_packed<block_q4_1>;
     t.gemm_rows16[TYPE_Q8_0] = gemm_rows16_packed<block_q8_0>;
+    t.rows16_terms = rows16_terms_q32;
 }
 
 }  // namespace optiml

@@ -45,7 +45,7 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     bool any_rows16 = false;
     for (int m = 0; m < n_mats; m++) {
         check_matmul_args(w[m].type, w[m].cols);
-        if (w[m].rows16 && !kt.gemm_rows16[w[m].type])
+        if (w[m].rows16 && (!kt.gemm_rows16[w[m].type] || !kt.rows16_terms))
             throw Error(format("internal: a %s matrix in the rows16 layout, and the %s kernels have no product for it",
                                type_traits(w[m].type).name, simd_level_name(kt.level)));
         any_rows16 = any_rows16 || w[m].rows16;
@@ -104,6 +104,23 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     const bool claim_ahead = n_tokens > 1;
 
     if (!direct) convert_activations(pool, convert, X, cols, n_tokens, xq, x_row);
+    // The rows16 kernels read the activations regrouped, once for all chunks. The calling thread's
+    // buffer, named through a reference: inside the jobs the thread_local's name is each worker's own.
+    static thread_local Rows16Terms terms_buf;
+    Rows16Terms& terms = terms_buf;
+    if (any_rows16) {
+        const int64_t nb = cols / 32;
+        rows16_terms_size(n_tokens, nb, terms);
+        if (n_tokens * nb <= 2048) {
+            kt.rows16_terms(xtype, xbase, x_row, nb, 0, n_tokens, terms);
+        } else {
+            pool.run([&](int ith, int nth) {
+                int64_t t0, t1;
+                split_range(n_tokens, ith, nth, &t0, &t1);
+                kt.rows16_terms(xtype, xbase, x_row, nb, t0, t1, terms);
+            });
+        }
+    }
     pool.run([&](int, int) {
         int64_t c = next.fetch_add(1), ahead = n_chunks;
         if (claim_ahead && c < n_chunks) ahead = next.fetch_add(1);
@@ -127,10 +144,14 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
             const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
             const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
             if (W.rows16) {
-                // Panels of 16 rows (r0 is a multiple of 16, so the chunk starts at row r0's bytes).
+                // Panels of 16 rows (r0 is a multiple of 16, so the chunk starts at row r0's bytes),
+                // written straight into the output unless they are added to it.
                 const gemm_rows16_fn gemm16 = kt.gemm_rows16[W.type];
-                if (n_tokens == 1 && !accumulate) {
-                    gemm16(cols, y[m] + r0, wbase + r0 * w_row, r1 - r0, xbase, x_row, 1);
+                if (!accumulate) {
+                    for (int64_t t0 = 0; t0 < n_tokens; t0 += kGemmTokens) {
+                        const int64_t nt = n_tokens - t0 < kGemmTokens ? n_tokens - t0 : kGemmTokens;
+                        gemm16(cols, y[m] + t0 * W.rows + r0, W.rows, wbase + r0 * w_row, r1 - r0, terms, t0, nt);
+                    }
                     continue;
                 }
                 float s[64 * kGemmTokens];  // 64 rows (4 panels) at a time: a one-token chunk may be longer
@@ -138,11 +159,11 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
                     const int64_t nrb = r1 - rb < 64 ? r1 - rb : 64;
                     for (int64_t t0 = 0; t0 < n_tokens; t0 += kGemmTokens) {
                         const int64_t nt = n_tokens - t0 < kGemmTokens ? n_tokens - t0 : kGemmTokens;
-                        gemm16(cols, s, wbase + rb * w_row, nrb, xbase + t0 * x_row, x_row, nt);
+                        gemm16(cols, s, nrb, wbase + rb * w_row, nrb, terms, t0, nt);
                         for (int64_t t = 0; t < nt; t++) {
                             float* out = y[m] + (t0 + t) * W.rows + rb;
                             const float* st = s + t * nrb;
-                            for (int64_t k = 0; k < nrb; k++) out[k] = accumulate ? out[k] + st[k] : st[k];
+                            for (int64_t k = 0; k < nrb; k++) out[k] += st[k];
                         }
                     }
                 }

@@ -81,44 +81,38 @@ inline void build_row_panel(const WBlock* const a[16], int64_t i, RowPanel& p) {
     p.m = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
 }
 
-// The call's activations regrouped for the tiles: for token group g (tokens 8g..8g+7) and block i,
-// slot (g * nb + i) * 8 + t holds token 8g + t's codes, scale dx, Q8_1 sum sx (min formats) and nc =
-// -offset * sum(q) (offset formats; Q8_0 weights count as offset 128). A tile then reads all of them
-// from one pointer at fixed offsets, instead of a pointer per token (8 general registers, spilled).
-struct TokenTerms {
-    std::vector<uint8_t> q;  // 32 bytes a slot
-    std::vector<float> dx, sx;
-    std::vector<int32_t> nc;
-};
-
-template <class WBlock>
-inline void token_terms(const uint8_t* x, size_t x_stride, int64_t n_tok, int64_t nb, TokenTerms& tt) {
-    typedef Q32<WBlock> Q;
-    typedef typename Q::X XBlock;
-    constexpr int offset = Q::is_signed ? 128 : Q::offset;
-    const size_t n_slots = (size_t)((n_tok + 7) / 8) * nb * 8;
-    tt.q.resize(n_slots * 32);
-    tt.dx.resize(n_slots);
-    tt.sx.resize(n_slots);
-    tt.nc.resize(n_slots);
-    for (int64_t t = 0; t < n_tok; t++) {
+// The call's activations regrouped for the tiles (Rows16Terms, optiml/kernels.h): a tile then reads
+// every token's codes and terms from one pointer at fixed offsets, instead of a pointer per token (8
+// general registers, spilled). Tokens [t0, t1).
+template <class XBlock>
+inline void fill_terms(const uint8_t* x, size_t x_stride, int64_t nb, int64_t t0, int64_t t1, Rows16Terms& tt) {
+    for (int64_t t = t0; t < t1; t++) {
         const XBlock* b = (const XBlock*)(x + t * x_stride);
         for (int64_t i = 0; i < nb; i++) {
             const size_t slot = (size_t)((t / 8) * nb + i) * 8 + t % 8;
             std::memcpy(&tt.q[slot * 32], b[i].qs, 32);
             tt.dx[slot] = h2f(b[i].d);
-            tt.sx[slot] = Q::has_min ? h2f(sum_of(b[i])) : 0.0f;
-            if (offset) {
-                // sum(q) of the signed bytes: their unsigned sum (+ 128 each) by vpsadbw, less 32 * 128.
-                const __m256i u = _mm256_xor_si256(load256(b[i].qs), _mm256_set1_epi8((char)0x80));
-                const __m256i s4 = _mm256_sad_epu8(u, _mm256_setzero_si256());
-                const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-                const int32_t sum = (int32_t)(_mm_cvtsi128_si32(s2) + _mm_extract_epi32(s2, 2)) - 32 * 128;
-                tt.nc[slot] = -offset * sum;
-            }
+            tt.sx[slot] = std::is_same<XBlock, block_q8_1>::value ? h2f(sum_of(b[i])) : 0.0f;
+            // sum(q) of the signed bytes: their unsigned sum (+ 128 each) by vpsadbw, less 32 * 128.
+            const __m256i u = _mm256_xor_si256(load256(b[i].qs), _mm256_set1_epi8((char)0x80));
+            const __m256i s4 = _mm256_sad_epu8(u, _mm256_setzero_si256());
+            const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            tt.qsum[slot] = (int32_t)(_mm_cvtsi128_si32(s2) + _mm_extract_epi32(s2, 2)) - 32 * 128;
         }
     }
 }
+
+// rows16_terms_fn.
+inline void rows16_terms_q32(int32_t xtype, const void* x, size_t x_stride, int64_t nb, int64_t t0, int64_t t1,
+                             Rows16Terms& tt) {
+    if (xtype == TYPE_Q8_1) fill_terms<block_q8_1>((const uint8_t*)x, x_stride, nb, t0, t1, tt);
+    else fill_terms<block_q8_0>((const uint8_t*)x, x_stride, nb, t0, t1, tt);
+}
+
+// The weights' codes carry an offset (Q4_0 8, Q5_0 16, Q8_0 as unsigned 128), taken back out of each
+// block's integer dot as -offset * sum(q).
+template <class WBlock>
+constexpr int32_t code_offset() { return Q32<WBlock>::is_signed ? 128 : Q32<WBlock>::offset; }
 
 // Rows to fetch into L2 while a tile runs: the next panel's, a line of each as the tile's blocks reach
 // it. The panel is built in a short burst with nothing to overlap its loads; the tile is long and reads
@@ -172,7 +166,7 @@ struct Rows16 {
 
 // The panel's 16 rows against the first T tokens of token group g: out[t] lane r = row r . token 8g + t.
 template <class WBlock, int T, class Src>
-inline void row_tile(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g, const Ahead& ahead, __m512 out[T]) {
+inline void row_tile(int64_t nb, const Src& src, const Rows16Terms& tt, int64_t g, const Ahead& ahead, __m512 out[T]) {
     typedef Q32<WBlock> Q;
     constexpr bool offset = Q::offset != 0 || Q::is_signed;
     __m512 acc[T];
@@ -181,9 +175,9 @@ inline void row_tile(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g
     const uint8_t* xq = tt.q.data() + slot0 * 32;
     const float* dx = tt.dx.data() + slot0;
     const float* sx = tt.sx.data() + slot0;
-    const int32_t* nc = tt.nc.data() + slot0;
+    const int32_t* qsum = tt.qsum.data() + slot0;
     int64_t line = -1;
-    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, nc += 8) {
+    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, qsum += 8) {
         if (ahead.rows) {
             const int64_t end = (i + 1) * ahead.block_size - 1;
             if (end / 64 != line) {
@@ -195,7 +189,7 @@ inline void row_tile(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g
         __m512 d, m;
         src.load(i, w, d, m);
         __m512i isum[T];
-        for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(nc[t]) : _mm512_setzero_si512();
+        for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(-code_offset<WBlock>() * qsum[t]) : _mm512_setzero_si512();
         for (int k = 0; k < 8; k++) {
             for (int t = 0; t < T; t++) {
                 int32_t xk;
@@ -214,7 +208,7 @@ inline void row_tile(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g
 
 // Tokens 8g..8g + T - 1 against the panel, into s (the panel's nr live rows from row r0).
 template <class WBlock, int T, class Src>
-inline void row_tile_store(int64_t nb, const Src& src, const TokenTerms& tt, int64_t g, const Ahead& ahead, float* s,
+inline void row_tile_store(int64_t nb, const Src& src, const Rows16Terms& tt, int64_t g, const Ahead& ahead, float* s,
                            int64_t n_rows, int64_t r0, int64_t nr) {
     __m512 out[T];
     row_tile<WBlock, T>(nb, src, tt, g, ahead, out);
@@ -224,7 +218,7 @@ inline void row_tile_store(int64_t nb, const Src& src, const TokenTerms& tt, int
 
 // Every token against the panel: tiles of 8, then one of the n_tok % 8 left (T counts down to it).
 template <class WBlock, class Src, int T = 7>
-inline void row_tile_rest(int64_t n_rest, int64_t nb, const Src& src, const TokenTerms& tt, int64_t g,
+inline void row_tile_rest(int64_t n_rest, int64_t nb, const Src& src, const Rows16Terms& tt, int64_t g,
                           const Ahead& ahead, float* s, int64_t n_rows, int64_t r0, int64_t nr) {
     if constexpr (T > 0) {
         if (n_rest == T) row_tile_store<WBlock, T>(nb, src, tt, g, ahead, s, n_rows, r0, nr);
@@ -232,7 +226,7 @@ inline void row_tile_rest(int64_t n_rest, int64_t nb, const Src& src, const Toke
     }
 }
 template <class WBlock, class Src>
-inline void row_tiles(int64_t n_tok, int64_t nb, const Src& src, const TokenTerms& tt, const Ahead& ahead, float* s,
+inline void row_tiles(int64_t n_tok, int64_t nb, const Src& src, const Rows16Terms& tt, const Ahead& ahead, float* s,
                       int64_t n_rows, int64_t r0, int64_t nr) {
     int64_t g = 0;
     for (; 8 * g + 8 <= n_tok; g++) row_tile_store<WBlock, 8>(nb, src, tt, g, g == 0 ? ahead : Ahead(), s, n_rows, r0, nr);
@@ -246,10 +240,10 @@ void gemm_rows16_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
                     int64_t n_tok) {
     const int64_t nb = n / 32;
     static thread_local std::vector<RowPanel> panel;
-    static thread_local TokenTerms tt;
+    static thread_local Rows16Terms tt;
     if ((int64_t)panel.size() < nb) panel.resize(nb);
-    const uint8_t* xb = (const uint8_t*)x;
-    token_terms<WBlock>(xb, x_stride, n_tok, nb, tt);
+    rows16_terms_size(n_tok, nb, tt);
+    fill_terms<typename Q32<WBlock>::X>((const uint8_t*)x, x_stride, nb, 0, n_tok, tt);
     for (int64_t r0 = 0; r0 < n_rows; r0 += 16) {
         const int64_t nr = n_rows - r0 < 16 ? n_rows - r0 : 16;
         const WBlock* a[16];
@@ -268,7 +262,7 @@ void gemm_rows16_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
 // block: sequential as panels are, the hardware prefetcher alone left the matrix-vector product at half
 // the bandwidth the row layout reaches. The float steps are row_tile's, so the bits are vec_dot's.
 template <class WBlock, int T, int P>
-inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const TokenTerms& tt, int64_t g,
+inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const Rows16Terms& tt, int64_t g,
                         __m512 out[P][T]) {
     typedef Q32<WBlock> Q;
     typedef Rows16<WBlock> R;
@@ -280,9 +274,9 @@ inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const
     const uint8_t* xq = tt.q.data() + slot0 * 32;
     const float* dx = tt.dx.data() + slot0;
     const float* sx = tt.sx.data() + slot0;
-    const int32_t* nc = tt.nc.data() + slot0;
+    const int32_t* qsum = tt.qsum.data() + slot0;
     const char* next = (const char*)q + P * panel_bytes;
-    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, nc += 8, next += R::share) {
+    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, qsum += 8, next += R::share) {
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
             for (int64_t off = 0; off < R::share; off += 64) _mm_prefetch(next + p * panel_bytes + off, _MM_HINT_T1);
@@ -291,7 +285,7 @@ inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const
             R::load(q + p * panel_bytes, nb, i, w, d, m);
             __m512i isum[T];
 #pragma GCC unroll 8
-            for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(nc[t]) : _mm512_setzero_si512();
+            for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(-code_offset<WBlock>() * qsum[t]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int k = 0; k < 8; k++) {
 #pragma GCC unroll 8
@@ -313,10 +307,11 @@ inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const
         for (int t = 0; t < T; t++) out[p][t] = acc[p][t];
 }
 
-// Every panel of the matrix at w (n_rows rows) against T tokens of group g, into s: P panels at a time,
-// P as many as the registers hold (accumulators P * T), then the panels left one by one.
+// Every panel of the matrix at w (n_rows rows) against T tokens of group g, token t's into s + t * ldo:
+// P panels at a time, P as many as the registers hold (accumulators P * T), then the rest one by one.
 template <class WBlock, int T>
-inline void rows16_group(int64_t nb, const uint8_t* w, int64_t n_rows, const TokenTerms& tt, int64_t g, float* s) {
+inline void rows16_group(int64_t nb, const uint8_t* w, int64_t n_rows, const Rows16Terms& tt, int64_t g, float* s,
+                         int64_t ldo) {
     constexpr int P = T <= 2 ? 4 : T <= 4 ? 2 : 1;
     const int64_t panel_bytes = 16 * nb * sizeof(WBlock);
     const int64_t n_panels = n_rows / 16;
@@ -325,7 +320,7 @@ inline void rows16_group(int64_t nb, const uint8_t* w, int64_t n_rows, const Tok
         __m512 out[NP][T];
         rows16_tile<WBlock, T, NP>(nb, w + p0 * panel_bytes, panel_bytes, tt, g, out);
         for (int p = 0; p < NP; p++)
-            for (int t = 0; t < T; t++) _mm512_storeu_ps(s + (8 * g + t) * n_rows + (p0 + p) * 16, out[p][t]);
+            for (int t = 0; t < T; t++) _mm512_storeu_ps(s + t * ldo + (p0 + p) * 16, out[p][t]);
     };
     int64_t p0 = 0;
     for (; p0 + P <= n_panels; p0 += P) run(std::integral_constant<int, P>(), p0);
@@ -333,25 +328,23 @@ inline void rows16_group(int64_t nb, const uint8_t* w, int64_t n_rows, const Tok
 }
 
 template <class WBlock, int T = 7>
-inline void rows16_rest(int64_t n_rest, int64_t nb, const uint8_t* w, int64_t n_rows, const TokenTerms& tt, int64_t g,
-                        float* s) {
+inline void rows16_rest(int64_t n_rest, int64_t nb, const uint8_t* w, int64_t n_rows, const Rows16Terms& tt, int64_t g,
+                        float* s, int64_t ldo) {
     if constexpr (T > 0) {
-        if (n_rest == T) rows16_group<WBlock, T>(nb, w, n_rows, tt, g, s);
-        else rows16_rest<WBlock, T - 1>(n_rest, nb, w, n_rows, tt, g, s);
+        if (n_rest == T) rows16_group<WBlock, T>(nb, w, n_rows, tt, g, s, ldo);
+        else rows16_rest<WBlock, T - 1>(n_rest, nb, w, n_rows, tt, g, s, ldo);
     }
 }
 
-// gemm_rows16_fn: the product with a rows16 matrix (optiml/rows16.h), any number of tokens, 8 at a time
-// and then the rest, each tile reading the rows' blocks as they are stored.
+// gemm_rows16_fn: the product with a rows16 matrix (optiml/rows16.h), 8 tokens at a time and then the
+// rest, each tile reading the rows' blocks as they are stored.
 template <class WBlock>
-void gemm_rows16_packed(int64_t n, float* s, const void* w, int64_t n_rows, const void* x, size_t x_stride,
-                        int64_t n_tok) {
+void gemm_rows16_packed(int64_t n, float* s, int64_t ldo, const void* w, int64_t n_rows, const Rows16Terms& tt,
+                        int64_t t0, int64_t n_tok) {
     const int64_t nb = n / 32;
-    static thread_local TokenTerms tt;
-    token_terms<WBlock>((const uint8_t*)x, x_stride, n_tok, nb, tt);
-    int64_t g = 0;
-    for (; 8 * g + 8 <= n_tok; g++) rows16_group<WBlock, 8>(nb, (const uint8_t*)w, n_rows, tt, g, s);
-    rows16_rest<WBlock>(n_tok - 8 * g, nb, (const uint8_t*)w, n_rows, tt, g, s);
+    int64_t k = 0;  // tokens done
+    for (; k + 8 <= n_tok; k += 8) rows16_group<WBlock, 8>(nb, (const uint8_t*)w, n_rows, tt, (t0 + k) / 8, s + k * ldo, ldo);
+    rows16_rest<WBlock>(n_tok - k, nb, (const uint8_t*)w, n_rows, tt, (t0 + k) / 8, s + k * ldo, ldo);
 }
 
 // The batched product of the AVX-512VNNI kernel set: rows in the lanes from kRowLaneTokens tokens,
