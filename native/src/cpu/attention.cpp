@@ -111,20 +111,26 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
     const int32_t xtype = type_traits(kv.type).vec_dot_type;  // F16 or F32
     const from_float_fn to_dot = kt.from_float[xtype];
     const size_t head_bytes = row_size(kv.type, hd);
-    const int64_t n_tasks = (int64_t)n * hp.n_head;
-    auto attend = [&](int64_t task) {
-        const int64_t t = task / hp.n_head, h = task % hp.n_head;
+    // With enough of them to share out, one task per (token, KV head): the query heads that share a KV
+    // head run one after the other, so its keys and values come from memory once and from the cache for
+    // the others (8 sequences of SmolLM2 decoded 4% faster than with a task per query head). Few tokens
+    // keep a task per query head, so that every thread has some (Gemma 3 has one KV head).
+    const int heads_per_task = (int64_t)n * hp.n_head_kv >= 4 * pool.size() ? group : 1;
+    const int64_t n_tasks = (int64_t)n * hp.n_head / heads_per_task;
+    auto attend = [&](int64_t t, int64_t h) {
         const int64_t kvh = h / group;
         const int64_t n_seen = (int64_t)b.pos[t] + 1;
         const int64_t n_window = std::min<int64_t>(kv.n_ctx, (n_seen + 31) / 32 * 32);
         const uint8_t* k_seq = kv.k + (size_t)b.seq[t] * kv.k_seq;
         const uint8_t* v_seq = kv.v + (size_t)b.seq[t] * kv.v_seq;
-        // This head's V rows are read last; fetching them now lets the K pass and the softmax hide
-        // their latency (they are n_ctx values apart, a pattern the hardware prefetcher misses).
+        // This head's V rows are read last; fetching them now (for a task's first head) lets the K
+        // pass and the softmax hide their latency (they are n_ctx values apart, a pattern the hardware
+        // prefetcher misses).
         const uint8_t* v_head = v_seq + (size_t)kvh * hd * kv.n_ctx * kv_elem;
-        for (int64_t d = 0; d < hd; d++)
-            for (int64_t off = 0; off < n_window * (int64_t)kv_elem; off += 64)
-                __builtin_prefetch(v_head + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
+        if (h % heads_per_task == 0)
+            for (int64_t d = 0; d < hd; d++)
+                for (int64_t off = 0; off < n_window * (int64_t)kv_elem; off += 64)
+                    __builtin_prefetch(v_head + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
         float* scores = thread_buffer<float>((size_t)n_window, 0);
         uint8_t* conv = thread_buffer<uint8_t>((size_t)std::max<int64_t>(n_window, hd) * sizeof(float), 2);
         to_dot(q + t * n_q + h * hd, conv, hd);
@@ -147,7 +153,11 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
     // long tasks are taken early and the short ones even out the end.
     std::atomic<int64_t> next{0};
     pool.run([&](int, int) {
-        for (int64_t c = next.fetch_add(1); c < n_tasks; c = next.fetch_add(1)) attend(n_tasks - 1 - c);
+        for (int64_t c = next.fetch_add(1); c < n_tasks; c = next.fetch_add(1)) {
+            const int64_t task = n_tasks - 1 - c, per_token = hp.n_head / heads_per_task;
+            const int64_t t = task / per_token, h0 = task % per_token * heads_per_task;
+            for (int64_t h = h0; h < h0 + heads_per_task; h++) attend(t, h);
+        }
     });
 }
 
