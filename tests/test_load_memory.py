@@ -34,21 +34,21 @@ def _decode_four(m, ids):
 
 
 def test_rows16_layout_runs_the_same_bits(smollm2_path):
-    # A CPU-only model read into memory keeps its dense Q4_1/Q8_0 matrices in the rows16 layout where
-    # the kernels have its product (AVX-512VNNI): prompts, batches of sequences and the tied embedding
-    # lookup give the mapped model's bits. Turning sparsity on puts the FFN back into rows (the sparse
+    # A CPU-only model read into memory keeps its dense Q4_1 matrices in the rows16 layout where the
+    # kernels have its product (AVX-512VNNI; the Q8_0 output stays in rows): prompts and batches of
+    # sequences give the mapped model's bits. Turning sparsity on puts the FFN back into rows (the sparse
     # kernels read rows), with the mapped model's sparse bits; dense again, the FFN is repacked.
     ids = list(range(300, 330))
     mapped = optiml.Model(smollm2_path, n_ctx=64, n_threads=2, n_seq=4, use_mmap=True)
     copied = optiml.Model(smollm2_path, n_ctx=64, n_threads=2, n_seq=4, use_mmap=False)
     np.testing.assert_array_equal(_decode_four(copied, ids), _decode_four(mapped, ids))
     n_layer = copied.hparams["n_layer"]
-    every = 7 * n_layer + 1  # q, k, v, o, gate, up, down per layer, and the (tied) output
+    every = 7 * n_layer  # q, k, v, o, gate, up, down per layer
     assert mapped._model.rows16_matrices == 0
     assert copied._model.rows16_matrices == (every if optiml._core.has_rows16() else 0)
     for m in (mapped, copied):
         m.set_sparsity("threshold", thresholds=0.05)
-    assert copied._model.rows16_matrices == (4 * n_layer + 1 if optiml._core.has_rows16() else 0)
+    assert copied._model.rows16_matrices == (4 * n_layer if optiml._core.has_rows16() else 0)
     np.testing.assert_array_equal(copied.eval(ids, all_logits=True), mapped.eval(ids, all_logits=True))
     for m in (mapped, copied):
         m.set_sparsity("none")

@@ -1,5 +1,7 @@
 // The batched product (gemm) of the 32-element block formats with 16 weight rows in the lanes of a zmm,
-// for AVX-512VL with VNNI (vpdpbusd exact for any unsigned codes), used from 32 tokens per call up.
+// for AVX-512VL with VNNI (vpdpbusd exact for any unsigned codes): from 32 tokens per call up for rows
+// anywhere (gemm_rows16_32), and for any number of tokens with a matrix stored that way (the rows16
+// layout, optiml/rows16.h; gemm_rows16_packed).
 //
 // simd_gemm_q32.h puts 8 tokens in the lanes and broadcasts each row's codes, so every (row, block)
 // unpacks its nibbles and converts its scales again for each group of 8 tokens: with the float steps
@@ -13,7 +15,8 @@
 // (Zen 4, 2 threads, weights streamed from memory, SmolLM2's shapes), against the token-lane kernel,
 // 8 tokens: 0.64-0.83x; 16: 0.81-1.05x; 32: 0.97-1.45x; 64: 1.13-1.34x. So gemm_q32_vnni below takes this
 // kernel from kRowLaneTokens tokens (prompt processing's 64-token blocks) and the token-lane one
-// under it (batched decoding).
+// under it. A matrix kept in the rows16 layout needs no transpose, and there the row lanes win from one
+// token (rows16_tile).
 //
 // Arithmetic: per (row, token), block after block, the exact integer dot of the block (unsigned codes,
 // the offset taken back out as -offset * sum(x)), then acc = fma(float(isum), d_w * d_x, acc), then for
