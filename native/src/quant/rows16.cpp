@@ -2,6 +2,7 @@
 #include "optiml/rows16.h"
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "optiml/common.h"
@@ -25,34 +26,26 @@ inline PanelBlock panel_block(int32_t type, uint8_t* base, int64_t nb, int64_t i
 }
 
 // One format's codes: put(p, r, b) stores row r's block b into panel block p, get(p, r) gives it back.
-struct Q4_0Codes {
-    typedef block_q4_0 Block;
+// Q4_0 and Q4_1 move their packed nibbles a dword at a time (and Q4_1 its min beside the scale).
+template <class B>
+struct NibbleCodes {
+    typedef B Block;
+    static constexpr bool has_min = std::is_same<B, block_q4_1>::value;
     static void put(const PanelBlock& p, int r, const Block& b) {
         p.d[r] = b.d;
+        if constexpr (has_min) p.m[r] = b.m;
         for (int k = 0; k < 4; k++) std::memcpy(p.q + 64 * k + 4 * r, b.qs + 4 * k, 4);
     }
     static Block get(const PanelBlock& p, int r) {
         Block b;
         b.d = p.d[r];
+        if constexpr (has_min) b.m = p.m[r];
         for (int k = 0; k < 4; k++) std::memcpy(b.qs + 4 * k, p.q + 64 * k + 4 * r, 4);
         return b;
     }
 };
-struct Q4_1Codes {
-    typedef block_q4_1 Block;
-    static void put(const PanelBlock& p, int r, const Block& b) {
-        p.d[r] = b.d;
-        p.m[r] = b.m;
-        for (int k = 0; k < 4; k++) std::memcpy(p.q + 64 * k + 4 * r, b.qs + 4 * k, 4);
-    }
-    static Block get(const PanelBlock& p, int r) {
-        Block b;
-        b.d = p.d[r];
-        b.m = p.m[r];
-        for (int k = 0; k < 4; k++) std::memcpy(b.qs + 4 * k, p.q + 64 * k + 4 * r, 4);
-        return b;
-    }
-};
+typedef NibbleCodes<block_q4_0> Q4_0Codes;
+typedef NibbleCodes<block_q4_1> Q4_1Codes;
 // Q8_0's codes are stored + 128 (the unsigned operand of vpdpbusd), so the kernel does not add it.
 struct Q8_0Codes {
     typedef block_q8_0 Block;
