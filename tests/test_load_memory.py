@@ -141,3 +141,45 @@ def test_bad_files_fail_alike(tmp_path, content):
             optiml.Model(bad, use_mmap=use_mmap)
         msgs.append((type(e.value), str(e.value)))
     assert msgs[0] == msgs[1]
+
+
+def test_rows16_with_two_sessions_on_one_model(smollm2_path):
+    # Sessions may share a Model (the native API). The layout serves one session only: a second one
+    # puts every matrix back into rows before it runs, so a sparse session and a dense one take turns
+    # on the same in-memory weights with the mapped model's bits.
+    from optiml import _core
+
+    ids = np.arange(400, 424, dtype=np.int32)
+    ref_model = _core.Model(str(smollm2_path))  # mapped: rows
+    ref_dense = _core.Session(ref_model, 64, 2, "f32").eval(ids, True)
+    ref_sparse_s = _core.Session(ref_model, 64, 2, "f32")
+    ref_sparse_s.set_sparsity(True, np.full(ref_model.hparams["n_layer"], 0.05, np.float32))
+    ref_sparse = ref_sparse_s.eval(ids, True)
+
+    m = _core.Model(str(smollm2_path), in_memory=True)
+    dense = _core.Session(m, 64, 2, "f32")
+    np.testing.assert_array_equal(dense.eval(ids, True), ref_dense)
+    alone = m.rows16_matrices
+    assert alone == (7 * m.hparams["n_layer"] if _core.has_rows16() else 0)
+    sparse = _core.Session(m, 64, 2, "f32")
+    assert m.rows16_matrices == 0  # two sessions: rows
+    sparse.set_sparsity(True, np.full(m.hparams["n_layer"], 0.05, np.float32))
+    dense.kv_clear(-1)
+    np.testing.assert_array_equal(dense.eval(ids, True), ref_dense)
+    np.testing.assert_array_equal(sparse.eval(ids, True), ref_sparse)
+    assert m.rows16_matrices == 0
+
+
+def test_profile_after_a_dense_run_in_rows16(smollm2_path):
+    # The recorder reads the down matrices when it is made; a dense run before may have left them in
+    # the rows16 layout. Its down-column norms equal the mapped model's.
+    from optiml.profile import profile as run_profile
+
+    stats = []
+    for use_mmap in (True, False):
+        m = optiml.Model(smollm2_path, n_ctx=128, n_threads=2, use_mmap=use_mmap, sparsity="none")
+        m.eval(list(range(50, 60)))
+        stats.append(run_profile(m, None, texts=["The quick brown fox jumps over the lazy dog."], n_tokens=64,
+                                 threshold=0.05, progress=False))
+    np.testing.assert_array_equal(stats[0].down_norm, stats[1].down_norm)
+    np.testing.assert_array_equal(stats[0].freq, stats[1].freq)

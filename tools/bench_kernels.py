@@ -86,7 +86,7 @@ def main() -> int:
             w = quant.quantize(wf, qtype)
             copies = [w] + [w.copy() for _ in range(max(1, -(-(args.span << 20) // w.nbytes)) - 1)]
             layouts = [False]
-            if args.rows16 and qtype in ("q4_0", "q4_1", "q8_0") and rows % 16 == 0:
+            if args.rows16 and qtype in ("q4_0", "q4_1", "q8_0") and rows % 16 == 0 and _core.has_rows16(simd):
                 layouts.append(True)
                 copies16 = [quant.rows16(c, qtype, cols) for c in copies]
             for rows16 in layouts:

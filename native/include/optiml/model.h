@@ -4,10 +4,12 @@
 // split by neuron between devices and computed sparsely.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -158,12 +160,21 @@ public:
 
     // Puts each matrix (attention, FFN, output; tok_embd with output when tied) into the rows16 layout
     // where want(w) says so and rows16_fits, back into rows elsewhere. Only an in-memory copy of the file
-    // can change: a mapped model stays as it is. Not while a forward pass runs on this model: sessions
-    // call it when they are built and when their sparsity, predictors or recorder change.
+    // can change: a mapped model stays as it is. Takes layout_mutex() exclusively, so it waits for the
+    // forward passes that hold it shared.
     void set_rows16(ThreadPool& pool, const std::function<bool(const Weight& w, int layer, bool ffn)>& want);
+    // Held shared by a session's forward pass, exclusively while the layout changes.
+    std::shared_mutex& layout_mutex() const { return layout_mutex_; }
+    // Sessions bound to this model. The layout serves one session's needs only: with two or more, the
+    // weights stay in rows (what every kernel reads).
+    void attach_session() { sessions_++; }
+    void detach_session() { sessions_--; }
+    int attached_sessions() const { return sessions_.load(); }
 
 private:
     mutable std::mutex down_nm_mutex_;
+    mutable std::shared_mutex layout_mutex_;
+    std::atomic<int> sessions_{0};
     mutable std::vector<std::unique_ptr<NeuronMajor>> down_nm_;
 };
 

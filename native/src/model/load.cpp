@@ -339,6 +339,7 @@ const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il, bool compa
 
 void Model::set_rows16(ThreadPool& pool, const std::function<bool(const Weight& w, int layer, bool ffn)>& want) {
     if (!file->mapping()->in_memory()) return;  // a mapping is read-only (and shared with the page cache)
+    std::unique_lock<std::shared_mutex> lock(layout_mutex_);
     auto place = [&](Weight& w, bool to_rows16) {
         if (!w.present() || !rows16_fits(w.type, w.rows, w.cols)) return;
         if (w.rows16 == to_rows16) return;
@@ -356,7 +357,7 @@ void Model::set_rows16(ThreadPool& pool, const std::function<bool(const Weight& 
     const bool tied = output.data == tok_embd.data;
     place(output, want(output, -1, false));
     if (tied) tok_embd.rows16 = output.rows16;  // the same bytes
-    else place(tok_embd, want(tok_embd, -1, false));
+    else place(tok_embd, false);  // only the lookup reads it: nothing to gain
 }
 
 size_t Model::weight_bytes() const {

@@ -20,17 +20,25 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     if (n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", n_batch));
     if (n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", n_seq));
     if (kv_type != TYPE_F16 && kv_type != TYPE_F32) throw ArgumentError("the KV cache type must be f16 or f32");
-    PlanOptions o = plan_options ? *plan_options : PlanOptions{};
-    if (!plan_options) o.device = "cpu";
-    o.n_ctx = n_ctx;
-    o.n_seq = n_seq;
-    o.n_batch = n_batch;
-    o.kv_type = kv_type;
-    plan_ = make_plan(*model_, o);
-    n_batch_ = plan_.n_batch;
-    if (plan_.uses_device()) place_weights();  // rows for the upload (another session may have repacked)
-    bind_devices();
-    reset_sparsity_counts();
+    model_->attach_session();
+    try {
+        PlanOptions o = plan_options ? *plan_options : PlanOptions{};
+        if (!plan_options) o.device = "cpu";
+        o.n_ctx = n_ctx;
+        o.n_seq = n_seq;
+        o.n_batch = n_batch;
+        o.kv_type = kv_type;
+        plan_ = make_plan(*model_, o);
+        n_batch_ = plan_.n_batch;
+        // Rows now for a device's uploads, and for every session once a second one shares the model
+        // (the first may have repacked it).
+        if (plan_.uses_device() || model_->attached_sessions() > 1) place_weights();
+        bind_devices();
+        reset_sparsity_counts();
+    } catch (...) {
+        model_->detach_session();
+        throw;
+    }
 }
 
 Session::~Session() {
@@ -42,6 +50,7 @@ Session::~Session() {
     kv_.reset();
     device_.reset();
     host_.reset();
+    model_->detach_session();
 }
 
 // Neuron-major down rows of `rows` (file neurons) only, in list order: a whole layer is repacked, then
@@ -220,17 +229,17 @@ std::vector<std::pair<std::string, size_t>> Session::device_allocations() const 
 }
 
 // rows16 (optiml/rows16.h) for matrices only this CPU's dense product reads, where its kernels have a
-// product for the type: every Q4_0/Q4_1 matrix of a CPU-only plan but the FFN's while they run sparsely
-// or are recorded (the row-sparse product, the neuron-major copies and the recorder take rows). Q8_0
-// keeps rows: mostly the output matrix, whose one-token product ran 3-8% slower in rows16 (262144x640
-// and 49152x576, 2 threads) and 8 tokens' no faster. A device plan keeps rows everywhere (uploads
-// read rows).
+// product for the type: every Q4_0/Q4_1 matrix of a CPU-only plan while this is the model's only
+// session (another may need rows at any time), but the FFN's while they run sparsely or are recorded
+// (the row-sparse product, the neuron-major copies and the recorder take rows). Q8_0 keeps rows: mostly
+// the output matrix, whose one-token product ran 3-8% slower in rows16 (262144x640 and 49152x576,
+// 2 threads) and 8 tokens' no faster. A device plan keeps rows everywhere (uploads read rows).
 void Session::place_weights() {
     const KernelTable& kt = kernel_table();
-    const bool cpu_only = !plan_.uses_device();
+    const bool repack = !plan_.uses_device() && model_->attached_sessions() == 1;
     const bool ffn_dense = !sparsity_.enabled && !predictors_ && !recorder_;
     model_->set_rows16(*pool_, [&](const Weight& w, int, bool ffn) {
-        return cpu_only && w.type != TYPE_Q8_0 && kt.gemm_rows16[w.type] != nullptr && (!ffn || ffn_dense);
+        return repack && w.type != TYPE_Q8_0 && kt.gemm_rows16[w.type] != nullptr && (!ffn || ffn_dense);
     });
     weights_placed_ = true;
 }
@@ -367,6 +376,8 @@ int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t
     }
     if (n_out > 0 && !logits) throw ArgumentError("decode: tokens want logits but no output was given");
     if (!weights_placed_) place_weights();
+    // The layout stays as it is until the step ends (another session's constructor may want rows).
+    std::shared_lock<std::shared_mutex> layout(model_->layout_mutex());
 
     std::vector<int32_t> rows;
     for (int32_t done = 0; done < n;) {
