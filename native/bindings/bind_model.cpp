@@ -283,11 +283,8 @@ void bind_model(nb::module_& m) {
         // How many matrices are in the rows16 layout now (optiml/rows16.h; a session places them).
         .def_prop_ro("rows16_matrices",
                      [](const PyModel& pm) {
-                         const Model& M = *pm.model;
-                         int n = M.output.rows16 + (M.tok_embd.rows16 && M.tok_embd.data != M.output.data);
-                         for (const LayerWeights& L : M.layers)
-                             for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn.gate, &L.ffn.up, &L.ffn.down})
-                                 n += w->rows16;
+                         int n = 0;
+                         for (const Model::DenseMatrix& m : pm.model->dense_matrices()) n += m.w->rows16;
                          return n;
                      })
         .def_prop_ro("hparams", &hparams)

@@ -95,6 +95,8 @@ struct Weight {
         return data + r * row_bytes;
     }
     WeightMatrix matrix() const { return WeightMatrix{type, rows, cols, data, rows16}; }
+    // Row r as cols floats, from either layout.
+    void dequantize_row_to(int64_t r, float* out) const;
 };
 
 struct FFNWeights {
@@ -163,6 +165,13 @@ public:
     // can change: a mapped model stays as it is. Takes layout_mutex() exclusively, so it waits for the
     // forward passes that hold it shared.
     void set_rows16(ThreadPool& pool, const std::function<bool(const Weight& w, int layer, bool ffn)>& want);
+    // The matrices set_rows16 places: every layer's attention and FFN matrices, then the output (layer -1).
+    struct DenseMatrix {
+        Weight* w;
+        int layer;
+        bool ffn;
+    };
+    std::vector<DenseMatrix> dense_matrices();
     // Held shared by a session's forward pass, exclusively while the layout changes.
     std::shared_mutex& layout_mutex() const { return layout_mutex_; }
     // Sessions bound to this model. The layout serves one session's needs only: with two or more, the

@@ -17,7 +17,6 @@
 #include "optiml/ops.h"
 #include "optiml/predictor.h"
 #include "optiml/quant.h"
-#include "optiml/rows16.h"
 #include "optiml/recorder.h"
 
 namespace optiml {
@@ -92,8 +91,7 @@ public:
             const int64_t dim = w.cols;
             for (int32_t t = 0; t < n; t++) {
                 float* xt = x + t * dim;
-                if (w.rows16) dequantize_rows16_row(w.type, w.data, tokens[t], dim, xt);
-                else dequantize_row(w.type, w.row(tokens[t]), xt, dim);
+                w.dequantize_row_to(tokens[t], xt);
                 if (scale != 1.0f)
                     for (int64_t i = 0; i < dim; i++) xt[i] *= scale;
             }

@@ -133,16 +133,34 @@ struct Ahead {
     int64_t block_size = 0;
 };
 
-// Where row_tile reads 16 rows' block i from (load(i, g, d, m): RowPanel's fields): the panels built
-// for the call.
-struct PanelArray {
-    const RowPanel* p;
-    void load(int64_t i, __m512i g[8], __m512& d, __m512& m) const {
-        for (int k = 0; k < 8; k++) g[k] = p[i].g[k];
-        d = p[i].d;
-        m = p[i].m;
+// One block of 16 rows (codes w, scales d and mins m in the lanes) against T tokens, whose codes and
+// terms sit at xq, dx, sx and qsum (one slot each, Rows16Terms): the exact integer dot of the block per
+// (row, token), the offset taken back out, then the float steps into acc[t].
+template <class WBlock, int T>
+inline void tile_block(const __m512i w[8], __m512 d, __m512 m, const uint8_t* xq, const float* dx, const float* sx,
+                       const int32_t* qsum, __m512* __restrict acc) {
+    // __restrict: acc aliases no activation byte, so the accumulators stay in registers.
+    constexpr int32_t offset = code_offset<WBlock>();
+    __m512i isum[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) isum[t] = offset ? _mm512_set1_epi32(-offset * qsum[t]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            int32_t xk;
+            std::memcpy(&xk, xq + 32 * t + 4 * k, 4);
+            isum[t] = _mm512_dpbusd_epi32(isum[t], w[k], _mm512_set1_epi32(xk));
+        }
     }
-};
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[t]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, acc[t]);
+        if constexpr (Q32<WBlock>::has_min) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t]), acc[t]);
+    }
+}
+
 // A rows16 panel (optiml/rows16.h) is already a RowPanel but for splitting the nibbles and converting
 // the scales: 12 logic operations and 2 conversions per 16 rows' block (Q8_0: the scale conversion only).
 template <class WBlock>
@@ -173,20 +191,16 @@ struct Rows16 {
     }
 };
 
-// The panel's 16 rows against the first T tokens of token group g: out[t] lane r = row r . token 8g + t.
-template <class WBlock, int T, class Src>
-inline void row_tile(int64_t nb, const Src& src, const Rows16Terms& tt, int64_t g, const Ahead& ahead, __m512 out[T]) {
-    typedef Q32<WBlock> Q;
-    constexpr bool offset = Q::offset != 0 || Q::is_signed;
+// The panel's 16 rows (p: built for the call) against the first T tokens of token group g: out[t] lane
+// r = row r . token 8g + t.
+template <class WBlock, int T>
+inline void row_tile(int64_t nb, const RowPanel* p, const Rows16Terms& tt, int64_t g, const Ahead& ahead,
+                     __m512 out[T]) {
     __m512 acc[T];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     const size_t slot0 = (size_t)g * nb * 8;
-    const uint8_t* xq = tt.q.data() + slot0 * 32;
-    const float* dx = tt.dx.data() + slot0;
-    const float* sx = tt.sx.data() + slot0;
-    const int32_t* qsum = tt.qsum.data() + slot0;
     int64_t line = -1;
-    for (int64_t i = 0; i < nb; i++, xq += 256, dx += 8, sx += 8, qsum += 8) {
+    for (int64_t i = 0; i < nb; i++) {
         if (ahead.rows) {
             const int64_t end = (i + 1) * ahead.block_size - 1;
             if (end / 64 != line) {
@@ -194,31 +208,16 @@ inline void row_tile(int64_t nb, const Src& src, const Rows16Terms& tt, int64_t 
                 for (int64_t r = 0; r < ahead.n; r++) _mm_prefetch((const char*)ahead.rows[r] + end, _MM_HINT_T1);
             }
         }
-        __m512i w[8];
-        __m512 d, m;
-        src.load(i, w, d, m);
-        __m512i isum[T];
-        for (int t = 0; t < T; t++)
-            isum[t] = offset ? _mm512_set1_epi32(-code_offset<WBlock>() * qsum[t]) : _mm512_setzero_si512();
-        for (int k = 0; k < 8; k++) {
-            for (int t = 0; t < T; t++) {
-                int32_t xk;
-                std::memcpy(&xk, xq + 32 * t + 4 * k, 4);
-                isum[t] = _mm512_dpbusd_epi32(isum[t], w[k], _mm512_set1_epi32(xk));
-            }
-        }
-        for (int t = 0; t < T; t++) {
-            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[t]));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, acc[t]);
-            if constexpr (Q::has_min) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t]), acc[t]);
-        }
+        const size_t slot = slot0 + (size_t)i * 8;
+        tile_block<WBlock, T>(p[i].g, p[i].d, p[i].m, &tt.q[slot * 32], &tt.dx[slot], &tt.sx[slot], &tt.qsum[slot],
+                              acc);
     }
     for (int t = 0; t < T; t++) out[t] = acc[t];
 }
 
 // Tokens 8g..8g + T - 1 against the panel, into s (the panel's nr live rows from row r0).
-template <class WBlock, int T, class Src>
-inline void row_tile_store(int64_t nb, const Src& src, const Rows16Terms& tt, int64_t g, const Ahead& ahead, float* s,
+template <class WBlock, int T>
+inline void row_tile_store(int64_t nb, const RowPanel* src, const Rows16Terms& tt, int64_t g, const Ahead& ahead, float* s,
                            int64_t n_rows, int64_t r0, int64_t nr) {
     __m512 out[T];
     row_tile<WBlock, T>(nb, src, tt, g, ahead, out);
@@ -227,16 +226,16 @@ inline void row_tile_store(int64_t nb, const Src& src, const Rows16Terms& tt, in
 }
 
 // Every token against the panel: tiles of 8, then one of the n_tok % 8 left (T counts down to it).
-template <class WBlock, class Src, int T = 7>
-inline void row_tile_rest(int64_t n_rest, int64_t nb, const Src& src, const Rows16Terms& tt, int64_t g,
+template <class WBlock, int T = 7>
+inline void row_tile_rest(int64_t n_rest, int64_t nb, const RowPanel* src, const Rows16Terms& tt, int64_t g,
                           const Ahead& ahead, float* s, int64_t n_rows, int64_t r0, int64_t nr) {
     if constexpr (T > 0) {
         if (n_rest == T) row_tile_store<WBlock, T>(nb, src, tt, g, ahead, s, n_rows, r0, nr);
-        else row_tile_rest<WBlock, Src, T - 1>(n_rest, nb, src, tt, g, ahead, s, n_rows, r0, nr);
+        else row_tile_rest<WBlock, T - 1>(n_rest, nb, src, tt, g, ahead, s, n_rows, r0, nr);
     }
 }
-template <class WBlock, class Src>
-inline void row_tiles(int64_t n_tok, int64_t nb, const Src& src, const Rows16Terms& tt, const Ahead& ahead, float* s,
+template <class WBlock>
+inline void row_tiles(int64_t n_tok, int64_t nb, const RowPanel* src, const Rows16Terms& tt, const Ahead& ahead, float* s,
                       int64_t n_rows, int64_t r0, int64_t nr) {
     int64_t g = 0;
     for (; 8 * g + 8 <= n_tok; g++)
@@ -262,7 +261,7 @@ void gemm_rows16_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
         for (int64_t i = 0; i < nb; i++) build_row_panel<WBlock>(a, i, panel[i]);
         const int64_t n_ahead = n_rows - (r0 + 16) < 16 ? n_rows - (r0 + 16) : 16;
         const Ahead ahead = {n_ahead > 0 ? rows + r0 + 16 : nullptr, n_ahead, sizeof(WBlock)};
-        row_tiles<WBlock>(n_tok, nb, PanelArray{panel.data()}, tt, ahead, s, n_rows, r0, nr);
+        row_tiles<WBlock>(n_tok, nb, panel.data(), tt, ahead, s, n_rows, r0, nr);
     }
 }
 
@@ -271,13 +270,11 @@ void gemm_rows16_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
 // panel's integer dots are a chain of 8 dependent vpdpbusd a block; P panels give the core P independent
 // chains. Each panel's stream is fetched kRows16AheadBytes ahead (and on into the next tile's panels):
 // sequential as panels are, the hardware prefetcher alone left the matrix-vector product at half the
-// bandwidth the row layout reaches. The float steps are row_tile's, so the bits are vec_dot's.
+// bandwidth the row layout reaches. Each block is row_tile's tile_block, so the bits are vec_dot's.
 template <class WBlock, int T, int P>
 inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const Rows16Terms& tt, int64_t g,
                         __m512 out[P][T]) {
-    typedef Q32<WBlock> Q;
     typedef Rows16<WBlock> R;
-    constexpr bool offset = Q::offset != 0 || Q::is_signed;
     __m512 acc[P][T];
     for (int p = 0; p < P; p++)
         for (int t = 0; t < T; t++) acc[p][t] = _mm512_setzero_ps();
@@ -299,30 +296,13 @@ inline void rows16_tile(int64_t nb, const uint8_t* q, int64_t panel_bytes, const
                 _mm_prefetch((const char*)pp + j * R::code_bytes + off, _MM_HINT_T1);
             if (j % 2 == 0) {  // a line of scales (and of mins) serves two blocks
                 _mm_prefetch((const char*)pp + nb * R::code_bytes + 32 * j, _MM_HINT_T1);
-                if (Q::has_min) _mm_prefetch((const char*)pp + nb * R::code_bytes + 32 * (nb + j), _MM_HINT_T1);
+                if (Q32<WBlock>::has_min)
+                    _mm_prefetch((const char*)pp + nb * R::code_bytes + 32 * (nb + j), _MM_HINT_T1);
             }
             __m512i w[8];
             __m512 d, m;
             R::load(q + p * panel_bytes, nb, i, w, d, m);
-            __m512i isum[T];
-#pragma GCC unroll 8
-            for (int t = 0; t < T; t++)
-            isum[t] = offset ? _mm512_set1_epi32(-code_offset<WBlock>() * qsum[t]) : _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) {
-#pragma GCC unroll 8
-                for (int t = 0; t < T; t++) {
-                    int32_t xk;
-                    std::memcpy(&xk, xq + 32 * t + 4 * k, 4);
-                    isum[t] = _mm512_dpbusd_epi32(isum[t], w[k], _mm512_set1_epi32(xk));
-                }
-            }
-#pragma GCC unroll 8
-            for (int t = 0; t < T; t++) {
-                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(dx[t]));
-                acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), dd, acc[p][t]);
-                if constexpr (Q::has_min) acc[p][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t]), acc[p][t]);
-            }
+            tile_block<WBlock, T>(w, d, m, xq, dx, sx, qsum, acc[p]);
         }
     }
     for (int p = 0; p < P; p++)

@@ -337,6 +337,22 @@ const NeuronMajor& Model::down_neuron_major(ThreadPool& pool, int il, bool compa
     return *down_nm_[il];
 }
 
+void Weight::dequantize_row_to(int64_t r, float* out) const {
+    if (rows16) dequantize_rows16_row(type, data, r, cols, out);
+    else dequantize_row(type, row(r), out, cols);
+}
+
+std::vector<Model::DenseMatrix> Model::dense_matrices() {
+    std::vector<DenseMatrix> out;
+    for (int il = 0; il < (int)layers.size(); il++) {
+        LayerWeights& L = layers[il];
+        for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo}) out.push_back({w, il, false});
+        for (Weight* w : {&L.ffn.gate, &L.ffn.up, &L.ffn.down}) out.push_back({w, il, true});
+    }
+    out.push_back({&output, -1, false});
+    return out;
+}
+
 void Model::set_rows16(ThreadPool& pool, const std::function<bool(const Weight& w, int layer, bool ffn)>& want) {
     if (!file->mapping()->in_memory()) return;  // a mapping is read-only (and shared with the page cache)
     std::unique_lock<std::shared_mutex> lock(layout_mutex_);
@@ -349,13 +365,8 @@ void Model::set_rows16(ThreadPool& pool, const std::function<bool(const Weight& 
         else unpack_rows16(w.type, data, w.rows, w.cols, &pool);
         w.rows16 = to_rows16;
     };
-    for (int il = 0; il < (int)layers.size(); il++) {
-        LayerWeights& L = layers[il];
-        for (Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo}) place(*w, want(*w, il, false));
-        for (Weight* w : {&L.ffn.gate, &L.ffn.up, &L.ffn.down}) place(*w, want(*w, il, true));
-    }
+    for (const DenseMatrix& m : dense_matrices()) place(*m.w, want(*m.w, m.layer, m.ffn));
     const bool tied = output.data == tok_embd.data;
-    place(output, want(output, -1, false));
     if (tied) tok_embd.rows16 = output.rows16;  // the same bytes
     else place(tok_embd, false);  // only the lookup reads it: nothing to gain
 }

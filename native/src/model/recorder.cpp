@@ -1,4 +1,3 @@
-#include "optiml/rows16.h"
 #include "optiml/recorder.h"
 
 #include <cmath>
@@ -65,9 +64,7 @@ ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> th
         const Weight& d = model.layers[il].ffn.down;
         std::fill(acc.begin(), acc.end(), 0.0);
         for (int64_t r = 0; r < d.rows; r++) {
-            // A session that ran the FFN densely may have left down in the rows16 layout.
-            if (d.rows16) dequantize_rows16_row(d.type, d.data, r, n_ff, row.data());
-            else dequantize_row(d.type, d.row(r), row.data(), n_ff);
+            d.dequantize_row_to(r, row.data());  // either layout: a dense run may have left rows16
             for (int64_t j = 0; j < n_ff; j++) acc[j] += (double)row[j] * row[j];
         }
         for (int64_t j = 0; j < n_ff; j++) down_norm[(size_t)il * n_ff + j] = (float)std::sqrt(acc[j]);
