@@ -92,7 +92,8 @@ def main() -> int:
             for rows16 in layouts:
                 line = f"{qtype + ('/r16' if rows16 else ''):<8} {rows:>5}x{cols:<5}"
                 for n in args.threads:
-                    # The two layouts alternate rep by rep, so both see the same phases of a shared machine.
+                    # rows is timed again right after rows16, so the ratio compares two close-in-time runs
+                    # on a shared machine whose speed drifts.
                     s = time_matvec(copies16 if rows16 else copies, qtype, x, simd, n, args.repeats, rows16)
                     if rows16:
                         s0 = time_matvec(copies, qtype, x, simd, n, args.repeats)
