@@ -5,6 +5,7 @@ tokenizer and real weights; relu(gate) * up is still a well-defined model, with 
 
 import filecmp
 import shutil
+import warnings
 
 import gguf
 import numpy as np
@@ -172,6 +173,29 @@ def test_predictor_for_another_model_is_refused(relu_model, smollm2_path, gemma3
     shutil.copy(out, tmp_path / "relu.predictors.gguf")
     assert optiml.Model(str(copy), n_ctx=64).predictors == str(tmp_path / "relu.predictors.gguf")
     assert optiml.Model(str(copy), n_ctx=64, predictors=None).predictors is None
+
+
+def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model, smollm2_path, tmp_path):
+    """predictors="auto" takes MODEL.predictors.gguf only while the share of neurons it predicts active on
+    held-out text (the file's record) is under the break-even of the model's FFN kind; above it a
+    PredictorWarning names the file and the share, and an explicit path still uses it."""
+    for model, act, below, above in ((smollm2_path, "silu", 0.3, 0.6), (relu_model, "relu", 0.7, 0.9)):
+        limit = P.break_even_share(act)
+        assert below < limit < above
+        d = tmp_path / act
+        d.mkdir()
+        copy = d / "m.gguf"
+        shutil.copy(model, copy)
+        beside = str(d / "m.predictors.gguf")
+        _fixed_predictor(copy, beside, 0.3, below)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none expected
+            assert optiml.Model(str(copy), n_ctx=64).predictors == beside
+        _fixed_predictor(copy, beside, 0.3, above)
+        with pytest.warns(optiml.PredictorWarning, match=rf"not using .*m\.predictors\.gguf: .* {above:.1%} of the FFN"):
+            m = optiml.Model(str(copy), n_ctx=64)
+        assert m.predictors is None
+        assert optiml.Model(str(copy), n_ctx=64, predictors=beside).predictors == beside
 
 
 def test_training_is_deterministic_for_a_seed(relu_model, tmp_path):

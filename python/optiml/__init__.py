@@ -11,7 +11,7 @@ from .batch import Batch  # noqa: E402
 from . import plan  # noqa: E402
 from .profile import profile  # noqa: E402  (the function; the module stays importable as optiml.profile)
 from .calibrate import calibrate  # noqa: E402
-from .predictor import PredictorMismatchError, train_predictors  # noqa: E402
+from .predictor import PredictorMismatchError, PredictorWarning, train_predictors  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "profile",
     "train_predictors",
     "PredictorMismatchError",
+    "PredictorWarning",
     "GGUFError",
     "OptimlError",
     "UnsupportedModelError",

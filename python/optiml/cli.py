@@ -82,11 +82,23 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, 
 
 
 def _load(args, n_ctx: int | None = None):
-    from .model import Model
+    import warnings
 
-    return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
-                 sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args), use_mmap=_use_mmap(args),
-                 **_device(args))
+    from .model import Model
+    from .predictor import PredictorWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PredictorWarning)
+        m = Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
+                  sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args), use_mmap=_use_mmap(args),
+                  **_device(args))
+    for w in caught:  # a log line, not a Python warning with its source line
+        if issubclass(w.category, PredictorWarning):
+            if not _quiet:
+                print(f"optiml: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return m
 
 
 def _use_mmap(args):
@@ -149,7 +161,7 @@ def _load_stats(path):
 
 
 def cmd_train_predictors(args) -> int:
-    from .predictor import default_predictor_path, train_predictors
+    from .predictor import break_even_share, default_predictor_path, train_predictors
 
     model = _model(args.model)
     out = args.output or default_predictor_path(model)
@@ -162,6 +174,11 @@ def cmd_train_predictors(args) -> int:
           f"(truly active {float(res.active.mean()):.3f}) on held-out tokens of {res.n_samples} samples; "
           f"{res.seconds.get('samples_s', 0):.0f} s sampling, {res.seconds.get('train_s', 0):.0f} s training")
     print(f"wrote {out}")
+    limit = break_even_share(res.activation) if res.activation else None
+    if limit is not None and float(res.predicted.mean()) > limit:
+        print(f"note: above about {limit:.0%} predicted the sparse FFN is slower than the dense one, so a model "
+              "loaded with predictors=auto leaves this file unused (name it with --predictors to use it anyway); "
+              "a lower --recall or a sparser --label-sparsity predicts fewer neurons")
     return 0
 
 

@@ -122,7 +122,8 @@ class Model:
     attention on the device.
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
-    beside MODEL.gguf when it exists), a path, or None.
+    beside MODEL.gguf when it exists, unless its predictors mark so many neurons active that they would
+    slow decoding down: then a PredictorWarning says so), a path, or None.
 
     use_mmap: True maps the file (weights are paged in as they are first read and shared with the page
     cache), False reads it whole into private memory backed by 2 MiB pages where the OS has them (Linux
@@ -193,10 +194,8 @@ class Model:
         # active neurons picks which kind (_compact_down), so they are made once.
         self.predictors: str | None = None
         if predictors == "auto":
-            from .predictor import default_predictor_path
-
-            beside = default_predictor_path(self.path)
-            if os.path.isfile(beside):
+            beside = self._predictors_beside()
+            if beside is not None:
                 self.set_predictors(beside)
         elif predictors is not None:
             self.set_predictors(predictors)
@@ -311,6 +310,29 @@ class Model:
         if available is None:  # no way to tell: favour speed
             return False
         return need > available / 2
+
+    def _predictors_beside(self) -> str | None:
+        """MODEL.predictors.gguf beside the model when it exists and would make decoding faster. A file whose
+        predictors mark more neurons active on held-out text than break_even_share allows is left unused,
+        with a PredictorWarning (predictors=PATH still uses it)."""
+        import warnings
+
+        from .predictor import PredictorWarning, break_even_share, check_predictors, default_predictor_path
+
+        beside = default_predictor_path(self.path)
+        if not os.path.isfile(beside):
+            return None
+        act = self.hparams["ffn_act"]
+        share = check_predictors(beside, self.path, act).get("optiml.predictor.heldout_predicted")
+        limit = break_even_share(act)
+        if share is not None and len(share) and float(np.mean(share)) > limit:
+            warnings.warn(
+                f"not using {beside}: its predictors mark {float(np.mean(share)):.1%} of the FFN neurons active on "
+                f"held-out text, and above about {limit:.0%} the sparse FFN is slower than the dense one; name the file "
+                "(predictors=PATH, or --predictors PATH on the command line) to use them anyway", PredictorWarning,
+                stacklevel=3)
+            return None
+        return beside
 
     def set_predictors(self, path: str | os.PathLike | None) -> None:
         """Uses the activation predictors of a companion GGUF (`optiml train-predictors`) from the next

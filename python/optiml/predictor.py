@@ -34,8 +34,8 @@ import numpy as np
 
 from ._core import ArgumentError, OptimlError
 
-__all__ = ["train_predictors", "PredictorTraining", "PredictorMismatchError", "default_predictor_path",
-           "check_predictors", "mask_quality"]
+__all__ = ["train_predictors", "PredictorTraining", "PredictorMismatchError", "PredictorWarning",
+           "default_predictor_path", "check_predictors", "mask_quality", "break_even_share"]
 
 ARCH = "optiml-predictor"
 _OVERSAMPLE = 16
@@ -44,6 +44,25 @@ _POWER_ITERS = 1
 
 class PredictorMismatchError(ArgumentError):
     """A predictor file made for another model (or another neuron order of this one)."""
+
+
+class PredictorWarning(UserWarning):
+    """Predictors found beside a model (predictors="auto") and left unused: they would slow it down."""
+
+
+# The mean share of neurons predicted active above which predictors make decoding slower than the dense FFN
+# (7B-shaped Q4_0, 2 threads, AVX-512, tools/bench_predictors.py --levels-speed, tokens/s). The predicted
+# rows are scattered and stream at about half the rate of the dense kernels' sequential ones. A gated FFN
+# reads gate, up and down for every predicted neuron: 40% predicted ran 12.2-12.5, 50% 10.3-10.9, the dense
+# path 11.6 in the machine's faster phases (8.5 in its slower ones). A ReLU FFN reads up and down only for
+# the predicted neurons whose gate fires: 70% predicted 12.2, 80% 11.2, dense 11.5 in a faster phase.
+_BREAK_EVEN = {"gated": 0.45, "relu": 0.8}
+
+
+def break_even_share(activation: str) -> float:
+    """The mean share of FFN neurons predicted active above which predictors slow decoding down (see
+    _BREAK_EVEN): predictors="auto" leaves such a file unused."""
+    return _BREAK_EVEN["relu" if activation in ("relu", "relu2") else "gated"]
 
 
 def default_predictor_path(model_path: str | os.PathLike) -> str:
@@ -98,6 +117,7 @@ class PredictorTraining:
     qtype: str
     out: str | None = None
     seconds: dict = field(default_factory=dict)
+    activation: str | None = None  # the model's FFN activation (break_even_share)
 
     def table(self) -> str:
         lines = ["layer  rank  recall  predicted  active"]
@@ -281,7 +301,7 @@ def train_predictors(
 
     res = PredictorTraining(np.zeros(L, np.int32), np.zeros(L, np.float32), np.zeros(L, np.float32),
                             np.zeros(L, np.float32), np.zeros(L, np.float32), np.asarray(label_thr, np.float32),
-                            float(recall), int(S), qtype, out)
+                            float(recall), int(S), qtype, out, activation=hp["ffn_act"])
     layers = []
     bar = None
     if progress:
