@@ -3,6 +3,7 @@ a predictor marking every neuron active changes nothing, a file for another mode
 is deterministic for a seed. The ReLU model is SmolLM2 with its FFN activation set to ReLU (a real
 tokenizer and real weights; relu(gate) * up is still a well-defined model, with natural sparsity)."""
 
+import argparse
 import filecmp
 import shutil
 import warnings
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import optiml
+from optiml import cli
 from optiml import predictor as P
 from optiml.gguf_edit import rewrite_gguf
 from optiml.stats import model_fingerprint
@@ -175,7 +177,7 @@ def test_predictor_for_another_model_is_refused(relu_model, smollm2_path, gemma3
     assert optiml.Model(str(copy), n_ctx=64, predictors=None).predictors is None
 
 
-def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model, smollm2_path, tmp_path):
+def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model, smollm2_path, tmp_path, capsys):
     """predictors="auto" takes MODEL.predictors.gguf only while the share of neurons it predicts active on
     held-out text (the file's record) is under the break-even of the model's FFN kind; above it a
     PredictorWarning names the file and the share, and an explicit path still uses it."""
@@ -192,10 +194,22 @@ def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model
             warnings.simplefilter("error")  # none expected
             assert optiml.Model(str(copy), n_ctx=64).predictors == beside
         _fixed_predictor(copy, beside, 0.3, above)
-        with pytest.warns(optiml.PredictorWarning, match=rf"not using .*m\.predictors\.gguf: .* {above:.1%} of the FFN"):
+        with pytest.warns(optiml.PredictorWarning, match=rf"not using .*m\.predictors\.gguf: .* {above:.1%} of the FFN") as rec:
             m = optiml.Model(str(copy), n_ctx=64)
-        assert m.predictors is None
+        assert m.predictors is None and rec[0].filename == __file__  # points at the caller
         assert optiml.Model(str(copy), n_ctx=64, predictors=beside).predictors == beside
+    # The command line says it in a log line (not a Python warning), and -q silences it.
+    for quiet, expect in ((False, f"optiml: not using {beside}"), (True, "")):
+        cli._quiet = quiet
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m = cli._load(argparse.Namespace(model=str(copy), ctx=64, threads=None))
+        finally:
+            cli._quiet = False
+        assert m.predictors is None
+        err = capsys.readouterr().err
+        assert err.startswith(expect) if expect else err == ""
 
 
 def test_training_is_deterministic_for_a_seed(relu_model, tmp_path):

@@ -87,18 +87,20 @@ def _load(args, n_ctx: int | None = None):
     from .model import Model
     from .predictor import PredictorWarning
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", PredictorWarning)
-        m = Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
-                  sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args), use_mmap=_use_mmap(args),
-                  **_device(args))
-    for w in caught:  # a log line, not a Python warning with its source line
-        if issubclass(w.category, PredictorWarning):
-            if not _quiet:
-                print(f"optiml: {w.message}", file=sys.stderr)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return m
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PredictorWarning)
+            return Model(_model(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
+                         sparsity=getattr(args, "sparsity", "auto"), predictors=_predictors(args),
+                         use_mmap=_use_mmap(args), **_device(args))
+    finally:
+        for w in caught:  # a log line, not a Python warning with its source line
+            if issubclass(w.category, PredictorWarning):
+                if not _quiet:
+                    print(f"optiml: {w.message}", file=sys.stderr)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _use_mmap(args):
@@ -114,7 +116,8 @@ def _device(args) -> dict:
 
 
 PREDICTORS_HELP = ("activation predictors (optiml train-predictors): auto (MODEL.predictors.gguf beside the model "
-                   "when present), none, or a file")
+                   "when present, unless it marks so many neurons active that it would slow decoding down), none, "
+                   "or a file")
 
 
 def _predictors(args):
