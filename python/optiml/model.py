@@ -194,9 +194,9 @@ class Model:
         # active neurons picks which kind (_compact_down), so they are made once.
         self.predictors: str | None = None
         if predictors == "auto":
-            beside = self._predictors_beside()
-            if beside is not None:
-                self.set_predictors(beside)
+            found = self._predictors_beside()
+            if found is not None:
+                self._attach_predictors(*found)
         elif predictors is not None:
             self.set_predictors(predictors)
         self.sparsity = "none"
@@ -311,28 +311,30 @@ class Model:
             return False
         return need > available / 2
 
-    def _predictors_beside(self) -> str | None:
-        """MODEL.predictors.gguf beside the model when it exists and would make decoding faster. A file whose
-        predictors mark more neurons active on held-out text than break_even_share allows is left unused,
-        with a PredictorWarning (predictors=PATH still uses it)."""
+    def _predictors_beside(self) -> tuple[str, dict] | None:
+        """MODEL.predictors.gguf beside the model and its checked metadata, when it exists and would make
+        decoding faster. A file whose predictors mark more neurons active on held-out text than
+        break_even_share allows is left unused, with a PredictorWarning (predictors=PATH still uses it)."""
         import warnings
 
-        from .predictor import PredictorWarning, break_even_share, check_predictors, default_predictor_path
+        from .predictor import (PredictorWarning, break_even_share, check_predictors, default_predictor_path,
+                                predicted_share)
 
         beside = default_predictor_path(self.path)
         if not os.path.isfile(beside):
             return None
         act = self.hparams["ffn_act"]
-        share = check_predictors(beside, self.path, act).get("optiml.predictor.heldout_predicted")
+        meta = check_predictors(beside, self.path, act)
+        share = predicted_share(meta)
         limit = break_even_share(act)
-        if share is not None and len(share) and float(np.mean(share)) > limit:
+        if share is not None and share > limit:
             warnings.warn(
-                f"not using {beside}: its predictors mark {float(np.mean(share)):.1%} of the FFN neurons active on "
+                f"not using {beside}: its predictors mark {share:.1%} of the FFN neurons active on "
                 f"held-out text, and above about {limit:.0%} the sparse FFN is slower than the dense one; name the file "
                 "(predictors=PATH, or --predictors PATH on the command line) to use them anyway", PredictorWarning,
                 stacklevel=3)
             return None
-        return beside
+        return beside, meta
 
     def set_predictors(self, path: str | os.PathLike | None) -> None:
         """Uses the activation predictors of a companion GGUF (`optiml train-predictors`) from the next
@@ -349,9 +351,13 @@ class Model:
             self.predictors = None
             return
         path = os.fspath(path)
-        meta = check_predictors(path, self.path, self.hparams["ffn_act"])
-        share = meta.get("optiml.predictor.heldout_predicted")
-        share = float(np.mean(share)) if share is not None and len(share) else None
+        self._attach_predictors(path, check_predictors(path, self.path, self.hparams["ffn_act"]))
+
+    def _attach_predictors(self, path: str, meta: dict) -> None:
+        """set_predictors for a file whose metadata check_predictors has returned."""
+        from .predictor import predicted_share
+
+        share = predicted_share(meta)
         with self._exclusive():
             # The copy the predictors favour first: set_predictors then makes it, and only it.
             self._session.set_compact_down(self._compact_down(share))

@@ -65,6 +65,13 @@ def break_even_share(activation: str) -> float:
     return _BREAK_EVEN["relu" if activation in ("relu", "relu2") else "gated"]
 
 
+def predicted_share(meta: dict) -> float | None:
+    """The mean share of neurons a predictor file (check_predictors' metadata) marked active on held-out
+    tokens; None when the file does not say."""
+    share = meta.get("optiml.predictor.heldout_predicted")
+    return float(np.mean(share)) if share is not None and len(share) else None
+
+
 def default_predictor_path(model_path: str | os.PathLike) -> str:
     """MODEL.predictors.gguf beside MODEL.gguf: where a Model looks for its predictors by itself."""
     p = os.fspath(model_path)
