@@ -72,3 +72,23 @@ def test_thread_pool_runs_every_share_once(n_threads):
 def test_measured_bandwidth_is_plausible():
     bw = _core.measure_read_bandwidth(64 << 20, 2, 1)
     assert 1e8 < bw < 1e13
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 1.0])
+def test_scattered_read_bandwidth_is_plausible(fraction):
+    # 2304 bytes: a Q4_0 row of 4096 values (a 7B FFN's gate and up rows); 2 threads share the list.
+    bw = _core.measure_scattered_read_bandwidth(2304, fraction, 16 << 20, 2, 2)
+    assert 1e8 < bw < 1e13
+
+
+@pytest.mark.parametrize("args, message", [
+    ((100, 0.5), "multiple of 64"),
+    ((2304, 0.0), r"fraction must be in \(0, 1\]"),
+    ((2304, 1.5), r"fraction must be in \(0, 1\]"),
+    ((2304, float("nan")), r"fraction must be in \(0, 1\]"),
+    ((2304, 0.5, 4096), "fewer than 64 rows"),
+    ((2304, 0.5, 16 << 20, 0), "repeats must be >= 1"),
+])
+def test_scattered_read_bandwidth_rejects_bad_arguments(args, message):
+    with pytest.raises(optiml.OptimlError, match=message):
+        _core.measure_scattered_read_bandwidth(*args)

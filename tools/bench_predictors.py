@@ -11,7 +11,9 @@ speed    7B-shaped llama, random Q4_0 weights (tools/make_synthetic_model.py; Re
          set every token. The measured share of computed neurons is printed beside each row. ReLU rows keep
          exact zero-skipping on top (down only for predicted neurons whose relu(gate) > 0: about half).
          Generation speed as tools/bench_sparse.py times it (teacher-forced text tokens one at a time,
-         OptiML and llama-cpp-python alternating, medians; --threads 2).
+         OptiML and llama-cpp-python alternating, medians; --threads 2). Beside each row, the read-only
+         speed: that of a step that only read its weights, in the engine's pattern, at rates measured
+         then (scattered rows read slower than sequential ones on many machines).
 quality  SmolLM2-135M-Instruct Q4_1 (SiLU) and Gemma 3 270M Q4_K_M (GELU). For each level s in --levels,
          predictors are trained (optiml.train_predictors, recall --recall) on the first half of the shared
          eval text with labels "|act(gate) * up| above the level-s quantile", then measured on the second
@@ -92,9 +94,33 @@ def bytes_per_token(model: dict, pred: dict | None, share: float, down_share: fl
     total = sum(v for k, v in model.items() if k != "token_embd.weight")
     if "output.weight" not in model:
         total += model["token_embd.weight"]
-    gate_up = sum(v for k, v in model.items() if k.endswith(("ffn_gate.weight", "ffn_up.weight")))
-    down = sum(v for k, v in model.items() if k.endswith("ffn_down.weight"))
+    gate_up, down = ffn_bytes(model)
     return total - (1 - share) * gate_up - (1 - down_share) * down + (sum(pred.values()) if pred else 0)
+
+
+def ffn_bytes(model: dict) -> tuple[int, int]:
+    """Bytes of all layers' FFN gate and up matrices together, and of their down matrices."""
+    gate_up = sum(v for k, v in model.items() if k.endswith(("ffn_gate.weight", "ffn_up.weight")))
+    return gate_up, sum(v for k, v in model.items() if k.endswith("ffn_down.weight"))
+
+
+def read_only_speed(model: dict, need: float, share: float, down_share: float, row_bytes: int, threads: int) -> float:
+    """Tokens per second if a step did nothing but read its weights in the engine's pattern, at rates
+    measured now (this host's speed drifts, so right beside the timed runs): the FFN rows a share of
+    the gate/up rows and a down_share of the down rows, each a random set of rows in ascending order
+    (optiml._core.measure_scattered_read_bandwidth), the rest sequentially. Scattered rows of a few KiB
+    read well below the sequential rate on many machines. An estimate, not a bound: long read-only passes
+    and the engine's short bursts do not see quite the same memory system."""
+    from optiml import _core
+
+    seq = _core.measure_read_bandwidth(1 << 30, 3, threads)
+    gate_up, down = ffn_bytes(model)
+    rows = {share: share * gate_up}
+    rows[down_share] = rows.get(down_share, 0.0) + down_share * down
+    t = (need - sum(rows.values())) / seq
+    for s, b in rows.items():
+        t += b / (seq if s >= 1.0 else _core.measure_scattered_read_bandwidth(row_bytes, s, 1 << 30, 3, threads))
+    return 1.0 / t
 
 
 def bench_speed(a, act: str) -> list[str]:
@@ -108,8 +134,10 @@ def bench_speed(a, act: str) -> list[str]:
     rows = []
     model_bytes = weight_bytes(path)
     dense_bytes = bytes_per_token(model_bytes, None, 1.0, 1.0)
+    hp = ours.hparams
+    row_bytes = model_bytes["blk.0.ffn_gate.weight"] // hp["n_ff"]  # one neuron's gate row in the file
     o, p = bs.alternate(ours, peer, ids, n_prompt, n_gen, a.repeats)
-    rows.append(("dense", 1.0, o, p, dense_bytes))
+    rows.append(("dense", 1.0, o, p, dense_bytes, read_only_speed(model_bytes, dense_bytes, 1.0, 1.0, row_bytes, a.threads)))
     log(f"7B {act} dense: optiml {[round(x, 2) for x in o]}, llama.cpp {[round(x, 2) for x in p]}")
     bs.close(ours)
     tmp = tempfile.mkdtemp(prefix="optiml-pred-")
@@ -124,8 +152,9 @@ def bench_speed(a, act: str) -> list[str]:
                 f"llama.cpp {[round(x, 2) for x in p]}")
             # Random symmetric weights: relu(gate) > 0 for half of the predicted neurons, and only those
             # reach the down projection (exact zero-skipping).
-            need = bytes_per_token(model_bytes, weight_bytes(pred), share, share / 2 if act == "relu" else share)
-            rows.append((name, share, o, p, need))
+            down_share = share / 2 if act == "relu" else share
+            need = bytes_per_token(model_bytes, weight_bytes(pred), share, down_share)
+            rows.append((name, share, o, p, need, read_only_speed(model_bytes, need, share, down_share, row_bytes, a.threads)))
             bs.close(m)
         os.unlink(pred)
     bs.close(peer)
@@ -133,18 +162,24 @@ def bench_speed(a, act: str) -> list[str]:
     out = [f"### 7B-shaped llama, random Q4_0 weights, {label}, {a.threads} threads, forced predictor rank {a.rank}",
            f"tg: {n_gen} text tokens after {n_prompt}, median (range) of {a.repeats}", "",
            "| FFN | gate/up rows computed | optiml tok/s | llama.cpp dense tok/s | ratio | vs optiml dense | "
-           "weights read per token (MB) | bandwidth ceiling of the ratio | ratio / ceiling |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "weights read per token (MB) | bandwidth ceiling of the ratio | ratio / ceiling | read-only tok/s "
+           "(ratio) | optiml / read-only |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     od = statistics.median(rows[0][2])
-    for name, share, o, p, need in rows:
+    for name, share, o, p, need, ro in rows:
         r = statistics.median(o) / statistics.median(p)
         ceiling = dense_bytes / need
         out.append(f"| {name} | {share:.3f} | {bs.spread(o, '.2f')} | {bs.spread(p, '.2f')} | "
                    f"{r:.2f}x{' (noisy)' if bs.noisy(o, p) else ''} | {statistics.median(o) / od:.2f}x | "
-                   f"{need / 1e6:.0f} | {ceiling:.2f}x | {r / ceiling:.2f} |")
+                   f"{need / 1e6:.0f} | {ceiling:.2f}x | {r / ceiling:.2f} | {ro:.2f} "
+                   f"({ro / statistics.median(p):.2f}x) | {statistics.median(o) / ro:.2f} |")
     out += ["", "ceiling: llama.cpp's dense bytes / the fewest bytes the sparse step reads (file formats; ReLU: "
             "down for the half of the predicted neurons that fire), the ratio both would reach at equal "
-            "bandwidth"]
+            "bandwidth",
+            f"read-only: the speed of a step that read its weights and computed nothing, measured beside the row: the FFN "
+            f"rows as a random share of {row_bytes}-byte rows in ascending order, the rest sequentially "
+            "(optiml._core.measure_scattered_read_bandwidth, measure_read_bandwidth); in brackets against "
+            "llama.cpp's median"]
     gs, gr = GOALS[act]
     hit = [r for r in rows if r[0].split(",")[0] == f"{gs:.0%} predicted"]
     if hit:

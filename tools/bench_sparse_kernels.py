@@ -3,7 +3,8 @@
 
   * axpy_rows (column-sparse down): --active of the n_ff neuron-major rows, each dim values of
     F32/F16/Q8_0, accumulated into y; throughput is the neuron-row bytes read per second;
-  * matmul_rows (row-sparse gate/up): the same fraction of the n_ff rows of a --gate-type matrix;
+  * matmul_rows (row-sparse gate/up): the same fraction of the n_ff rows of a --gate-type matrix, and
+    below it the same pattern only read (no arithmetic: what the memory system gives that pattern);
   * the engine's down copies of a --gate-type matrix, compact (grouped: lossless, Q4_0/Q4_1/Q4_K, integer
     sums) against fast (8-bit rows): time per call for the same neurons, bytes read per second (rows, and
     the compact copy's scales of the touched groups), and the compact/fast time ratio, tabled at the end;
@@ -165,6 +166,12 @@ def main() -> int:
                                                                n_threads=n, simd=simd), len(copies), args.repeats)
                  for n in args.threads}
         print(row(f"matmul_rows {args.gate_type} k={k}", k * gate.shape[1], times), flush=True)
+        # The same pattern read and nothing computed: what the memory system gives it (one long pass, so
+        # not a strict bound on the kernel's short calls).
+        if gate.shape[1] % 64 == 0:
+            reads = {n: k * gate.shape[1] / _core.measure_scattered_read_bandwidth(gate.shape[1], frac, 1 << 30, 3, n)
+                     for n in args.threads}
+            print(row(f"  read only, {frac:.0%} of rows", k * gate.shape[1], reads), flush=True)
     del copies
 
     # down is [n_embd, n_ff]; repack to Q8_0 neuron-major rows.

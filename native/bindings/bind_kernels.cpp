@@ -183,6 +183,17 @@ void bind_kernels(nb::module_& m) {
         nb::arg("bytes") = (size_t)1 << 30, nb::arg("repeats") = 5, nb::arg("n_threads") = 0,
         "Best memory read bandwidth in bytes/s over `repeats` passes of a buffer of `bytes`.");
     m.def(
+        "measure_scattered_read_bandwidth",
+        [](size_t row_bytes, double fraction, size_t bytes, int repeats, int n_threads, uint64_t seed) {
+            std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
+            nb::gil_scoped_release release;
+            return measure_scattered_read_bandwidth(*pool, bytes, row_bytes, fraction, repeats, seed);
+        },
+        nb::arg("row_bytes"), nb::arg("fraction"), nb::arg("bytes") = (size_t)1 << 30, nb::arg("repeats") = 5,
+        nb::arg("n_threads") = 0, nb::arg("seed") = 1,
+        "Best bytes/s reading a random `fraction` of the `row_bytes`-byte rows of a buffer of `bytes`, in\n"
+        "ascending order, as the row-sparse FFN kernels read weights, with no arithmetic.");
+    m.def(
         "has_rows16", [](const std::string& simd) { return table_for(simd).gemm_rows16[TYPE_Q4_0] != nullptr; },
         nb::arg("simd") = "", "Whether the kernels of a SIMD level (default: the one in use) have the rows16 product.");
     m.def("simd_levels", [] {
