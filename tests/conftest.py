@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
+# "A Scandal in Bohemia" (Project Gutenberg EBook #1661, public domain): the reference text of the fidelity,
+# tokenizer and profiling tests, kept in the repository so that a clone alone runs them (tests/data/README.md).
+EVAL_TEXT = ROOT / "tests" / "data" / "scandal-in-bohemia.txt"
 
 
 def model_cache() -> Path:
-    return Path(os.environ.get("OPTIML_MODEL_CACHE", Path.home() / ".cache" / "optiml" / "models"))
+    """The package's own model cache ($OPTIML_MODEL_CACHE, else $OPTIML_HOME/models, else ~/.cache/optiml/models),
+    where tools/fetch_models.py puts the reference models."""
+    from optiml.models import cache_dir
+
+    return cache_dir()
 
 
 def model_path(name: str) -> Path:
@@ -29,11 +35,8 @@ def _missing(what: str, how: str):
 
 
 def shared_eval_text() -> str:
-    """shared/eval/scandal-in-bohemia.txt, the reference text of shared/eval/REFERENCE.md."""
-    p = SHARED / "eval" / "scandal-in-bohemia.txt"
-    if not p.is_file():
-        _missing(str(p), "the shared/ folder must sit beside the repository")
-    return p.read_text(encoding="utf-8")
+    """tests/data/scandal-in-bohemia.txt: the text shared/eval/REFERENCE.md's peer figures were measured on."""
+    return EVAL_TEXT.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="session")

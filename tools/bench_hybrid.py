@@ -58,9 +58,9 @@ def optiml_cmd(*args) -> list:
 
 
 def text_file(workdir: str) -> str:
-    shared = os.path.join(HERE, "..", "..", "shared", "eval", "scandal-in-bohemia.txt")
-    if os.path.exists(shared):
-        return shared
+    text = os.path.join(HERE, "..", "tests", "data", "scandal-in-bohemia.txt")
+    if os.path.exists(text):
+        return text
     path = os.path.join(workdir, "profile.txt")
     with open(path, "w", encoding="utf-8") as f:
         f.write((PROMPT + ". " + "Gutenberg's press spread across Europe within decades. ") * 400)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # fidelity.py and hf_gguf
 import optiml  # noqa: E402
 from optiml import perplexity as px  # noqa: E402
 
-TEXT = os.path.join(HERE, "..", "..", "shared", "eval", "scandal-in-bohemia.txt")
+TEXT = os.path.join(HERE, "..", "tests", "data", "scandal-in-bohemia.txt")
 
 
 def run(path: str, text: str, n_ctx: int, n_chunks: int, kld: bool) -> dict:
@@ -59,7 +59,7 @@ def run(path: str, text: str, n_ctx: int, n_chunks: int, kld: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", help="GGUF files or known model names")
-    ap.add_argument("-f", "--file", default=TEXT, help="text (default: shared/eval/scandal-in-bohemia.txt)")
+    ap.add_argument("-f", "--file", default=TEXT, help="text (default: tests/data/scandal-in-bohemia.txt)")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=-1, help="windows (default: all)")
     ap.add_argument("--kld", action="store_true", help="also KL divergence against transformers f32 (every "

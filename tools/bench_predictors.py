@@ -44,10 +44,11 @@ sys.path.insert(0, HERE)
 
 import bench_sparse as bs  # noqa: E402  (timing helpers shared with the calibrated-sparsity benchmark)
 import optiml  # noqa: E402
+from optiml import models  # noqa: E402
 from optiml import predictor as P  # noqa: E402
 from optiml.stats import model_fingerprint  # noqa: E402
 
-GEMMA3 = os.path.expanduser("~/.cache/optiml/models/gemma3-270m-Q4_K_M.gguf")
+GEMMA3 = str(models.cache_dir() / "gemma3-270m-Q4_K_M.gguf")
 GOALS = {"relu": (0.9, 2.3), "silu": (0.5, 1.4)}
 log = bs.log
 
@@ -283,7 +284,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("speed", "quality", "train"), action="append")
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--model-dir", default="/work/synth")
+    ap.add_argument("--model-dir", default=str(models.cache_dir() / "synthetic"),
+                    help="where the 7B-shaped files are written and kept (default: the model cache's synthetic/)")
     ap.add_argument("--acts", nargs="+", default=["relu", "silu"])
     ap.add_argument("--levels-speed", type=float, nargs="+", default=[0.5, 0.8, 0.9])
     ap.add_argument("--down-copies", nargs="+", default=["auto"], choices=["auto", "fast", "compact"],

@@ -6,7 +6,7 @@ Two benchmarks (--only picks one; both 7B ones by default run after SmolLM2):
 
 smollm2   SmolLM2-135M-Instruct Q4_1. For each target in --targets (default 0 0.3 0.5 0.7 0.9) the model is
           calibrated (optiml.calibrate) on the first --calib-frac of the shared eval text
-          (/work/shared/eval/scandal-in-bohemia.txt), then perplexity is measured on the rest of the text
+          (tests/data/scandal-in-bohemia.txt), then perplexity is measured on the rest of the text
           (llama.cpp's convention, --ctx 256; target 0 is plain dense OptiML) and generation speed is timed
           alternating with llama.cpp dense on the original file.
 7b-relu   A 7B-shaped llama model with random Q4_0 weights (tools/make_synthetic_model.py; written to
@@ -42,12 +42,13 @@ import sys
 import time
 
 import optiml
+from optiml import models
 from optiml.cli import perplexity
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EVAL_TEXT = "/work/shared/eval/scandal-in-bohemia.txt"
-SMOLLM2 = os.path.expanduser("~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-SMOLLM2_REF_PPL = 24.72  # llama.cpp, full text, ctx 256 (/work/shared/eval/REFERENCE.md)
+EVAL_TEXT = os.path.join(HERE, "..", "tests", "data", "scandal-in-bohemia.txt")
+SMOLLM2 = str(models.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_REF_PPL = 24.72  # llama.cpp, full text, ctx 256 (shared/eval/REFERENCE.md)
 GOALS = {"smollm2": 1.3, "7b-relu": (0.9, 2.2), "7b-silu": (0.5, 1.3)}
 
 
@@ -353,8 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-gen", type=int, default=None, help="SmolLM2 tg tokens (default 128; quick 64)")
     ap.add_argument("--n-prompt-7b", type=int, default=8)
     ap.add_argument("--n-gen-7b", type=int, default=None, help="7B tg tokens (default 32; quick 16)")
-    ap.add_argument("--model-dir", default="/work/synth-models", help="where the 7B files and calibrated "
-                    "copies go")
+    ap.add_argument("--model-dir", default=str(models.cache_dir() / "synthetic"),
+                    help="where the 7B files and calibrated copies go (default: the model cache's synthetic/)")
     ap.add_argument("--recalibrate", action="store_true", help="calibrate again even where a copy exists")
     ap.add_argument("--keep-calibrated", action="store_true", help="keep the 7B calibrated copies (3.6 GiB each)")
     a = ap.parse_args(argv)

@@ -39,7 +39,11 @@ BUILD = os.path.join(ROOT, "build", "fuzz")
 
 
 def model_cache() -> str:
-    return os.environ.get("OPTIML_MODEL_CACHE", os.path.expanduser("~/.cache/optiml/models"))
+    """The package's model cache; tools/fetch_models.py's loader finds it where the package is not built."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fetch_models import models
+
+    return str(models.cache_dir())
 
 
 def reference_models() -> list[str]:

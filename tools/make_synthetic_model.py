@@ -45,10 +45,11 @@ import time
 import gguf
 import numpy as np
 
-from optiml import quant
+from optiml import models, quant
 from optiml.convert import writer
 
-DEFAULT_DONOR = os.path.expanduser("~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+# tools/fetch_models.py smollm2-135m-instruct-q4_1 puts it there (the cache honours OPTIML_HOME / OPTIML_MODEL_CACHE)
+DEFAULT_DONOR = str(models.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # ggml file types for the general.file_type key (informational: llama.cpp prints it, nothing reads it)
 _FTYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12,

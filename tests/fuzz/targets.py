@@ -235,7 +235,9 @@ _TOKENIZERS: list | None = None
 
 
 def _reference_models() -> list[str]:
-    cache = os.environ.get("OPTIML_MODEL_CACHE", os.path.expanduser("~/.cache/optiml/models"))
+    from optiml.models import cache_dir
+
+    cache = str(cache_dir())
     names = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3-270m-Q4_K_M.gguf"]
     return [os.path.join(cache, n) for n in names if os.path.isfile(os.path.join(cache, n))]
 
