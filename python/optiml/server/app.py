@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from .._core import OptimlError
@@ -27,6 +27,9 @@ from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Job, QueueFull, Scheduler
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
 
+
+# The chat page at / (one static file shipped in the package; it talks to the API below from the browser).
+CHAT_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "chat.html")
 
 # A request body is read whole before it is parsed: past this size it is refused (413) instead of filling
 # memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
@@ -429,6 +432,13 @@ def create_app(server: Server) -> Starlette:
     async def metrics(request: Request):
         return Response(m.render(), media_type=CONTENT_TYPE)
 
+    with open(CHAT_PAGE, encoding="utf-8") as f:
+        page = f.read()
+
+    @endpoint("page", auth=False)  # the page holds no data: its API calls carry the key the user types
+    async def chat_page(request: Request):
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
     async def http_error(request: Request, exc: HTTPException):
         e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                      type="invalid_request_error" if exc.status_code < 500 else "server_error")
@@ -447,6 +457,7 @@ def create_app(server: Server) -> Starlette:
             server.scheduler.stop()
 
     routes = [
+        Route("/", chat_page, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -1,0 +1,144 @@
+"""The chat page at / of optiml serve, in a real browser: Debian's headless Chromium driven by selenium types a
+question, and the answer streams in from the server's own API.
+
+Oracle: optiml.Model.chat run alone, greedy, on the same conversation (the engine's own tests hold it to
+transformers and llama.cpp), and the server's /metrics for what the page asked of it.
+"""
+
+import shutil
+import time
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("sse_starlette")
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+import optiml  # noqa: E402
+from conftest import _missing, live_server  # noqa: E402
+
+KEY = "sk-page-key"
+N_CTX = 512
+QUESTION = "What is the capital of France?"
+SYSTEM = "Answer in one short sentence."
+
+
+def _browser_paths():
+    chrome = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    if not chrome or not driver:
+        _missing("headless Chromium and chromedriver", "apt-get install chromium chromium-driver (.ci/run does)")
+    return chrome, driver
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    from optiml.server import Server
+
+    model = optiml.Model(smollm2_path, n_ctx=N_CTX, n_seq=2)
+    srv = Server(model, n_parallel=2, api_key=KEY, model_id="smollm2", chunk=32)
+    with live_server(srv):
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chrome, driver = _browser_paths()
+    opts = Options()
+    opts.binary_location = chrome
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,900"):
+        opts.add_argument(a)
+    b = webdriver.Chrome(service=Service(driver), options=opts)
+    yield b
+    b.quit()
+
+
+def set_field(browser, name, value):
+    el = browser.find_element(By.ID, name)
+    el.clear()
+    el.send_keys(str(value))
+    el.send_keys(Keys.TAB)  # "change": the page keeps the setting
+
+
+def open_page(browser, server):
+    browser.get(server.url + "/")
+    assert browser.title == "OptiML chat"
+
+
+def wait_status(browser, pred, what, timeout=120):
+    WebDriverWait(browser, timeout).until(lambda b: pred(b.find_element(By.ID, "status").text), what)
+    return browser.find_element(By.ID, "status").text
+
+
+def bubbles(browser):
+    return [(e.get_attribute("class").split()[-1], e.find_element(By.CLASS_NAME, "content").text)
+            for e in browser.find_elements(By.CSS_SELECTOR, "#log .msg")]
+
+
+def ask(browser, text):
+    box = browser.find_element(By.ID, "prompt")
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+
+
+def test_page_streams_the_greedy_answer_and_keeps_the_conversation(server, browser, smollm2_path):
+    open_page(browser, server)
+    browser.execute_script("window.localStorage.clear()")
+    browser.refresh()
+    set_field(browser, "api_key", KEY)
+    browser.refresh()  # the key is kept: the model list is read with it
+    WebDriverWait(browser, 30).until(lambda b: "smollm2" in b.find_element(By.ID, "model").text)
+    set_field(browser, "system", SYSTEM)
+    set_field(browser, "temperature", 0)
+    set_field(browser, "max_tokens", 24)
+
+    ask(browser, QUESTION)
+    status = wait_status(browser, lambda s: "pieces" in s, "the answer to finish")
+    assert int(status.split()[0]) > 1, status  # it streamed: more than one piece arrived
+    shown = bubbles(browser)
+    assert [r for r, _ in shown] == ["user", "assistant"] and shown[0][1] == QUESTION
+
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    with optiml.Model(smollm2_path, n_ctx=N_CTX) as m:
+        expected = m.chat(msgs, temperature=0, max_tokens=24)
+    assert shown[1][1] == expected.strip() or shown[1][1] == expected  # (innerText trims a trailing newline)
+    assert "Paris" in shown[1][1]
+
+    browser.refresh()  # the conversation is kept in the browser
+    WebDriverWait(browser, 10).until(lambda b: len(bubbles(b)) == 2)
+    assert bubbles(browser) == shown
+
+    browser.find_element(By.ID, "clear").click()
+    assert bubbles(browser) == []
+
+
+def test_stop_ends_the_answer(server, browser):
+    open_page(browser, server)
+    set_field(browser, "api_key", KEY)
+    set_field(browser, "temperature", 0.8)
+    set_field(browser, "max_tokens", 400)
+    browser.find_element(By.ID, "clear").click()
+    ask(browser, "Write a long story about a lighthouse keeper.")
+    WebDriverWait(browser, 60).until(lambda b: len(bubbles(b)) == 2 and len(bubbles(b)[1][1]) > 20)
+    browser.find_element(By.ID, "stop").click()
+    wait_status(browser, lambda s: s == "stopped", "the stop")
+    kept = bubbles(browser)[1][1]
+    time.sleep(1.0)
+    assert bubbles(browser)[1][1] == kept  # nothing more arrives
+    assert browser.find_element(By.ID, "send").is_enabled()
+
+
+def test_a_wrong_key_shows_the_servers_error(server, browser):
+    open_page(browser, server)
+    set_field(browser, "api_key", "sk-wrong")
+    browser.find_element(By.ID, "clear").click()
+    ask(browser, "Hello")
+    WebDriverWait(browser, 30).until(lambda b: any(r == "error" for r, _ in bubbles(b)))
+    err = [t for r, t in bubbles(browser) if r == "error"][0]
+    assert "key" in err.lower(), err
+    assert [r for r, _ in bubbles(browser)] == ["user", "error"]
