@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 
-from bench_serve import PROMPT, free_port, run_level, wait_ready  # noqa: E402
+from bench_serve import PROMPT, free_port, run_level, start_server, stop_server, wait_ready  # noqa: E402
 
 import optiml  # noqa: E402
 from optiml import plan as oplan  # noqa: E402
@@ -76,7 +75,7 @@ def main() -> int:
     print(f"\n{'server':13} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8}", flush=True)
     for name, cmd in servers.items():
         port = free_port()
-        proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = start_server(cmd + ["--port", str(port)])
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, proc)
@@ -85,11 +84,7 @@ def main() -> int:
             print(f"{name:13} {r['tok_s']:8.1f} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
                   f"{r['itl_p99'] * 1e3:6.0f}ms", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     p, g = rows["pipelined"], rows["gpu-only"]
     print(f"\npipelined / gpu-only: throughput {p['tok_s'] / g['tok_s']:.2f}x (goal >= 1.5x at a quarter; never "
           f"below 1.0x with ample KV), ITL p99 {p['itl_p99'] * 1e3:.0f} vs {g['itl_p99'] * 1e3:.0f} ms")

@@ -15,12 +15,15 @@ The single-stream reference is optiml.Model.generate in this process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -40,18 +43,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(cmd: list) -> subprocess.Popen:
+    """Starts a server whose stderr goes to a temporary file (proc.log), so that a failure can show why."""
+    log = tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=log)
+    proc.log = log.name
+    log.close()
+    return proc
+
+
+def server_log(proc, lines: int = 40) -> str:
+    """The last lines of what the server wrote to stderr."""
+    try:
+        with open(proc.log, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).rstrip() or "(nothing on stderr)"
+    except (AttributeError, OSError):
+        return "(no log)"
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(AttributeError, OSError):
+        os.unlink(proc.log)
+
+
 def wait_ready(url: str, proc, timeout: float = 300) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+            raise SystemExit(f"the server {' '.join(map(str, proc.args))} exited with {proc.returncode}; its "
+                             f"stderr:\n{server_log(proc)}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit("the server did not become ready")
+    raise SystemExit(f"the server did not become ready in {timeout:.0f} s; its stderr:\n{server_log(proc)}")
 
 
 class Connection:
@@ -227,16 +260,14 @@ def main() -> int:
 
     servers = {}
     port = free_port()
-    servers["optiml"] = (f"http://127.0.0.1:{port}", subprocess.Popen(
+    servers["optiml"] = (f"http://127.0.0.1:{port}", start_server(
         [sys.executable, "-m", "optiml", "serve", "-m", args.model, "--port", str(port), "--parallel", str(n_par),
-         "--ctx", str(args.ctx), "-t", str(args.threads), "--queue", str(4 * n_par)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+         "--ctx", str(args.ctx), "-t", str(args.threads), "--queue", str(4 * n_par)]))
     if args.llama_server:
         port = free_port()
-        servers["llama-server"] = (f"http://127.0.0.1:{port}", subprocess.Popen(
+        servers["llama-server"] = (f"http://127.0.0.1:{port}", start_server(
             [args.llama_server, "-m", args.model, "--port", str(port), "-np", str(n_par), "-c",
-             str(args.ctx * n_par), "-t", str(args.threads), "-tb", str(args.threads), "--cont-batching"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+             str(args.ctx * n_par), "-t", str(args.threads), "-tb", str(args.threads), "--cont-batching"]))
     try:
         for url, proc in servers.values():
             wait_ready(url, proc)
@@ -259,11 +290,7 @@ def main() -> int:
     finally:
         model.close()
         for _, proc in servers.values():
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return 0
 
 
