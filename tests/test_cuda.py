@@ -1,7 +1,7 @@
 """The CUDA backend against the CPU path, on a CUDA device or on the CPU emulator (skipped otherwise).
 
-tools/cuda_emu_check.sh builds the CUDA sources as C++ against native/src/cuda/emu (each GPU thread a fiber
-on the CPU, with CUDA's synchronization) and runs this file on every machine; tools/gpu_check.sh runs it on
+tools/checks/cuda_emu_check.sh builds the CUDA sources as C++ against native/src/cuda/emu (each GPU thread a fiber
+on the CPU, with CUDA's synchronization) and runs this file on every machine; tools/checks/gpu_check.sh runs it on
 a GPU. The emulator is slow, so there the real models get one short prompt and the rest runs on small
 synthetic models.
 
@@ -78,7 +78,7 @@ def cpu_noise(path, ids, ref):
 def tiny(tmp_path_factory, request):
     """Small llama-shaped models (4 layers, grouped-query heads): Q4_0 and Q4_K weights. Their tokenizer comes
     from SmolLM2, or from $OPTIML_TOKENIZER_DONOR (a GGUF with SmolLM2's tokenizer: the GPU machine, where the
-    real model may be missing, gets tools/gpu_check.sh's small donor)."""
+    real model may be missing, gets tools/checks/gpu_check.sh's small donor)."""
     donor = os.environ.get("OPTIML_TOKENIZER_DONOR") or request.getfixturevalue("smollm2_path")
     out = {}
     for kind in ("q4_0", "q4_k"):

@@ -67,7 +67,7 @@ def test_trained_predictor_keeps_its_recall_on_other_text(relu_model, trained):
 
     # In the engine: the neurons computed are about the predicted share (the gate rows of the others
     # are never read). (SmolLM2 was not trained with ReLU, so the dropped 5% of firings move its logits
-    # a lot: output quality is measured on real models by tools/bench_predictors.py, not here.)
+    # a lot: output quality is measured on real models by tools/bench/predictors.py, not here.)
     ids = optiml.Model(relu_model, n_ctx=256, predictors=None).tokenize(test)[:48]
     m = optiml.Model(relu_model, n_ctx=256, predictors=out)
     assert m.predictors == out

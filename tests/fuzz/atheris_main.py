@@ -1,5 +1,5 @@
 """Runs one Python fuzz target of targets.py under atheris: python atheris_main.py TARGET [libFuzzer args].
-tools/fuzz.py is the usual way in."""
+tools/checks/fuzz.py is the usual way in."""
 
 import sys
 

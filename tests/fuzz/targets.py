@@ -1,6 +1,6 @@
 """Python fuzz targets: each is a function of one input (bytes) that must either succeed or raise one of
 the exceptions listed for it (OptimlError and its subclasses, or the template errors jinja2 defines).
-Anything else -- another exception, a crash, a hang, memory without bound -- is a bug. tools/fuzz.py
+Anything else -- another exception, a crash, a hang, memory without bound -- is a bug. tools/checks/fuzz.py
 runs them under atheris (coverage-guided); tests/test_fuzz.py replays the seeds and a fixed number of
 inputs on every CI run.
 

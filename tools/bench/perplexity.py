@@ -3,8 +3,8 @@
 optionally both engines' KL divergence against transformers float32 on the file's dequantized weights:
 the long measurements that used to run in the test suite (the tests now use 512 tokens).
 
-    PYTHONPATH=python python tools/bench_perplexity.py smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m
-    PYTHONPATH=python python tools/bench_perplexity.py MODEL.gguf --ctx 256 --kld
+    PYTHONPATH=python python tools/bench/perplexity.py smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m
+    PYTHONPATH=python python tools/bench/perplexity.py MODEL.gguf --ctx 256 --kld
 
 Figures to expect (shared/eval/REFERENCE.md; 2-core AVX2 Zen 3, ctx 256, the whole of
 scandal-in-bohemia.txt): llama.cpp perplexity SmolLM2 Q4_1 24.72, Gemma3 Q4_K_M 23.81; KLD against
@@ -22,17 +22,16 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # fidelity.py and hf_gguf.py: the tests' oracles
+import harness
+import optiml
 
-import optiml  # noqa: E402
-from optiml import perplexity as px  # noqa: E402
+px = harness.internal("perplexity")
 
-TEXT = os.path.join(HERE, "..", "tests", "data", "scandal-in-bohemia.txt")
+TEXT = str(harness.TEXT)
 
 
 def run(path: str, text: str, n_ctx: int, n_chunks: int, kld: bool) -> dict:
-    import fidelity
+    fidelity = harness.fidelity()
 
     with optiml.Model(path, n_ctx=n_ctx, n_threads=2) as m:
         ws = px.windows(m, text, n_ctx, n_chunks)
@@ -69,13 +68,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
-    from optiml.models import resolve
 
     ok = True
     print("| model | tokens | engine | PPL | KLD vs f32 | same top | seconds |")
     print("|---|---|---|---|---|---|---|")
     for name in a.models:
-        r = run(resolve(name), text, a.ctx, a.chunks, a.kld)
+        r = run(harness.model_path(name, pull=True), text, a.ctx, a.chunks, a.kld)
         for eng in ("ours", "llama.cpp"):
             e = r[eng]
             kl = f"{e['kld']:.5f}" if "kld" in e else "—"

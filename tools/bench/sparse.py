@@ -23,9 +23,9 @@ both alike. Ratios are against the llama.cpp runs interleaved with that row.
 Note: llama.cpp does not read optiml.ffn.activation, so it runs SiLU on the ReLU file: the same work per
 token, which is what a speed comparison needs (its outputs differ).
 
-    PYTHONPATH=python python tools/bench_sparse.py                      # everything (~30+ minutes on 2 cores)
-    PYTHONPATH=python python tools/bench_sparse.py --only smollm2 --quick
-    PYTHONPATH=python python tools/bench_sparse.py --only 7b-relu --model-dir /work/synth-models
+    PYTHONPATH=python python tools/bench/sparse.py                      # everything (~30+ minutes on 2 cores)
+    PYTHONPATH=python python tools/bench/sparse.py --only smollm2 --quick
+    PYTHONPATH=python python tools/bench/sparse.py --only 7b-relu --model-dir /work/synth-models
 
 Needs the sparsity API (optiml.calibrate, Model(sparsity=...), Model.sparsity_stats()); without it only
 the dense rows are measured and the script says so.
@@ -37,23 +37,19 @@ import argparse
 import inspect
 import os
 import statistics
-import subprocess
-import sys
 import time
 
+import harness
 import optiml
-from optiml import models
-from optiml.cli import perplexity
+from harness import alternate_tg_text as alternate, close, log, noisy, spread
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EVAL_TEXT = os.path.join(HERE, "..", "tests", "data", "scandal-in-bohemia.txt")
-SMOLLM2 = str(models.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
+models = harness.internal("models")
+perplexity = harness.internal("cli").perplexity
+EVAL_TEXT = harness.TEXT
+SMOLLM2 = harness.model_path("smollm2-135m-instruct-q4_1")
 SMOLLM2_REF_PPL = 24.72  # llama.cpp, full text, ctx 256 (shared/eval/REFERENCE.md)
 GOALS = {"smollm2": 1.3, "7b-relu": (0.9, 2.2), "7b-silu": (0.5, 1.3)}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+RESULTS = harness.Results("sparse")  # every table's rows, for --json
 
 
 # ---- the sparsity API (being built: these few functions are where it plugs in) ----------------------
@@ -118,44 +114,12 @@ def overall_sparsity(model) -> float | None:
         return None
 
 
-# ---- timing -------------------------------------------------------------------------------------
-def load_peer(path: str, n_ctx: int, threads: int):
-    import llama_cpp
-
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                           verbose=False)
-
-
-def time_tg(engine, ids: list[int], n_prompt: int, n_gen: int) -> float:
-    """tokens/s of n_gen single-token steps on text tokens after a prompt of n_prompt tokens.
-    Works on optiml.Model and llama_cpp.Llama (reset() and eval(ids))."""
-    engine.reset()
-    engine.eval(ids[:n_prompt])
-    t0 = time.perf_counter()
-    for i in range(n_prompt, n_prompt + n_gen):
-        engine.eval(ids[i : i + 1])
-    return n_gen / (time.perf_counter() - t0)
-
-
-def alternate(ours, peer, ids, n_prompt, n_gen, repeats) -> tuple[list[float], list[float]]:
-    """tg runs of both engines, alternating, after one full-length warm-up run of each (a short one
-    leaves page faults and thread start-up in the first timed run: llama.cpp's first run of SmolLM2 was
-    30x slower than the rest)."""
-    time_tg(ours, ids, n_prompt, n_gen)
-    time_tg(peer, ids, n_prompt, n_gen)
-    a, b = [], []
-    for _ in range(repeats):
-        a.append(time_tg(ours, ids, n_prompt, n_gen))
-        b.append(time_tg(peer, ids, n_prompt, n_gen))
-    return a, b
-
-
 def peer_perplexity(path: str, tokens: list[int], n_ctx: int, threads: int, n_chunks: int) -> float:
     """llama.cpp's perplexity of the same token ids, by optiml.cli.perplexity's convention (no-BOS
     models only, as SmolLM2): non-overlapping windows, each from an empty context, second half scored."""
     import numpy as np
 
-    peer = load_peer_all_logits(path, n_ctx, threads)
+    peer = harness.load_peer(path, n_ctx, threads, all_logits=True)
     n = len(tokens) // n_ctx if n_chunks < 0 else min(n_chunks, len(tokens) // n_ctx)
     first, nll, count = n_ctx // 2, 0.0, 0
     for i in range(n):
@@ -170,30 +134,6 @@ def peer_perplexity(path: str, tokens: list[int], n_ctx: int, threads: int, n_ch
         count += len(targets)
     close(peer)
     return float(np.exp(nll / count))
-
-
-def load_peer_all_logits(path: str, n_ctx: int, threads: int):
-    import llama_cpp
-
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                           logits_all=True, verbose=False)
-
-
-def close(engine) -> None:
-    c = getattr(engine, "close", None)
-    if c:
-        c()
-
-
-def spread(runs: list[float], spec: str) -> str:
-    """median (min–max) of timed runs: the range shows how noisy the machine was."""
-    return f"{format(statistics.median(runs), spec)} ({format(min(runs), spec)}–{format(max(runs), spec)})"
-
-
-def noisy(*runs: list[float]) -> bool:
-    """Runs of one engine that differ by more than 1.5x: the machine was busy (llama.cpp's spinning thread
-    pool collapses when another process takes a core, which inflates OptiML's ratio)."""
-    return any(max(r) > 1.5 * min(r) for r in runs)
 
 
 def fmt(x, spec, none="—"):
@@ -213,7 +153,7 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
     n_prompt, n_gen = a.n_prompt, a.n_gen
     n_ctx = max(a.ctx, n_prompt + n_gen + 8)
     chunks = 8 if a.quick else -1
-    peer = load_peer(SMOLLM2, n_ctx, a.threads)
+    peer = harness.load_peer(SMOLLM2, n_ctx, a.threads)
 
     rows = []
     targets = a.targets if api_missing is None else [0.0]
@@ -254,6 +194,8 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
     for crit, target, sp, ppl, err, o, p in rows:
         d = (ppl / dense_ppl - 1) * 100
         tg, ref = statistics.median(o), statistics.median(p)
+        RESULTS.add(model="smollm2-q4_1", criterion=crit, target=target, sparsity=sp, ppl=ppl, ppl_err=err,
+                    ppl_vs_dense_pct=d, tg=tg, tg_runs=o, peer_tg=ref, peer_runs=p, ratio=tg / ref, noisy=noisy(o, p))
         out.append(f"| {crit} | {target:.1f} | {fmt(sp, '.3f')} | {ppl:.3f} ± {err:.2f} | {d:+.2f}% | "
                    f"{spread(o, '.1f')} | {spread(p, '.1f')} | {tg / ref:.2f}x{' (noisy)' if noisy(o, p) else ''} |")
         if d <= 3.0 and (best is None or tg / ref > best[1]):
@@ -266,22 +208,12 @@ def bench_smollm2(a, api_missing: str | None) -> list[str]:
 
 
 # ---- 7B-shaped synthetic models -----------------------------------------------------------------
-def synthetic_path(a, act: str) -> str:
-    path = os.path.join(a.model_dir, f"llama7b-{act}-q4_0.gguf")
-    if not os.path.exists(path):
-        os.makedirs(a.model_dir, exist_ok=True)
-        log(f"writing {path} (about 2 minutes, 3.6 GiB)")
-        subprocess.run([sys.executable, os.path.join(HERE, "make_synthetic_model.py"), "-o", path,
-                        "--activation", act, "--quiet"], check=True)
-    return path
-
-
 def bench_7b(a, act: str, api_missing: str | None) -> list[str]:
-    path = synthetic_path(a, act)
+    path = harness.synthetic_7b(a.model_dir, act)
     text = open(EVAL_TEXT, encoding="utf-8").read()
     n_prompt, n_gen = a.n_prompt_7b, a.n_gen_7b
     n_ctx = n_prompt + n_gen + 8
-    peer = load_peer(path, n_ctx, a.threads)
+    peer = harness.load_peer(path, n_ctx, a.threads)
     ours = load_optiml(path, n_ctx, a.threads, None)
     ids = ours.tokenize(text[len(text) // 2 :], add_bos=False)  # timing text: not the calibration text
     calib_text = text[: 4 * a.calib_tokens_7b]  # ~4 characters a token; calibrate() takes n_tokens of it
@@ -312,6 +244,9 @@ def bench_7b(a, act: str, api_missing: str | None) -> list[str]:
            "| FFN sparsity target | measured | optiml tg tok/s | llama.cpp dense tok/s | ratio |",
            "|---|---|---|---|---|"]
     for target, sp, o, p in rows:
+        RESULTS.add(model=os.path.basename(path), criterion=a.criterion_7b, target=target, sparsity=sp,
+                    tg=statistics.median(o), tg_runs=o, peer_tg=statistics.median(p), peer_runs=p,
+                    ratio=statistics.median(o) / statistics.median(p), noisy=noisy(o, p))
         out.append(f"| {target:.0%} | {fmt(sp, '.3f')} | {spread(o, '.2f')} | {spread(p, '.2f')} | "
                    f"{statistics.median(o) / statistics.median(p):.2f}x{' (noisy)' if noisy(o, p) else ''} |")
     gt, gr = GOALS[f"7b-{act}"]
@@ -358,17 +293,14 @@ def main(argv=None) -> int:
                     help="where the 7B files and calibrated copies go (default: the model cache's synthetic/)")
     ap.add_argument("--recalibrate", action="store_true", help="calibrate again even where a copy exists")
     ap.add_argument("--keep-calibrated", action="store_true", help="keep the 7B calibrated copies (3.6 GiB each)")
+    harness.add_json_arg(ap)
     a = ap.parse_args(argv)
     a.repeats = a.repeats or (3 if a.quick else 5)
     a.repeats_7b = a.repeats_7b or (2 if a.quick else 5)
     a.n_gen = a.n_gen or (64 if a.quick else 128)
     a.n_gen_7b = a.n_gen_7b or (16 if a.quick else 32)
     only = a.only or ["smollm2", "7b-relu", "7b-silu"]
-    try:
-        import llama_cpp
-    except ImportError:
-        print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
-        return 2
+    harness.llama_cpp()  # exits with how to install it when missing
 
     load = os.getloadavg()[0]
     if load > 0.5:
@@ -377,9 +309,8 @@ def main(argv=None) -> int:
     api_missing = sparse_api_missing()
     if api_missing:
         log(api_missing)
-    info = optiml.system_info()
-    report = [f"optiml {optiml.__version__} (simd {info['simd']}), llama-cpp-python {llama_cpp.__version__}, "
-              f"{a.threads} threads" + (f"; {api_missing}" if api_missing else ""), ""]
+    report = [harness.machine_line() + f", optiml {optiml.__version__}, {a.threads} threads"
+              + (f"; {api_missing}" if api_missing else ""), ""]
     for name in only:
         if name == "smollm2":
             report += bench_smollm2(a, api_missing)
@@ -394,6 +325,7 @@ def main(argv=None) -> int:
         report.append("")
         print("\n".join(report), flush=True)  # partial results survive a later failure
         report = []
+    RESULTS.write(a.json)
     return 0
 
 

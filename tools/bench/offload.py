@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """CPU attention offload against GPU-only serving at the same device KV memory (issue #19's benchmark).
 
-    python tools/bench_offload.py -m llama7b-q4_0.gguf --device cuda --offered 16 --kv-share 0.25 \
+    python tools/bench/offload.py -m llama7b-q4_0.gguf --device cuda --offered 16 --kv-share 0.25 \
         --llama-server build/llama-cuda/bin/llama-server
-    python tools/bench_offload.py -m SmolLM2.gguf --device cpu:1 --offered 4 --gen 16   # the pipeline, no GPU
+    python tools/bench/offload.py -m SmolLM2.gguf --device cpu:1 --offered 4 --gen 16   # the pipeline, no GPU
 
 --offered clients each stream --requests completions of --gen tokens (end of text banned, so every
 request has the same length) at once. The device's KV memory holds --kv-share of them (at --ctx
@@ -23,14 +23,11 @@ import argparse
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, HERE)
+import harness
+import optiml
+from serving import PROMPT, free_port, run_level, start_server, stop_server, wait_ready
 
-from bench_serve import PROMPT, free_port, run_level, start_server, stop_server, wait_ready  # noqa: E402
-
-import optiml  # noqa: E402
-from optiml import plan as oplan  # noqa: E402
+oplan = harness.internal("plan")
 
 
 def main() -> int:

@@ -7,8 +7,8 @@ steps advance all N sequences at once (one token each per step, greedy); the tim
 alone is measured. Rounds go N after N and engine after engine, rep after rep, so every N sees the same
 phases of a shared machine; medians are reported, and each scaling is the median of per-rep ratios.
 
-    python tools/bench_batch.py                       # SmolLM2 Q4_1, 2 threads, N = 1 4 8 16
-    python tools/bench_batch.py -m MODEL.gguf -n 1 8 --tokens 64 --reps 3
+    python tools/bench/batch.py                       # SmolLM2 Q4_1, 2 threads, N = 1 4 8 16
+    python tools/bench/batch.py -m MODEL.gguf -n 1 8 --tokens 64 --reps 3
 
 Prints a table: tokens/s aggregate for each N, the ratio OptiML / llama.cpp, and each engine's scaling
 (N sequences vs one). Goal (issue 13): at N = 8, OptiML >= 4x its own N = 1, and >= 1.3x llama.cpp.
@@ -20,19 +20,12 @@ import argparse
 import ctypes
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import optiml  # noqa: E402
-from optiml.models import resolve  # noqa: E402
-
-sys.path.insert(0, HERE)
-from bench_vs_llamacpp import cpu_name  # noqa: E402  (the CPU name, shared by the benchmarks)
+import harness
+import optiml
 
 PROMPTS = ["The capital of France is", "Once upon a time", "In the beginning", "The best way to learn",
            "def fibonacci(n):", "Water boils at", "My favourite book", "The history of Rome",
@@ -146,11 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per round")
     ap.add_argument("--reps", type=int, default=3, help="rounds per engine and N (medians reported)")
     ap.add_argument("--no-peer", action="store_true", help="OptiML only")
+    harness.add_json_arg(ap)
     a = ap.parse_args(argv)
-    path = resolve(a.model)
+    path = harness.model_path(a.model, pull=True)
     n_ctx_seq = 128
 
-    print(f"model: {os.path.basename(path)}; CPU: {cpu_name()}; threads: {a.threads}; "
+    print(f"model: {os.path.basename(path)}; CPU: {harness.cpu_name()}; threads: {a.threads}; "
           f"simd: {optiml.system_info()['simd']}; {a.tokens} decode steps per round, {a.reps} rounds, medians")
     # Every engine and N is loaded first, then the rounds go N after N, engine after engine, rep after
     # rep: on a shared machine whose speed drifts, each N then sees the same phases, and a round's
@@ -184,6 +178,7 @@ def main(argv=None) -> int:
             return float("nan")
         return med([x / one for x, one in zip(runs[n], runs[1])])
 
+    res = harness.Results("batch")
     print()
     print("| N | optiml tok/s (range) | llama.cpp tok/s | optiml / llama.cpp | optiml scaling vs N=1 | llama.cpp scaling |")
     print("|---|---|---|---|---|---|")
@@ -191,7 +186,10 @@ def main(argv=None) -> int:
         o, t = med(ours[n]), med(theirs[n])
         print(f"| {n} | {o:.1f} ({min(ours[n]):.1f}-{max(ours[n]):.1f}) | {t:.1f} | {o / t:.2f}x | "
               f"{paired(ours, n):.2f}x | {paired(theirs, n):.2f}x |")
+        res.add(model=os.path.basename(path), n_seq=n, optiml=o, optiml_runs=ours[n], llama_cpp=t,
+                llama_cpp_runs=theirs[n], ratio=o / t, scaling=paired(ours, n), llama_cpp_scaling=paired(theirs, n))
     print("\nscaling: the median over rounds of a round's tok/s against the N = 1 round of the same rep")
+    res.write(a.json)
     return 0
 
 

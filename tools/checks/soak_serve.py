@@ -13,7 +13,7 @@ from --clients concurrent clients (more clients than slots), mixing:
 Afterwards the server must still answer correctly, /health must show every slot idle and the queue
 empty, and resident memory must be within --rss-tolerance (5%) of its level after warm-up.
 
-    python tools/soak_serve.py -m ~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf --requests 3000
+    python tools/checks/soak_serve.py -m ~/.cache/optiml/models/SmolLM2-135M-Instruct.Q4_1.gguf --requests 3000
 
 Prints the figures and exits 1 when any check fails. tests/test_soak.py runs a short version.
 """

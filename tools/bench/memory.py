@@ -8,8 +8,8 @@ with each neuron-major down copy (Model(down_copy=...)): "fast" (8-bit rows) and
 Q4_0/Q4_1/Q4_K codes regrouped, lossless); the default "auto" picks fast unless memory is short.
 
     python tools/make_synthetic_model.py -o /tmp/llama7b-q4_0.gguf            # 3.6 GiB, ~2 minutes
-    python tools/bench_memory.py -m /tmp/llama7b-q4_0.gguf --threshold 0.05   # SwiGLU: a custom threshold
-    python tools/bench_memory.py -m smollm2-135m-instruct
+    python tools/bench/memory.py -m /tmp/llama7b-q4_0.gguf --threshold 0.05   # SwiGLU: a custom threshold
+    python tools/bench/memory.py -m smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import resource
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+import harness
 
 
 def child(a) -> None:
@@ -55,9 +54,7 @@ def main(argv=None) -> int:
         child(a)
         return 0
 
-    from optiml.models import resolve
-
-    a.model = resolve(a.model)
+    a.model = harness.model_path(a.model, pull=True)
     size = os.path.getsize(a.model)
     print(f"{os.path.basename(a.model)}: file {size / 2**30:.2f} GiB; ctx {a.ctx}, prompt {a.prompt}, "
           f"{a.tokens} tokens, {a.threads} threads")

@@ -1,6 +1,6 @@
 """Solve time of `optiml solve`'s program on 7B- and 70B-shaped problems with synthetic power-law stats.
 
-    python tools/bench_solve.py [--group 64] [--time-limit 60] [--only 7b|70b]
+    python tools/bench/solve.py [--group 64] [--time-limit 60] [--only 7b|70b]
 
 Per layer, neuron firing frequencies follow a Zipf-like law freq_i = min(1, c * (i / n_ff)^-s) with c in
 [0.01, 0.03] (the coldest neurons' rate) and s in [0.6, 0.95] (layers differ, as measured ones do; about 5-25%
@@ -13,17 +13,16 @@ ratio (time / goal; below 1 meets it), the solver status and gap, and the greedy
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import harness
 
-from optiml.hardware import Hardware  # noqa: E402
-from optiml.solve import make_groups, solve_groups  # noqa: E402
+Hardware = harness.internal("hardware").Hardware
+make_groups, solve_groups = harness.internal("solve").make_groups, harness.internal("solve").solve_groups
 
 SHAPES = {"7b": (32, 11008, 4096, 10.0), "70b": (80, 28672, 8192, 60.0)}  # layers, n_ff, n_embd, goal (s)
 

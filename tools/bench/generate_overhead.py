@@ -16,8 +16,8 @@ Prints medians over --repeats runs of the generation time per token (prompt excl
 as a share of a token's time: in-run (stream's non-native part / stream's time per token) and
 between runs (stream / native - 1; noisier, as it compares separate runs).
 
-    python tools/bench_generate_overhead.py                       # SmolLM2-135M-Instruct Q4_1, 2 threads
-    python tools/bench_generate_overhead.py -m model.gguf -t 4 -n 256 -r 7
+    python tools/bench/generate_overhead.py                       # SmolLM2-135M-Instruct Q4_1, 2 threads
+    python tools/bench/generate_overhead.py -m model.gguf -t 4 -n 256 -r 7
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ import time
 
 import numpy as np
 
+import harness
 import optiml
 from optiml import _core
-from optiml.sampling import Sampler, SamplingParams, find_stop
+
+_sampling = harness.internal("sampling")
+Sampler, SamplingParams, find_stop = _sampling.Sampler, _sampling.SamplingParams, _sampling.find_stop
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 

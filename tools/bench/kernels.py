@@ -9,19 +9,18 @@ Throughput is weight bytes read per second; the fraction is that throughput over
 bandwidth measured in the same run with the same thread count. With --tokens N, x holds N tokens and
 the product is compute-bound: the table gives 2 * rows * cols * N / time instead.
 
-    python tools/bench_kernels.py                       # all formats, 4096x4096 and 4096x11008, 1 and 2 threads
-    python tools/bench_kernels.py --types q4_0 q4_k --threads 1 2 4 --simd avx2
-    python tools/bench_kernels.py --tokens 128 --span 64 --types q4_1 q5_0 q4_k q6_k
+    python tools/bench/kernels.py                       # all formats, 4096x4096 and 4096x11008, 1 and 2 threads
+    python tools/bench/kernels.py --types q4_0 q4_k --threads 1 2 4 --simd avx2
+    python tools/bench/kernels.py --tokens 128 --span 64 --types q4_1 q5_0 q4_k q6_k
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
+import harness
 import optiml
 from optiml import _core
 from optiml import quant
@@ -34,15 +33,8 @@ SHAPES = [(4096, 4096), (4096, 11008)]
 def time_matvec(copies: list, qtype: str, x: np.ndarray, simd: str, n_threads: int, repeats: int,
                 rows16: bool = False) -> float:
     """Median seconds of one matrix-vector product, cycling through copies so none stays cached."""
-    for w in copies:  # warm up: pool threads, page faults
-        quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd, rows16=rows16)
-    passes = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for w in copies:
-            quant.matmul(w, qtype, x, n_threads=n_threads, simd=simd, rows16=rows16)
-        passes.append((time.perf_counter() - t0) / len(copies))
-    return statistics.median(passes)
+    return harness.per_call(lambda i: quant.matmul(copies[i], qtype, x, n_threads=n_threads, simd=simd, rows16=rows16),
+                            len(copies), repeats)
 
 
 def main() -> int:

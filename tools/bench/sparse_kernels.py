@@ -14,9 +14,9 @@ Copies of the weights spanning --span MiB are cycled through, so rows come from 
 as in decoding a real model. The fraction is throughput over the memory read bandwidth measured in
 the same run with the same thread count.
 
-    python tools/bench_sparse_kernels.py
-    python tools/bench_sparse_kernels.py --threads 1 2 --active 0.05 0.1 0.25 --simd avx2
-    python tools/bench_sparse_kernels.py --parts down --active 0.01 0.05 0.1 0.5   # compact vs fast
+    python tools/bench/sparse_kernels.py
+    python tools/bench/sparse_kernels.py --threads 1 2 --active 0.05 0.1 0.25 --simd avx2
+    python tools/bench/sparse_kernels.py --parts down --active 0.01 0.05 0.1 0.5   # compact vs fast
 """
 
 from __future__ import annotations
@@ -26,22 +26,15 @@ import time
 
 import numpy as np
 
+import harness
 import optiml
 from optiml import _core, quant
 
 
 def best_seconds(fn, n_calls: int, repeats: int) -> float:
-    """Best of `repeats` passes (mean seconds of one of n_calls calls fn(i)): the best pass, not the
-    median, because shared build machines make the slow passes measure other people's work."""
-    for i in range(n_calls):  # warm up: pool threads, page faults
-        fn(i)
-    passes = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(n_calls):
-            fn(i)
-        passes.append((time.perf_counter() - t0) / n_calls)
-    return min(passes)
+    """The best pass, not the median: shared build machines make the slow passes measure other people's
+    work."""
+    return harness.per_call(fn, n_calls, repeats, pick=min)
 
 
 def copies_of(a: np.ndarray, span_mib: int) -> list:

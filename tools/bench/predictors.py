@@ -10,7 +10,7 @@ speed    7B-shaped llama, random Q4_0 weights (tools/make_synthetic_model.py; Re
          RMS-normed FFN input, and threshold Phi^-1(s) marks about 1 - s of the neurons active, a different
          set every token. The measured share of computed neurons is printed beside each row. ReLU rows keep
          exact zero-skipping on top (down only for predicted neurons whose relu(gate) > 0: about half).
-         Generation speed as tools/bench_sparse.py times it (teacher-forced text tokens one at a time,
+         Generation speed as tools/bench/sparse.py times it (teacher-forced text tokens one at a time,
          OptiML and llama-cpp-python alternating, medians; --threads 2). Beside each row, the read-only
          speed: that of a step that only read its weights, in the engine's pattern, at rates measured
          then (scattered rows read slower than sequential ones on many machines).
@@ -24,8 +24,8 @@ quality  SmolLM2-135M-Instruct Q4_1 (SiLU) and Gemma 3 270M Q4_K_M (GELU). For e
 train    Times `optiml train-predictors` on the 7B-shaped ReLU file with --train-samples tokens (default 512)
          and extrapolates to 4096 samples (sampling is linear in tokens; the per-layer fit is measured).
 
-    PYTHONPATH=python python tools/bench_predictors.py --only speed --model-dir /work/synth
-    PYTHONPATH=python python tools/bench_predictors.py --only quality --plot predictors.png
+    PYTHONPATH=python python tools/bench/predictors.py --only speed --model-dir /work/synth
+    PYTHONPATH=python python tools/bench/predictors.py --only quality --plot predictors.png
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import harness
+import optiml
+from harness import alternate_tg_text, close, log, noisy, spread
 
-import bench_sparse as bs  # noqa: E402  (timing helpers shared with the calibrated-sparsity benchmark)
-import optiml  # noqa: E402
-from optiml import models  # noqa: E402
-from optiml import predictor as P  # noqa: E402
-from optiml.stats import model_fingerprint  # noqa: E402
+models = harness.internal("models")
+P = harness.internal("predictor")
+model_fingerprint = harness.internal("stats").model_fingerprint
 
-GEMMA3 = str(models.cache_dir() / "gemma3-270m-Q4_K_M.gguf")
+SMOLLM2 = harness.model_path("smollm2-135m-instruct-q4_1")
+GEMMA3 = harness.model_path("gemma3-270m-q4_k_m")
+RESULTS = harness.Results("predictors")  # the speed table's rows, for --json
 GOALS = {"relu": (0.9, 2.3), "silu": (0.5, 1.4)}
-log = bs.log
 
 
 def forced_predictor(model_path: str, out: str, sparsity: float, rank: int, seed: int = 0) -> str:
@@ -125,11 +125,11 @@ def read_only_speed(model: dict, need: float, share: float, down_share: float, r
 
 
 def bench_speed(a, act: str) -> list[str]:
-    path = bs.synthetic_path(a, act)
-    text = open(bs.EVAL_TEXT, encoding="utf-8").read()
+    path = harness.synthetic_7b(a.model_dir, act)
+    text = open(harness.TEXT, encoding="utf-8").read()
     n_prompt, n_gen = a.n_prompt, a.n_gen
     n_ctx = n_prompt + n_gen + 8
-    peer = bs.load_peer(path, n_ctx, a.threads)
+    peer = harness.load_peer(path, n_ctx, a.threads)
     ours = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, sparsity="none", predictors=None)
     ids = ours.tokenize(text[len(text) // 2:], add_bos=False)
     rows = []
@@ -137,16 +137,16 @@ def bench_speed(a, act: str) -> list[str]:
     dense_bytes = bytes_per_token(model_bytes, None, 1.0, 1.0)
     hp = ours.hparams
     row_bytes = model_bytes["blk.0.ffn_gate.weight"] // hp["n_ff"]  # one neuron's gate row in the file
-    o, p = bs.alternate(ours, peer, ids, n_prompt, n_gen, a.repeats)
+    o, p = alternate_tg_text(ours, peer, ids, n_prompt, n_gen, a.repeats)
     rows.append(("dense", 1.0, o, p, dense_bytes, read_only_speed(model_bytes, dense_bytes, 1.0, 1.0, row_bytes, a.threads)))
     log(f"7B {act} dense: optiml {[round(x, 2) for x in o]}, llama.cpp {[round(x, 2) for x in p]}")
-    bs.close(ours)
+    close(ours)
     tmp = tempfile.mkdtemp(prefix="optiml-pred-")
     for s in a.levels_speed:
         pred = forced_predictor(path, os.path.join(tmp, f"p{s}.gguf"), s, a.rank)
         for copy in a.down_copies:
             m = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, predictors=pred, down_copy=copy)
-            o, p = bs.alternate(m, peer, ids, n_prompt, n_gen, a.repeats)
+            o, p = alternate_tg_text(m, peer, ids, n_prompt, n_gen, a.repeats)
             share = computed_share(m, ids, n_prompt)
             name = f"{s:.0%} predicted" + (f", {copy} down" if a.down_copies != ["auto"] else "")
             log(f"7B {act} {name}: computed {share:.3f}, optiml {[round(x, 2) for x in o]}, "
@@ -156,9 +156,9 @@ def bench_speed(a, act: str) -> list[str]:
             down_share = share / 2 if act == "relu" else share
             need = bytes_per_token(model_bytes, weight_bytes(pred), share, down_share)
             rows.append((name, share, o, p, need, read_only_speed(model_bytes, need, share, down_share, row_bytes, a.threads)))
-            bs.close(m)
+            close(m)
         os.unlink(pred)
-    bs.close(peer)
+    close(peer)
     label = {"relu": "ReLU (llama.cpp runs SiLU on it: the same work)", "silu": "SwiGLU"}[act]
     out = [f"### 7B-shaped llama, random Q4_0 weights, {label}, {a.threads} threads, forced predictor rank {a.rank}",
            f"tg: {n_gen} text tokens after {n_prompt}, median (range) of {a.repeats}", "",
@@ -170,8 +170,11 @@ def bench_speed(a, act: str) -> list[str]:
     for name, share, o, p, need, ro in rows:
         r = statistics.median(o) / statistics.median(p)
         ceiling = dense_bytes / need
-        out.append(f"| {name} | {share:.3f} | {bs.spread(o, '.2f')} | {bs.spread(p, '.2f')} | "
-                   f"{r:.2f}x{' (noisy)' if bs.noisy(o, p) else ''} | {statistics.median(o) / od:.2f}x | "
+        RESULTS.add(activation=act, ffn=name, computed=share, optiml=statistics.median(o), optiml_runs=o,
+                    llama_cpp=statistics.median(p), llama_cpp_runs=p, ratio=r, vs_dense=statistics.median(o) / od,
+                    mb_per_token=need / 1e6, ceiling=ceiling, read_only=ro)
+        out.append(f"| {name} | {share:.3f} | {spread(o, '.2f')} | {spread(p, '.2f')} | "
+                   f"{r:.2f}x{' (noisy)' if noisy(o, p) else ''} | {statistics.median(o) / od:.2f}x | "
                    f"{need / 1e6:.0f} | {ceiling:.2f}x | {r / ceiling:.2f} | {ro:.2f} "
                    f"({ro / statistics.median(p):.2f}x) | {statistics.median(o) / ro:.2f} |")
     out += ["", "ceiling: llama.cpp's dense bytes / the fewest bytes the sparse step reads (file formats; ReLU: "
@@ -194,11 +197,11 @@ def bench_speed(a, act: str) -> list[str]:
 def bench_quality(a) -> tuple[list[str], list]:
     from optiml import perplexity as px
 
-    text = open(bs.EVAL_TEXT, encoding="utf-8").read()
+    text = open(harness.TEXT, encoding="utf-8").read()
     train, test = text[: len(text) // 2], text[len(text) // 2:]
     out, curves = [], []
     tmp = tempfile.mkdtemp(prefix="optiml-predq-")
-    for name, path in (("SmolLM2-135M Q4_1", bs.SMOLLM2), ("Gemma3-270M Q4_K_M", GEMMA3)):
+    for name, path in (("SmolLM2-135M Q4_1", SMOLLM2), ("Gemma3-270M Q4_K_M", GEMMA3)):
         if not os.path.exists(path):
             out.append(f"{name}: {path} missing (python tools/fetch_models.py)")
             continue
@@ -221,15 +224,15 @@ def bench_quality(a) -> tuple[list[str], list]:
             m = optiml.Model(path, n_ctx=a.ctx, n_threads=a.threads, sparsity="none", predictors=pred)
             r = px.compare(base, m).summary()
             share = computed_share(m, ids, 16)
-            o, d = bs.alternate(m, dense, ids, 16, a.n_gen_small, a.repeats)
+            o, d = alternate_tg_text(m, dense, ids, 16, a.n_gen_small, a.repeats)
             ratio = statistics.median(o) / statistics.median(d)
             log(f"{name} level {s}: trained in {time.perf_counter() - t0:.0f} s, recall {q['recall_all']:.4f}, "
                 f"KLD {r['kld_mean']:.4f}, computed {share:.3f}, speed {ratio:.2f}x")
             out.append(f"| {s:.0%} | {res.rank.mean():.0f} | {q['recall'].mean():.4f} / {q['recall'].min():.4f} | "
                        f"{q['precision'].mean():.3f} | {share:.3f} | {r['ppl']:.3f} ({r['ppl_base']:.3f}) | "
-                       f"{r['kld_mean']:.4f} | {r['same_top']:.3f} | {ratio:.2f}x{' (noisy)' if bs.noisy(o, d) else ''} |")
+                       f"{r['kld_mean']:.4f} | {r['same_top']:.3f} | {ratio:.2f}x{' (noisy)' if noisy(o, d) else ''} |")
             curve.append((s, share, r["kld_mean"], r["ppl_ratio"], ratio))
-            bs.close(m)
+            close(m)
         ok = [c for c in curve if c[2] < 0.05 and c[3] < 1.03]
         if ok:
             c = max(ok, key=lambda c: c[0])
@@ -239,7 +242,7 @@ def bench_quality(a) -> tuple[list[str], list]:
             out += ["", "no level kept KLD < 0.05 and PPL within 3%"]
         out.append("")
         curves.append((name, curve))
-        bs.close(dense)
+        close(dense)
     return out, curves
 
 
@@ -265,8 +268,8 @@ def plot(curves, path: str) -> None:
 
 
 def bench_train(a) -> list[str]:
-    path = bs.synthetic_path(a, "relu")
-    text = open(bs.EVAL_TEXT, encoding="utf-8").read()
+    path = harness.synthetic_7b(a.model_dir, "relu")
+    text = open(harness.TEXT, encoding="utf-8").read()
     import resource
 
     res = P.train_predictors(path, texts=[text], recall=0.99, samples=a.train_samples, max_rank=a.max_rank_7b,
@@ -304,17 +307,14 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="predictors.png")
     ap.add_argument("--train-samples", type=int, default=512)
     ap.add_argument("--max-rank-7b", type=int, default=1024)
+    harness.add_json_arg(ap)
     a = ap.parse_args(argv)
     bad = [s for s in a.levels_speed + a.levels if not 0.0 < s < 1.0]
     if bad:
         ap.error(f"sparsity levels are fractions between 0 and 1 (0.9 for 90%), got {bad}")
-    # bench_sparse.synthetic_path reads these names
     parts = a.only or ["speed", "quality"]
-    import llama_cpp
-
-    info = optiml.system_info()
-    report = [f"optiml {optiml.__version__} (simd {info['simd']}), llama-cpp-python {llama_cpp.__version__}, "
-              f"{a.threads} threads; load average {os.getloadavg()[0]:.1f} at start", ""]
+    harness.llama_cpp()  # exits with how to install it when missing
+    report = [harness.machine_line() + f", optiml {optiml.__version__}, {a.threads} threads", ""]
     if "speed" in parts:
         for act in a.acts:
             report += bench_speed(a, act) + [""]
@@ -327,6 +327,7 @@ def main(argv=None) -> int:
     if "train" in parts:
         report += bench_train(a)
     print("\n".join(report))
+    RESULTS.write(a.json)
     return 0
 
 

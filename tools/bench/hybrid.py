@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Hybrid execution against llama.cpp's layer split at the same device memory (issue #17's benchmark).
 
-    python tools/bench_hybrid.py --device cuda --shape 7b --activation relu --firing 0.1 \
+    python tools/bench/hybrid.py --device cuda --shape 7b --activation relu --firing 0.1 \
         --budgets 0.25 0.5 --llama-bench build/llama-cuda/bin/llama-bench
-    python tools/bench_hybrid.py --device cpu:1 --shape small      # the whole pipeline, no GPU needed
+    python tools/bench/hybrid.py --device cpu:1 --shape small      # the whole pipeline, no GPU needed
 
 For a synthetic llama-shaped model whose FFN neurons fire with a planted power law
 (tools/make_synthetic_model.py --plant-firing: a few neurons for most tokens, most rarely), the real tools
@@ -31,14 +31,14 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+import numpy as np
 
-import numpy as np  # noqa: E402
+import harness
 
-import optiml  # noqa: E402
-from optiml import gguf  # noqa: E402
-from optiml import stats as ostats  # noqa: E402
+import optiml
+from optiml import gguf
+
+ostats = harness.internal("stats")
 
 SHAPES = {  # n_embd, n_layer, n_ff, n_head, n_head_kv
     "7b": (4096, 32, 11008, 32, 32),
@@ -58,7 +58,7 @@ def optiml_cmd(*args) -> list:
 
 
 def text_file(workdir: str) -> str:
-    text = os.path.join(HERE, "..", "tests", "data", "scandal-in-bohemia.txt")
+    text = str(harness.TEXT)
     if os.path.exists(text):
         return text
     path = os.path.join(workdir, "profile.txt")
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=optiml._core.physical_core_count())
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (CUDA build for --device cuda)")
-    ap.add_argument("--workdir", default=os.path.join(HERE, "..", "build", "bench-hybrid"))
+    ap.add_argument("--workdir", default=str(harness.BUILD / "bench-hybrid"))
     ap.add_argument("--profile-tokens", type=int, default=4000)
     ap.add_argument("--calibrate-tokens", type=int, default=8192,
                     help="SwiGLU thresholds from this many tokens (on the CPU: 8192 took 3 minutes of a GPU call)")
@@ -143,7 +143,7 @@ def main() -> int:
     tag = f"{args.shape}-{args.activation}-{args.type}-f{firing:g}"
     base = os.path.join(args.workdir, f"{tag}.gguf")
     if not os.path.exists(base):
-        sh([sys.executable, os.path.join(HERE, "make_synthetic_model.py"), "-o", base, "--quiet",
+        sh([sys.executable, str(harness.ROOT / "tools" / "make_synthetic_model.py"), "-o", base, "--quiet",
             "--n-embd", E, "--n-layer", L, "--n-ff", FF, "--n-head", H, "--n-head-kv", HKV, "--type", args.type,
             "--activation", args.activation, "--plant-firing", firing,
             *(["--tokenizer-from", args.tokenizer_from] if args.tokenizer_from else [])])

@@ -10,9 +10,9 @@
 #
 # Installs nothing. Needs Debian's cross compiler and qemu-user:
 #   apt-get install -y g++-aarch64-linux-gnu qemu-user
-# Usage: tools/neon_check.sh [build dir, default build/neon-check]   (NEON_CHECK_OPT=-O3: CMake's level)
+# Usage: tools/checks/neon_check.sh [build dir, default build/neon-check]   (NEON_CHECK_OPT=-O3: CMake's level)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 CXX="${CXX_AARCH64:-aarch64-linux-gnu-g++}"
 QEMU="${QEMU_AARCH64:-qemu-aarch64}"

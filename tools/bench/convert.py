@@ -8,7 +8,7 @@ transformers, accelerate) into --hf-dir. Each conversion runs in a fresh process
 its own; the baseline is that of a process that only imports optiml.
 
     python tools/fetch_models.py smollm2-135m-instruct-q4_1
-    python tools/bench_convert.py [--types q8_0 q4_k_m] [--threads 2]
+    python tools/bench/convert.py [--types q8_0 q4_k_m] [--threads 2]
 """
 
 from __future__ import annotations

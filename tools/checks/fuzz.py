@@ -8,9 +8,9 @@ Native targets (libFuzzer, clang, with AddressSanitizer + UndefinedBehaviorSanit
 Python targets (atheris; tests/fuzz/targets.py):
     py-template, py-convert, py-gguf, py-tokenizer
 
-    python tools/fuzz.py gguf --minutes 30        # builds build/fuzz with clang first if needed
-    PYTHONPATH=python python tools/fuzz.py py-template --runs 100000
-    python tools/fuzz.py gguf --reproduce crash-0123abcd
+    python tools/checks/fuzz.py gguf --minutes 30        # builds build/fuzz with clang first if needed
+    PYTHONPATH=python python tools/checks/fuzz.py py-template --runs 100000
+    python tools/checks/fuzz.py gguf --reproduce crash-0123abcd
 
 The Python targets fuzz the optiml package this interpreter imports: the installed one, or the source
 tree with PYTHONPATH=python in a dev loop (build in place first).
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/checks/ -> the checkout
 NATIVE = ("gguf", "tokenizer")
 PYTHON = ("py-template", "py-convert", "py-gguf", "py-tokenizer")
 BUILD = os.path.join(ROOT, "build", "fuzz")
@@ -40,7 +40,7 @@ BUILD = os.path.join(ROOT, "build", "fuzz")
 
 def model_cache() -> str:
     """The package's model cache; tools/fetch_models.py's loader finds it where the package is not built."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     from fetch_models import models
 
     return str(models.cache_dir())

@@ -4,9 +4,9 @@
 # build/cuda-emu/pkg, next to a copy of the Python sources, and runs tests/test_cuda.py with it. This is
 # how the backend's kernels and host logic are tested on machines without a GPU (CI runs it).
 #
-#   tools/cuda_emu_check.sh [all|build|run]     (PYTHON=... picks the interpreter)
+#   tools/checks/cuda_emu_check.sh [all|build|run]     (PYTHON=... picks the interpreter)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 build=build/cuda-emu
 pkg=$build/pkg
 py="${PYTHON:-python}"

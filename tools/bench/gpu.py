@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU speed of OptiML against llama.cpp's CUDA build, side by side, one model at a time.
 
-    python tools/bench_gpu.py -m MODEL.gguf [--llama-bench build/llama-cuda/bin/llama-bench]
+    python tools/bench/gpu.py -m MODEL.gguf [--llama-bench build/llama-cuda/bin/llama-bench]
         [--llama-batched-bench .../llama-batched-bench] [--tg 128] [--pp 512] [--reps 3]
 
 For each model: decode at batch 1 (tg), 8 sequences decoded together (aggregate tokens/s), and prefill
@@ -9,7 +9,7 @@ For each model: decode at batch 1 (tg), 8 sequences decoded together (aggregate 
 and tg, llama-batched-bench -npl 8 for the batch). Prints tokens/s, our ratio to llama.cpp, and for
 batch-1 decode the share of the GPU's memory bandwidth used: the bytes of weights the device reads per
 token times tokens/s, over the peak (a table of known GPUs, else a measured device-to-device copy).
-Medians of --reps runs. tools/gpu_check.sh runs this on every model it has.
+Medians of --reps runs. tools/checks/gpu_check.sh runs this on every model it has.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-import optiml  # noqa: E402
-from optiml.batch import Batch  # noqa: E402
+import harness
+import optiml
+from optiml import Batch
 
 PEAK_BYTES_S = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
                 "A100-SXM4-40GB": 1.56e12, "A100-PCIE-40GB": 1.56e12, "L40S": 0.864e12, "RTX 4090": 1.008e12}
@@ -115,14 +113,16 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("gpu")
     if not optiml.system_info()["cuda_devices"]:
         print("no CUDA device: nothing to measure")
         return 1
     peak, peak_src = peak_bandwidth()
     print(f"GPU: {peak_src}, peak {peak / 1e9:.0f} GB/s")
-    print(f"| model | test | optiml tok/s | llama.cpp tok/s | ratio | bandwidth used |")
-    print(f"|---|---|---|---|---|---|")
+    print("| model | test | optiml tok/s | llama.cpp tok/s | ratio | bandwidth used |")
+    print("|---|---|---|---|---|---|")
     for path in args.model:
         name = os.path.basename(path)
         try:
@@ -135,6 +135,8 @@ def main() -> int:
             theirs = ll.get(test, float("nan"))
             bw = f"{o['weight_bytes'] * o['tg'] / peak:.0%}" if test == "tg" else ""
             print(f"| {name} | {label} | {o[test]:.1f} | {theirs:.1f} | {o[test] / theirs:.2f}x | {bw} |", flush=True)
+            res.add(model=name, test=label, optiml=o[test], llama_cpp=theirs, ratio=o[test] / theirs, bandwidth_used=bw)
+    res.write(args.json)
     return 0
 
 

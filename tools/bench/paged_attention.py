@@ -3,7 +3,7 @@
 KV length, and the KV bytes read per second against this machine's read bandwidth. These are the CPU
 attention costs NEO's scheduler (issue #19) weighs against the GPU's.
 
-    python tools/bench_paged_attention.py -t 2 [--shape 7b] [--lengths 256 1024 4096] [--batch 1 8 32]
+    python tools/bench/paged_attention.py -t 2 [--shape 7b] [--lengths 256 1024 4096] [--batch 1 8 32]
 
 One layer of a shape (7b: 32 query heads of 128 over 32 KV heads; 8b: 32 over 8), each sequence holding the
 given number of positions; medians of --reps runs.
@@ -12,16 +12,12 @@ given number of positions; medians of --reps runs.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-from optiml import _core  # noqa: E402
+import harness
+from optiml import _core
 
 SHAPES = {"7b": (32, 32, 128), "8b": (32, 8, 128), "small": (9, 3, 64)}  # n_head, n_head_kv, head_dim
 
@@ -52,13 +48,8 @@ def main() -> int:
             q = rng.standard_normal((n, n_head * hd)).astype(np.float32)
             seq = np.arange(n, dtype=np.int32)
             pos = np.full(n, n_kv - 1, np.int32)
-            kv.attend(0, q, seq, pos, 1 / np.sqrt(hd), n_threads=args.threads)
-            times = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                kv.attend(0, q, seq, pos, 1 / np.sqrt(hd), n_threads=args.threads)
-                times.append(time.perf_counter() - t0)
-            dt = statistics.median(times)
+            dt = harness.per_call(lambda i: kv.attend(0, q, seq, pos, 1 / np.sqrt(hd), n_threads=args.threads),
+                                  1, args.reps)
             read = 2 * n * n_kv * width * 2  # K and V in f16, once per KV head (its query heads share it)
             print(f"{n:5d} {n_kv:7d} {dt * 1e3:8.3f} {dt / n * 1e6:9.1f} {read / dt / 1e9:8.2f} "
                   f"{read / dt / read_bw:10.0%}", flush=True)

@@ -1,32 +1,32 @@
 #!/usr/bin/env bash
 # The GPU check of issues #16/#17 in one command, for a machine with a CUDA GPU and no package registry.
 #
-#   tools/gpu_check.sh prepare   # here, with network: writes build/gpu-carry/ (under 64 MiB): the wheels the
+#   tools/checks/gpu_check.sh prepare   # here, with network: writes build/gpu-carry/ (under 64 MiB): the wheels the
 #                                # GPU image lacks, llama.cpp's sources (from llama-cpp-python's sdist), and a
 #                                # tokenizer-only GGUF for the synthetic models
-#   tools/gpu_check.sh prepare-llama  # here (nvcc, no GPU; long on 2 cores): llama.cpp's CUDA programs built
+#   tools/checks/gpu_check.sh prepare-llama  # here (nvcc, no GPU; long on 2 cores): llama.cpp's CUDA programs built
 #                                # for sm_90 and packed into the carry, so the GPU machine does not compile them
-#   tools/gpu_check.sh split M.gguf  # here: a real model too big for one call in two halves,
+#   tools/checks/gpu_check.sh split M.gguf  # here: a real model too big for one call in two halves,
 #                                # build/gpu-parts-a and -b, to carry over two back-to-back calls
-#   tools/gpu_check.sh verify    # there, in one call of under 10 minutes: the GPU tests, tools/bench_gpu.py on
+#   tools/checks/gpu_check.sh verify    # there, in one call of under 10 minutes: the GPU tests, tools/bench/gpu.py on
 #                                # a 7B Q4_0 model against llama.cpp, and the hybrid benchmark (ReLU, 25%)
-#   tools/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
+#   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
 #                                # not carried prebuilt), runs the GPU tests (with the real models when
 #                                # their parts were carried) and compute-sanitizer's memcheck, makes synthetic
-#                                # 7B/13B-shaped models, then benchmarks against llama.cpp (tools/bench_gpu.py)
-#   tools/gpu_check.sh hybrid    # there, after run (a warm machine keeps its builds; else they are redone):
-#                                # issue #17's benchmark, tools/bench_hybrid.py, for 7B-shaped ReLU (90%
+#                                # 7B/13B-shaped models, then benchmarks against llama.cpp (tools/bench/gpu.py)
+#   tools/checks/gpu_check.sh hybrid    # there, after run (a warm machine keeps its builds; else they are redone):
+#                                # issue #17's benchmark, tools/bench/hybrid.py, for 7B-shaped ReLU (90%
 #                                # sparse) and SwiGLU (50%) models with planted power-law firing at 25% and
 #                                # 50% of the model in VRAM, against llama.cpp CUDA -ngl at the same memory
-#   tools/gpu_check.sh offload   # there (after run, or alone): issue #19's GPU test and benchmark,
-#                                # tools/bench_offload.py: the 7B-shaped model served to 16 clients with device
+#   tools/checks/gpu_check.sh offload   # there (after run, or alone): issue #19's GPU test and benchmark,
+#                                # tools/bench/offload.py: the 7B-shaped model served to 16 clients with device
 #                                # KV memory for a quarter of them (and for all), GPU-only vs CPU attention
 #                                # offload vs llama-server CUDA (built without its web UI: no network there)
 #
 # `run` writes its logs and tables to $OUT when set (the device tool brings that folder back), else to
 # build/gpu-check. It goes on past a failed step and ends with a summary and exit status 1 if any failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 carry=build/gpu-carry
 
 prepare() {
@@ -123,7 +123,7 @@ hybrid() {
     setup
     llama_build
     for act in relu silu; do
-        step "hybrid-$act" "$py" tools/bench_hybrid.py --device cuda --shape 7b --activation "$act" \
+        step "hybrid-$act" "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation "$act" \
             --budgets 0.25 0.5 --calibrate-tokens 2048 --llama-bench build/llama-cuda/bin/llama-bench \
             --tokenizer-from "$carry/models/tokenizer-donor.gguf" --workdir build/bench-hybrid
         cat "$out/hybrid-$act.log" | tail -n 25
@@ -144,10 +144,10 @@ verify() {
     step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
     llama_build
     wait "$maker" || failed+=(make-llama7b-q4_0)
-    step bench "$py" tools/bench_gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 \
+    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 \
         --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench
     cat "$out/bench.log"
-    step hybrid-relu "$py" tools/bench_hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
+    step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
         --tokens 32 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --workdir build/bench-hybrid
     tail -n 25 "$out/hybrid-relu.log"
@@ -177,7 +177,7 @@ offload() {
         tests/test_offload_policy.py -p no:cacheprovider
     llama_build
     for share in 0.25 1; do
-        step "offload-$share" "$py" tools/bench_offload.py -m "$models/llama7b-q4_0.gguf" --device cuda \
+        step "offload-$share" "$py" tools/bench/offload.py -m "$models/llama7b-q4_0.gguf" --device cuda \
             --offered 16 --kv-share "$share" --ctx 2048 --gen 128 --llama-server build/llama-cuda/bin/llama-server
         cat "$out/offload-$share.log" | tail -n 12
     done
@@ -206,7 +206,7 @@ run() {
     for m in "$models"/llama*.gguf; do args+=(-m "$m"); done
     [ -x build/llama-cuda/bin/llama-bench ] && args+=(--llama-bench build/llama-cuda/bin/llama-bench \
         --llama-batched-bench build/llama-cuda/bin/llama-batched-bench)
-    step bench "$py" tools/bench_gpu.py "${args[@]}"
+    step bench "$py" tools/bench/gpu.py "${args[@]}"
     cat "$out/bench.log"
 
     echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
@@ -215,7 +215,7 @@ run() {
 
 # A real model too big for one call travels in parts over back-to-back calls (the machine keeps what earlier
 # calls left): build/gpu-parts-*/NAME.gguf.part-* are joined into DIR once every part is there
-# (tools/gpu_check.sh split MODEL.gguf writes two halves into build/gpu-parts-a and -b).
+# (tools/checks/gpu_check.sh split MODEL.gguf writes two halves into build/gpu-parts-a and -b).
 join_parts() {
     local dir=$1 first
     for first in build/gpu-parts-a/*.gguf.part-aa; do
@@ -243,5 +243,5 @@ case "${1:-}" in
     split) split_model "$2" ;;
     hybrid) hybrid ;;
     offload) offload ;;
-    *) echo "usage: tools/gpu_check.sh prepare|prepare-llama|split|verify|run|hybrid|offload" >&2; exit 2 ;;
+    *) echo "usage: tools/checks/gpu_check.sh prepare|prepare-llama|split|verify|run|hybrid|offload" >&2; exit 2 ;;
 esac

@@ -14,11 +14,11 @@
 #      test_generate and test_sparse_ffn are left out for time (6+ minutes under ASan); name extra tests
 #      in OPTIML_SANITIZE_TESTS to add them.
 # Any sanitizer report stops it with a non-zero status. Run from the repository root:
-#     bash tools/sanitize_check.sh            # OPTIML_SANITIZE_RUNS=N mutations per harness (default 2000)
-#     bash tools/sanitize_check.sh build      # only the build (.ci/run starts it early, in the background)
-#     bash tools/sanitize_check.sh run        # only steps 1 and 2, on an earlier build
+#     bash tools/checks/sanitize_check.sh            # OPTIML_SANITIZE_RUNS=N mutations per harness (default 2000)
+#     bash tools/checks/sanitize_check.sh build      # only the build (.ci/run starts it early, in the background)
+#     bash tools/checks/sanitize_check.sh run        # only steps 1 and 2, on an earlier build
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 build=build/asan
 pkg=$build/pkg
 py="${PYTHON:-python}"
