@@ -279,7 +279,7 @@ def add_json_arg(ap) -> None:
 class Results:
     """A benchmark's rows, printed as a markdown table and written as JSON with one schema:
     {"tool", "command", "commit", "date", "machine", "rows": [{column: value}], "notes": [...]}.
-    docs/results/ keeps such files; the README's figures are read from them."""
+    docs/results/ keeps runs worth keeping; tools/bench/table.py prints them back as tables."""
 
     def __init__(self, tool: str):
         self.tool = tool
