@@ -21,7 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-CACHE = Path(os.environ.get("OPTIML_MODEL_CACHE", Path.home() / ".cache" / "optiml" / "models"))
+import harness
+
+CACHE = harness.internal("models").cache_dir()
 
 # Runs in the child: convert, then report wall time and this process's peak RSS.
 CHILD = r"""
@@ -93,7 +95,9 @@ def main() -> None:
     ap.add_argument("--hf-dir", type=Path, default=CACHE / "SmolLM2-135M-Instruct-f32-hf")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
     ap.add_argument("-t", "--threads", type=int, default=0, help="quantization threads (0 = optiml's default)")
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("convert")
     if not (args.hf_dir / "model.safetensors").is_file():
         make_checkpoint(args.hf_dir)
 
@@ -114,17 +118,20 @@ def main() -> None:
             theirs = ""
             ratio = ""
             if qtype in ("q4_k_m", "q5_k_m", "q6_k", "q4_0", "q8_0"):
-                from optiml.convert.quant_mix import TYPES
-
+                TYPES = harness.internal("quant_mix").TYPES
                 if f32 is None:
                     f32 = tmp / "f32.gguf"
                     run_child(args.hf_dir, f32, "f32", args.threads)
                 ls = llama_cpp_size(f32, tmp / f"llama.cpp.{qtype}.gguf", int(TYPES[qtype].ftype), args.threads)
                 if ls:
                     theirs, ratio = f"{ls / 2**20:.1f}", f"{size / ls:.4f}"
+            res.add(type=qtype, seconds=best["seconds"], peak_rss_mib=best["peak_rss"] / 2**20,
+                    over_baseline_mib=(best["peak_rss"] - base["peak_rss"]) / 2**20, output_mib=size / 2**20,
+                    llama_cpp_mib=float(theirs) if theirs else None, ratio=float(ratio) if ratio else None)
             print(f"| {qtype:6s} | {best['seconds']:7.2f} | {best['peak_rss'] / 2**20:12.0f} | "
                   f"{(best['peak_rss'] - base['peak_rss']) / 2**20:13.0f} | {size / 2**20:10.1f} | {theirs:>13s} | "
                   f"{ratio:>5s} |")
+    res.write(args.json)
 
 
 if __name__ == "__main__":

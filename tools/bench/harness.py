@@ -43,6 +43,7 @@ INTERNAL = {
     "hardware": "optiml.hardware",  # Hardware: the solver's machine description
     "solve": "optiml.solve",  # make_groups, solve_groups: the placement MIP
     "sampling": "optiml.sampling",  # the Python sampler (Sampler, SamplingParams, find_stop)
+    "quant_mix": "optiml.convert.quant_mix",  # the k-quant mixes (TYPES: name -> llama.cpp's ftype)
 }
 
 
@@ -109,6 +110,13 @@ def per_call(fn, n_calls: int = 1, repeats: int = 5, pick=median) -> float:
             fn(i)
         passes.append((time.perf_counter() - t0) / n_calls)
     return pick(passes)
+
+
+def copies_of(a, span_mib: int) -> list:
+    """a and enough copies of it to fill span_mib MiB: a kernel cycling through them reads from memory,
+    not from a cache that still holds the last call's weights."""
+    n = max(1, -(-(span_mib << 20) // a.nbytes))
+    return [a] + [a.copy() for _ in range(n - 1)]
 
 
 def time_pp(engine, prompt: list[int]) -> float:

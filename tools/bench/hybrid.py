@@ -136,7 +136,9 @@ def main() -> int:
                     help="SwiGLU thresholds from this many tokens (on the CPU: 8192 took 3 minutes of a GPU call)")
     ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
                     "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("hybrid")
     firing = args.firing if args.firing is not None else (0.1 if args.activation == "relu" else 0.5)
     os.makedirs(args.workdir, exist_ok=True)
     E, L, FF, H, HKV = SHAPES[args.shape]
@@ -187,6 +189,7 @@ def main() -> int:
             print(f"  {label}: not run ({e})")
             return None, None
         rows.append((label, used, rate))
+        res.add(run=label, device_mib=used / 2**20, tok_s=rate)
         print(f"  {label:36} device bytes {used / 2**20:9.1f} MiB   {rate:8.2f} tok/s", flush=True)
         return rate, toks
 
@@ -205,10 +208,13 @@ def main() -> int:
             k = llama_layers_for(base, vram, args.ctx)
             theirs[b] = llama_bench(args.llama_bench, base, k, args.tokens, args.reps, args.threads)
             print(f"  llama.cpp -ngl {k:<3} (fits {b:.0%})              {theirs[b]:24.2f} tok/s", flush=True)
+            res.add(run=f"llama.cpp -ngl {k} (fits {b:.0%})", tok_s=theirs[b])
         llama_cpu = llama_bench(args.llama_bench, base, 0, args.tokens, args.reps, args.threads)
         print(f"  llama.cpp -ngl 0                       {llama_cpu:24.2f} tok/s")
+        res.add(run="llama.cpp -ngl 0", tok_s=llama_cpu)
         llama_full = llama_bench(args.llama_bench, base, 99, args.tokens, args.reps, args.threads)
         print(f"  llama.cpp -ngl 99                      {llama_full:24.2f} tok/s")
+        res.add(run="llama.cpp -ngl 99", tok_s=llama_full)
     print("\nratios")
     for b in placed:
         if ours.get(b) and theirs.get(b):
@@ -217,6 +223,7 @@ def main() -> int:
             print(f"  hybrid at {b:.0%} / ours CPU only: {ours[b] / cpu_rate:.2f}x")
         if ours.get(b) and full_rate:
             print(f"  hybrid at {b:.0%} / ours all on the device: {ours[b] / full_rate:.2f}x")
+    res.write(args.json)
     return 0
 
 

@@ -49,7 +49,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1, help="activation rows per product (default 1: matrix-vector)")
     ap.add_argument("--rows16", action="store_true",
                     help="also time the rows16 layout (Q4_0/Q4_1/Q8_0, AVX-512VNNI) and print rows16 / rows")
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("kernels")
 
     info = optiml.system_info()
     simd = args.simd or info["simd"]
@@ -76,7 +78,7 @@ def main() -> int:
             if cols % quant.type_info(qtype).block_size:
                 continue  # the row is not whole blocks of this format (640 columns and k-quants)
             w = quant.quantize(wf, qtype)
-            copies = [w] + [w.copy() for _ in range(max(1, -(-(args.span << 20) // w.nbytes)) - 1)]
+            copies = harness.copies_of(w, args.span)
             layouts = [False]
             if args.rows16 and qtype in ("q4_0", "q4_1", "q8_0") and rows % 16 == 0 and _core.has_rows16(simd):
                 layouts.append(True)
@@ -89,16 +91,23 @@ def main() -> int:
                     s = time_matvec(copies16 if rows16 else copies, qtype, x, simd, n, args.repeats, rows16)
                     if rows16:
                         s0 = time_matvec(copies, qtype, x, simd, n, args.repeats)
+                    row = res.add(format=qtype, layout="rows16" if rows16 else "rows", shape=f"{rows}x{cols}",
+                                  tokens=args.tokens, threads=n, ms=s * 1e3)
                     if batch:
-                        line += f" | {s * 1e3:6.2f} {2 * rows * cols * args.tokens / s / 1e9:8.1f}"
+                        row["gflops"] = 2 * rows * cols * args.tokens / s / 1e9
+                        line += f" | {s * 1e3:6.2f} {row['gflops']:8.1f}"
                     else:
                         gbs = w.nbytes / s / 1e9
+                        row.update(gb_s=gbs, of_read_bandwidth=gbs * 1e9 / bandwidth[n])
                         line += f" | {s * 1e3:6.2f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:6.0%}"
                     if rows16:
+                        row["vs_rows"] = s0 / s
                         line += f" ({s0 / s:.2f}x rows)"
                 print(line, flush=True)
             del copies
             copies16 = None
+    res.note(f"read bandwidth GB/s by threads: { {n: round(b / 1e9, 1) for n, b in bandwidth.items()} }")
+    res.write(args.json)
     return 0
 
 

@@ -49,12 +49,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=0.0, help="sparse mode's threshold for every layer "
                     "(0: exact zero-skipping, for ReLU models)")
     ap.add_argument("--mode", choices=("dense", "sparse-fast", "sparse-compact"), help=argparse.SUPPRESS)
+    harness.add_json_arg(ap)
     a = ap.parse_args(argv)
     if a.mode:
         child(a)
         return 0
 
     a.model = harness.model_path(a.model, pull=True)
+    res = harness.Results("memory")
     size = os.path.getsize(a.model)
     print(f"{os.path.basename(a.model)}: file {size / 2**30:.2f} GiB; ctx {a.ctx}, prompt {a.prompt}, "
           f"{a.tokens} tokens, {a.threads} threads")
@@ -67,10 +69,13 @@ def main(argv=None) -> int:
         r = json.loads(out)
         base = size + r["kv_bytes"]
         over = r["peak_rss"] - base
+        res.add(mode=mode, skipped=r.get("skipped"), peak_rss_gib=r["peak_rss"] / 2**30, file_kv_gib=base / 2**30,
+                over_mib=over / 2**20, over_share_of_file=over / size, budget_share=share, within=over <= share * size)
         print(f"| {mode}{' (%.0f%% skipped)' % (100 * r['skipped']) if mode != 'dense' else ''} | "
               f"{r['peak_rss'] / 2**30:.2f} GiB | {base / 2**30:.2f} GiB | {over / 2**20:+.0f} MiB "
               f"({100 * over / size:+.1f}% of file) | {100 * share:.0f}% | {'yes' if over <= share * size else 'NO'} |",
               flush=True)
+    res.write(a.json)
     return 0
 
 

@@ -42,7 +42,10 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
     ap.add_argument("--max-itl-ms", type=float, default=None, help="the pipelined server's latency bound")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (CUDA build) to compare with")
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    args.model = harness.model_path(args.model, pull=True)
+    res = harness.Results("offload")
 
     hp = oplan.make(args.model, n_ctx=args.ctx, n_seq=1, device=args.device, n_gpu_layers=0)
     n_layer = len(hp.layers)
@@ -78,6 +81,7 @@ def main() -> int:
             wait_ready(url, proc)
             run_level(url, 1, 1, dict(body, max_tokens=4))  # warm up
             r = rows[name] = run_level(url, args.offered, args.requests, body)
+            res.add(server=name, clients=args.offered, device_kv_sequences=cap, **r)
             print(f"{name:13} {r['tok_s']:8.1f} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
                   f"{r['itl_p99'] * 1e3:6.0f}ms", flush=True)
         finally:
@@ -87,6 +91,7 @@ def main() -> int:
           f"below 1.0x with ample KV), ITL p99 {p['itl_p99'] * 1e3:.0f} vs {g['itl_p99'] * 1e3:.0f} ms")
     if "llama-server" in rows:
         print(f"pipelined / llama-server: throughput {p['tok_s'] / rows['llama-server']['tok_s']:.2f}x")
+    res.write(args.json)
     return 0
 
 

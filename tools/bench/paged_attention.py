@@ -29,7 +29,9 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--reps", type=int, default=5)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("paged_attention")
     n_head, n_head_kv, hd = SHAPES[args.shape]
     width = n_head_kv * hd
     read_bw = _core.measure_read_bandwidth(1 << 30, 3, args.threads)
@@ -51,8 +53,11 @@ def main() -> int:
             dt = harness.per_call(lambda i: kv.attend(0, q, seq, pos, 1 / np.sqrt(hd), n_threads=args.threads),
                                   1, args.reps)
             read = 2 * n * n_kv * width * 2  # K and V in f16, once per KV head (its query heads share it)
+            res.add(batch=n, kv_len=n_kv, ms_step=dt * 1e3, us_token=dt / n * 1e6, kv_gb_s=read / dt / 1e9,
+                    of_read_bandwidth=read / dt / read_bw)
             print(f"{n:5d} {n_kv:7d} {dt * 1e3:8.3f} {dt / n * 1e6:9.1f} {read / dt / 1e9:8.2f} "
                   f"{read / dt / read_bw:10.0%}", flush=True)
+    res.write(args.json)
     return 0
 
 

@@ -65,7 +65,9 @@ def main(argv=None) -> int:
                     "position of every window; needs torch and transformers, and memory for n_ctx x n_vocab)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless OptiML's perplexity is within 1%% of "
                     "llama.cpp's and its KLD within 10%%")
+    harness.add_json_arg(ap)
     a = ap.parse_args(argv)
+    res = harness.Results("perplexity")
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
 
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
         r = run(harness.model_path(name, pull=True), text, a.ctx, a.chunks, a.kld)
         for eng in ("ours", "llama.cpp"):
             e = r[eng]
+            res.add(model=os.path.basename(name), tokens=r["tokens"], engine=eng, ppl=e["ppl"], ppl_err=e["err"],
+                    kld=e.get("kld"), same_top=e.get("same_top"), seconds=e["s"])
             kl = f"{e['kld']:.5f}" if "kld" in e else "—"
             st = f"{100 * e['same_top']:.2f}%" if "same_top" in e else "—"
             print(f"| {os.path.basename(name)} | {r['tokens']} | {eng} | {e['ppl']:.4f} ± {e['err']:.4f} | {kl} | {st} "
@@ -83,6 +87,7 @@ def main(argv=None) -> int:
         ok &= abs(r["ours"]["ppl"] / r["llama.cpp"]["ppl"] - 1) < 0.01
         if a.kld:
             ok &= r["ours"]["kld"] <= 1.1 * r["llama.cpp"]["kld"]
+    res.write(a.json)
     return 0 if ok or not a.check else 1
 
 

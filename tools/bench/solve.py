@@ -46,7 +46,9 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=None, help="HiGHS time limit (default: the goal)")
     ap.add_argument("--only", choices=list(SHAPES), default=None)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("solve")
     hw = Hardware()
     for name, (L, F, E, goal) in SHAPES.items():
         if args.only and name != args.only:
@@ -71,6 +73,10 @@ def main() -> int:
                   f"{greedy.solve_s:.2f} s); {sum(sol.x)} of {sum(len(g) for g in gbs)} groups on the GPU")
             for m in w:
                 print(f"  warning: {m.message}")
+            res.add(shape=name, budget_of_ffn=f"1/{frac}", solve_s=dt, goal_s=goal, method=sol.method,
+                    status=str(sol.status), gap=sol.gap, ffn_ms=sol.objective_s * 1e3,
+                    greedy_ffn_ms=greedy.objective_s * 1e3, groups_on_gpu=int(sum(sol.x)))
+    res.write(args.json)
     return 0
 
 

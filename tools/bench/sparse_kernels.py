@@ -37,11 +37,6 @@ def best_seconds(fn, n_calls: int, repeats: int) -> float:
     return harness.per_call(fn, n_calls, repeats, pick=min)
 
 
-def copies_of(a: np.ndarray, span_mib: int) -> list:
-    n = max(1, -(-(span_mib << 20) // a.nbytes))
-    return [a] + [a.copy() for _ in range(n - 1)]
-
-
 PARTS = ("axpy", "down", "matmul", "repack")
 
 
@@ -100,7 +95,9 @@ def main() -> int:
     ap.add_argument("--parts", nargs="*", default=list(PARTS), choices=PARTS,
                     help="what to time: axpy (F32/F16/Q8_0 rows), down (the engine's compact and fast down "
                          "copies), matmul (matmul_rows), repack (default: all)")
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("sparse_kernels")
 
     info = optiml.system_info()
     simd = args.simd or info["simd"]
@@ -115,6 +112,7 @@ def main() -> int:
         line = f"{name:<34}"
         for n in args.threads:
             gbs = n_bytes / times[n] / 1e9
+            res.add(kernel=name.strip(), threads=n, ms=times[n] * 1e3, gb_s=gbs, of_read_bandwidth=gbs * 1e9 / bandwidth[n])
             line += f" | {times[n] * 1e3:7.3f} {gbs:5.1f} {gbs * 1e9 / bandwidth[n]:5.0%}"
         return line
 
@@ -124,7 +122,7 @@ def main() -> int:
     for nm_type in args.nm_types if "axpy" in args.parts else []:
         t = quant.type_id(nm_type)
         nm = quant.quantize(wf, nm_type)  # [n_ff, n_embd]: neuron-major rows as repack makes them
-        copies = copies_of(nm, args.span)
+        copies = harness.copies_of(nm, args.span)
         for frac in args.active:
             k = max(1, int(round(frac * args.n_ff)))
             idx = [np.sort(rng.choice(args.n_ff, size=k, replace=False)).astype(np.int32) for _ in copies]
@@ -150,7 +148,7 @@ def main() -> int:
 
     gt = quant.type_id(args.gate_type)
     gate = quant.quantize(wf, args.gate_type)  # [n_ff, n_embd]
-    copies = copies_of(gate, args.span) if "matmul" in args.parts else []
+    copies = harness.copies_of(gate, args.span) if "matmul" in args.parts else []
     x = rng.standard_normal((1, args.n_embd)).astype(np.float32)
     for frac in args.active if "matmul" in args.parts else []:
         k = max(1, int(round(frac * args.n_ff)))
@@ -175,6 +173,7 @@ def main() -> int:
         s = time.perf_counter() - t0
         print(f"repack_neuron_major {args.gate_type}->q8_0, {n}t: {s:.3f} s per layer, "
               f"{s * args.layers:.1f} s for {args.layers} layers")
+    res.write(args.json)
     return 0
 
 
