@@ -49,7 +49,7 @@ model_fingerprint = harness.internal("stats").model_fingerprint
 
 SMOLLM2 = harness.model_path("smollm2-135m-instruct-q4_1")
 GEMMA3 = harness.model_path("gemma3-270m-q4_k_m")
-RESULTS = harness.Results("predictors")  # the speed table's rows, for --json
+RESULTS = harness.Results("predictors")  # the speed and quality tables' rows, for --json
 GOALS = {"relu": (0.9, 2.3), "silu": (0.5, 1.4)}
 
 
@@ -170,7 +170,7 @@ def bench_speed(a, act: str) -> list[str]:
     for name, share, o, p, need, ro in rows:
         r = statistics.median(o) / statistics.median(p)
         ceiling = dense_bytes / need
-        RESULTS.add(activation=act, ffn=name, computed=share, optiml=statistics.median(o), optiml_runs=o,
+        RESULTS.add(table="speed", activation=act, ffn=name, computed=share, optiml=statistics.median(o), optiml_runs=o,
                     llama_cpp=statistics.median(p), llama_cpp_runs=p, ratio=r, vs_dense=statistics.median(o) / od,
                     mb_per_token=need / 1e6, ceiling=ceiling, read_only=ro)
         out.append(f"| {name} | {share:.3f} | {spread(o, '.2f')} | {spread(p, '.2f')} | "
@@ -195,8 +195,7 @@ def bench_speed(a, act: str) -> list[str]:
 
 
 def bench_quality(a) -> tuple[list[str], list]:
-    from optiml import perplexity as px
-
+    px = harness.internal("perplexity")
     text = open(harness.TEXT, encoding="utf-8").read()
     train, test = text[: len(text) // 2], text[len(text) // 2:]
     out, curves = [], []
@@ -232,6 +231,10 @@ def bench_quality(a) -> tuple[list[str], list]:
                        f"{q['precision'].mean():.3f} | {share:.3f} | {r['ppl']:.3f} ({r['ppl_base']:.3f}) | "
                        f"{r['kld_mean']:.4f} | {r['same_top']:.3f} | {ratio:.2f}x{' (noisy)' if noisy(o, d) else ''} |")
             curve.append((s, share, r["kld_mean"], r["ppl_ratio"], ratio))
+            RESULTS.add(table="quality", model=name, label_sparsity=s, rank_mean=float(res.rank.mean()),
+                        recall_mean=float(q["recall"].mean()), recall_min=float(q["recall"].min()),
+                        precision=float(q["precision"].mean()), computed=share, ppl=r["ppl"], ppl_dense=r["ppl_base"],
+                        kld_mean=r["kld_mean"], same_top=r["same_top"], vs_dense=ratio, noisy=noisy(o, d))
             close(m)
         ok = [c for c in curve if c[2] < 0.05 and c[3] < 1.03]
         if ok:
