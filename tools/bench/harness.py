@@ -3,7 +3,8 @@ peer, the machine, and results as a printed table and as JSON.
 
 A benchmark imports it as `import harness` (tools/bench/ is on sys.path whether the benchmark runs as
 `python tools/bench/NAME.py` or through `python tools/bench/run.py NAME`). Importing it makes `optiml`
-importable: an installed package, else this checkout's python/ (the in-place build).
+importable, here and in the processes the benchmark starts: an installed package, else this checkout's
+python/ (the in-place build).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ BUILD = ROOT / "build"  # where benchmarks keep what they generate (models, cali
 
 if importlib.util.find_spec("optiml") is None:
     sys.path.insert(0, str(ROOT / "python"))
+    # and for the processes a benchmark starts (servers, `python -m optiml`, measuring children)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))
 
 import optiml  # noqa: E402
 
@@ -318,7 +321,10 @@ class Results:
         width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
         lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, width)) + " |",
                  "|" + "|".join("-" * (w + 2) for w in width) + "|"]
-        lines += ["| " + " | ".join(x.rjust(w) for x, w in zip(r, width)) + " |" for r in cells]
+        numeric = [all(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
+                       for r in rows if r.get(c) is not None) for c in cols]  # figures right, words left
+        lines += ["| " + " | ".join(x.rjust(w) if num else x.ljust(w) for x, w, num in zip(r, width, numeric)) + " |"
+                  for r in cells]
         return "\n".join(lines)
 
     def document(self) -> dict:
