@@ -139,8 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per round")
     ap.add_argument("--reps", type=int, default=3, help="rounds per engine and N (medians reported)")
     ap.add_argument("--no-peer", action="store_true", help="OptiML only")
-    harness.add_json_arg(ap)
-    a = ap.parse_args(argv)
+    a, res = harness.parse(ap, "batch", argv)
     path = harness.model_path(a.model, pull=True)
     n_ctx_seq = 128
 
@@ -178,7 +177,6 @@ def main(argv=None) -> int:
             return float("nan")
         return med([x / one for x, one in zip(runs[n], runs[1])])
 
-    res = harness.Results("batch")
     print()
     print("| N | optiml tok/s (range) | llama.cpp tok/s | optiml / llama.cpp | optiml scaling vs N=1 | llama.cpp scaling |")
     print("|---|---|---|---|---|---|")

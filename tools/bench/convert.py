@@ -95,9 +95,7 @@ def main() -> None:
     ap.add_argument("--hf-dir", type=Path, default=CACHE / "SmolLM2-135M-Instruct-f32-hf")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k_m"])
     ap.add_argument("-t", "--threads", type=int, default=0, help="quantization threads (0 = optiml's default)")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("convert")
+    args, res = harness.parse(ap, "convert")
     if not (args.hf_dir / "model.safetensors").is_file():
         make_checkpoint(args.hf_dir)
 

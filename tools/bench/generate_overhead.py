@@ -105,9 +105,7 @@ def main() -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="tokens to generate per run")
     ap.add_argument("-r", "--repeats", type=int, default=5)
     ap.add_argument("--stop", action="append", help="a stop string (repeatable; exercises the hold-back)")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("generate_overhead")
+    args, res = harness.parse(ap, "generate_overhead")
 
     m = optiml.Model(args.model, n_ctx=args.n_gen + 64, n_threads=args.threads)
     kw = dict(max_tokens=args.n_gen, temperature=0.8, seed=1234, repeat_penalty=1.1, stop=args.stop)

@@ -113,9 +113,7 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("gpu")
+    args, res = harness.parse(ap, "gpu")
     if not optiml.system_info()["cuda_devices"]:
         print("no CUDA device: nothing to measure")
         return 1

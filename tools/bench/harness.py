@@ -270,6 +270,26 @@ def machine_line() -> str:
             f"load average {m['load_average']:.1f}{peer}")
 
 
+def kernel_context(simd: str, threads: list[int], **about) -> tuple[str, dict]:
+    """What a kernel benchmark reports before its table: (the SIMD level it runs, `simd` or the best this
+    machine has; read_bandwidth(threads)), printed as comment lines with `about` (name=value)."""
+    info = optiml.system_info()
+    simd = simd or info["simd"]
+    extra = "".join(f" {k}={v}" for k, v in about.items())
+    print(f"# simd={simd} physical_cores={info['physical_cores']}{extra}")
+    return simd, read_bandwidth(threads)
+
+
+def read_bandwidth(threads: list[int], passes: int = 5) -> dict:
+    """This machine's read bandwidth in bytes/s by thread count (1 GiB read `passes` times), the ceiling a
+    memory-bound kernel is measured against; each figure printed as a comment line."""
+    out = {}
+    for n in threads:
+        out[n] = optiml._core.measure_read_bandwidth(1 << 30, passes, n)
+        print(f"# memory read bandwidth, {n} thread(s): {out[n] / 1e9:.1f} GB/s", flush=True)
+    return out
+
+
 def commit() -> str | None:
     """This checkout's commit, with -dirty when files differ from it (a figure names the code it timed)."""
     try:
@@ -285,6 +305,12 @@ def commit() -> str | None:
 # ---- results --------------------------------------------------------------------------------------------
 def add_json_arg(ap) -> None:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON (the schema: docs/benchmarks.md)")
+
+
+def parse(ap, tool: str, argv=None):
+    """(arguments, Results(tool)) from a benchmark's parser, with --json added."""
+    add_json_arg(ap)
+    return ap.parse_args(argv), Results(tool)
 
 
 class Results:

@@ -136,9 +136,7 @@ def main() -> int:
                     help="SwiGLU thresholds from this many tokens (on the CPU: 8192 took 3 minutes of a GPU call)")
     ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
                     "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("hybrid")
+    args, res = harness.parse(ap, "hybrid")
     firing = args.firing if args.firing is not None else (0.1 if args.activation == "relu" else 0.5)
     os.makedirs(args.workdir, exist_ok=True)
     E, L, FF, H, HKV = SHAPES[args.shape]

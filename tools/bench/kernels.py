@@ -49,17 +49,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1, help="activation rows per product (default 1: matrix-vector)")
     ap.add_argument("--rows16", action="store_true",
                     help="also time the rows16 layout (Q4_0/Q4_1/Q8_0, AVX-512VNNI) and print rows16 / rows")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("kernels")
+    args, res = harness.parse(ap, "kernels")
 
-    info = optiml.system_info()
-    simd = args.simd or info["simd"]
-    print(f"# simd={simd} physical_cores={info['physical_cores']} compiler={info['compiler']}")
-    bandwidth = {}
-    for n in args.threads:
-        bandwidth[n] = _core.measure_read_bandwidth(1 << 30, 5, n)
-        print(f"# memory read bandwidth, {n} thread(s): {bandwidth[n] / 1e9:.1f} GB/s")
+    simd, bandwidth = harness.kernel_context(args.simd, args.threads, compiler=optiml.system_info()["compiler"])
 
     rng = np.random.default_rng(0)
     batch = args.tokens > 1

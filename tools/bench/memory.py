@@ -49,14 +49,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=float, default=0.0, help="sparse mode's threshold for every layer "
                     "(0: exact zero-skipping, for ReLU models)")
     ap.add_argument("--mode", choices=("dense", "sparse-fast", "sparse-compact"), help=argparse.SUPPRESS)
-    harness.add_json_arg(ap)
-    a = ap.parse_args(argv)
+    a, res = harness.parse(ap, "memory", argv)
     if a.mode:
         child(a)
         return 0
 
     a.model = harness.model_path(a.model, pull=True)
-    res = harness.Results("memory")
     size = os.path.getsize(a.model)
     print(f"{os.path.basename(a.model)}: file {size / 2**30:.2f} GiB; ctx {a.ctx}, prompt {a.prompt}, "
           f"{a.tokens} tokens, {a.threads} threads")

@@ -42,10 +42,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
     ap.add_argument("--max-itl-ms", type=float, default=None, help="the pipelined server's latency bound")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (CUDA build) to compare with")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
+    args, res = harness.parse(ap, "offload")
     args.model = harness.model_path(args.model, pull=True)
-    res = harness.Results("offload")
 
     hp = oplan.make(args.model, n_ctx=args.ctx, n_seq=1, device=args.device, n_gpu_layers=0)
     n_layer = len(hp.layers)

@@ -29,9 +29,7 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--reps", type=int, default=5)
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("paged_attention")
+    args, res = harness.parse(ap, "paged_attention")
     n_head, n_head_kv, hd = SHAPES[args.shape]
     width = n_head_kv * hd
     read_bw = _core.measure_read_bandwidth(1 << 30, 3, args.threads)

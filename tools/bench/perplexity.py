@@ -65,9 +65,7 @@ def main(argv=None) -> int:
                     "position of every window; needs torch and transformers, and memory for n_ctx x n_vocab)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless OptiML's perplexity is within 1%% of "
                     "llama.cpp's and its KLD within 10%%")
-    harness.add_json_arg(ap)
-    a = ap.parse_args(argv)
-    res = harness.Results("perplexity")
+    a, res = harness.parse(ap, "perplexity", argv)
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
 

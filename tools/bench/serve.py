@@ -62,10 +62,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--ctx", type=int, default=512, help="context per slot")
     ap.add_argument("--llama-server", default=None, help="llama-server binary to compare with")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
+    args, res = harness.parse(ap, "serve")
     args.model = harness.model_path(args.model, pull=True)
-    res = harness.Results("serve")
 
     import optiml
 

@@ -46,9 +46,7 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=None, help="HiGHS time limit (default: the goal)")
     ap.add_argument("--only", choices=list(SHAPES), default=None)
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("solve")
+    args, res = harness.parse(ap, "solve")
     hw = Hardware()
     for name, (L, F, E, goal) in SHAPES.items():
         if args.only and name != args.only:

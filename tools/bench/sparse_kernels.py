@@ -27,7 +27,6 @@ import time
 import numpy as np
 
 import harness
-import optiml
 from optiml import _core, quant
 
 
@@ -95,16 +94,9 @@ def main() -> int:
     ap.add_argument("--parts", nargs="*", default=list(PARTS), choices=PARTS,
                     help="what to time: axpy (F32/F16/Q8_0 rows), down (the engine's compact and fast down "
                          "copies), matmul (matmul_rows), repack (default: all)")
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
-    res = harness.Results("sparse_kernels")
+    args, res = harness.parse(ap, "sparse_kernels")
 
-    info = optiml.system_info()
-    simd = args.simd or info["simd"]
-    print(f"# simd={simd} physical_cores={info['physical_cores']} n_embd={args.n_embd} n_ff={args.n_ff}")
-    bandwidth = {n: _core.measure_read_bandwidth(1 << 30, 5, n) for n in args.threads}
-    for n, bw in bandwidth.items():
-        print(f"# memory read bandwidth, {n} thread(s): {bw / 1e9:.1f} GB/s")
+    simd, bandwidth = harness.kernel_context(args.simd, args.threads, n_embd=args.n_embd, n_ff=args.n_ff)
     rng = np.random.default_rng(0)
     wf = rng.standard_normal((args.n_ff, args.n_embd), dtype=np.float32) * 0.02
 

@@ -52,12 +52,10 @@ def main() -> int:
     ap.add_argument("-p", "--n-prompt", type=int, nargs="*", default=[128, 512])
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--repeats", type=int, default=5)
-    harness.add_json_arg(ap)
-    args = ap.parse_args()
+    args, res = harness.parse(ap, "vs_llamacpp")
     harness.llama_cpp()  # exits with how to install it when missing
     paths = harness.existing_models(args.model or DEFAULT_MODELS)
 
-    res = harness.Results("vs_llamacpp")
     print(harness.machine_line() + f", threads: {args.threads}")
     print(f"median of {args.repeats} runs, tokens/s")
     print()
