@@ -37,7 +37,7 @@ using namespace optiml;
 
 #if defined(OPTIML_ARM)
 namespace optiml {
-void fill_kernels_neon_dotprod(KernelTable& table);  // native/src/cpu/kernels_dotprod_neon.cpp
+void fill_kernels_neon_dotprod(KernelTable& table);  // native/src/cpu/kernels/kernels_dotprod_neon.cpp
 }
 #endif
 

@@ -25,10 +25,11 @@ for tool in "$CXX" "$QEMU"; do
   fi
 done
 
-# The CPU core as CMakeLists.txt selects it on aarch64 (cpu/ and quant/, minus the x86 variants):
-# the scalar reference, the dispatcher and the NEON files; not the model, tokenizer or GGUF code.
+# The kernels as CMakeLists.txt selects them on aarch64 (quant/, cpu/kernels/ and cpu/system/, minus the
+# x86 variants): the scalar reference, the dispatcher and the NEON files; not the CPU backend, the model,
+# tokenizer or GGUF code.
 sources=()
-for s in native/src/quant/*.cpp native/src/cpu/*.cpp; do
+for s in native/src/quant/*.cpp native/src/cpu/kernels/*.cpp native/src/cpu/system/*.cpp; do
   [[ "$s" == *_avx*.cpp ]] || sources+=("$s")  # every x86 variant (avx2, avxvnni, avx512*)
 done
 sources+=(tests/native/test_kernels.cpp)
@@ -45,8 +46,7 @@ for s in "${sources[@]}"; do
   echo "$march $s"
 done | CXX="$CXX" FLAGS="$flags" OUT="$out/obj" xargs -P "${NEON_CHECK_JOBS:-2}" -L 1 bash -c \
   '$CXX $FLAGS -march="$0" -c "$1" -o "$OUT/$(echo "$1" | tr / _).o"'
-# The core as an archive, so only what the driver uses is linked (the CPU backend's model-level ops in
-# cpu/ refer to the model code, which this check does not build).
+# The core as an archive, so only what the driver uses is linked.
 AR="${AR_AARCH64:-aarch64-linux-gnu-ar}"
 rm -f "$out/libcore.a"
 "$AR" rcs "$out/libcore.a" $(ls "$out"/obj/*.o | grep -v tests_native_test_kernels)

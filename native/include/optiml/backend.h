@@ -1,6 +1,6 @@
 // The device layer: what the forward pass asks of a device, and nothing else. Model code
 // (native/src/model/forward.cpp, ffn.cpp) calls only this interface; the CPU backend
-// (native/src/cpu/backend_cpu.cpp) wraps the kernels and the thread pool, and a CUDA backend plugs in by
+// (native/src/cpu/backend/backend_cpu.cpp) wraps the kernels and the thread pool, and a CUDA backend plugs in by
 // implementing the same virtual functions (no CUDA header is included above this line).
 //
 // Semantics are those of a device stream (as in ggml-backend and CUDA): every op and copy is enqueued in

@@ -79,7 +79,7 @@ typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
 // y[r] += a[0] * w_0[r] + ... + a[k-1] * w_{k-1}[r] for r < n, where w_i is the row of the table's
 // type starting w_offset bytes into w[i] (n and w_offset whole blocks). Each element is updated with
 // one fused multiply-add per row, rows in list order (a scale per Q8_0 block: fma(a[i] * d, q, y)),
-// so every SIMD level and every split of [0, n) gives the same bits. native/src/cpu/sparse_axpy*.cpp
+// so every SIMD level and every split of [0, n) gives the same bits. native/src/cpu/kernels/sparse_axpy*.cpp
 typedef void (*axpy_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k);
 // Groups of grouped neuron-major rows (sparse.h), each group's coefficients quantized to int8 with one
 // scale s (q[i] * s stands for neuron i's activation; q_sum = q[0] + ... + q[k-1]). For each group in
@@ -170,12 +170,12 @@ void fill_kernels_avx512(KernelTable& table);      // F/BW/VL/DQ
 void fill_kernels_avx512vnni(KernelTable& table);  // + VNNI, when the CPU has it
 void fill_kernels_avx512bf16(KernelTable& table);  // + BF16, when the CPU has it
 void fill_kernels_neon(KernelTable& table);
-// Element-wise ops (activations), native/src/cpu/ops*.cpp.
+// Element-wise ops (activations), native/src/cpu/kernels/ops*.cpp.
 void fill_ops_scalar(KernelTable& table);
 void fill_ops_avx2(KernelTable& table);
 void fill_ops_avx512(KernelTable& table);
 void fill_ops_neon(KernelTable& table);
-// Sparse FFN kernels (axpy), native/src/cpu/sparse_axpy*.cpp.
+// Sparse FFN kernels (axpy), native/src/cpu/kernels/sparse_axpy*.cpp.
 void fill_sparse_scalar(KernelTable& table);
 void fill_sparse_avx2(KernelTable& table);
 void fill_sparse_avx512(KernelTable& table);

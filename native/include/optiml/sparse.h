@@ -102,7 +102,7 @@ NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, in
 // coefficient makes its group's contribution NaN.
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate);
-// axpy_rows for grouped rows (native/src/cpu/sparse_axpy_grouped.cpp).
+// axpy_rows for grouped rows (native/src/cpu/kernels/sparse_axpy_grouped.cpp).
 void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx,
                        const float* a, int64_t k, float* y, bool accumulate);
 // The scalar reference kernels of grouped rows (kt.axpy_group).

@@ -1,4 +1,4 @@
-// The CPU's attention block (native/src/cpu/attention.cpp), called by the CPU backend.
+// The CPU's attention block (native/src/cpu/backend/attention.cpp), called by the CPU backend.
 #pragma once
 
 #include "optiml/backend.h"

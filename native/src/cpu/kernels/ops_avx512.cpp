@@ -5,10 +5,10 @@
 
 #include <cmath>
 
+#include "attn_dot_rows.h"
+#include "ops.h"
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
-#include "optiml/ops.h"
-#include "attn_dot_rows.h"
 
 namespace optiml {
 

@@ -6,11 +6,11 @@
 // and rounds every weight a second time.
 #include <cstring>
 
-#include "../quant/quant_impl.h"
 #include "optiml/common.h"
 #include "optiml/ggml_types.h"
 #include "optiml/quant.h"
 #include "optiml/sparse.h"
+#include "quant/quant_impl.h"
 
 namespace optiml {
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "optiml/ops.h"
+#include "cpu/kernels/ops.h"
 
 namespace optiml {
 

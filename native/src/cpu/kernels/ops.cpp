@@ -1,4 +1,4 @@
-#include "optiml/ops.h"
+#include "ops.h"
 
 #include <cmath>
 #include <vector>

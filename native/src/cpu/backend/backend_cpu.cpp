@@ -10,11 +10,11 @@
 #include <thread>
 
 #include "attention.h"
+#include "cpu/kernels/ops.h"
 #include "ffn.h"
 #include "optiml/backend.h"
 #include "optiml/common.h"
 #include "optiml/model.h"
-#include "optiml/ops.h"
 #include "optiml/predictor.h"
 #include "optiml/quant.h"
 #include "optiml/recorder.h"

@@ -1,4 +1,4 @@
-// Element-wise and per-vector operations of the forward pass (native/src/cpu/ops.cpp).
+// Element-wise and per-vector operations of the forward pass (ops.cpp), private to the CPU backend.
 #pragma once
 
 #include <cstdint>

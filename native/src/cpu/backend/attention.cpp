@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "attention.h"
+#include "cpu/kernels/ops.h"
 #include "ffn.h"
-#include "optiml/ops.h"
 #include "optiml/quant.h"
 
 namespace optiml {

@@ -1,4 +1,4 @@
-// The CPU's feed-forward block and the helpers the CPU backend's ops share (native/src/cpu/ffn*.cpp).
+// The CPU's feed-forward block and the helpers the CPU backend's ops share (native/src/cpu/backend/ffn*.cpp).
 // An FFN is computed as a share of neurons (backend.h: FFNShare): the whole layer, a device's packed
 // part, or the host's part of a split layer, dense or sparse.
 #pragma once

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstring>
 
+#include "ops.h"
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
-#include "optiml/ops.h"
 
 namespace optiml {
 
