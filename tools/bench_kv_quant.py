@@ -90,7 +90,9 @@ def main():
 
     path = str(resolve(args.model))
     n_ctx = args.depth + args.tokens
-    tok = optiml.Tokenizer.from_file(path)
+    from optiml.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(path)
     ids = tok.encode(shared_eval_text())
     while len(ids) < n_ctx:
         ids = ids + ids
