@@ -227,6 +227,15 @@ def test_budget_too_small_is_refused(tiny):
         optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, vram="1MiB")
 
 
+def test_a_quantized_kv_cache_is_refused_by_name(tiny):
+    """The CUDA attention reads f16/f32 caches only (issue #47): q8_0/q4_0 is refused before anything is
+    uploaded, naming what works; a layer whose attention stays on the CPU reads it there."""
+    with pytest.raises(optiml.UnsupportedModelError, match="CUDA attention reads f16 and f32"):
+        optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, kv_type="q8_0")
+    with pytest.raises(optiml.UnsupportedModelError, match="q8_0/q4_0"):
+        optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, kv_type_v="q4_0", kv_type_k="q8_0")
+
+
 def test_timeline_times_the_gpu_ops(tiny):
     """optiml bench --timeline on a split model: the GPU's ops are timed between CUDA events and land on
     the host's clock, inside the recorded window, with both devices' FFN shares in every layer."""

@@ -98,7 +98,11 @@ class Model:
 
     path: the GGUF file, or a known model name (pulled on first use). n_ctx: context length in tokens (default: the model's training context,
     at most 4096). n_threads: CPU threads (default: the physical cores). n_batch: tokens per forward
-    pass while reading a prompt. kv_type: "f16" (as llama.cpp) or "f32".
+    pass while reading a prompt. kv_type: the KV cache's type, "f16" (as llama.cpp), "f32" (exact, twice
+    the bytes), "q8_0" (half of f16's bytes) or "q4_0" (a quarter and a bit), by llama.cpp's names
+    (--cache-type-k/-v; ggml type ids such as llama_cpp.GGML_TYPE_Q8_0 are accepted too); kv_type_k and
+    kv_type_v set the keys' and the values' apart (each defaults to kv_type). A quantized cache is read
+    by the CPU attention; the CUDA attention reads f16 and f32.
 
     sparsity: how the FFN skips neurons (see :meth:`set_sparsity`): "auto" (default: the thresholds the
     file carries from `optiml calibrate`; for a ReLU-family model without them, exact zero-skipping;
@@ -153,6 +157,8 @@ class Model:
         down_copy: str = "auto",
         kv_vram=None,
         use_mmap="auto",
+        kv_type_k=None,
+        kv_type_v=None,
     ):
         from .models import resolve
 
@@ -173,9 +179,10 @@ class Model:
         n_batch = _positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
         n_seq = _positive_int("n_seq", n_seq)
-        from .plan import plan_args
+        from .plan import kv_types, plan_args
 
         where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
+        kv_type, where["kv_type_v"] = kv_types(kv_type, kv_type_k, kv_type_v)
         if use_mmap == "auto" and _auto_in_memory(
                 self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):
             self._model = _core.Model(os.fsencode(self.path), in_memory=True)

@@ -19,13 +19,40 @@ from typing import Sequence
 from . import _core
 from ._core import ArgumentError
 
-__all__ = ["Plan", "make", "plan_args"]
+__all__ = ["Plan", "make", "plan_args", "kv_types", "KV_TYPES"]
+
+# The KV cache's element types, by llama.cpp's names (--cache-type-k/-v): bytes per value 4, 2, 1.0625
+# and 0.5625. Aliases: other spellings, and ggml's type ids (llama_cpp.GGML_TYPE_Q8_0 = 8, ...).
+KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
+_KV_ALIASES = {"fp16": "f16", "float16": "f16", "half": "f16", "fp32": "f32", "float32": "f32", "float": "f32",
+               0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0"}
+
+
+def _kv_type(what: str, t) -> str:
+    name = t.lower() if isinstance(t, str) else t
+    if isinstance(name, bool):
+        name = None
+    name = _KV_ALIASES.get(name, name)
+    if name not in KV_TYPES:
+        raise ArgumentError(f"{what} must be one of {', '.join(KV_TYPES)} (llama.cpp's cache types; ggml type ids "
+                            f"0, 1, 2 and 8 are accepted too), not {t!r}")
+    return name
+
+
+def kv_types(kv_type="f16", kv_type_k=None, kv_type_v=None) -> tuple[str, str]:
+    """The keys' and values' cache types: kv_type for both, kv_type_k / kv_type_v overriding either
+    (llama.cpp's -ctk / -ctv)."""
+    base = _kv_type("kv_type", kv_type)
+    k = base if kv_type_k is None else _kv_type("kv_type_k", kv_type_k)
+    v = base if kv_type_v is None else _kv_type("kv_type_v", kv_type_v)
+    return k, v
 
 
 class Plan:
     """A plan as data: ``device``, ``reason``, ``budget`` (bytes, -1 = none), ``layers`` (per layer a dict
     with ``attention`` (its device) and ``ffn_on_device`` (neurons)), ``device_bytes`` (by use),
-    ``host_kv_bytes``, ``host_scratch_bytes``; str() gives the table."""
+    ``host_kv_bytes``, ``host_scratch_bytes``, ``kv_type_k`` and ``kv_type_v`` (the KV cache's types);
+    str() gives the table."""
 
     def __init__(self, d: dict):
         self._d = dict(d)
@@ -70,12 +97,14 @@ def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, 
 
 def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_batch: int = 512,
          kv_type: str = "f16", device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
-         kv_vram=None) -> Plan:
-    """The plan a model would run with (nothing is uploaded or allocated)."""
+         kv_vram=None, kv_type_k=None, kv_type_v=None) -> Plan:
+    """The plan a model would run with (nothing is uploaded or allocated). kv_type, kv_type_k, kv_type_v:
+    the KV cache's types (see :func:`kv_types`); the plan's KV bytes follow them."""
+    tk, tv = kv_types(kv_type, kv_type_k, kv_type_v)
     from .models import resolve
 
     model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams
     n_ctx = min(hp["n_ctx_train"], 4096) if n_ctx is None else n_ctx
     args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
-    return Plan(_core.make_plan(model, n_ctx, n_seq, n_batch, kv_type, **args))
+    return Plan(_core.make_plan(model, n_ctx, n_seq, n_batch, tk, kv_type_v=tv, **args))

@@ -62,8 +62,13 @@ struct BatchView {
 // One layer's KV cache on the backend that computes the layer's attention. Keys: [seq][pos][n_embd_kv];
 // values transposed: [seq][n_embd_kv][pos] (the weighted sum of values is then one dot product per output
 // element, as in llama.cpp).
+// Quantized values (Q8_0, Q4_0) cannot be stored transposed (a block spans 32 positions, and tokens come
+// one at a time), so they are rows like the keys: [seq][pos][n_embd_kv] quantized along the dimensions,
+// v_row bytes apart, and the weighted sum adds dequantized rows (as llama.cpp's flash attention does).
 struct KVLayerView {
-    int32_t type = TYPE_F16;  // F16 or F32
+    int32_t type = TYPE_F16;  // the keys': F16, F32, Q8_0 or Q4_0
+    int32_t v_type = TYPE_F16;  // the values': F16, F32 (transposed), Q8_0 or Q4_0 (rows)
+    size_t v_row = 0;           // quantized values: bytes of one row (n_embd_kv values); 0 when transposed
     int32_t n_ctx = 0;        // positions per sequence
     uint8_t* k = nullptr;
     uint8_t* v = nullptr;

@@ -205,10 +205,12 @@ struct SparsitySettings {
 // Not thread-safe: use one Session per thread (they can share a Model).
 class Session {
 public:
-    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory). n_ctx: positions per sequence.
+    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory), or TYPE_Q8_0 / TYPE_Q4_0
+    // (half / a quarter of F16's bytes) for the keys; kv_type_v the values' (< 0: kv_type). n_ctx:
+    // positions per sequence.
     Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<ThreadPool> pool,
             int32_t kv_type = TYPE_F16, int32_t n_batch = 512, int32_t n_seq = 1,
-            const PlanOptions* plan_options = nullptr);
+            const PlanOptions* plan_options = nullptr, int32_t kv_type_v = -1);
     ~Session();
 
     // Appends n tokens to sequence 0 at positions n_past.. and runs them (in batches of n_batch). Writes

@@ -5,13 +5,15 @@
 
 #include "optiml/common.h"
 #include "optiml/cuda.h"
+#include "optiml/kv_cache.h"
 #include "optiml/model.h"
 #include "optiml/quant.h"
 
 namespace optiml {
 
-size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type) {
-    return 2 * (size_t)n_seq * (size_t)n_ctx * row_size(kv_type, hp.n_embd_kv());
+size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type, int32_t kv_type_v) {
+    if (kv_type_v < 0) kv_type_v = kv_type;
+    return (size_t)n_seq * (size_t)n_ctx * (row_size(kv_type, hp.n_embd_kv()) + row_size(kv_type_v, hp.n_embd_kv()));
 }
 
 size_t scratch_bytes(const HParams& hp, int32_t n_batch) {
@@ -87,6 +89,8 @@ std::string Plan::summary(const Model& m) const {
     }
     s += format("host: KV cache %s, scratch %s; context %d x %d sequence(s), batch %d\n", mib(host_kv_bytes).c_str(),
                 mib(host_scratch_bytes).c_str(), n_ctx, n_seq, n_batch);
+    s += format("KV cache types: keys %s, values %s\n", kv_type_name(kv_type).c_str(),
+                kv_type_name(kv_type_v).c_str());
     if (n_seq_device < n_seq)
         s += format("KV cache of %d of %d sequences on the device, the others in host memory (their attention on "
                     "the CPU)\n", n_seq_device, n_seq);
@@ -108,6 +112,8 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     p.n_seq = o.n_seq;
     p.n_batch = std::min(o.n_batch, o.n_ctx * o.n_seq);
     p.kv_type = o.kv_type;
+    p.kv_type_v = o.kv_type_v < 0 ? o.kv_type : o.kv_type_v;
+    check_kv_types(hp, p.kv_type, p.kv_type_v);
     p.device_threads = o.device_threads;
     p.budget = o.vram;
     p.layers.assign(hp.n_layer, LayerPlan{});
@@ -158,12 +164,12 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
         if (!p.uses_device())
             throw ArgumentError("kv_vram limits the device's KV cache, and there is no device: give device='cuda' "
                                 "(or 'cpu:1'), or leave kv_vram out");
-        const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, 1, o.kv_type);
+        const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, 1, p.kv_type, p.kv_type_v);
         p.n_seq_device = (int32_t)std::min<int64_t>(o.n_seq, o.kv_vram / (int64_t)per_seq);
     } else if (o.kv_vram < -1) {
         throw ArgumentError("kv_vram must be >= 0 bytes");
     }
-    const size_t kv = kv_layer_bytes(hp, o.n_ctx, p.n_seq_device, o.kv_type);
+    const size_t kv = kv_layer_bytes(hp, o.n_ctx, p.n_seq_device, p.kv_type, p.kv_type_v);
     p.host_scratch_bytes = scratch_bytes(hp, p.n_batch);
 
     if (p.uses_device()) {
@@ -273,7 +279,7 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
                                        "device: this budget puts %d of %d layers there",
                                        p.n_seq_device, p.n_seq, p.layers_on_device(), hp.n_layer));
         // The host holds a slot for every sequence (indexed by sequence id), so any can move there.
-        p.host_kv_bytes += (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, o.n_seq, o.kv_type);
+        p.host_kv_bytes += (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, o.n_seq, p.kv_type, p.kv_type_v);
     }
     return p;
 }

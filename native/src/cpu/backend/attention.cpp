@@ -48,8 +48,12 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
     float* attn = sc.attn;
 
     // Rotary position embedding, and the new keys and values into the cache.
-    const size_t kv_elem = type_traits(kv.type).type_size;
-    const from_float_fn to_kv = kt.from_float[kv.type];
+    // Quantized values (Q8_0, Q4_0) are rows like the keys (KVLayerView); F16/F32 ones transposed.
+    const bool v_rows = kv.v_row != 0;
+    const size_t kv_elem = type_traits(kv.v_type).type_size;  // a transposed value's
+    const from_float_fn to_kv = kv_from_float(kt, kv.type);
+    const from_float_fn to_v = kv_from_float(kt, kv.v_type);
+    const int64_t rot_k = kv_rotation_block(kv.type, hd, false), rot_v = kv_rotation_block(kv.v_type, hd, true);
     const float* freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
     const bool neox = hp.rope_type == ROPE_NEOX;
     const bool swa = hp.is_swa(il);
@@ -74,9 +78,18 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         for (int h = 0; h < hp.n_head_kv; h++) rope(kt_ + h * hd, hp.n_rot, cos, sin, neox);
         if (hp.attn_q_scale != 1.0f)
             for (int64_t i = 0; i < n_q; i++) qt[i] *= hp.attn_q_scale;
+        if (rot_k) {
+            kv_rotate(qt, n_q, rot_k);
+            kv_rotate(kt_, n_kv, rot_k);
+        }
+        if (rot_v) kv_rotate(vt, n_kv, rot_v);
         to_kv(kt_, kv.k + (size_t)seq * kv.k_seq + (size_t)pos * kv.k_row, n_kv);
+        if (v_rows) {
+            to_v(vt, kv.v + (size_t)seq * kv.v_seq + (size_t)pos * kv.v_row, n_kv);
+            return;
+        }
         uint8_t* vconv = thread_buffer<uint8_t>((size_t)n_kv * kv_elem, 1);
-        to_kv(vt, vconv, n_kv);
+        to_v(vt, vconv, n_kv);
         uint8_t* v_seq = kv.v + (size_t)seq * kv.v_seq;
         // V is stored transposed (a row per dimension), so each value goes to its own row: a copy of
         // a size known here is one move, where a size known only at run time was a call per value.
@@ -108,9 +121,13 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
     const float scale = hp.attn_kq_scale;
     // A sliding-window layer: position p sees only p - n_swa < s <= p (masked like the future).
     const int64_t n_swa = swa ? hp.n_swa : 0;
-    const int32_t xtype = type_traits(kv.type).vec_dot_type;  // F16 or F32
-    const from_float_fn to_dot = kt.from_float[xtype];
+    // The query in the keys' vec_dot type (F16, F32; Q8_0 for quantized keys, as llama.cpp's flash
+    // attention converts it), the weights in the values' (F16, F32; quantized values take float weights).
+    const bool k_quant = kv.type == TYPE_Q8_0 || kv.type == TYPE_Q4_0;
+    const from_float_fn to_dot = kt.from_float[type_traits(kv.type).vec_dot_type];
+    const from_float_fn to_dot_v = kt.from_float[type_traits(kv.v_type).vec_dot_type];
     const size_t head_bytes = row_size(kv.type, hd);
+    const size_t head_bytes_v = row_size(kv.v_type, hd);
     // With enough of them to share out, one task per (token, KV head): the query heads that share a KV
     // head run one after the other, so its keys and values come from memory once and from the cache for
     // the others (8 sequences of SmolLM2 decoded 4% faster than with a task per query head). Few tokens
@@ -127,7 +144,7 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         // pass and the softmax hide their latency (they are n_ctx values apart, a pattern the hardware
         // prefetcher misses).
         const uint8_t* v_head = v_seq + (size_t)kvh * hd * kv.n_ctx * kv_elem;
-        if (h % heads_per_task == 0)
+        if (h % heads_per_task == 0 && !v_rows)
             for (int64_t d = 0; d < hd; d++)
                 for (int64_t off = 0; off < n_window * (int64_t)kv_elem; off += 64)
                     __builtin_prefetch(v_head + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
@@ -136,8 +153,13 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         to_dot(q + t * n_q + h * hd, conv, hd);
         const int64_t first = n_swa ? std::max<int64_t>(0, n_seen - n_swa) : 0;
         for (int64_t s = 0; s < first; s++) scores[s] = -INFINITY;
-        attn_dots(kt, kv.type, hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes, kv.k_row,
-                  conv, n_seen - first);
+        if (k_quant)
+            kv_quant_dots(kt, kv.type, hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes,
+                          kv.k_row, conv, n_seen - first,
+                          thread_buffer<const void*>((size_t)(n_seen - first + kRowsAhead), 0));
+        else
+            attn_dots(kt, kv.type, hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes,
+                      kv.k_row, conv, n_seen - first);
         for (int64_t s = first; s < n_seen; s++) scores[s] *= scale;
         for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
@@ -145,9 +167,15 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         const double sum = kt.softmax_exp(n_window, scores, scores, max);
         const float inv = (float)(1.0 / sum);
         for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
-        to_dot(scores, conv, n_window);
         float* out = attn + t * n_q + h * hd;
-        attn_dots(kt, kv.type, n_window, out, v_head, kv.n_ctx * kv_elem, conv, hd);
+        if (v_rows) {  // the weighted sum of the seen positions' dequantized rows, in float
+            kt.attn_mad[kv.v_type](hd, out, v_seq + (size_t)first * kv.v_row + kvh * head_bytes_v, kv.v_row,
+                                   scores + first, n_seen - first);
+            if (rot_v) kv_rotate(out, hd, rot_v);
+            return;
+        }
+        to_dot_v(scores, conv, n_window);
+        attn_dots(kt, kv.v_type, n_window, out, v_head, kv.n_ctx * kv_elem, conv, hd);
     };
     // Tasks go to whichever thread is free, last first: later tokens see more positions, so the
     // long tasks are taken early and the short ones even out the end.

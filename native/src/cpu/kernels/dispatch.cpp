@@ -69,6 +69,7 @@ const KernelTable& kernel_table(SimdLevel level) {
             fill_kernels_scalar(t);
             fill_ops_scalar(t);
             fill_sparse_scalar(t);
+            fill_attn_quant_scalar(t);
         }
 #if defined(OPTIML_X86)
         // Each feature's kernels are overlaid only when the CPU has that feature (a table is built
@@ -79,6 +80,7 @@ const KernelTable& kernel_table(SimdLevel level) {
         if (f.avxvnni) fill_kernels_avxvnni(avx2);
         fill_ops_avx2(avx2);
         fill_sparse_avx2(avx2);
+        fill_attn_quant_avx2(avx2);
         KernelTable& avx512 = tables[SIMD_AVX512];  // AVX-512 overlays AVX2 where it has nothing better
         fill_kernels_avx2(avx512);
         if (f.avxvnni) fill_kernels_avxvnni(avx512);
@@ -88,6 +90,7 @@ const KernelTable& kernel_table(SimdLevel level) {
         if (f.avx512bf16) fill_kernels_avx512bf16(avx512);
         fill_ops_avx512(avx512);
         fill_sparse_avx2(avx512);  // grouped rows: the AVX2 kernels
+        fill_attn_quant_avx2(avx512);
         fill_sparse_avx512(avx512);
         if (f.avx512vnni) fill_sparse_grouped_avx512vnni(avx512);
 #endif
