@@ -9,8 +9,8 @@ is cut back to --depth and --tokens decode steps run one token each; their time 
 tokens fed are fixed (the text's own next tokens), so every pair does the same work. Medians are reported,
 and each ratio is the median of per-rep ratios against the same engine's f16.
 
-    python tools/bench_kv_quant.py                    # SmolLM2 Q4_1, 2 threads, 4096 positions
-    python tools/bench_kv_quant.py -m MODEL.gguf --depth 2048 --tokens 32 --reps 5
+    python tools/bench/kv_quant.py                    # SmolLM2 Q4_1, 2 threads, 4096 positions
+    python tools/bench/kv_quant.py -m MODEL.gguf --depth 2048 --tokens 32 --reps 5
 
 Goal (issue 47): q8_0 decodes no slower than f16 at 4k positions on the CPU with 2 threads.
 """
@@ -23,15 +23,12 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import harness  # noqa: E402  (tools/bench/: optiml importable, timing, the peer, the machine)
 
 import optiml  # noqa: E402
-from optiml.models import resolve  # noqa: E402
 
-sys.path.insert(0, HERE)
-from bench_vs_llamacpp import cpu_name  # noqa: E402
+cpu_name = harness.cpu_name
+resolve = harness.internal("models").resolve
 
 TYPES = ["f16", "q8_0", "q4_0"]
 
