@@ -135,6 +135,10 @@ nb::dict hparams(const PyModel& m) {
     d["n_head_kv"] = hp.n_head_kv;
     d["head_dim"] = hp.head_dim;
     d["n_ff"] = hp.n_ff;
+    d["n_expert"] = hp.n_expert;
+    d["n_expert_used"] = hp.n_expert_used;
+    d["n_ff_exp"] = hp.n_ff_exp;
+    d["n_ff_shexp"] = hp.n_ff_shexp;
     d["n_rot"] = hp.n_rot;
     d["rms_eps"] = hp.rms_eps;
     d["rope_freq_base"] = hp.rope_freq_base;

@@ -31,6 +31,7 @@ namespace optiml {
 struct HParams;
 struct Weight;
 struct FFNWeights;
+struct MoEWeights;
 struct LayerWeights;
 class ThreadPool;
 class ActivationRecorder;
@@ -206,6 +207,10 @@ public:
     // recorder: profile the FFN (dense, whole layers on a host backend only).
     virtual void ffn(const HParams& hp, int layer, const FFNShare& share, const FFNSparsity& sp, const float* xn,
                      int32_t n, float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) = 0;
+    // y[t] = a mixture-of-experts FFN of xn[t]: the router's choice of experts, their weighted sum and the
+    // shared expert (optiml/model.h: HParams, MoEWeights). MoE layers run on the CPU only today: the
+    // default refuses (UnsupportedModelError), the CPU backends implement it (native/src/cpu/moe_ffn.cpp).
+    virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
     // logits[r] = softcap(output(rms_norm(x[rows[r]]))) for r < n_rows; rows: host memory.

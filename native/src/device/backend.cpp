@@ -63,6 +63,11 @@ double trace_clock() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+void Backend::moe_ffn(const HParams&, int layer, const MoEWeights&, const float*, int32_t, float*) {
+    throw UnsupportedModelError(format("%s: layer %d is a mixture of experts, and MoE layers run on the CPU only in "
+                                       "this build; run the model with device='cpu'", name_.c_str(), layer));
+}
+
 void Backend::trace_start() {
     synchronize();  // spans of work queued before the start would straddle it
     std::lock_guard<std::mutex> lock(trace_mutex_);

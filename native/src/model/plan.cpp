@@ -135,6 +135,15 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
             p.reason = cuda_compiled() ? "no CUDA device found" : "built without CUDA";
         }
     }
+    if (hp.is_moe() && dev != "cpu" && dev != "cpu:0") {
+        // Expert placement (the solver, the hybrid executor, the device's grouped kernels) is not built yet.
+        if (o.device != "auto")
+            throw UnsupportedModelError(format(
+                "device '%s': this model's layers are mixtures of experts (%d experts), and MoE layers run on the "
+                "CPU only in this build; use device='cpu'", dev.c_str(), hp.n_expert));
+        dev = "cpu";
+        p.reason = "a mixture-of-experts model: MoE layers run on the CPU only in this build";
+    }
     if (dev == "cpu" || dev == "cpu:0") {
         if (o.n_gpu_layers > 0 || !o.gpu_neurons.empty())
             p.reason = "n_gpu_layers / gpu_neurons ignored: the device is the CPU";

@@ -256,6 +256,9 @@ void Session::place_weights() {
 
 void Session::set_sparsity(const SparsitySettings& st) {
     const HParams& hp = model_->hp;
+    if (st.enabled && hp.is_moe())
+        throw ArgumentError("sparsity: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
+                            "predictors and the activation profiler do not handle experts yet)");
     if (st.enabled) {
         if ((int64_t)st.threshold.size() != hp.n_layer)
             throw ArgumentError(format("%zu sparsity thresholds given for a model of %d layers", st.threshold.size(),
@@ -309,6 +312,9 @@ void Session::prepare_sparse() {
 
 void Session::set_predictors(std::shared_ptr<const Predictors> p) {
     const HParams& hp = model_->hp;
+    if (p && hp.is_moe())
+        throw ArgumentError("predictors: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
+                            "predictors and the activation profiler do not handle experts yet)");
     if (p) {
         if ((int64_t)p->layers.size() != hp.n_layer)
             throw ArgumentError(format("predictors for %zu layers; the model has %d", p->layers.size(), hp.n_layer));
@@ -339,6 +345,9 @@ std::vector<int64_t> Session::ffn_active() const {
 }
 
 void Session::set_recorder(std::shared_ptr<ActivationRecorder> rec) {
+    if (rec && model_->hp.is_moe())
+        throw ArgumentError("profiling: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
+                            "predictors and the activation profiler do not handle experts yet)");
     if (rec && plan_.uses_device())
         throw ArgumentError("profiling runs the model on the CPU alone: make the Model with device='cpu'");
     recorder_ = std::move(rec);

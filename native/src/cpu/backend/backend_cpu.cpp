@@ -12,6 +12,7 @@
 #include "attention.h"
 #include "cpu/kernels/ops.h"
 #include "ffn.h"
+#include "moe_ffn.h"
 #include "optiml/backend.h"
 #include "optiml/common.h"
 #include "optiml/model.h"
@@ -173,6 +174,12 @@ public:
         });
     }
 
+    void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y) override {
+        const HParams* php = &hp;
+        const MoEWeights* pw = &w;
+        submit(SpanKind::FFN, [=] { moe_ffn_cpu(*pool_, kt_, *php, *pw, xn, n, y, moe_); });
+    }
+
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
         const HParams* php = &hp;
         const FFNWeights* pw = &w;
@@ -301,6 +308,7 @@ private:
     std::vector<int32_t> sp_idx_, sp_count_, sp_uni_;
     std::vector<float> sp_val_, sp_z_, act_buf_;
     std::vector<uint8_t> sp_seen_;
+    MoEScratch moe_;
 };
 
 }  // namespace
