@@ -14,7 +14,7 @@ Median of --repeats runs, OptiML and llama.cpp alternating so that drift on a sh
 Goals (issue 46, 48 layers): decode >= 1.2x llama.cpp, prompt >= 1.5x; with fewer layers the step's fixed
 costs (embedding, output) weigh more than in the real model.
 
-    PYTHONPATH=python python tools/bench_moe.py --threads 2
+    PYTHONPATH=python python tools/bench/moe.py --threads 2
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import subprocess
 import sys
 import time
 
+import harness  # noqa: F401  (tools/bench/: makes optiml importable)
+
 import optiml
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/, where make_synthetic_model.py is
 DEFAULT_MODEL = "/work/synth-models/qwen3moe-30b-a3b-shape-2l-q4_k.gguf"
 GOALS = {"decode": 1.2, "prompt": 1.5}
 
