@@ -5,6 +5,7 @@ import pytest
 
 import optiml
 from optiml import model as model_mod
+from optiml.util import memory
 
 
 def test_in_memory_runs_the_same_bits_as_mapped(smollm2_path):
@@ -76,8 +77,8 @@ def test_use_mmap_rejects(smollm2_path, bad):
 @pytest.fixture
 def roomy(monkeypatch):
     """An OS with transparent huge pages and plenty of memory, whatever this machine has."""
-    monkeypatch.setattr(model_mod, "_huge_pages_allowed", lambda: True)
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(memory, "huge_pages_allowed", lambda: True)
+    monkeypatch.setattr(memory, "memory_available", lambda: 1 << 40)
 
 
 def test_auto_follows_the_plan(smollm2_path, roomy):
@@ -100,17 +101,17 @@ def test_auto_asks_the_plan_last(smollm2_path, roomy, monkeypatch):
         raise optiml.ArgumentError("no such device")
 
     assert not model_mod._auto_in_memory(p, refused)  # the session then reports it
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: smollm2_path.stat().st_size)  # < 2x the file
+    monkeypatch.setattr(memory, "memory_available", lambda: smollm2_path.stat().st_size)  # < 2x the file
     assert not model_mod._auto_in_memory(p, plan) and calls == [1]
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: None)
+    monkeypatch.setattr(memory, "memory_available", lambda: None)
     assert not model_mod._auto_in_memory(p, plan)
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: 1 << 40)
-    monkeypatch.setattr(model_mod, "_huge_pages_allowed", lambda: False)
+    monkeypatch.setattr(memory, "memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(memory, "huge_pages_allowed", lambda: False)
     assert not model_mod._auto_in_memory(p, plan) and calls == [1]
 
 
 def test_memory_available_is_a_positive_count():
-    got = model_mod._memory_available()
+    got = memory.memory_available()
     assert got is None or got >= 0
 
 

@@ -20,11 +20,11 @@ import pytest
 
 import optiml
 from optiml import gguf, quant
-from optiml import stats as S
+from optiml.formats import stats as S
 from optiml._core import ArgumentError, GGUFError
-from optiml.gguf_edit import GGUFValueType, read_kv_spans, rewrite_gguf
-from optiml import placement as P
-from optiml.placement import coverage_curve, curve_ranks, read_placement, write_placed
+from optiml.formats.gguf_edit import GGUFValueType, read_kv_spans, rewrite_gguf
+from optiml.formats import placement as P
+from optiml.formats.placement import coverage_curve, curve_ranks, read_placement, write_placed
 
 PROMPTS = [
     "The capital of France is",

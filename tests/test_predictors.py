@@ -15,8 +15,8 @@ import pytest
 import optiml
 from optiml import cli
 from optiml import predictor as P
-from optiml.gguf_edit import rewrite_gguf
-from optiml.stats import model_fingerprint
+from optiml.formats.gguf_edit import rewrite_gguf
+from optiml.formats.stats import model_fingerprint
 
 from conftest import shared_eval_text
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from optiml import ArgumentError, cli
-from optiml import stats as st
+from optiml.formats import stats as st
 from optiml.hardware import Hardware
-from optiml.solve import (SolveWarning, format_report, layer_times, make_groups, parse_size, solve_groups,
+from optiml.solve import (SolveWarning, format_report, layer_times, make_groups, solve_groups,
                           solve_placement)
+from optiml.util.sizes import parse_size
 
 
 # ---- parse_size -----------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def test_smollm2_budget_below_fixed_part_places_attention_layer_by_layer(smollm2
     assert p.est_token_s < p.cpu_only_token_s
     assert "attention on the GPU in" in format_report(p)
     from optiml import plan
-    from optiml.placement import read_placement, write_placed
+    from optiml.formats.placement import read_placement, write_placed
 
     out = tmp_path / "placed.gguf"
     write_placed(smollm2_path, smollm2_stats, p, out, progress=False)
@@ -468,13 +469,13 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
-    fake = types.ModuleType("optiml.placement")
+    fake = types.ModuleType("optiml.formats.placement")
     def write_placed(model, stats, placement, out):
         seen.update(model=model, placement=placement, out=out)
         return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
 
     fake.write_placed = write_placed
-    monkeypatch.setitem(sys.modules, "optiml.placement", fake)
+    monkeypatch.setitem(sys.modules, "optiml.formats.placement", fake)
     out = tmp_path / "placed.gguf"
     rc = cli.main(["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "74MiB", "--hardware", str(hw),
                    "--ctx", "256", "-o", str(out)])

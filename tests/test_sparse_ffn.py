@@ -8,7 +8,7 @@ import pytest
 
 import optiml
 from optiml.calibrate import calibrate
-from optiml.gguf_edit import rewrite_gguf
+from optiml.formats.gguf_edit import rewrite_gguf
 
 from conftest import shared_eval_text
 

@@ -3,9 +3,12 @@
 Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inactive are skipped.
 """
 
+import sys
+
 from . import _core
 from ._core import ArgumentError, ContextOverflowError, GGUFError, OptimlError, UnsupportedModelError
-from . import gguf, quant, sampling, tokenizer  # noqa: E402  (after the exception types they use)
+from .formats import gguf, quant
+from . import sampling, tokenizer  # noqa: E402  (after the exception types they use)
 from .model import Model  # noqa: E402
 from .batch import Batch  # noqa: E402
 from . import plan  # noqa: E402
@@ -14,6 +17,12 @@ from .calibrate import calibrate  # noqa: E402
 from .predictor import PredictorMismatchError, PredictorWarning, train_predictors  # noqa: E402
 
 __version__ = "0.1.0"
+
+# The documented module names (optiml.gguf, optiml.quant, ...) of modules that live in the subpackages:
+# attributes above, and `import optiml.gguf` finds them here.
+for _m in (gguf, quant):
+    sys.modules[f"{__name__}.{_m.__name__.rsplit('.', 1)[1]}"] = _m
+del _m
 
 __all__ = [
     "ArgumentError",

@@ -26,9 +26,9 @@ from typing import Sequence
 import numpy as np
 
 from ._core import ArgumentError
-from .atomic import check_new_output
+from .util.atomic import check_new_output
 from .profile import layer_quantiles, profile
-from .stats import ActivationStats
+from .formats.stats import ActivationStats
 
 __all__ = ["calibrate", "Calibration", "allocate_thresholds"]
 
@@ -169,7 +169,7 @@ def calibrate(
     thr, share = allocate_thresholds(hist, err, stats.hist_edges, float(target), allocation)
     cal = Calibration(thr, share, float(target), criterion, allocation, stats.n_tokens, scale)
     if out is not None:
-        from .gguf_edit import rewrite_gguf
+        from .formats.gguf_edit import rewrite_gguf
 
         rewrite_gguf(path, out, set_kv=cal.metadata(), remove_prefixes=("optiml.sparsity.",), progress=progress)
     return cal

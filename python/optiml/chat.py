@@ -290,7 +290,7 @@ class ChatTemplate:
 
 def read_template(path: str | os.PathLike) -> str | None:
     """``tokenizer.chat_template`` of a GGUF file, or None."""
-    from . import gguf
+    from .formats import gguf
 
     with gguf.open(path) as f:
         t = f.metadata.get("tokenizer.chat_template")
@@ -439,7 +439,7 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                     say("usage: /save FILE")
                     continue
                 try:
-                    from .atomic import atomic_output
+                    from .util.atomic import atomic_output
 
                     with atomic_output(os.path.expanduser(arg), suffix=".json") as tmp, \
                             open(tmp, "w", encoding="utf-8") as f:

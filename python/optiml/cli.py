@@ -33,6 +33,7 @@ import numpy as np
 
 from . import __version__, _core
 from ._core import OptimlError
+from .util.sizes import mib
 
 
 MODEL_HELP = ("GGUF model file, a known model name (optiml pull --list) or a Hugging Face reference "
@@ -158,7 +159,7 @@ def cmd_calibrate(args) -> int:
 def _load_stats(path):
     if path is None:
         return None
-    from .stats import load
+    from .formats.stats import load
 
     return load(path)
 
@@ -351,7 +352,7 @@ def _add_device_args(p, loads_weights: bool = True) -> None:
 
 
 def cmd_info(args) -> int:
-    from . import gguf
+    from .formats import gguf
 
     args.model = _model(args.model)
     if args.json:
@@ -393,8 +394,8 @@ def cmd_info(args) -> int:
 def _info_json(path: str, tensors: bool) -> dict:
     """optiml info --json: the header, the metadata (arrays as their type and length), the placement of a
     placed file, and the hyperparameters the engine runs with (or why it cannot run the file)."""
-    from . import gguf
-    from .placement import read_placement
+    from .formats import gguf
+    from .formats.placement import read_placement
 
     with gguf.open(path) as f:
         meta = {}
@@ -419,13 +420,9 @@ def _info_json(path: str, tensors: bool) -> dict:
     return out
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:9.2f} MiB"
-
-
 def _show_placement(f) -> dict | None:
     """Prints the placement table of a placed file; returns read_placement's dict (None if unplaced)."""
-    from .placement import layer_bytes, read_placement
+    from .formats.placement import layer_bytes, read_placement
 
     pl = read_placement(f)
     if pl is None:
@@ -433,9 +430,9 @@ def _show_placement(f) -> dict | None:
     k = pl["gpu_neurons"]
     cov = pl.get("coverage", [float("nan")] * len(k))
     sizes = layer_bytes(f, k)
-    from .placement import _ffn_layout
+    from .formats.placement import ffn_layout
 
-    n_ff = _ffn_layout(f)[1]
+    n_ff = ffn_layout(f)[1]
     print()
     print(f"  placement (optiml.placement.*, v{pl.get('version')}): FFN neurons hot-first, "
           f"layer l's GPU share is placed neurons [0, k_l)")
@@ -447,14 +444,14 @@ def _show_placement(f) -> dict | None:
         print(f"  form: permuted: the FFN weights are stored in placed order{how}")
     print(f"  {'layer':>5}  {'k_l':>6} / {'n_ff':<6} {'share':>6}  {'coverage':>8}  {'GPU bytes':>13}  {'CPU bytes':>13}")
     for l, (kl, c, (g, cpu)) in enumerate(zip(k, cov, sizes)):
-        print(f"  {l:5d}  {kl:6d} / {n_ff:<6d} {kl / n_ff:6.1%}  {c:8.1%}  {_mib(g)}  {_mib(cpu)}")
+        print(f"  {l:5d}  {kl:6d} / {n_ff:<6d} {kl / n_ff:6.1%}  {c:8.1%}  {mib(g, '9.2f')}  {mib(cpu, '9.2f')}")
     gpu, cpu = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
     tot_k = sum(k)
     print(f"  {'total':>5}  {tot_k:6d} / {n_ff * len(k):<6d} {tot_k / (n_ff * len(k)):6.1%}  "
-          f"{sum(cov) / max(len(cov), 1):8.1%}  {_mib(gpu)}  {_mib(cpu)}   (coverage: mean of layers)")
+          f"{sum(cov) / max(len(cov), 1):8.1%}  {mib(gpu, '9.2f')}  {mib(cpu, '9.2f')}   (coverage: mean of layers)")
     solver = pl.get("solver", {})
-    print(f"  budget {_mib(pl.get('vram_budget', 0)).strip()}, used {_mib(pl.get('vram_used', 0)).strip()} "
-          f"(fixed {_mib(pl.get('fixed_bytes', 0)).strip()}), ctx {pl.get('ctx')}, group {pl.get('group_size')}")
+    print(f"  budget {mib(pl.get('vram_budget', 0), '.2f')}, used {mib(pl.get('vram_used', 0), '.2f')} "
+          f"(fixed {mib(pl.get('fixed_bytes', 0), '.2f')}), ctx {pl.get('ctx')}, group {pl.get('group_size')}")
     print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {solver.get('gap', 0):.3g}, "
           f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
     if pl.get("hardware"):
@@ -468,12 +465,12 @@ def _plot_info(args, placed: dict | None) -> None:
     """optiml info --plot: curves from --stats when given, else from the file's placement metadata."""
     import os
 
-    from .placement import coverage_curve, curve_ranks, plot
+    from .formats.placement import coverage_curve, curve_ranks, plot
 
     name = os.path.basename(args.model)
     k = placed["gpu_neurons"] if placed else None
     if args.stats:
-        from . import stats as S
+        from .formats import stats as S
 
         st = S.load(args.stats)
         if placed is None:
@@ -544,7 +541,7 @@ def cmd_chat(args) -> int:
 # ---- hw -------------------------------------------------------------------------------------------
 def cmd_hw(args) -> int:
     from .hardware import Hardware
-    from .solve import parse_size
+    from .util.sizes import parse_size
 
     say = None if args.quiet or args.json else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr, flush=True))
     hw = Hardware.measure(device=args.device, types=args.types, weight_bytes=parse_size(args.size),
@@ -614,9 +611,10 @@ def _check_output(out: str, inputs: list[str]) -> None:
 def cmd_solve(args) -> int:
     import warnings
 
-    from . import stats as st
+    from .formats import stats as st
     from .hardware import Hardware
-    from .solve import format_report, parse_size, solve_placement
+    from .solve import format_report, solve_placement
+    from .util.sizes import parse_size
 
     _check_output(args.outfile, [args.stats])  # before a known model name could be pulled
     model = _model(args.model)
@@ -637,7 +635,7 @@ def cmd_solve(args) -> int:
     for w in caught:
         print(f"optiml solve: warning: {w.message}", file=sys.stderr)
     print(format_report(placement))
-    from .placement import write_placed
+    from .formats.placement import write_placed
 
     res = write_placed(model, stats, placement, args.outfile)
     if res["form"] == "permuted":

@@ -104,7 +104,7 @@ class Hardware:
         bandwidth, event round trip and per-op overhead (optiml._core.measure_device). Takes a few
         seconds per type."""
         from . import _core
-        from .quant import quantize, type_info
+        from .formats.quant import quantize, type_info
 
         say = progress or (lambda msg: None)
         if not 0 < density <= 1:

@@ -27,64 +27,18 @@ from . import _core
 from ._core import ArgumentError, ContextOverflowError, OptimlError
 from .sampling import RANDOM_SEED, Sampler, SamplingParams
 from .tokenizer import Tokenizer
+from .util import memory
 
 __all__ = ["Model"]
-
-
-def _huge_pages_allowed() -> bool:
-    """Linux transparent huge pages in "always" or "madvise" mode (the native reader advises them)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _memory_available() -> int | None:
-    """Bytes this process can still take: MemAvailable of /proc/meminfo (free memory plus the page cache
-    the kernel can drop, such as a model file's pages once it was read into memory), else the free pages
-    sysconf reports, lowered to the room left under a cgroup memory limit (a container's --memory) where
-    there is one. None where nothing says."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if available is None:
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)  # "max" (no limit) reads as None
-        if limit is not None and usage is not None and limit < 1 << 60:
-            room = max(0, limit - usage)
-            available = room if available is None else min(available, room)
-            break
-    return available
 
 
 def _auto_in_memory(path: str, plan) -> bool:
     """use_mmap="auto": read the file into memory when the OS has transparent huge pages, the file takes
     at most half of the memory available, and the plan (a callable returning the plan dict, called last)
     runs every layer on the CPU: a device's weights need no private host copy."""
-    if not _huge_pages_allowed():
+    if not memory.huge_pages_allowed():
         return False
-    available = _memory_available()
+    available = memory.memory_available()
     if available is None or os.path.getsize(path) > available // 2:
         return False
     try:
@@ -313,7 +267,7 @@ class Model:
             return True
         h = self.hparams
         need = h["n_layer"] * h["n_ff"] * h["n_embd"] * 34 / 32  # Q8_0: 34 bytes per 32 weights
-        available = _memory_available()
+        available = memory.memory_available()
         if available is None:  # no way to tell: favour speed
             return False
         return need > available / 2

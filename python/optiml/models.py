@@ -171,11 +171,11 @@ def _remove_stale_pulls(folder: Path) -> None:
     writes only there until the checked file is renamed into the cache."""
     import shutil
 
-    from .atomic import _alive
+    from .util.atomic import process_alive
 
     for d in folder.glob(".pull-pid*-*"):
         pid = d.name[len(".pull-pid"):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 

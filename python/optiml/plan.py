@@ -76,7 +76,7 @@ class Plan:
 def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
               kv_vram=None) -> dict:
     """The native keyword arguments for a plan, validated."""
-    from .solve import parse_size
+    from .util.sizes import parse_size
 
     if not isinstance(device, str) or not device:
         raise ArgumentError(f"device must be a string such as 'auto', 'cpu', 'cpu:1' or 'cuda', not {device!r}")

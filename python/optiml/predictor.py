@@ -82,8 +82,8 @@ def default_predictor_path(model_path: str | os.PathLike) -> str:
 def check_predictors(pred_path: str | os.PathLike, model_path: str | os.PathLike, activation: str | None = None) -> dict:
     """The predictor file's metadata, after checking it was trained for this model (PredictorMismatchError
     otherwise; FileNotFoundError when it is missing)."""
-    from . import gguf
-    from .stats import model_fingerprint
+    from .formats import gguf
+    from .formats.stats import model_fingerprint
 
     pred_path = os.fspath(pred_path)
     if not os.path.isfile(pred_path):
@@ -204,7 +204,7 @@ def _low_rank_gate(G: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarra
 
 def _roundtrip(w: np.ndarray, qtype: str) -> np.ndarray:
     """w as the engine will see it after storage in qtype."""
-    from . import quant
+    from .formats import quant
 
     if qtype == "f16":
         return w.astype(np.float16).astype(np.float32)
@@ -234,12 +234,12 @@ def train_predictors(
     qtype: "q8_0" (default when n_embd is a multiple of 32) or "f16"."""
     import time
 
-    from . import gguf
+    from .formats import gguf
     from .model import Model
     from .profile import _chunks, _run, read_texts
-    from .stats import model_fingerprint
+    from .formats.stats import model_fingerprint
     from . import _core
-    from .atomic import check_new_output
+    from .util.atomic import check_new_output
 
     if isinstance(recall, bool) or not isinstance(recall, (int, float)) or not 0.5 <= recall < 1:
         raise ArgumentError(f"recall must be in [0.5, 1), got {recall!r}")
@@ -372,7 +372,7 @@ def _write(out: str, layers, res: PredictorTraining, model_path: str, fingerprin
     """The companion GGUF, written to a temporary file and renamed."""
     import gguf as gg
 
-    from . import quant
+    from .formats import quant
 
     tmp = out + ".tmp"
     w = gg.GGUFWriter(tmp, ARCH)
@@ -411,7 +411,8 @@ def mask_quality(model, predictors: str | os.PathLike, data=None, n_tokens: int 
                  label_threshold: np.ndarray | None = None, n_ctx: int = 512, field: str = "text") -> dict:
     """Recall and precision per layer of a predictor file's masks against the model's own firing (the
     labels training used, or `label_threshold`) on up to n_tokens tokens of other text."""
-    from . import _core, gguf
+    from . import _core
+    from .formats import gguf
     from .model import Model
     from .profile import _chunks, _run, read_texts
 

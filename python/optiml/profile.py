@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _core
 from ._core import ArgumentError
-from .stats import ActivationStats, model_fingerprint, save
+from .formats.stats import ActivationStats, model_fingerprint, save
 
 __all__ = ["profile", "read_texts", "layer_quantiles"]
 

@@ -60,56 +60,23 @@ from __future__ import annotations
 import heapq
 import math
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ._core import ArgumentError
+from .util.sizes import mib
 from .hardware import Hardware
 
-__all__ = ["Placement", "GroupSolution", "parse_size", "make_groups", "layer_times", "solve_groups",
+__all__ = ["Placement", "GroupSolution", "make_groups", "layer_times", "solve_groups",
            "solve_placement", "format_report", "SolveWarning"]
 
 
 class SolveWarning(UserWarning):
     """The placement is valid but not what was asked for (all-CPU, greedy fallback, time limit)."""
-
-
-# ---- sizes ----------------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgt", start=1):
-    _UNITS[_p + "b"] = 1000**_i
-    _UNITS[_p + "ib"] = 1024**_i
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(text) -> int:
-    """Bytes in `text`: an integer, or a number with a unit: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB
-    (powers of 1024), case-insensitive, optional space, decimals allowed ("1.5GiB"; rounded down to whole bytes).
-    ArgumentError for negative, empty or unparseable sizes."""
-    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
-        if text < 0:
-            raise ArgumentError(f"a size cannot be negative: {text}")
-        return int(text)
-    if not isinstance(text, str):
-        raise ArgumentError(f"a size must be a string or an integer, not {type(text).__name__}")
-    if text.strip().startswith("-"):
-        raise ArgumentError(f"a size cannot be negative: {text!r}")
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ArgumentError(f"cannot read {text!r} as a size: expected a number of bytes, optionally with a unit "
-                            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 6GiB or 512MiB")
-    try:
-        value = Decimal(m.group(1)) * _UNITS[unit]
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-        raise ArgumentError(f"cannot read {text!r} as a size") from None
-    return int(value)  # int(Decimal) truncates: whole bytes, rounded down
 
 
 # ---- results --------------------------------------------------------------------------------------
@@ -410,8 +377,8 @@ _FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 def _model_layout(path, group: int):
     """From the GGUF: per-layer exact FFN bytes for groups, the fixed bytes, hyper-parameters."""
-    from . import gguf
-    from .quant import type_info
+    from .formats import gguf
+    from .formats.quant import type_info
 
     with gguf.open(path) as f:
         md = f.metadata
@@ -481,7 +448,7 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
     stats: an optiml.stats.ActivationStats measured on this model. batch: the most tokens per step the model
     will run with (its n_batch), for the device's scratch. Warnings (SolveWarning) for an all-CPU placement,
     a time limit or the greedy fallback."""
-    from .stats import hot_first_order
+    from .formats.stats import hot_first_order
 
     model_path = os.fspath(model_path)
     if isinstance(vram, bool) or not isinstance(vram, (int, np.integer)) or vram < 0:
@@ -592,10 +559,6 @@ def _solve_partial_attention(lay, gbs, cbs, vram, hw, ffn_hw, ctx, time_limit, m
     return sol, [l < m for l in range(L)], need + sol.ffn_bytes, est
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 def format_report(p: Placement) -> str:
     """A compact human-readable summary of a placement."""
     n_ff = [fb for fb in p.ffn_bytes]
@@ -608,10 +571,10 @@ def format_report(p: Placement) -> str:
         f"GPU {p.hardware['gpu_bandwidth'] / 1e9:.1f} GB/s, split cost "
         f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us"
         + "".join(f", CPU {t.upper()} rows {v / 1e9:.1f} GB/s" for t, v in p.hardware.get("cpu_sparse", {}).items()),
-        f"VRAM: {_mib(p.vram_used)} used of {_mib(p.vram_budget)} "
-        f"(fixed part {_mib(p.fixed_bytes)} for ctx {p.ctx}"
+        f"VRAM: {mib(p.vram_used)} used of {mib(p.vram_budget)} "
+        f"(fixed part {mib(p.fixed_bytes)} for ctx {p.ctx}"
         f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",
-        f"FFN: {_mib(gpu_ffn)} on the GPU, {_mib(total_ffn - gpu_ffn)} on the CPU "
+        f"FFN: {mib(gpu_ffn)} on the GPU, {mib(total_ffn - gpu_ffn)} on the CPU "
         f"({gpu_ffn / total_ffn if total_ffn else 0:.1%} of FFN bytes), group {p.group} neurons",
     ]
     cov = np.asarray(p.coverage)

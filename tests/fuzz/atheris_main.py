@@ -10,7 +10,7 @@ with atheris.instrument_imports(include=["optiml", "targets", "jinja2"]):
     import optiml  # noqa: F401
     import optiml.chat  # noqa: F401
     import optiml.convert  # noqa: F401
-    import optiml.placement  # noqa: F401
+    import optiml.formats.placement  # noqa: F401
     import targets
 
 

@@ -194,7 +194,8 @@ def gguf_seeds() -> list[bytes]:
 def _load_gguf(path: str) -> None:
     import optiml
     from optiml import gguf as og
-    from optiml import placement, tokenizer
+    from optiml import tokenizer
+    from optiml.formats import placement
     from optiml.chat import ChatTemplate, read_template
 
     errors = _optiml_errors()

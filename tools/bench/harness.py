@@ -41,7 +41,7 @@ INTERNAL = {
     "cli": "optiml.cli",  # perplexity(): the `optiml perplexity` convention, as a function
     "perplexity": "optiml.perplexity",  # log_softmax, windows, KL divergence
     "predictor": "optiml.predictor",  # training and checking activation predictors
-    "stats": "optiml.stats",  # profile statistics, model_fingerprint
+    "stats": "optiml.formats.stats",  # profile statistics, model_fingerprint
     "plan": "optiml.plan",  # plan.make: a plan without loading weights
     "hardware": "optiml.hardware",  # Hardware: the solver's machine description
     "solve": "optiml.solve",  # make_groups, solve_groups: the placement MIP

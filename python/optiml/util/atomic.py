@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` is still running (its temporary files are then its own)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -29,7 +30,9 @@ def _alive(pid: int) -> bool:
 def check_new_output(out: str | os.PathLike, source: str | os.PathLike) -> str:
     """`out` as a path, after checking that it is not `source` itself and that its folder exists
     (ArgumentError otherwise): what a command that writes a new file from a model checks first."""
-    from ._core import ArgumentError
+    # Imported here: the model registry (optiml.hub.registry) uses this module in a checkout whose native
+    # module is not built (tools/fetch_models.py).
+    from .._core import ArgumentError
 
     out = os.fspath(out)
     if os.path.abspath(out) == os.path.abspath(os.fspath(source)):
@@ -49,7 +52,7 @@ def remove_stale_temporaries(path: str | os.PathLike, suffix: str = ".tmp") -> l
     for tmp in glob.glob(pattern):
         middle = tmp[len(path) + len(".pid"):]
         pid = middle.split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             try:
                 os.unlink(tmp)
                 removed.append(tmp)

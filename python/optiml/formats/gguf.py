@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _core
-from ._core import GGUFError
+from .. import _core
+from .._core import GGUFError
+from . import quant
 
 __all__ = ["GGUFFile", "MissingTensorError", "TensorInfo", "open"]
 
@@ -72,8 +73,6 @@ class GGUFFile:
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor's values as float32, in numpy order (the ggml shape reversed)."""
-        from . import quant
-
         t = self.tensor(name)
         data = self.tensor_data(name)
         return quant.dequantize(data, t.type, t.shape[0]).reshape(tuple(reversed(t.shape)))

@@ -27,20 +27,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import gguf as _gguf
 from . import quant
-from ._core import ArgumentError, GGUFError, UnsupportedModelError
-from .atomic import atomic_output
+from .._core import ArgumentError, GGUFError, UnsupportedModelError
+from ..util.atomic import atomic_output
 from .gguf_edit import GGUFValueType as VT
 from .gguf_edit import check_output, rewrite_gguf
-
-if TYPE_CHECKING:  # the dataclass lives in optiml.solve; anything with its fields will do
-    from .solve import Placement
-    from .stats import ActivationStats
+from .stats import ActivationStats, hot_first_order
 
 __all__ = ["PREFIX", "coverage_curve", "curve_ranks", "layer_bytes", "plot", "read_placement", "write_placed"]
 
@@ -74,7 +71,7 @@ def coverage_curve(freq: np.ndarray) -> np.ndarray:
 
 
 # ---- the FFN tensors of a file --------------------------------------------------------------------
-def _ffn_layout(f: _gguf.GGUFFile) -> tuple[int, int, dict[int, dict[str, _gguf.TensorInfo]]]:
+def ffn_layout(f: _gguf.GGUFFile) -> tuple[int, int, dict[int, dict[str, _gguf.TensorInfo]]]:
     """(n_layer, n_ff, {layer: {suffix: TensorInfo}}) of the FFN tensors; UnsupportedModelError when the
     FFN is not a plain (gated) MLP with the same width in every layer."""
     layers: dict[int, dict[str, _gguf.TensorInfo]] = {}
@@ -116,7 +113,7 @@ def layer_bytes(f: _gguf.GGUFFile, gpu_neurons) -> list[tuple[int, int]]:
     (in placed order: for a neuron_order file, once gathered): whole gate/up rows, and for down the
     quant blocks along n_ff that hold the first k_l columns (a block that straddles k_l counts on both
     sides)."""
-    n_layer, n_ff, layers = _ffn_layout(f)
+    n_layer, n_ff, layers = ffn_layout(f)
     out = []
     for l, k in enumerate(gpu_neurons):
         k = int(k)
@@ -227,9 +224,10 @@ def _check_placement(p, n_layer: int, n_ff: int) -> list[int]:
     return k
 
 
-def placement_kv(stats: ActivationStats, placement: Placement,
+def placement_kv(stats: ActivationStats, placement: Any,
                  neuron_order: np.ndarray | None = None) -> dict[str, tuple[Any, VT | None]]:
-    """The optiml.placement.* key/values of a placement and the stats it came from; neuron_order
+    """The optiml.placement.* key/values of a placement (the solver's optiml.offline.solve.Placement, or
+    anything with its fields: a file format does not depend on the solver) and the stats it came from; neuron_order
     ([n_layer, n_ff], placed -> stored) for a file whose weights keep the stored order."""
     n_layer, n_ff = stats.freq.shape
     ranks = curve_ranks(n_ff)
@@ -264,7 +262,7 @@ def placement_kv(stats: ActivationStats, placement: Placement,
     return kv
 
 
-def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Placement,
+def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Any,
                  out_path: str | os.PathLike, progress: bool = True) -> dict:
     """Writes out_path: model_path with each layer's FFN neurons in hot-first order and the placement in
     optiml.placement.* metadata (any previous placement replaced; other keys copied unchanged). The
@@ -280,7 +278,7 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
     stats.check_model(model_path)
 
     with _gguf.open(model_path) as f:
-        n_layer, n_ff, layers = _ffn_layout(f)
+        n_layer, n_ff, layers = ffn_layout(f)
         if PREFIX + "neuron_order" in f.metadata:
             # Its weights are the original's (same fingerprint), so stats measured on either fit, but in
             # which neuron order is ambiguous: placing the original says it plainly.
@@ -290,8 +288,6 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
         raise ArgumentError(f"the stats are {stats.freq.shape[0]} layers x {stats.freq.shape[1]} neurons, "
                             f"the model {n_layer} x {n_ff}")
     _check_placement(placement, n_layer, n_ff)
-
-    from .stats import hot_first_order
 
     order = hot_first_order(stats.freq, stats.impact)
     downs = [layers[l]["ffn_down.weight"] for l in range(n_layer)]

@@ -25,8 +25,8 @@ from gguf import GGUFValueType
 
 from . import gguf as _gguf
 from . import quant
-from ._core import ArgumentError, GGUFError
-from .atomic import atomic_output
+from .._core import ArgumentError, GGUFError
+from ..util.atomic import atomic_output
 
 __all__ = ["GGUFValueType", "encode_kv", "read_kv_spans", "rewrite_gguf"]
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _core
-from ._core import ArgumentError
+from .. import _core
+from .._core import ArgumentError
 
 __all__ = ["TypeInfo", "dequantize", "dot", "matmul", "quantize", "type_id", "type_info"]
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._core import ArgumentError
-from .atomic import atomic_output
+from .._core import ArgumentError
+from ..util.atomic import atomic_output
+from . import gguf
 
 __all__ = ["ActivationStats", "model_fingerprint", "hot_first_order", "load", "save"]
 
@@ -47,8 +48,6 @@ _REQUIRED = ("fingerprint", "model", "activation", "n_tokens", "sources", "thres
 def model_fingerprint(path: str | os.PathLike) -> str:
     """A hash of a model's tensor layout and of the bytes at both ends of every FFN tensor: equal for
     the same file (and copies), different once neurons are permuted or weights change."""
-    from . import gguf
-
     h = hashlib.sha256()
     with gguf.open(path) as f:
         h.update(str(f.metadata.get("general.architecture", "")).encode())
