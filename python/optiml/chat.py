@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import Callable, Sequence
 
 from ._core import OptimlError
+from .util.paths import optiml_home
 
 __all__ = ["ChatTemplate", "CHATML_TEMPLATE", "PLAIN_TEMPLATE", "Conversation", "TemplateLimitError", "repl"]
 
@@ -378,9 +379,7 @@ def _reader(history_file: str | None) -> Callable[[str], str]:
 
 def history_path() -> str:
     """$OPTIML_HOME/chat_history, else ~/.cache/optiml/chat_history."""
-    home = os.environ.get("OPTIML_HOME")
-    base = os.path.expanduser(home) if home else os.path.join(os.path.expanduser("~"), ".cache", "optiml")
-    return os.path.join(base, "chat_history")
+    return str(optiml_home() / "chat_history")
 
 
 def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,

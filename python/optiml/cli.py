@@ -47,7 +47,7 @@ def _model(name: str) -> str:
     becomes its cached file. A name that is none of these is bad input (exit status 2)."""
     import os
 
-    from .models import resolve
+    from .hub.registry import resolve
 
     path = resolve(name, quiet=_quiet)
     if not os.path.exists(path):
@@ -498,7 +498,7 @@ def cmd_system(args) -> int:
 
 # ---- pull / chat ----------------------------------------------------------------------------------
 def cmd_pull(args) -> int:
-    from . import models
+    from .hub import registry as models
 
     if args.list or not args.names:
         print(f"known models (cache: {models.cache_dir()}):")
@@ -507,7 +507,7 @@ def cmd_pull(args) -> int:
             state = "cached" if models.is_cached(mid) else "not cached"
             print(f"  {names:55s} {e['size'] / 2**20:7.1f} MiB  {state}")
         return 0
-    from . import hub
+    from .hub import huggingface as hub
 
     for n in args.names:
         if models.lookup(n) is None and hub.parse(n) is None:

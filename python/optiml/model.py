@@ -114,7 +114,7 @@ class Model:
         kv_type_k=None,
         kv_type_v=None,
     ):
-        from .models import resolve
+        from .hub.registry import resolve
 
         self.path = resolve(path)
         if not os.path.exists(self.path):

@@ -101,7 +101,7 @@ def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_ba
     """The plan a model would run with (nothing is uploaded or allocated). kv_type, kv_type_k, kv_type_v:
     the KV cache's types (see :func:`kv_types`); the plan's KV bytes follow them."""
     tk, tv = kv_types(kv_type, kv_type_k, kv_type_v)
-    from .models import resolve
+    from .hub.registry import resolve
 
     model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams

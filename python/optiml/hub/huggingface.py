@@ -1,6 +1,6 @@
 """Models from the Hugging Face Hub: `org/repo:QUANT` and `org/repo/path/file.gguf` references.
 
-    from optiml import hub
+    from optiml.hub import huggingface as hub
     ref = hub.parse("bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M")
     path = hub.pull(ref)          # downloaded into huggingface_hub's shared cache, sha256 checked
     path = hub.resolve(ref)       # the cached file without touching the network, else pull
@@ -26,9 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from ._core import ArgumentError, OptimlError
-from .models import ChecksumError  # a downloaded file's sha256 is not the one the Hub lists for it
-from .models import sha256_of
+from .._core import ArgumentError, OptimlError
+from .checksum import ChecksumError, sha256_of  # a download whose sha256 is not the one the Hub lists for it
 
 __all__ = ["HubRef", "parse", "looks_like_ref", "match_files", "cache_dir", "cached_files", "pull", "resolve"]
 
