@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml.batch import Batch
+from optiml.engine.batch import Batch
 
 DEVICES = optiml.system_info()["cuda_devices"]
 pytestmark = pytest.mark.skipif(not DEVICES, reason="no CUDA device (and not the emulator build)")

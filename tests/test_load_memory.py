@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml import model as model_mod
+from optiml.engine import loading
+from optiml.engine import model as model_mod
 from optiml.util import memory
 
 
@@ -94,20 +95,20 @@ def test_auto_asks_the_plan_last(smollm2_path, roomy, monkeypatch):
     p = str(smollm2_path)
     calls = []
     plan = lambda: calls.append(1) or {"device": "cpu"}  # noqa: E731
-    assert model_mod._auto_in_memory(p, plan) and calls == [1]
-    assert not model_mod._auto_in_memory(p, lambda: {"device": "cuda:0"})
+    assert loading.auto_in_memory(p, plan) and calls == [1]
+    assert not loading.auto_in_memory(p, lambda: {"device": "cuda:0"})
 
     def refused():
         raise optiml.ArgumentError("no such device")
 
-    assert not model_mod._auto_in_memory(p, refused)  # the session then reports it
+    assert not loading.auto_in_memory(p, refused)  # the session then reports it
     monkeypatch.setattr(memory, "memory_available", lambda: smollm2_path.stat().st_size)  # < 2x the file
-    assert not model_mod._auto_in_memory(p, plan) and calls == [1]
+    assert not loading.auto_in_memory(p, plan) and calls == [1]
     monkeypatch.setattr(memory, "memory_available", lambda: None)
-    assert not model_mod._auto_in_memory(p, plan)
+    assert not loading.auto_in_memory(p, plan)
     monkeypatch.setattr(memory, "memory_available", lambda: 1 << 40)
     monkeypatch.setattr(memory, "huge_pages_allowed", lambda: False)
-    assert not model_mod._auto_in_memory(p, plan) and calls == [1]
+    assert not loading.auto_in_memory(p, plan) and calls == [1]
 
 
 def test_memory_available_is_a_positive_count():
@@ -174,7 +175,7 @@ def test_rows16_with_two_sessions_on_one_model(smollm2_path):
 def test_profile_after_a_dense_run_in_rows16(smollm2_path):
     # The recorder reads the down matrices when it is made; a dense run before may have left them in
     # the rows16 layout. Its down-column norms equal the mapped model's.
-    from optiml.profile import profile as run_profile
+    from optiml.offline.profile import profile as run_profile
 
     stats = []
     for use_mmap in (True, False):

@@ -38,7 +38,7 @@ ROUNDING_TIE = 0.3
 
 
 @dataclasses.dataclass
-class Placement:  # the fields of optiml.solve.Placement
+class Placement:  # the fields of optiml.offline.solve.Placement
     gpu_neurons: list
     group: int
     vram_budget: int

@@ -10,8 +10,8 @@ import pytest
 
 from optiml import ArgumentError, cli
 from optiml.formats import stats as st
-from optiml.hardware import Hardware
-from optiml.solve import (SolveWarning, format_report, layer_times, make_groups, solve_groups,
+from optiml.offline.hardware import Hardware
+from optiml.offline.solve import (SolveWarning, format_report, layer_times, make_groups, solve_groups,
                           solve_placement)
 from optiml.util.sizes import parse_size
 
@@ -195,7 +195,7 @@ def test_greedy_is_feasible_and_not_better_than_mip():
 
 
 def test_greedy_fallback_when_highs_has_no_solution(monkeypatch):
-    from optiml import solve as solve_mod
+    from optiml.offline import solve as solve_mod
 
     monkeypatch.setattr(solve_mod, "_mip", lambda *a, **k: (None, "Time limit reached", math.nan))
     rng = np.random.default_rng(3)
@@ -442,7 +442,7 @@ def test_model_without_ffn_rejected(tmp_path):
 
 # ---- the command line, up to writing the file -----------------------------------------------------
 def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monkeypatch):
-    from optiml import solve as solve_mod
+    from optiml.offline import solve as solve_mod
 
     def boom(*a, **k):
         raise AssertionError("no solving before the output is checked")

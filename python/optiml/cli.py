@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -85,8 +84,8 @@ def _add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, 
 def _load(args, n_ctx: int | None = None):
     import warnings
 
-    from .model import Model
-    from .predictor import PredictorWarning
+    from .engine.model import Model
+    from .engine.sparsity import PredictorWarning
 
     caught = []
     try:
@@ -128,7 +127,7 @@ def _predictors(args):
 
 # ---- profile, calibrate ---------------------------------------------------------------------------
 def cmd_profile(args) -> int:
-    from .profile import coverage_of_top, profile
+    from .offline.profile import coverage_of_top, profile
 
     st = profile(_model(args.model), args.data, n_tokens=args.tokens, out=args.output, n_ctx=args.ctx or 512,
                  threshold=args.threshold, active_share=args.active_share, samples=args.samples, field=args.field,
@@ -142,7 +141,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate
+    from .offline.calibrate import calibrate
 
     cal = calibrate(_model(args.model), args.data, target=args.target, out=args.output, n_tokens=args.tokens,
                     criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx or 512,
@@ -165,7 +164,9 @@ def _load_stats(path):
 
 
 def cmd_train_predictors(args) -> int:
-    from .predictor import break_even_share, default_predictor_path, train_predictors
+    from .engine.sparsity import break_even_share
+    from .formats.predictors import default_predictor_path
+    from .offline.predictors import train_predictors
 
     model = _model(args.model)
     out = args.output or default_predictor_path(model)
@@ -212,33 +213,9 @@ def cmd_run(args) -> int:
 
 
 # ---- bench ----------------------------------------------------------------------------------------
-def time_pp_tg(engine, prompt: list[int], n_gen: int) -> tuple[float, float]:
-    """One llama-bench style run, in tokens/s: pp = the prompt as one batch from an empty context,
-    tg = n_gen single-token steps from an empty context. Works on anything with reset() and eval(ids)
-    (optiml.Model, llama_cpp.Llama), so tools/bench_vs_llamacpp.py times both engines with it."""
-    engine.reset()
-    t0 = time.perf_counter()
-    engine.eval(prompt)
-    t1 = time.perf_counter()
-    engine.reset()
-    t2 = time.perf_counter()
-    for _ in range(n_gen):
-        engine.eval(prompt[:1])
-    t3 = time.perf_counter()
-    return len(prompt) / (t1 - t0), n_gen / (t3 - t2)
-
-
-def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
-    """Median pp and tg tokens/s of `repeats` runs of time_pp_tg (after one warm-up run)."""
-    prompt = np.random.default_rng(0).integers(0, model.n_vocab, n_prompt).tolist()
-    time_pp_tg(model, prompt, n_gen)  # warms caches and page mappings
-    runs = [time_pp_tg(model, prompt, n_gen) for _ in range(repeats)]
-    model.reset()
-    pp, tg = [r[0] for r in runs], [r[1] for r in runs]
-    return {"pp": statistics.median(pp), "tg": statistics.median(tg), "pp_runs": pp, "tg_runs": tg}
-
-
 def cmd_bench(args) -> int:
+    from .engine.timing import bench_model
+
     m = _load(args, n_ctx=max(args.n_prompt, args.n_gen, args.timeline or 0) + 64)
     if args.timeline or args.trace:
         t = m.timeline(args.timeline or 8)
@@ -267,11 +244,8 @@ def cmd_bench(args) -> int:
 
 
 # ---- perplexity -----------------------------------------------------------------------------------
-from .perplexity import perplexity  # noqa: E402  (the logic lives in optiml.perplexity; kept here for old callers)
-
-
 def cmd_perplexity(args) -> int:
-    from . import perplexity as px
+    from .evaluate import perplexity as px
 
     def progress(i, n, x):  # on stderr: stdout holds only the result
         if not _quiet:
@@ -323,7 +297,7 @@ def cmd_perplexity(args) -> int:
 
 # ---- tokenize / info / system ---------------------------------------------------------------------
 def cmd_tokenize(args) -> int:
-    from .tokenizer import Tokenizer
+    from .engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(_model(args.model))
     text = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -361,7 +335,7 @@ def cmd_info(args) -> int:
         _print_json(_info_json(args.model, args.tensors))
         return 0
     if args.plan:  # where each layer would run, without loading the weights
-        from . import plan
+        from .engine import plan
 
         print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, device=args.device, vram=args.vram,
                         n_gpu_layers=args.n_gpu_layers, gpu_neurons=args.gpu_neurons, kv_vram=args.kv_vram), end="")
@@ -465,7 +439,8 @@ def _plot_info(args, placed: dict | None) -> None:
     """optiml info --plot: curves from --stats when given, else from the file's placement metadata."""
     import os
 
-    from .formats.placement import coverage_curve, curve_ranks, plot
+    from .formats.placement import coverage_curve, curve_ranks
+    from .offline.coverage import plot
 
     name = os.path.basename(args.model)
     k = placed["gpu_neurons"] if placed else None
@@ -540,7 +515,7 @@ def cmd_chat(args) -> int:
 
 # ---- hw -------------------------------------------------------------------------------------------
 def cmd_hw(args) -> int:
-    from .hardware import Hardware
+    from .offline.hardware import Hardware
     from .util.sizes import parse_size
 
     say = None if args.quiet or args.json else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr, flush=True))
@@ -612,8 +587,8 @@ def cmd_solve(args) -> int:
     import warnings
 
     from .formats import stats as st
-    from .hardware import Hardware
-    from .solve import format_report, solve_placement
+    from .offline.hardware import Hardware
+    from .offline.solve import format_report, solve_placement
     from .util.sizes import parse_size
 
     _check_output(args.outfile, [args.stats])  # before a known model name could be pulled

@@ -53,11 +53,11 @@ HOSTILE_TEMPLATES = [
 
 
 def template_seeds() -> list[bytes]:
-    from optiml.chat import CHATML_TEMPLATE, PLAIN_TEMPLATE
+    from optiml.engine.chat_template import CHATML_TEMPLATE, PLAIN_TEMPLATE
 
     seeds = [CHATML_TEMPLATE, PLAIN_TEMPLATE] + HOSTILE_TEMPLATES
     for path in _reference_models():
-        from optiml.chat import read_template
+        from optiml.engine.chat_template import read_template
 
         t = read_template(path)
         if t:
@@ -75,7 +75,7 @@ def _template_errors():
 
 
 def template(data: bytes) -> None:
-    from optiml.chat import ChatTemplate
+    from optiml.engine.chat_template import ChatTemplate
 
     source = data.decode("utf-8", "replace")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|>"},
@@ -196,7 +196,7 @@ def _load_gguf(path: str) -> None:
     from optiml import gguf as og
     from optiml import tokenizer
     from optiml.formats import placement
-    from optiml.chat import ChatTemplate, read_template
+    from optiml.engine.chat_template import ChatTemplate, read_template
 
     errors = _optiml_errors()
     try:

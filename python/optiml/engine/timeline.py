@@ -16,7 +16,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Timeline", "LayerTimes"]
+import numpy as np
+
+__all__ = ["Timeline", "LayerTimes", "record_steps"]
 
 COPIES = ("copy_in", "copy_out", "copy")
 
@@ -158,3 +160,20 @@ class Timeline:
                            "tid": dev, "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": {"layer": layer}})
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def record_steps(session, ids: list[int], n_tokens: int, batch: int = 1) -> list:
+    """The spans of n_tokens greedy decode steps after the prompt ``ids`` (batch > 1: steps of the prompt's
+    last `batch` tokens again, as in prompt processing), timed by the native session, which holds only
+    what this runs."""
+    logits = session.eval(np.asarray(ids, np.int32), False)
+    session.timeline_start()
+    try:
+        for _ in range(n_tokens):
+            step = np.asarray(ids[-batch:] if batch > 1 else [int(np.argmax(logits))], np.int32)
+            if len(step) < batch:
+                step = np.resize(step, batch)
+            logits = session.eval(step, False)
+    finally:
+        spans = session.timeline_stop()
+    return spans

@@ -21,8 +21,8 @@ from typing import Iterable, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _core
-from ._core import ArgumentError
+from .. import _core
+from .._core import ArgumentError
 
 __all__ = ["RANDOM_SEED", "Sampler", "SamplingParams", "find_stop", "find_stop_ex"]
 

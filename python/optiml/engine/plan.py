@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from . import _core
-from ._core import ArgumentError
+from .. import _core
+from .._core import ArgumentError
+from ..hub.registry import resolve
+from ..util.sizes import parse_size
 
 __all__ = ["Plan", "make", "plan_args", "kv_types", "KV_TYPES"]
 
@@ -76,8 +78,6 @@ class Plan:
 def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
               kv_vram=None) -> dict:
     """The native keyword arguments for a plan, validated."""
-    from .util.sizes import parse_size
-
     if not isinstance(device, str) or not device:
         raise ArgumentError(f"device must be a string such as 'auto', 'cpu', 'cpu:1' or 'cuda', not {device!r}")
     args = {"device": device, "vram": -1 if vram is None else parse_size(vram), "n_gpu_layers": -1,
@@ -101,8 +101,6 @@ def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_ba
     """The plan a model would run with (nothing is uploaded or allocated). kv_type, kv_type_k, kv_type_v:
     the KV cache's types (see :func:`kv_types`); the plan's KV bytes follow them."""
     tk, tv = kv_types(kv_type, kv_type_k, kv_type_v)
-    from .hub.registry import resolve
-
     model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams
     n_ctx = min(hp["n_ctx_train"], 4096) if n_ctx is None else n_ctx

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._core import ArgumentError, OptimlError
+from .._core import ArgumentError, OptimlError
+from ..util.atomic import atomic_output
 
 MAGIC = b"OPTIMLKL"
 VERSION = 1
@@ -204,8 +205,6 @@ def save_base(path, model, text: str, n_ctx: int, n_chunks: int = -1, top_k: int
     """Runs `model` over the text's perplexity windows and writes its log-probs of every scored token
     to `path` (format in the module docstring; top_k=0 keeps the full distribution). Returns the
     base's (ppl, its standard error, tokens scored)."""
-    from .util.atomic import atomic_output
-
     if top_k < 0:
         raise ArgumentError(f"top_k={top_k}: use 0 (full distribution) or a positive count")
     ws = windows(model, text, n_ctx, n_chunks)

@@ -67,8 +67,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ._core import ArgumentError
-from .util.sizes import mib
+from .._core import ArgumentError
+from ..formats import gguf
+from ..formats.quant import type_info
+from ..formats.stats import hot_first_order
+from ..util.sizes import mib
 from .hardware import Hardware
 
 __all__ = ["Placement", "GroupSolution", "make_groups", "layer_times", "solve_groups",
@@ -377,9 +380,6 @@ _FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 def _model_layout(path, group: int):
     """From the GGUF: per-layer exact FFN bytes for groups, the fixed bytes, hyper-parameters."""
-    from .formats import gguf
-    from .formats.quant import type_info
-
     with gguf.open(path) as f:
         md = f.metadata
         arch = str(md.get("general.architecture", ""))
@@ -448,8 +448,6 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
     stats: an optiml.stats.ActivationStats measured on this model. batch: the most tokens per step the model
     will run with (its n_batch), for the device's scratch. Warnings (SolveWarning) for an all-CPU placement,
     a time limit or the greedy fallback."""
-    from .formats.stats import hot_first_order
-
     model_path = os.fspath(model_path)
     if isinstance(vram, bool) or not isinstance(vram, (int, np.integer)) or vram < 0:
         raise ArgumentError(f"the VRAM budget must be a whole number of bytes >= 0, not {vram!r}")

@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from ._core import ArgumentError
+from .. import _core
+from .._core import ArgumentError
+from ..formats.quant import quantize, type_info
 
 __all__ = ["Hardware"]
 
@@ -103,9 +105,6 @@ class Hardware:
         or "cpu:N" to exercise the path without a GPU) the device's memory traffic, copy latency and
         bandwidth, event round trip and per-op overhead (optiml._core.measure_device). Takes a few
         seconds per type."""
-        from . import _core
-        from .formats.quant import quantize, type_info
-
         say = progress or (lambda msg: None)
         if not 0 < density <= 1:
             raise ArgumentError(f"density must be in (0, 1], not {density!r}")
@@ -176,8 +175,6 @@ class Hardware:
         """Measures the CPU's read bandwidth (optiml._core.measure_read_bandwidth); takes the GPU's memory
         size from optiml.system_info()'s CUDA devices when there are any. The GPU bandwidth, latencies and
         overheads are not measured: they keep their defaults. `source` says which is which."""
-        from . import _core
-
         hw = cls()
         measured = []
         try:

@@ -25,10 +25,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ._core import ArgumentError
-from .util.atomic import check_new_output
+from .._core import ArgumentError
+from ..engine.model import Model
+from ..formats.stats import ActivationStats
+from ..util.atomic import check_new_output
 from .profile import layer_quantiles, profile
-from .formats.stats import ActivationStats
 
 __all__ = ["calibrate", "Calibration", "allocate_thresholds"]
 
@@ -136,8 +137,6 @@ def calibrate(
     """Thresholds that skip a share `target` of FFN neurons on `data` (files as optiml.profile reads
     them, or `texts`), or from `stats` already measured on this model. With `out`, writes a copy of
     the model (a path) carrying them."""
-    from .model import Model
-
     if not isinstance(target, (int, float)) or not 0 <= target < 1:
         raise ArgumentError(f"target must be a share of neurons in [0, 1), got {target!r}")
     if criterion not in ("weighted", "gate", "product"):
@@ -169,7 +168,8 @@ def calibrate(
     thr, share = allocate_thresholds(hist, err, stats.hist_edges, float(target), allocation)
     cal = Calibration(thr, share, float(target), criterion, allocation, stats.n_tokens, scale)
     if out is not None:
-        from .formats.gguf_edit import rewrite_gguf
+        # Imported here: gguf_edit imports gguf-py (about 0.1 s), which `import optiml` does not need.
+        from ..formats.gguf_edit import rewrite_gguf
 
         rewrite_gguf(path, out, set_kv=cal.metadata(), remove_prefixes=("optiml.sparsity.",), progress=progress)
     return cal

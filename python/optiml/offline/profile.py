@@ -17,11 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
-from . import _core
-from ._core import ArgumentError
-from .formats.stats import ActivationStats, model_fingerprint, save
+from .. import _core
+from .._core import ArgumentError
+from ..engine.model import Model
+from ..formats.stats import ActivationStats, model_fingerprint, save
 
-__all__ = ["profile", "read_texts", "layer_quantiles"]
+__all__ = ["profile", "read_texts", "layer_quantiles", "token_chunks", "run_chunks", "coverage_of_top"]
 
 # For SiLU/GELU models a neuron "fires" when its |activation| is in the top share of its layer's values
 # on the first chunk (ReLU-family: when it is above zero).
@@ -82,7 +83,8 @@ def layer_quantiles(hist: np.ndarray, edges: np.ndarray, share_below: float | np
     return out
 
 
-def _chunks(model, docs: list[str], n_ctx: int, n_tokens: int) -> list[list[int]]:
+def token_chunks(model, docs: list[str], n_ctx: int, n_tokens: int) -> list[list[int]]:
+    """The first n_tokens tokens of the documents (each with its BOS) in chunks of n_ctx."""
     ids: list[int] = []
     for d in docs:
         ids.extend(model.tokenize(d, add_bos=True))
@@ -94,7 +96,7 @@ def _chunks(model, docs: list[str], n_ctx: int, n_tokens: int) -> list[list[int]
     return [ids[i:i + n_ctx] for i in range(0, len(ids), n_ctx)]
 
 
-def _run(model, chunks, recorder, progress: bool = False, desc: str = "") -> None:
+def run_chunks(model, chunks, recorder, progress: bool = False, desc: str = "") -> None:
     """Runs every chunk (each from an empty context) with `recorder` attached; a progress bar on stderr
     in tokens when `progress`."""
     bar = None
@@ -139,8 +141,6 @@ def profile(
     the FFN inputs and firing masks of that many tokens, spread over the data. gate_weight ([L, F]) makes
     the gate histogram count |act(gate)| * gate_weight (optiml.calibrate's weighted criterion). Writes
     `out` when given."""
-    from .model import Model
-
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
         raise ArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
@@ -163,7 +163,7 @@ def profile(
         if hp["n_ff"] <= 0:
             raise ArgumentError(f"{m.path}: the model has no FFN neurons to profile")
         n_ctx = min(n_ctx, m.n_ctx)
-        chunks = _chunks(m, docs, n_ctx, n_tokens)
+        chunks = token_chunks(m, docs, n_ctx, n_tokens)
         L = hp["n_layer"]
         relu = hp["ffn_act"] in ("relu", "relu2")
         if relu and threshold is None:
@@ -172,14 +172,14 @@ def profile(
             thr = np.full(L, threshold, dtype=np.float32)
         else:  # a first look at the first chunk sets each layer's threshold
             probe = _core.ActivationRecorder(m._model, np.zeros(L, dtype=np.float32))
-            _run(m, chunks[:1], probe)
+            run_chunks(m, chunks[:1], probe)
             r = probe.result()
             thr = layer_quantiles(r["prod_hist"], r["hist_edges"], 1.0 - (active_share or DEFAULT_ACTIVE_SHARE))
         total = sum(len(c) for c in chunks)
         every = max(1, total // samples) if samples else 0
         gw = None if gate_weight is None else np.ascontiguousarray(gate_weight, dtype=np.float32).reshape(-1)
         rec = _core.ActivationRecorder(m._model, thr, every, samples, gw)
-        _run(m, chunks, rec, progress, "profile")
+        run_chunks(m, chunks, rec, progress, "profile")
         r = rec.result()
         n = max(1, int(r["n_tokens"]))
         mean_abs = (r["sum_abs"] / n).astype(np.float32)

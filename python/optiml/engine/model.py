@@ -6,10 +6,12 @@
             print(piece, end="", flush=True)
         print(m.chat([{"role": "user", "content": "Hi!"}], temperature=0))
 
-A known model name (optiml.models, e.g. "smollm2-135m-instruct") works in place of a path: it is pulled
+A known model name (optiml.hub.registry, e.g. "smollm2-135m-instruct") works in place of a path: it is pulled
 into the model cache on first use.
 
-The forward pass, tokenizer and sampler are native (optiml._core); this module only orchestrates.
+The forward pass, tokenizer and sampler are native (optiml._core); this module is the user's API over the
+parts of the engine package: loading (the file, mapped or in memory), plan (where layers run), sparsity
+(which neurons are skipped), generation (stream's loop and the chat prefix), timeline.
 A Model is not thread-safe: it holds one context (KV cache). Use one Model per thread; using one
 Model from two threads at once raises OptimlError instead of corrupting the context.
 """
@@ -23,28 +25,20 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import _core
-from ._core import ArgumentError, ContextOverflowError, OptimlError
-from .sampling import RANDOM_SEED, Sampler, SamplingParams
+from .. import _core
+from .._core import ArgumentError, OptimlError
+from ..formats.predictors import check_predictors, predicted_share
+from . import loading
+from .chat_template import ChatTemplate, read_template
+from .checks import non_negative_int, positive_int, token_array
+from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, stop_strings
+from .plan import Plan, kv_types, plan_args
+from .sampling import Sampler
+from .sparsity import choose_mode, compact_down, predictors_beside, skip_stats
+from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
-from .util import memory
 
 __all__ = ["Model"]
-
-
-def _auto_in_memory(path: str, plan) -> bool:
-    """use_mmap="auto": read the file into memory when the OS has transparent huge pages, the file takes
-    at most half of the memory available, and the plan (a callable returning the plan dict, called last)
-    runs every layer on the CPU: a device's weights need no private host copy."""
-    if not memory.huge_pages_allowed():
-        return False
-    available = memory.memory_available()
-    if available is None or os.path.getsize(path) > available // 2:
-        return False
-    try:
-        return plan()["device"] == "cpu"
-    except OptimlError:
-        return False  # the session reports the bad plan itself
 
 
 class Model:
@@ -114,38 +108,26 @@ class Model:
         kv_type_k=None,
         kv_type_v=None,
     ):
-        from .hub.registry import resolve
-
-        self.path = resolve(path)
-        if not os.path.exists(self.path):
-            raise FileNotFoundError(f"model file not found: {self.path}")
-        if os.path.isdir(self.path):
-            raise IsADirectoryError(f"expected a GGUF file, got a directory: {self.path}")
-        if not isinstance(use_mmap, bool) and use_mmap != "auto":
-            raise ArgumentError(f"use_mmap must be True, False or 'auto', not {use_mmap!r}")
-        # "auto" opens the file mapped first (metadata only is read) to learn where layers would run.
-        self._model = _core.Model(os.fsencode(self.path), in_memory=use_mmap is False)
+        self.path = loading.model_file(path)
+        self._model = loading.open_weights(self.path, use_mmap)
         self.hparams: dict = self._model.hparams
         if n_ctx is None:
             n_ctx = min(self.hparams["n_ctx_train"], 4096)
-        n_ctx = _positive_int("n_ctx", n_ctx)
-        n_threads = 0 if n_threads is None else _non_negative_int("n_threads", n_threads)
-        n_batch = _positive_int("n_batch", n_batch)
+        n_ctx = positive_int("n_ctx", n_ctx)
+        n_threads = 0 if n_threads is None else non_negative_int("n_threads", n_threads)
+        n_batch = positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
-        n_seq = _positive_int("n_seq", n_seq)
-        from .plan import kv_types, plan_args
-
+        n_seq = positive_int("n_seq", n_seq)
         where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
         kv_type, where["kv_type_v"] = kv_types(kv_type, kv_type_k, kv_type_v)
-        if use_mmap == "auto" and _auto_in_memory(
+        if use_mmap == "auto" and loading.auto_in_memory(
                 self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):
             self._model = _core.Model(os.fsencode(self.path), in_memory=True)
         self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch, n_seq, **where)
         self._tokens: list[int] = []  # what the context (KV cache) holds
         self._busy = threading.Lock()
         self._chat_template = None
-        self._chat_text = ""  # the text of the last chat prompt and answer ...
-        self._chat_ids: list[int] = []  # ... and its token ids, as the model saw and generated them
+        self._chat = ChatPrefix()  # the last chat turn, reused by the next
         self._stats = {"prompt_tokens": 0, "prompt_evaluated": 0, "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
         if down_copy not in ("auto", "fast", "compact"):
             raise ArgumentError(f"down_copy must be 'auto', 'fast' or 'compact', not {down_copy!r}")
@@ -155,7 +137,7 @@ class Model:
         # active neurons picks which kind (_compact_down), so they are made once.
         self.predictors: str | None = None
         if predictors == "auto":
-            found = self._predictors_beside()
+            found = predictors_beside(self.path, self.hparams["ffn_act"])
             if found is not None:
                 self._attach_predictors(*found)
         elif predictors is not None:
@@ -207,103 +189,26 @@ class Model:
         "auto": "threshold" when the file is calibrated or the model is ReLU-family, else "none".
         The mode in use is in ``self.sparsity`` ("none", "calibrated", "exact" or "custom").
         """
-        if mode not in ("none", "threshold", "auto"):
-            raise ArgumentError(f"sparsity must be 'none', 'threshold' or 'auto', not {mode!r}")
-        if criterion not in (None, "gate", "product"):
-            raise ArgumentError(f"criterion must be 'gate' or 'product', not {criterion!r}")
-        cfg = self._model.sparsity
-        n_layer = self.hparams["n_layer"]
-        scale = None
-        relu = self.hparams["ffn_act"] in ("relu", "relu2")
-        if mode == "none":
-            chosen, thr = "none", None
-        elif thresholds is not None:
-            thr = np.asarray(thresholds, dtype=np.float32)
-            if thr.ndim == 0:
-                thr = np.full(n_layer, float(thr), dtype=np.float32)
-            if thr.shape != (n_layer,):
-                raise ArgumentError(f"thresholds: give one value or {n_layer} (one per layer), not {thr.size}")
-            if not np.all(np.isfinite(thr)) or np.any(thr < 0):
-                raise ArgumentError("thresholds must be finite and >= 0")
-            chosen = "custom"
-        elif cfg["calibrated"]:
-            chosen, thr = "calibrated", np.asarray(cfg["threshold"], dtype=np.float32)
-            criterion = criterion or cfg["criterion"]
-            if criterion == "gate" and cfg["neuron_scale"] is not None:
-                scale = cfg["neuron_scale"]
-        elif relu:
-            chosen, thr = "exact", np.zeros(n_layer, dtype=np.float32)
-        elif mode == "threshold":
-            raise ArgumentError(
-                f"{os.path.basename(self.path)} carries no sparsity thresholds and its FFN ({self.hparams['ffn_act']}) "
-                "is not ReLU-family: run `optiml calibrate` on it, or pass thresholds=")
-        else:
-            chosen, thr = "none", None
+        chosen, thr, product, scale = choose_mode(mode, thresholds, criterion, self._model.sparsity, self.hparams,
+                                                  self.path)
         with self._exclusive():
             if chosen == "none":
                 self._session.set_sparsity(False, compact_down=self._compact_down())
             else:
-                self._session.set_sparsity(True, thr, (criterion or "gate") == "product", scale,
-                                           compact_down=self._compact_down())
+                self._session.set_sparsity(True, thr, product, scale, compact_down=self._compact_down())
         self.sparsity = chosen
 
     def _compact_down(self, predicted_share: float | None = None) -> bool:
-        """Whether the sparse FFN's neuron-major down copies are compact (grouped: lossless, about the
-        matrix's own size, for Q4_0/Q4_1/Q4_K) rather than fast (8-bit rows: about twice a 4-bit matrix).
-        Summing them (tools/bench_sparse_kernels.py --parts down, 7B shapes, 2 threads, AVX-512): fast
-        takes 0.5x compact's time at 5% of the neurons, 0.65x at 10%, 0.85x at 20%; compact is 10-25%
-        faster at 40%, 20-25% at 50% (where fast loses to the dense kernel, compact does not). Compact
-        is also the smaller copy, so the crossover is put at 40%. "auto": compact when the
-        predictors in use (predicted_share: the mean share of neurons they predicted active on held-out
-        tokens, default: those attached) mark at least 40% of a gated FFN's neurons active (a ReLU FFN
-        sums only the predicted neurons that fire: far fewer), or when the 8-bit copies would take more
-        than half of the memory now available; else fast."""
-        if self._down_copy != "auto":
-            return self._down_copy == "compact"
-        if predicted_share is None:
-            predicted_share = self._predicted_share
-        relu = self.hparams["ffn_act"] in ("relu", "relu2")
-        if predicted_share is not None and not relu and predicted_share >= 0.4:
-            return True
-        h = self.hparams
-        need = h["n_layer"] * h["n_ff"] * h["n_embd"] * 34 / 32  # Q8_0: 34 bytes per 32 weights
-        available = memory.memory_available()
-        if available is None:  # no way to tell: favour speed
-            return False
-        return need > available / 2
-
-    def _predictors_beside(self) -> tuple[str, dict] | None:
-        """MODEL.predictors.gguf beside the model and its checked metadata, when it exists and would make
-        decoding faster. A file whose predictors mark more neurons active on held-out text than
-        break_even_share allows is left unused, with a PredictorWarning (predictors=PATH still uses it)."""
-        import warnings
-
-        from .predictor import (PredictorWarning, break_even_share, check_predictors, default_predictor_path,
-                                predicted_share)
-
-        beside = default_predictor_path(self.path)
-        if not os.path.isfile(beside):
-            return None
-        act = self.hparams["ffn_act"]
-        meta = check_predictors(beside, self.path, act)
-        share = predicted_share(meta)
-        limit = break_even_share(act)
-        if share is not None and share > limit:
-            warnings.warn(
-                f"not using {beside}: its predictors mark {share:.1%} of the FFN neurons active on "
-                f"held-out text, and above about {limit:.0%} the sparse FFN is slower than the dense one; name the file "
-                "(predictors=PATH, or --predictors PATH on the command line) to use them anyway", PredictorWarning,
-                stacklevel=3)
-            return None
-        return beside, meta
+        """Whether the down copies are compact (sparsity.compact_down), for the predictors whose share of
+        active neurons is given (default: those attached)."""
+        share = self._predicted_share if predicted_share is None else predicted_share
+        return compact_down(self._down_copy, share, self.hparams)
 
     def set_predictors(self, path: str | os.PathLike | None) -> None:
         """Uses the activation predictors of a companion GGUF (`optiml train-predictors`) from the next
         evaluated token on: the CPU's FFN computes gate, up and down only for the neurons they predict
         active (the sparsity criterion, when one is set, then filters those). None stops using them.
         PredictorMismatchError for a file trained for another model. The file in use is ``self.predictors``."""
-        from .predictor import check_predictors
-
         if path is None:
             self._predicted_share = None
             with self._exclusive():
@@ -316,8 +221,6 @@ class Model:
 
     def _attach_predictors(self, path: str, meta: dict) -> None:
         """set_predictors for a file whose metadata check_predictors has returned."""
-        from .predictor import predicted_share
-
         share = predicted_share(meta)
         with self._exclusive():
             # The copy the predictors favour first: set_predictors then makes it, and only it.
@@ -332,18 +235,13 @@ class Model:
         active, seen = self._session.sparsity_counts()
         if reset:
             self._session.reset_sparsity_counts()
-        per_layer = [1.0 - a / s if s else 0.0 for a, s in zip(active.tolist(), seen.tolist())]
-        total = int(seen.sum())
-        return {"mode": self.sparsity, "skipped": 1.0 - int(active.sum()) / total if total else 0.0,
-                "layers": per_layer, "tokens": total // self.hparams["n_ff"] // max(1, self.hparams["n_layer"])}
+        return skip_stats(active, seen, self.sparsity, self.hparams)
 
     # ---- devices and batches -----------------------------------------------------------------------
     @property
     def plan(self):
         """The execution plan (optiml.plan.Plan): where each layer's attention and FFN neurons run; str() is
         a readable table."""
-        from .plan import Plan
-
         return Plan(self._session.plan)
 
     @property
@@ -380,24 +278,24 @@ class Model:
     def kv_clear(self, seq: int | None = None) -> None:
         """Forgets sequence ``seq`` (every sequence when None)."""
         with self._exclusive():
-            self._session.kv_clear(-1 if seq is None else _non_negative_int("seq", seq))
+            self._session.kv_clear(-1 if seq is None else non_negative_int("seq", seq))
             if seq is None or seq == 0:
                 self._forget_seq0()
 
     def kv_truncate(self, seq: int, n: int) -> None:
         """Keeps the first ``n`` positions of sequence ``seq``."""
         with self._exclusive():
-            self._session.kv_truncate(_non_negative_int("seq", seq), _non_negative_int("n", n))
+            self._session.kv_truncate(non_negative_int("seq", seq), non_negative_int("n", n))
             if seq == 0:
                 del self._tokens[n:]
-                self._chat_text, self._chat_ids = "", []
+                self._chat.forget()
 
     def kv_copy(self, src: int, dst: int, n: int | None = None) -> None:
         """Sequence ``dst`` becomes the first ``n`` positions of ``src`` (all of them when None): a shared
         prompt is run once and copied to every sequence that continues it."""
         with self._exclusive():
-            self._session.kv_copy(_non_negative_int("src", src), _non_negative_int("dst", dst),
-                                  -1 if n is None else _non_negative_int("n", n))
+            self._session.kv_copy(non_negative_int("src", src), non_negative_int("dst", dst),
+                                  -1 if n is None else non_negative_int("n", n))
             if dst == 0:
                 self._forget_seq0()
 
@@ -411,17 +309,17 @@ class Model:
         if where not in ("host", "device"):  # a device slot must be free to move a sequence back
             raise ArgumentError(f"where must be 'host' or 'device', not {where!r}")
         with self._exclusive():
-            self._session.kv_place(_non_negative_int("seq", seq), where == "host")
+            self._session.kv_place(non_negative_int("seq", seq), where == "host")
 
     def kv_where(self, seq: int) -> str:
         """Where sequence ``seq``'s KV cache lives: "device" (for a CPU-only plan: with the rest) or
         "host" (moved by :meth:`kv_place`, or beyond what ``kv_vram`` holds on the device)."""
-        return "host" if self._session.kv_on_host(_non_negative_int("seq", seq)) else "device"
+        return "host" if self._session.kv_on_host(non_negative_int("seq", seq)) else "device"
 
     def _forget_seq0(self) -> None:
         """Sequence 0 changed outside generate/chat: nothing of it is reused as a cached prompt."""
         self._tokens.clear()
-        self._chat_text, self._chat_ids = "", []
+        self._chat.forget()
 
     # ---- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -436,7 +334,7 @@ class Model:
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends ``tokens`` to the context and runs them. Returns the logits (float32) of the last
         token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab)."""
-        ids = _token_array(tokens, self.n_vocab)
+        ids = token_array(tokens, self.n_vocab)
         with self._exclusive():
             logits = self._session.eval(ids, bool(all_logits))
             self._tokens.extend(int(t) for t in ids)
@@ -445,13 +343,11 @@ class Model:
     def timeline(self, n_tokens: int = 8, prompt: str = "The history of the printing press begins",
                  batch: int = 1):
         """Decodes ``n_tokens`` steps greedily after ``prompt`` while the engine times every op, copy and
-        wait on each device (optiml.timeline.Timeline; str() is a per-layer table). batch > 1 times steps
-        of that many tokens instead (the prompt's last tokens again, as in prompt processing). The context
+        wait on each device (optiml.engine.timeline.Timeline; str() is a per-layer table). batch > 1
+        times steps of that many tokens instead (the prompt's last tokens again, as in prompt processing). The context
         is emptied before and after."""
-        from .timeline import Timeline
-
-        n_tokens = _positive_int("n_tokens", n_tokens)
-        batch = _positive_int("batch", batch)
+        n_tokens = positive_int("n_tokens", n_tokens)
+        batch = positive_int("batch", batch)
         ids = self.tokenize(prompt)
         if len(ids) + n_tokens * batch > self.n_ctx:
             raise ArgumentError(f"the prompt ({len(ids)} tokens) and {n_tokens} steps of {batch} token(s) do not "
@@ -459,16 +355,7 @@ class Model:
         self.reset()
         with self._exclusive():
             self._forget_seq0()
-            logits = self._session.eval(np.asarray(ids, np.int32), False)
-            self._session.timeline_start()
-            try:
-                for _ in range(n_tokens):
-                    step = np.asarray(ids[-batch:] if batch > 1 else [int(np.argmax(logits))], np.int32)
-                    if len(step) < batch:
-                        step = np.resize(step, batch)
-                    logits = self._session.eval(step, False)
-            finally:
-                spans = self._session.timeline_stop()
+            spans = record_steps(self._session, ids, n_tokens, batch)
         self.reset()
         plan = self.plan
         devices = (("cpu", plan.device) if plan.device != "cpu" else ("cpu",))
@@ -479,7 +366,7 @@ class Model:
         with self._exclusive():
             self._session.truncate(0)
             self._tokens.clear()
-            self._chat_text, self._chat_ids = "", []
+            self._chat.forget()
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs) -> str:
@@ -509,50 +396,32 @@ class Model:
         its cached part. temperature <= 0 is greedy; seed (None = random) makes sampling repeatable.
         Sampling parameters are llama.cpp's (see optiml.sampling).
         """
-        return self._stream(*self._prepare(prompt, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-                                           repeat_last_n, frequency_penalty, presence_penalty, seed, stop))
+        return self._stream(*self._prepare(
+            prompt, max_tokens, stop, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, seed=seed))
 
-    def _prepare(self, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                 repeat_penalty=1.0, repeat_last_n=64, frequency_penalty=0.0, presence_penalty=0.0, seed=None,
-                 stop=None):
-        """Validates stream()'s arguments: (ids, max_tokens, sampler, stops)."""
+    def _prepare(self, prompt, max_tokens=128, stop=None, **sampling):
+        """Checks stream()'s arguments: (ids, max_tokens, sampler, stops)."""
         if self._session is None:
             raise OptimlError(f"{self.path}: the model is closed")
-        max_tokens = _non_negative_int("max_tokens", max_tokens)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ArgumentError("stop strings must be non-empty str")
-        params = SamplingParams(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            repeat_last_n=repeat_last_n,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            seed=RANDOM_SEED if seed is None else seed,
-        )
-        sampler = Sampler(self.n_vocab, params)  # validates the parameters before any work
+        max_tokens = non_negative_int("max_tokens", max_tokens)
+        stops = stop_strings(stop)
+        sampler = make_sampler(self.n_vocab, **sampling)  # checks the parameters before any work
         ids = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ArgumentError("the prompt is empty")
-        if len(ids) >= self.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx} (n_ctx), leaving no room to generate"
-            )
+        check_prompt(ids, self.n_ctx)
         return ids, max_tokens, sampler, stops
 
     def _stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str],
                 generated: list[int] | None = None) -> Iterator[str]:
         """The generation loop; appends the generated token ids to ``generated`` when given.
 
-        The loop is native (optiml._core.Generator: eval, sampling, detokenization and stop strings run
+        The loop is native (generation.generator: eval, sampling, detokenization and stop strings run
         with the GIL released); this only hands its pieces on. However the stream ends (finished,
         closed, dropped, an error), the context's ids and last_stats are brought up to date."""
         with self._exclusive():
-            gen = _core.Generator(self._session, self.tokenizer._t, sampler._s, np.array(ids, np.int32),
-                                  self._start(ids), max_tokens, [s.encode("utf-8", "surrogatepass") for s in stops])
+            gen = generator(self._session, self.tokenizer, sampler, ids,
+                            cached_prefix(self._tokens, ids, self._session.n_past), max_tokens, stops)
             try:
                 yield from gen
             finally:
@@ -563,24 +432,12 @@ class Model:
                 if generated is not None:
                     generated.extend(gen.tokens)
 
-    def _start(self, ids: list[int]) -> int:
-        """How many of ``ids`` the context already holds and may keep (the longest cached prefix, short
-        of the last prompt token, which must run for its logits)."""
-        common = 0
-        for a, b in zip(self._tokens, ids):
-            if a != b:
-                break
-            common += 1
-        return min(common, len(ids) - 1, self._session.n_past)
-
     # ---- chat ---------------------------------------------------------------------------------------
     @property
     def chat_template(self):
-        """The model's chat template (optiml.chat.ChatTemplate): GGUF ``tokenizer.chat_template``, or the
-        documented fallback when the file has none."""
+        """The model's chat template (optiml.engine.chat_template.ChatTemplate): GGUF
+        ``tokenizer.chat_template``, or the documented fallback when the file has none."""
         if self._chat_template is None:
-            from .chat import ChatTemplate, read_template
-
             self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer)
         return self._chat_template
 
@@ -589,16 +446,7 @@ class Model:
         chat prompt and answer, those keep the ids the model saw and generated (only the rest is tokenized),
         so the context's cached prefix is reused exactly; otherwise the whole text is tokenized."""
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return self._chat_ids_for(text)
-
-    def _chat_ids_for(self, text: str) -> list[int]:
-        if self._chat_text and text.startswith(self._chat_text):
-            return self._chat_ids + self.tokenize(text[len(self._chat_text):], add_bos=False, special=True)
-        ids = self.tokenize(text, add_bos=False, special=True)
-        tk = self.tokenizer
-        if tk.add_bos and tk.bos_id >= 0 and (not ids or ids[0] != tk.bos_id):
-            ids.insert(0, tk.bos_id)  # the template does not write BOS; the model wants it
-        return ids
+        return self._chat.ids_for(text, self.tokenizer)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, max_tokens: int | None = None, **sampling):
         """The assistant's answer to ``messages`` ([{"role": "system"|"user"|"assistant", "content": str}, ...])
@@ -611,9 +459,8 @@ class Model:
         """
         tpl = self.chat_template
         text = tpl.render(messages, add_generation_prompt=True)
-        ids = self._chat_ids_for(text)
-        stop = sampling.pop("stop", None)
-        stops = ([stop] if isinstance(stop, str) else list(stop or [])) + tpl.stop
+        ids = self._chat.ids_for(text, self.tokenizer)
+        stops = stop_strings(sampling.pop("stop", None)) + tpl.stop
         if max_tokens is None:
             max_tokens = self.n_ctx
         args = self._prepare(ids, max_tokens, stop=stops or None, **sampling)
@@ -629,7 +476,10 @@ class Model:
             yield piece
         # A finished answer: remember its text and ids for the next turn (not when a stop string cut the
         # text short of the ids; the next prompt is then tokenized whole and the common prefix reused).
-        self._chat_text, self._chat_ids = (text + "".join(pieces), ids + generated) if exact else ("", [])
+        if exact:
+            self._chat.remember(text + "".join(pieces), ids + generated)
+        else:
+            self._chat.forget()
 
     # ---- lifetime -------------------------------------------------------------------------------
     @contextmanager
@@ -661,25 +511,3 @@ class Model:
             f"n_embd {hp['n_embd']}, n_ctx {self.n_ctx if self._session else 'closed'}>"
         )
 
-
-def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
-    return int(v)
-
-
-def _non_negative_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise ArgumentError(f"{name} must be a non-negative integer, got {v!r}")
-    return int(v)
-
-
-def _token_array(tokens, n_vocab: int) -> np.ndarray:
-    a = np.asarray(tokens)
-    if a.ndim != 1 or a.size == 0:
-        raise ArgumentError("tokens must be a non-empty 1-D sequence of token ids")
-    if a.dtype.kind not in "iu":
-        raise ArgumentError(f"token ids must be integers, not {a.dtype}")
-    if a.min() < 0 or a.max() >= n_vocab:
-        raise ArgumentError(f"token ids must be in [0, {n_vocab}), got {int(a.min())}..{int(a.max())}")
-    return np.ascontiguousarray(a, dtype=np.int32)

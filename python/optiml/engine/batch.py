@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._core import ArgumentError
+from .._core import ArgumentError
 
 __all__ = ["Batch"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from . import _core
-from ._core import ArgumentError
+from .. import _core
+from .._core import ArgumentError
 
 __all__ = ["Detokenizer", "Tokenizer", "load"]
 
