@@ -11,7 +11,8 @@ into the model cache on first use.
 
 The forward pass, tokenizer and sampler are native (optiml._core); this module is the user's API over the
 parts of the engine package: loading (the file, mapped or in memory), plan (where layers run), sparsity
-(which neurons are skipped), generation (stream's loop and the chat prefix), timeline.
+(which neurons are skipped), generation (stream's loop and the chat prefix), sequences (decode and the KV
+cache API, mixed in), timeline.
 A Model is not thread-safe: it holds one context (KV cache). Use one Model per thread; using one
 Model from two threads at once raises OptimlError instead of corrupting the context.
 """
@@ -34,6 +35,7 @@ from .checks import non_negative_int, positive_int, token_array
 from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, stop_strings
 from .plan import Plan, kv_types, plan_args
 from .sampling import Sampler
+from .sequences import Sequences
 from .sparsity import choose_mode, compact_down, predictors_beside, skip_stats
 from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
@@ -41,7 +43,7 @@ from .tokenizer import Tokenizer
 __all__ = ["Model"]
 
 
-class Model:
+class Model(Sequences):
     """A llama-family GGUF model (llama, mistral, qwen2) with one context.
 
     path: the GGUF file, or a known model name (pulled on first use). n_ctx: context length in tokens (default: the model's training context,
@@ -237,84 +239,12 @@ class Model:
             self._session.reset_sparsity_counts()
         return skip_stats(active, seen, self.sparsity, self.hparams)
 
-    # ---- devices and batches -----------------------------------------------------------------------
+    # ---- where layers run (decode and the KV cache API: Sequences, engine/sequences.py) -------------
     @property
     def plan(self):
         """The execution plan (optiml.plan.Plan): where each layer's attention and FFN neurons run; str() is
         a readable table."""
         return Plan(self._session.plan)
-
-    @property
-    def n_seq(self) -> int:
-        """Sequence slots of the KV cache."""
-        return self._session.n_seq
-
-    def decode(self, batch) -> np.ndarray:
-        """Runs one step over ``batch`` (optiml.Batch): every sequence in it advances, sharing each weight
-        read. Returns float32 logits [tokens that want them, n_vocab] in batch order. Decoding into
-        sequence 0 forgets the cached prompt that generate/chat would reuse."""
-        tokens, seq, pos, want = batch.arrays()
-        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
-            raise ArgumentError(f"token ids must be in [0, {self.n_vocab}), got {int(tokens.min())}..{int(tokens.max())}")
-        with self._exclusive():
-            if (seq == 0).any():
-                self._forget_seq0()
-            return self._session.decode(tokens, seq, pos, want)
-
-    def _step_sequence(self, seq: int, pos: int, token: int, bias: tuple, sampler, detok, stops: list,
-                       pending: str, last: bool) -> tuple:
-        """One token of sequence ``seq`` run and sampled natively (optiml._core.step_sequence): the server's
-        scheduler, while a request runs alone. Returns (token or -1, end, flush, text out, text held)."""
-        with self._exclusive():
-            if seq == 0:
-                self._forget_seq0()
-            return _core.step_sequence(self._session, seq, pos, token, bias[0], bias[1], sampler._s,
-                                       self.tokenizer._t, detok._d, stops, pending.encode(), last)
-
-    def seq_len(self, seq: int) -> int:
-        """Positions held by sequence ``seq``."""
-        return self._session.seq_len(seq)
-
-    def kv_clear(self, seq: int | None = None) -> None:
-        """Forgets sequence ``seq`` (every sequence when None)."""
-        with self._exclusive():
-            self._session.kv_clear(-1 if seq is None else non_negative_int("seq", seq))
-            if seq is None or seq == 0:
-                self._forget_seq0()
-
-    def kv_truncate(self, seq: int, n: int) -> None:
-        """Keeps the first ``n`` positions of sequence ``seq``."""
-        with self._exclusive():
-            self._session.kv_truncate(non_negative_int("seq", seq), non_negative_int("n", n))
-            if seq == 0:
-                del self._tokens[n:]
-                self._chat.forget()
-
-    def kv_copy(self, src: int, dst: int, n: int | None = None) -> None:
-        """Sequence ``dst`` becomes the first ``n`` positions of ``src`` (all of them when None): a shared
-        prompt is run once and copied to every sequence that continues it."""
-        with self._exclusive():
-            self._session.kv_copy(non_negative_int("src", src), non_negative_int("dst", dst),
-                                  -1 if n is None else non_negative_int("n", n))
-            if dst == 0:
-                self._forget_seq0()
-
-    def kv_place(self, seq: int, where: str) -> None:
-        """CPU attention offload: moves sequence ``seq``'s KV cache to host memory (``where="host"``) or
-        back to the device (``"device"``). From the next decode on, the host computes that sequence's
-        attention while the device runs the linear layers, the batch split in two sub-batches so that
-        both work at once (NEO). Needs a device holding every layer's attention (e.g.
-        ``device="cuda"``, or ``"cpu:1"`` with enough ``vram``); the tokens and logits are the same
-        wherever a sequence lives."""
-        if where not in ("host", "device"):  # a device slot must be free to move a sequence back
-            raise ArgumentError(f"where must be 'host' or 'device', not {where!r}")
-        with self._exclusive():
-            self._session.kv_place(non_negative_int("seq", seq), where == "host")
-
-    def kv_where(self, seq: int) -> str:
-        """Where sequence ``seq``'s KV cache lives: "device" (for a CPU-only plan: with the rest) or
-        "host" (moved by :meth:`kv_place`, or beyond what ``kv_vram`` holds on the device)."""
-        return "host" if self._session.kv_on_host(non_negative_int("seq", seq)) else "device"
 
     def _forget_seq0(self) -> None:
         """Sequence 0 changed outside generate/chat: nothing of it is reused as a cached prompt."""
