@@ -16,7 +16,7 @@ import pytest
 import optiml
 from optiml import cli
 from optiml.hub import registry as models
-from optiml.chat import Conversation, repl
+from optiml.cli.chat import Conversation, repl
 from optiml.engine.chat_template import CHATML_TEMPLATE, PLAIN_TEMPLATE, ChatTemplate, read_template
 
 from conftest import ROOT, model_path

@@ -5,7 +5,6 @@ import pytest
 
 import optiml
 from optiml.engine import loading
-from optiml.engine import model as model_mod
 from optiml.util import memory
 
 
@@ -118,6 +117,7 @@ def test_memory_available_is_a_positive_count():
 
 def test_the_commands_pass_use_mmap(smollm2_path, monkeypatch):
     from optiml import cli
+    from optiml.cli import common
 
     seen = []
 
@@ -126,7 +126,7 @@ def test_the_commands_pass_use_mmap(smollm2_path, monkeypatch):
             seen.append(kw["use_mmap"])
             raise SystemExit(0)
 
-    monkeypatch.setattr(model_mod, "Model", FakeModel)
+    monkeypatch.setattr(common, "Model", FakeModel)
     for flag in ([], ["--mmap"], ["--no-mmap"]):
         with pytest.raises(SystemExit):
             cli.main(["run", "-m", str(smollm2_path), "-p", "hi", "-n", "1", *flag])

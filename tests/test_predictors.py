@@ -14,6 +14,7 @@ import pytest
 
 import optiml
 from optiml import cli
+from optiml.cli import common
 from optiml.offline import predictors as P
 from optiml.engine.sparsity import break_even_share
 from optiml.formats import predictors as PF
@@ -202,13 +203,13 @@ def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model
         assert optiml.Model(str(copy), n_ctx=64, predictors=beside).predictors == beside
     # The command line says it in a log line (not a Python warning), and -q silences it.
     for quiet, expect in ((False, f"optiml: not using {beside}"), (True, "")):
-        cli._quiet = quiet
+        common.quiet = quiet
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
-                m = cli._load(argparse.Namespace(model=str(copy), ctx=64, threads=None))
+                m = common.load(argparse.Namespace(model=str(copy), ctx=64, threads=None))
         finally:
-            cli._quiet = False
+            common.quiet = False
         assert m.predictors is None
         err = capsys.readouterr().err
         assert err.startswith(expect) if expect else err == ""

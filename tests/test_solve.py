@@ -442,12 +442,12 @@ def test_model_without_ffn_rejected(tmp_path):
 
 # ---- the command line, up to writing the file -----------------------------------------------------
 def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monkeypatch):
-    from optiml.offline import solve as solve_mod
+    from optiml.cli import solve as solve_command
 
     def boom(*a, **k):
         raise AssertionError("no solving before the output is checked")
 
-    monkeypatch.setattr(solve_mod, "solve_placement", boom)
+    monkeypatch.setattr(solve_command, "solve_placement", boom)
     stats = tmp_path / "s.npz"
     stats.write_bytes(b"")
     base = ["solve", "-m", str(smollm2_path), "--stats", str(stats), "--vram", "1GiB", "--hardware", "auto"]
@@ -461,21 +461,18 @@ def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monke
 
 
 def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
-    import sys
-    import types
+    from optiml.cli import solve as solve_command
 
     sp = tmp_path / "s.npz"
     st.save(smollm2_stats, sp)
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
-    fake = types.ModuleType("optiml.formats.placement")
     def write_placed(model, stats, placement, out):
         seen.update(model=model, placement=placement, out=out)
         return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
 
-    fake.write_placed = write_placed
-    monkeypatch.setitem(sys.modules, "optiml.formats.placement", fake)
+    monkeypatch.setattr(solve_command, "write_placed", write_placed)
     out = tmp_path / "placed.gguf"
     rc = cli.main(["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "74MiB", "--hardware", str(hw),
                    "--ctx", "256", "-o", str(out)])

@@ -6,6 +6,7 @@ Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inac
 import sys
 
 from . import _core
+from ._version import __version__
 from ._core import ArgumentError, ContextOverflowError, GGUFError, OptimlError, UnsupportedModelError
 from .formats import gguf, quant
 from .formats.predictors import PredictorMismatchError
@@ -16,8 +17,6 @@ from .engine.sparsity import PredictorWarning
 from .offline.calibrate import calibrate
 from .offline.predictors import train_predictors
 from .offline.profile import profile
-
-__version__ = "0.1.0"
 
 # The documented module names (optiml.gguf, optiml.quant, ...) of modules that live in the subpackages:
 # attributes above, and `import optiml.gguf` finds them here.

@@ -1,16 +1,51 @@
-"""The interactive chat (`optiml chat`): a conversation fitted to the context, and the REPL around it."""
+"""optiml chat: talk with a model: a conversation fitted to the context, and the REPL around it (line editing,
+history, /commands)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from typing import Callable
 
-from .util.atomic import atomic_output
-from .util.paths import optiml_home
+from ..util.atomic import atomic_output
+from ..util.paths import optiml_home
+from . import common
 
 __all__ = ["Conversation", "history_path", "repl"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
+                   help="GGUF file or known model name (default: smollm2-135m-instruct)")
+    p.add_argument("-m", "--model", dest="model_opt", default=None, help=common.MODEL_HELP)
+    p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's, at most 4096)")
+    p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=common.SPARSITY_HELP)
+    p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
+    p.add_argument("-s", "--system", default=None, help="system message")
+    common.add_device_args(p)
+    _sampling_args(p)
+
+
+def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
+    p.add_argument("--temp", type=float, default=temp, help=f"temperature (0 = greedy; default {temp})")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+
+
+def run(args) -> int:
+    if args.model_opt:
+        args.model = args.model_opt
+    m = common.load(args)
+    sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repeat_penalty=args.repeat_penalty, seed=args.seed)
+    return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
 
 
 # ---- the conversation, fitted to the context --------------------------------------------------------
