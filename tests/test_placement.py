@@ -1,4 +1,4 @@
-"""Writing a placement into the GGUF (optiml.placement, optiml.gguf_edit) and showing it (optiml info).
+"""Writing a placement into the GGUF (optiml.formats.placement, optiml.formats.gguf_edit) and showing it (optiml info).
 
 A placed file computes what its source computes, for every down type, and llama.cpp runs it to the same
 greedy text. SmolLM2's Q4_1 down cannot move a neuron's column across quant blocks, so with a neuron-level

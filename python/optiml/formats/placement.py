@@ -1,9 +1,9 @@
 """Writing a placement into a GGUF file and reading it back.
 
-    write_placed("model.gguf", stats, placement, "model.placed.gguf")   # stats: optiml.stats.ActivationStats
+    write_placed("model.gguf", stats, placement, "model.placed.gguf")   # stats: formats.stats.ActivationStats
     read_placement("model.placed.gguf")                                   # dict, or None when unplaced
 
-Each layer's FFN neurons get a hot-first order (optiml.stats.hot_first_order): placed neuron i is stored
+Each layer's FFN neurons get a hot-first order (optiml.formats.stats.hot_first_order): placed neuron i is stored
 neuron order[l][i], and layer l's GPU share is placed neurons [0, k_l). The placed file computes exactly
 what the source computes; nothing is requantized. It takes one of two forms:
 
@@ -225,9 +225,9 @@ def _check_placement(p, n_layer: int, n_ff: int) -> list[int]:
 
 def placement_kv(stats: ActivationStats, placement: Any,
                  neuron_order: np.ndarray | None = None) -> dict[str, tuple[Any, VT | None]]:
-    """The optiml.placement.* key/values of a placement (the solver's optiml.offline.solve.Placement, or
-    anything with its fields: a file format does not depend on the solver) and the stats it came from; neuron_order
-    ([n_layer, n_ff], placed -> stored) for a file whose weights keep the stored order."""
+    """The optiml.placement.* key/values of a placement and the stats it came from; neuron_order ([n_layer,
+    n_ff], placed -> stored) for a file whose weights keep the stored order. placement: the solver's
+    optiml.offline.solve.Placement, or anything with its fields (a file format does not import the solver)."""
     n_layer, n_ff = stats.freq.shape
     ranks = curve_ranks(n_ff)
     freq_sorted = -np.sort(-np.asarray(stats.freq, dtype=np.float32), axis=1)

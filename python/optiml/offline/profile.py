@@ -1,5 +1,5 @@
 """`optiml profile`: run a model over sample text and record, per layer and per FFN neuron, how often it
-fires and how much it contributes (optiml.stats describes the result).
+fires and how much it contributes (optiml.formats.stats describes the result).
 
     stats = optiml.profile("model.gguf", ["wiki.txt", "chats.jsonl"], n_tokens=20000, out="model.stats.npz")
 

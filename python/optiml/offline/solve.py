@@ -17,12 +17,13 @@ What is placed
     layer's attention fits (or nothing on the GPU pays for its transfers) does everything stay on the CPU,
     with a warning.
 
-    The FFN neurons of layer l are taken in hot-first order (optiml.stats.hot_first_order) and cut into G_l groups
-    of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants) that is
-    >= the requested group, so a group's bytes are exact: g * (gate row + up row bytes) + g / block * (bytes of
-    one block column of ffn_down). The last group is partial when g does not divide n_ff (counted exactly).
-    The GPU share of layer l is always a prefix: placed neurons [0, k_l) of the hot-first order (optiml.placement
-    writes that order into the file exactly: permuted weights, or the weights as they are plus neuron_order).
+    The FFN neurons of layer l are taken in hot-first order (optiml.formats.stats.hot_first_order) and cut into
+    G_l groups of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants)
+    that is >= the requested group, so a group's bytes are exact: g * (gate row + up row bytes) + g / block *
+    (bytes of one block column of ffn_down). The last group is partial when g does not divide n_ff (counted
+    exactly). The GPU share of layer l is always a prefix: placed neurons [0, k_l) of the hot-first order
+    (optiml.formats.placement writes that order into the file exactly: permuted weights, or the weights as
+    they are plus neuron_order).
 
 The program (per layer l; times in microseconds inside the solver)
     x_l in {0..G_l}  groups on the GPU          a_l in {0,1}: x_l >= 1  (x_l <= G_l a_l)
@@ -445,7 +446,7 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
                     time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
                     batch: int = 512) -> Placement:
     """Places the FFN neurons of the model at model_path on the GPU within `vram` bytes (see the module doc).
-    stats: an optiml.stats.ActivationStats measured on this model. batch: the most tokens per step the model
+    stats: an optiml.formats.stats.ActivationStats measured on this model. batch: the most tokens per step the model
     will run with (its n_batch), for the device's scratch. Warnings (SolveWarning) for an all-CPU placement,
     a time limit or the greedy fallback."""
     model_path = os.fspath(model_path)
