@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from optiml import perplexity as px
+from optiml.evaluate import perplexity as px
 
 TIE = 0.1  # top-two logit gap under which either token is a fair greedy choice
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml.batch import Batch
+from optiml.engine.batch import Batch
 
 DEVICES = optiml.system_info()["cuda_devices"]
 pytestmark = pytest.mark.skipif(not DEVICES, reason="no CUDA device (and not the emulator build)")
@@ -131,8 +131,8 @@ def test_placement_with_stored_neuron_order(tiny, tmp_path):
     """A placed file that kept its weights in file order and stores the hot-first order: the GPU gathers its
     neurons (gate/up rows exactly, down as 8-bit neuron-major rows with per-dimension scales), the CPU
     computes the rest in place, the budget counts every byte."""
-    from optiml.gguf_edit import GGUFValueType as VT
-    from optiml.gguf_edit import rewrite_gguf
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+    from optiml.formats.gguf_edit import rewrite_gguf
 
     n_layer, n_ff = 4, 1024
     rng = np.random.default_rng(0)

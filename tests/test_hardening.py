@@ -15,7 +15,7 @@ import pytest
 
 import optiml
 from optiml import OptimlError
-from optiml.chat import CHATML_TEMPLATE, ChatTemplate, TemplateLimitError
+from optiml.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateLimitError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Children import the same optiml this process did (installed under CI, the source tree in a dev loop).

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import optiml
-from optiml.timeline import Timeline
+from optiml.engine.timeline import Timeline
 
 from conftest import ROOT
 

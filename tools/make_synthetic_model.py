@@ -58,7 +58,8 @@ import time
 import gguf
 import numpy as np
 
-from optiml import models, quant
+from optiml import quant
+from optiml.hub import registry as models
 from optiml.convert import writer
 
 # tools/fetch_models.py smollm2-135m-instruct-q4_1 puts it there (the cache honours OPTIML_HOME / OPTIML_MODEL_CACHE)

@@ -35,16 +35,16 @@ import optiml  # noqa: E402
 # ---- optiml's internals ---------------------------------------------------------------------------------
 # The benchmarks use the public API (optiml.Model, optiml.Batch, optiml.quant, optiml.gguf, optiml._core)
 # where it suffices. What they need beyond it is named here, once, so that when the package's modules move
-# this table is the one place to change. internal("models") is `import optiml.models`.
+# this table is the one place to change. internal("models") is `import optiml.hub.registry`.
 INTERNAL = {
-    "models": "optiml.models",  # model names -> cached files (lookup, model_file, resolve, cache_dir)
-    "cli": "optiml.cli",  # perplexity(): the `optiml perplexity` convention, as a function
-    "perplexity": "optiml.perplexity",  # log_softmax, windows, KL divergence
-    "predictor": "optiml.predictor",  # training and checking activation predictors
-    "stats": "optiml.stats",  # profile statistics, model_fingerprint
+    "models": "optiml.hub.registry",  # model names -> cached files (lookup, model_file, resolve, cache_dir)
+    "perplexity": "optiml.evaluate.perplexity",  # perplexity() (`optiml perplexity`), log_softmax, windows, KLD
+    "predictor": "optiml.offline.predictors",  # training activation predictors, mask_quality
+    "predictor_file": "optiml.formats.predictors",  # the predictor GGUF: write, check_predictors
+    "stats": "optiml.formats.stats",  # profile statistics, model_fingerprint
     "plan": "optiml.plan",  # plan.make: a plan without loading weights
-    "hardware": "optiml.hardware",  # Hardware: the solver's machine description
-    "solve": "optiml.solve",  # make_groups, solve_groups: the placement MIP
+    "hardware": "optiml.offline.hardware",  # Hardware: the solver's machine description
+    "solve": "optiml.offline.solve",  # make_groups, solve_groups: the placement MIP
     "sampling": "optiml.sampling",  # the Python sampler (Sampler, SamplingParams, find_stop)
     "quant_mix": "optiml.convert.quant_mix",  # the k-quant mixes (TYPES: name -> llama.cpp's ftype)
 }

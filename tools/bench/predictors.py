@@ -64,7 +64,7 @@ def forced_predictor(model_path: str, out: str, sparsity: float, rank: int, seed
     layers = [(rng.standard_normal((rank, E), dtype=np.float32) / np.sqrt(E),
                rng.standard_normal((F, rank), dtype=np.float32) / np.sqrt(rank), np.zeros(F, np.float32))
               for _ in range(L)]
-    P._write(out, layers, res, model_path, model_fingerprint(model_path), hp)
+    harness.internal("predictor_file").write(out, layers, res, model_path, model_fingerprint(model_path), hp)
     return out
 
 

@@ -44,7 +44,7 @@ import optiml
 from harness import alternate_tg_text as alternate, close, log, noisy, spread
 
 models = harness.internal("models")
-perplexity = harness.internal("cli").perplexity
+perplexity = harness.internal("perplexity").perplexity
 EVAL_TEXT = harness.TEXT
 SMOLLM2 = harness.model_path("smollm2-135m-instruct-q4_1")
 SMOLLM2_REF_PPL = 24.72  # llama.cpp, full text, ctx 256 (shared/eval/REFERENCE.md)

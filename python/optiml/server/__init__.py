@@ -9,6 +9,8 @@ structured (response_format through llguidance), metrics (Prometheus).
 
 from __future__ import annotations
 
+from ..engine.model import Model
+
 __all__ = ["Server", "create_app", "serve"]
 
 
@@ -33,7 +35,6 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
         import uvicorn
     except ImportError:
         raise SystemExit('optiml serve needs the server packages: pip install "optiml[serve]"') from None
-    from ..model import Model
     from .app import Server, create_app
 
     model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors, device=device,

@@ -1,0 +1,37 @@
+"""optiml serve: the OpenAI-compatible HTTP server with continuous batching (optiml.server)."""
+
+from __future__ import annotations
+
+from ..server import serve
+from . import common
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--parallel", "-np", type=int, default=4, help="sequences generated at once (KV slots)")
+    p.add_argument("--ctx", type=int, default=None, help="context per slot (default: the model's, at most 4096)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429")
+    p.add_argument("--chunk", type=int, default=256, help="most prompt tokens run per step (across requests)")
+    p.add_argument("--alias", default=None, help="model id clients use (default: the file name)")
+    p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
+    common.add_device_args(p)
+    p.add_argument("--kv-vram", default=None,
+                   help="device memory for the KV cache (a size: 2GiB); with less than --parallel sequences need, "
+                        "the others keep their KV cache in host memory and their attention runs on the CPU while "
+                        "the device runs the linear layers (CPU attention offload), when the measured costs say "
+                        "it raises throughput")
+    p.add_argument("--max-itl-ms", type=float, default=None,
+                   help="with --kv-vram: start a sequence on the CPU only while a step stays within this many "
+                        "milliseconds")
+
+
+def run(args) -> int:
+    serve(common.model_arg(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
+          api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
+          predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
+          use_mmap=common.use_mmap(args), **common.device(args))
+    return 0
