@@ -30,7 +30,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import optiml  # noqa: E402
-from conftest import ROOT, live_server  # noqa: E402
+from conftest import live_server  # noqa: E402
 
 KEY = "sk-ray-key"
 N_CTX = 512
@@ -65,8 +65,10 @@ def cluster(smollm2_path):
     """`optiml serve --ray --replicas 2` (python -m optiml.server.ray_serve), one thread per replica."""
     tmp = tempfile.mkdtemp(prefix="oray-", dir="/tmp")  # short: Ray's socket paths live under it
     port = _free_port()
+    # The optiml these tests import (a checkout's python/ or the installed wheel), for the subprocess.
+    where = os.path.dirname(os.path.dirname(os.path.abspath(optiml.__file__)))
     env = dict(os.environ, RAY_TMPDIR=tmp, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        [where] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("RAY_ADDRESS", None)
     log = open(os.path.join(tmp, "serve.log"), "w+")
     proc = subprocess.Popen(
@@ -268,6 +270,7 @@ def test_replica_killed_mid_stream(cluster, client):
         ready.clear()
         futures.append(pool.submit(stream, i))
         assert ready.wait(60), "a stream did not start"
+    assert len({r for r, _ in started}) == 2, started  # the second stream went to the idle replica
     futures += [pool.submit(plain, i) for i in (2, 3)]
     time.sleep(0.5)
     victim = started[0][0]

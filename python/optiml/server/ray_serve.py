@@ -242,13 +242,18 @@ class Replica:
 
     model: a path, a known model name or a Hugging Face reference, resolved on the replica's node
     (optiml.models.resolve: a name not cached there yet is pulled). model_kwargs: optiml.Model's;
-    n_threads None means the CPUs Ray gave the replica. server_kwargs: optiml.server.Server's."""
+    n_threads None means the CPUs Ray gave the replica. server_kwargs: optiml.server.Server's.
+    stream_interval_ms: a stream's pieces are sent at most this often, what came meanwhile together
+    (0: each as it comes). Every item costs Ray Serve's proxy and the ingress a message each, about 1.5 ms
+    of CPU together per item on a 2-core machine (tools/bench_ray_serve.py), as much as a sixth of a
+    token's compute for a small model; 50 ms is Ray Serve LLM's default for the same batching
+    (stream_batching_interval_ms), and the first piece is never held back."""
 
     # A replica whose scheduler has work but has not taken a step for this long is reported unhealthy
     # (Ray Serve then replaces it): a hung native call must not hold its requests forever.
     STALL_S = 120.0
 
-    def __init__(self, model: str, model_kwargs: dict, server_kwargs: dict):
+    def __init__(self, model: str, model_kwargs: dict, server_kwargs: dict, stream_interval_ms: float = 50):
         from ..model import Model
         from ..models import resolve
         from .app import Server, create_app
@@ -274,6 +279,7 @@ class Replica:
         ctx = serve.get_replica_context()
         self.name = f"{ctx.replica_id.unique_id}@{os.getpid()}"
         self._steps, self._since = -1, time.monotonic()
+        self.interval = stream_interval_ms / 1000.0
 
     async def forward(self, req: Forwarded):
         """Runs app.py's routes on `req`; yields a Head, then the rest of the body as it comes (what is
@@ -297,8 +303,13 @@ class Replica:
                  "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "root_path": "",
                  "query_string": req.query_string, "headers": req.headers, "client": req.client,
                  "server": ("127.0.0.1", 80)}
+        def ended(t):
+            if not t.cancelled():
+                t.exception()  # retrieved: Starlette re-raises what its error handler already answered
+            out.put_nowait(None)
+
         task = asyncio.ensure_future(self.app(scope, receive, send))
-        task.add_done_callback(lambda t: out.put_nowait(None))
+        task.add_done_callback(ended)
         head, parts, more = None, [], True
         try:
             while more:
@@ -324,6 +335,10 @@ class Replica:
                     yield head
                 else:
                     yield body
+                if more and self.interval > 0:
+                    # Each item costs the proxy and the ingress a message: what arrives meanwhile goes in
+                    # the next one.
+                    await asyncio.sleep(self.interval)
         finally:
             gone.set()  # the caller went away or all is sent: the app's watchers end, its jobs are cancelled
 
@@ -441,7 +456,7 @@ def _why(e: Exception) -> str:
 def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max_replicas: int | None = None,
           cpus: float = 1, gpus: float = 0, n_parallel: int = 4, max_queue: int = 64, max_ongoing: int | None = None,
           model_kwargs: dict | None = None, server_kwargs: dict | None = None, router: dict | None = None,
-          access_log: bool = False):
+          stream_interval_ms: float = 50, access_log: bool = False):
     """The Ray Serve application: OptimlIngress over `replicas` OptimlReplica (or autoscaling between
     min_replicas and max_replicas, aiming at n_parallel requests per replica).
 
@@ -449,7 +464,8 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
     replica takes at once (default 2 * n_parallel: a batch running and the next one waiting; the rest
     wait in the router, which keeps them free to go to whichever replica frees up first). max_queue:
     requests that may wait in the router before 429, as optiml serve's --queue. router:
-    PrefixAffinityRouter's settings (block, min_match, imbalance, capacity)."""
+    PrefixAffinityRouter's settings (block, min_match, imbalance, capacity). stream_interval_ms: see
+    Replica."""
     max_ongoing = max_ongoing or 2 * n_parallel
     server_kwargs = dict(server_kwargs or {})
     server_kwargs["n_parallel"] = n_parallel
@@ -475,7 +491,7 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
         **scaling)
     ingress = serve.deployment(Ingress, name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
                                logging_config=logging_config)
-    return ingress.bind(replica.bind(model, dict(model_kwargs or {}), server_kwargs))
+    return ingress.bind(replica.bind(model, dict(model_kwargs or {}), server_kwargs, stream_interval_ms))
 
 
 # The settings build_app takes (a YAML config's `args`), with optiml serve's flag names.
@@ -483,7 +499,8 @@ BUILD_ARGS = {
     "model": None, "replicas": 1, "min_replicas": None, "max_replicas": None, "cpus": 1, "gpus": 0,
     "parallel": 4, "ctx": None, "threads": None, "queue": 64, "chunk": 256, "alias": None, "api_key": None,
     "predictors": "auto", "device": "auto", "vram": None, "n_gpu_layers": None, "gpu_neurons": None,
-    "kv_vram": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None, "access_log": False,
+    "kv_vram": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None,
+    "stream_interval_ms": 50, "access_log": False,
 }
 
 
@@ -511,13 +528,23 @@ def build_app(args: dict):
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
                  n_parallel=num(a["parallel"]), max_queue=num(a["queue"]), max_ongoing=num(a["max_ongoing"]),
                  model_kwargs=model_kwargs, server_kwargs=server_kwargs, router=a["router"],
-                 access_log=str(a["access_log"]).lower() in ("1", "true", "yes"))
+                 stream_interval_ms=num(a["stream_interval_ms"], float), access_log=str(a["access_log"]).lower() in ("1", "true", "yes"))
 
 
 # ---- a local cluster, or a cluster at an address -------------------------------------------------------
 def start_local_cluster(num_cpus: int, num_gpus: int | None = None, temp_dir: str | None = None) -> None:
     """A Ray cluster of this machine alone, on loopback, without the dashboard, owned by this process:
     stop_cluster() (or this process's exit) stops it."""
+    # The replicas import the optiml this process runs (a source checkout too): Ray's workers inherit the
+    # environment of the cluster this process starts.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
+    # Every socket of the cluster on loopback, none reachable from other machines: Ray's switch for
+    # single-machine clusters (named for Windows and macOS, where it is the default); without it Ray's
+    # processes listen on all interfaces even when given 127.0.0.1.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     # A small object store: requests and answers are small and travel inline, and the default (30% of the
     # memory) would be reserved from the replicas' models.
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -547,7 +574,8 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
               predictors="auto", device: str = "auto", vram=None, n_gpu_layers: int | None = None,
               gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None, use_mmap="auto",
               min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
-              route_prefix: str = "/", temp_dir: str | None = None, ready=None, stop: threading.Event | None = None):
+              stream_interval_ms: float = 50, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
+              stop: threading.Event | None = None):
     """optiml serve --ray: the same server as optiml.server.serve (same arguments), as `replicas`
     replicas on Ray Serve behind one endpoint at http://host:port (Ray Serve's proxy).
 
@@ -557,7 +585,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
     there yet. min_replicas / max_replicas: autoscaling instead of a fixed count. n_threads: each replica's
     threads and CPUs (default: the CPUs shared out among the replicas). device cuda[:N]: one GPU per
     replica, vram its budget. model: a path, a known name or a Hugging Face reference, resolved on each
-    replica's node. Serves until Ctrl-C or SIGTERM (or until `stop` is set); ready(url) is called once it
+    replica's node. stream_interval_ms: how often a stream's pieces are sent (Replica). Serves until Ctrl-C or SIGTERM (or until `stop` is set); ready(url) is called once it
     answers."""
     local = address is None
     if local:
@@ -571,7 +599,9 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         ray.init(address=address, namespace="optiml", configure_logging=False)
         cpus = n_threads or _default_cpus(count, False)
     stopping = stop or threading.Event()
-    old = signal.signal(signal.SIGTERM, lambda *_: stopping.set()) if threading.current_thread() is threading.main_thread() else None
+    old = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops it as Ctrl-C does
+        old = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         serve.start(http_options={"host": host, "port": port},
                     logging_config={"log_level": log_level.upper(), "enable_access_log": log_level == "debug"})
@@ -582,7 +612,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
                                   "gpu_neurons": gpu_neurons, "kv_vram": kv_vram, "use_mmap": use_mmap},
                     server_kwargs={"api_key": api_key, "model_id": model_id, "chunk": chunk,
                                    "max_itl_ms": max_itl_ms},
-                    access_log=log_level == "debug")
+                    stream_interval_ms=stream_interval_ms, access_log=log_level == "debug")
         try:
             serve.run(app, name=name, route_prefix=route_prefix)
         except Exception as e:
@@ -591,7 +621,8 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         url = _url(host, port, route_prefix)
         scale = (f"{min_replicas or 1}..{max_replicas} replicas (autoscaling)" if max_replicas
                  else f"{replicas} replica{'s' * (replicas != 1)}")
-        where = "a local Ray cluster" if local else f"the Ray cluster at {address}"
+        where = ("a local Ray cluster" if local else
+                 f"the Ray cluster at {address}; if Ray Serve ran there already, at its own HTTP address")
         print(f"optiml serve --ray: {model_id or os.path.splitext(os.path.basename(model))[0]} on {url}/v1 "
               f"({scale} of {n_parallel} slots, {cpus} CPU{'s' * (cpus != 1)}{' and 1 GPU' if gpu else ''} each, "
               f"on {where})", flush=True)
@@ -658,6 +689,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-neurons", type=int, default=None)
     p.add_argument("--kv-vram", default=None)
     p.add_argument("--max-itl-ms", type=float, default=None)
+    p.add_argument("--stream-interval-ms", type=float, default=50,
+                   help="send a stream's pieces at most this often, what came meanwhile together (default 50; 0: "
+                        "each piece as it comes, at more CPU per token in Ray Serve's proxy)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -668,9 +702,14 @@ def main(argv=None) -> int:
               n_ctx=a.ctx, api_key=a.api_key, n_threads=a.threads, max_queue=a.queue, chunk=a.chunk,
               model_id=a.alias, log_level=a.log_level, predictors=None if a.predictors == "none" else a.predictors,
               device=a.device, vram=a.vram, n_gpu_layers=a.n_gpu_layers, gpu_neurons=a.gpu_neurons,
-              kv_vram=a.kv_vram, max_itl_ms=a.max_itl_ms, min_replicas=a.min_replicas, max_replicas=a.max_replicas)
+              kv_vram=a.kv_vram, max_itl_ms=a.max_itl_ms, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+              stream_interval_ms=a.stream_interval_ms)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Ray pickles the deployments and the router by their module: they must come from
+    # optiml.server.ray_serve, not from __main__ (which other processes cannot import).
+    from optiml.server.ray_serve import main as _main
+
+    sys.exit(_main())
