@@ -137,6 +137,22 @@ def http(url, method, path, key=KEY, **kw):
     return httpx.request(method, url + path, headers=headers, **kw)
 
 
+def test_prompt_text_and_block_hashes():
+    """What the router matches: the messages' roles and contents in order, or the prompt; prefixes of
+    whole blocks hash alike."""
+    from optiml.server.ray_serve import block_hashes, prompt_text
+
+    chat = json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}).encode()
+    assert prompt_text("/v1/chat/completions", chat) == "\x00system\x00Be brief.\x00user\x00Hi"
+    assert prompt_text("/v1/completions", b'{"prompt": ["first", "second"]}') == "first"
+    assert prompt_text("/v1/completions", b'{"prompt": [1, 2, 3]}') == "1,2,3,"
+    assert prompt_text("/v1/completions", b"{not json") == ""
+    assert prompt_text("/v1/models", b"") == ""
+    a, b = block_hashes("x" * 64 + "y" * 64 + "z" * 10, 64), block_hashes("x" * 64 + "w" * 64, 64)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+
+
 def test_chat_greedy_equals_model_chat(client, ref):
     want = ref.chat(MSGS, temperature=0, max_tokens=24)
     r = client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=24)

@@ -65,16 +65,21 @@ def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> di
     import json
 
     results: list = []
+    failed: list = []
     lock = threading.Lock()
 
     def client(c):
         conn = Connection(url)
-        for k in range(requests):
-            b = dict(body, prompt=f"{tag} {c}.{k}: {PROMPT}")
-            t0, arrived = conn.stream(url_path(url) + "/v1/completions", json.dumps(b).encode())
-            with lock:
-                results.append((t0, arrived))
-        conn.close()
+        try:
+            for k in range(requests):
+                b = dict(body, prompt=f"{tag} {c}.{k}: {PROMPT}")
+                t0, arrived = conn.stream(url_path(url) + "/v1/completions", json.dumps(b).encode())
+                with lock:
+                    results.append((t0, arrived))
+        except BaseException as e:  # SystemExit too: the server's bad answer
+            failed.append(e)
+        finally:
+            conn.close()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
@@ -83,6 +88,8 @@ def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> di
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if failed:
+        raise SystemExit(f"{url}: {failed[0]}")
     ttft = sorted(event_times(a)[0] - s for s, a in results)
 
     def pct(xs, q):
@@ -90,6 +97,32 @@ def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> di
 
     return {"tok_s": clients * requests * body["max_tokens"] / wall, "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99)}
+
+
+ROLES = {"proxy": b"ProxyActor", "ingress": b"OptimlIngress", "replicas": b"OptimlReplica"}
+
+
+def ray_cpu() -> dict:
+    """CPU milliseconds so far of this machine's Ray Serve processes by role (Linux /proc; "ray other":
+    the controller, raylet, GCS and agents)."""
+    out = dict.fromkeys(list(ROLES) + ["ray other"], 0.0)
+    tick = 1000.0 / os.sysconf("SC_CLK_TCK")
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = next((r for r, key in ROLES.items() if key in cmd), None)
+        if role is None and (b"ray::" in cmd or b"/ray/" in cmd):
+            role = "ray other"
+        if role is not None:
+            out[role] += (int(st[11]) + int(st[12])) * tick
+    return out
 
 
 def url_path(url: str) -> str:
@@ -122,12 +155,15 @@ def router_cost(prompt_chars: int, replicas: int, capacity: int = 4096, reps: in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the cache)")
+    ap.add_argument("-m", "--model", default=None,
+                    help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the cache)")
     ap.add_argument("--parallel", type=int, default=4, help="slots per replica, and clients per replica")
     ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--ctx", type=int, default=512, help="context per slot")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stream-interval-ms", type=float, default=100,
+                    help="the replicas' stream batching (optiml serve --ray's; 0: every piece as it comes)")
     args = ap.parse_args()
 
     import optiml
@@ -155,7 +191,7 @@ def main() -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": ray_port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
-        common = dict(cpus=1, n_parallel=P, max_queue=4 * P,
+        common = dict(cpus=1, n_parallel=P, max_queue=4 * P, stream_interval_ms=args.stream_interval_ms,
                       model_kwargs={"n_ctx": args.ctx, "n_threads": 1}, server_kwargs={"model_id": "bench"})
         serve.run(rs.build(model, replicas=1, **common), name="one", route_prefix="/one")
         serve.run(rs.build(model, replicas=2, **common), name="two", route_prefix="/two")
@@ -163,17 +199,24 @@ def main() -> int:
         servers["ray x2"] = (f"http://127.0.0.1:{ray_port}/two", 2 * P)
         wait_ready(servers["plain"][0], plain)
         print(f"cluster and 3 replicas up in {time.perf_counter() - t0:.0f} s; {args.rounds} rounds of "
-              f"{args.requests} requests per client, {args.gen} tokens each, {P} slots and 1 thread per replica",
+              f"{args.requests} requests per client, {args.gen} tokens each, {P} slots and 1 thread per replica, "
+              f"streams sent every {args.stream_interval_ms:g} ms",
               flush=True)
         for name, (url, _) in servers.items():  # warm up (and the first grammar-free request's setup)
             run_level(url, 1, 1, dict(body, max_tokens=4), "warm")
 
         rows = {name: [] for name in servers}
+        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other"], 0.0) for name in servers}
         names = list(servers)
+        print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores here: others' work shares them)")
         for r in range(args.rounds):
             for name in names[r % 3:] + names[:r % 3]:  # rotate the order: drift is shared out
                 url, clients = servers[name]
+                before = ray_cpu()
                 res = run_level(url, clients, args.requests, body, f"r{r}")
+                after = ray_cpu()
+                for role in cpu[name]:
+                    cpu[name][role] += after[role] - before[role]
                 rows[name].append(res)
                 print(f"  round {r + 1} {name:7} {clients:2d} clients {res['tok_s']:7.1f} tok/s  TTFT p50 "
                       f"{res['ttft_p50'] * 1e3:6.0f} ms  p99 {res['ttft_p99'] * 1e3:6.0f} ms", flush=True)
@@ -188,6 +231,12 @@ def main() -> int:
               f"x{two['ttft_p99'] / one['ttft_p99']:.2f} at twice the load (goal <= 1)")
         print(f"ray x2 / plain:  throughput x{two['tok_s'] / pl['tok_s']:.2f}; ray x1 / plain: "
               f"x{one['tok_s'] / pl['tok_s']:.2f} (the Ray hops' CPU on a shared core)")
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
+        print("\nCPU per generated token (ms), Ray Serve's processes, all rounds:")
+        print(f"{'server':8} " + " ".join(f"{role:>10}" for role in cpu["ray x1"]))
+        for name in ("ray x1", "ray x2"):
+            tokens = args.rounds * servers[name][1] * args.requests * args.gen
+            print(f"{name:8} " + " ".join(f"{ms / tokens:10.2f}" for ms in cpu[name].values()))
 
         # The hops at no load: time to first token of one client, one short request at a time.
         lone = {name: [] for name in ("plain", "ray x1")}

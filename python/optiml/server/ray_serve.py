@@ -57,7 +57,7 @@ except ImportError as e:  # the single-node server never imports this module
     raise ImportError(f"{RAY_MISSING} ({e})") from e
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .app import MAX_BODY_BYTES, read_body
 from .schemas import APIError
@@ -134,7 +134,7 @@ def prompt_text(path: str, body: bytes) -> str:
 # ---- the router ---------------------------------------------------------------------------------------
 def block_hashes(text: str, block: int) -> list:
     """Hashes of the text's whole `block`-character prefixes: hashes[i] stands for text[:(i + 1) * block],
-    so two texts share their first k blocks exactly when they share their first k hashes."""
+    so two texts share their first k blocks when they share their first k hashes (collisions aside)."""
     out, h = [], 0
     for i in range(0, len(text) - block + 1, block):
         h = hash((h, text[i:i + block]))
@@ -244,16 +244,17 @@ class Replica:
     (optiml.models.resolve: a name not cached there yet is pulled). model_kwargs: optiml.Model's;
     n_threads None means the CPUs Ray gave the replica. server_kwargs: optiml.server.Server's.
     stream_interval_ms: a stream's pieces are sent at most this often, what came meanwhile together
-    (0: each as it comes). Every item costs Ray Serve's proxy and the ingress a message each, about 1.5 ms
-    of CPU together per item on a 2-core machine (tools/bench_ray_serve.py), as much as a sixth of a
-    token's compute for a small model; 50 ms is Ray Serve LLM's default for the same batching
-    (stream_batching_interval_ms), and the first piece is never held back."""
+    (0: each as it comes; the first piece is never held back). Each item costs Ray Serve's proxy and the
+    ingress a message each: 2 to 4 ms of CPU per item together on this project's 2-core machine
+    (tools/bench_ray_serve.py), a third of a token's compute for a 135M model when every token is an
+    item. Ray Serve LLM batches the same way (stream_batching_interval_ms, 50 ms); at 100 ms a replica
+    sends at most 10 items a second per stream whatever its speed."""
 
     # A replica whose scheduler has work but has not taken a step for this long is reported unhealthy
     # (Ray Serve then replaces it): a hung native call must not hold its requests forever.
     STALL_S = 120.0
 
-    def __init__(self, model: str, model_kwargs: dict, server_kwargs: dict, stream_interval_ms: float = 50):
+    def __init__(self, model: str, model_kwargs: dict, server_kwargs: dict, stream_interval_ms: float = 100):
         from ..model import Model
         from ..models import resolve
         from .app import Server, create_app
@@ -303,6 +304,7 @@ class Replica:
                  "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "root_path": "",
                  "query_string": req.query_string, "headers": req.headers, "client": req.client,
                  "server": ("127.0.0.1", 80)}
+
         def ended(t):
             if not t.cancelled():
                 t.exception()  # retrieved: Starlette re-raises what its error handler already answered
@@ -310,29 +312,29 @@ class Replica:
 
         task = asyncio.ensure_future(self.app(scope, receive, send))
         task.add_done_callback(ended)
-        head, parts, more = None, [], True
+        start, parts, more, first = None, [], True, True
         try:
             while more:
                 msgs = [await out.get()]
                 while not out.empty():
                     msgs.append(out.get_nowait())
                 for m in msgs:
-                    if m is None:  # the app returned without finishing the body
+                    if m is None:  # the app returned (without finishing the body, if `more` is still set)
                         more = False
-                        if head is None:
+                        if start is None:
                             exc = task.exception() if not task.cancelled() else None
                             raise RuntimeError(f"the replica's app answered nothing: {exc!r}")
                     elif m["type"] == "http.response.start":
-                        head = m
+                        start = m
                     elif m["type"] == "http.response.body" and more:
                         parts.append(m.get("body", b""))
                         more = m.get("more_body", False)
-                if head is None or not (parts or not more):
-                    continue
+                if start is None or (more and not parts):
+                    continue  # nothing to send yet: the head goes with the first body
                 body, parts = b"".join(parts), []
-                if isinstance(head, dict):
-                    head = Head(head["status"], list(head.get("headers", [])), self.name, body, not more)
-                    yield head
+                if first:
+                    first = False
+                    yield Head(start["status"], list(start.get("headers", [])), self.name, body, not more)
                 else:
                     yield body
                 if more and self.interval > 0:
@@ -361,11 +363,20 @@ class Replica:
             server.scheduler.stop()
 
 
+def _unprefixed(scope: dict) -> dict:
+    """The scope with the application's route prefix (Ray Serve's root_path) taken off its path: app.py's
+    routes are /v1/..."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"
+    return dict(scope, path=path, raw_path=path.encode(), root_path="")
+
+
 # ---- the ingress: HTTP in, one replica's answer out ---------------------------------------------------
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None,
            headers: dict | None = None) -> Response:
     e = APIError(status, message, type=type, code=code, headers=headers)
-    return Response(json.dumps(e.body()), status_code=status, headers=e.headers, media_type="application/json")
+    return JSONResponse(e.body(), status_code=status, headers=e.headers)
 
 
 def _sse_error(message: str, code: str) -> bytes:
@@ -388,13 +399,9 @@ class Ingress:
     async def __call__(self, request: Request) -> Response:
         try:
             body = await read_body(request, self.max_body)
-        except APIError as e:
-            return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers,
-                            media_type="application/json")
-        path = request.scope["path"]
-        root = request.scope.get("root_path", "")
-        if root and path.startswith(root):  # an application under a route prefix: app.py's paths follow it
-            path = path[len(root):] or "/"
+        except APIError as e:  # 413, as app.py answers it
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        path = _unprefixed(request.scope)["path"]
         req = Forwarded(request.method, path, request.scope.get("query_string", b""),
                         list(request.scope.get("headers", [])), body,
                         tuple(request.client) if request.client else None, prompt_text(path, body))
@@ -441,8 +448,8 @@ class Ingress:
         from ray.serve.exceptions import BackPressureError
 
         if isinstance(e, BackPressureError):  # every replica busy and the router's queue full: as app.py's 429
-            return _error(429, f"the server is busy: {e}; retry later", type="server_busy", code="queue_full",
-                          headers={"Retry-After": "1"})
+            return _error(429, f"the server is busy: {str(e).rstrip('.')}; retry later", type="server_busy",
+                          code="queue_full", headers={"Retry-After": "1"})
         logger.warning("request failed before its answer started: %r", e)
         return _error(503, FAILED.format(_why(e)), code="replica_failed", headers={"Retry-After": "1"})
 
@@ -456,7 +463,7 @@ def _why(e: Exception) -> str:
 def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max_replicas: int | None = None,
           cpus: float = 1, gpus: float = 0, n_parallel: int = 4, max_queue: int = 64, max_ongoing: int | None = None,
           model_kwargs: dict | None = None, server_kwargs: dict | None = None, router: dict | None = None,
-          stream_interval_ms: float = 50, access_log: bool = False):
+          stream_interval_ms: float = 100, access_log: bool = False):
     """The Ray Serve application: OptimlIngress over `replicas` OptimlReplica (or autoscaling between
     min_replicas and max_replicas, aiming at n_parallel requests per replica).
 
@@ -484,7 +491,7 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
     logging_config = {"enable_access_log": access_log}
     replica = serve.deployment(
         Replica, name=REPLICA, ray_actor_options=actor, max_ongoing_requests=max_ongoing,
-        max_queued_requests=max_queue, health_check_period_s=5, health_check_timeout_s=30,
+        max_queued_requests=max_queue, health_check_period_s=10, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=10, logging_config=logging_config,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                                   request_router_kwargs=dict(router or {})),
@@ -500,7 +507,7 @@ BUILD_ARGS = {
     "parallel": 4, "ctx": None, "threads": None, "queue": 64, "chunk": 256, "alias": None, "api_key": None,
     "predictors": "auto", "device": "auto", "vram": None, "n_gpu_layers": None, "gpu_neurons": None,
     "kv_vram": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None,
-    "stream_interval_ms": 50, "access_log": False,
+    "stream_interval_ms": 100, "access_log": False,
 }
 
 
@@ -528,7 +535,8 @@ def build_app(args: dict):
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
                  n_parallel=num(a["parallel"]), max_queue=num(a["queue"]), max_ongoing=num(a["max_ongoing"]),
                  model_kwargs=model_kwargs, server_kwargs=server_kwargs, router=a["router"],
-                 stream_interval_ms=num(a["stream_interval_ms"], float), access_log=str(a["access_log"]).lower() in ("1", "true", "yes"))
+                 stream_interval_ms=num(a["stream_interval_ms"], float),
+                 access_log=str(a["access_log"]).lower() in ("1", "true", "yes"))
 
 
 # ---- a local cluster, or a cluster at an address -------------------------------------------------------
@@ -574,7 +582,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
               predictors="auto", device: str = "auto", vram=None, n_gpu_layers: int | None = None,
               gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None, use_mmap="auto",
               min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
-              stream_interval_ms: float = 50, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
+              stream_interval_ms: float = 100, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
               stop: threading.Event | None = None):
     """optiml serve --ray: the same server as optiml.server.serve (same arguments), as `replicas`
     replicas on Ray Serve behind one endpoint at http://host:port (Ray Serve's proxy).
@@ -585,8 +593,8 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
     there yet. min_replicas / max_replicas: autoscaling instead of a fixed count. n_threads: each replica's
     threads and CPUs (default: the CPUs shared out among the replicas). device cuda[:N]: one GPU per
     replica, vram its budget. model: a path, a known name or a Hugging Face reference, resolved on each
-    replica's node. stream_interval_ms: how often a stream's pieces are sent (Replica). Serves until Ctrl-C or SIGTERM (or until `stop` is set); ready(url) is called once it
-    answers."""
+    replica's node. stream_interval_ms: how often a stream's pieces are sent (Replica). Serves until
+    Ctrl-C or SIGTERM (or until `stop` is set); ready(url) is called once it answers."""
     local = address is None
     if local:
         model = _resolve_here(model)
@@ -689,8 +697,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-neurons", type=int, default=None)
     p.add_argument("--kv-vram", default=None)
     p.add_argument("--max-itl-ms", type=float, default=None)
-    p.add_argument("--stream-interval-ms", type=float, default=50,
-                   help="send a stream's pieces at most this often, what came meanwhile together (default 50; 0: "
+    p.add_argument("--stream-interval-ms", type=float, default=100,
+                   help="send a stream's pieces at most this often, what came meanwhile together (default 100; 0: "
                         "each piece as it comes, at more CPU per token in Ray Serve's proxy)")
     p.add_argument("--log-level", default="warning")
     return p
