@@ -468,12 +468,13 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
     min_replicas and max_replicas, aiming at n_parallel requests per replica).
 
     cpus, gpus: each replica's Ray resources (its threads default to cpus). max_ongoing: requests a
-    replica takes at once (default 2 * n_parallel: a batch running and the next one waiting; the rest
-    wait in the router, which keeps them free to go to whichever replica frees up first). max_queue:
-    requests that may wait in the router before 429, as optiml serve's --queue. router:
-    PrefixAffinityRouter's settings (block, min_match, imbalance, capacity). stream_interval_ms: see
-    Replica."""
-    max_ongoing = max_ongoing or 2 * n_parallel
+    replica takes at once (default n_parallel, its slots). More would wait in one replica's queue while
+    another has a free slot: with 2 x n_parallel, 8 clients on 2 replicas of 4 slots were split 6 to 2 at
+    times and waited seconds for their first token (tools/bench_ray_serve.py, p99). The rest wait in the
+    router, free to go to whichever replica frees a slot first; max_queue of them before 429, as optiml
+    serve's --queue. router: PrefixAffinityRouter's settings (block, min_match, imbalance, capacity).
+    stream_interval_ms: see Replica."""
+    max_ongoing = max_ongoing or n_parallel
     server_kwargs = dict(server_kwargs or {})
     server_kwargs["n_parallel"] = n_parallel
     # The router holds the waiting requests (max_queue of them); a replica never has more than
@@ -493,12 +494,20 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
         Replica, name=REPLICA, ray_actor_options=actor, max_ongoing_requests=max_ongoing,
         max_queued_requests=max_queue, health_check_period_s=10, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=10, logging_config=logging_config,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_router_kwargs=dict(router or {})),
+        request_router_config=_router_config(router),
         **scaling)
     ingress = serve.deployment(Ingress, name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
                                logging_config=logging_config)
     return ingress.bind(replica.bind(model, dict(model_kwargs or {}), server_kwargs, stream_interval_ms))
+
+
+def _router_config(router: dict | None):
+    config = RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs=dict(router or {}))
+    # A request waiting for a free slot asks again after a backoff that grows to max_backoff_s (0.5 s by
+    # default): a freed slot would idle that long. (Older Ray Serve versions have no such setting.)
+    if hasattr(config, "max_backoff_s"):
+        config.max_backoff_s = 0.1
+    return config
 
 
 # The settings build_app takes (a YAML config's `args`), with optiml serve's flag names.
