@@ -4,14 +4,15 @@
     app = create_app(Server(optiml.Model(path, n_ctx=4096, n_seq=4), n_parallel=4))   # an ASGI app
 
 Modules: app (routes), scheduler (the thread that owns the Model), schemas (request checks, errors),
-structured (response_format through llguidance), metrics (Prometheus).
+structured (response_format through llguidance), metrics (Prometheus), ray_serve (replicas on Ray Serve,
+pip install "optiml[ray]"; imported only by serve_ray).
 """
 
 from __future__ import annotations
 
 from ..engine.model import Model
 
-__all__ = ["Server", "create_app", "serve"]
+__all__ = ["Server", "create_app", "serve", "serve_ray"]
 
 
 def __getattr__(name):
@@ -46,3 +47,14 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     print(f"optiml serve: {server.model_id} on http://{host}:{port}/v1 ({n_parallel} slots of {model.n_ctx} "
           f"tokens, queue {max_queue}{offload})", flush=True)
     uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+
+
+def serve_ray(model: str, **kwargs) -> None:
+    """optiml serve --ray: serve's arguments plus replicas, address, min_replicas, max_replicas,
+    stream_interval_ms (optiml.server.ray_serve.serve_ray). Without Ray installed: SystemExit saying what
+    to install."""
+    try:
+        from .ray_serve import serve_ray as run
+    except ImportError as e:
+        raise SystemExit(str(e)) from None
+    run(model, **kwargs)
