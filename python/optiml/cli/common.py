@@ -78,6 +78,9 @@ def add_device_args(p: argparse.ArgumentParser, loads_weights: bool = True) -> N
                    help="the last N layers whole on the device (as llama.cpp's -ngl)")
     p.add_argument("--gpu-neurons", type=int, default=None,
                    help="FFN neurons per layer on the device (overrides the file's placement)")
+    p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
+                   help="the KV cache's type for keys: f16 (default), f32, q8_0 (half the bytes), q4_0 (a quarter)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="the same for values")
 
 
 def load(args, n_ctx: int | None = None) -> Model:
@@ -105,9 +108,10 @@ def use_mmap(args):
 
 
 def device(args) -> dict:
-    """Model's keyword arguments for where layers run (the options of add_device_args)."""
+    """Model's keyword arguments for where layers run and the KV cache's types (the options of add_device_args)."""
     return {"device": getattr(args, "device", "auto"), "vram": getattr(args, "vram", None),
-            "n_gpu_layers": getattr(args, "n_gpu_layers", None), "gpu_neurons": getattr(args, "gpu_neurons", None)}
+            "n_gpu_layers": getattr(args, "n_gpu_layers", None), "gpu_neurons": getattr(args, "gpu_neurons", None),
+            "kv_type_k": getattr(args, "cache_type_k", None), "kv_type_v": getattr(args, "cache_type_v", None)}
 
 
 def predictors(args):

@@ -44,8 +44,8 @@ def run(args) -> int:
         common.print_json(_info_json(args.model, args.tensors))
         return 0
     if args.plan:  # where each layer would run, without loading the weights
-        print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, device=args.device, vram=args.vram,
-                        n_gpu_layers=args.n_gpu_layers, gpu_neurons=args.gpu_neurons, kv_vram=args.kv_vram), end="")
+        print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, kv_vram=args.kv_vram, **common.device(args)),
+              end="")
         return 0
     with gguf.open(args.model) as f:
         print(f.summary())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..server import serve
+from ..server import serve, serve_ray
 from . import common
 
 
@@ -27,11 +27,28 @@ def add_arguments(p) -> None:
     p.add_argument("--max-itl-ms", type=float, default=None,
                    help="with --kv-vram: start a sequence on the CPU only while a step stays within this many "
                         "milliseconds")
+    p.add_argument("--ray", action="store_true",
+                   help="serve as replicas on Ray Serve behind one endpoint (pip install \"optiml[ray]\"): a local "
+                        "cluster started and stopped with the server, or the one at --address")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: how many replicas (each its own engine)")
+    p.add_argument("--min-replicas", type=int, default=None, help="with --ray: autoscaling's lower bound")
+    p.add_argument("--max-replicas", type=int, default=None, help="with --ray: autoscaling's upper bound")
+    p.add_argument("--address", default=None, help="with --ray: a running cluster (ray://head:10001, head:6379, auto)")
 
 
 def run(args) -> int:
-    serve(common.model_arg(args.model), host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx,
-          api_key=args.api_key, n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
-          predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
-          use_mmap=common.use_mmap(args), **common.device(args))
+    kw = dict(host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx, api_key=args.api_key,
+              n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
+              predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
+              use_mmap=common.use_mmap(args), **common.device(args))
+    ray_only = [f for f, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),
+                               ("--max-replicas", args.max_replicas), ("--address", args.address)) if v]
+    if not args.ray:
+        if ray_only:
+            raise SystemExit(f"optiml serve: {', '.join(ray_only)} need --ray")
+        serve(common.model_arg(args.model), **kw)
+        return 0
+    # the model is resolved on each replica's node (a name or Hugging Face reference there too)
+    serve_ray(args.model, replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+              address=args.address, **kw)
     return 0
