@@ -15,16 +15,7 @@
 // (tools/neon_check.sh, in CI).
 #pragma once
 
-#pragma GCC diagnostic ignored "-Wunused-function"
-
-#include <arm_neon.h>
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-
-#include "optiml/ggml_types.h"
-#include "optiml/kernels.h"
+#include "simd_neon.h"
 
 namespace optiml {
 
@@ -32,13 +23,6 @@ namespace optiml {
 void fill_kernels_neon_dotprod(KernelTable& table);
 
 namespace {
-
-// fp16 -> fp32 by the hardware conversion (exact, like fp16_to_fp32).
-inline float h2f(fp16_t h) {
-    __fp16 v;
-    std::memcpy(&v, &h, 2);
-    return (float)v;
-}
 
 // acc += sums of 4 adjacent int8 products, per int32 lane.
 inline int32x4_t dot_s8(int32x4_t acc, int8x16_t a, int8x16_t b) {
