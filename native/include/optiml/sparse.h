@@ -108,6 +108,7 @@ void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajo
 // The scalar reference kernels of grouped rows (kt.axpy_group).
 void fill_sparse_grouped_scalar(KernelTable& t);
 void fill_sparse_grouped_avx2(KernelTable& t);  // x86 builds only
+void fill_sparse_grouped_neon(KernelTable& t);  // aarch64 builds only
 // The same over neuron-major rows held elsewhere (n_neurons rows, row_size(type, dim) bytes apart,
 // at `data`), e.g. in a numpy array or a mapped file.
 // dim_scale: nullptr, or [dim] factors each y[r] sum is multiplied by (see NeuronMajor).

@@ -38,16 +38,16 @@ void attention_cpu_qkv(ThreadPool& pool, const KernelTable& kt, const HParams& h
     add_bias_rows(L.bv, sc.v, n);
 }
 
-void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
-                        const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, const StepScratch& sc) {
+namespace {
+
+// Rotary position embedding of the batch's q and k, and the new keys and values into the cache.
+void rope_and_store_kv(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
+                       const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, const StepScratch& sc) {
     const int64_t n_q = hp.n_embd_q(), n_kv = hp.n_embd_kv(), hd = hp.head_dim;
     const int32_t n = b.n;
     float* q = sc.q;
     float* k = sc.k;
     float* v = sc.v;
-    float* attn = sc.attn;
-
-    // Rotary position embedding, and the new keys and values into the cache.
     // Quantized values (Q8_0, Q4_0) are rows like the keys (KVLayerView); F16/F32 ones transposed.
     const bool v_rows = kv.v_row != 0;
     const size_t kv_elem = type_traits(kv.v_type).type_size;  // a transposed value's
@@ -111,6 +111,18 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
         });
     }
 
+}
+
+void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const KVLayerView& kv,
+            const BatchView& b, const StepScratch& sc) {
+    const int64_t n_q = hp.n_embd_q(), hd = hp.head_dim;
+    const int32_t n = b.n;
+    const float* q = sc.q;
+    float* attn = sc.attn;
+    const bool v_rows = kv.v_row != 0;  // quantized values: rows like the keys; F16/F32 transposed
+    const size_t kv_elem = type_traits(kv.v_type).type_size;
+    const int64_t rot_v = kv_rotation_block(kv.v_type, hd, true);
+    const bool swa = hp.is_swa(il);
     // Causal attention: token t (sequence seq, position pos) sees positions 0..pos of its sequence. One
     // task per (token, head); a KV head serves n_head / n_head_kv query heads (grouped-query attention).
     // Like llama.cpp, scores cover a window of the cache padded to a multiple of 32 (masked positions
@@ -187,6 +199,14 @@ void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& 
             for (int64_t h = h0; h < h0 + heads_per_task; h++) attend(t, h);
         }
     });
+}
+
+}  // namespace
+
+void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
+                        const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, const StepScratch& sc) {
+    rope_and_store_kv(pool, kt, hp, il, L, rope_freqs, kv, b, sc);
+    attend(pool, kt, hp, il, kv, b, sc);
 }
 
 void attention_cpu_out(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const LayerWeights& L, int32_t n,

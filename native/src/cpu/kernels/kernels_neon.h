@@ -15,16 +15,8 @@
 // (tools/neon_check.sh, in CI).
 #pragma once
 
-#pragma GCC diagnostic ignored "-Wunused-function"
-
-#include <arm_neon.h>
-
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-
-#include "optiml/ggml_types.h"
-#include "optiml/kernels.h"
+#include "quant/quant_impl.h"
+#include "simd_neon.h"
 
 namespace optiml {
 
@@ -32,13 +24,6 @@ namespace optiml {
 void fill_kernels_neon_dotprod(KernelTable& table);
 
 namespace {
-
-// fp16 -> fp32 by the hardware conversion (exact, like fp16_to_fp32).
-inline float h2f(fp16_t h) {
-    __fp16 v;
-    std::memcpy(&v, &h, 2);
-    return (float)v;
-}
 
 // acc += sums of 4 adjacent int8 products, per int32 lane.
 inline int32x4_t dot_s8(int32x4_t acc, int8x16_t a, int8x16_t b) {
@@ -363,15 +348,8 @@ void vec_dot_q3_K(int64_t n, float* s, const void* w, const void* x) {
     float sum = 0;
     for (int64_t i = 0; i < n / OPTIML_QK_K; i++) {
         const float d = b[i].d * h2f(a[i].d);
-        // 12 packed bytes -> 16 six-bit scales: low 4 bits from bytes 0..7, high 2 bits from 8..11.
-        uint32_t aux[4];
-        std::memcpy(aux, a[i].scales, 12);
-        const uint32_t tmp = aux[2];
-        const uint32_t k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
-        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+        uint32_t aux[4];  // the 16 six-bit scales, biased by 32
+        quant::q3_K_scale_bytes(a[i].scales, aux);
         int8_t sc[16];
         vst1q_s8(sc, vsubq_s8(vreinterpretq_s8_u32(vld1q_u32(aux)), vdupq_n_s8(32)));
         // hmask byte l: bit 4h + j is the high bit of element 128h + 32j + l.

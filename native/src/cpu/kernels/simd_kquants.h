@@ -18,6 +18,7 @@
 #include <new>
 #include <vector>
 
+#include "quant/quant_impl.h"
 #include "simd_x86.h"
 
 namespace optiml {
@@ -54,18 +55,22 @@ inline void k4_scales(const uint8_t* q, uint64_t* sc, uint64_t* mn) {
     *mn = (uint64_t)(w[1] & m6) | ((uint64_t)(((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4)) << 32);
 }
 
+// Q4_K and Q5_K: 8 six-bit scales and mins (k4_scales), each twice (one per 16-element half).
+template <class Block>
+inline void prepare_k4(const Block& a, KRow& k) {
+    uint64_t sc, mn;
+    k4_scales(a.scales, &sc, &mn);
+    k.s16 = bytes_twice_to_16(sc);
+    k.c16 = bytes_twice_to_16(mn);
+    k.d = h2f(a.d);
+    k.dmin = h2f(a.dmin);
+}
+
 template <class WBlock> struct KQ;
 
 template <> struct KQ<block_q4_K> {
     static constexpr bool separate_min = true;
-    static void prepare(const block_q4_K& a, KRow& k) {
-        uint64_t sc, mn;
-        k4_scales(a.scales, &sc, &mn);
-        k.s16 = bytes_twice_to_16(sc);
-        k.c16 = bytes_twice_to_16(mn);
-        k.d = h2f(a.d);
-        k.dmin = h2f(a.dmin);
-    }
+    static void prepare(const block_q4_K& a, KRow& k) { prepare_k4(a, k); }
     // 32 bytes of qs hold chunk 2j in the low nibbles and 2j+1 in the high nibbles.
     static __m256i codes(const block_q4_K& a, int c) {
         const __m256i q = load256(a.qs + 32 * (c / 2));
@@ -75,14 +80,7 @@ template <> struct KQ<block_q4_K> {
 
 template <> struct KQ<block_q5_K> {
     static constexpr bool separate_min = true;
-    static void prepare(const block_q5_K& a, KRow& k) {
-        uint64_t sc, mn;
-        k4_scales(a.scales, &sc, &mn);
-        k.s16 = bytes_twice_to_16(sc);
-        k.c16 = bytes_twice_to_16(mn);
-        k.d = h2f(a.d);
-        k.dmin = h2f(a.dmin);
-    }
+    static void prepare(const block_q5_K& a, KRow& k) { prepare_k4(a, k); }
     // As Q4_K, plus the fifth bit: bit c of qh byte l, for element l of chunk c.
     static __m256i codes(const block_q5_K& a, int c) {
         const __m256i q = load256(a.qs + 32 * (c / 2));
@@ -116,16 +114,8 @@ template <> struct KQ<block_q6_K> {
 template <> struct KQ<block_q3_K> {
     static constexpr bool separate_min = false;
     static void prepare(const block_q3_K& a, KRow& k) {
-        // 12 bytes: scale j's low 4 bits are the low (j < 8) or high nibble of byte j % 8, its top 2
-        // bits are bits 2 (j / 4), 2 (j / 4) + 1 of byte 8 + j % 4; gathered a 32-bit word at a time.
-        uint32_t aux[4];
-        std::memcpy(aux, a.scales, 12);
-        const uint32_t tmp = aux[2];
-        const uint32_t k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
-        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+        uint32_t aux[4];  // the 16 six-bit scales, biased by 32
+        quant::q3_K_scale_bytes(a.scales, aux);
         const __m128i sc = _mm_sub_epi8(_mm_loadu_si128((const __m128i*)aux), _mm_set1_epi8(32));
         k.s16 = _mm256_cvtepi8_epi16(sc);
         k.c16 = _mm256_slli_epi16(k.s16, 2);  // 4 * scale

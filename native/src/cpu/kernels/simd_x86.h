@@ -116,11 +116,16 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i
 inline void keep_chain(__m256i& v) { __asm__("" : "+x"(v)); }
 
 // ---- float vectors -------------------------------------------------------------------------------
-// The float kernels (simd_float.h) are written once against these.
+// The kernels written once for every instruction set (simd_float.h, simd_ops.h, sparse_axpy_simd.h)
+// see a float vector type FV: N lanes of V, masks M from the comparisons, and these operations. The
+// NEON twin is F32x4 (simd_neon.h).
 struct F32x8 {
     typedef __m256 V;
+    typedef __m256 M;  // all-ones lanes where a comparison holds
+    typedef __m256i VI;  // N int32
     static constexpr int N = 8;
     static V zero() { return _mm256_setzero_ps(); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
     static V load_f32(const float* p) { return _mm256_loadu_ps(p); }
     static V load_f16(const fp16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
     // bf16 -> f32 is a 16-bit shift into the high half.
@@ -128,44 +133,79 @@ struct F32x8 {
         const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
         return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     }
-    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    // 32 int8 codes (a Q8_0 block) as floats, N at a time: q[c] = codes 8c .. 8c + 7.
+    static void load_q8x32(const int8_t* p, V q[32 / N]) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 32 / N; c++)
+            q[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * c))));
+    }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static VI set1_i32(int32_t x) { return _mm256_set1_epi32(x); }
+    static VI sub_i32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+    static V i32_to_f32(VI v) { return _mm256_cvtepi32_ps(v); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, rounded once
     static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V div(V a, V b) { return _mm256_div_ps(a, b); }
+    static V neg(V a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }  // 0 - a
+    static V max0(V a) { return _mm256_max_ps(a, _mm256_setzero_ps()); }  // NaN -> 0, as a > 0 ? a : 0
+    static M ge(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+    static M le(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+    static V select(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }  // m ? a : b
     static float hsum(V v) { return hsum_ps(v); }
+    // The horizontal sum in ggml's order (GGML_F32x8_REDUCE: hadd twice), for the attention dots that
+    // follow llama.cpp bit for bit.
+    static float hsum_ggml(V v) {
+        const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 t1 = _mm_hadd_ps(t0, t0);
+        return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+    }
+    static void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+    static void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 };
 
 #if defined(__AVX512F__)
 struct F32x16 {
     typedef __m512 V;
+    typedef __mmask16 M;
+    typedef __m512i VI;
     static constexpr int N = 16;
     static V zero() { return _mm512_setzero_ps(); }
+    static V set1(float x) { return _mm512_set1_ps(x); }
     static V load_f32(const float* p) { return _mm512_loadu_ps(p); }
     static V load_f16(const fp16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
     static V load_bf16(const bf16_t* p) {
         const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
         return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     }
+    static void load_q8x32(const int8_t* p, V q[32 / N]) {
+#pragma GCC unroll 2
+        for (int c = 0; c < 32 / N; c++)
+            q[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * c))));
+    }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static VI set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
+    static VI sub_i32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+    static V i32_to_f32(VI v) { return _mm512_cvtepi32_ps(v); }
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V div(V a, V b) { return _mm512_div_ps(a, b); }
+    static V neg(V a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
+    static V max0(V a) { return _mm512_max_ps(a, _mm512_setzero_ps()); }
+    static M ge(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+    static M le(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+    static V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
     static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+    static float hsum_ggml(V v) { return _mm512_reduce_add_ps(v); }  // GGML_F32x16_REDUCE
+    static void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+    static void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 };
 #endif
 
-// Element types of the float kernels: how a vector and a single value are read.
-struct ElemF32 {
-    typedef float T;
-    template <class FV> static typename FV::V load(const T* p) { return FV::load_f32(p); }
-    static float one(T v) { return v; }
-};
-struct ElemF16 {
-    typedef fp16_t T;
-    template <class FV> static typename FV::V load(const T* p) { return FV::load_f16(p); }
-    static float one(T v) { return h2f(v); }
-};
-struct ElemBF16 {
-    typedef bf16_t T;
-    template <class FV> static typename FV::V load(const T* p) { return FV::load_bf16(p); }
-    static float one(T v) { return bf16_to_fp32(v); }
-};
-
 }  // namespace
 }  // namespace optiml
+
+#include "simd_elem.h"

@@ -11,17 +11,12 @@
 // A group is summed pair by pair, each pair's two rows read front to back over a block of up to 2048
 // dimensions into int16 sums kept in L1 (long sequential streams, as the 8-bit kernel reads its rows;
 // walking all of a group's rows 16 bytes at a time left the memory system idle between short reads).
-#include <immintrin.h>
-
-#include "optiml/ggml_types.h"
-#include "optiml/kernels.h"
 #include "optiml/sparse.h"
+#include "simd_x86.h"
+#include "sparse_axpy_grouped_simd.h"
 
 namespace optiml {
 namespace {
-
-inline __m256 scales8(const fp16_t* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
-inline __m256 scales8(const float* s) { return _mm256_loadu_ps(s); }
 
 constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;  // bytes of a row: 256
 constexpr int kPairsPerWiden = 8;    // pairs summed in int16 before widening: 8 * 3810 < 32768
@@ -40,9 +35,9 @@ __attribute__((always_inline)) inline void pair_codes(const uint8_t* x, const ui
 
 constexpr int64_t kBlock = 2048;  // dimensions whose sums are kept at once (12 KiB of int16 + int32)
 
-// The float step of a block's outputs (contract: kernels.h): y, the scales d and minimums m of its first
+// The float step of a block's outputs (group_scale_into): y, the scales d and minimums m of its first
 // dimension, and the group's constants.
-template <typename S>
+template <bool MIN, typename S>
 struct ScaleInto {
     float* y;
     const S* d;
@@ -51,10 +46,7 @@ struct ScaleInto {
     __m256 vs, ms;
     // Outputs 8j .. 8j + 7 from their int32 sums.
     __attribute__((always_inline)) void put(int j, __m256i t) const {
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(t, centre));
-        __m256 out = _mm256_fmadd_ps(_mm256_mul_ps(scales8(d + 8 * j), vs), v, _mm256_loadu_ps(y + 8 * j));
-        if (m) out = _mm256_fmadd_ps(scales8(m + 8 * j), ms, out);
-        _mm256_storeu_ps(y + 8 * j, out);
+        group_scale_into<F32x8, MIN, S>(y + 8 * j, t, d + 8 * j, MIN ? m + 8 * j : nullptr, centre, vs, ms);
     }
     // Outputs 16j .. 16j + 15 from their int16 sums.
     __attribute__((always_inline)) void put16(int j, __m256i t16) const {
@@ -72,13 +64,13 @@ struct ScaleInto {
 // fx, fz: the pair three passes ahead (null: none), fetched into L2 in step: the rows are short streams at
 // random addresses, and one pass of lead does not cover the memory latency.
 // nsd, nsm: the next group's scales and minimums (null: none), fetched into L2 in step (with sd).
-template <bool FIRST, bool LAST, typename S>
+template <bool FIRST, bool LAST, class Out>
 __attribute__((always_inline)) inline void pair_into(const uint8_t* x, const uint8_t* z, const uint8_t* nx,
                                                      const uint8_t* nz, const uint8_t* fx, const uint8_t* fz,
                                                      const char* sd, const char* sm, const char* nsd,
                                                      const char* nsm, int nc, __m256i qq, __m256i* acc,
-                                                     const ScaleInto<S>& out) {
-    constexpr int S_BYTES = 32 * sizeof(S);
+                                                     const Out& out) {
+    constexpr int S_BYTES = 32 * sizeof(*out.d);
     for (int c = 0; c < nc; c++) {
         if (sd)
             for (int l = 0; l < S_BYTES; l += 64) {
@@ -128,7 +120,7 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
     for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
         const int nc = (int)((n - b0 < kBlock ? n - b0 : kBlock) / 32);
         const size_t o = off + (size_t)b0 / 2;
-        const ScaleInto<S> out = {y + b0, (const S*)g.d + b0, MIN ? (const S*)g.m + b0 : nullptr, centre, vs, ms};
+        const ScaleInto<MIN, S> out = {y + b0, (const S*)g.d + b0, MIN ? (const S*)g.m + b0 : nullptr, centre, vs, ms};
         for (int64_t i0 = 0; i0 < g.k; i0 += 2 * kPairsPerWiden) {
             const int64_t i1 = i0 + 2 * kPairsPerWiden < g.k ? i0 + 2 * kPairsPerWiden : g.k;
             for (int64_t i = i0; i < i1; i += 2) {
@@ -179,18 +171,10 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
     }
 }
 
-template <bool MIN, typename S>
-void axpy_group_avx2(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
-    for (int gi = 0; gi < n_groups; gi++)
-        one_group<MIN, S>(n, y, off, groups[gi], groups + gi + 1, n_groups - gi - 1);
-}
-
 }  // namespace
 
 void fill_sparse_grouped_avx2(KernelTable& t) {
-    t.axpy_group[TYPE_Q4_0] = axpy_group_avx2<false, fp16_t>;
-    t.axpy_group[TYPE_Q4_1] = axpy_group_avx2<true, fp16_t>;
-    t.axpy_group[TYPE_Q4_K] = axpy_group_avx2<true, float>;
+    fill_axpy_group<one_group<false, fp16_t>, one_group<true, fp16_t>, one_group<true, float>>(t);
 }
 
 }  // namespace optiml

@@ -11,17 +11,12 @@
 //
 // As in the AVX2 kernel, a group is summed eight rows at a time over a block of up to 2048 dimensions,
 // each row read front to back (long sequential streams), the int32 sums kept in L1.
-#include <immintrin.h>
-
-#include "optiml/ggml_types.h"
-#include "optiml/kernels.h"
 #include "optiml/sparse.h"
+#include "simd_x86.h"
+#include "sparse_axpy_grouped_simd.h"
 
 namespace optiml {
 namespace {
-
-inline __m512 scales16(const fp16_t* s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s)); }
-inline __m512 scales16(const float* s) { return _mm512_loadu_ps(s); }
 
 constexpr int64_t kBlock = 2048;                         // dimensions whose sums are kept at once (8 KiB)
 constexpr int kPrefetchAhead = kGroupPrefetchDims / 2;  // bytes of a row: 256
@@ -54,14 +49,11 @@ inline __m512i quad_rows(const GroupTerms& g, int64_t i, size_t o, const uint8_t
     return _mm512_set1_epi32((int32_t)q);
 }
 
-// The float step of 16 outputs from their integer sums t (contract: kernels.h).
+// The float step of 16 outputs from their integer sums t (group_scale_into).
 template <bool MIN, typename S>
 __attribute__((always_inline)) inline void scale_into(float* y, __m512i t, const S* d, const S* m, __m512i centre,
                                                       __m512 vs, __m512 ms) {
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(t, centre));
-    __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(scales16(d), vs), v, _mm512_loadu_ps(y));
-    if (MIN) out = _mm512_fmadd_ps(scales16(m), ms, out);
-    _mm512_storeu_ps(y, out);
+    group_scale_into<F32x16, MIN, S>(y, t, d, m, centre, vs, ms);
 }
 
 template <bool MIN, typename S>
@@ -148,18 +140,10 @@ void one_group(int64_t n, float* y, size_t off, const GroupTerms& g, const Group
     }
 }
 
-template <bool MIN, typename S>
-void axpy_group_avx512vnni(int64_t n, float* y, size_t off, const GroupTerms* groups, int n_groups) {
-    for (int gi = 0; gi < n_groups; gi++)
-        one_group<MIN, S>(n, y, off, groups[gi], groups + gi + 1, n_groups - gi - 1);
-}
-
 }  // namespace
 
 void fill_sparse_grouped_avx512vnni(KernelTable& t) {
-    t.axpy_group[TYPE_Q4_0] = axpy_group_avx512vnni<false, fp16_t>;
-    t.axpy_group[TYPE_Q4_1] = axpy_group_avx512vnni<true, fp16_t>;
-    t.axpy_group[TYPE_Q4_K] = axpy_group_avx512vnni<true, float>;
+    fill_axpy_group<one_group<false, fp16_t>, one_group<true, fp16_t>, one_group<true, float>>(t);
 }
 
 }  // namespace optiml

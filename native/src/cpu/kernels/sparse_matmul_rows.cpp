@@ -3,9 +3,9 @@
 // one token, the batched gemm for several), so a listed row gets exactly the bits the dense product
 // would give it.
 #include <atomic>
-#include <vector>
 
 #include "optiml/common.h"
+#include "optiml/matmul.h"
 #include "optiml/sparse.h"
 
 namespace optiml {
@@ -61,14 +61,6 @@ void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatri
     if (n_rows == 0 || n_tokens == 0) return;
 
     const size_t x_row = row_size(xtype, cols);
-    const from_float_fn convert = kt.from_float[xtype];
-
-    // Activations converted once per call into a buffer of the calling thread (F32 reads X as is).
-    static thread_local std::vector<uint8_t> xq_buf;
-    const bool direct = xtype == TYPE_F32;
-    if (!direct && xq_buf.size() < x_row * n_tokens) xq_buf.resize(x_row * n_tokens);
-    uint8_t* xq = xq_buf.data();
-    const uint8_t* xbase = direct ? (const uint8_t*)X : xq;
 
     // Chunks of the row list of every matrix from one shared counter (as matmul_many): the listed rows
     // are scattered, so a static split could leave one thread with all the slow cache misses, and one
@@ -82,7 +74,8 @@ void matmul_rows_many(ThreadPool& pool, const KernelTable& kt, const WeightMatri
     const int64_t n_chunks = per_mat * n_mats;
     std::atomic<int64_t> next{0};
 
-    if (!direct) convert_activations(pool, convert, X, cols, n_tokens, xq, x_row);
+    // Activations converted once per call, as matmul_many does.
+    const uint8_t* xbase = activations_for(pool, kt, xtype, X, cols, n_tokens);
     pool.run([&](int, int) {
         for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
             const WeightMatrix& W = Ws[c / per_mat];
