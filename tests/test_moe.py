@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml import perplexity as px
+from optiml.evaluate import perplexity as px
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import TIE, top2_gap  # noqa: E402
@@ -236,7 +236,7 @@ def q3_path(tmp_path_factory):
 
 
 def edited(src, dst, set_kv=None, remove=()):
-    from optiml.gguf_edit import rewrite_gguf
+    from optiml.formats.gguf_edit import rewrite_gguf
 
     rewrite_gguf(str(src), str(dst), set_kv=set_kv or {}, remove_prefixes=tuple(remove))
     return dst

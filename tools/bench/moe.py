@@ -31,7 +31,7 @@ import harness  # noqa: F401  (tools/bench/: makes optiml importable)
 import optiml
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/, where make_synthetic_model.py is
-DEFAULT_MODEL = "/work/synth-models/qwen3moe-30b-a3b-shape-2l-q4_k.gguf"
+DEFAULT_MODEL = str(harness.internal("models").cache_dir() / "synthetic" / "qwen3moe-30b-a3b-shape-2l-q4_k.gguf")
 GOALS = {"decode": 1.2, "prompt": 1.5}
 
 

@@ -165,7 +165,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import optiml
-    from optiml.models import resolve
+    from optiml.hub.registry import resolve
 
     model = args.model or resolve("smollm2-135m-instruct")
     tok = optiml.tokenizer.load(model)
