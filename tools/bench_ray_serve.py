@@ -102,10 +102,10 @@ def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> di
 ROLES = {"proxy": b"ProxyActor", "ingress": b"OptimlIngress", "replicas": b"OptimlReplica"}
 
 
-def ray_cpu() -> dict:
+def ray_cpu(plain_pid: int | None = None) -> dict:
     """CPU milliseconds so far of this machine's Ray Serve processes by role (Linux /proc; "ray other":
-    the controller, raylet, GCS and agents)."""
-    out = dict.fromkeys(list(ROLES) + ["ray other"], 0.0)
+    the controller, raylet, GCS and agents), and of the plain server's process."""
+    out = dict.fromkeys(list(ROLES) + ["ray other", "plain"], 0.0)
     tick = 1000.0 / os.sysconf("SC_CLK_TCK")
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -117,7 +117,7 @@ def ray_cpu() -> dict:
                 st = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        role = next((r for r, key in ROLES.items() if key in cmd), None)
+        role = "plain" if d == str(plain_pid) else next((r for r, key in ROLES.items() if key in cmd), None)
         if role is None and (b"ray::" in cmd or b"/ray/" in cmd):
             role = "ray other"
         if role is not None:
@@ -206,15 +206,15 @@ def main() -> int:
             run_level(url, 1, 1, dict(body, max_tokens=4), "warm")
 
         rows = {name: [] for name in servers}
-        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other"], 0.0) for name in servers}
+        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other", "plain"], 0.0) for name in servers}
         names = list(servers)
         print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores here: others' work shares them)")
         for r in range(args.rounds):
             for name in names[r % 3:] + names[:r % 3]:  # rotate the order: drift is shared out
                 url, clients = servers[name]
-                before = ray_cpu()
+                before = ray_cpu(plain.pid)
                 res = run_level(url, clients, args.requests, body, f"r{r}")
-                after = ray_cpu()
+                after = ray_cpu(plain.pid)
                 for role in cpu[name]:
                     cpu[name][role] += after[role] - before[role]
                 rows[name].append(res)
@@ -232,11 +232,16 @@ def main() -> int:
         print(f"ray x2 / plain:  throughput x{two['tok_s'] / pl['tok_s']:.2f}; ray x1 / plain: "
               f"x{one['tok_s'] / pl['tok_s']:.2f} (the Ray hops' CPU on a shared core)")
         print(f"load average after: {os.getloadavg()[0]:.1f}")
-        print("\nCPU per generated token (ms), Ray Serve's processes, all rounds:")
-        print(f"{'server':8} " + " ".join(f"{role:>10}" for role in cpu["ray x1"]))
-        for name in ("ray x1", "ray x2"):
+        print("\nCPU per generated token (ms), all rounds: the plain server's process, Ray Serve's by role")
+        roles = ["plain"] + list(ROLES) + ["ray other"]
+        print(f"{'server':8} " + " ".join(f"{role:>10}" for role in roles))
+        for name in servers:
             tokens = args.rounds * servers[name][1] * args.requests * args.gen
-            print(f"{name:8} " + " ".join(f"{ms / tokens:10.2f}" for ms in cpu[name].values()))
+            print(f"{name:8} " + " ".join(f"{cpu[name][role] / tokens:10.2f}" for role in roles))
+        x1 = {role: cpu["ray x1"][role] / (args.rounds * P * args.requests * args.gen) for role in roles}
+        per_token = x1["replicas"] + x1["proxy"] + x1["ingress"] + x1["ray other"]
+        print(f"2 replicas on 2 idle cores, from these costs: x{2 * x1['replicas'] / per_token:.2f} one replica's "
+              "throughput (one replica has a core to itself, the hops and Ray's background on the other)")
 
         # The hops at no load: time to first token of one client, one short request at a time.
         lone = {name: [] for name in ("plain", "ray x1")}
