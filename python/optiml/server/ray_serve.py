@@ -538,7 +538,7 @@ def build_app(args: dict):
                     "gpu_neurons": num(a["gpu_neurons"]), "kv_vram": a["kv_vram"], "use_mmap": a["mmap"]}
     if model_kwargs["predictors"] in ("none", None):
         model_kwargs["predictors"] = None
-    server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]),
+    server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]) or 256,
                      "max_itl_ms": num(a["max_itl_ms"], float)}
     return build(str(a["model"]), replicas=num(a["replicas"]), min_replicas=num(a["min_replicas"]),
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
@@ -616,7 +616,14 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         cpus = n_threads or _default_cpus(count, True)
         start_local_cluster(num_cpus=cpus * count, num_gpus=None, temp_dir=temp_dir)
     else:
-        ray.init(address=address, namespace="optiml", configure_logging=False)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, namespace="optiml", configure_logging=False)
+        except Exception as e:  # ConnectionError, an authentication error, a bad address
+            raise SystemExit(f"optiml serve --ray: could not join the Ray cluster at {address}: {_why(e)}\n(is it "
+                             "running (ray start --head), and this machine one of its nodes for a HEAD:6379 address, "
+                             "or its client port open for ray://HEAD:10001? With token authentication, the cluster's "
+                             "token must be here too: see Ray's token-auth docs)") from None
         cpus = n_threads or _default_cpus(count, False)
     stopping = stop or threading.Event()
     old = None
@@ -663,6 +670,21 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         except Exception as e:  # stopping anyway: the cluster goes below
             print(f"optiml serve --ray: while stopping Ray Serve: {_why(e)}", file=sys.stderr)
         stop_cluster()
+
+
+def _check_reachable(address: str) -> None:
+    """Fails fast on a HOST:PORT (or ray://HOST:PORT) nobody listens on: Ray itself retries for minutes."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and the like: Ray finds the cluster itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise SystemExit(f"optiml serve --ray: nothing answers at {address} ({e}): start the cluster first "
+                         "(ray start --head) or give its address") from None
 
 
 def _resolve_here(model: str) -> str:
