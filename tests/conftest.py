@@ -17,7 +17,7 @@ EVAL_TEXT = ROOT / "tests" / "data" / "scandal-in-bohemia.txt"
 def model_cache() -> Path:
     """The package's own model cache ($OPTIML_MODEL_CACHE, else $OPTIML_HOME/models, else ~/.cache/optiml/models),
     where tools/fetch_models.py puts the reference models."""
-    from optiml.models import cache_dir
+    from optiml.hub.registry import cache_dir
 
     return cache_dir()
 

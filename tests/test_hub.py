@@ -1,4 +1,4 @@
-"""Models from the Hugging Face Hub (optiml.hub): reference parsing, quant-tag matching, split GGUFs, and
+"""Models from the Hugging Face Hub (optiml.hub.huggingface): reference parsing, quant-tag matching, split GGUFs, and
 pulling/resolving against a huggingface_hub cache the tests build themselves (no network here), offline
 (HF_HUB_OFFLINE=1) and with a fake Hub standing in for the network."""
 
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml import cli, hub, models
+from optiml import cli
+from optiml.hub import huggingface as hub
+from optiml.hub import registry as models
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml import model as model_mod
+from optiml.engine import loading
+from optiml.util import memory
 
 
 def test_in_memory_runs_the_same_bits_as_mapped(smollm2_path):
@@ -76,8 +77,8 @@ def test_use_mmap_rejects(smollm2_path, bad):
 @pytest.fixture
 def roomy(monkeypatch):
     """An OS with transparent huge pages and plenty of memory, whatever this machine has."""
-    monkeypatch.setattr(model_mod, "_huge_pages_allowed", lambda: True)
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(memory, "huge_pages_allowed", lambda: True)
+    monkeypatch.setattr(memory, "memory_available", lambda: 1 << 40)
 
 
 def test_auto_follows_the_plan(smollm2_path, roomy):
@@ -93,29 +94,30 @@ def test_auto_asks_the_plan_last(smollm2_path, roomy, monkeypatch):
     p = str(smollm2_path)
     calls = []
     plan = lambda: calls.append(1) or {"device": "cpu"}  # noqa: E731
-    assert model_mod._auto_in_memory(p, plan) and calls == [1]
-    assert not model_mod._auto_in_memory(p, lambda: {"device": "cuda:0"})
+    assert loading.auto_in_memory(p, plan) and calls == [1]
+    assert not loading.auto_in_memory(p, lambda: {"device": "cuda:0"})
 
     def refused():
         raise optiml.ArgumentError("no such device")
 
-    assert not model_mod._auto_in_memory(p, refused)  # the session then reports it
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: smollm2_path.stat().st_size)  # < 2x the file
-    assert not model_mod._auto_in_memory(p, plan) and calls == [1]
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: None)
-    assert not model_mod._auto_in_memory(p, plan)
-    monkeypatch.setattr(model_mod, "_memory_available", lambda: 1 << 40)
-    monkeypatch.setattr(model_mod, "_huge_pages_allowed", lambda: False)
-    assert not model_mod._auto_in_memory(p, plan) and calls == [1]
+    assert not loading.auto_in_memory(p, refused)  # the session then reports it
+    monkeypatch.setattr(memory, "memory_available", lambda: smollm2_path.stat().st_size)  # < 2x the file
+    assert not loading.auto_in_memory(p, plan) and calls == [1]
+    monkeypatch.setattr(memory, "memory_available", lambda: None)
+    assert not loading.auto_in_memory(p, plan)
+    monkeypatch.setattr(memory, "memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(memory, "huge_pages_allowed", lambda: False)
+    assert not loading.auto_in_memory(p, plan) and calls == [1]
 
 
 def test_memory_available_is_a_positive_count():
-    got = model_mod._memory_available()
+    got = memory.memory_available()
     assert got is None or got >= 0
 
 
 def test_the_commands_pass_use_mmap(smollm2_path, monkeypatch):
     from optiml import cli
+    from optiml.cli import common
 
     seen = []
 
@@ -124,7 +126,7 @@ def test_the_commands_pass_use_mmap(smollm2_path, monkeypatch):
             seen.append(kw["use_mmap"])
             raise SystemExit(0)
 
-    monkeypatch.setattr(model_mod, "Model", FakeModel)
+    monkeypatch.setattr(common, "Model", FakeModel)
     for flag in ([], ["--mmap"], ["--no-mmap"]):
         with pytest.raises(SystemExit):
             cli.main(["run", "-m", str(smollm2_path), "-p", "hi", "-n", "1", *flag])
@@ -173,7 +175,7 @@ def test_rows16_with_two_sessions_on_one_model(smollm2_path):
 def test_profile_after_a_dense_run_in_rows16(smollm2_path):
     # The recorder reads the down matrices when it is made; a dense run before may have left them in
     # the rows16 layout. Its down-column norms equal the mapped model's.
-    from optiml.profile import profile as run_profile
+    from optiml.offline.profile import profile as run_profile
 
     stats = []
     for use_mmap in (True, False):

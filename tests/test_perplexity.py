@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import optiml  # noqa: E402
 from optiml import cli  # noqa: E402
-from optiml import perplexity as px  # noqa: E402
+from optiml.evaluate import perplexity as px  # noqa: E402
 from optiml.convert import convert  # noqa: E402
 
 from test_convert import save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
@@ -67,7 +67,6 @@ def test_perplexity_equals_numpy(models):
     nll = -logp[np.arange(len(targets)), targets]
     with optiml.Model(base, n_ctx=N_CTX, n_threads=2) as m:
         ppl, err, count = px.perplexity(m, TEXT, N_CTX)
-        assert cli.perplexity is px.perplexity  # the old entry point still works
     assert count == len(ws) * (N_CTX // 2 - 1) == len(nll)
     assert ppl == pytest.approx(math.exp(nll.mean()), rel=1e-9)
     assert err == pytest.approx(nll.std() / math.sqrt(len(nll) - 1) * ppl, rel=1e-6)

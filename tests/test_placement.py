@@ -1,4 +1,4 @@
-"""Writing a placement into the GGUF (optiml.placement, optiml.gguf_edit) and showing it (optiml info).
+"""Writing a placement into the GGUF (optiml.formats.placement, optiml.formats.gguf_edit) and showing it (optiml info).
 
 A placed file computes what its source computes, for every down type, and llama.cpp runs it to the same
 greedy text. SmolLM2's Q4_1 down cannot move a neuron's column across quant blocks, so with a neuron-level
@@ -20,11 +20,11 @@ import pytest
 
 import optiml
 from optiml import gguf, quant
-from optiml import stats as S
+from optiml.formats import stats as S
 from optiml._core import ArgumentError, GGUFError
-from optiml.gguf_edit import GGUFValueType, read_kv_spans, rewrite_gguf
-from optiml import placement as P
-from optiml.placement import coverage_curve, curve_ranks, read_placement, write_placed
+from optiml.formats.gguf_edit import GGUFValueType, read_kv_spans, rewrite_gguf
+from optiml.formats import placement as P
+from optiml.formats.placement import coverage_curve, curve_ranks, read_placement, write_placed
 
 PROMPTS = [
     "The capital of France is",
@@ -38,7 +38,7 @@ ROUNDING_TIE = 0.3
 
 
 @dataclasses.dataclass
-class Placement:  # the fields of optiml.solve.Placement
+class Placement:  # the fields of optiml.offline.solve.Placement
     gpu_neurons: list
     group: int
     vram_budget: int

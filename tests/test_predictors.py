@@ -1,4 +1,4 @@
-"""Activation predictors (optiml.predictor): trained on one text they keep their recall target on another,
+"""Activation predictors (optiml.offline.predictors): trained on one text they keep their recall target on another,
 a predictor marking every neuron active changes nothing, a file for another model is refused, and training
 is deterministic for a seed. The ReLU model is SmolLM2 with its FFN activation set to ReLU (a real
 tokenizer and real weights; relu(gate) * up is still a well-defined model, with natural sparsity)."""
@@ -14,9 +14,12 @@ import pytest
 
 import optiml
 from optiml import cli
-from optiml import predictor as P
-from optiml.gguf_edit import rewrite_gguf
-from optiml.stats import model_fingerprint
+from optiml.cli import common
+from optiml.offline import predictors as P
+from optiml.engine.sparsity import break_even_share
+from optiml.formats import predictors as PF
+from optiml.formats.gguf_edit import rewrite_gguf
+from optiml.formats.stats import model_fingerprint
 
 from conftest import shared_eval_text
 
@@ -50,7 +53,7 @@ def _all_active(model_path, out):
     res = P.PredictorTraining(np.full(L, 32, np.int32), np.zeros(L, np.float32), np.ones(L, np.float32),
                               np.ones(L, np.float32), np.ones(L, np.float32), np.zeros(L, np.float32), 0.99, 0, "q8_0")
     layers = [(np.zeros((32, E), np.float32), np.zeros((F, 32), np.float32), np.ones(F, np.float32))] * L
-    P._write(out, layers, res, model_path, model_fingerprint(model_path), hp)
+    PF.write(out, layers, res, model_path, model_fingerprint(model_path), hp)
     return out
 
 
@@ -67,7 +70,7 @@ def test_trained_predictor_keeps_its_recall_on_other_text(relu_model, trained):
 
     # In the engine: the neurons computed are about the predicted share (the gate rows of the others
     # are never read). (SmolLM2 was not trained with ReLU, so the dropped 5% of firings move its logits
-    # a lot: output quality is measured on real models by tools/bench_predictors.py, not here.)
+    # a lot: output quality is measured on real models by tools/bench/predictors.py, not here.)
     ids = optiml.Model(relu_model, n_ctx=256, predictors=None).tokenize(test)[:48]
     m = optiml.Model(relu_model, n_ctx=256, predictors=out)
     assert m.predictors == out
@@ -116,7 +119,7 @@ def _fixed_predictor(model_path, out, active, recorded_share, seed=0):
     rng = np.random.default_rng(seed)
     layers = [(np.zeros((r, E), np.float32), np.zeros((F, r), np.float32), rng.standard_normal(F, dtype=np.float32))
               for _ in range(L)]
-    P._write(out, layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
+    PF.write(out, layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
     return out
 
 
@@ -147,9 +150,9 @@ def test_predictors_use_the_chosen_down_copy(smollm2_path, tmp_path):
 
 def test_predictor_for_another_model_is_refused(relu_model, smollm2_path, gemma3_path, trained, tmp_path):
     _, out = trained
-    with pytest.raises(P.PredictorMismatchError, match="trained for another model"):
+    with pytest.raises(PF.PredictorMismatchError, match="trained for another model"):
         optiml.Model(gemma3_path, n_ctx=64, predictors=out)
-    with pytest.raises(P.PredictorMismatchError, match="activation was relu"):  # same tensors, other FFN
+    with pytest.raises(PF.PredictorMismatchError, match="activation was relu"):  # same tensors, other FFN
         optiml.Model(smollm2_path, n_ctx=64, predictors=out)
     with pytest.raises(optiml.ArgumentError, match="another model"):
         optiml.Model(smollm2_path, n_ctx=64, predictors=None).set_predictors(out)
@@ -182,7 +185,7 @@ def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model
     held-out text (the file's record) is under the break-even of the model's FFN kind; above it a
     PredictorWarning names the file and the share, and an explicit path still uses it."""
     for model, act, below, above in ((smollm2_path, "silu", 0.3, 0.6), (relu_model, "relu", 0.7, 0.9)):
-        limit = P.break_even_share(act)
+        limit = break_even_share(act)
         assert below < limit < above
         d = tmp_path / act
         d.mkdir()
@@ -200,13 +203,13 @@ def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model
         assert optiml.Model(str(copy), n_ctx=64, predictors=beside).predictors == beside
     # The command line says it in a log line (not a Python warning), and -q silences it.
     for quiet, expect in ((False, f"optiml: not using {beside}"), (True, "")):
-        cli._quiet = quiet
+        common.quiet = quiet
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
-                m = cli._load(argparse.Namespace(model=str(copy), ctx=64, threads=None))
+                m = common.load(argparse.Namespace(model=str(copy), ctx=64, threads=None))
         finally:
-            cli._quiet = False
+            common.quiet = False
         assert m.predictors is None
         err = capsys.readouterr().err
         assert err.startswith(expect) if expect else err == ""

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml import stats as stats_mod
-from optiml.profile import coverage_of_top, layer_quantiles, read_texts
-from optiml.profile import profile as run_profile
+from optiml.formats import stats as stats_mod
+from optiml.offline.profile import coverage_of_top, layer_quantiles, read_texts
+from optiml.offline.profile import profile as run_profile
 
 from conftest import shared_eval_text
 

@@ -1,6 +1,6 @@
 """A clone alone runs its own tests (issue #49): no code under tests/ or tools/ reads a folder beside the
 checkout or a path of one particular machine. Test data lives in tests/data; models are fetched into the
-package's cache (optiml.models.cache_dir: $OPTIML_MODEL_CACHE, else $OPTIML_HOME/models, else the default)."""
+package's cache (optiml.hub.registry.cache_dir: $OPTIML_MODEL_CACHE, else $OPTIML_HOME/models, else the default)."""
 
 import ast
 import re
@@ -11,7 +11,7 @@ OUTSIDE = [
     (re.compile(r'"\.\."\s*,\s*"\.\."'), 'os.path.join(..., "..", "..")'),
     (re.compile(r"\.parent\.parent\.parent"), "Path(...).parent.parent.parent"),
     (re.compile(r"/work/|/root/|/home/\w"), "a machine's absolute path"),
-    (re.compile(r"~/\.cache/optiml"), "the default cache spelled out (use optiml.models.cache_dir())"),
+    (re.compile(r"~/\.cache/optiml"), "the default cache spelled out (use optiml.hub.registry.cache_dir())"),
 ]
 
 

@@ -103,7 +103,7 @@ def test_perplexity_within_noise_of_llama_cpp(kld):
     """Perplexity of the windows' second halves (llama.cpp's convention), against llama.cpp's on the same
     tokens: within 1%, or within 3 standard errors of the paired per-token differences where these 256
     tokens are noisier than that (on a 2-core AVX2 Zen 3: 1.07% apart at a KLD equal to llama.cpp's). The
-    whole-text figure (24.72 at ctx 256) is tools/bench_perplexity.py's."""
+    whole-text figure (24.72 at ctx 256) is tools/bench/perplexity.py's."""
     gap, bound = fidelity.ppl_gap_within_noise(kld["ours"]["nll"], kld["llama.cpp"]["nll"])
     assert gap <= bound, (gap, bound, kld["ours"]["ppl"], kld["llama.cpp"]["ppl"])
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from optiml import ArgumentError, cli
-from optiml import stats as st
-from optiml.hardware import Hardware
-from optiml.solve import (SolveWarning, format_report, layer_times, make_groups, parse_size, solve_groups,
+from optiml.formats import stats as st
+from optiml.offline.hardware import Hardware
+from optiml.offline.solve import (SolveWarning, format_report, layer_times, make_groups, solve_groups,
                           solve_placement)
+from optiml.util.sizes import parse_size
 
 
 # ---- parse_size -----------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_greedy_is_feasible_and_not_better_than_mip():
 
 
 def test_greedy_fallback_when_highs_has_no_solution(monkeypatch):
-    from optiml import solve as solve_mod
+    from optiml.offline import solve as solve_mod
 
     monkeypatch.setattr(solve_mod, "_mip", lambda *a, **k: (None, "Time limit reached", math.nan))
     rng = np.random.default_rng(3)
@@ -323,7 +324,7 @@ def test_smollm2_budget_below_fixed_part_places_attention_layer_by_layer(smollm2
     assert p.est_token_s < p.cpu_only_token_s
     assert "attention on the GPU in" in format_report(p)
     from optiml import plan
-    from optiml.placement import read_placement, write_placed
+    from optiml.formats.placement import read_placement, write_placed
 
     out = tmp_path / "placed.gguf"
     write_placed(smollm2_path, smollm2_stats, p, out, progress=False)
@@ -441,12 +442,12 @@ def test_model_without_ffn_rejected(tmp_path):
 
 # ---- the command line, up to writing the file -----------------------------------------------------
 def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monkeypatch):
-    from optiml import solve as solve_mod
+    from optiml.cli import solve as solve_command
 
     def boom(*a, **k):
         raise AssertionError("no solving before the output is checked")
 
-    monkeypatch.setattr(solve_mod, "solve_placement", boom)
+    monkeypatch.setattr(solve_command, "solve_placement", boom)
     stats = tmp_path / "s.npz"
     stats.write_bytes(b"")
     base = ["solve", "-m", str(smollm2_path), "--stats", str(stats), "--vram", "1GiB", "--hardware", "auto"]
@@ -460,21 +461,18 @@ def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monke
 
 
 def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
-    import sys
-    import types
+    from optiml.cli import solve as solve_command
 
     sp = tmp_path / "s.npz"
     st.save(smollm2_stats, sp)
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
-    fake = types.ModuleType("optiml.placement")
     def write_placed(model, stats, placement, out):
         seen.update(model=model, placement=placement, out=out)
         return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
 
-    fake.write_placed = write_placed
-    monkeypatch.setitem(sys.modules, "optiml.placement", fake)
+    monkeypatch.setattr(solve_command, "write_placed", write_placed)
     out = tmp_path / "placed.gguf"
     rc = cli.main(["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "74MiB", "--hardware", str(hw),
                    "--ctx", "256", "-o", str(out)])

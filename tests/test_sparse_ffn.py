@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import optiml
-from optiml.calibrate import calibrate
-from optiml.gguf_edit import rewrite_gguf
+from optiml.offline.calibrate import calibrate
+from optiml.formats.gguf_edit import rewrite_gguf
 
 from conftest import shared_eval_text
 

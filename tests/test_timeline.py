@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import optiml
-from optiml.timeline import Timeline
+from optiml.engine.timeline import Timeline
 
 from conftest import ROOT
 
@@ -31,7 +31,7 @@ def test_split_layers_run_both_shares_on_the_second_device(model_path):
     """Each step of a split layer runs both FFN shares, one on each device, and joins them after both. These
     are data dependencies the executor must keep, so they hold however the OS schedules the two threads.
     How long the shares actually ran at the same time depends on that scheduling: it is measured and
-    printed (`optiml bench --timeline`, tools/bench_hybrid.py), never asserted here."""
+    printed (`optiml bench --timeline`, tools/bench/hybrid.py), never asserted here."""
     with optiml.Model(model_path, n_ctx=1024, n_threads=1, device="cpu:1", gpu_neurons=1024) as m:
         assert all(0 < layer["ffn_on_device"] < 2048 for layer in m.plan.layers)
         t = m.timeline(3, batch=256)

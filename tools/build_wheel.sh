@@ -2,7 +2,7 @@
 # Builds the sdist and a portable Linux x86-64 wheel into dist/ (or $1):
 #
 #   tools/build_wheel.sh [OUTDIR]                 # CPU wheel, manylinux_2_28
-#   OPTIML_CUDA=ON tools/build_wheel.sh [OUTDIR]  # the CUDA variant (see README: "Building wheels")
+#   OPTIML_CUDA=ON tools/build_wheel.sh [OUTDIR]  # the CUDA variant (see docs/install.md: "Building wheels")
 #
 # Why zig: a wheel may only use glibc symbols as old as its manylinux tag says, and there is no manylinux
 # build image here. `zig cc -target x86_64-linux-gnu.2.28` compiles against glibc 2.28's symbol versions

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Fetches reference models into the model cache: a thin wrapper over `optiml pull` (optiml.models).
+"""Fetches reference models into the model cache: a thin wrapper over `optiml pull` (optiml.hub.registry).
 
 Works from a checkout without installing or building the package: when optiml does not import, it
-loads python/optiml/models.py alone (the registry is pure Python) with models/manifest.json.
+loads python/optiml/hub/registry.py alone (the registry is pure Python) with models/manifest.json.
 
     python tools/fetch_models.py smollm2-135m-instruct-q4_1    # one model (an id or alias from models/manifest.json)
     python tools/fetch_models.py --all                          # every model in the manifest
@@ -15,15 +15,15 @@ import sys
 from pathlib import Path
 
 try:
-    from optiml import models
+    from optiml.hub import registry as models
 except ImportError:  # not installed or not built: the package's pure-Python modules without its __init__
     import types
 
     sys.modules.pop("optiml", None)
-    _pkg = types.ModuleType("optiml")  # (which loads the native core); models.py's relative imports
-    _pkg.__path__ = [str(Path(__file__).resolve().parent.parent / "python" / "optiml")]  # (atomic, hub) work
+    _pkg = types.ModuleType("optiml")  # (which loads the native core); registry.py's relative imports
+    _pkg.__path__ = [str(Path(__file__).resolve().parent.parent / "python" / "optiml")]  # (util, hub) work
     sys.modules["optiml"] = _pkg
-    from optiml import models
+    from optiml.hub import registry as models
 
 
 def main() -> int:

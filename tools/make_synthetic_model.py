@@ -32,6 +32,19 @@ a time (optiml.convert.writer.write_gguf), so memory stays near the largest tens
         -o /work/synth-models/llama7b-relu-q4_0.gguf
     PYTHONPATH=python python tools/make_synthetic_model.py -o /tmp/tiny.gguf \
         --n-embd 256 --n-layer 2 --n-ff 704 --n-head 4 --n-head-kv 4
+
+Mixtures of experts (--experts N), in llama.cpp's layout: 3-D ffn_{gate,up,down}_exps of N experts of
+--n-ff-exp neurons, the router ffn_gate_inp (F32, as llama.cpp's quantizer keeps it), and with
+--shared-expert S a shared expert of S neurons with its sigmoid gate ffn_gate_inp_shexp. --arch picks the
+architecture: qwen3moe (per-head q/k norms), qwen2moe (q/k/v biases, a shared expert), or llama with
+experts (Mixtral). --plant-experts ALPHA plants skewed expert popularity (as trained MoEs have): the
+router row of the expert of popularity rank r gets a component along the embeddings' common direction u
+(as --plant-firing makes it) that falls with r, so expert use follows roughly a power law of exponent
+ALPHA (a random order per layer). Qwen3-30B-A3B's shape with 4 layers, for tools/bench_moe.py:
+
+    PYTHONPATH=python python tools/make_synthetic_model.py --arch qwen3moe -o /tmp/q3moe.gguf \
+        --n-embd 2048 --n-layer 4 --n-head 32 --n-head-kv 4 --head-dim 128 --experts 128 --experts-used 8 \
+        --n-ff-exp 768 --n-ff 6144 --type q4_k --plant-experts 1.0
 """
 
 from __future__ import annotations
@@ -45,7 +58,8 @@ import time
 import gguf
 import numpy as np
 
-from optiml import models, quant
+from optiml import quant
+from optiml.hub import registry as models
 from optiml.convert import writer
 
 # tools/fetch_models.py smollm2-135m-instruct-q4_1 puts it there (the cache honours OPTIML_HOME / OPTIML_MODEL_CACHE)
@@ -113,17 +127,38 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
                     "(its vocab size becomes n_vocab)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
+    ap.add_argument("--arch", choices=("llama", "qwen3moe", "qwen2moe"), default="llama")
+    ap.add_argument("--head-dim", type=int, default=None, help="per-head size (default n_embd / n_head)")
+    ap.add_argument("--experts", type=int, default=0, help="experts per layer (0: a dense FFN)")
+    ap.add_argument("--experts-used", type=int, default=2, help="experts each token uses")
+    ap.add_argument("--n-ff-exp", type=int, default=None, help="neurons per expert (default --n-ff)")
+    ap.add_argument("--shared-expert", type=int, default=None, metavar="S",
+                    help="a shared expert of S neurons (default: --n-ff for qwen2moe, none otherwise)")
+    ap.add_argument("--plant-experts", type=float, default=None, metavar="ALPHA",
+                    help="skewed expert popularity, roughly power law of exponent ALPHA: see above")
+    ap.add_argument("--router-std", type=float, default=None, help="std of the router's weights (default --std)")
     a = ap.parse_args(argv)
+    moe = a.experts > 0
+    if a.arch != "llama" and not moe:
+        ap.error(f"--arch {a.arch} is a mixture of experts: give --experts")
+    if moe and not 0 < a.experts_used <= a.experts:
+        ap.error("--experts-used must be in 1..--experts")
+    if a.plant_experts is not None and not moe:
+        ap.error("--plant-experts needs --experts")
+    if a.arch == "llama" and moe and a.n_ff_exp not in (None, a.n_ff):
+        ap.error("Mixtral's experts are --n-ff wide (llama.cpp reads no expert_feed_forward_length for llama)")
+    FFX = a.n_ff_exp or a.n_ff
+    SH = a.shared_expert if a.shared_expert is not None else (a.n_ff if a.arch == "qwen2moe" else 0)
 
     if a.plant_firing is not None and not 0 < a.plant_firing < 0.98:
         ap.error("--plant-firing must be in (0, 0.98)")
-    if a.n_embd % a.n_head or a.n_head % a.n_head_kv:
+    if (a.head_dim is None and a.n_embd % a.n_head) or a.n_head % a.n_head_kv:
         ap.error("n_embd must be a multiple of n_head, and n_head of n_head_kv")
-    head_dim = a.n_embd // a.n_head
+    head_dim = a.head_dim or a.n_embd // a.n_head
     wtype = quant.type_info(a.type)
     otype = quant.type_info(a.output_type or a.type)
     for t in {wtype, otype}:
-        for n in (a.n_embd, a.n_ff):
+        for n in (a.n_embd, a.n_ff, head_dim * a.n_head) + ((FFX,) + ((SH,) if SH else ()) if moe else ()):
             if n % t.block_size:
                 ap.error(f"row length {n} is not a multiple of {t.block_size}, the block size of {t.name}")
     tok = donor_tokenizer(a.tokenizer_from)
@@ -132,6 +167,7 @@ def main(argv=None) -> int:
     gt = gguf.GGMLQuantizationType
     WT, OT, F32 = gt(wtype.id), gt(otype.id), gt.F32
     kv = a.n_head_kv * head_dim
+    QD = a.n_head * head_dim
     E, FF = a.n_embd, a.n_ff
 
     # Normal values as table[random uint16]: the table holds the normal distribution's 65536 quantiles
@@ -158,11 +194,12 @@ def main(argv=None) -> int:
     def ones(n):
         return lambda: np.ones(n, dtype=np.float32)
 
-    plant = a.plant_firing is not None
+    plant = a.plant_firing is not None or a.plant_experts is not None
     if plant:
         u = np.random.default_rng([a.seed, 7]).standard_normal(E).astype(np.float32)
         u /= np.linalg.norm(u)
         emb_scale = 1.0 / a.std  # embeddings of std 1 (the layers' outputs are small beside them)
+    if a.plant_firing is not None:
         firing = power_law_firing(FF, a.plant_firing)
         # x_n = a_u u + r after RMSNorm with |a_u| = |r| = sqrt(E / 2). Gate row j is g_j (its u component
         # removed) + beta_j u, so gate_j . x_n = g_j . r + beta_j a_u with g_j . r ~ N(0, std^2 E / 2) over
@@ -190,6 +227,21 @@ def main(argv=None) -> int:
             return g
         return run
 
+    def planted_router(make, layer):
+        # The router row of the rank-r expert gets beta_r u on top of its random part: gate_inp . x_n then
+        # carries beta_r a_u (a_u = sqrt(E / 2), see above) beside noise of std router_std * sqrt(E / 2),
+        # so a popular expert's logit sits log(1 / p_r)-ish above the others'; beta falls as
+        # ALPHA * log(r + 1), a power law of exponent ALPHA in the softmax's terms.
+        def run():
+            g = make()
+            rank = np.random.default_rng([a.seed, 13, layer]).permutation(a.experts)
+            beta = -a.plant_experts * np.log1p(rank.astype(np.float32)) / np.float32(np.sqrt(E / 2))
+            g += (beta - g @ u)[:, None] * u[None, :]
+            return g
+        return run
+
+    RSTD = (a.router_std or a.std) / a.std
+
     # (name, numpy shape = (rows, cols) with cols the row length, type, compute)
     emb = rand((n_vocab, E), 1_000_000)
     tensors = [("token_embd.weight", (n_vocab, E), OT, embedding(emb) if plant else emb)]
@@ -198,18 +250,47 @@ def main(argv=None) -> int:
         s = 1000 * (il + 1)
         tensors += [
             (p + "attn_norm.weight", (E,), F32, ones(E)),
-            (p + "attn_q.weight", (E, E), WT, rand((E, E), s + 1)),
+            (p + "attn_q.weight", (QD, E), WT, rand((QD, E), s + 1)),
             (p + "attn_k.weight", (kv, E), WT, rand((kv, E), s + 2)),
             (p + "attn_v.weight", (kv, E), WT, rand((kv, E), s + 3)),
-            (p + "attn_output.weight", (E, E), WT,
-             scaled(rand((E, E), s + 4), 0.1) if plant else rand((E, E), s + 4)),
+            (p + "attn_output.weight", (E, QD), WT,
+             scaled(rand((E, QD), s + 4), 0.1) if plant else rand((E, QD), s + 4)),
             (p + "ffn_norm.weight", (E,), F32, ones(E)),
-            (p + "ffn_gate.weight", (FF, E), WT,
-             planted_gate(rand((FF, E), s + 5), il) if plant else rand((FF, E), s + 5)),
-            (p + "ffn_up.weight", (FF, E), WT, rand((FF, E), s + 6)),
-            (p + "ffn_down.weight", (E, FF), WT,
-             scaled(rand((E, FF), s + 7), 0.1) if plant else rand((E, FF), s + 7)),
         ]
+        if a.arch == "qwen3moe":
+            tensors += [(p + "attn_q_norm.weight", (head_dim,), F32, ones(head_dim)),
+                        (p + "attn_k_norm.weight", (head_dim,), F32, ones(head_dim))]
+        if a.arch == "qwen2moe":
+            tensors += [(p + "attn_q.bias", (QD,), F32, rand((QD,), s + 11)),
+                        (p + "attn_k.bias", (kv,), F32, rand((kv,), s + 12)),
+                        (p + "attn_v.bias", (kv,), F32, rand((kv,), s + 13))]
+        if not moe:
+            tensors += [
+                (p + "ffn_gate.weight", (FF, E), WT,
+                 planted_gate(rand((FF, E), s + 5), il) if a.plant_firing is not None else rand((FF, E), s + 5)),
+                (p + "ffn_up.weight", (FF, E), WT, rand((FF, E), s + 6)),
+                (p + "ffn_down.weight", (E, FF), WT,
+                 scaled(rand((E, FF), s + 7), 0.1) if plant else rand((E, FF), s + 7)),
+            ]
+            continue
+        X = a.experts
+        router = scaled(rand((X, E), s + 8), RSTD)
+        tensors += [
+            (p + "ffn_gate_inp.weight", (X, E), F32,
+             planted_router(router, il) if a.plant_experts is not None else router),
+            (p + "ffn_gate_exps.weight", (X, FFX, E), WT, rand((X, FFX, E), s + 5)),
+            (p + "ffn_up_exps.weight", (X, FFX, E), WT, rand((X, FFX, E), s + 6)),
+            (p + "ffn_down_exps.weight", (X, E, FFX), WT,
+             scaled(rand((X, E, FFX), s + 7), 0.1) if plant else rand((X, E, FFX), s + 7)),
+        ]
+        if SH:
+            tensors += [
+                (p + "ffn_gate_inp_shexp.weight", (E,), F32, rand((E,), s + 9)),
+                (p + "ffn_gate_shexp.weight", (SH, E), WT, rand((SH, E), s + 14)),
+                (p + "ffn_up_shexp.weight", (SH, E), WT, rand((SH, E), s + 15)),
+                (p + "ffn_down_shexp.weight", (E, SH), WT,
+                 scaled(rand((E, SH), s + 16), 0.1) if plant else rand((E, SH), s + 16)),
+            ]
     tensors += [
         ("output_norm.weight", (E,), F32, ones(E)),
         ("output.weight", (n_vocab, E), OT, rand((n_vocab, E), 2_000_000)),
@@ -219,10 +300,12 @@ def main(argv=None) -> int:
 
     def add_metadata(w: gguf.GGUFWriter) -> None:
         w.add_type("model")
-        w.add_name(f"synthetic-llama-{size_label}-{a.activation}-{wtype.name.lower()}")
+        w.add_name(f"synthetic-{a.arch}-{size_label}-{a.activation}-{wtype.name.lower()}")
         w.add_size_label(size_label)
         w.add_description(f"random weights (normal, std {a.std}, seed {a.seed}"
-                          + (f", planted power-law FFN firing of mean {a.plant_firing}" if plant else "")
+                          + (f", planted power-law FFN firing of mean {a.plant_firing}" if a.plant_firing is not None else "")
+                          + (f", {a.experts} experts ({a.experts_used} used) of popularity planted with exponent "
+                             f"{a.plant_experts}" if a.plant_experts is not None else "")
                           + ") written by tools/make_synthetic_model.py for speed benchmarks; not a language model")
         w.add_context_length(a.n_ctx_train)
         w.add_embedding_length(E)
@@ -231,6 +314,16 @@ def main(argv=None) -> int:
         w.add_head_count(a.n_head)
         w.add_head_count_kv(a.n_head_kv)
         w.add_rope_dimension_count(head_dim)
+        if a.head_dim:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        if moe:
+            w.add_expert_count(a.experts)
+            w.add_expert_used_count(a.experts_used)
+            if a.arch != "llama":  # Mixtral's experts are feed_forward_length wide
+                w.add_expert_feed_forward_length(FFX)
+            if SH:
+                w.add_expert_shared_feed_forward_length(SH)
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(n_vocab)
@@ -243,10 +336,11 @@ def main(argv=None) -> int:
             w.add_key_value(key, val, vtype, sub)
 
     t0 = time.perf_counter()
-    writer.write_gguf(a.out, "llama", add_metadata, tensors, progress=not a.quiet)
+    writer.write_gguf(a.out, a.arch, add_metadata, tensors, progress=not a.quiet)
     dt = time.perf_counter() - t0
     size = os.path.getsize(a.out)
-    print(f"{a.out}: {size_label} parameters ({n_params:,}), {a.n_layer} layers, n_embd {E}, n_ff {FF}, "
+    print(f"{a.out}: {a.arch}, {size_label} parameters ({n_params:,}), {a.n_layer} layers, n_embd {E}, "
+          + (f"{a.experts} experts of {FFX} ({a.experts_used} used, shared {SH}), " if moe else f"n_ff {FF}, ") +
           f"{a.n_head}/{a.n_head_kv} heads, vocab {n_vocab}, {wtype.name} ({otype.name} embeddings/output), "
           f"activation {a.activation}; {size / 2**30:.2f} GiB written in {dt:.1f} s", file=sys.stderr)
     return 0

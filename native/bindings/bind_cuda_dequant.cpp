@@ -2,7 +2,7 @@
 // tests check the device code's arithmetic on machines without a GPU.
 #include "bindings.h"
 
-#include "../src/cuda/dequant.cuh"
+#include "dequant.cuh"
 #include "optiml/common.h"
 
 namespace {

@@ -218,8 +218,8 @@ void bind_kernels(nb::module_& m) {
           "Row r of a rows16 matrix, dequantized.");
 
     nb::class_<PagedKV>(m, "PagedKV", "A KV cache in host memory in blocks of 32 positions (optiml/paged_kv.h).")
-        .def(nb::init<int32_t, int32_t, int32_t, int32_t>(), nb::arg("n_layer"), nb::arg("n_head_kv"),
-             nb::arg("head_dim"), nb::arg("n_blocks"))
+        .def(nb::init<int32_t, int32_t, int32_t, int32_t, int32_t, int32_t>(), nb::arg("n_layer"), nb::arg("n_head_kv"),
+             nb::arg("head_dim"), nb::arg("n_blocks"), nb::arg("type_k") = (int32_t)TYPE_F16, nb::arg("type_v") = -1)
         .def("store", &paged_store, nb::arg("layer"), nb::arg("seq"), nb::arg("pos"), nb::arg("k"), nb::arg("v"))
         .def("free", &PagedKV::free_seq, nb::arg("seq"))
         .def("length", &PagedKV::length, nb::arg("seq"))

@@ -1,6 +1,7 @@
 // optiml._core.Model (weights bound to a mapped GGUF) and optiml._core.Session (KV cache, eval).
 #include "bindings.h"
 
+#include <cctype>
 #include <memory>
 #include <string>
 
@@ -9,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "optiml/common.h"
+#include "optiml/kv_cache.h"
 #include "optiml/measure_device.h"
 #include "optiml/model.h"
 #include "optiml/predictor.h"
@@ -133,6 +135,10 @@ nb::dict hparams(const PyModel& m) {
     d["n_head_kv"] = hp.n_head_kv;
     d["head_dim"] = hp.head_dim;
     d["n_ff"] = hp.n_ff;
+    d["n_expert"] = hp.n_expert;
+    d["n_expert_used"] = hp.n_expert_used;
+    d["n_ff_exp"] = hp.n_ff_exp;
+    d["n_ff_shexp"] = hp.n_ff_shexp;
     d["n_rot"] = hp.n_rot;
     d["rms_eps"] = hp.rms_eps;
     d["rope_freq_base"] = hp.rope_freq_base;
@@ -144,16 +150,25 @@ nb::dict hparams(const PyModel& m) {
     return d;
 }
 
-int32_t kv_type_id(const std::string& kv_type) {
-    if (kv_type == "f16") return TYPE_F16;
-    if (kv_type == "f32") return TYPE_F32;
-    throw ArgumentError(format("kv_type must be 'f16' or 'f32', not '%s'", kv_type.c_str()));
+// The cache types by llama.cpp's names (--cache-type-k/-v); "" for the values: the keys' type.
+int32_t kv_type_id(const std::string& kv_type, const char* what = "kv_type") {
+    std::string t = kv_type;
+    for (char& c : t) c = (char)std::tolower((unsigned char)c);
+    if (t == "f16") return TYPE_F16;
+    if (t == "f32") return TYPE_F32;
+    if (t == "q8_0") return TYPE_Q8_0;
+    if (t == "q4_0") return TYPE_Q4_0;
+    throw ArgumentError(format("%s must be 'f16', 'f32', 'q8_0' or 'q4_0', not '%s'", what, kv_type.c_str()));
+}
+int32_t kv_type_v_id(const std::string& kv_type_v) {
+    return kv_type_v.empty() ? -1 : kv_type_id(kv_type_v, "kv_type_v");
 }
 
 PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std::string& kv_type, int32_t n_batch,
                        int32_t n_seq, const std::string& device, int64_t vram, int32_t n_gpu_layers,
-                       std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads, int64_t kv_vram) {
-    const int32_t kvt = kv_type_id(kv_type);
+                       std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads, int64_t kv_vram,
+                       const std::string& kv_type_v) {
+    const int32_t kvt = kv_type_id(kv_type), kvt_v = kv_type_v_id(kv_type_v);
     if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = physical cores)");
     PlanOptions o;
     o.device = device;
@@ -164,7 +179,7 @@ PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std
     o.kv_vram = kv_vram;
     std::shared_ptr<ThreadPool> pool = n_threads == 0 ? default_pool() : std::make_shared<ThreadPool>(n_threads);
     nb::gil_scoped_release release;  // uploads weights to the device
-    return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch, n_seq, &o)};
+    return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch, n_seq, &o, kvt_v)};
 }
 
 // A plan without binding anything: what `optiml info --plan` shows.
@@ -193,6 +208,8 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
     d["logits_rows"] = p.logits_rows;
     d["host_kv_bytes"] = p.host_kv_bytes;
     d["n_seq"] = p.n_seq;
+    d["kv_type_k"] = kv_type_name(p.kv_type);
+    d["kv_type_v"] = kv_type_name(p.kv_type_v);
     d["n_seq_device"] = p.n_seq_device;
     d["host_scratch_bytes"] = p.host_scratch_bytes;
     d["neuron_order"] = !p.neuron_order.empty();
@@ -202,8 +219,9 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
 
 nb::dict make_plan_py(const PyModel& m, int32_t n_ctx, int32_t n_seq, int32_t n_batch, const std::string& kv_type,
                       const std::string& device, int64_t vram, int32_t n_gpu_layers,
-                      std::optional<std::vector<int32_t>> gpu_neurons, int64_t kv_vram) {
+                      std::optional<std::vector<int32_t>> gpu_neurons, int64_t kv_vram, const std::string& kv_type_v) {
     PlanOptions o;
+    o.kv_type_v = kv_type_v_id(kv_type_v);
     o.kv_vram = kv_vram;
     o.n_ctx = n_ctx;
     o.n_seq = n_seq;
@@ -298,14 +316,15 @@ void bind_model(nb::module_& m) {
         .def("result", &recorder_result);
     m.def("make_plan", &make_plan_py, nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_seq") = 1,
           nb::arg("n_batch") = 512, nb::arg("kv_type") = "f16", nb::arg("device") = "auto", nb::arg("vram") = -1,
-          nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(), nb::arg("kv_vram") = -1);
+          nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(), nb::arg("kv_vram") = -1,
+          nb::arg("kv_type_v") = "");
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
     nb::class_<PySession>(m, "Session")
         .def(nb::new_(&make_session), nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_threads") = 0,
              nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512, nb::arg("n_seq") = 1, nb::arg("device") = "cpu",
              nb::arg("vram") = -1, nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(),
-             nb::arg("device_threads") = 1, nb::arg("kv_vram") = -1)
+             nb::arg("device_threads") = 1, nb::arg("kv_vram") = -1, nb::arg("kv_type_v") = "")
         .def("decode", &decode, nb::arg("tokens"), nb::arg("seq"), nb::arg("pos"), nb::arg("logits"))
         .def_prop_ro("n_seq", [](const PySession& s) { return s.session->n_seq(); })
         .def("seq_len", [](const PySession& s, int32_t seq) { return s.session->kv().seq_len(seq); }, nb::arg("seq"))

@@ -3,17 +3,26 @@
 Hot FFN neurons run on the GPU, cold ones on the CPU, and neurons predicted inactive are skipped.
 """
 
-from . import _core
-from ._core import ArgumentError, ContextOverflowError, GGUFError, OptimlError, UnsupportedModelError
-from . import gguf, quant, sampling, tokenizer  # noqa: E402  (after the exception types they use)
-from .model import Model  # noqa: E402
-from .batch import Batch  # noqa: E402
-from . import plan  # noqa: E402
-from .profile import profile  # noqa: E402  (the function; the module stays importable as optiml.profile)
-from .calibrate import calibrate  # noqa: E402
-from .predictor import PredictorMismatchError, PredictorWarning, train_predictors  # noqa: E402
+import sys
 
-__version__ = "0.1.0"
+from . import _core
+from ._version import __version__
+from ._core import ArgumentError, ContextOverflowError, GGUFError, OptimlError, UnsupportedModelError
+from .formats import gguf, quant
+from .formats.predictors import PredictorMismatchError
+from .engine import plan, sampling, tokenizer
+from .engine.batch import Batch
+from .engine.model import Model
+from .engine.sparsity import PredictorWarning
+from .offline.calibrate import calibrate
+from .offline.predictors import train_predictors
+from .offline.profile import profile
+
+# The documented module names (optiml.gguf, optiml.quant, ...) of modules that live in the subpackages:
+# attributes above, and `import optiml.gguf` finds them here.
+for _m in (gguf, quant, sampling, tokenizer, plan):
+    sys.modules[f"{__name__}.{_m.__name__.rsplit('.', 1)[1]}"] = _m
+del _m
 
 __all__ = [
     "ArgumentError",

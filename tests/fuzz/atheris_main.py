@@ -1,5 +1,5 @@
 """Runs one Python fuzz target of targets.py under atheris: python atheris_main.py TARGET [libFuzzer args].
-tools/fuzz.py is the usual way in."""
+tools/checks/fuzz.py is the usual way in."""
 
 import sys
 
@@ -8,9 +8,9 @@ import atheris
 with atheris.instrument_imports(include=["optiml", "targets", "jinja2"]):
     import jinja2  # noqa: F401  (instrumented: template coverage is mostly jinja2's own code)
     import optiml  # noqa: F401
-    import optiml.chat  # noqa: F401
+    import optiml.engine.chat_template  # noqa: F401
     import optiml.convert  # noqa: F401
-    import optiml.placement  # noqa: F401
+    import optiml.formats.placement  # noqa: F401
     import targets
 
 

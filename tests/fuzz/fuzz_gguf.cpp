@@ -4,7 +4,7 @@
 // A malformed file must end in optiml::Error (GGUFError, UnsupportedModelError, ...); anything else
 // (a crash, a sanitizer report, another exception, a huge allocation) is a bug.
 //
-// Built by CMake with -DOPTIML_FUZZ=ON and clang (see tools/fuzz.py), run as
+// Built by CMake with -DOPTIML_FUZZ=ON and clang (see tools/checks/fuzz.py), run as
 //   build/fuzz/fuzz_gguf CORPUS_DIR -max_total_time=60
 #include <unistd.h>
 

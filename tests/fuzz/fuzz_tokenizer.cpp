@@ -1,5 +1,5 @@
 // libFuzzer harness: real tokenizers on arbitrary bytes. The tokenizers come from the GGUF files named
-// in OPTIML_FUZZ_TOKENIZERS (colon-separated; tools/fuzz.py passes the reference models: SmolLM2's
+// in OPTIML_FUZZ_TOKENIZERS (colon-separated; tools/checks/fuzz.py passes the reference models: SmolLM2's
 // byte-level BPE and Gemma 3's SentencePiece). The first input byte picks one, the rest is the text.
 // Checked: encode never fails or crashes, with and without special-token parsing; every id is in the
 // vocabulary; decoding and streaming detokenization accept the ids; byte-level BPE gives back exactly

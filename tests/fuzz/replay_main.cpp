@@ -1,7 +1,7 @@
 // A main() for the libFuzzer harnesses where libFuzzer is not available (the GCC sanitizer build of
 // .ci/run): runs every file given (or every file in a folder given), then -runs=N inputs made from them
 // by random mutations (byte flips, interesting integers at random offsets, truncation, chunk copies),
-// reproducible with -seed=S. Not coverage-guided -- tools/fuzz.py runs the real campaigns -- but it puts
+// reproducible with -seed=S. Not coverage-guided -- tools/checks/fuzz.py runs the real campaigns -- but it puts
 // the seeds, the regression inputs and a fixed number of malformed variants through the sanitizers on
 // every CI run.
 #include <dirent.h>

@@ -1,6 +1,6 @@
 """Python fuzz targets: each is a function of one input (bytes) that must either succeed or raise one of
 the exceptions listed for it (OptimlError and its subclasses, or the template errors jinja2 defines).
-Anything else -- another exception, a crash, a hang, memory without bound -- is a bug. tools/fuzz.py
+Anything else -- another exception, a crash, a hang, memory without bound -- is a bug. tools/checks/fuzz.py
 runs them under atheris (coverage-guided); tests/test_fuzz.py replays the seeds and a fixed number of
 inputs on every CI run.
 
@@ -53,11 +53,11 @@ HOSTILE_TEMPLATES = [
 
 
 def template_seeds() -> list[bytes]:
-    from optiml.chat import CHATML_TEMPLATE, PLAIN_TEMPLATE
+    from optiml.engine.chat_template import CHATML_TEMPLATE, PLAIN_TEMPLATE
 
     seeds = [CHATML_TEMPLATE, PLAIN_TEMPLATE] + HOSTILE_TEMPLATES
     for path in _reference_models():
-        from optiml.chat import read_template
+        from optiml.engine.chat_template import read_template
 
         t = read_template(path)
         if t:
@@ -75,7 +75,7 @@ def _template_errors():
 
 
 def template(data: bytes) -> None:
-    from optiml.chat import ChatTemplate
+    from optiml.engine.chat_template import ChatTemplate
 
     source = data.decode("utf-8", "replace")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|>"},
@@ -194,8 +194,9 @@ def gguf_seeds() -> list[bytes]:
 def _load_gguf(path: str) -> None:
     import optiml
     from optiml import gguf as og
-    from optiml import placement, tokenizer
-    from optiml.chat import ChatTemplate, read_template
+    from optiml import tokenizer
+    from optiml.formats import placement
+    from optiml.engine.chat_template import ChatTemplate, read_template
 
     errors = _optiml_errors()
     try:
@@ -235,7 +236,7 @@ _TOKENIZERS: list | None = None
 
 
 def _reference_models() -> list[str]:
-    from optiml.models import cache_dir
+    from optiml.hub.registry import cache_dir
 
     cache = str(cache_dir())
     names = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3-270m-Q4_K_M.gguf"]

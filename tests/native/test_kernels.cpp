@@ -1,5 +1,5 @@
 // Native test of the SIMD kernel tables against the scalar reference, without Python: built from the
-// core sources alone (tools/neon_check.sh cross-compiles it for aarch64 and runs it under qemu-user).
+// core sources alone (tools/checks/neon_check.sh cross-compiles it for aarch64 and runs it under qemu-user).
 //
 // For each SIMD level given on the command line (default: every available level but scalar), each
 // entry of its KernelTable is run on random data and compared with the scalar table's entry:
@@ -37,7 +37,7 @@ using namespace optiml;
 
 #if defined(OPTIML_ARM)
 namespace optiml {
-void fill_kernels_neon_dotprod(KernelTable& table);  // native/src/cpu/kernels_dotprod_neon.cpp
+void fill_kernels_neon_dotprod(KernelTable& table);  // native/src/cpu/kernels/kernels_dotprod_neon.cpp
 }
 #endif
 

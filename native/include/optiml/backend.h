@@ -1,6 +1,6 @@
 // The device layer: what the forward pass asks of a device, and nothing else. Model code
 // (native/src/model/forward.cpp, ffn.cpp) calls only this interface; the CPU backend
-// (native/src/cpu/backend_cpu.cpp) wraps the kernels and the thread pool, and a CUDA backend plugs in by
+// (native/src/cpu/backend/backend_cpu.cpp) wraps the kernels and the thread pool, and a CUDA backend plugs in by
 // implementing the same virtual functions (no CUDA header is included above this line).
 //
 // Semantics are those of a device stream (as in ggml-backend and CUDA): every op and copy is enqueued in
@@ -31,6 +31,7 @@ namespace optiml {
 struct HParams;
 struct Weight;
 struct FFNWeights;
+struct MoEWeights;
 struct LayerWeights;
 class ThreadPool;
 class ActivationRecorder;
@@ -62,8 +63,13 @@ struct BatchView {
 // One layer's KV cache on the backend that computes the layer's attention. Keys: [seq][pos][n_embd_kv];
 // values transposed: [seq][n_embd_kv][pos] (the weighted sum of values is then one dot product per output
 // element, as in llama.cpp).
+// Quantized values (Q8_0, Q4_0) cannot be stored transposed (a block spans 32 positions, and tokens come
+// one at a time), so they are rows like the keys: [seq][pos][n_embd_kv] quantized along the dimensions,
+// v_row bytes apart, and the weighted sum adds dequantized rows (as llama.cpp's flash attention does).
 struct KVLayerView {
-    int32_t type = TYPE_F16;  // F16 or F32
+    int32_t type = TYPE_F16;  // the keys': F16, F32, Q8_0 or Q4_0
+    int32_t v_type = TYPE_F16;  // the values': F16, F32 (transposed), Q8_0 or Q4_0 (rows)
+    size_t v_row = 0;           // quantized values: bytes of one row (n_embd_kv values); 0 when transposed
     int32_t n_ctx = 0;        // positions per sequence
     uint8_t* k = nullptr;
     uint8_t* v = nullptr;
@@ -201,6 +207,10 @@ public:
     // recorder: profile the FFN (dense, whole layers on a host backend only).
     virtual void ffn(const HParams& hp, int layer, const FFNShare& share, const FFNSparsity& sp, const float* xn,
                      int32_t n, float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) = 0;
+    // y[t] = a mixture-of-experts FFN of xn[t]: the router's choice of experts, their weighted sum and the
+    // shared expert (optiml/model.h: HParams, MoEWeights). MoE layers run on the CPU only today: the
+    // default refuses (UnsupportedModelError), the CPU backends implement it (native/src/cpu/moe_ffn.cpp).
+    virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
     // logits[r] = softcap(output(rms_norm(x[rows[r]]))) for r < n_rows; rows: host memory.

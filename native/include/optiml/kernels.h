@@ -72,6 +72,10 @@ typedef void (*gemm_rows16_fn)(int64_t n, float* s, int64_t ldo, const void* w, 
 // Converts n floats into a row of an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32).
 typedef void (*from_float_fn)(const float* x, void* y, int64_t n);
 
+// Attention's weighted sum of quantized value rows (Q8_0, Q4_0): y[d] = sum_r w[r] * row_r[d] for d < n
+// (a multiple of 32), rows r < n_rows `stride` bytes apart; y is overwritten. Rows of weight 0 are not
+// read. native/src/cpu/attn_quant*.cpp
+typedef void (*attn_mad_fn)(int64_t n, float* y, const void* rows, size_t stride, const float* w, int64_t n_rows);
 // y[i] = e^(x[i] - max) for i < n; returns the sum of the y[i] (accumulated in double).
 typedef double (*softmax_exp_fn)(int64_t n, float* y, const float* x, float max);
 // g[i] = act(g[i]) * u[i] (the gated FFN activation), in place.
@@ -79,7 +83,7 @@ typedef void (*act_mul_fn)(int64_t n, float* g, const float* u);
 // y[r] += a[0] * w_0[r] + ... + a[k-1] * w_{k-1}[r] for r < n, where w_i is the row of the table's
 // type starting w_offset bytes into w[i] (n and w_offset whole blocks). Each element is updated with
 // one fused multiply-add per row, rows in list order (a scale per Q8_0 block: fma(a[i] * d, q, y)),
-// so every SIMD level and every split of [0, n) gives the same bits. native/src/cpu/sparse_axpy*.cpp
+// so every SIMD level and every split of [0, n) gives the same bits. native/src/cpu/kernels/sparse_axpy*.cpp
 typedef void (*axpy_fn)(int64_t n, float* y, const void* const* w, size_t w_offset, const float* a, int64_t k);
 // Groups of grouped neuron-major rows (sparse.h), each group's coefficients quantized to int8 with one
 // scale s (q[i] * s stands for neuron i's activation; q_sum = q[0] + ... + q[k-1]). For each group in
@@ -141,6 +145,7 @@ struct KernelTable {
     // Optional: attn_dot over many rows (K rows against q, V's dimension rows against the weights),
     // sharing y's loads and conversions; where null, attention calls attn_dot per row.
     attn_dot_rows_fn attn_dot_rows[TYPE_COUNT];
+    attn_mad_fn attn_mad[TYPE_COUNT];  // quantized values: Q8_0, Q4_0
     softmax_exp_fn softmax_exp;
     act_mul_fn silu_mul;                   // silu(g) * u, silu(x) = x / (1 + e^-x)
     act_mul_fn relu_mul;                   // max(g, 0) * u
@@ -162,6 +167,22 @@ inline void attn_dots(const KernelTable& kt, int32_t type, int64_t n, float* s, 
     for (int64_t r = 0; r < n_rows; r++) kt.attn_dot[type](n, &s[r], (const uint8_t*)rows + r * stride, y);
 }
 
+// A quantized KV cache (native/src/cpu/attn_quant.cpp). kv_from_float: the conversion that writes a row
+// of keys or values of `type` (F16, F32, Q8_0, Q4_0) into the cache, as llama.cpp's CPU writes it.
+from_float_fn kv_from_float(const KernelTable& kt, int32_t type);
+// s[r] = dot(row r, y) for n_rows quantized key rows `stride` bytes apart (type Q8_0 or Q4_0; y a row of
+// Q8_0), by the level's many-row kernel where it has one; ptrs: room for n_rows + kRowsAhead pointers.
+void kv_quant_dots(const KernelTable& kt, int32_t type, int64_t n, float* s, const void* rows, size_t stride,
+                   const void* y, int64_t n_rows, const void** ptrs);
+
+// The rotation that makes a quantized cache lose less (llama.cpp's attention rotation, PR #21038): an
+// orthonormal Walsh-Hadamard transform of each head in stripes of kv_rotation_block(...) values, applied
+// to q and k (q.k unchanged), and to v before it is stored and to the attention output after (H = H^T =
+// H^-1). It spreads a head's outlier dimensions over its block, so one block scale fits all of them.
+// 0: no rotation (an F16/F32 side, or a head dimension that is not a multiple of 64).
+int64_t kv_rotation_block(int32_t type, int64_t head_dim, bool values);
+void kv_rotate(float* x, int64_t n, int64_t block);
+
 // Each SIMD file fills in the entries it implements and leaves the others untouched.
 void fill_kernels_scalar(KernelTable& table);
 void fill_kernels_avx2(KernelTable& table);
@@ -170,17 +191,20 @@ void fill_kernels_avx512(KernelTable& table);      // F/BW/VL/DQ
 void fill_kernels_avx512vnni(KernelTable& table);  // + VNNI, when the CPU has it
 void fill_kernels_avx512bf16(KernelTable& table);  // + BF16, when the CPU has it
 void fill_kernels_neon(KernelTable& table);
-// Element-wise ops (activations), native/src/cpu/ops*.cpp.
+// Element-wise ops (activations), native/src/cpu/kernels/ops*.cpp.
 void fill_ops_scalar(KernelTable& table);
 void fill_ops_avx2(KernelTable& table);
 void fill_ops_avx512(KernelTable& table);
 void fill_ops_neon(KernelTable& table);
-// Sparse FFN kernels (axpy), native/src/cpu/sparse_axpy*.cpp.
+// Sparse FFN kernels (axpy), native/src/cpu/kernels/sparse_axpy*.cpp.
 void fill_sparse_scalar(KernelTable& table);
 void fill_sparse_avx2(KernelTable& table);
 void fill_sparse_avx512(KernelTable& table);
 void fill_sparse_grouped_avx512vnni(KernelTable& table);  // grouped rows, when the CPU has VNNI
 void fill_sparse_neon(KernelTable& table);
+// Quantized KV cache kernels (attn_mad), native/src/cpu/attn_quant*.cpp.
+void fill_attn_quant_scalar(KernelTable& table);
+void fill_attn_quant_avx2(KernelTable& table);
 
 // Is the level compiled into this build and supported by this CPU?
 bool simd_level_available(SimdLevel level);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "optiml/backend.h"
@@ -16,19 +17,30 @@ namespace optiml {
 
 struct HParams;
 
+// The KV cache's element types: F16, F32, and the block formats Q8_0 and Q4_0 (32 values a block, along
+// a head's dimensions: the head dimension must be a multiple of 32).
+inline bool kv_type_quantized(int32_t type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0; }
+// ArgumentError naming the types this cache stores when `type_k` or `type_v` is not one of them, or when
+// a quantized one does not fit the model's heads.
+void check_kv_types(const HParams& hp, int32_t type_k, int32_t type_v);
+// A cache type by llama.cpp's name ("f16", "q8_0"; --cache-type-k/-v).
+std::string kv_type_name(int32_t type);
+
 class KVCache {
 public:
     // layer_backend[il]: where layer il's cache lives (its memory is counted there as "kv"), with
     // n_seq_device slots (< 0: n_seq). Sequences [0, n_seq_device) start in those slots, the others on
     // the host. host: the host backend, for offloaded sequences; may be null when n_seq_device = n_seq
     // and nothing is ever offloaded.
+    // type: the keys' element type; type_v the values' (< 0: the same as the keys').
     KVCache(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t type, const std::vector<Backend*>& layer_backend,
-            Backend* host = nullptr, int32_t n_seq_device = -1);
+            Backend* host = nullptr, int32_t n_seq_device = -1, int32_t type_v = -1);
 
     int32_t n_ctx() const { return n_ctx_; }
     int32_t n_seq() const { return n_seq_; }
     int32_t n_seq_device() const { return n_slots_; }
     int32_t type() const { return type_; }
+    int32_t type_v() const { return type_v_; }
     // Layer il's cache on its backend, indexed by device slot (device_slot()), and on the host, indexed
     // by sequence id (allocated on the first offload).
     const KVLayerView& layer(int il) const { return layers_[il]; }
@@ -60,7 +72,7 @@ private:
     void check_offload() const;
     void alloc_host_layers();
 
-    int32_t n_ctx_, n_seq_, n_slots_, type_;
+    int32_t n_ctx_, n_seq_, n_slots_, type_, type_v_;
     int64_t n_embd_kv_;
     std::vector<KVLayerView> layers_;
     std::vector<Backend*> backend_;

@@ -36,6 +36,11 @@ inline void matmul(ThreadPool& pool, const KernelTable& kt, int32_t wtype, const
 void convert_activations(ThreadPool& pool, from_float_fn convert, const float* X, int64_t cols, int64_t n_tokens,
                          uint8_t* xq, size_t x_row);
 
+// X (n_tokens rows of `cols` floats) in the activation type xtype, for a product: X itself for F32, else
+// converted into a buffer of the calling thread, valid until its next call.
+const uint8_t* activations_for(ThreadPool& pool, const KernelTable& kt, int32_t xtype, const float* X, int64_t cols,
+                               int64_t n_tokens);
+
 // Checks that (wtype, cols) can be multiplied; throws ArgumentError naming the problem.
 void check_matmul_args(int32_t wtype, int64_t cols);
 

@@ -68,7 +68,21 @@ struct HParams {
     float rope_freq_scale_swa = 1.0f;
     float final_softcap = 0.0f;
 
+    // Mixture of experts (native/src/model/moe.cpp); n_expert == 0: a dense FFN. Each token's FFN is
+    // the weighted sum of the n_expert_used experts (of n_ff_exp neurons) its router rates highest:
+    // softmax over all experts, top n_expert_used, those weights renormalized to sum 1 when
+    // expert_weights_norm (top-k of the logits then softmax over them, as Mixtral says it, is the
+    // same), times expert_weights_scale; plus, when n_ff_shexp > 0, a shared expert scaled by
+    // sigmoid(gate_inp_shexp . x) (qwen2moe). MoE layers run on the CPU only.
+    int32_t n_expert = 0;
+    int32_t n_expert_used = 0;
+    int32_t n_ff_exp = 0;
+    int32_t n_ff_shexp = 0;
+    bool expert_weights_norm = false;
+    float expert_weights_scale = 1.0f;
+
     bool is_swa(int il) const { return !swa_layer.empty() && swa_layer[il]; }
+    bool is_moe() const { return n_expert > 0; }
 
     int32_t n_embd_q() const { return n_head * head_dim; }
     int32_t n_embd_kv() const { return n_head_kv * head_dim; }
@@ -108,6 +122,29 @@ struct FFNWeights {
     Weight post_norm;  // optional RMSNorm of the FFN's output before the residual add (Gemma 3)
 };
 
+// llama.cpp's 3-D expert tensor (ffn_{gate,up,down}_exps): n_expert matrices [cols -> rows] stored one
+// after another, so expert e is an ordinary 2-D matrix at data + e * expert_bytes.
+struct ExpertWeights {
+    const char* name = nullptr;
+    int32_t type = TYPE_F32;
+    int64_t cols = 0, rows = 0, n_expert = 0;
+    const uint8_t* data = nullptr;
+    size_t row_bytes = 0, expert_bytes = 0;
+
+    bool present() const { return data != nullptr; }
+    WeightMatrix matrix(int64_t e) const { return WeightMatrix{type, rows, cols, data + e * expert_bytes}; }
+};
+
+// A mixture-of-experts FFN (the layer's FFNWeights keep its norm; their gate/up/down are absent).
+struct MoEWeights {
+    Weight gate_inp;                 // the router [n_embd -> n_expert]
+    ExpertWeights gate, up, down;    // [n_embd -> n_ff_exp] x n_expert, down [n_ff_exp -> n_embd] x n_expert
+    FFNWeights shared;               // the shared expert's gate/up/down (*_shexp), when hp.n_ff_shexp > 0
+    Weight gate_inp_shexp;           // [n_embd -> 1]: the shared expert's sigmoid gate (optional)
+
+    bool present() const { return gate_inp.present(); }
+};
+
 struct LayerWeights {
     Weight attn_norm;
     Weight wq, wk, wv, wo;
@@ -115,6 +152,7 @@ struct LayerWeights {
     Weight q_norm, k_norm;  // optional per-head RMSNorm of q and k before RoPE, F32 [head_dim] (Gemma 3)
     Weight attn_post_norm;  // optional RMSNorm of the attention output before the residual add (Gemma 3)
     FFNWeights ffn;
+    MoEWeights moe;  // a mixture-of-experts layer (hp.n_expert > 0): ffn holds its norm only
 };
 
 // Activation sparsity calibrated offline (`optiml calibrate`), read from `optiml.sparsity.*`: in layer l
@@ -205,10 +243,12 @@ struct SparsitySettings {
 // Not thread-safe: use one Session per thread (they can share a Model).
 class Session {
 public:
-    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory). n_ctx: positions per sequence.
+    // kv_type: TYPE_F16 (as llama.cpp) or TYPE_F32 (exact, twice the memory), or TYPE_Q8_0 / TYPE_Q4_0
+    // (half / a quarter of F16's bytes) for the keys; kv_type_v the values' (< 0: kv_type). n_ctx:
+    // positions per sequence.
     Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<ThreadPool> pool,
             int32_t kv_type = TYPE_F16, int32_t n_batch = 512, int32_t n_seq = 1,
-            const PlanOptions* plan_options = nullptr);
+            const PlanOptions* plan_options = nullptr, int32_t kv_type_v = -1);
     ~Session();
 
     // Appends n tokens to sequence 0 at positions n_past.. and runs them (in batches of n_batch). Writes

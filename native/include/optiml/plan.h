@@ -26,7 +26,8 @@ struct PlanOptions {
     int32_t n_gpu_layers = -1;          // -1: from the placement and budget; N: the last N layers whole on the device
     std::vector<int32_t> gpu_neurons;   // overrides the file's per-layer placement ([n_layer]); empty: the file's
     int32_t n_ctx = 0, n_seq = 1, n_batch = 512;
-    int32_t kv_type = TYPE_F16;
+    int32_t kv_type = TYPE_F16;         // the keys' (F16, F32, Q8_0, Q4_0)
+    int32_t kv_type_v = -1;             // the values'; -1: kv_type
     int32_t device_threads = 1;         // threads of a cpu:N device
     // CPU attention offload: device bytes for the KV cache (-1: a slot for every sequence). The device
     // then holds the KV cache of as many sequences as fit; the others live in host memory, where the
@@ -59,6 +60,7 @@ struct Plan {
     int32_t logits_rows = 0;
     size_t host_kv_bytes = 0, host_scratch_bytes = 0;
     int32_t n_ctx = 0, n_seq = 1, n_batch = 512, kv_type = TYPE_F16, device_threads = 1;
+    int32_t kv_type_v = TYPE_F16;  // the values' type (kv_type: the keys')
     int32_t n_seq_device = 1;  // sequences whose KV cache the device (or, without one, the host) holds
 
     bool uses_device() const { return !device.empty(); }
@@ -73,7 +75,8 @@ struct Plan {
 Plan make_plan(const Model& m, const PlanOptions& o);
 
 // Byte counts shared by the plan and the engine.
-size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type);
+// Keys of kv_type and values of kv_type_v (< 0: kv_type).
+size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type, int32_t kv_type_v = -1);
 size_t scratch_bytes(const HParams& hp, int32_t n_batch);
 // Attention weights of layer il plus the FFN's norms and down bias (computed where the residual lives).
 size_t attn_layer_bytes(const Model& m, int il);

@@ -102,12 +102,13 @@ NeuronMajor gather_neuron_major(const NeuronMajor& full, const int32_t* rows, in
 // coefficient makes its group's contribution NaN.
 void axpy_rows(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx, const float* a,
                int64_t k, float* y, bool accumulate);
-// axpy_rows for grouped rows (native/src/cpu/sparse_axpy_grouped.cpp).
+// axpy_rows for grouped rows (native/src/cpu/kernels/sparse_axpy_grouped.cpp).
 void axpy_rows_grouped(ThreadPool& pool, const KernelTable& kt, const NeuronMajor& d, const int32_t* idx,
                        const float* a, int64_t k, float* y, bool accumulate);
 // The scalar reference kernels of grouped rows (kt.axpy_group).
 void fill_sparse_grouped_scalar(KernelTable& t);
 void fill_sparse_grouped_avx2(KernelTable& t);  // x86 builds only
+void fill_sparse_grouped_neon(KernelTable& t);  // aarch64 builds only
 // The same over neuron-major rows held elsewhere (n_neurons rows, row_size(type, dim) bytes apart,
 // at `data`), e.g. in a numpy array or a mapped file.
 // dim_scale: nullptr, or [dim] factors each y[r] sum is multiplied by (see NeuronMajor).

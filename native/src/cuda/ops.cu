@@ -1,6 +1,6 @@
 // Elementwise and per-row ops of the forward pass on the GPU: RMSNorm, biases, residual adds, the FFN's
 // gated activations, and the rounding of activations to what the CPU's products see. Same formulas as
-// native/src/cpu/ops.cpp (GELU in its tanh form) and native/src/quant/.
+// native/src/cpu/kernels/ops.cpp (GELU in its tanh form) and native/src/quant/.
 #include <cuda_fp16.h>
 
 #include <cstring>

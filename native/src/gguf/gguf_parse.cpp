@@ -152,6 +152,101 @@ std::shared_ptr<GGUFFile> GGUFFile::open(const std::string& path, bool in_memory
     return f;
 }
 
+namespace {
+
+// A metadata key or tensor name (`what` and its index i say which in errors): a string of valid UTF-8.
+std::string_view read_name(Cursor& c, const char* what, uint64_t i) {
+    const uint64_t at = c.pos;
+    const std::string_view s = c.string(format("%s %" PRIu64, what, i));
+    if (!valid_utf8(s))
+        throw GGUFError(format("%s %" PRIu64 " at byte offset %" PRIu64 " is not valid UTF-8: %s", what, i, at,
+                               gguf_quote(s).c_str()));
+    return s;
+}
+
+// A tensor's shape and type after its name (what names it in errors): checked so that its element
+// count and byte size cannot overflow; t.n_bytes set.
+void read_tensor_shape(Cursor& c, GGUFTensorInfo& t, const std::string& what) {
+    t.n_dims = c.read<uint32_t>(what);
+    if (t.n_dims == 0 || t.n_dims > max_dims)
+        throw GGUFError(format("%s has n_dims %u (must be 1 to %u)", what.c_str(), t.n_dims,
+                               max_dims));
+    for (uint32_t d = 0; d < t.n_dims; d++) {
+        uint64_t ne = c.read<uint64_t>(what);
+        if (ne > (uint64_t)INT64_MAX)
+            throw GGUFError(format("%s has negative dimension ne[%u] = %" PRId64, what.c_str(),
+                                   d, (int64_t)ne));
+        t.ne[d] = (int64_t)ne;
+    }
+    // Rows are multiplied out on their own too, so n_rows() cannot overflow when ne[0] is 0.
+    int64_t rows = 1;
+    for (uint32_t d = 1; d <= max_dims; d++) {
+        int64_t ne = t.ne[d % max_dims];
+        if (ne != 0 && rows > INT64_MAX / ne)
+            throw GGUFError(format("%s: element count overflows (shape %" PRId64 " x %" PRId64
+                                   " x %" PRId64 " x %" PRId64 ")",
+                                   what.c_str(), t.ne[0], t.ne[1], t.ne[2], t.ne[3]));
+        if (d < max_dims) rows *= ne;
+    }
+
+    uint32_t type = c.read<uint32_t>(what);
+    if (type > (uint32_t)INT32_MAX || !type_is_known((int32_t)type))
+        throw GGUFError(format("%s has unknown tensor type %u", what.c_str(), type));
+    t.type = (int32_t)type;
+    const TypeTraits& tt = type_traits(t.type);
+    if (t.ne[0] % tt.block_size != 0)
+        throw GGUFError(format("%s: ne[0] = %" PRId64 " is not a multiple of the %s block size %"
+                               PRId64, what.c_str(), t.ne[0], tt.name, tt.block_size));
+    uint64_t blocks = (uint64_t)(t.ne[0] / tt.block_size);
+    if (blocks > UINT64_MAX / tt.type_size)
+        throw GGUFError(format("%s: byte size overflows", what.c_str()));
+    uint64_t row_bytes = blocks * tt.type_size;
+    if (rows != 0 && row_bytes > UINT64_MAX / (uint64_t)rows)
+        throw GGUFError(format("%s: byte size overflows", what.c_str()));
+    t.n_bytes = row_bytes * (uint64_t)rows;
+
+}
+
+// Every tensor's data within the file (the data section at data_offset), aligned; t.file_offset set.
+void place_tensor_data(std::vector<GGUFTensorInfo>& tensors, uint64_t data_offset, uint64_t alignment, uint64_t size) {
+    for (GGUFTensorInfo& t : tensors) {
+        std::string what = "tensor " + gguf_quote(t.name);
+        if (t.offset % alignment != 0)
+            throw GGUFError(format("%s: data offset %" PRIu64 " is not a multiple of the alignment %"
+                                   PRIu64, what.c_str(), t.offset, alignment));
+        if (data_offset > size || t.offset > size - data_offset ||
+            t.n_bytes > size - data_offset - t.offset)
+            throw GGUFError(format("%s: data (%" PRIu64 " bytes at data offset %" PRIu64
+                                   ") extends past the end of the file (%" PRIu64
+                                   " bytes, data section at %" PRIu64 ")",
+                                   what.c_str(), t.n_bytes, t.offset, size, data_offset));
+        t.file_offset = data_offset + t.offset;
+    }
+
+}
+
+// No two tensors' bytes overlap.
+void check_no_overlap(const std::vector<GGUFTensorInfo>& tensors) {
+    // Sorted by start, two ranges overlap exactly when some pair of neighbours does.
+    std::vector<const GGUFTensorInfo*> by_offset;
+    for (const GGUFTensorInfo& t : tensors)
+        if (t.n_bytes > 0) by_offset.push_back(&t);
+    std::sort(by_offset.begin(), by_offset.end(),
+              [](const GGUFTensorInfo* a, const GGUFTensorInfo* b) { return a->offset < b->offset; });
+    for (size_t i = 1; i < by_offset.size(); i++) {
+        const GGUFTensorInfo* a = by_offset[i - 1];
+        const GGUFTensorInfo* b = by_offset[i];
+        if (b->offset < a->offset + a->n_bytes)
+            throw GGUFError(format("tensors %s and %s overlap: [%" PRIu64 ", %" PRIu64 ") and [%"
+                                   PRIu64 ", %" PRIu64 ") in the data section",
+                                   gguf_quote(a->name).c_str(), gguf_quote(b->name).c_str(),
+                                   a->offset, a->offset + a->n_bytes, b->offset,
+                                   b->offset + b->n_bytes));
+    }
+}
+
+}  // namespace
+
 void GGUFFile::parse() {
     Cursor c{map_->data(), map_->size()};
 
@@ -182,11 +277,8 @@ void GGUFFile::parse() {
                                " bytes", n_kv, c.size));
 
     for (uint64_t i = 0; i < n_kv; i++) {
-        uint64_t at = c.pos;
-        std::string_view key = c.string(format("key of metadata entry %" PRIu64, i));
-        if (!valid_utf8(key))
-            throw GGUFError(format("key of metadata entry %" PRIu64 " at byte offset %" PRIu64
-                                   " is not valid UTF-8: %s", i, at, gguf_quote(key).c_str()));
+        const uint64_t at = c.pos;
+        const std::string_view key = read_name(c, "key of metadata entry", i);
         std::string what = "metadata key " + gguf_quote(key);
         if (kv_index_.count(key))
             throw GGUFError(format("duplicate %s at byte offset %" PRIu64, what.c_str(), at));
@@ -211,55 +303,15 @@ void GGUFFile::parse() {
     }
 
     for (uint64_t i = 0; i < n_tensors; i++) {
-        uint64_t at = c.pos;
-        std::string_view name = c.string(format("name of tensor %" PRIu64, i));
-        if (!valid_utf8(name))
-            throw GGUFError(format("name of tensor %" PRIu64 " at byte offset %" PRIu64
-                                   " is not valid UTF-8: %s", i, at, gguf_quote(name).c_str()));
+        const uint64_t at = c.pos;
+        const std::string_view name = read_name(c, "name of tensor", i);
         std::string what = "tensor " + gguf_quote(name);
         if (tensor_index_.count(name))
             throw GGUFError(format("duplicate %s at byte offset %" PRIu64, what.c_str(), at));
         GGUFTensorInfo t;
         t.name = std::string(name);
 
-        t.n_dims = c.read<uint32_t>(what);
-        if (t.n_dims == 0 || t.n_dims > max_dims)
-            throw GGUFError(format("%s has n_dims %u (must be 1 to %u)", what.c_str(), t.n_dims,
-                                   max_dims));
-        for (uint32_t d = 0; d < t.n_dims; d++) {
-            uint64_t ne = c.read<uint64_t>(what);
-            if (ne > (uint64_t)INT64_MAX)
-                throw GGUFError(format("%s has negative dimension ne[%u] = %" PRId64, what.c_str(),
-                                       d, (int64_t)ne));
-            t.ne[d] = (int64_t)ne;
-        }
-        // Rows are multiplied out on their own too, so n_rows() cannot overflow when ne[0] is 0.
-        int64_t rows = 1;
-        for (uint32_t d = 1; d <= max_dims; d++) {
-            int64_t ne = t.ne[d % max_dims];
-            if (ne != 0 && rows > INT64_MAX / ne)
-                throw GGUFError(format("%s: element count overflows (shape %" PRId64 " x %" PRId64
-                                       " x %" PRId64 " x %" PRId64 ")",
-                                       what.c_str(), t.ne[0], t.ne[1], t.ne[2], t.ne[3]));
-            if (d < max_dims) rows *= ne;
-        }
-
-        uint32_t type = c.read<uint32_t>(what);
-        if (type > (uint32_t)INT32_MAX || !type_is_known((int32_t)type))
-            throw GGUFError(format("%s has unknown tensor type %u", what.c_str(), type));
-        t.type = (int32_t)type;
-        const TypeTraits& tt = type_traits(t.type);
-        if (t.ne[0] % tt.block_size != 0)
-            throw GGUFError(format("%s: ne[0] = %" PRId64 " is not a multiple of the %s block size %"
-                                   PRId64, what.c_str(), t.ne[0], tt.name, tt.block_size));
-        uint64_t blocks = (uint64_t)(t.ne[0] / tt.block_size);
-        if (blocks > UINT64_MAX / tt.type_size)
-            throw GGUFError(format("%s: byte size overflows", what.c_str()));
-        uint64_t row_bytes = blocks * tt.type_size;
-        if (rows != 0 && row_bytes > UINT64_MAX / (uint64_t)rows)
-            throw GGUFError(format("%s: byte size overflows", what.c_str()));
-        t.n_bytes = row_bytes * (uint64_t)rows;
-
+        read_tensor_shape(c, t, what);
         t.offset = c.read<uint64_t>(what);
         tensors_.push_back(std::move(t));
         tensor_index_.emplace(tensors_.back().name, tensors_.size() - 1);
@@ -267,37 +319,9 @@ void GGUFFile::parse() {
 
     // The data section starts at the first aligned offset after the header.
     data_offset_ = (c.pos + alignment_ - 1) / alignment_ * alignment_;
-    const uint64_t size = c.size;
-    for (GGUFTensorInfo& t : tensors_) {
-        std::string what = "tensor " + gguf_quote(t.name);
-        if (t.offset % alignment_ != 0)
-            throw GGUFError(format("%s: data offset %" PRIu64 " is not a multiple of the alignment %"
-                                   PRIu64, what.c_str(), t.offset, alignment_));
-        if (data_offset_ > size || t.offset > size - data_offset_ ||
-            t.n_bytes > size - data_offset_ - t.offset)
-            throw GGUFError(format("%s: data (%" PRIu64 " bytes at data offset %" PRIu64
-                                   ") extends past the end of the file (%" PRIu64
-                                   " bytes, data section at %" PRIu64 ")",
-                                   what.c_str(), t.n_bytes, t.offset, size, data_offset_));
-        t.file_offset = data_offset_ + t.offset;
-    }
+    place_tensor_data(tensors_, data_offset_, alignment_, c.size);
 
-    // Sorted by start, two ranges overlap exactly when some pair of neighbours does.
-    std::vector<const GGUFTensorInfo*> by_offset;
-    for (const GGUFTensorInfo& t : tensors_)
-        if (t.n_bytes > 0) by_offset.push_back(&t);
-    std::sort(by_offset.begin(), by_offset.end(),
-              [](const GGUFTensorInfo* a, const GGUFTensorInfo* b) { return a->offset < b->offset; });
-    for (size_t i = 1; i < by_offset.size(); i++) {
-        const GGUFTensorInfo* a = by_offset[i - 1];
-        const GGUFTensorInfo* b = by_offset[i];
-        if (b->offset < a->offset + a->n_bytes)
-            throw GGUFError(format("tensors %s and %s overlap: [%" PRIu64 ", %" PRIu64 ") and [%"
-                                   PRIu64 ", %" PRIu64 ") in the data section",
-                                   gguf_quote(a->name).c_str(), gguf_quote(b->name).c_str(),
-                                   a->offset, a->offset + a->n_bytes, b->offset,
-                                   b->offset + b->n_bytes));
-    }
+    check_no_overlap(tensors_);
 }
 
 }  // namespace optiml

@@ -161,6 +161,12 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const LayerWeights& L = model_->layers[il];
     const StepScratch hs = scratch_rows(home, r0);
     const size_t xn_floats = (size_t)n * hp.n_embd;
+    if (L.moe.present()) {  // a mixture of experts: where the residual lives (make_plan keeps MoE models on the CPU)
+        home->rms_norm(hs.x, L.ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
+        home->moe_ffn(hp, il, L.moe, hs.xn, n, hs.y);
+        home->ffn_join(hp, L.ffn, hs.y, nullptr, n, hs.x);
+        return;
+    }
     ActivationRecorder* rec = recorder_.get();
     FFNSparsity sp;
     if (sparsity_.enabled) {

@@ -1,6 +1,7 @@
 #include "optiml/kv_cache.h"
 
 #include <algorithm>
+#include <cctype>
 #include <set>
 
 #include "optiml/common.h"
@@ -9,12 +10,32 @@
 
 namespace optiml {
 
+std::string kv_type_name(int32_t type) {
+    const char* name = type >= 0 && type < TYPE_COUNT ? type_traits(type).name : nullptr;
+    std::string s = name ? name : "unknown";
+    for (char& c : s) c = (char)std::tolower((unsigned char)c);
+    return s;
+}
+
+void check_kv_types(const HParams& hp, int32_t type_k, int32_t type_v) {
+    for (int32_t t : {type_k, type_v}) {
+        if (t != TYPE_F16 && t != TYPE_F32 && !kv_type_quantized(t))
+            throw ArgumentError(
+                format("the KV cache stores f16, f32, q8_0 or q4_0, not %s (type %d)", kv_type_name(t).c_str(), t));
+        // A quantized head is whole blocks: attention reads a head's slice of a row block by block.
+        if (kv_type_quantized(t) && hp.head_dim % 32)
+            throw ArgumentError(format("a %s KV cache quantizes each head in blocks of 32 values, and this model's "
+                                       "heads have %d: use kv_type 'f16'",
+                                       kv_type_name(t).c_str(), hp.head_dim));
+    }
+}
+
 KVCache::KVCache(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t type,
-                 const std::vector<Backend*>& layer_backend, Backend* host, int32_t n_seq_device)
+                 const std::vector<Backend*>& layer_backend, Backend* host, int32_t n_seq_device, int32_t type_v)
     : n_ctx_(n_ctx), n_seq_(n_seq), n_slots_(n_seq_device < 0 ? n_seq : n_seq_device), type_(type),
-      n_embd_kv_(hp.n_embd_kv()), backend_(layer_backend), len_(n_seq, 0), host_(host), slot_(n_seq, -1),
-      slot_used_(n_slots_, 0) {
-    if (type != TYPE_F16 && type != TYPE_F32) throw ArgumentError("the KV cache type must be f16 or f32");
+      type_v_(type_v < 0 ? type : type_v), n_embd_kv_(hp.n_embd_kv()), backend_(layer_backend), len_(n_seq, 0),
+      host_(host), slot_(n_seq, -1), slot_used_(n_slots_, 0) {
+    check_kv_types(hp, type_, type_v_);
     if (n_ctx <= 0 || n_seq <= 0) throw ArgumentError("the KV cache needs n_ctx > 0 and n_seq > 0");
     if (n_slots_ > n_seq) throw ArgumentError("the KV cache has more device slots than sequences");
     if (n_slots_ < n_seq) check_offload();
@@ -39,10 +60,13 @@ std::vector<KVLayerView> KVCache::alloc_layers(const std::vector<Backend*>& wher
     for (size_t il = 0; il < where.size(); il++) {
         KVLayerView& v = layers[il];
         v.type = type_;
+        v.v_type = type_v_;
         v.n_ctx = n_ctx_;
         v.k_row = row_size(type_, n_embd_kv_);
         v.k_seq = v.k_row * (size_t)n_ctx_;
-        v.v_seq = v.k_seq;
+        // Transposed F16/F32 values take as many bytes as rows of them would; quantized ones are rows.
+        v.v_row = kv_type_quantized(type_v_) ? row_size(type_v_, n_embd_kv_) : 0;
+        v.v_seq = row_size(type_v_, n_embd_kv_) * (size_t)n_ctx_;
         // Zeroed: the padded attention window multiplies values past a sequence's end by weight 0.
         v.k = (uint8_t*)where[il]->alloc(v.k_seq * n_slots, "kv");
         v.v = (uint8_t*)where[il]->alloc(v.v_seq * n_slots, "kv");
@@ -127,8 +151,10 @@ void KVCache::copy(int32_t src, int32_t dst, int32_t n) {
         return;
     }
     // Each side in its own place: a device slot on the layer's backend, or the host's slot of the sequence.
-    // The keys' first n rows are one block; the values (transposed) n positions per dimension.
-    const size_t elem = type_traits(type_).type_size;
+    // The keys' first n rows are one block; the values (transposed) n positions per dimension, or
+    // (quantized, rows) their first n rows too.
+    const size_t elem = type_traits(type_v_).type_size;
+    const bool v_rows = kv_type_quantized(type_v_);
     std::set<Backend*> used;
     for (size_t il = 0; il < layers_.size(); il++) {
         Backend* be = backend_[il];
@@ -146,6 +172,10 @@ void KVCache::copy(int32_t src, int32_t dst, int32_t n) {
             else be->copy_from_host(to, from, bytes);
         };
         move(dv.k + (size_t)di * dv.k_seq, sv.k + (size_t)si * sv.k_seq, (size_t)n * sv.k_row);
+        if (v_rows) {
+            move(dv.v + (size_t)di * dv.v_seq, sv.v + (size_t)si * sv.v_seq, (size_t)n * sv.v_row);
+            continue;
+        }
         if (sh != dh) {
             // Across the bus, one transfer of the slot's whole value block instead of n_embd_kv short
             // ones (each a round trip through pageable memory): the positions past n come along, finite

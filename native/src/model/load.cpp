@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "moe.h"
 #include "optiml/common.h"
 #include "optiml/model.h"
 #include "optiml/rows16.h"
@@ -24,6 +25,8 @@ const ArchInfo kArchs[] = {
     {"mistral", ROPE_NORM},
     {"qwen2", ROPE_NEOX},
     {"gemma3", ROPE_NEOX},
+    {"qwen3moe", ROPE_NEOX},  // mixtures of experts (moe.cpp), as is llama with experts (Mixtral)
+    {"qwen2moe", ROPE_NEOX},
 };
 
 const ArchInfo* find_arch(const std::string& name) {
@@ -57,7 +60,9 @@ HParams read_hparams(const GGUFFile& f) {
     const std::string p = hp.arch + ".";
     hp.n_embd = positive_i32(f, p + "embedding_length");
     hp.n_layer = positive_i32(f, p + "block_count", 4096);
-    hp.n_ff = positive_i32(f, p + "feed_forward_length");
+    // (a mixture of experts may give only its experts' width: read_moe_hparams)
+    hp.n_ff = f.has(p + "feed_forward_length") || !f.has(p + "expert_count") ? positive_i32(f, p + "feed_forward_length")
+                                                                             : 0;
     hp.n_head = positive_i32(f, p + "attention.head_count", 4096);
     hp.n_head_kv = f.has(p + "attention.head_count_kv") ? positive_i32(f, p + "attention.head_count_kv", 4096)
                                                           : hp.n_head;
@@ -102,6 +107,8 @@ HParams read_hparams(const GGUFFile& f) {
     else
         throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu, relu2, gelu)",
                                            f.path().c_str(), act.c_str()));
+
+    read_moe_hparams(f, hp);
 
     hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
     if (gemma3) {
@@ -260,7 +267,7 @@ private:
 
 }  // namespace
 
-const char* supported_architectures() { return "llama, mistral, qwen2, gemma3"; }
+const char* supported_architectures() { return "llama, mistral, qwen2, gemma3, qwen3moe, qwen2moe, llama with experts (Mixtral)"; }
 
 const char* ffn_activation_name(FFNActivation act) {
     switch (act) {
@@ -307,12 +314,16 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.bv = b.vector(p + "attn_v.bias", hp.n_embd_kv(), false);
         L.bo = b.vector(p + "attn_output.bias", hp.n_embd, false);
         L.ffn.norm = b.vector(p + "ffn_norm.weight", hp.n_embd);
-        L.ffn.gate = b.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
-        L.ffn.up = b.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
-        L.ffn.down = b.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
-        L.ffn.gate_b = b.vector(p + "ffn_gate.bias", hp.n_ff, false);
-        L.ffn.up_b = b.vector(p + "ffn_up.bias", hp.n_ff, false);
-        L.ffn.down_b = b.vector(p + "ffn_down.bias", hp.n_embd, false);
+        if (hp.is_moe()) {
+            bind_moe_layer(f, hp, i, L);
+        } else {
+            L.ffn.gate = b.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
+            L.ffn.up = b.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
+            L.ffn.down = b.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
+            L.ffn.gate_b = b.vector(p + "ffn_gate.bias", hp.n_ff, false);
+            L.ffn.up_b = b.vector(p + "ffn_up.bias", hp.n_ff, false);
+            L.ffn.down_b = b.vector(p + "ffn_down.bias", hp.n_embd, false);
+        }
         const bool gemma3 = hp.arch == "gemma3";  // these norms are part of Gemma 3, absent elsewhere
         L.q_norm = b.vector(p + "attn_q_norm.weight", hp.head_dim, gemma3);
         L.k_norm = b.vector(p + "attn_k_norm.weight", hp.head_dim, gemma3);

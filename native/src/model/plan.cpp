@@ -5,13 +5,15 @@
 
 #include "optiml/common.h"
 #include "optiml/cuda.h"
+#include "optiml/kv_cache.h"
 #include "optiml/model.h"
 #include "optiml/quant.h"
 
 namespace optiml {
 
-size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type) {
-    return 2 * (size_t)n_seq * (size_t)n_ctx * row_size(kv_type, hp.n_embd_kv());
+size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type, int32_t kv_type_v) {
+    if (kv_type_v < 0) kv_type_v = kv_type;
+    return (size_t)n_seq * (size_t)n_ctx * (row_size(kv_type, hp.n_embd_kv()) + row_size(kv_type_v, hp.n_embd_kv()));
 }
 
 size_t scratch_bytes(const HParams& hp, int32_t n_batch) {
@@ -87,6 +89,8 @@ std::string Plan::summary(const Model& m) const {
     }
     s += format("host: KV cache %s, scratch %s; context %d x %d sequence(s), batch %d\n", mib(host_kv_bytes).c_str(),
                 mib(host_scratch_bytes).c_str(), n_ctx, n_seq, n_batch);
+    s += format("KV cache types: keys %s, values %s\n", kv_type_name(kv_type).c_str(),
+                kv_type_name(kv_type_v).c_str());
     if (n_seq_device < n_seq)
         s += format("KV cache of %d of %d sequences on the device, the others in host memory (their attention on "
                     "the CPU)\n", n_seq_device, n_seq);
@@ -101,21 +105,10 @@ std::string Plan::summary(const Model& m) const {
     return s;
 }
 
-Plan make_plan(const Model& m, const PlanOptions& o) {
-    const HParams& hp = m.hp;
-    Plan p;
-    p.n_ctx = o.n_ctx;
-    p.n_seq = o.n_seq;
-    p.n_batch = std::min(o.n_batch, o.n_ctx * o.n_seq);
-    p.kv_type = o.kv_type;
-    p.device_threads = o.device_threads;
-    p.budget = o.vram;
-    p.layers.assign(hp.n_layer, LayerPlan{});
-    if (o.n_ctx <= 0) throw ArgumentError(format("n_ctx must be positive, got %d", o.n_ctx));
-    if (o.n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", o.n_seq));
-    if (o.n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", o.n_batch));
+namespace {
 
-    // The device.
+// Resolves o.device into p.device (empty: the CPU alone) and, for a GPU without a budget, p.budget.
+void choose_device(const PlanOptions& o, Plan& p) {
     std::string dev = o.device;
     if (dev == "auto") {
         dev = cuda_devices().empty() ? "cpu" : "cuda";
@@ -149,6 +142,156 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
         throw ArgumentError(format("unknown device '%s': use 'auto', 'cpu', 'cpu:N' (a CPU test device) or 'cuda[:N]'",
                                    dev.c_str()));
     }
+}
+
+// What the device takes, layer by layer, out of `avail` bytes: p.layers and p.device_bytes.
+struct Placer {
+    const Model& m;
+    const HParams& hp;
+    Plan& p;
+    size_t kv;      // one layer's KV cache on the device
+    int64_t avail;  // bytes of the budget not yet placed
+
+    void whole_layer(int il) {
+        p.layers[il] = LayerPlan{true, hp.n_ff};
+        p.device_bytes.attn_weights += attn_layer_bytes(m, il);
+        p.device_bytes.kv += kv;
+        p.device_bytes.ffn_weights += ffn_share_bytes(m, il, hp.n_ff, true);
+    }
+
+    // n_gpu_layers: the last n layers whole, or an error when they do not fit.
+    void last_layers(int n, int64_t budget) {
+        if (n > hp.n_layer) throw ArgumentError(format("n_gpu_layers=%d: the model has %d layers", n, hp.n_layer));
+        for (int il = hp.n_layer - n; il < hp.n_layer; il++) whole_layer(il);
+        const PlanBytes& b = p.device_bytes;
+        if ((int64_t)(b.total() - b.scratch) > avail)
+            throw ArgumentError(format("n_gpu_layers=%d needs %s on %s; the budget is %s", n, mib(b.total()).c_str(),
+                                       p.device.c_str(), mib((size_t)budget).c_str()));
+        p.reason = format("n_gpu_layers=%d", n);
+    }
+
+    // No placement: whole layers from the last one down, as llama.cpp's layer split does.
+    void whole_layers_from_the_end() {
+        for (int il = hp.n_layer - 1; il >= 0; il--) {
+            const size_t a = attn_layer_bytes(m, il) + kv + ffn_share_bytes(m, il, hp.n_ff, true);
+            if ((int64_t)a > avail) break;
+            avail -= (int64_t)a;
+            whole_layer(il);
+        }
+    }
+
+    bool attention(int il) {
+        const size_t a = attn_layer_bytes(m, il) + kv;
+        if ((int64_t)a > avail) return false;
+        avail -= (int64_t)a;
+        p.device_bytes.attn_weights += attn_layer_bytes(m, il);
+        p.device_bytes.kv += kv;
+        p.layers[il].attn_on_device = true;
+        return true;
+    }
+
+    // Attention and KV first: the layers the placement chose (`chosen`, as far as the budget holds), or,
+    // in a file without that choice, layer by layer until one does not fit. Then as many hot neurons per
+    // layer as the placement asks (want) and the budget holds.
+    void placement(const std::vector<int32_t>& want, const std::vector<int32_t>* chosen) {
+        const bool contiguous = p.neuron_order.empty();
+        // The solver's choice of layers first (it reserved their attention before any neuron).
+        if (chosen)
+            for (int il = 0; il < hp.n_layer; il++)
+                if ((*chosen)[il]) attention(il);
+        for (int il = 0; il < hp.n_layer; il++) {
+            if (!chosen && !attention(il)) break;
+            int32_t k = std::min(want[il], hp.n_ff);
+            const int32_t align = ffn_share_align(m, il);
+            if (k < hp.n_ff) k -= k % align;
+            while (k > 0 && (int64_t)ffn_share_bytes(m, il, k, contiguous) > avail)
+                k = (k == hp.n_ff ? hp.n_ff - hp.n_ff % align : k) - align;
+            k = std::max(k, 0);
+            p.layers[il].ffn_on_device = k;
+            const size_t fb = ffn_share_bytes(m, il, k, contiguous);
+            p.device_bytes.ffn_weights += fb;
+            avail -= (int64_t)fb;
+        }
+    }
+};
+
+// Without n_gpu_layers: the neurons of o.gpu_neurons, else of the file's placement, else whole layers.
+void place_neurons(const PlanOptions& o, Placer& at, int64_t budget) {
+    const Model& m = at.m;
+    const HParams& hp = at.hp;
+    Plan& p = at.p;
+    const std::vector<int32_t>& want = o.gpu_neurons.empty() ? m.placement_gpu_neurons : o.gpu_neurons;
+    if (!o.gpu_neurons.empty()) {
+        if (o.gpu_neurons.size() != (size_t)hp.n_layer)
+            throw ArgumentError(format("gpu_neurons: %zu values for %d layers", o.gpu_neurons.size(), hp.n_layer));
+        for (int32_t k : o.gpu_neurons)
+            if (k < 0 || k > hp.n_ff) throw ArgumentError(format("gpu_neurons: %d is outside [0, %d]", k, hp.n_ff));
+    }
+    const bool placed = !want.empty();
+    p.reason = !o.gpu_neurons.empty() ? "gpu_neurons given" : placed ? "the file's placement" : "whole layers";
+    if (placed)
+        at.placement(want, o.gpu_neurons.empty() && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention
+                                                                                       : nullptr);
+    else
+        at.whole_layers_from_the_end();
+    if (p.layers_on_device() == 0 && p.neurons_on_device() == 0) {
+        p.reason += format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str());
+        p.device_bytes = PlanBytes{};
+        p.device.clear();
+    }
+}
+
+// The device's share of the model within the budget (p.device set): its scratch, layers and neurons,
+// and the logits where the residual stream ends when the output matrix fits beside the rest.
+void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
+    const HParams& hp = m.hp;
+    const int64_t budget = p.budget < 0 ? INT64_MAX : p.budget;
+    PlanBytes& b = p.device_bytes;
+    b.scratch = scratch_bytes(hp, p.n_batch);
+    Placer at{m, hp, p, kv, budget - (int64_t)b.scratch};
+    if (at.avail < 0) {
+        p.reason = format("the budget does not hold the device's scratch (%s)", mib(b.scratch).c_str());
+        b = PlanBytes{};
+        p.device.clear();
+    } else if (o.n_gpu_layers >= 0) {
+        at.last_layers(o.n_gpu_layers, budget);
+    } else {
+        place_neurons(o, at, budget);
+    }
+    if (p.uses_device() && p.layers[hp.n_layer - 1].attn_on_device) {
+        const int32_t rows = std::min(p.n_batch, 64);
+        const size_t ob = output_bytes(m, rows);
+        if ((int64_t)(b.total() + ob) <= budget) {
+            p.output_on_device = true;
+            p.logits_rows = rows;
+            b.output = ob;
+        }
+    }
+}
+
+}  // namespace
+
+Plan make_plan(const Model& m, const PlanOptions& o) {
+    const HParams& hp = m.hp;
+    Plan p;
+    p.n_ctx = o.n_ctx;
+    p.n_seq = o.n_seq;
+    p.n_batch = std::min(o.n_batch, o.n_ctx * o.n_seq);
+    p.kv_type = o.kv_type;
+    p.kv_type_v = o.kv_type_v < 0 ? o.kv_type : o.kv_type_v;
+    check_kv_types(hp, p.kv_type, p.kv_type_v);
+    p.device_threads = o.device_threads;
+    p.budget = o.vram;
+    p.layers.assign(hp.n_layer, LayerPlan{});
+    if (o.n_ctx <= 0) throw ArgumentError(format("n_ctx must be positive, got %d", o.n_ctx));
+    if (o.n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", o.n_seq));
+    if (o.n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", o.n_batch));
+    choose_device(o, p);
+    if (hp.is_moe() && p.uses_device())  // (device 'auto' stays on the CPU)
+        // Expert placement (the solver, the hybrid executor, the device's grouped kernels) is not built yet.
+        throw UnsupportedModelError(format(
+            "device '%s': this model's layers are mixtures of experts (%d experts), and MoE layers run on the "
+            "CPU only in this build; use device='cpu'", p.device.c_str(), hp.n_expert));
     if (o.vram < -1) throw ArgumentError("vram must be >= 0 bytes");
 
     if (m.placement_order.size() == (size_t)hp.n_layer * hp.n_ff) p.neuron_order = m.placement_order;
@@ -158,110 +301,15 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
         if (!p.uses_device())
             throw ArgumentError("kv_vram limits the device's KV cache, and there is no device: give device='cuda' "
                                 "(or 'cpu:1'), or leave kv_vram out");
-        const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, 1, o.kv_type);
+        const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, 1, p.kv_type, p.kv_type_v);
         p.n_seq_device = (int32_t)std::min<int64_t>(o.n_seq, o.kv_vram / (int64_t)per_seq);
     } else if (o.kv_vram < -1) {
         throw ArgumentError("kv_vram must be >= 0 bytes");
     }
-    const size_t kv = kv_layer_bytes(hp, o.n_ctx, p.n_seq_device, o.kv_type);
+    const size_t kv = kv_layer_bytes(hp, o.n_ctx, p.n_seq_device, p.kv_type, p.kv_type_v);
     p.host_scratch_bytes = scratch_bytes(hp, p.n_batch);
+    if (p.uses_device()) place_on_device(m, o, p, kv);
 
-    if (p.uses_device()) {
-        const int64_t budget = p.budget < 0 ? INT64_MAX : p.budget;
-        PlanBytes& b = p.device_bytes;
-        b.scratch = scratch_bytes(hp, p.n_batch);
-        int64_t avail = budget - (int64_t)b.scratch;
-        if (avail < 0) {
-            p.reason = format("the budget does not hold the device's scratch (%s)", mib(b.scratch).c_str());
-            b = PlanBytes{};
-            p.device.clear();
-        } else if (o.n_gpu_layers >= 0) {
-            if (o.n_gpu_layers > hp.n_layer)
-                throw ArgumentError(format("n_gpu_layers=%d: the model has %d layers", o.n_gpu_layers, hp.n_layer));
-            for (int il = hp.n_layer - o.n_gpu_layers; il < hp.n_layer; il++) {
-                p.layers[il] = LayerPlan{true, hp.n_ff};
-                b.attn_weights += attn_layer_bytes(m, il);
-                b.kv += kv;
-                b.ffn_weights += ffn_share_bytes(m, il, hp.n_ff, true);
-            }
-            if ((int64_t)(b.total() - b.scratch) > avail)
-                throw ArgumentError(format("n_gpu_layers=%d needs %s on %s; the budget is %s", o.n_gpu_layers,
-                                           mib(b.total()).c_str(), p.device.c_str(), mib((size_t)budget).c_str()));
-            p.reason = format("n_gpu_layers=%d", o.n_gpu_layers);
-        } else {
-            std::vector<int32_t> want = o.gpu_neurons.empty() ? m.placement_gpu_neurons : o.gpu_neurons;
-            if (!o.gpu_neurons.empty()) {
-                if (o.gpu_neurons.size() != (size_t)hp.n_layer)
-                    throw ArgumentError(format("gpu_neurons: %zu values for %d layers", o.gpu_neurons.size(),
-                                               hp.n_layer));
-                for (int32_t k : o.gpu_neurons)
-                    if (k < 0 || k > hp.n_ff)
-                        throw ArgumentError(format("gpu_neurons: %d is outside [0, %d]", k, hp.n_ff));
-            }
-            const bool placed = !want.empty();
-            p.reason = !o.gpu_neurons.empty() ? "gpu_neurons given" : placed ? "the file's placement" : "whole layers";
-            const bool contiguous = p.neuron_order.empty();
-            if (placed) {
-                // Attention and KV first: the layers the placement chose (as far as the budget holds), or, in
-                // a file without that choice, layer by layer until one does not fit. Then as many hot neurons
-                // per layer as the placement asks and the budget holds.
-                const std::vector<int32_t>* chosen =
-                    o.gpu_neurons.empty() && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention : nullptr;
-                auto place_attention = [&](int il) {
-                    const size_t a = attn_layer_bytes(m, il) + kv;
-                    if ((int64_t)a > avail) return false;
-                    avail -= (int64_t)a;
-                    b.attn_weights += attn_layer_bytes(m, il);
-                    b.kv += kv;
-                    p.layers[il].attn_on_device = true;
-                    return true;
-                };
-                // The solver's choice of layers first (it reserved their attention before any neuron).
-                if (chosen)
-                    for (int il = 0; il < hp.n_layer; il++)
-                        if ((*chosen)[il]) place_attention(il);
-                for (int il = 0; il < hp.n_layer; il++) {
-                    if (!chosen && !place_attention(il)) break;
-                    int32_t k = std::min(want[il], hp.n_ff);
-                    const int32_t align = ffn_share_align(m, il);
-                    if (k < hp.n_ff) k -= k % align;
-                    while (k > 0 && (int64_t)ffn_share_bytes(m, il, k, contiguous) > avail)
-                        k = (k == hp.n_ff ? hp.n_ff - hp.n_ff % align : k) - align;
-                    k = std::max(k, 0);
-                    p.layers[il].ffn_on_device = k;
-                    const size_t fb = ffn_share_bytes(m, il, k, contiguous);
-                    b.ffn_weights += fb;
-                    avail -= (int64_t)fb;
-                }
-            } else {
-                // No placement: whole layers from the last one down, as llama.cpp's layer split does.
-                for (int il = hp.n_layer - 1; il >= 0; il--) {
-                    const size_t a = attn_layer_bytes(m, il) + kv + ffn_share_bytes(m, il, hp.n_ff, true);
-                    if ((int64_t)a > avail) break;
-                    avail -= (int64_t)a;
-                    p.layers[il] = LayerPlan{true, hp.n_ff};
-                    b.attn_weights += attn_layer_bytes(m, il);
-                    b.kv += kv;
-                    b.ffn_weights += ffn_share_bytes(m, il, hp.n_ff, true);
-                }
-            }
-            if (p.layers_on_device() == 0 && p.neurons_on_device() == 0) {
-                p.reason += format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str());
-                b = PlanBytes{};
-                p.device.clear();
-            }
-        }
-        // The logits where the residual stream ends, when the output matrix fits beside the rest.
-        if (p.uses_device() && p.layers[hp.n_layer - 1].attn_on_device) {
-            const int32_t rows = std::min(p.n_batch, 64);
-            const size_t ob = output_bytes(m, rows);
-            if ((int64_t)(b.total() + ob) <= budget) {
-                p.output_on_device = true;
-                p.logits_rows = rows;
-                b.output = ob;
-            }
-        }
-    }
     if (p.uses_device() && p.layers_on_device() > 0 && m.rope_freqs.present())
         p.device_bytes.attn_weights += weight_bytes(m.rope_freqs);  // one copy on the device
     for (const LayerPlan& l : p.layers)
@@ -273,7 +321,7 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
                                        "device: this budget puts %d of %d layers there",
                                        p.n_seq_device, p.n_seq, p.layers_on_device(), hp.n_layer));
         // The host holds a slot for every sequence (indexed by sequence id), so any can move there.
-        p.host_kv_bytes += (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, o.n_seq, o.kv_type);
+        p.host_kv_bytes += (size_t)hp.n_layer * kv_layer_bytes(hp, o.n_ctx, o.n_seq, p.kv_type, p.kv_type_v);
     }
     return p;
 }

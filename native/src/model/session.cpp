@@ -7,6 +7,7 @@
 #include "layer_exec.h"
 #include "optiml/common.h"
 #include "optiml/cuda.h"
+#include "optiml/kv_cache.h"
 #include "optiml/model.h"
 #include "optiml/predictor.h"
 #include "optiml/quant.h"
@@ -14,12 +15,12 @@
 namespace optiml {
 
 Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<ThreadPool> pool, int32_t kv_type,
-                 int32_t n_batch, int32_t n_seq, const PlanOptions* plan_options)
+                 int32_t n_batch, int32_t n_seq, const PlanOptions* plan_options, int32_t kv_type_v)
     : model_(std::move(model)), pool_(std::move(pool)), n_ctx_(n_ctx), n_batch_(n_batch) {
     if (n_ctx <= 0) throw ArgumentError(format("n_ctx must be positive, got %d", n_ctx));
     if (n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", n_batch));
     if (n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", n_seq));
-    if (kv_type != TYPE_F16 && kv_type != TYPE_F32) throw ArgumentError("the KV cache type must be f16 or f32");
+    check_kv_types(model_->hp, kv_type, kv_type_v < 0 ? kv_type : kv_type_v);
     model_->attach_session();
     try {
         PlanOptions o = plan_options ? *plan_options : PlanOptions{};
@@ -28,6 +29,7 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
         o.n_seq = n_seq;
         o.n_batch = n_batch;
         o.kv_type = kv_type;
+        o.kv_type_v = kv_type_v;
         plan_ = make_plan(*model_, o);
         n_batch_ = plan_.n_batch;
         // Rows now for a device's uploads, and for every session once a second one shares the model
@@ -94,6 +96,13 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
         std::vector<const Weight*> ws;
         if (lp.attn_on_device) ws.insert(ws.end(), {&L.wq, &L.wk, &L.wv, &L.wo});
         if (lp.ffn_on_device > 0) ws.insert(ws.end(), {&L.ffn.gate, &L.ffn.up, &L.ffn.down});
+        // The CUDA attention reads F16 and F32 caches; a quantized one is read by the CPU's.
+        if (lp.attn_on_device && (kv_type_quantized(plan.kv_type) || kv_type_quantized(plan.kv_type_v)))
+            throw UnsupportedModelError(format("a %s/%s KV cache (keys/values) is read by the CPU attention only; the "
+                                               "CUDA attention reads f16 and f32 caches: use kv_type 'f16' (or "
+                                               "'f32') with device='cuda', or run on the CPU (device='cpu')",
+                                               kv_type_name(plan.kv_type).c_str(),
+                                               kv_type_name(plan.kv_type_v).c_str()));
         for (const Weight* w : ws)
             if (!cuda_reads_type(w->type))
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "
@@ -113,7 +122,8 @@ void Session::bind_devices() {
     Backend* dev = device_.get();
     std::vector<Backend*> kv_home(hp.n_layer);
     for (int il = 0; il < hp.n_layer; il++) kv_home[il] = plan_.layers[il].attn_on_device ? dev : host_.get();
-    kv_ = std::make_unique<KVCache>(hp, n_ctx_, plan_.n_seq, plan_.kv_type, kv_home, host_.get(), plan_.n_seq_device);
+    kv_ = std::make_unique<KVCache>(hp, n_ctx_, plan_.n_seq, plan_.kv_type, kv_home, host_.get(), plan_.n_seq_device,
+                                    plan_.kv_type_v);
     host_s_ = carve_scratch(*host_, hp, n_batch_);
     if (dev) {
         dev->pin_host(host_s_.x, scratch_bytes(hp, n_batch_));  // carve_scratch's block starts at x
@@ -218,7 +228,7 @@ void Session::bind_devices() {
 size_t Session::kv_bytes() const {
     // Device slots, and the host's slots once a sequence has been offloaded.
     const HParams& hp = model_->hp;
-    const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, n_ctx_, 1, kv_->type());
+    const size_t per_seq = (size_t)hp.n_layer * kv_layer_bytes(hp, n_ctx_, 1, kv_->type(), kv_->type_v());
     bool host = false;
     for (int32_t s = 0; s < kv_->n_seq() && !host; s++) host = kv_->on_host(s);
     return per_seq * (kv_->n_seq_device() + (host || kv_->n_seq_device() < kv_->n_seq() ? kv_->n_seq() : 0));
@@ -246,6 +256,9 @@ void Session::place_weights() {
 
 void Session::set_sparsity(const SparsitySettings& st) {
     const HParams& hp = model_->hp;
+    if (st.enabled && hp.is_moe())
+        throw ArgumentError("sparsity: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
+                            "predictors and the activation profiler do not handle experts yet)");
     if (st.enabled) {
         if ((int64_t)st.threshold.size() != hp.n_layer)
             throw ArgumentError(format("%zu sparsity thresholds given for a model of %d layers", st.threshold.size(),
@@ -299,6 +312,9 @@ void Session::prepare_sparse() {
 
 void Session::set_predictors(std::shared_ptr<const Predictors> p) {
     const HParams& hp = model_->hp;
+    if (p && hp.is_moe())
+        throw ArgumentError("predictors: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
+                            "predictors and the activation profiler do not handle experts yet)");
     if (p) {
         if ((int64_t)p->layers.size() != hp.n_layer)
             throw ArgumentError(format("predictors for %zu layers; the model has %d", p->layers.size(), hp.n_layer));
@@ -329,6 +345,9 @@ std::vector<int64_t> Session::ffn_active() const {
 }
 
 void Session::set_recorder(std::shared_ptr<ActivationRecorder> rec) {
+    if (rec && model_->hp.is_moe())
+        throw ArgumentError("profiling: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
+                            "predictors and the activation profiler do not handle experts yet)");
     if (rec && plan_.uses_device())
         throw ArgumentError("profiling runs the model on the CPU alone: make the Model with device='cpu'");
     recorder_ = std::move(rec);

@@ -51,6 +51,19 @@ static inline void get_scale_min_k4(int j, const uint8_t* q, uint8_t* d, uint8_t
 // Unpacks the 16 signed 6-bit scales of a Q3_K block (stored biased by 32) into sc[0..16).
 void q3_K_scales(const uint8_t* packed, int8_t* sc);
 
+// q3_K_scales a 32-bit word at a time, for the SIMD kernels: byte j of aux is scale j, still biased by 32.
+// Scale j's low 4 bits are the low (j < 8) or high nibble of byte j % 8, its top 2 bits are bits
+// 2 (j / 4), 2 (j / 4) + 1 of byte 8 + j % 4.
+static inline void q3_K_scale_bytes(const uint8_t* packed, uint32_t aux[4]) {
+    std::memcpy(aux, packed, 12);
+    const uint32_t tmp = aux[2];
+    const uint32_t k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
+    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+}
+
 // ---- float formats (quant_float.cpp) -------------------------------------------------------
 void copy_row_f32(const float* x, void* y, int64_t n);
 void quantize_row_f16(const float* x, void* y, int64_t n);

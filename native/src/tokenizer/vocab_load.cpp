@@ -145,23 +145,24 @@ std::unique_ptr<Tokenizer> Tokenizer::from_file(const std::string& path) {
     return from_gguf(*f);
 }
 
-std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
-    auto impl = std::make_unique<Impl>();
-    Impl& v = *impl;
-    const std::string where = f.path() + ": ";
+namespace {
 
+typedef Tokenizer::Impl Vocab;
+
+// tokenizer.ggml.model (and, for gpt2, tokenizer.ggml.pre): the pre-tokenizer entry it selects.
+PreEntry read_model(const GGUFFile& f, Vocab& v, const std::string& where) {
     if (!f.has("tokenizer.ggml.model")) throw GGUFError(where + "no tokenizer.ggml.model: the file holds no tokenizer");
     v.model_name = f.get_string("tokenizer.ggml.model");
     if (v.model_name == "gpt2") {
-        v.model = Impl::Model::BPE;
+        v.model = Vocab::Model::BPE;
     } else if (v.model_name == "llama") {
-        v.model = Impl::Model::SPM;
+        v.model = Vocab::Model::SPM;
     } else {
         throw UnsupportedModelError(where + "tokenizer model " + gguf_quote(v.model_name) +
                                     " is not supported; supported: gpt2 (byte-level BPE), llama (SentencePiece)");
     }
-    PreEntry pre{"", PreTokenizer::GPT2, false, v.model == Impl::Model::SPM};
-    if (v.model == Impl::Model::BPE) {
+    PreEntry pre{"", PreTokenizer::GPT2, false, v.model == Vocab::Model::SPM};
+    if (v.model == Vocab::Model::BPE) {
         // llama.cpp falls back to its "default" splitting when the key is missing (and warns).
         v.pre_name = f.get_string("tokenizer.ggml.pre", "default");
         const PreEntry* found = nullptr;
@@ -177,7 +178,11 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
         v.ignore_merges = pre.ignore_merges;
     }
 
-    // ---- tokens, scores, types ----
+    return pre;
+}
+
+// The tokens' texts, scores and types, and the text -> id table.
+void read_tokens(const GGUFFile& f, Vocab& v, const std::string& where) {
     const GGUFValue* tv = f.find("tokenizer.ggml.tokens");
     if (!tv || tv->type != GGUF_TYPE_ARRAY || tv->elem_type != GGUF_TYPE_STRING) {
         throw GGUFError(where + "tokenizer.ggml.tokens is missing or not an array of strings");
@@ -185,7 +190,6 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
     const size_t n = tv->strings.size();
     if (n == 0) throw GGUFError(where + "tokenizer.ggml.tokens is empty");
     if (n > (size_t)INT32_MAX) throw GGUFError(where + "tokenizer.ggml.tokens has too many entries");
-    const int32_t n_vocab = (int32_t)n;
     v.text.resize(n);
     for (size_t i = 0; i < n; i++) {
         v.text[i] = std::string(tv->strings[i]);
@@ -225,8 +229,12 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
         }
     }
 
-    // ---- special token ids and flags ----
-    const bool spm = v.model == Impl::Model::SPM;
+}
+
+// Special token ids and the add_bos / add_eos / add_space_prefix flags.
+void read_special_ids(const GGUFFile& f, Vocab& v, const std::string& where, const PreEntry& pre) {
+    const int32_t n_vocab = (int32_t)v.text.size();
+    const bool spm = v.model == Vocab::Model::SPM;
     v.bos = special_id(f, "tokenizer.ggml.bos_token_id", spm ? 1 : -1, n_vocab);
     v.eos = special_id(f, "tokenizer.ggml.eos_token_id", spm ? 2 : -1, n_vocab);
     v.unk = special_id(f, "tokenizer.ggml.unknown_token_id", spm ? 0 : -1, n_vocab);
@@ -239,7 +247,12 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
     if (v.add_bos && v.bos < 0) throw GGUFError(where + "tokenizer.ggml.add_bos_token is true but there is no BOS token");
     if (v.add_eos && v.eos < 0) throw GGUFError(where + "tokenizer.ggml.add_eos_token is true but there is no EOS token");
 
-    // End of generation, found by text as llama.cpp does; such tokens become control tokens.
+}
+
+// End of generation, found by text as llama.cpp does; such tokens become control tokens.
+void mark_end_of_generation(Vocab& v) {
+    const int32_t n_vocab = (int32_t)v.text.size();
+    const size_t n = v.text.size();
     v.eog.assign(n, 0);
     int32_t fim[3] = {-1, -1, -1};
     for (int32_t id = 0; id < n_vocab; id++) {
@@ -268,7 +281,13 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
         }
     }
 
-    // ---- pieces and byte tokens ----
+}
+
+// Each token's bytes when decoded, and the token of each single byte.
+void build_pieces(Vocab& v) {
+    const int32_t n_vocab = (int32_t)v.text.size();
+    const size_t n = v.text.size();
+    const bool spm = v.model == Vocab::Model::SPM;
     v.piece.resize(n);
     std::fill(std::begin(v.byte_token), std::end(v.byte_token), -1);
     for (int32_t id = 0; id < n_vocab; id++) {
@@ -310,46 +329,66 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
         }
     }
 
-    // ---- merges (BPE) ----
-    if (!spm) {
-        const GGUFValue* mv = f.find("tokenizer.ggml.merges");
-        if (!mv || mv->type != GGUF_TYPE_ARRAY || mv->elem_type != GGUF_TYPE_STRING) {
-            throw GGUFError(where + "tokenizer.ggml.merges is missing or not an array of strings (a gpt2 tokenizer needs it)");
+}
+
+// A gpt2 tokenizer's merges, by the ids of their parts.
+void read_merges(const GGUFFile& f, Vocab& v, const std::string& where) {
+    const int32_t n_vocab = (int32_t)v.text.size();
+    const GGUFValue* mv = f.find("tokenizer.ggml.merges");
+    if (!mv || mv->type != GGUF_TYPE_ARRAY || mv->elem_type != GGUF_TYPE_STRING) {
+        throw GGUFError(where + "tokenizer.ggml.merges is missing or not an array of strings (a gpt2 tokenizer needs it)");
+    }
+    v.merges.reserve(mv->strings.size());
+    for (size_t i = 0; i < mv->strings.size(); i++) {
+        std::string_view m = mv->strings[i];
+        size_t sp = m.size() > 1 ? m.find(' ', 1) : std::string_view::npos;
+        if (sp == std::string_view::npos || sp + 1 >= m.size()) {
+            throw GGUFError(where + "tokenizer.ggml.merges[" + std::to_string(i) + "] = " + gguf_quote(m) +
+                            " is not two tokens separated by a space");
         }
-        v.merges.reserve(mv->strings.size());
-        for (size_t i = 0; i < mv->strings.size(); i++) {
-            std::string_view m = mv->strings[i];
-            size_t sp = m.size() > 1 ? m.find(' ', 1) : std::string_view::npos;
-            if (sp == std::string_view::npos || sp + 1 >= m.size()) {
-                throw GGUFError(where + "tokenizer.ggml.merges[" + std::to_string(i) + "] = " + gguf_quote(m) +
-                                " is not two tokens separated by a space");
-            }
-            std::string_view a = m.substr(0, sp), b = m.substr(sp + 1);
-            auto ia = v.text_to_id.find(a), ib = v.text_to_id.find(b);
-            auto ir = v.text_to_id.find(std::string(a) + std::string(b));
-            // A merge whose parts or result are not tokens can never produce a token: skip it.
-            if (ia == v.text_to_id.end() || ib == v.text_to_id.end() || ir == v.text_to_id.end()) continue;
-            uint64_t key = ((uint64_t)(uint32_t)ia->second << 32) | (uint32_t)ib->second;
-            v.merges.emplace(key, Impl::Merge{(int32_t)i, ir->second});  // the first (lowest rank) wins
-        }
-        if (v.ignore_merges) {
-            for (int32_t id = 0; id < n_vocab; id++) {
-                if (v.type[id] == TOKEN_TYPE_NORMAL) v.bytes_to_id.emplace(std::string_view(v.piece[id]), id);
-            }
+        std::string_view a = m.substr(0, sp), b = m.substr(sp + 1);
+        auto ia = v.text_to_id.find(a), ib = v.text_to_id.find(b);
+        auto ir = v.text_to_id.find(std::string(a) + std::string(b));
+        // A merge whose parts or result are not tokens can never produce a token: skip it.
+        if (ia == v.text_to_id.end() || ib == v.text_to_id.end() || ir == v.text_to_id.end()) continue;
+        uint64_t key = ((uint64_t)(uint32_t)ia->second << 32) | (uint32_t)ib->second;
+        v.merges.emplace(key, Vocab::Merge{(int32_t)i, ir->second});  // the first (lowest rank) wins
+    }
+    if (v.ignore_merges) {
+        for (int32_t id = 0; id < n_vocab; id++) {
+            if (v.type[id] == TOKEN_TYPE_NORMAL) v.bytes_to_id.emplace(std::string_view(v.piece[id]), id);
         }
     }
+}
 
-    // ---- special tokens matched in raw text: longest first per first byte ----
+// Special tokens matched in raw text: longest first per first byte.
+void index_specials(Vocab& v) {
+    const int32_t n_vocab = (int32_t)v.text.size();
     for (int32_t id = 0; id < n_vocab; id++) {
         uint8_t t = v.type[id];
         if (t != TOKEN_TYPE_CONTROL && t != TOKEN_TYPE_USER_DEFINED && t != TOKEN_TYPE_UNKNOWN) continue;
         v.specials_by_byte[(uint8_t)v.text[id][0]].push_back({id, t == TOKEN_TYPE_USER_DEFINED});
     }
     for (auto& list : v.specials_by_byte) {
-        std::stable_sort(list.begin(), list.end(), [&](const Impl::Special& a, const Impl::Special& b) {
+        std::stable_sort(list.begin(), list.end(), [&](const Vocab::Special& a, const Vocab::Special& b) {
             return v.text[a.id].size() > v.text[b.id].size();
         });
     }
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
+    auto impl = std::make_unique<Impl>();
+    Impl& v = *impl;
+    const std::string where = f.path() + ": ";
+    const PreEntry pre = read_model(f, v, where);
+    read_tokens(f, v, where);
+    read_special_ids(f, v, where, pre);
+    mark_end_of_generation(v);
+    build_pieces(v);
+    if (v.model != Impl::Model::SPM) read_merges(f, v, where);
+    index_specials(v);
     return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
 }
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType as F
 
-from .. import quant
+from ..formats import quant
 from .errors import ConvertError
 
 

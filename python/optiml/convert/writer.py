@@ -11,8 +11,8 @@ import time
 import gguf
 import numpy as np
 
-from .. import quant
-from ..atomic import atomic_output
+from ..formats import quant
+from ..util.atomic import atomic_output
 from .errors import ConvertError
 
 

@@ -10,6 +10,8 @@ pip install "optiml[ray]"; imported only by serve_ray).
 
 from __future__ import annotations
 
+from ..engine.model import Model
+
 __all__ = ["Server", "create_app", "serve", "serve_ray"]
 
 
@@ -25,20 +27,21 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
           api_key: str | None = None, n_threads: int | None = None, max_queue: int = 64, chunk: int = 256,
           model_id: str | None = None, log_level: str = "info", predictors="auto", device: str = "auto", vram=None,
           n_gpu_layers: int | None = None, gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None,
-          use_mmap="auto") -> None:
+          use_mmap="auto", kv_type_k=None, kv_type_v=None) -> None:
     """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped.
-    predictors, device, vram, n_gpu_layers, gpu_neurons, kv_vram, use_mmap: as optiml.Model's. With kv_vram holding
+    predictors, device, vram, n_gpu_layers, gpu_neurons, kv_vram, use_mmap, kv_type_k, kv_type_v: as
+    optiml.Model's. With kv_vram holding
     fewer sequences than n_parallel, the others' attention runs on the CPU when the offload policy finds
     it pays (server/offload.py), within max_itl_ms per step when given."""
     try:
         import uvicorn
     except ImportError:
         raise SystemExit('optiml serve needs the server packages: pip install "optiml[serve]"') from None
-    from ..model import Model
     from .app import Server, create_app
 
     model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors, device=device,
-                  vram=vram, n_gpu_layers=n_gpu_layers, gpu_neurons=gpu_neurons, kv_vram=kv_vram, use_mmap=use_mmap)
+                  vram=vram, n_gpu_layers=n_gpu_layers, gpu_neurons=gpu_neurons, kv_vram=kv_vram, use_mmap=use_mmap,
+                  kv_type_k=kv_type_k, kv_type_v=kv_type_v)
     server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
                     chunk=chunk, max_itl_ms=max_itl_ms)
     offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"

@@ -22,7 +22,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from .._core import OptimlError
-from ..sampling import RANDOM_SEED, Sampler
+from ..engine.sampling import RANDOM_SEED, Sampler
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Job, QueueFull, Scheduler
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json

@@ -255,8 +255,8 @@ class Replica:
     STALL_S = 120.0
 
     def __init__(self, model: str, model_kwargs: dict, server_kwargs: dict, stream_interval_ms: float = 100):
-        from ..model import Model
-        from ..models import resolve
+        from ..engine.model import Model
+        from ..hub.registry import resolve
         from .app import Server, create_app
 
         path = resolve(model, quiet=True)
@@ -593,7 +593,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
               max_queue: int = 64, chunk: int = 256, model_id: str | None = None, log_level: str = "info",
               predictors="auto", device: str = "auto", vram=None, n_gpu_layers: int | None = None,
               gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None, use_mmap="auto",
-              min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
+              kv_type_k=None, kv_type_v=None, min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
               stream_interval_ms: float = 100, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
               stop: threading.Event | None = None):
     """optiml serve --ray: the same server as optiml.server.serve (same arguments), as `replicas`
@@ -636,7 +636,8 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
                     gpus=1 if gpu else 0, n_parallel=n_parallel, max_queue=max_queue,
                     model_kwargs={"n_ctx": n_ctx, "n_threads": n_threads or cpus, "predictors": predictors,
                                   "device": device, "vram": vram, "n_gpu_layers": n_gpu_layers,
-                                  "gpu_neurons": gpu_neurons, "kv_vram": kv_vram, "use_mmap": use_mmap},
+                                  "gpu_neurons": gpu_neurons, "kv_vram": kv_vram, "use_mmap": use_mmap,
+                                  "kv_type_k": kv_type_k, "kv_type_v": kv_type_v},
                     server_kwargs={"api_key": api_key, "model_id": model_id, "chunk": chunk,
                                    "max_itl_ms": max_itl_ms},
                     stream_interval_ms=stream_interval_ms, access_log=log_level == "debug")
@@ -688,7 +689,7 @@ def _check_reachable(address: str) -> None:
 
 
 def _resolve_here(model: str) -> str:
-    from ..models import resolve
+    from ..hub.registry import resolve
 
     path = resolve(model)
     if not os.path.exists(path):

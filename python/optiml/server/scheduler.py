@@ -33,8 +33,8 @@ import traceback
 
 import numpy as np
 
-from ..batch import Batch
-from ..sampling import find_stop
+from ..engine.batch import Batch
+from ..engine.sampling import find_stop
 
 
 class QueueFull(Exception):

@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..sampling import RANDOM_SEED, SamplingParams
+from ..engine.sampling import RANDOM_SEED, SamplingParams
 
 
 class APIError(Exception):

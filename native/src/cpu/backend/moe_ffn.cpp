@@ -1,0 +1,254 @@
+// The mixture-of-experts FFN on the CPU, as llama.cpp's build_moe_ffn + mul_mat_id compute it:
+//   1. router logits = gate_inp . xn, and each token's experts and weights (moe_route);
+//   2. the step's (token, expert) pairs grouped by expert: expert e's tokens become consecutive rows;
+//   3. gate and up of every chosen expert over its rows, in one pool dispatch (grouped_products);
+//   4. act(gate) * up, converted once for down; down of every chosen expert, one dispatch;
+//   5. y[t] = sum over t's experts, best first, of weight * down row (llama.cpp's order of the sum);
+//   6. the shared expert, when there is one, scaled by sigmoid(gate_inp_shexp . xn) and added.
+// An expert is an ordinary 2-D matrix inside its 3-D tensor, so the products use the dense path's
+// kernels (vec_dot_rows for one token, gemm for several) for every weight type, and the same bits.
+#include "moe_ffn.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "ffn.h"
+#include "optiml/common.h"
+#include "optiml/quant.h"
+
+namespace optiml {
+
+namespace {
+
+constexpr int64_t kTokenBlock = 64;  // tokens per gemm call: their activations stay in L2 across a chunk
+
+// One product of a grouped step: y[t * w.rows + r] = dot(w row r, x row t) for t < n_tok.
+struct Product {
+    WeightMatrix w;
+    const uint8_t* x;  // n_tok rows in w's vec_dot_type, x_row bytes apart
+    size_t x_row;
+    int64_t n_tok;
+    float* y;
+};
+
+void product_rows(const KernelTable& kt, const Product& p, int64_t r0, int64_t r1) {
+    const WeightMatrix& W = p.w;
+    const size_t w_row = row_size(W.type, W.cols);
+    const uint8_t* wbase = (const uint8_t*)W.data;
+    const vec_dot_rows_fn dot_rows = kt.vec_dot_rows[W.type];
+    const gemm_fn gemm = kt.gemm[W.type];
+    if (p.n_tok == 1 && dot_rows) {  // one token: each activation block shared across rows
+        float s[64];
+        const void* rows[64 + kRowsAhead];
+        for (int64_t rb = r0; rb < r1; rb += 64) {
+            const int64_t nr = std::min<int64_t>(64, r1 - rb);
+            for (int64_t k = 0; k < nr + kRowsAhead; k++) rows[k] = wbase + std::min(rb + k, W.rows - 1) * w_row;
+            dot_rows(W.cols, s, rows, p.x, nr);
+            std::memcpy(p.y + rb, s, sizeof(float) * nr);
+        }
+        return;
+    }
+    if (p.n_tok > 1 && gemm) {  // a batch: each chunk of rows through every block of tokens
+        const void* rows[64];
+        float s[64 * kTokenBlock];
+        for (int64_t rb = r0; rb < r1; rb += 64) {
+            const int64_t nr = std::min<int64_t>(64, r1 - rb);
+            for (int64_t k = 0; k < nr; k++) rows[k] = wbase + (rb + k) * w_row;
+            for (int64_t t0 = 0; t0 < p.n_tok; t0 += kTokenBlock) {
+                const int64_t nt = std::min(kTokenBlock, p.n_tok - t0);
+                gemm(W.cols, s, rows, nr, p.x + t0 * p.x_row, p.x_row, nt);
+                for (int64_t t = 0; t < nt; t++) std::memcpy(p.y + (t0 + t) * W.rows + rb, s + t * nr, sizeof(float) * nr);
+            }
+        }
+        return;
+    }
+    const vec_dot_fn dot = kt.vec_dot[W.type];
+    const vec_dot4_fn dot4 = kt.vec_dot4[W.type];
+    int64_t t = 0;
+    if (dot4)
+        for (; t + 4 <= p.n_tok; t += 4)
+            for (int64_t r = r0; r < r1; r++) {
+                float s[4];
+                dot4(W.cols, s, wbase + r * w_row, p.x + t * p.x_row, p.x_row);
+                for (int k = 0; k < 4; k++) p.y[(t + k) * W.rows + r] = s[k];
+            }
+    for (; t < p.n_tok; t++)
+        for (int64_t r = r0; r < r1; r++) dot(W.cols, &p.y[t * W.rows + r], wbase + r * w_row, p.x + t * p.x_row);
+}
+
+// Every product's rows in chunks from one shared counter: the chosen experts of a decode step (a few
+// hundred rows each) and of a long prompt (each with many tokens) both spread over all threads in one
+// dispatch, and a thread the OS slows down does not hold the others.
+void grouped_products(ThreadPool& pool, const KernelTable& kt, const std::vector<Product>& ps) {
+    if (ps.empty()) return;
+    int64_t total = 0, max_tok = 0;
+    for (const Product& p : ps) total += p.w.rows, max_tok = std::max(max_tok, p.n_tok);
+    int64_t chunk = std::clamp<int64_t>(total / (pool.size() * 8), 16, 64);
+    chunk = (chunk + 7) / 8 * 8;
+    std::vector<int64_t> start(ps.size() + 1, 0);  // first chunk of each product
+    for (size_t i = 0; i < ps.size(); i++) start[i + 1] = start[i] + (ps[i].w.rows + chunk - 1) / chunk;
+    const int64_t n_chunks = start.back();
+    std::atomic<int64_t> next{0};
+    pool.run([&](int, int) {
+        size_t i = 0;
+        for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+            if (c < start[i]) i = 0;
+            while (c >= start[i + 1]) i++;
+            const int64_t r0 = (c - start[i]) * chunk;
+            product_rows(kt, ps[i], r0, std::min(r0 + chunk, ps[i].w.rows));
+        }
+    });
+}
+
+// xn's n rows in the vec_dot_type of `wtype`, x_row bytes each (F32: the floats themselves).
+const uint8_t* convert_for(ThreadPool& pool, const KernelTable& kt, int32_t wtype, const float* x, int64_t cols,
+                           int64_t n, std::vector<uint8_t>& buf, size_t* x_row) {
+    const int32_t xtype = type_traits(wtype).vec_dot_type;
+    *x_row = row_size(xtype, cols);
+    if (xtype == TYPE_F32) return (const uint8_t*)x;
+    if (buf.size() < *x_row * n) buf.resize(*x_row * n);
+    convert_activations(pool, kt.from_float[xtype], x, cols, n, buf.data(), *x_row);
+    return buf.data();
+}
+
+}  // namespace
+
+void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chosen, float* weight) {
+    const int32_t X = hp.n_expert, k = hp.n_expert_used;
+    std::vector<float> p(X);
+    std::vector<int32_t> idx(X);
+    for (int32_t t = 0; t < n; t++) {
+        const float* l = logits + (size_t)t * X;
+        // softmax over every expert (in float, the sum in double: llama.cpp's soft_max)
+        const float mx = *std::max_element(l, l + X);
+        double sum = 0;
+        for (int32_t e = 0; e < X; e++) sum += p[e] = std::exp(l[e] - mx);
+        const float inv = (float)(1.0 / sum);
+        for (int32_t e = 0; e < X; e++) p[e] *= inv;
+        // the k most probable, best first (ties: the lower index)
+        for (int32_t e = 0; e < X; e++) idx[e] = e;
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                          [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+        float wsum = 0;
+        for (int32_t j = 0; j < k; j++) {
+            chosen[t * k + j] = idx[j];
+            weight[t * k + j] = p[idx[j]];
+            wsum += p[idx[j]];
+        }
+        if (hp.expert_weights_norm) {  // as llama.cpp: divided by the sum, clamped away from 0
+            const float d = std::max(wsum, 6.103515625e-5f);
+            for (int32_t j = 0; j < k; j++) weight[t * k + j] /= d;
+        }
+        if (hp.expert_weights_scale != 1.0f)
+            for (int32_t j = 0; j < k; j++) weight[t * k + j] *= hp.expert_weights_scale;
+    }
+}
+
+void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
+                 int32_t n, float* y, MoEScratch& s) {
+    const int32_t X = hp.n_expert, k = hp.n_expert_used;
+    const int64_t E = hp.n_embd, F = w.gate.rows;
+    const int64_t nk = (int64_t)n * k;
+
+    // 1. The router.
+    s.logits.resize((size_t)n * X);
+    s.chosen.resize(nk);
+    s.weight.resize(nk);
+    {
+        const Weight* router[1] = {&w.gate_inp};
+        float* out[1] = {s.logits.data()};
+        matmul_shared_input(pool, kt, router, out, 1, xn, n);
+    }
+    moe_route(hp, s.logits.data(), n, s.chosen.data(), s.weight.data());
+
+    // 2. Grouped by expert (a counting sort: tokens stay in order within an expert).
+    s.count.assign(X, 0);
+    s.first.resize(X);
+    s.slot.resize(nk);
+    s.token.resize(nk);
+    for (int64_t i = 0; i < nk; i++) s.count[s.chosen[i]]++;
+    for (int32_t e = 0, at = 0; e < X; e++) s.first[e] = at, at += s.count[e];
+    {
+        std::vector<int32_t> fill(s.first);
+        for (int64_t i = 0; i < nk; i++) {
+            const int32_t row = fill[s.chosen[i]]++;
+            s.slot[i] = row;
+            s.token[row] = (int32_t)(i / k);
+        }
+    }
+
+    // 3. gate and up of each chosen expert over its rows: the input converted once, then gathered.
+    auto gathered = [&](int32_t wtype, std::vector<uint8_t>& gbuf, size_t* x_row) {
+        const uint8_t* xq = convert_for(pool, kt, wtype, xn, E, n, s.xq, x_row);
+        if (gbuf.size() < *x_row * nk) gbuf.resize(*x_row * nk);
+        for (int64_t r = 0; r < nk; r++) std::memcpy(gbuf.data() + r * *x_row, xq + s.token[r] * *x_row, *x_row);
+        return (const uint8_t*)gbuf.data();
+    };
+    size_t xg_row = 0, xu_row = 0;
+    const uint8_t* xg = gathered(w.gate.type, s.xg, &xg_row);
+    const bool same_x = type_traits(w.gate.type).vec_dot_type == type_traits(w.up.type).vec_dot_type;
+    const uint8_t* xu = same_x ? xg : gathered(w.up.type, s.xg2, &xu_row);
+    if (same_x) xu_row = xg_row;
+    s.g.resize(nk * F);
+    s.u.resize(nk * F);
+    std::vector<Product> ps;
+    for (int32_t e = 0; e < X; e++) {
+        if (!s.count[e]) continue;
+        const int64_t r0 = s.first[e];
+        ps.push_back({w.gate.matrix(e), xg + r0 * xg_row, xg_row, s.count[e], s.g.data() + r0 * F});
+        ps.push_back({w.up.matrix(e), xu + r0 * xu_row, xu_row, s.count[e], s.u.data() + r0 * F});
+    }
+    grouped_products(pool, kt, ps);
+
+    // 4. act(gate) * up, then down of each chosen expert over its rows.
+    per_token(pool, (int32_t)nk, [&](int64_t r) { kt.silu_mul(F, s.g.data() + r * F, s.u.data() + r * F); });
+    size_t h_row = 0;
+    const uint8_t* hq = convert_for(pool, kt, w.down.type, s.g.data(), F, nk, s.hq, &h_row);
+    s.d.resize(nk * E);
+    ps.clear();
+    for (int32_t e = 0; e < X; e++) {
+        if (!s.count[e]) continue;
+        const int64_t r0 = s.first[e];
+        ps.push_back({w.down.matrix(e), hq + r0 * h_row, h_row, s.count[e], s.d.data() + r0 * E});
+    }
+    grouped_products(pool, kt, ps);
+
+    // 5. Each token's experts weighted and summed, best first.
+    per_token(pool, n, [&](int64_t t) {
+        float* yt = y + t * E;
+        for (int32_t j = 0; j < k; j++) {
+            const float wj = s.weight[t * k + j];
+            const float* d = s.d.data() + (int64_t)s.slot[t * k + j] * E;
+            if (j == 0)
+                for (int64_t i = 0; i < E; i++) yt[i] = d[i] * wj;
+            else
+                for (int64_t i = 0; i < E; i++) yt[i] += d[i] * wj;
+        }
+    });
+
+    // 6. The shared expert: a dense FFN of every token, gated by sigmoid(gate_inp_shexp . xn).
+    if (!w.shared.gate.present()) return;
+    const int64_t S = w.shared.gate.rows;
+    s.sg.resize(n * S);
+    s.su.resize(n * S);
+    s.sy.resize(n * E);
+    FFNShare share;
+    share.w = &w.shared;
+    ffn_dense(pool, kt, hp, share, xn, n, FFNScratch{s.sg.data(), s.su.data()}, s.sy.data());
+    s.sgate.assign(n, 0.0f);
+    if (w.gate_inp_shexp.present()) {
+        const Weight* gate[1] = {&w.gate_inp_shexp};
+        float* out[1] = {s.sgate.data()};
+        matmul_shared_input(pool, kt, gate, out, 1, xn, n);
+    }
+    for (int32_t t = 0; t < n; t++) {
+        const float g = w.gate_inp_shexp.present() ? 1.0f / (1.0f + std::exp(-s.sgate[t])) : 1.0f;
+        const float* sy = s.sy.data() + (int64_t)t * E;
+        float* yt = y + (int64_t)t * E;
+        for (int64_t i = 0; i < E; i++) yt[i] += sy[i] * g;
+    }
+}
+
+}  // namespace optiml

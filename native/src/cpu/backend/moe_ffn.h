@@ -1,0 +1,37 @@
+// The CPU's mixture-of-experts FFN (native/src/cpu/moe_ffn.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "optiml/model.h"
+
+namespace optiml {
+
+// Buffers of one backend's MoE FFN, grown to the largest step seen and reused.
+struct MoEScratch {
+    std::vector<float> logits;        // [n][n_expert]
+    std::vector<int32_t> chosen;      // [n][k]: token t's experts, best first
+    std::vector<float> weight;        // [n][k]: their weights
+    std::vector<int32_t> slot;        // [n][k]: the row of (t, j) in the grouped order
+    std::vector<int32_t> count, first;  // [n_expert]: rows of expert e are first[e] .. first[e] + count[e]
+    std::vector<int32_t> token;       // [n * k]: the token of each grouped row
+    std::vector<uint8_t> xq, xg;      // the input converted for the experts' gate/up, and gathered
+    std::vector<uint8_t> xg2;         // the same for up when its activation type differs from gate's
+    std::vector<uint8_t> hq;          // act(gate) * up converted for down
+    std::vector<float> g, u, d;       // [n * k][n_ff_exp] gate and up, [n * k][n_embd] down
+    std::vector<float> sg, su, sy, sgate;  // the shared expert's gate/up [n][n_ff_shexp], output, sigmoid gate
+};
+
+// y[t] = sum over the experts e that token t's router chooses of weight(t, e) * expert_e(xn[t]) (+ the
+// shared expert): the step's tokens are grouped by expert and each expert's gate, up and down products run
+// over all of its tokens at once (a batch kernel reads the expert's weights once for them), every
+// expert's rows handed to the pool from one queue so 1 token and 512 tokens both use every thread.
+void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
+                 int32_t n, float* y, MoEScratch& s);
+
+// The router alone: chosen[t * k + j] and weight[t * k + j] for each of n tokens, from the router logits
+// ([n][n_expert]) as hp says (softmax, top k, renormalized when expert_weights_norm, scaled).
+void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chosen, float* weight);
+
+}  // namespace optiml

@@ -1,0 +1,301 @@
+// The k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K against Q8_K activations): one tile kernel that serves
+// vec_dot (1 x 1), the matrix-vector product (rows x 1) and the batched product (rows x tokens).
+//
+// Every format is brought to one shape per 256-element super-block:
+//   * 8 chunks of 32 unsigned codes, chunk c meeting activation bytes 32c .. 32c+31;
+//   * 16 int16 scales, one per group of 16 elements (s16);
+//   * 16 int16 correction coefficients (c16), met with the activation's 16 group sums (bsums): the
+//     mins of Q2_K/Q4_K/Q5_K (scaled by dmin), or the code offset times the scale for Q3_K (4 * sc)
+//     and Q6_K (32 * sc), taken out of the integer sum.
+// Per (row, token) and super-block, the integer lanes are
+//     sumi = sum_c (scale16 of chunk c) * (u8*s8 pair sums of chunk c),   corr = c16 . bsums (pairwise),
+// all exact int32; then acc += d * float(sumi - corr) (Q3_K, Q6_K) or acc += d * float(sumi) and
+// acc += -dmin * float(corr) (the others), with d = d_x * d_w, dmin = d_x * dmin_w, lane by lane in an
+// 8-lane float vector; the value is the horizontal sum of acc. Every x86 level forms the same
+// integer lanes (simd_x86.h), so every level gives the same bits.
+#pragma once
+
+#include <new>
+#include <vector>
+
+#include "quant/quant_impl.h"
+#include "simd_x86.h"
+
+namespace optiml {
+namespace {
+
+struct KRow {
+    __m256i s16, c16;
+    float d, dmin;
+};
+
+// 8 bytes -> 16 int16: each byte twice (a scale per 32 elements -> one per 16).
+inline __m256i bytes_twice_to_16(uint64_t v) {
+    const __m128i b = _mm_cvtsi64_si128((long long)v);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b));
+}
+
+// The int16 scale vector of chunk c: groups 2c (bytes 0..15, the low 128-bit half) and 2c+1 (the
+// high half). Dword c of s16 holds both; it is broadcast, then each half takes its word.
+inline __m256i chunk_scales(__m256i s16, int c) {
+    const __m256i pair = _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(c));
+    const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(pair, pick);
+}
+
+// Q4_K/Q5_K: 12 bytes hold 8 six-bit scales and 8 six-bit mins. Words w0, w1, w2: scales 0..3 are
+// the low 6 bits of w0's bytes, mins 0..3 those of w1; scales 4..7 are w2's low nibbles with the top
+// 2 bits of w0's bytes above them, mins 4..7 w2's high nibbles with the top 2 bits of w1's bytes.
+inline void k4_scales(const uint8_t* q, uint64_t* sc, uint64_t* mn) {
+    uint32_t w[3];
+    std::memcpy(w, q, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    *sc = (uint64_t)(w[0] & m6) | ((uint64_t)((w[2] & m4) | (((w[0] >> 6) & m2) << 4)) << 32);
+    *mn = (uint64_t)(w[1] & m6) | ((uint64_t)(((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4)) << 32);
+}
+
+// Q4_K and Q5_K: 8 six-bit scales and mins (k4_scales), each twice (one per 16-element half).
+template <class Block>
+inline void prepare_k4(const Block& a, KRow& k) {
+    uint64_t sc, mn;
+    k4_scales(a.scales, &sc, &mn);
+    k.s16 = bytes_twice_to_16(sc);
+    k.c16 = bytes_twice_to_16(mn);
+    k.d = h2f(a.d);
+    k.dmin = h2f(a.dmin);
+}
+
+template <class WBlock> struct KQ;
+
+template <> struct KQ<block_q4_K> {
+    static constexpr bool separate_min = true;
+    static void prepare(const block_q4_K& a, KRow& k) { prepare_k4(a, k); }
+    // 32 bytes of qs hold chunk 2j in the low nibbles and 2j+1 in the high nibbles.
+    static __m256i codes(const block_q4_K& a, int c) {
+        const __m256i q = load256(a.qs + 32 * (c / 2));
+        return _mm256_and_si256(c & 1 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+    }
+};
+
+template <> struct KQ<block_q5_K> {
+    static constexpr bool separate_min = true;
+    static void prepare(const block_q5_K& a, KRow& k) { prepare_k4(a, k); }
+    // As Q4_K, plus the fifth bit: bit c of qh byte l, for element l of chunk c.
+    static __m256i codes(const block_q5_K& a, int c) {
+        const __m256i q = load256(a.qs + 32 * (c / 2));
+        const __m256i lo = _mm256_and_si256(c & 1 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(a.qh), c), _mm256_set1_epi8(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+    }
+};
+
+// Q6_K: codes 0..63 (value code - 32), 16 signed 8-bit scales.
+template <> struct KQ<block_q6_K> {
+    static constexpr bool separate_min = false;
+    static void prepare(const block_q6_K& a, KRow& k) {
+        k.s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a.scales));
+        k.c16 = _mm256_slli_epi16(k.s16, 5);  // 32 * scale
+        k.d = h2f(a.d);
+        k.dmin = 0.0f;
+    }
+    // Half h = c / 4 uses ql[64h ..] and qh[32h ..]; chunk j = c % 4 of it takes the low (j < 2) or
+    // high nibbles of ql[64h + 32 (j & 1) ..] and bits 2j, 2j+1 of qh.
+    static __m256i codes(const block_q6_K& a, int c) {
+        const int h = c / 4, j = c % 4;
+        const __m256i l = load256(a.ql + 64 * h + 32 * (j & 1));
+        const __m256i lo = _mm256_and_si256(j < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(0x0F));
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(a.qh + 32 * h), 2 * j), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+    }
+};
+
+// Q3_K: codes 0..7 = 2 low bits | high bit << 2 (value code - 4), 16 six-bit scales minus 32.
+template <> struct KQ<block_q3_K> {
+    static constexpr bool separate_min = false;
+    static void prepare(const block_q3_K& a, KRow& k) {
+        uint32_t aux[4];  // the 16 six-bit scales, biased by 32
+        quant::q3_K_scale_bytes(a.scales, aux);
+        const __m128i sc = _mm_sub_epi8(_mm_loadu_si128((const __m128i*)aux), _mm_set1_epi8(32));
+        k.s16 = _mm256_cvtepi8_epi16(sc);
+        k.c16 = _mm256_slli_epi16(k.s16, 2);  // 4 * scale
+        k.d = h2f(a.d);
+        k.dmin = 0.0f;
+    }
+    // Half h = c / 4: bit pair j = c % 4 of qs[32h ..], and bit c of hmask.
+    static __m256i codes(const block_q3_K& a, int c) {
+        const int h = c / 4, j = c % 4;
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load256(a.qs + 32 * h), 2 * j), _mm256_set1_epi8(3));
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(a.hmask), c), _mm256_set1_epi8(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
+    }
+};
+
+// Q2_K: 2-bit codes, 16 bytes of (4-bit scale | 4-bit min << 4).
+template <> struct KQ<block_q2_K> {
+    static constexpr bool separate_min = true;
+    static void prepare(const block_q2_K& a, KRow& k) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)a.scales);
+        k.s16 = _mm256_cvtepu8_epi16(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+        k.c16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)));
+        k.d = h2f(a.d);
+        k.dmin = h2f(a.dmin);
+    }
+    static __m256i codes(const block_q2_K& a, int c) {
+        const int h = c / 4, j = c % 4;
+        return _mm256_and_si256(_mm256_srli_epi16(load256(a.qs + 32 * h), 2 * j), _mm256_set1_epi8(3));
+    }
+};
+
+// Where a tile reads a weight row from: its super-blocks, unpacked as they are met (vec_dot and the
+// matrix-vector product meet each block once) ...
+template <class WBlock>
+struct KBlocks {
+    const WBlock* a;
+    explicit KBlocks(const void* p) : a((const WBlock*)p) {}
+    void prepare(int64_t i, KRow& k) const { KQ<WBlock>::prepare(a[i], k); }
+    __m256i codes(int64_t i, const KRow&, int c) const { return KQ<WBlock>::codes(a[i], c); }
+    __m256i scales(int64_t, const KRow& k, int c) const { return chunk_scales(k.s16, c); }
+};
+
+// ... or the row unpacked beforehand (the batched product meets each block once per token, so it
+// unpacks a few rows once and runs all its tokens over them): codes and per-chunk scale vectors
+// ready to use.
+struct KUnpacked {
+    uint8_t codes[8][32];
+    int16_t scales[8][16];
+    int16_t c16[16];
+    float d, dmin;
+};
+struct KFromUnpacked {
+    const KUnpacked* u;
+    explicit KFromUnpacked(const void* p) : u((const KUnpacked*)p) {}
+    void prepare(int64_t i, KRow& k) const {
+        k.c16 = load256(u[i].c16);
+        k.d = u[i].d;
+        k.dmin = u[i].dmin;
+    }
+    __m256i codes(int64_t i, const KRow&, int c) const { return load256(u[i].codes[c]); }
+    __m256i scales(int64_t i, const KRow&, int c) const { return load256(u[i].scales[c]); }
+};
+
+template <class WBlock>
+inline void unpack_row_k(const void* row, int64_t nb, KUnpacked* out) {
+    const WBlock* a = (const WBlock*)row;
+    for (int64_t i = 0; i < nb; i++) {
+        KRow k;
+        KQ<WBlock>::prepare(a[i], k);
+        for (int c = 0; c < 8; c++) {
+            _mm256_storeu_si256((__m256i*)out[i].codes[c], KQ<WBlock>::codes(a[i], c));
+            _mm256_storeu_si256((__m256i*)out[i].scales[c], chunk_scales(k.s16, c));
+        }
+        _mm256_storeu_si256((__m256i*)out[i].c16, k.c16);
+        out[i].d = k.d;
+        out[i].dmin = k.dmin;
+    }
+}
+
+// NR rows x NT tokens over nb super-blocks: s[t * s_stride + r] = dot(row r, x_t), rows read
+// through Src. ahead as in tile_32 (simd_q32.h).
+template <class WBlock, class Src, int NR, int NT>
+inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const void* const* ahead,
+                   const uint8_t* x, size_t x_stride) {
+    typedef KQ<WBlock> K;
+    const Src* src[NR];
+    alignas(Src) unsigned char src_mem[NR][sizeof(Src)];
+    const block_q8_K* b[NT];
+    __m256 acc[NR][NT];
+    for (int r = 0; r < NR; r++) src[r] = new (src_mem[r]) Src(rows[r]);
+    for (int t = 0; t < NT; t++) b[t] = (const block_q8_K*)(x + t * x_stride);
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        KRow k[NR];
+        for (int r = 0; r < NR; r++) {
+            if (ahead) {
+                const char* p = (const char*)&((const WBlock*)ahead[r])[i];
+                for (size_t o = 0; o < sizeof(WBlock); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+            }
+            src[r]->prepare(i, k[r]);
+        }
+        __m256i sumi[NR][NT];
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < NT; t++) sumi[r][t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            __m256i xc[NT];
+            for (int t = 0; t < NT; t++) xc[t] = load256(b[t][i].qs + 32 * c);
+            for (int r = 0; r < NR; r++) {
+                const __m256i q = src[r]->codes(i, k[r], c);
+                const __m256i sc = src[r]->scales(i, k[r], c);
+                for (int t = 0; t < NT; t++) {
+                    sumi[r][t] = dot_u8s8_scaled(sumi[r][t], q, xc[t], sc);
+                    keep_chain(sumi[r][t]);
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m256i bs = load256(b[t][i].bsums);
+            const float dx = b[t][i].d;
+            for (int r = 0; r < NR; r++) {
+                const __m256i corr = _mm256_madd_epi16(k[r].c16, bs);
+                const __m256 d = _mm256_set1_ps(dx * k[r].d);
+                if (K::separate_min) {
+                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[r][t]), acc[r][t]);
+                    const __m256 dm = _mm256_set1_ps(-(dx * k[r].dmin));
+                    acc[r][t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(corr), acc[r][t]);
+                } else {
+                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r][t], corr)), acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) s[t * s_stride + r] = hsum_ps(acc[r][t]);
+}
+
+// vec_dot's tile: rows read straight from their super-blocks.
+template <class WBlock>
+struct KTile {
+    static const void* const* prepare(int64_t, const void* const* rows, int64_t) { return rows; }
+    template <int NR, int NT>
+    static void run(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x, size_t x_stride) {
+        tile_k<WBlock, KBlocks<WBlock>, NR, NT>(n / OPTIML_QK_K, s, s_stride, rows, nullptr, x, x_stride);
+    }
+};
+
+// The batched product's tile: prepare unpacks the tile's rows once (into a buffer of the calling
+// thread), run reads them from there for every token.
+template <class WBlock>
+struct KUnpackedTile {
+    static const void* const* prepare(int64_t n, const void* const* rows, int64_t n_rows) {
+        static thread_local std::vector<KUnpacked> buf;
+        static thread_local std::vector<const void*> ptrs;
+        const int64_t nb = n / OPTIML_QK_K;
+        if ((int64_t)buf.size() < n_rows * nb) buf.resize(n_rows * nb);
+        if ((int64_t)ptrs.size() < n_rows) ptrs.resize(n_rows);
+        for (int64_t r = 0; r < n_rows; r++) {
+            unpack_row_k<WBlock>(rows[r], nb, buf.data() + r * nb);
+            ptrs[r] = buf.data() + r * nb;
+        }
+        return ptrs.data();
+    }
+    template <int NR, int NT>
+    static void run(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x, size_t x_stride) {
+        tile_k<WBlock, KFromUnpacked, NR, NT>(n / OPTIML_QK_K, s, s_stride, rows, nullptr, x, x_stride);
+    }
+};
+
+// Matrix-vector product (vec_dot_rows_fn): 4 rows at a time share each activation super-block, the
+// 4 rows after them prefetched in step; every row's value is its vec_dot, bit for bit.
+template <class WBlock>
+void vec_dot_rows_k(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
+    const uint8_t* xb = (const uint8_t*)x;
+    int64_t r = 0;
+    typedef KBlocks<WBlock> Src;
+    for (; r + 4 <= n_rows; r += 4) tile_k<WBlock, Src, 4, 1>(n / OPTIML_QK_K, s + r, 1, rows + r, rows + r + 4, xb, 0);
+    for (; r < n_rows; r++) tile_k<WBlock, Src, 1, 1>(n / OPTIML_QK_K, s + r, 1, rows + r, rows + r + 1, xb, 0);
+}
+
+}  // namespace
+}  // namespace optiml

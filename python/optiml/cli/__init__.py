@@ -1,0 +1,86 @@
+"""The `optiml` command: chat, pull, run, bench, perplexity, tokenize, info, convert, solve, system.
+
+    optiml chat                                   # talk to smollm2-135m-instruct (pulled on first use)
+    optiml pull gemma3-270m                       # fetch a known model into the cache
+    optiml pull org/repo:Q4_K_M                   # or a GGUF from the Hugging Face Hub (org/repo/FILE.gguf too)
+    optiml run -m MODEL.gguf -p "The capital of France is" -n 32
+    optiml bench -m MODEL.gguf -t 2
+    optiml perplexity -m MODEL.gguf -f text.txt --ctx 256
+    optiml perplexity -m BASE.gguf -f text.txt --ctx 256 --kl-divergence-base base.kld    # save the base
+    optiml perplexity -m OTHER.gguf --kl-divergence-base base.kld --kl-divergence        # KLD against it
+    optiml tokenize -m MODEL.gguf -p "Hello world"
+    optiml info MODEL.gguf [--plot curves.png] [--stats STATS.npz]
+    optiml convert HF_DIR -o OUT.gguf --type q4_k_m
+    optiml solve -m MODEL.gguf --stats STATS.npz --vram 6GiB -o PLACED.gguf
+    optiml serve -m MODEL.gguf --parallel 4 --ctx 4096      # OpenAI-compatible API on 127.0.0.1:8080
+
+Output for scripts: results on stdout, progress and logs on stderr (none with -q/--quiet, before or after
+the command); `info`, `bench` and `perplexity` take --json (one JSON object on stdout). Exit status: 0 done,
+2 bad input (arguments, missing files, unknown models), 1 a failure while running.
+
+Level 7, the top: one module per command, each with add_arguments(parser) and run(args); COMMANDS below
+lists them in the order --help shows. common holds what they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from .._core import ArgumentError, OptimlError
+from .._version import __version__
+from . import (bench, calibrate, chat, common, convert, hw, info, perplexity, profile, pull, run, serve, solve, system,
+               tokenize, train_predictors)
+
+__all__ = ["COMMANDS", "main"]
+
+# (name, module, one-line help), in the order `optiml --help` lists them.
+COMMANDS = (
+    ("chat", chat, "talk with a model (interactive; /help inside)"),
+    ("pull", pull, "fetch known models or Hugging Face GGUFs into the cache (checksum checked)"),
+    ("run", run, "generate text from a prompt"),
+    ("bench", bench, "prompt processing and generation speed (tokens/s)"),
+    ("perplexity", perplexity, "perplexity of a text file (llama.cpp's convention); KL divergence against a saved "
+                               "base model"),
+    ("tokenize", tokenize, "show the tokens of a text"),
+    ("info", info, "summary of a GGUF file"),
+    ("convert", convert, "convert a Hugging Face model folder to GGUF"),
+    ("profile", profile, "record how often each FFN neuron fires on sample text"),
+    ("calibrate", calibrate, "per-layer sparsity thresholds for a target share of skipped neurons"),
+    ("train-predictors", train_predictors, "train per-layer predictors of active FFN neurons (skip the gate too)"),
+    ("solve", solve, "decide which FFN neurons go to the GPU (a MIP over activation stats)"),
+    ("serve", serve, "OpenAI-compatible HTTP server with continuous batching"),
+    ("hw", hw, "measure this machine for optiml solve: CPU product rates per weight type, and with --device a "
+               "GPU's bandwidth, copy latency and sync cost"),
+    ("system", system, "SIMD level, threads and CUDA devices of this build and machine"),
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
+    ap.add_argument("--version", action="version", version=f"optiml {__version__}")
+    ap.add_argument("-q", "--quiet", dest="quiet_all", action="store_true",
+                    help="no progress or log lines on stderr (errors still go there)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, module, summary in COMMANDS:
+        p = sub.add_parser(name, help=summary)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    common.quiet = args.quiet = args.quiet_all or getattr(args, "quiet", False)
+    try:
+        return args.func(args)
+    except (ArgumentError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+        # Bad input: exit status 2, as argparse gives for a bad option.
+        print(f"optiml {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (OptimlError, OSError, subprocess.CalledProcessError) as e:
+        print(f"optiml {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

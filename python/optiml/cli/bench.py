@@ -1,0 +1,48 @@
+"""optiml bench: prompt processing and generation speed (tokens/s), or with --timeline where a step's time goes."""
+
+from __future__ import annotations
+
+from .. import _core
+from ..engine.timing import bench_model
+from . import common
+
+
+def add_arguments(p) -> None:
+    common.add_model_args(p)
+    p.add_argument("-p", "--n-prompt", type=int, default=128)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="instead of the speed table: time N decode steps op by op on each device and print where "
+                        "the time goes per layer (busy, copies, waits, overlap of the host and the device)")
+    p.add_argument("--trace", metavar="FILE", help="with --timeline: also write the spans as a Chrome trace (JSON)")
+    common.add_device_args(p)
+
+
+def run(args) -> int:
+    m = common.load(args, n_ctx=max(args.n_prompt, args.n_gen, args.timeline or 0) + 64)
+    if args.timeline or args.trace:
+        t = m.timeline(args.timeline or 8)
+        if args.trace:
+            t.to_chrome_trace(args.trace)
+        print(t)
+        if args.trace:
+            print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+        return 0
+    r = bench_model(m, args.n_prompt, args.n_gen, args.repetitions)
+    hp = m.hparams
+    if args.json:
+        common.print_json({"model": args.model, "path": m.path, "arch": hp["arch"], "weight_bytes": hp["weight_bytes"],
+                           "threads": args.threads or _core.get_num_threads(), "simd": _core.system_info()["simd"],
+                           "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+                           "pp_tokens_per_s": r["pp"], "tg_tokens_per_s": r["tg"],
+                           "pp_runs": r["pp_runs"], "tg_runs": r["tg_runs"]})
+        return 0
+    print(f"model: {args.model} ({hp['arch']}, {hp['weight_bytes'] / 2**20:.1f} MiB), "
+          f"threads: {args.threads or _core.get_num_threads()}, simd: {_core.system_info()['simd']}")
+    print(f"| test  | tokens/s (median of {args.repetitions}) |")
+    print("|-------|-----------|")
+    print(f"| pp{args.n_prompt:<3} | {r['pp']:9.2f} |")
+    print(f"| tg{args.n_gen:<3} | {r['tg']:9.2f} |")
+    return 0

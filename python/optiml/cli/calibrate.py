@@ -1,0 +1,40 @@
+"""optiml calibrate: per-layer sparsity thresholds for a target share of skipped neurons, written into a copy
+of the model (optiml.offline.calibrate)."""
+
+from __future__ import annotations
+
+from ..formats import stats
+from ..offline.calibrate import calibrate
+from . import common
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
+    p.add_argument("--data", nargs="+", default=None, help="text or JSONL files to calibrate on")
+    p.add_argument("--stats", default=None, help="stats from optiml profile on this model, instead of --data")
+    p.add_argument("--target", type=float, default=0.5, help="share of FFN neurons to skip (default 0.5)")
+    p.add_argument("--criterion", choices=("product", "weighted", "gate"), default="product",
+                   help="skip by |act(gate)*up| (product: best quality, up computed densely), by |act(gate)| times "
+                        "the neuron's mean |up| and down-column norm (weighted: also skips up rows; two profiling "
+                        "passes), or by |act(gate)| (gate). Default product")
+    p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
+                   help="every layer the target (uniform), or spread to minimize estimated error (greedy)")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (512)")
+    p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, help="the model copy to write, with the thresholds")
+
+
+def run(args) -> int:
+    cal = calibrate(common.model_arg(args.model), args.data, target=args.target, out=args.output, n_tokens=args.tokens,
+                    criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx or 512,
+                    n_threads=args.threads, progress=not args.quiet,
+                    stats=None if args.stats is None else stats.load(args.stats))
+    print(f"criterion {cal.criterion}, allocation {cal.allocation}, target {cal.target:.0%} of FFN neurons skipped "
+          f"(on {cal.n_tokens} calibration tokens)")
+    print("layer  skip   threshold")
+    for l, (t, sh) in enumerate(zip(cal.threshold, cal.layer_target)):
+        print(f"{l:5d}  {sh:5.1%}  {t:.5g}")
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,226 @@
+"""optiml chat: talk with a model: a conversation fitted to the context, and the REPL around it (line editing,
+history, /commands)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable
+
+from ..util.atomic import atomic_output
+from ..util.paths import optiml_home
+from . import common
+
+__all__ = ["Conversation", "history_path", "repl"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
+                   help="GGUF file or known model name (default: smollm2-135m-instruct)")
+    p.add_argument("-m", "--model", dest="model_opt", default=None, help=common.MODEL_HELP)
+    p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's, at most 4096)")
+    p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=common.SPARSITY_HELP)
+    p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
+    p.add_argument("-s", "--system", default=None, help="system message")
+    common.add_device_args(p)
+    _sampling_args(p)
+
+
+def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
+    p.add_argument("--temp", type=float, default=temp, help=f"temperature (0 = greedy; default {temp})")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+
+
+def run(args) -> int:
+    if args.model_opt:
+        args.model = args.model_opt
+    m = common.load(args)
+    sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repeat_penalty=args.repeat_penalty, seed=args.seed)
+    return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
+
+
+# ---- the conversation, fitted to the context --------------------------------------------------------
+class Conversation:
+    """Messages of a chat with a Model; drops the oldest turns (never the system message) when the
+    conversation no longer fits the context."""
+
+    def __init__(self, model, system: str | None = None):
+        self.model = model
+        self.messages: list[dict] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+
+    def set_system(self, text: str) -> None:
+        if self.messages and self.messages[0]["role"] == "system":
+            self.messages[0]["content"] = text
+        else:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+        self.model.reset()
+
+    def prompt_tokens(self) -> int:
+        return len(self.model.chat_prompt(self.messages))
+
+    def fit(self, reserve: int) -> int:
+        """Drops the oldest user/assistant turns until the prompt leaves ``reserve`` tokens free. Returns
+        how many messages were dropped (the last user message is never dropped)."""
+        dropped = 0
+        limit = self.model.n_ctx - reserve
+        while self.prompt_tokens() > limit:
+            start = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            users = [i for i in range(start, len(self.messages)) if self.messages[i]["role"] == "user"]
+            if len(users) < 2:
+                break
+            cut = users[1]  # remove the first turn: its user message and the answers up to the next user
+            dropped += cut - start
+            del self.messages[start:cut]
+        return dropped
+
+
+# ---- the REPL -------------------------------------------------------------------------------------
+HELP = """\
+Commands:
+  /help            this text
+  /reset           forget the conversation (keeps the system message) and empty the context
+  /system TEXT     set the system message
+  /stats           speed of the last answer and context use
+  /save FILE       write the conversation to FILE (JSON)
+  /exit            leave (also /bye, /quit, Ctrl-D)
+Ctrl-C stops an answer; Ctrl-D at the prompt leaves. Up/Down browse the input history."""
+
+
+def _reader(history_file: str | None) -> Callable[[str], str]:
+    """A line reader with editing and history: prompt_toolkit on a terminal, else readline/input."""
+    if sys.stdin.isatty() and sys.stdout.isatty() and os.environ.get("TERM", "") != "dumb":
+        try:
+            from prompt_toolkit import PromptSession
+            from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+            hist = InMemoryHistory()
+            if history_file:
+                try:
+                    os.makedirs(os.path.dirname(history_file), exist_ok=True)
+                    hist = FileHistory(history_file)
+                except OSError:
+                    pass
+            session = PromptSession(history=hist)
+            return lambda p: session.prompt(p)
+        except Exception:  # no usable terminal for prompt_toolkit: fall back to readline
+            pass
+    try:
+        import readline  # noqa: F401  (input() gains line editing and history)
+    except ImportError:
+        pass
+    return input
+
+
+def history_path() -> str:
+    """$OPTIML_HOME/chat_history, else ~/.cache/optiml/chat_history."""
+    return str(optiml_home() / "chat_history")
+
+
+def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
+         out=None, read: Callable[[str], str] | None = None, reserve: int = 256) -> int:
+    """Runs the interactive chat on ``model`` until /exit or end of input."""
+    out = out or sys.stdout
+    sampling = dict(sampling or {})
+    read = read or _reader(history_path())
+    conv = Conversation(model, system)
+    reserve = min(max_tokens or reserve, model.n_ctx // 2)
+
+    def say(s: str = "") -> None:
+        out.write(s + "\n")
+        out.flush()
+
+    tpl = model.chat_template
+    say(f"optiml chat: {os.path.basename(model.path)} (context {model.n_ctx} tokens"
+        f"{', fallback chat template' if tpl.fallback else ''}). /help for commands, /exit to leave.")
+    while True:
+        try:
+            line = read(">>> ")
+        except KeyboardInterrupt:
+            say("(Ctrl-D or /exit to leave)")
+            continue
+        except EOFError:
+            say()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if cmd in ("/exit", "/bye", "/quit"):
+                return 0
+            elif cmd in ("/help", "/?"):
+                say(HELP)
+            elif cmd in ("/reset", "/clear"):
+                conv.reset()
+                say("Conversation cleared.")
+            elif cmd == "/system":
+                if not arg:
+                    say("usage: /system TEXT")
+                else:
+                    conv.set_system(arg)
+                    say("System message set.")
+            elif cmd == "/stats":
+                s = model.last_stats
+                pp = s["prompt_evaluated"] / s["prompt_s"] if s["prompt_s"] > 0 else 0.0
+                tg = s["gen_tokens"] / s["gen_s"] if s["gen_s"] > 0 else 0.0
+                say(f"prompt: {s['prompt_tokens']} tokens, {s['prompt_evaluated']} new, {pp:.1f} tokens/s | "
+                    f"answer: {s['gen_tokens']} tokens, {tg:.1f} tokens/s | "
+                    f"context: {model.n_past}/{model.n_ctx} tokens")
+            elif cmd == "/save":
+                if not arg:
+                    say("usage: /save FILE")
+                    continue
+                try:
+                    with atomic_output(os.path.expanduser(arg), suffix=".json") as tmp, \
+                            open(tmp, "w", encoding="utf-8") as f:
+                        json.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
+                    say(f"Saved {len(conv.messages)} messages to {arg}.")
+                except OSError as e:
+                    say(f"cannot save: {e}")
+            else:
+                say(f"unknown command {cmd}; /help lists them")
+            continue
+
+        conv.messages.append({"role": "user", "content": line})
+        dropped = conv.fit(reserve)
+        if dropped:
+            say(f"[context full: dropped the {dropped} oldest messages]")
+        if conv.prompt_tokens() >= model.n_ctx:
+            say("[the message does not fit in the context; /reset or a shorter message]")
+            conv.messages.pop()
+            continue
+        pieces: list[str] = []
+        gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
+        try:
+            for piece in gen:
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            gen.close()
+            say()
+            say("[stopped]")
+            conv.messages.pop()  # the interrupted exchange is forgotten
+            continue
+        reply = "".join(pieces)
+        conv.messages.append({"role": "assistant", "content": reply.strip() if tpl.fallback else reply})
+        if model.n_past >= model.n_ctx - 1:
+            say()
+            say("[context full: the answer was cut]")
+        say()
+        say()

@@ -1,0 +1,119 @@
+"""What the commands share: the model argument and the options that load a model, -q/--quiet, --json output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+
+from .._core import ArgumentError
+from ..engine.model import Model
+from ..engine.sparsity import PredictorWarning
+from ..hub.registry import resolve
+
+MODEL_HELP = ("GGUF model file, a known model name (optiml pull --list) or a Hugging Face reference "
+              "(org/repo:Q4_K_M, org/repo/FILE.gguf), pulled on first use")
+SPARSITY_HELP = ("FFN neuron skipping: auto (the file's calibrated thresholds; exact zero-skipping for ReLU "
+                 "models; else dense), threshold (the same, an error when there is nothing to skip by), none")
+PREDICTORS_HELP = ("activation predictors (optiml train-predictors): auto (MODEL.predictors.gguf beside the model "
+                   "when present, unless it marks so many neurons active that it would slow decoding down), none, "
+                   "or a file")
+THREADS_HELP = "CPU threads (default: physical cores)"
+
+quiet = False  # -q/--quiet: no progress or log lines on stderr (set by main)
+
+
+def model_arg(name: str) -> str:
+    """The one resolver of model arguments: a path stays a path; a known name or a Hugging Face reference
+    becomes its cached file. A name that is none of these is bad input (exit status 2)."""
+    path = resolve(name, quiet=quiet)
+    if not os.path.exists(path):
+        raise ArgumentError(f"no such model file: {name} (give a GGUF file, a known model name: optiml pull "
+                            "--list, or a Hugging Face reference: org/repo:QUANT or org/repo/FILE.gguf)")
+    return path
+
+
+def print_json(obj) -> None:
+    """--json: one object on stdout (numpy values as plain numbers and lists)."""
+    def plain(o):
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+        if isinstance(o, bytes):
+            return o.decode("utf-8", errors="replace")
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+    print(json.dumps(obj, default=plain))
+
+
+def log(*parts) -> None:
+    """A progress or log line on stderr, unless -q/--quiet."""
+    if not quiet:
+        print(*parts, file=sys.stderr)
+
+
+def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, required: bool = True) -> None:
+    p.add_argument("-m", "--model", required=required, help=MODEL_HELP)
+    p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
+    p.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
+    p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=SPARSITY_HELP)
+    p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
+
+
+def add_device_args(p: argparse.ArgumentParser, loads_weights: bool = True) -> None:
+    if loads_weights:
+        p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,
+                       help="--mmap maps the model file; --no-mmap reads it into memory (2 MiB pages on Linux: "
+                       "faster generation, slower load); default: into memory when the CPU runs every layer, "
+                       "transparent huge pages are on and the file fits in half of the available memory")
+    p.add_argument("--device", default="auto", help="auto (the CPU), cpu, cuda[:N] (a GPU, in a CUDA build) or "
+                   "cpu:1 (a second CPU device treated as one, for testing split execution)")
+    p.add_argument("--vram", default=None, help="device memory budget: bytes or a size (6GiB, 512MiB)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="the last N layers whole on the device (as llama.cpp's -ngl)")
+    p.add_argument("--gpu-neurons", type=int, default=None,
+                   help="FFN neurons per layer on the device (overrides the file's placement)")
+    p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
+                   help="the KV cache's type for keys: f16 (default), f32, q8_0 (half the bytes), q4_0 (a quarter)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="the same for values")
+
+
+def load(args, n_ctx: int | None = None) -> Model:
+    """The Model the options ask for. A PredictorWarning (predictors found and left unused) becomes a log
+    line, not a Python warning with its source line."""
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PredictorWarning)
+            return Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx,
+                         n_threads=args.threads, sparsity=getattr(args, "sparsity", "auto"),
+                         predictors=predictors(args), use_mmap=use_mmap(args), **device(args))
+    finally:
+        for w in caught:
+            if issubclass(w.category, PredictorWarning):
+                log(f"optiml: {w.message}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def use_mmap(args):
+    """Model's use_mmap from --mmap / --no-mmap (absent: "auto")."""
+    v = getattr(args, "mmap", None)
+    return "auto" if v is None else v
+
+
+def device(args) -> dict:
+    """Model's keyword arguments for where layers run and the KV cache's types (the options of add_device_args)."""
+    return {"device": getattr(args, "device", "auto"), "vram": getattr(args, "vram", None),
+            "n_gpu_layers": getattr(args, "n_gpu_layers", None), "gpu_neurons": getattr(args, "gpu_neurons", None),
+            "kv_type_k": getattr(args, "cache_type_k", None), "kv_type_v": getattr(args, "cache_type_v", None)}
+
+
+def predictors(args):
+    p = getattr(args, "predictors", "auto")
+    return None if p == "none" else p

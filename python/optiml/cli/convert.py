@@ -1,0 +1,30 @@
+"""optiml convert: a Hugging Face model folder to GGUF (optiml.convert)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .._core import ArgumentError
+from ..convert import convert
+from ..convert.quant_mix import TYPES
+
+
+def add_arguments(p) -> None:
+    p.add_argument("hf_dir", help="folder with config.json, *.safetensors and the tokenizer files")
+    p.add_argument("-o", "--outfile", required=True, help="GGUF file to write")
+    p.add_argument("--type", default="f16", choices=list(TYPES), help="output type (default f16)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+def run(args) -> int:
+    if not os.path.isdir(args.hf_dir):  # bad input (exit status 2), before any work
+        raise ArgumentError(f"{args.hf_dir}: not a folder (a Hugging Face model folder is expected)")
+    t0 = time.perf_counter()
+    convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet)
+    if not args.quiet:
+        size = os.path.getsize(args.outfile)
+        print(f"wrote {args.outfile} ({args.type}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,159 @@
+"""optiml info: a GGUF file's header, metadata, tensors and placement; with --plan where each layer would run,
+with --plot the figure of its activation curves, with --json all of it as one object."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .. import _core
+from .._core import ArgumentError, OptimlError
+from ..engine import plan
+from ..formats import gguf, stats
+from ..formats.placement import coverage_curve, curve_ranks, ffn_layout, layer_bytes, read_placement
+from ..offline.coverage import plot
+from ..util.sizes import mib
+from . import common
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help=common.MODEL_HELP)
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw the activation power law and the coverage curve (pip install optiml[plot])")
+    p.add_argument("--stats", metavar="STATS.npz", default=None,
+                   help="activation statistics (optiml profile) to plot, e.g. for a model without a placement")
+    p.add_argument("--plan", action="store_true",
+                   help="print the execution plan instead: where each layer's attention and FFN neurons run")
+    common.add_device_args(p, loads_weights=False)
+    p.add_argument("--ctx", type=int, default=None, help="context length per sequence for --plan (default: the "
+                   "model's, at most 4096)")
+    p.add_argument("--parallel", type=int, default=1, help="sequence slots for --plan")
+    p.add_argument("--kv-vram", default=None, help="device memory for the KV cache, for --plan (see optiml serve)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: header, metadata, placement, "
+                   "hyperparameters")
+
+
+def run(args) -> int:
+    args.model = common.model_arg(args.model)
+    if args.json:
+        if args.plan or args.plot:
+            raise ArgumentError("--json prints the file's facts; leave out --plan and --plot")
+        common.print_json(_info_json(args.model, args.tensors))
+        return 0
+    if args.plan:  # where each layer would run, without loading the weights
+        print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, kv_vram=args.kv_vram, **common.device(args)),
+              end="")
+        return 0
+    with gguf.open(args.model) as f:
+        print(f.summary())
+        print()
+        for k, v in f.metadata.items():
+            if isinstance(v, np.ndarray) or isinstance(v, list):
+                shown = f"[{len(v)} x {f.metadata_types[k].removeprefix('array[').rstrip(']')}]"
+            else:
+                shown = repr(v) if not isinstance(v, str) or len(v) < 200 else repr(v[:200] + "...")
+            print(f"  {k:45s} = {shown}")
+        if args.tensors:
+            print()
+            for t in f.tensors:
+                print(f"  {t.name:40s} {t.type_name:6s} {str(list(t.shape)):20s} {t.n_bytes:>12,d} bytes")
+        placed = _show_placement(f)
+    try:
+        hp = _core.Model(args.model).hparams
+        print()
+        print("  runs as: " + ", ".join(f"{k}={v}" for k, v in hp.items()))
+    except OptimlError as e:
+        print(f"\n  cannot run: {e}")
+    if args.plot:
+        _plot_info(args, placed)
+    return 0
+
+
+def _info_json(path: str, tensors: bool) -> dict:
+    """optiml info --json: the header, the metadata (arrays as their type and length), the placement of a
+    placed file, and the hyperparameters the engine runs with (or why it cannot run the file)."""
+    with gguf.open(path) as f:
+        meta = {}
+        for k, v in f.metadata.items():
+            if isinstance(v, (np.ndarray, list)):
+                meta[k] = {"type": f.metadata_types[k], "length": len(v)}
+            else:
+                meta[k] = v
+        counts: dict[str, int] = {}
+        for t in f.tensors:
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        out = {"path": path, "gguf_version": f.version, "file_size": f.file_size, "n_tensors": len(f.tensors),
+               "tensor_types": counts, "alignment": f.alignment, "data_offset": f.data_offset, "metadata": meta}
+        if tensors:
+            out["tensors"] = [{"name": t.name, "type": t.type_name, "shape": list(t.shape), "n_bytes": t.n_bytes}
+                              for t in f.tensors]
+        out["placement"] = read_placement(f)
+    try:
+        out["hparams"] = _core.Model(path).hparams
+    except OptimlError as e:
+        out["hparams"], out["cannot_run"] = None, str(e)
+    return out
+
+
+def _show_placement(f) -> dict | None:
+    """Prints the placement table of a placed file; returns read_placement's dict (None if unplaced)."""
+    pl = read_placement(f)
+    if pl is None:
+        return None
+    k = pl["gpu_neurons"]
+    cov = pl.get("coverage", [float("nan")] * len(k))
+    sizes = layer_bytes(f, k)
+    n_ff = ffn_layout(f)[1]
+    print()
+    print(f"  placement (optiml.placement.*, v{pl.get('version')}): FFN neurons hot-first, "
+          f"layer l's GPU share is placed neurons [0, k_l)")
+    if pl["form"] == "neuron_order":
+        print("  form: neuron_order: the weights keep the source's order (exact); optiml.placement.neuron_order "
+              "maps placed to stored neurons and the engine gathers at load")
+    else:
+        how = f"; v1 file: quantized down tensors requantized to {pl['down_type']}" if pl.get("down_type") else ""
+        print(f"  form: permuted: the FFN weights are stored in placed order{how}")
+    print(f"  {'layer':>5}  {'k_l':>6} / {'n_ff':<6} {'share':>6}  {'coverage':>8}  {'GPU bytes':>13}  {'CPU bytes':>13}")
+    for l, (kl, c, (g, cpu)) in enumerate(zip(k, cov, sizes)):
+        print(f"  {l:5d}  {kl:6d} / {n_ff:<6d} {kl / n_ff:6.1%}  {c:8.1%}  {mib(g, '9.2f')}  {mib(cpu, '9.2f')}")
+    gpu, cpu = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+    tot_k = sum(k)
+    print(f"  {'total':>5}  {tot_k:6d} / {n_ff * len(k):<6d} {tot_k / (n_ff * len(k)):6.1%}  "
+          f"{sum(cov) / max(len(cov), 1):8.1%}  {mib(gpu, '9.2f')}  {mib(cpu, '9.2f')}   (coverage: mean of layers)")
+    solver = pl.get("solver", {})
+    print(f"  budget {mib(pl.get('vram_budget', 0), '.2f')}, used {mib(pl.get('vram_used', 0), '.2f')} "
+          f"(fixed {mib(pl.get('fixed_bytes', 0), '.2f')}), ctx {pl.get('ctx')}, group {pl.get('group_size')}")
+    print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {solver.get('gap', 0):.3g}, "
+          f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
+    if pl.get("hardware"):
+        print(f"  hardware: {json.dumps(pl['hardware'], sort_keys=True)}")
+    print(f"  stats: {pl.get('stats.tokens')} tokens from {str(pl.get('stats.sources', '')).replace(chr(10), ', ')} "
+          f"(fingerprint {pl.get('stats.fingerprint')})")
+    return pl
+
+
+def _plot_info(args, placed: dict | None) -> None:
+    """optiml info --plot: curves from --stats when given, else from the file's placement metadata."""
+    name = os.path.basename(args.model)
+    k = placed["gpu_neurons"] if placed else None
+    if args.stats:
+        st = stats.load(args.stats)
+        if placed is None:
+            st.check_model(args.model)
+        n_ff = st.n_ff
+        ranks = curve_ranks(n_ff)
+        freq = -np.sort(-st.freq, axis=1)[:, ranks - 1]
+        cov = coverage_curve(st.freq)[:, ranks - 1]
+        src = f"stats: {st.n_tokens} tokens"
+    elif placed is not None:
+        ranks = np.asarray(placed["curve_ranks"])
+        freq, cov = placed["curve_freq"], placed["curve_coverage"]
+        n_ff = int(ranks[-1])
+        src = f"placement metadata: {placed.get('stats.tokens')} tokens"
+    else:
+        raise OptimlError(f"{args.model} has no placement to plot; give the activation stats: --stats STATS.npz")
+    plot(args.plot, ranks, freq, cov, n_ff, gpu_neurons=k, title=f"{name} ({src})")
+    print(f"\n  wrote {args.plot}")

@@ -1,0 +1,84 @@
+"""optiml perplexity: perplexity of a text file (llama.cpp's convention), and the KL divergence of a model
+from a saved base."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .._core import ArgumentError
+from ..evaluate import perplexity as px
+from . import common
+
+
+def add_arguments(p) -> None:
+    common.add_model_args(p)
+    p.add_argument("-f", "--file", help="text file (needed except with --kl-divergence, which reads the base's tokens)")
+    common.add_device_args(p)
+    p.add_argument("--chunks", type=int, default=-1, help="windows to score (default: all)")
+    p.add_argument("--kl-divergence-base", metavar="FILE",
+                   help="without --kl-divergence: save this model's log-probs of the scored tokens to FILE; "
+                        "with it: the base to compare against")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="compare this model (or this --sparsity) with the base: KLD mean and percentiles, "
+                        "same top token %%, delta PPL")
+    p.add_argument("--kl-top-k", type=int, default=0, metavar="K",
+                   help="save only the K most likely tokens per position (a smaller file; the KLD becomes a "
+                        "lower bound); default 0: the full distribution, 2 bytes per vocabulary entry")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines")
+
+
+def _progress(i, n, x):  # on stderr: stdout holds only the result
+    if not common.quiet:
+        print(f"[{i}]{x:.4f},", end=" " if i < n else "\n", flush=True, file=sys.stderr)
+
+
+def run(args) -> int:
+    if args.kl_divergence:
+        return _compare(args)
+    t0 = time.perf_counter()
+    if not args.file:
+        raise ArgumentError("give the text with -f FILE")
+    m = common.load(args, n_ctx=512 if args.ctx is None else args.ctx)
+    with open(args.file, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if args.kl_divergence_base:
+        ppl, err, count = px.save_base(args.kl_divergence_base, m, text, m.n_ctx, args.chunks, args.kl_top_k, _progress)
+        common.log(f"saved the log-probs of {count} tokens to {args.kl_divergence_base}")
+    else:
+        ppl, err, count = px.perplexity(m, text, m.n_ctx, args.chunks, _progress)
+    common.log(f"{count} tokens scored in {time.perf_counter() - t0:.1f} s (n_ctx={m.n_ctx})")
+    if args.json:
+        common.print_json({"model": args.model, "file": args.file, "n_ctx": m.n_ctx, "n_tokens": count, "ppl": ppl,
+                           "ppl_err": err, "seconds": time.perf_counter() - t0,
+                           "base_written": args.kl_divergence_base})
+        return 0
+    print(f"PPL = {ppl:.4f} +/- {err:.4f}")
+    return 0
+
+
+def _compare(args) -> int:
+    """--kl-divergence: this model against the base saved with --kl-divergence-base."""
+    t0 = time.perf_counter()
+    if not args.kl_divergence_base:
+        raise ArgumentError("--kl-divergence compares against a saved base: give --kl-divergence-base FILE")
+    base = px.read_base(args.kl_divergence_base)
+    if args.ctx is not None and args.ctx != base.n_ctx:
+        raise ArgumentError(f"the base was written with --ctx {base.n_ctx}; leave --ctx out or give {base.n_ctx}")
+    m = common.load(args, n_ctx=base.n_ctx)
+    if args.file:
+        with open(args.file, encoding="utf-8", errors="replace") as f:
+            ws = px.windows(m, f.read(), base.n_ctx, base.n_chunks)
+        if len(ws) < base.n_chunks or any(w != base.window(i) for i, w in enumerate(ws)):
+            raise ArgumentError(f"{args.file} does not tokenize to the base's tokens with this model "
+                                "(the base stores its tokens: -f can be left out)")
+    common.log(f"comparing with {base.path} ({base.model}, {base.n_chunks} windows of {base.n_ctx}); mean KLD:")
+    r = px.compare(base, m, args.chunks, _progress)
+    common.log(f"{r.n} tokens scored in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        common.print_json({"model": args.model, "base": str(base.path), "base_model": base.model,
+                           "n_ctx": base.n_ctx, "seconds": time.perf_counter() - t0, **r.summary()})
+    else:
+        print(r.format())
+    return 0

@@ -1,0 +1,34 @@
+"""optiml profile: record how often each FFN neuron fires on sample text (optiml.offline.profile)."""
+
+from __future__ import annotations
+
+from ..offline.profile import coverage_of_top, profile
+from . import common
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
+    p.add_argument("--data", nargs="+", required=True, help="text files, or JSONL files with a text field")
+    p.add_argument("--field", default="text", help="the JSONL field holding the text (default: text)")
+    p.add_argument("--tokens", type=int, default=20000, help="tokens to profile (default 20000)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk, each from an empty context (512)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="a neuron fires when |act(gate)*up| exceeds this (default: 0 for ReLU models, else per layer "
+                        "the value --active-share of the first chunk's activations exceed)")
+    p.add_argument("--active-share", type=float, default=None, help="see --threshold (default 0.5)")
+    p.add_argument("--samples", type=int, default=0, help="keep FFN inputs and firing masks of this many tokens")
+    p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, help="the stats file to write (.npz)")
+
+
+def run(args) -> int:
+    st = profile(common.model_arg(args.model), args.data, n_tokens=args.tokens, out=args.output, n_ctx=args.ctx or 512,
+                 threshold=args.threshold, active_share=args.active_share, samples=args.samples, field=args.field,
+                 n_threads=args.threads, progress=not args.quiet)
+    print(f"profiled {st.n_tokens} tokens of {st.model} ({st.activation}); a neuron fires when "
+          f"|act(gate)*up| > threshold (layer mean {float(st.threshold.mean()):.4g})")
+    print(f"mean firing rate {float(st.freq.mean()):.3f}; the top 10% of each layer's neurons cover "
+          f"{coverage_of_top(st, 0.1):.1%} of firings, the top 20% {coverage_of_top(st, 0.2):.1%}")
+    print(f"wrote {args.output}")
+    return 0

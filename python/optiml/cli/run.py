@@ -1,0 +1,47 @@
+"""optiml run: generate text from a prompt."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from . import common
+
+
+def add_arguments(p) -> None:
+    common.add_model_args(p)
+    p.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    common.add_device_args(p)
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def run(args) -> int:
+    m = common.load(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    t0 = time.perf_counter()
+    for piece in m.stream(
+        prompt,
+        max_tokens=args.n_predict,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    ):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose:
+        dt = time.perf_counter() - t0
+        print(f"[{m.n_past} tokens in context, {dt:.2f} s]", file=sys.stderr)
+    return 0

@@ -1,0 +1,74 @@
+"""optiml solve: which FFN neurons go to the GPU (optiml.offline.solve), written into a placed copy of the
+model (optiml.formats.placement)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from .._core import ArgumentError
+from ..formats import stats
+from ..formats.placement import write_placed
+from ..offline.hardware import Hardware
+from ..offline.solve import format_report, solve_placement
+from ..util.sizes import parse_size
+from . import common
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
+    p.add_argument("--stats", required=True, help="activation statistics (.npz from optiml profile)")
+    p.add_argument("--vram", required=True,
+                   help="GPU memory budget: bytes or a size with a unit (6GiB, 512MiB, 6GB)")
+    p.add_argument("--hardware", "--hw", default="auto",
+                   help="auto (measure the CPU bandwidth, defaults for the rest) or a JSON file from optiml hw -o")
+    p.add_argument("--ctx", type=int, default=4096, help="context length whose KV cache is placed (default 4096)")
+    p.add_argument("--group", type=int, default=64,
+                   help="neurons per group (rounded up to the quant block size; default 64)")
+    p.add_argument("--batch", type=int, default=512,
+                   help="most tokens per step the model will run with (its n_batch), for the device's scratch")
+    p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
+    p.add_argument("-o", "--outfile", required=True, help="GGUF file to write (neurons permuted, placement recorded)")
+
+
+def run(args) -> int:
+    _check_output(args.outfile, [args.stats])  # before a known model name could be pulled
+    model = common.model_arg(args.model)
+    _check_output(args.outfile, [model])
+    vram = parse_size(args.vram)
+    if args.ctx < 1:
+        raise ArgumentError(f"--ctx must be >= 1, not {args.ctx}")
+    if args.group < 1:
+        raise ArgumentError(f"--group must be >= 1, not {args.group}")
+    if not args.time_limit > 0:
+        raise ArgumentError(f"--time-limit must be > 0, not {args.time_limit}")
+    st = stats.load(args.stats)
+    hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        placement = solve_placement(model, st, vram, hw, ctx=args.ctx, group=args.group,
+                                    time_limit=args.time_limit, batch=args.batch)
+    for w in caught:
+        print(f"optiml solve: warning: {w.message}", file=sys.stderr)
+    print(format_report(placement))
+    res = write_placed(model, st, placement, args.outfile)
+    if res["form"] == "permuted":
+        how = "FFN neurons permuted hot-first in the file"
+    else:
+        how = ("weights kept in their order (quantized down tensors cannot move a neuron's column exactly), "
+               "placed order in optiml.placement.neuron_order")
+    print(f"wrote {args.outfile}: {how}")
+    return 0
+
+
+def _check_output(out: str, inputs: list[str]) -> None:
+    """Errors about the output path, before any work: its folder must exist, and it must not be an input."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ArgumentError(f"the output folder does not exist: {folder}")
+    if os.path.isdir(out):
+        raise ArgumentError(f"the output is a folder, not a file: {out}")
+    for i in inputs:
+        if os.path.realpath(out) == os.path.realpath(i) or (os.path.exists(out) and os.path.samefile(out, i)):
+            raise ArgumentError(f"the output {out} is an input file; choose another name")

@@ -1,0 +1,97 @@
+"""Generation in one context: stream()'s arguments checked into a sampler, the part of the context a prompt
+reuses, the last chat turn kept as token ids, and the native loop (optiml._core.Generator) whose pieces
+Model.stream hands on. The loop itself (eval, sampling, detokenization, stop strings) is native."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .. import _core
+from .._core import ArgumentError, ContextOverflowError
+from .sampling import RANDOM_SEED, Sampler, SamplingParams
+
+__all__ = ["ChatPrefix", "cached_prefix", "check_prompt", "generator", "make_sampler", "stop_strings"]
+
+
+def make_sampler(n_vocab: int, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+            repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
+            presence_penalty: float = 0.0, seed: int | None = None) -> Sampler:
+    """A sampler with llama.cpp's parameters (see optiml.sampling); seed None is random. Bad values raise
+    ArgumentError here, before any work."""
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=RANDOM_SEED if seed is None else seed,
+    )
+    return Sampler(n_vocab, params)
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """stop as a list of non-empty strings (one string, several, or None for none)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ArgumentError("stop strings must be non-empty str")
+    return stops
+
+
+def check_prompt(ids: list[int], n_ctx: int) -> None:
+    """A prompt must have tokens and leave room in the context to generate."""
+    if not ids:
+        raise ArgumentError("the prompt is empty")
+    if len(ids) >= n_ctx:
+        raise ContextOverflowError(
+            f"the prompt has {len(ids)} tokens; the context holds {n_ctx} (n_ctx), leaving no room to generate"
+        )
+
+
+def cached_prefix(context: list[int], ids: list[int], n_past: int) -> int:
+    """How many of ``ids`` the context (its token ids, n_past positions) already holds and may keep: the
+    longest cached prefix, short of the last prompt token, which must run for its logits."""
+    common = 0
+    for a, b in zip(context, ids):
+        if a != b:
+            break
+        common += 1
+    return min(common, len(ids) - 1, n_past)
+
+
+def generator(session, tokenizer, sampler: Sampler, ids: list[int], n_cached: int, max_tokens: int,
+              stops: list[str]) -> _core.Generator:
+    """The native generation loop over ``ids`` (its first n_cached already in the context): iterating it
+    yields text pieces, with the GIL released while it works."""
+    return _core.Generator(session, tokenizer._t, sampler._s, np.array(ids, np.int32), n_cached, max_tokens,
+                           [s.encode("utf-8", "surrogatepass") for s in stops])
+
+
+class ChatPrefix:
+    """The text of the last chat prompt and answer and its token ids, as the model saw and generated them.
+    The next turn's prompt text starts with it (the answer appended, a new user message after): those ids
+    are kept and only the rest is tokenized, so the context's cached prefix is reused exactly."""
+
+    def __init__(self):
+        self.text = ""
+        self.ids: list[int] = []
+
+    def forget(self) -> None:
+        self.text, self.ids = "", []
+
+    def remember(self, text: str, ids: list[int]) -> None:
+        self.text, self.ids = text, ids
+
+    def ids_for(self, text: str, tokenizer) -> list[int]:
+        """The token ids of a rendered chat prompt: the remembered ids when the text begins with their
+        text, else the whole text tokenized (with the BOS the model wants: the template does not write it)."""
+        if self.text and text.startswith(self.text):
+            return self.ids + tokenizer.encode(text[len(self.text):], add_special=False, parse_special=True)
+        ids = tokenizer.encode(text, add_special=False, parse_special=True)
+        if tokenizer.add_bos and tokenizer.bos_id >= 0 and (not ids or ids[0] != tokenizer.bos_id):
+            ids.insert(0, tokenizer.bos_id)
+        return ids

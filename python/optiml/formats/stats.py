@@ -1,0 +1,151 @@
+"""Activation statistics: what `optiml profile` measures and `optiml solve` / `optiml calibrate` read.
+
+A stats file is an .npz with these arrays (L layers, F FFN neurons per layer, B histogram bins):
+
+    fingerprint   str        the model it came from (model_fingerprint); other models are refused
+    model         str        the model file's name, for messages
+    activation    str        "silu", "relu" or "gelu": the FFN's activation function
+    n_tokens      int        tokens profiled
+    sources       str        the data files, newline-separated
+    threshold     f32 [L]    a neuron "fires" on a token when |act(gate) * up| > threshold[l]
+    freq          f32 [L, F] share of tokens on which the neuron fired
+    mean_abs      f32 [L, F] mean |act(gate) * up|
+    mean_abs_up   f32 [L, F] mean |up|
+    down_norm     f32 [L, F] L2 norm of the neuron's down column (its weight in the layer output)
+    impact        f32 [L, F] mean_abs * down_norm: the neuron's mean contribution to the layer output
+    hist_edges    f32 [B+1]  log-spaced bin edges of the two histograms below (first 0, last inf)
+    gate_hist     f64 [L, B] tokens x neurons by |act(gate)| (the criterion that also skips up rows), or
+                             by |act(gate)| * gate_weight when profiled with per-neuron weights
+    gate_err      f64 [L, B] sum of (act(gate) * up)^2 * down_norm^2 in each |act(gate)| bin: the squared
+                             output error from dropping those activations
+    prod_hist     f64 [L, B] the same by |act(gate) * up|
+    prod_err      f64 [L, B]
+  optional (profile --samples):
+    sample_x      f16 [L, S, n_embd]  FFN inputs (after the FFN norm) of S sampled tokens
+    sample_mask   u8  [L, S, F/8]     their firing masks, np.packbits over neurons
+
+Neuron indices are the model file's order. hot_first_order gives the order `optiml solve` places in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._core import ArgumentError
+from ..util.atomic import atomic_output
+from . import gguf
+
+__all__ = ["ActivationStats", "model_fingerprint", "hot_first_order", "load", "save"]
+
+_REQUIRED = ("fingerprint", "model", "activation", "n_tokens", "sources", "threshold", "freq", "mean_abs",
+             "mean_abs_up", "down_norm", "impact", "hist_edges", "gate_hist", "gate_err", "prod_hist", "prod_err")
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """A hash of a model's tensor layout and of the bytes at both ends of every FFN tensor: equal for
+    the same file (and copies), different once neurons are permuted or weights change."""
+    h = hashlib.sha256()
+    with gguf.open(path) as f:
+        h.update(str(f.metadata.get("general.architecture", "")).encode())
+        for t in f.tensors:
+            h.update(f"{t.name}:{t.type_name}:{list(t.shape)};".encode())
+            if ".ffn_" in t.name:
+                data = np.asarray(f.tensor_data(t.name)).view(np.uint8).reshape(-1)
+                h.update(data[:4096].tobytes())
+                h.update(data[-4096:].tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class ActivationStats:
+    fingerprint: str
+    model: str
+    activation: str
+    n_tokens: int
+    sources: str
+    threshold: np.ndarray
+    freq: np.ndarray
+    mean_abs: np.ndarray
+    mean_abs_up: np.ndarray
+    down_norm: np.ndarray
+    impact: np.ndarray
+    hist_edges: np.ndarray
+    gate_hist: np.ndarray
+    gate_err: np.ndarray
+    prod_hist: np.ndarray
+    prod_err: np.ndarray
+    sample_x: np.ndarray | None = None
+    sample_mask: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_layer(self) -> int:
+        return self.freq.shape[0]
+
+    @property
+    def n_ff(self) -> int:
+        return self.freq.shape[1]
+
+    def check_model(self, path: str | os.PathLike) -> None:
+        """ArgumentError unless these stats were measured on the model at path."""
+        fp = model_fingerprint(path)
+        if fp != self.fingerprint:
+            raise ArgumentError(
+                f"these activation statistics were measured on {self.model} (fingerprint {self.fingerprint}), "
+                f"not on {os.path.basename(os.fspath(path))} (fingerprint {fp}); run `optiml profile` on this model")
+
+
+def hot_first_order(freq: np.ndarray, impact: np.ndarray) -> np.ndarray:
+    """Per layer, neuron indices by firing frequency, most frequent first; ties by impact, then index.
+    freq, impact: [L, F]. Returns int64 [L, F]."""
+    order = np.empty(freq.shape, dtype=np.int64)
+    for l in range(freq.shape[0]):
+        order[l] = np.lexsort((np.arange(freq.shape[1]), -impact[l], -freq[l]))
+    return order
+
+
+def save(stats: ActivationStats, path: str | os.PathLike) -> None:
+    """Writes the .npz (via a temporary file, renamed when complete)."""
+    path = os.fspath(path)
+    arrays = {k: getattr(stats, k) for k in _REQUIRED}
+    for k in ("fingerprint", "model", "activation", "sources"):
+        arrays[k] = np.array(arrays[k])
+    arrays["n_tokens"] = np.array(arrays["n_tokens"], dtype=np.int64)
+    if stats.sample_x is not None:
+        arrays["sample_x"] = stats.sample_x
+        arrays["sample_mask"] = stats.sample_mask
+    with atomic_output(path, suffix=".npz") as tmp:  # numpy would append .npz to another name
+        np.savez_compressed(tmp, **arrays)
+
+
+def load(path: str | os.PathLike) -> ActivationStats:
+    """Reads a stats file; ArgumentError naming what is wrong when it is not one."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"stats file not found: {path}")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise ArgumentError(f"{path} is not an activation stats file (.npz from `optiml profile`): {e}") from None
+    with z:
+        missing = [k for k in _REQUIRED if k not in z.files]
+        if missing:
+            raise ArgumentError(f"{path} is not an activation stats file from `optiml profile`: "
+                                f"missing {', '.join(missing)}")
+        d = {k: z[k] for k in z.files}
+    for k in ("fingerprint", "model", "activation", "sources"):
+        d[k] = str(d[k])
+    d["n_tokens"] = int(d["n_tokens"])
+    s = ActivationStats(**{k: d.pop(k) for k in _REQUIRED}, sample_x=d.pop("sample_x", None),
+                        sample_mask=d.pop("sample_mask", None), extra=d)
+    L, F = s.freq.shape
+    for k in ("mean_abs", "mean_abs_up", "down_norm", "impact"):
+        if getattr(s, k).shape != (L, F):
+            raise ArgumentError(f"{path}: {k} has shape {getattr(s, k).shape}, expected {(L, F)}")
+    if s.threshold.shape != (L,):
+        raise ArgumentError(f"{path}: threshold has shape {s.threshold.shape}, expected {(L,)}")
+    return s

@@ -1,0 +1,588 @@
+"""`optiml solve`: which FFN neurons of each layer go to the GPU, decided by a mixed-integer program.
+
+What is placed
+    Everything with a higher priority than FFN neurons goes to the GPU first, counted exactly from the GGUF:
+    every tensor of the model except the FFN gate/up/down matrices and the token embeddings (llama.cpp keeps
+    those on the CPU; when the model ties its output matrix to them, they are counted once, as the output
+    matrix), then the f16 KV cache for `ctx` tokens (K and V: n_layer * ctx * n_head_kv * head_dim * 2 bytes
+    each), the device's scratch for steps of `batch` tokens (as the plan counts it), then predictors (none yet:
+    0 bytes).
+
+    When that fixed part does not fit the budget, the attention (with its norms and KV cache) of layers [0, m)
+    goes to the GPU and the rest stays on the CPU with the output matrix; FFN groups go wherever they pay. Each
+    layer then pays the split cost where its data crosses: attention on the GPU and any FFN neuron on the CPU,
+    or attention on the CPU and any neuron on the GPU (layer_times). Every m whose attention fits is scored
+    with the greedy placement below, and the best m and its neighbours are solved by the program. The placed
+    file records the choice (optiml.placement.gpu_attention) and the plan follows it. Only when not even one
+    layer's attention fits (or nothing on the GPU pays for its transfers) does everything stay on the CPU,
+    with a warning.
+
+    The FFN neurons of layer l are taken in hot-first order (optiml.formats.stats.hot_first_order) and cut into
+    G_l groups of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants)
+    that is >= the requested group, so a group's bytes are exact: g * (gate row + up row bytes) + g / block *
+    (bytes of one block column of ffn_down). The last group is partial when g does not divide n_ff (counted
+    exactly). The GPU share of layer l is always a prefix: placed neurons [0, k_l) of the hot-first order
+    (optiml.formats.placement writes that order into the file exactly: permuted weights, or the weights as
+    they are plus neuron_order).
+
+The program (per layer l; times in microseconds inside the solver)
+    x_l in {0..G_l}  groups on the GPU          a_l in {0,1}: x_l >= 1  (x_l <= G_l a_l)
+    b_l in {0,1}: x_l = G_l (x_l >= G_l b_l, x_l <= G_l - 1 + b_l)
+    s_l >= 1 - b_l: the layer's data crosses (its attention is on the GPU and some FFN neuron on the CPU; with
+               its attention on the CPU, s_l >= a_l; solve_groups without attention: s_l >= a_l - b_l)
+    bytes_l(x)  = B_l x + (B_last,l - B_l) b_l                 exact bytes of the first x groups
+    t_l >= bytes_l(x) / gpu_bandwidth + launch_overhead a_l   the GPU share's time
+    t_l >= cpu_l(x)                                           the CPU share's time, run concurrently
+    cpu_l(x) = sum over CPU neurons of freq * bytes per neuron / cpu_bandwidth: the expected bytes the CPU
+               reads per token. In hot-first order its slope (the next group's firing mass) only shrinks, so it
+               is convex and decreasing, and equals the largest of the lines through consecutive group points:
+               t_l >= each such line. Lines beyond the first group point where the GPU time alone already
+               exceeds cpu_l are dropped: there the GPU bound is the larger one, so the optimum is unchanged
+               and the model stays exact at every integer x (no approximation).
+    minimize    sum_l t_l + split_cost s_l            (split_cost = transfer latency + sync, per crossing layer)
+    subject to  fixed + sum_l bytes_l(x_l) <= budget
+    HiGHS solves it with a time limit and a relative gap, warm-started from the greedy solution below. The
+    returned x is re-checked in exact integer bytes (and trimmed if floating-point tolerance let it overshoot).
+
+Greedy (the fallback if HiGHS fails or has no solution in time): repeatedly give the layer with the best
+time saved per byte (looking ahead to any larger x of that layer, which handles the launch and split steps)
+the groups it asks for while they fit.
+
+Consequence of the time model: the GPU reads its share densely while the CPU reads only the neurons that fire,
+so past the point where a layer's GPU time exceeds its CPU time, more GPU neurons only cost time; cold tails can
+stay on the CPU even when the budget has room for them.
+
+The estimate per token is the objective plus the time to read the non-FFN weights on their device (GPU when
+the fixed part fits, else CPU); attention over the KV cache and compute are not modelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .._core import ArgumentError
+from ..formats import gguf
+from ..formats.quant import type_info
+from ..formats.stats import hot_first_order
+from ..util.sizes import mib
+from .hardware import Hardware
+
+__all__ = ["Placement", "GroupSolution", "make_groups", "layer_times", "solve_groups",
+           "solve_placement", "format_report", "SolveWarning"]
+
+
+class SolveWarning(UserWarning):
+    """The placement is valid but not what was asked for (all-CPU, greedy fallback, time limit)."""
+
+
+# ---- results --------------------------------------------------------------------------------------
+@dataclass
+class Placement:
+    gpu_neurons: list[int]   # k_l per layer: neurons [0, k_l) of the hot-first order go to the GPU
+    group: int               # neurons per group
+    vram_budget: int         # bytes asked for
+    vram_used: int           # bytes placed: fixed part (if it fit) + FFN share, counted exactly
+    fixed_bytes: int         # attention, norms, output, KV cache for ctx, predictors
+    ctx: int
+    hardware: dict           # the Hardware used, JSON-able
+    est_token_s: float       # estimated time per token (the objective + the fixed part)
+    method: str              # "mip", "greedy" or "all-cpu"
+    status: str              # HiGHS model status text, or why greedy/all-cpu
+    gap: float               # relative MIP gap (nan for greedy/all-cpu: not applicable)
+    solve_s: float
+    coverage: list[float]    # per layer: share of all firings (sum of freq) covered by the GPU neurons
+    cpu_only_token_s: float = math.nan  # the same estimate with everything on the CPU, for comparison
+    ffn_bytes: list[int] = field(default_factory=list)  # per layer: all FFN bytes (gate + up + down)
+    gpu_ffn_bytes: list[int] = field(default_factory=list)  # per layer: FFN bytes on the GPU
+    # per layer: its attention and KV cache on the GPU. All True when the fixed part fits; when it does not,
+    # the layers [0, m) the solver chose (see solve_placement); empty: not decided (all where they fit).
+    gpu_attention: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class GroupSolution:
+    x: list[int]             # groups on the GPU per layer
+    objective_s: float       # sum of the layers' times per token (seconds), evaluated exactly for x
+    ffn_bytes: int           # bytes of the groups on the GPU, exact
+    method: str              # "mip" or "greedy"
+    status: str
+    gap: float
+    solve_s: float
+
+
+# ---- the per-layer model --------------------------------------------------------------------------
+def make_groups(sorted_freq: np.ndarray, group: int, bytes_of: int | Callable[[int], int]):
+    """One layer's solver input from its hot-first firing frequencies: (group_bytes int64 [G], cpu_bytes f64 [G]).
+    bytes_of: bytes per neuron (int), or a function giving the exact bytes of n neurons (n a multiple of the
+    block size). cpu_bytes[j] = the expected bytes the CPU reads per token for group j when it stays there."""
+    f = np.asarray(sorted_freq, dtype=np.float64)
+    n = len(f)
+    if group < 1:
+        raise ArgumentError(f"group must be >= 1, not {group}")
+    if callable(bytes_of):
+        fn = bytes_of
+    else:
+        bpn = int(bytes_of)
+        fn = lambda k: k * bpn  # noqa: E731
+    G = -(-n // group)
+    sizes = np.full(G, group, dtype=np.int64)
+    if G and n % group:
+        sizes[-1] = n % group
+    gb = np.array([fn(int(s)) for s in sizes], dtype=np.int64)
+    fsum = np.add.reduceat(f, np.arange(0, n, group)) if n else np.zeros(0)
+    cb = fsum * gb / sizes
+    return gb, cb
+
+
+def layer_times(group_bytes: np.ndarray, cpu_bytes: np.ndarray, hw: Hardware, attention: str | None = None) -> np.ndarray:
+    """Seconds per token of one layer for every x = 0..G groups on the GPU: the larger of the GPU and the CPU
+    share's time, plus the split cost where the layer's data crosses between the devices: when 0 < x < G
+    (attention None: every layer's attention on the GPU as the fixed part, the model of the module doc);
+    with attention "gpu" when x < G (the CPU computes some of the FFN), with "cpu" when x > 0."""
+    gb = np.asarray(group_bytes, dtype=np.float64)
+    cb = np.asarray(cpu_bytes, dtype=np.float64)
+    G = len(gb)
+    gpu = np.concatenate([[0.0], np.cumsum(gb)]) / hw.gpu_bandwidth
+    gpu[1:] += hw.launch_overhead
+    cpu = np.concatenate([np.cumsum(cb[::-1])[::-1], [0.0]]) / hw.cpu_bandwidth
+    t = np.maximum(gpu, cpu)
+    if attention is None:
+        if G > 1:
+            t[1:G] += hw.split_cost
+    elif attention == "gpu":
+        t[:G] += hw.split_cost
+    else:
+        t[1:] += hw.split_cost
+    return t
+
+
+def _check_inputs(group_bytes, cpu_bytes, budget):
+    if len(group_bytes) != len(cpu_bytes):
+        raise ArgumentError(f"{len(group_bytes)} layers of group bytes but {len(cpu_bytes)} of CPU bytes")
+    if int(budget) < 0:
+        raise ArgumentError(f"the budget cannot be negative: {budget}")
+    gbs, cbs = [], []
+    for l, (gb, cb) in enumerate(zip(group_bytes, cpu_bytes)):
+        gb = np.asarray(gb, dtype=np.int64)
+        cb = np.asarray(cb, dtype=np.float64)
+        if gb.ndim != 1 or cb.shape != gb.shape:
+            raise ArgumentError(f"layer {l}: group bytes {gb.shape} and CPU bytes {cb.shape} differ in shape")
+        if len(gb) and (np.any(gb[:-1] != gb[0]) or gb[-1] > gb[0] or gb[-1] <= 0):
+            raise ArgumentError(f"layer {l}: all groups but a smaller last one must have the same bytes")
+        if np.any(cb < 0) or np.any(np.diff(cb) > 1e-9 * max(1.0, float(cb.max(initial=0)))):
+            raise ArgumentError(f"layer {l}: CPU bytes per group must be >= 0 and non-increasing (hot-first order)")
+        gbs.append(gb)
+        cbs.append(cb)
+    return gbs, cbs
+
+
+def _greedy(times: list[np.ndarray], cumb: list[np.ndarray], budget: int) -> list[int]:
+    """Best time saved per byte first, looking ahead to every larger x of a layer (handles the step costs)."""
+    x = [0] * len(times)
+    left = int(budget)
+
+    def best(l):
+        cur = x[l]
+        cb = cumb[l]
+        d_bytes = cb[cur + 1:] - cb[cur]
+        ok = d_bytes <= left
+        if not ok.any():
+            return None
+        gain = times[l][cur] - times[l][cur + 1:]
+        ratio = np.where(ok & (gain > 0), gain / np.maximum(d_bytes, 1), -np.inf)
+        j = int(np.argmax(ratio))
+        if not math.isfinite(ratio[j]):
+            return None
+        return float(ratio[j]), cur + 1 + j
+
+    heap = []
+    for l in range(len(times)):
+        b = best(l)
+        if b:
+            heap.append((-b[0], l, b[1]))
+    heapq.heapify(heap)
+    while heap:
+        neg, l, to = heapq.heappop(heap)
+        b = best(l)  # the budget may have shrunk since this entry was pushed
+        if b is None:
+            continue
+        if (b[0], b[1]) != (-neg, to):
+            heapq.heappush(heap, (-b[0], l, b[1]))
+            continue
+        left -= int(cumb[l][to] - cumb[l][x[l]])
+        x[l] = to
+        b = best(l)
+        if b:
+            heapq.heappush(heap, (-b[0], l, b[1]))
+    return x
+
+
+def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
+    """Builds and solves the program of the module docstring. Returns (x or None, status, gap). att: per layer
+    where its attention runs ("gpu", "cpu"), or None for the module doc's model (see layer_times)."""
+    import highspy
+
+    L = len(gbs)
+    US = 1e6  # seconds -> microseconds inside the solver
+    unit = float(max(int(gb[0]) for gb in gbs if len(gb)))  # memory row scaled to about 1 per group
+    nv = 5 * L  # per layer: x, a, b, s, t
+    lb = np.zeros(nv)
+    ub = np.zeros(nv)
+    cost = np.zeros(nv)
+    integ = np.zeros(nv, dtype=np.int64)
+    rows_lo, rows_hi, starts, idx, val = [], [], [], [], []
+
+    def row(ix, vx, lo, hi):
+        starts.append(len(idx))
+        idx.extend(ix)
+        val.extend(vx)
+        rows_lo.append(lo)
+        rows_hi.append(hi)
+
+    inf = highspy.kHighsInf
+    mem_ix, mem_v = [], []
+    seg_blocks = []  # (t col, x col, slopes, intercepts) per layer, added as numpy blocks
+    for l in range(L):
+        X, A, B, S, T = 5 * l, 5 * l + 1, 5 * l + 2, 5 * l + 3, 5 * l + 4
+        G = len(gbs[l])
+        ub[[X, A, B, S, T]] = [G, 1, 1, 1, inf]
+        integ[[X, A, B, S]] = 1
+        cost[T] = 1.0
+        cost[S] = hw.split_cost * US
+        if G == 0:
+            continue
+        Bl, Blast = float(gbs[l][0]), float(gbs[l][-1])
+        row([X, A], [1, -G], -inf, 0)               # x <= G a
+        row([X, B], [1, -G], 0, inf)                # x >= G b
+        row([X, B], [1, -1], -inf, G - 1)           # x = G -> b = 1
+        where = att[l] if att else None
+        if where is None:
+            row([S, A, B], [1, -1, 1], 0, inf)      # s >= a - b
+        elif where == "gpu":
+            row([S, B], [1, 1], 1, inf)             # s >= 1 - b
+        else:
+            row([S, A], [1, -1], 0, inf)            # s >= a
+        gpu_k = Bl / hw.gpu_bandwidth * US
+        row([T, X, B, A], [1, -gpu_k, -(Blast - Bl) / hw.gpu_bandwidth * US, -hw.launch_overhead * US], 0, inf)
+        mem_ix += [X, B]
+        mem_v += [Bl / unit, (Blast - Bl) / unit]
+        # CPU: lines through consecutive group points, up to where the GPU time alone is larger
+        c = np.concatenate([np.cumsum(cbs[l][::-1])[::-1], [0.0]]) / hw.cpu_bandwidth * US
+        g0 = np.concatenate([[0.0], np.cumsum(gbs[l].astype(np.float64))]) / hw.gpu_bandwidth * US
+        m = int(np.argmax(g0 >= c))  # first point where the GPU bound dominates (c[G] = 0, so it exists)
+        if m > 0:
+            j = np.arange(m)
+            slope = c[j + 1] - c[j]
+            seg_blocks.append((T, X, slope, c[j] - slope * j))
+    row(mem_ix, mem_v, -inf, budget / unit)
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    h.addVars(nv, lb, ub)
+    h.changeColsCost(nv, np.arange(nv, dtype=np.int32), cost)
+    icols = np.flatnonzero(integ).astype(np.int32)
+    h.changeColsIntegrality(len(icols), icols, np.full(len(icols), highspy.HighsVarType.kInteger))
+    h.addRows(len(rows_lo), np.array(rows_lo), np.array(rows_hi), len(idx), np.array(starts, dtype=np.int32),
+              np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+    for T, X, slope, icpt in seg_blocks:  # t - slope x >= intercept
+        n = len(slope)
+        h.addRows(n, icpt, np.full(n, inf), 2 * n, np.arange(0, 2 * n, 2, dtype=np.int32),
+                  np.tile(np.array([T, X], dtype=np.int32), n), np.column_stack([np.ones(n), -slope]).ravel())
+    if x0 is not None:
+        sol = np.zeros(nv)
+        for l, xl in enumerate(x0):
+            G = len(gbs[l])
+            a, b = float(xl > 0), float(G > 0 and xl == G)
+            where = att[l] if att else None
+            split = max(0.0, a - b) if where is None else (1.0 - b if where == "gpu" else a)
+            sol[5 * l: 5 * l + 4] = [xl, a, b, split]
+            t_gpu = (float(np.sum(gbs[l][:xl])) / hw.gpu_bandwidth + hw.launch_overhead * a) * US
+            t_cpu = float(np.sum(cbs[l][xl:])) / hw.cpu_bandwidth * US
+            sol[5 * l + 4] = max(t_gpu, t_cpu) * (1 + 1e-9) + 1e-9
+        hs = highspy.HighsSolution()
+        hs.col_value = sol.tolist()
+        hs.value_valid = True
+        h.setSolution(hs)
+    h.run()
+    ms = h.getModelStatus()
+    status = h.modelStatusToString(ms)
+    info = h.getInfo()
+    if info.primal_solution_status != 2:  # kSolutionStatusFeasible
+        return None, status, math.nan
+    xs = np.asarray(h.getSolution().col_value)[0::5]
+    return [int(round(v)) for v in xs], status, float(info.mip_gap)
+
+
+def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarray], budget: int,
+                 hardware: Hardware, time_limit: float = 30.0, mip_gap: float = 1e-4,
+                 method: str = "auto", attention: Sequence[str] | None = None) -> GroupSolution:
+    """The program on plain arrays, without a model file. Per layer l (hot-first order):
+    group_bytes[l]: int [G_l], the exact bytes of each group (all equal but a possibly smaller last one);
+    cpu_bytes[l]: float [G_l], expected bytes read per token for the group when it is on the CPU (sum of
+    freq * bytes per neuron; non-increasing). budget: bytes for the FFN groups.
+    method: "auto" (MIP; greedy with a SolveWarning if HiGHS has no solution), "mip" (same) or "greedy".
+    attention: per layer "gpu" or "cpu", where its attention runs (see layer_times), or None."""
+    if method not in ("auto", "mip", "greedy"):
+        raise ArgumentError(f"method must be auto, mip or greedy, not {method!r}")
+    if not (time_limit > 0):
+        raise ArgumentError(f"the time limit must be > 0 seconds, not {time_limit}")
+    if not (0 <= mip_gap < 1):
+        raise ArgumentError(f"the MIP gap must be in [0, 1), not {mip_gap}")
+    gbs, cbs = _check_inputs(group_bytes, cpu_bytes, budget)
+    budget = int(budget)
+    t0 = time.perf_counter()
+    if attention is not None and (len(attention) != len(gbs) or any(a not in ("gpu", "cpu") for a in attention)):
+        raise ArgumentError(f"attention must give 'gpu' or 'cpu' for each of the {len(gbs)} layers")
+    att = list(attention) if attention is not None else [None] * len(gbs)
+    times = [layer_times(gb, cb, hardware, a) for gb, cb, a in zip(gbs, cbs, att)]
+    cumb = [np.concatenate([[0], np.cumsum(gb)]).astype(np.int64) for gb in gbs]
+    xg = _greedy(times, cumb, budget)
+    x, how, status, gap = xg, "greedy", "greedy: asked for", math.nan
+    if method != "greedy" and any(len(gb) for gb in gbs):
+        xm, st, g = _mip(gbs, cbs, budget, hardware, xg, time_limit, mip_gap, attention)
+        if xm is None:
+            status = f"greedy: HiGHS found no solution ({st})"
+            warnings.warn(f"HiGHS found no solution ({st}); using the greedy placement", SolveWarning, stacklevel=2)
+        else:
+            x, how, status, gap = xm, "mip", st, g
+            if st == "Time limit reached":
+                gap_text = f"a gap of {g:.2%}" if math.isfinite(g) else "no bound on the gap yet"
+                warnings.warn(f"HiGHS stopped at its time limit of {time_limit:g} s with {gap_text}; "
+                              "using its best solution so far (at least as good as greedy)", SolveWarning,
+                              stacklevel=2)
+    elif method != "greedy":
+        x, how, status, gap = xg, "mip", "Optimal (nothing to place)", 0.0
+    x = [min(max(int(v), 0), len(gb)) for v, gb in zip(x, gbs)]
+    used = sum(int(c[v]) for v, c in zip(x, cumb))
+    while used > budget:  # tolerance overshoot: drop the group whose loss per byte is smallest
+        cands = [((times[l][x[l] - 1] - times[l][x[l]]) / max(1, int(cumb[l][x[l]] - cumb[l][x[l] - 1])), l)
+                 for l in range(len(x)) if x[l] > 0]
+        _, l = min(cands)
+        used -= int(cumb[l][x[l]] - cumb[l][x[l] - 1])
+        x[l] -= 1
+    obj = float(sum(t[v] for t, v in zip(times, x)))
+    return GroupSolution(x=x, objective_s=obj, ffn_bytes=used, method=how, status=status, gap=gap,
+                         solve_s=time.perf_counter() - t0)
+
+
+# ---- the model file -------------------------------------------------------------------------------
+_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def _model_layout(path, group: int):
+    """From the GGUF: per-layer exact FFN bytes for groups, the fixed bytes, hyper-parameters."""
+    with gguf.open(path) as f:
+        md = f.metadata
+        arch = str(md.get("general.architecture", ""))
+        n_layer = int(md.get(f"{arch}.block_count", 0))
+        tensors = {t.name: t for t in f.tensors}
+    if any(".ffn_up_exps" in n or ".ffn_gate_inp" in n for n in tensors):
+        raise ArgumentError(f"{os.path.basename(path)}: mixture-of-experts FFNs are not supported by optiml solve")
+    layers = []
+    for l in range(n_layer):
+        up, down = tensors.get(f"blk.{l}.ffn_up.weight"), tensors.get(f"blk.{l}.ffn_down.weight")
+        gate = tensors.get(f"blk.{l}.ffn_gate.weight")
+        if up is None or down is None:
+            layers.append(None)
+            continue
+        n_ff = int(up.shape[1])
+        if int(down.shape[0]) != n_ff or (gate is not None and int(gate.shape[1]) != n_ff):
+            raise ArgumentError(f"layer {l}: FFN tensors disagree on n_ff ({up.shape}, {down.shape})")
+        bs = type_info(down.type).block_size
+        rows = [t for t in (gate, up) if t is not None]
+        row_bytes = sum(t.n_bytes // n_ff for t in rows)
+        if any(t.n_bytes % n_ff for t in rows) or n_ff % bs or down.n_bytes % (n_ff // bs):
+            raise ArgumentError(f"layer {l}: FFN tensor sizes are not whole rows/blocks per neuron")
+        col_block = down.n_bytes // (n_ff // bs)
+        layers.append(dict(n_ff=n_ff, block=bs, row_bytes=row_bytes, col_block=col_block,
+                            total=sum(t.n_bytes for t in rows) + down.n_bytes, ffn_type=type_info(up.type).name))
+    if n_layer == 0 or all(v is None or v["n_ff"] == 0 for v in layers):
+        raise ArgumentError(f"{os.path.basename(path)} has no FFN neurons to place (no ffn_up/ffn_down tensors)")
+    missing = [l for l, v in enumerate(layers) if v is None]
+    if missing:
+        raise ArgumentError(f"{os.path.basename(path)}: layers {missing[:8]} have no FFN tensors; "
+                            "optiml solve needs an FFN in every layer")
+    blk = 1
+    for v in layers:
+        blk = math.lcm(blk, v["block"])
+    g = max(1, -(-int(group) // blk)) * blk
+    ffn_names = {f"blk.{l}.{k}.weight" for l in range(n_layer) for k in _FFN}
+    has_output = "output.weight" in tensors
+    weights_fixed = sum(t.n_bytes for n, t in tensors.items()
+                        if n not in ffn_names and not (n == "token_embd.weight" and has_output))
+    n_head = int(md.get(f"{arch}.attention.head_count", 0) or 0)
+    n_embd = int(md.get(f"{arch}.embedding_length", 0) or 0)
+    n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", n_head) or n_head)
+    head_dim = n_embd // n_head if n_head else 0
+    k_len = int(md.get(f"{arch}.attention.key_length", head_dim) or head_dim)
+    v_len = int(md.get(f"{arch}.attention.value_length", head_dim) or head_dim)
+    kv_per_token = n_layer * n_head_kv * (k_len + v_len) * 2  # f16 K and V
+    # Per layer, what goes with its attention (as the plan counts it): every tensor of the block but the FFN
+    # matrices and their gate/up biases.
+    attn = [0] * n_layer
+    for n, t in tensors.items():
+        parts = n.split(".")
+        if parts[0] == "blk" and n not in ffn_names and not n.endswith(("ffn_gate.bias", "ffn_up.bias")):
+            attn[int(parts[1])] += t.n_bytes
+    # The device's scratch per token of a batch, as the plan counts it (plan.cpp scratch_bytes): four rows of
+    # n_embd, two of n_head * k_len, two of n_head_kv * k_len, two of n_ff (floats).
+    n_ff = max(v["n_ff"] for v in layers)
+    scratch_per_token = 4 * (4 * n_embd + 2 * n_head * k_len + 2 * n_head_kv * k_len + 2 * n_ff)
+    return dict(n_layer=n_layer, layers=layers, group=g, weights_fixed=weights_fixed, kv_per_token=kv_per_token,
+                attn=attn, scratch_per_token=scratch_per_token)
+
+
+def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096, group: int = 64,
+                    time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
+                    batch: int = 512) -> Placement:
+    """Places the FFN neurons of the model at model_path on the GPU within `vram` bytes (see the module doc).
+    stats: an optiml.formats.stats.ActivationStats measured on this model. batch: the most tokens per step the model
+    will run with (its n_batch), for the device's scratch. Warnings (SolveWarning) for an all-CPU placement,
+    a time limit or the greedy fallback."""
+    model_path = os.fspath(model_path)
+    if isinstance(vram, bool) or not isinstance(vram, (int, np.integer)) or vram < 0:
+        raise ArgumentError(f"the VRAM budget must be a whole number of bytes >= 0, not {vram!r}")
+    if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < 1:
+        raise ArgumentError(f"ctx must be a whole number of tokens >= 1, not {ctx!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ArgumentError(f"group must be a whole number of neurons >= 1, not {group!r}")
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ArgumentError(f"batch must be a whole number of tokens >= 1, not {batch!r}")
+    if not os.path.isfile(model_path):
+        raise FileNotFoundError(f"model file not found: {model_path}")
+    lay = _model_layout(model_path, group)  # first: a model with no FFN is the error to report
+    stats.check_model(model_path)
+    if lay["n_layer"] != stats.n_layer:
+        raise ArgumentError(f"the model has {lay['n_layer']} layers, the stats {stats.n_layer}")
+    for l, v in enumerate(lay["layers"]):
+        if v["n_ff"] != stats.n_ff:
+            raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
+    g = lay["group"]
+    # The FFN groups' CPU time at the CPU's measured row-sparse rate for their type (when `optiml hw` measured
+    # it); attention and the output stay at cpu_bandwidth.
+    ffn_hw = hardware.for_type(lay["layers"][0]["ffn_type"])
+    scratch = lay["scratch_per_token"] * int(batch)
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + 0  # + predictors: none yet
+    order = hot_first_order(stats.freq, stats.impact)
+    sorted_freq = [np.asarray(stats.freq[l], dtype=np.float64)[order[l]] for l in range(stats.n_layer)]
+    gbs, cbs = [], []
+    for l, v in enumerate(lay["layers"]):
+        fn = lambda n, v=v: n * v["row_bytes"] + (n // v["block"]) * v["col_block"]  # noqa: E731
+        gb, cb = make_groups(sorted_freq[l], g, fn)
+        assert int(gb.sum()) == v["total"], "group bytes must add up to the layer's FFN tensors"
+        gbs.append(gb)
+        cbs.append(cb)
+    cpu_only = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
+    fixed_cpu_s = lay["weights_fixed"] / hardware.cpu_bandwidth
+    t0 = time.perf_counter()
+    attention = [True] * lay["n_layer"]
+    if fixed > vram:
+        sol, attention, used, est = _solve_partial_attention(lay, gbs, cbs, int(vram) - scratch, hardware, ffn_hw,
+                                                             int(ctx), time_limit, mip_gap, method,
+                                                             cpu_only + fixed_cpu_s)
+        if isinstance(sol, str):  # why nothing goes to the GPU
+            why = sol
+            warnings.warn(f"the budget of {vram:,} bytes: {why}; everything stays on the CPU", SolveWarning,
+                          stacklevel=2)
+            sol = GroupSolution(x=[0] * len(gbs), objective_s=cpu_only, ffn_bytes=0, method="all-cpu",
+                                status=f"all-cpu: {why} (the whole fixed part takes {fixed:,} bytes)",
+                                gap=math.nan, solve_s=time.perf_counter() - t0)
+            used, est, attention = 0, cpu_only + fixed_cpu_s, [False] * lay["n_layer"]
+    else:
+        # Every layer's attention is on the GPU: a layer pays the transfer unless its whole FFN is there too.
+        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method,
+                           attention=["gpu"] * lay["n_layer"])
+        used = fixed + sol.ffn_bytes
+        est = sol.objective_s + lay["weights_fixed"] / hardware.gpu_bandwidth
+    k = [min(x * g, v["n_ff"]) for x, v in zip(sol.x, lay["layers"])]
+    coverage = []
+    for l, kl in enumerate(k):
+        tot = float(sorted_freq[l].sum())
+        coverage.append(float(sorted_freq[l][:kl].sum()) / tot if tot > 0 else float(kl == len(sorted_freq[l])))
+    return Placement(gpu_neurons=k, group=g, vram_budget=int(vram), vram_used=int(used), fixed_bytes=int(fixed),
+                     ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est), method=sol.method,
+                     status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s, coverage=coverage,
+                     cpu_only_token_s=cpu_only + fixed_cpu_s, ffn_bytes=[v["total"] for v in lay["layers"]],
+                     gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)], gpu_attention=attention)
+
+
+def _solve_partial_attention(lay, gbs, cbs, vram, hw, ffn_hw, ctx, time_limit, mip_gap, method, all_cpu_s):
+    """When the fixed part does not fit: attention and KV cache on the GPU for layers [0, m) only, FFN groups
+    anywhere. Every m whose attention fits is scored with the greedy FFN placement (each layer's split cost
+    following where its attention runs, layer_times), then the best m and its neighbours are solved exactly.
+    The output matrix and global norms stay on the CPU (the plan puts the output on the device only when the
+    last layer's attention is there and room is left). m = 0 (FFN neurons only) is a candidate too. The
+    FFN groups are timed with ffn_hw, the rest with hw. vram: the budget less the device's scratch.
+    Returns (GroupSolution, attention per layer, bytes placed, estimated s/token), or (why, None, None, None)
+    when nothing goes to the GPU."""
+    L = lay["n_layer"]
+    kv = lay["kv_per_token"] * ctx // L
+    att_b = [a + kv for a in lay["attn"]]
+    att_w = lay["attn"]
+    rest_cpu_s = (lay["weights_fixed"] - sum(att_w)) / hw.cpu_bandwidth  # output, norms, ...
+
+    def score(m, how):
+        need = sum(att_b[:m])
+        where = ["gpu"] * m + ["cpu"] * (L - m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SolveWarning)
+            sol = solve_groups(gbs, cbs, vram - need, ffn_hw, time_limit, mip_gap, how, attention=where)
+        est = sol.objective_s + sum(att_w[:m]) / hw.gpu_bandwidth + sum(att_w[m:]) / hw.cpu_bandwidth + rest_cpu_s
+        return est, sol, need
+
+    if vram <= 0:
+        return "it does not hold the device's scratch", None, None, None
+    fits = [m for m in range(0, L + 1) if sum(att_b[:m]) <= vram]
+    greedy = {m: score(m, "greedy") for m in fits}
+    best_m = min(greedy, key=lambda m: greedy[m][0])
+    best = (best_m, *greedy[best_m])
+    if method != "greedy":
+        for m in sorted({best_m - 1, best_m, best_m + 1} & set(fits)):
+            est, sol, need = score(m, method)
+            if est <= best[1] * (1 + 1e-12):  # the program's answer, also when it only confirms greedy's
+                best = (m, est, sol, need)
+    m, est, sol, need = best
+    if est >= all_cpu_s or (m == 0 and sol.ffn_bytes == 0):
+        return "nothing that fits beside the scratch pays for its transfers", None, None, None
+    sol.status += f"; attention and KV on the GPU for layers [0, {m}) (the whole fixed part does not fit)"
+    return sol, [l < m for l in range(L)], need + sol.ffn_bytes, est
+
+
+def format_report(p: Placement) -> str:
+    """A compact human-readable summary of a placement."""
+    n_ff = [fb for fb in p.ffn_bytes]
+    total_ffn = sum(n_ff)
+    gpu_ffn = sum(p.gpu_ffn_bytes)
+    gap = "n/a" if math.isnan(p.gap) else f"{p.gap:.2e}"
+    lines = [
+        f"solver: {p.method}, status {p.status}, gap {gap}, {p.solve_s:.2f} s",
+        f"hardware ({p.hardware.get('source', '?')}): CPU {p.hardware['cpu_bandwidth'] / 1e9:.1f} GB/s, "
+        f"GPU {p.hardware['gpu_bandwidth'] / 1e9:.1f} GB/s, split cost "
+        f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us"
+        + "".join(f", CPU {t.upper()} rows {v / 1e9:.1f} GB/s" for t, v in p.hardware.get("cpu_sparse", {}).items()),
+        f"VRAM: {mib(p.vram_used)} used of {mib(p.vram_budget)} "
+        f"(fixed part {mib(p.fixed_bytes)} for ctx {p.ctx}"
+        f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",
+        f"FFN: {mib(gpu_ffn)} on the GPU, {mib(total_ffn - gpu_ffn)} on the CPU "
+        f"({gpu_ffn / total_ffn if total_ffn else 0:.1%} of FFN bytes), group {p.group} neurons",
+    ]
+    cov = np.asarray(p.coverage)
+    if len(cov):
+        lines.append(f"firings covered by the GPU: mean {cov.mean():.1%}, min {cov.min():.1%}, max {cov.max():.1%}")
+    lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
+    if any(p.gpu_attention) and not all(p.gpu_attention):
+        lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers")
+    ratio = p.cpu_only_token_s / p.est_token_s if p.est_token_s > 0 else math.nan
+    lines.append(f"estimated {p.est_token_s * 1e3:.3f} ms/token GPU+CPU vs {p.cpu_only_token_s * 1e3:.3f} ms/token "
+                 f"all-CPU ({ratio:.2f}x; memory traffic only)")
+    return "\n".join(lines)

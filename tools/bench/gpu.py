@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""GPU speed of OptiML against llama.cpp's CUDA build, side by side, one model at a time.
+
+    python tools/bench/gpu.py -m MODEL.gguf [--llama-bench build/llama-cuda/bin/llama-bench]
+        [--llama-batched-bench .../llama-batched-bench] [--tg 128] [--pp 512] [--reps 3]
+
+For each model: decode at batch 1 (tg), 8 sequences decoded together (aggregate tokens/s), and prefill
+(pp), OptiML with device="cuda" (every layer on the GPU) and llama.cpp with -ngl 99 (llama-bench for pp
+and tg, llama-batched-bench -npl 8 for the batch). Prints tokens/s, our ratio to llama.cpp, and for
+batch-1 decode the share of the GPU's memory bandwidth used: the bytes of weights the device reads per
+token times tokens/s, over the peak (a table of known GPUs, else a measured device-to-device copy).
+Medians of --reps runs. tools/checks/gpu_check.sh runs this on every model it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import harness
+import optiml
+from optiml import Batch
+
+PEAK_BYTES_S = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
+                "A100-SXM4-40GB": 1.56e12, "A100-PCIE-40GB": 1.56e12, "L40S": 0.864e12, "RTX 4090": 1.008e12}
+
+
+def peak_bandwidth() -> tuple[float, str]:
+    name = optiml.system_info()["cuda_devices"][0]["name"]
+    for key, bw in PEAK_BYTES_S.items():
+        if key in name:
+            return bw, f"{name} (spec)"
+    try:  # measured: a large device-to-device copy, bytes read and written
+        import torch
+
+        a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        b.copy_(a)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        return 2 * 10 * a.numel() / (time.perf_counter() - t), f"{name} (measured copy)"
+    except Exception as e:  # noqa: BLE001 - a figure is still printed, marked unknown
+        return float("nan"), f"{name} (peak unknown: {e})"
+
+
+def ours(path: str, tg: int, pp: int, reps: int) -> dict:
+    out = {"tg": [], "b8": [], "pp": []}
+    with optiml.Model(path, n_ctx=max(pp, tg) + 64, n_seq=8, device="cuda") as m:
+        plan = m.plan
+        weight_bytes = plan.device_bytes["attention_weights"] + plan.device_bytes["ffn_weights"]
+        prompt = [m.tokenizer.bos_id if m.tokenizer.bos_id >= 0 else 1] + [100 + i % 1000 for i in range(pp - 1)]
+        for _ in range(reps):
+            m.reset()
+            t = time.perf_counter()
+            m.eval(prompt)
+            out["pp"].append(pp / (time.perf_counter() - t))
+            m.reset()
+            m.eval(prompt[:8])
+            t = time.perf_counter()
+            for i in range(tg):
+                m.eval([200 + i])
+            out["tg"].append(tg / (time.perf_counter() - t))
+            m.kv_clear()
+            b = Batch()
+            for s in range(8):
+                b.add_sequence(prompt[:8], s, 0, logits="last")
+            m.decode(b)
+            steps = max(16, tg // 4)
+            t = time.perf_counter()
+            for i in range(steps):
+                b = Batch()
+                for s in range(8):
+                    b.add(300 + i, s, 8 + i, logits=True)
+                m.decode(b)
+            out["b8"].append(8 * steps / (time.perf_counter() - t))
+    return {k: statistics.median(v) for k, v in out.items()} | {"weight_bytes": weight_bytes}
+
+
+def llama(path: str, bench: str | None, batched: str | None, tg: int, pp: int, reps: int) -> dict:
+    r = {}
+    if bench:
+        res = subprocess.run([bench, "-m", path, "-ngl", "99", "-p", str(pp), "-n", str(tg), "-r", str(reps), "-o", "json"],
+                             capture_output=True, text=True)
+        if res.returncode == 0:
+            for row in json.loads(res.stdout):
+                r["pp" if row.get("n_prompt") else "tg"] = row["avg_ts"]
+        else:
+            print(f"  llama-bench failed: {res.stderr[-500:]}")
+    if batched:
+        res = subprocess.run([batched, "-m", path, "-ngl", "99", "-c", str(8 * (tg + 64)), "-npp", "8", "-ntg",
+                              str(max(16, tg // 4)), "-npl", "8", "--output-format", "jsonl"], capture_output=True, text=True)
+        rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        if rows:
+            r["b8"] = rows[-1].get("speed_tg", float("nan"))
+        else:
+            print(f"  llama-batched-bench failed: {res.stderr[-500:]}")
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", action="append", required=True)
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--llama-batched-bench")
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    args, res = harness.parse(ap, "gpu")
+    if not optiml.system_info()["cuda_devices"]:
+        print("no CUDA device: nothing to measure")
+        return 1
+    peak, peak_src = peak_bandwidth()
+    print(f"GPU: {peak_src}, peak {peak / 1e9:.0f} GB/s")
+    print("| model | test | optiml tok/s | llama.cpp tok/s | ratio | bandwidth used |")
+    print("|---|---|---|---|---|---|")
+    for path in args.model:
+        name = os.path.basename(path)
+        try:
+            o = ours(path, args.tg, args.pp, args.reps)
+        except optiml.OptimlError as e:
+            print(f"| {name} | - | failed: {e} | | | |")
+            continue
+        ll = llama(path, args.llama_bench, args.llama_batched_bench, args.tg, args.pp, args.reps)
+        for test, label in (("tg", f"tg{args.tg}"), ("b8", "8 seqs"), ("pp", f"pp{args.pp}")):
+            theirs = ll.get(test, float("nan"))
+            bw = f"{o['weight_bytes'] * o['tg'] / peak:.0%}" if test == "tg" else ""
+            print(f"| {name} | {label} | {o[test]:.1f} | {theirs:.1f} | {o[test] / theirs:.2f}x | {bw} |", flush=True)
+            res.add(model=name, test=label, optiml=o[test], llama_cpp=theirs, ratio=o[test] / theirs, bandwidth_used=bw)
+    res.write(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
