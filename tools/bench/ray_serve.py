@@ -39,22 +39,28 @@ from serving import PROMPT, Connection, event_times, free_port, start_server, st
 SIZING = """\
 Sizing for N machines
 - What scales: each replica is a whole optiml server (its own Model, KV slots and scheduler thread), so
-  replicas add throughput as long as each gets its own cores and memory bandwidth. Across machines that is
-  linear in the replicas; on one machine decoding is memory-bound, so replicas on one socket scale until
-  they share out its bandwidth (a replica per NUMA node or per GPU is the natural unit). Give each replica
-  --threads = the cores it owns (Ray reserves them: num_cpus) and one GPU with --device cuda (num_gpus=1,
-  --vram its budget). Memory per replica: the model (a mapped file is shared by the replicas of one node,
-  --no-mmap copies it) plus the KV cache of --parallel slots of --ctx tokens.
-- What does not scale by itself: one request still runs on one replica (latency per token is the single
-  server's); the prefix cache is per replica, which is what the prefix-affinity router is for.
-- What the router costs: two hops (Ray Serve's proxy, then the ingress deployment) add a few milliseconds
-  to the first token (measured above at 1 client) and some CPU per streamed item in the proxy and the
-  ingress (the gap between "plain" and "ray x1" above); the routing decision itself (prefix hashes,
-  matched against each replica's recent blocks) is microseconds. The ingress takes no reserved CPU: for
-  many replicas give it replicas of its own (several ingress replicas route on their own histories, so
-  put the conversation's affinity in the load balancer in front, or keep one ingress per ~8-16 engine
-  replicas), and Ray Serve runs a proxy on every node: put a TCP/HTTP load balancer over the nodes'
-  proxies.
+  replicas add throughput as long as each gets its own cores and memory bandwidth: across machines that
+  is linear in the replicas; on one machine decoding is memory-bound, so replicas on one socket scale
+  until they share out its bandwidth (a replica per NUMA node or per GPU is the natural unit). Give each
+  replica --threads = the cores it owns (Ray reserves them as num_cpus) and, with --device cuda, one GPU
+  (num_gpus=1, --vram its budget). Memory per replica: the model (a mapped file is shared by the
+  replicas of one node; --no-mmap copies it) plus the KV cache of --parallel slots of --ctx tokens.
+  Plan --parallel slots per replica and as many concurrent clients: a replica takes no more requests
+  than it has slots, the rest wait in the router for the first free slot anywhere (--queue of them).
+- What does not scale: one request runs on one replica (its tokens come as fast as the single server's),
+  and each replica has its own prefix cache, which the prefix-affinity router keeps useful (above: the
+  turns of a chat stay on one replica).
+- What the router costs: every request takes two hops (Ray Serve's proxy, then the ingress) and every
+  streamed item costs a message in both (the "proxy" and "ingress" columns, per token, with items of
+  --stream-interval-ms; plus the replica's own share of Ray's work, "replicas" against "plain"), and a
+  Ray Serve cluster spends some CPU when idle ("ray other": the controller, the GCS, the agents). These
+  costs are per item and per second, not per unit of model work: against a 135M model on one core they
+  are a large share of a token (above), against a model 10x the work they are a tenth of it. The routing
+  decision itself (the prompt's block hashes against each replica's recent blocks) is microseconds.
+- Many replicas: one ingress relays every token of every stream; give it replicas of its own
+  (deployments: OptimlIngress num_replicas) when its CPU nears a core. Each ingress routes by what it
+  sent itself, so put client affinity (a chat's turns to one ingress) in the load balancer in front of
+  Ray Serve's proxies (one per node).
 """
 
 
@@ -100,10 +106,10 @@ def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> di
 ROLES = {"proxy": b"ProxyActor", "ingress": b"OptimlIngress", "replicas": b"OptimlReplica"}
 
 
-def ray_cpu() -> dict:
+def ray_cpu(plain_pid: int | None = None) -> dict:
     """CPU milliseconds so far of this machine's Ray Serve processes by role (Linux /proc; "ray other":
-    the controller, raylet, GCS and agents)."""
-    out = dict.fromkeys(list(ROLES) + ["ray other"], 0.0)
+    the controller, raylet, GCS and agents), and of the plain server's process."""
+    out = dict.fromkeys(list(ROLES) + ["ray other", "plain"], 0.0)
     tick = 1000.0 / os.sysconf("SC_CLK_TCK")
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -115,7 +121,7 @@ def ray_cpu() -> dict:
                 st = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        role = next((r for r, key in ROLES.items() if key in cmd), None)
+        role = "plain" if d == str(plain_pid) else next((r for r, key in ROLES.items() if key in cmd), None)
         if role is None and (b"ray::" in cmd or b"/ray/" in cmd):
             role = "ray other"
         if role is not None:
@@ -127,6 +133,40 @@ def url_path(url: str) -> str:
     """The path part of a base URL (a Ray Serve application's route prefix)."""
     rest = url.split("://", 1)[1]
     return rest[rest.index("/"):] if "/" in rest else ""
+
+
+def affinity(url: str, conversations: int = 8, turns: int = 4, at_once: int = 4) -> tuple[float, float]:
+    """Multi-turn chats, `at_once` of them at a time: (share of follow-up turns answered by the replica
+    that answered the turn before, share of their prompt tokens read from the prefix cache)."""
+    import concurrent.futures
+
+    import httpx
+
+    def chat(c):
+        msgs = [{"role": "system", "content": f"Chat {c}. You are a patient assistant who explains things step by "
+                                              f"step to a student named Student{c}."}]
+        same = cached = prompt = 0
+        last = None
+        with httpx.Client(timeout=120) as http:
+            for t in range(turns):
+                msgs.append({"role": "user", "content": f"Question {t}: what is {t + 2} times {c + 3}?"})
+                r = http.post(url + "/v1/chat/completions",
+                              json={"messages": msgs, "max_tokens": 12, "temperature": 0})
+                r.raise_for_status()
+                d = r.json()
+                msgs.append({"role": "assistant", "content": d["choices"][0]["message"]["content"]})
+                replica = r.headers["x-optiml-replica"]
+                if t:
+                    same += replica == last
+                    cached += d["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    prompt += d["usage"]["prompt_tokens"]
+                last = replica
+        return same, cached, prompt
+
+    with concurrent.futures.ThreadPoolExecutor(at_once) as ex:
+        res = list(ex.map(chat, range(conversations)))
+    return (sum(r[0] for r in res) / (conversations * (turns - 1)),
+            sum(r[1] for r in res) / max(1, sum(r[2] for r in res)))
 
 
 def router_cost(prompt_chars: int, replicas: int, capacity: int = 4096, reps: int = 2000) -> float:
@@ -203,15 +243,15 @@ def main() -> int:
             run_level(url, 1, 1, dict(body, max_tokens=4), "warm")
 
         rows = {name: [] for name in servers}
-        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other"], 0.0) for name in servers}
+        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other", "plain"], 0.0) for name in servers}
         names = list(servers)
         print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores here: others' work shares them)")
         for r in range(args.rounds):
             for name in names[r % 3:] + names[:r % 3]:  # rotate the order: drift is shared out
                 url, clients = servers[name]
-                before = ray_cpu()
+                before = ray_cpu(plain.pid)
                 res = run_level(url, clients, args.requests, body, f"r{r}")
-                after = ray_cpu()
+                after = ray_cpu(plain.pid)
                 for role in cpu[name]:
                     cpu[name][role] += after[role] - before[role]
                 rows[name].append(res)
@@ -229,11 +269,16 @@ def main() -> int:
         print(f"ray x2 / plain:  throughput x{two['tok_s'] / pl['tok_s']:.2f}; ray x1 / plain: "
               f"x{one['tok_s'] / pl['tok_s']:.2f} (the Ray hops' CPU on a shared core)")
         print(f"load average after: {os.getloadavg()[0]:.1f}")
-        print("\nCPU per generated token (ms), Ray Serve's processes, all rounds:")
-        print(f"{'server':8} " + " ".join(f"{role:>10}" for role in cpu["ray x1"]))
-        for name in ("ray x1", "ray x2"):
+        print("\nCPU per generated token (ms), all rounds: the plain server's process, Ray Serve's by role")
+        roles = ["plain"] + list(ROLES) + ["ray other"]
+        print(f"{'server':8} " + " ".join(f"{role:>10}" for role in roles))
+        for name in servers:
             tokens = args.rounds * servers[name][1] * args.requests * args.gen
-            print(f"{name:8} " + " ".join(f"{ms / tokens:10.2f}" for ms in cpu[name].values()))
+            print(f"{name:8} " + " ".join(f"{cpu[name][role] / tokens:10.2f}" for role in roles))
+        x1 = {role: cpu["ray x1"][role] / (args.rounds * P * args.requests * args.gen) for role in roles}
+        per_token = x1["replicas"] + x1["proxy"] + x1["ingress"] + x1["ray other"]
+        print(f"2 replicas on 2 idle cores, from these costs: x{2 * x1['replicas'] / per_token:.2f} one replica's "
+              "throughput (one replica has a core to itself, the hops and Ray's background on the other)")
 
         # The hops at no load: time to first token of one client, one short request at a time.
         lone = {name: [] for name in ("plain", "ray x1")}
@@ -243,6 +288,9 @@ def main() -> int:
         a, b = statistics.median(lone["plain"]), statistics.median(lone["ray x1"])
         print(f"\n1 client: TTFT p50 plain {a * 1e3:.1f} ms, ray x1 {b * 1e3:.1f} ms: the proxy and ingress hops "
               f"add {(b - a) * 1e3:.1f} ms")
+        same, cached = affinity(servers["ray x2"][0])
+        print(f"prefix affinity, 8 chats of 4 turns, 4 at a time, on ray x2: {same:.0%} of follow-up turns on the "
+              f"replica of the turn before (random: 50%), {cached:.0%} of their prompt tokens from its cache")
         for chars, n in ((2000, 2), (8000, 16)):
             print(f"router: {router_cost(chars, n) * 1e6:.0f} us per request for a {chars}-character prompt and "
                   f"{n} replicas of full history")

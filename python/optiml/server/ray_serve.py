@@ -538,7 +538,7 @@ def build_app(args: dict):
                     "gpu_neurons": num(a["gpu_neurons"]), "kv_vram": a["kv_vram"], "use_mmap": a["mmap"]}
     if model_kwargs["predictors"] in ("none", None):
         model_kwargs["predictors"] = None
-    server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]),
+    server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]) or 256,
                      "max_itl_ms": num(a["max_itl_ms"], float)}
     return build(str(a["model"]), replicas=num(a["replicas"]), min_replicas=num(a["min_replicas"]),
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
@@ -562,6 +562,9 @@ def start_local_cluster(num_cpus: int, num_gpus: int | None = None, temp_dir: st
     # single-machine clusters (named for Windows and macOS, where it is the default); without it Ray's
     # processes listen on all interfaces even when given 127.0.0.1.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # Ray Serve's controller checks its deployments 10 times a second: 4% of a core on an idle 2-core
+    # machine, with the GCS it asks. Twice a second is quick enough to replace a dead replica.
+    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     # A small object store: requests and answers are small and travel inline, and the default (30% of the
     # memory) would be reserved from the replicas' models.
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -613,7 +616,14 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         cpus = n_threads or _default_cpus(count, True)
         start_local_cluster(num_cpus=cpus * count, num_gpus=None, temp_dir=temp_dir)
     else:
-        ray.init(address=address, namespace="optiml", configure_logging=False)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, namespace="optiml", configure_logging=False)
+        except Exception as e:  # ConnectionError, an authentication error, a bad address
+            raise SystemExit(f"optiml serve --ray: could not join the Ray cluster at {address}: {_why(e)}\n(is it "
+                             "running (ray start --head), and this machine one of its nodes for a HEAD:6379 address, "
+                             "or its client port open for ray://HEAD:10001? With token authentication, the cluster's "
+                             "token must be here too: see Ray's token-auth docs)") from None
         cpus = n_threads or _default_cpus(count, False)
     stopping = stop or threading.Event()
     old = None
@@ -661,6 +671,21 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         except Exception as e:  # stopping anyway: the cluster goes below
             print(f"optiml serve --ray: while stopping Ray Serve: {_why(e)}", file=sys.stderr)
         stop_cluster()
+
+
+def _check_reachable(address: str) -> None:
+    """Fails fast on a HOST:PORT (or ray://HOST:PORT) nobody listens on: Ray itself retries for minutes."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and the like: Ray finds the cluster itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise SystemExit(f"optiml serve --ray: nothing answers at {address} ({e}): start the cluster first "
+                         "(ray start --head) or give its address") from None
 
 
 def _resolve_here(model: str) -> str:
