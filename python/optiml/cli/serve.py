@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--min-replicas", type=int, default=None, help="with --ray: autoscaling's lower bound")
     p.add_argument("--max-replicas", type=int, default=None, help="with --ray: autoscaling's upper bound")
     p.add_argument("--address", default=None, help="with --ray: a running cluster (ray://head:10001, head:6379, auto)")
+    p.add_argument("--stream-interval-ms", type=float, default=100,
+                   help="with --ray: send a stream's pieces at most this often (0: every token; each costs the proxy)")
 
 
 def run(args) -> int:
@@ -42,7 +44,8 @@ def run(args) -> int:
               predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
               use_mmap=common.use_mmap(args), **common.device(args))
     ray_only = [f for f, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),
-                               ("--max-replicas", args.max_replicas), ("--address", args.address)) if v]
+                               ("--max-replicas", args.max_replicas), ("--address", args.address),
+                               ("--stream-interval-ms", args.stream_interval_ms != 100)) if v]
     if not args.ray:
         if ray_only:
             raise SystemExit(f"optiml serve: {', '.join(ray_only)} need --ray")
@@ -50,5 +53,5 @@ def run(args) -> int:
         return 0
     # the model is resolved on each replica's node (a name or Hugging Face reference there too)
     serve_ray(args.model, replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-              address=args.address, **kw)
+              address=args.address, stream_interval_ms=args.stream_interval_ms, **kw)
     return 0
