@@ -48,6 +48,12 @@ const uint8_t* activations_for(ThreadPool& pool, const KernelTable& kt, int32_t 
     return xq_buf.data();
 }
 
+Rows16Terms& rows16_gemm_terms(int64_t n_tok, int64_t nb) {
+    static thread_local Rows16Terms terms;
+    rows16_terms_size(n_tok, nb, terms);
+    return terms;
+}
+
 namespace {
 
 // One chunk of a product: rows r0 .. r1 of W against every token, into y (W.rows floats a token), written

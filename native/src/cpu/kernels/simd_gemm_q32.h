@@ -342,7 +342,7 @@ void gemm_panels_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
     const int64_t n_groups = (n_tok + kPanelTokens - 1) / kPanelTokens;
     static thread_local std::vector<XPanel> panels;
     static thread_local std::vector<CodeBlock> codes;
-    static thread_local std::vector<const void*> unpacked_rows;
+    static thread_local LocalVector<const void*> unpacked_rows;
     if ((int64_t)panels.size() < n_groups * nb) panels.resize(n_groups * nb);
     // Up to 4 tokens: two rows per vector (4 lanes each) instead of one row with half its lanes idle.
     const bool pairs = n_tok <= 4;

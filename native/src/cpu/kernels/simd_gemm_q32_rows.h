@@ -31,6 +31,12 @@
 #include "simd_gemm_q32.h"
 
 namespace optiml {
+
+// The calling thread's activations terms of gemm_rows16_32, sized for n_tok tokens of nb blocks (matmul.cpp:
+// made outside this file, so that its std::vector code is not compiled with this file's AVX-512 flags;
+// see simd_x86.h on containers).
+Rows16Terms& rows16_gemm_terms(int64_t n_tok, int64_t nb);
+
 namespace {
 
 constexpr int64_t kRowLaneTokens = 32;
@@ -250,9 +256,8 @@ void gemm_rows16_32(int64_t n, float* s, const void* const* rows, int64_t n_rows
                     int64_t n_tok) {
     const int64_t nb = n / 32;
     static thread_local std::vector<RowPanel> panel;
-    static thread_local Rows16Terms tt;
+    Rows16Terms& tt = rows16_gemm_terms(n_tok, nb);
     if ((int64_t)panel.size() < nb) panel.resize(nb);
-    rows16_terms_size(n_tok, nb, tt);
     fill_terms<typename Q32<WBlock>::X>((const uint8_t*)x, x_stride, nb, 0, n_tok, tt);
     for (int64_t r0 = 0; r0 < n_rows; r0 += 16) {
         const int64_t nr = n_rows - r0 < 16 ? n_rows - r0 : 16;

@@ -270,7 +270,7 @@ template <class WBlock>
 struct KUnpackedTile {
     static const void* const* prepare(int64_t n, const void* const* rows, int64_t n_rows) {
         static thread_local std::vector<KUnpacked> buf;
-        static thread_local std::vector<const void*> ptrs;
+        static thread_local LocalVector<const void*> ptrs;
         const int64_t nb = n / OPTIML_QK_K;
         if ((int64_t)buf.size() < n_rows * nb) buf.resize(n_rows * nb);
         if ((int64_t)ptrs.size() < n_rows) ptrs.resize(n_rows);

@@ -22,6 +22,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
@@ -114,6 +116,19 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i
 // into v as written. Without it GCC reassociates a tile's 8 chained sums per (row, token) into trees
 // of partial sums, which need more registers than there are and spill (measured: 2x slower).
 inline void keep_chain(__m256i& v) { __asm__("" : "+x"(v)); }
+
+// ---- containers ------------------------------------------------------------------------------------
+// A std container of a type every file shares (std::vector<const void*>) is one template instantiation
+// for the whole program: the linker keeps one file's copy for all, and it may be the copy compiled with
+// AVX-512 flags, which then faults (SIGILL) on a CPU without them. LocalVector's allocator is a type of
+// this file's anonymous namespace, so its instantiation is this file's own.
+template <class T>
+struct LocalAllocator : std::allocator<T> {
+    template <class U> struct rebind { typedef LocalAllocator<U> other; };
+    LocalAllocator() = default;
+    template <class U> LocalAllocator(const LocalAllocator<U>&) {}
+};
+template <class T> using LocalVector = std::vector<T, LocalAllocator<T>>;
 
 // ---- float vectors -------------------------------------------------------------------------------
 // The kernels written once for every instruction set (simd_float.h, simd_ops.h, sparse_axpy_simd.h)
