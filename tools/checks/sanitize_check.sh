@@ -72,10 +72,6 @@ fi
 
 echo "== sanitizers: native-heavy tests with the sanitized module"
 asan_py -c "import optiml, sys; assert optiml.__file__.startswith('$PWD/$pkg'), optiml.__file__"
-# KNOWN BUG (2026-11-27, open): on an AVX2-only CPU the sanitized (-O1) module dies of SIGILL in the grouped
-# 4-bit repack (tests/test_sparse_kernels.py::test_grouped_copy_is_the_file_matrix_exactly): an instruction of a
-# wider ISA reaches the generic path. The release build passes those tests on the same CPU. Deselected here
-# until fixed; the first thing for the next session.
-asan_py -m pytest -q -p no:cacheprovider -x --durations=5 -k "not grouped" \
+asan_py -m pytest -q -p no:cacheprovider -x --durations=5 \
   tests/test_simd.py tests/test_quant.py tests/test_matmul.py tests/test_sparse_kernels.py tests/test_gguf.py \
   tests/test_tokenizer.py tests/test_sampling.py ${OPTIML_SANITIZE_TESTS:-}
