@@ -14,6 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 EVAL_TEXT = ROOT / "tests" / "data" / "scandal-in-bohemia.txt"
 
 
+# sparsity="auto" times the sparse FFN against the dense one before keeping it (optiml.engine.speed_probe); the
+# tests assert what a file's sparsity computes, which must not hang on how busy the machine was at load time.
+# tests/test_speed_probe.py turns it back on with a fixed clock.
+os.environ.setdefault("OPTIML_SPARSITY_PROBE", "off")
+
+
 def model_cache() -> Path:
     """The package's own model cache ($OPTIML_MODEL_CACHE, else $OPTIML_HOME/models, else ~/.cache/optiml/models),
     where tools/fetch_models.py puts the reference models."""

@@ -241,15 +241,21 @@ std::vector<std::pair<std::string, size_t>> Session::device_allocations() const 
 // rows16 (optiml/rows16.h) for matrices only this CPU's dense product reads, where its kernels have a
 // product for the type: every Q4_0/Q4_1 matrix of a CPU-only plan while this is the model's only
 // session (another may need rows at any time), but the FFN's while they run sparsely or are recorded
-// (the row-sparse product, the neuron-major copies and the recorder take rows). Q8_0 keeps rows: mostly
-// the output matrix, whose one-token product ran 3-8% slower in rows16 (262144x640 and 49152x576,
-// 2 threads) and 8 tokens' no faster. A device plan keeps rows everywhere (uploads read rows).
+// (the row-sparse product, the neuron-major copies and the recorder take rows) -- except the gate (and,
+// with the product criterion, up) of a sparse FFN without predictors: the criterion computes them for
+// every neuron, densely, and the rows16 kernels do that faster. Q8_0 keeps rows: mostly the output
+// matrix, whose one-token product ran 3-8% slower in rows16 (262144x640 and 49152x576, 2 threads) and 8
+// tokens' no faster. A device plan keeps rows everywhere (uploads read rows).
 void Session::place_weights() {
     const KernelTable& kt = kernel_table();
     const bool repack = !plan_.uses_device() && model_->attached_sessions() == 1;
     const bool ffn_dense = !sparsity_.enabled && !predictors_ && !recorder_;
-    model_->set_rows16(*pool_, [&](const Weight& w, int, bool ffn) {
-        return repack && w.type != TYPE_Q8_0 && kt.gemm_rows16[w.type] != nullptr && (!ffn || ffn_dense);
+    const bool criterion_dense = sparsity_.enabled && !predictors_ && !recorder_;
+    model_->set_rows16(*pool_, [&](const Weight& w, int layer, bool ffn) {
+        if (!repack || w.type == TYPE_Q8_0 || kt.gemm_rows16[w.type] == nullptr) return false;
+        if (!ffn || ffn_dense) return true;
+        const FFNWeights& f = model_->layers[layer].ffn;
+        return criterion_dense && (&w == &f.gate || (sparsity_.on_product && &w == &f.up));
     });
     weights_placed_ = true;
 }

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _core
 from .._core import ArgumentError, OptimlError
 from ..formats.predictors import check_predictors, predicted_share
-from . import loading
+from . import loading, speed_probe
 from .chat_template import ChatTemplate, read_template
 from .checks import non_negative_int, positive_int, token_array
 from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, stop_strings
@@ -56,7 +56,10 @@ class Model(Sequences):
 
     sparsity: how the FFN skips neurons (see :meth:`set_sparsity`): "auto" (default: the thresholds the
     file carries from `optiml calibrate`; for a ReLU-family model without them, exact zero-skipping;
-    otherwise dense), "threshold" (like auto, but an error when there is nothing to skip by), or "none".
+    otherwise dense; and with predictors="auto" too, only where that makes a step faster than the dense FFN
+    on this machine, timed once and cached: see optiml.engine.speed_probe and :attr:`sparsity_note`),
+    "threshold" (the file's thresholds, or zeros for ReLU, whatever the speed; an error when there is
+    nothing to skip by), or "none".
     thresholds: per-layer thresholds (or one for all layers) that override the file's.
     down_copy: the sparse FFN's neuron-major copy of each down matrix: "fast" (8-bit rows, about twice a
     4-bit matrix's size), "compact" (for Q4_0/Q4_1/Q4_K: the file's own codes and scales regrouped, lossless
@@ -117,6 +120,7 @@ class Model(Sequences):
             n_ctx = min(self.hparams["n_ctx_train"], 4096)
         n_ctx = positive_int("n_ctx", n_ctx)
         n_threads = 0 if n_threads is None else non_negative_int("n_threads", n_threads)
+        self._n_threads = n_threads
         n_batch = positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
         n_seq = positive_int("n_seq", n_seq)
@@ -146,6 +150,9 @@ class Model(Sequences):
             self.set_predictors(predictors)
         self.sparsity = "none"
         self.set_sparsity(sparsity, thresholds)
+        self.sparsity_note = ""  # why the FFN is sparse or dense, when sparsity="auto" decided it
+        if sparsity == "auto" and thresholds is None and predictors == "auto":
+            self._keep_sparsity_if_it_pays()
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -199,6 +206,29 @@ class Model(Sequences):
             else:
                 self._session.set_sparsity(True, thr, product, scale, compact_down=self._compact_down())
         self.sparsity = chosen
+
+    def _keep_sparsity_if_it_pays(self) -> None:
+        """sparsity="auto": the file's sparsity (its thresholds, a ReLU FFN's zeros, the predictors found beside
+        it) stays only where it makes a step faster than the dense FFN on this machine, as timed once and
+        cached (engine/speed_probe.py); the verdict is in ``sparsity_note``."""
+        if self.sparsity == "none" and self.predictors is None:
+            return
+        mode, preds = self.sparsity, self.predictors
+
+        def dense():
+            if preds:
+                self.set_predictors(None)
+            self.set_sparsity("none")
+
+        def sparse():
+            if preds:
+                self.set_predictors(preds)
+            self.set_sparsity("auto")
+
+        verdict = speed_probe.sparse_pays(self, f"{mode}:{self._down_copy}", dense, sparse)
+        self.sparsity_note = verdict.note
+        if not verdict.pays:
+            dense()
 
     def _compact_down(self, predicted_share: float | None = None) -> bool:
         """Whether the down copies are compact (sparsity.compact_down), for the predictors whose share of
