@@ -29,8 +29,9 @@ __all__ = ["Verdict", "sparse_pays", "cache_path"]
 # Sparse must be this much faster to be kept: within it the two are a tie, and a tie goes to the dense
 # FFN, which costs no accuracy.
 MARGIN = 1.03
-# Seconds of single-token steps per phase (four phases: dense, sparse, dense, sparse), at least one step.
+# Seconds of single-token steps per phase (six phases: dense, sparse, three times), at least one step.
 PHASE_BUDGET_S = 0.15
+ROUNDS = 3
 MAX_STEPS = 16
 PROBE_TEXT = ("It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, "
               "when it was checked by a violent gust of wind which swept up the streets.")
@@ -120,10 +121,10 @@ def sparse_pays(model, config: str, use_dense, use_sparse) -> Verdict:
         return Verdict(True, float("nan"), float("nan"),
                        "sparsity as the file sets it: not timed against the dense FFN (OPTIML_SPARSITY_PROBE=off)")
     ids = model.tokenize(PROBE_TEXT)
-    first = _phase(model, ids, 1)  # also pages the sparse path's weights in
+    first = _phase(model, ids, 3)  # also pages the sparse path's weights in
     steps = max(1, min(MAX_STEPS, len(ids) - 1, int(PHASE_BUDGET_S / max(first, 1e-6))))
     dense, sparse = [], []
-    for _ in range(2):
+    for _ in range(ROUNDS):
         use_dense()
         dense.append(_phase(model, ids, steps))
         use_sparse()
