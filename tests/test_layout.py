@@ -1,4 +1,5 @@
-"""The layout of python/optiml: subpackages on levels, imports only downward, no import cycles, short functions.
+"""The layout of python/optiml: subpackages on levels, imports only downward, no import cycles, short functions
+(in native/ too).
 
 Read from the source with ast (nothing is imported): every `import optiml...` and `from ... import ...` that
 names a module of the package, at a module's top or inside a function, relative ones resolved.
@@ -7,6 +8,7 @@ names a module of the package, at a module's top or inside a function, relative 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,75 @@ def test_the_public_module_names_stay(name):
 
     module = importlib.import_module(f"optiml.{name}")
     assert getattr(optiml, name) is module and module.__name__.startswith("optiml.")
+
+
+# ---- native/: short functions too ---------------------------------------------------------------------------
+NATIVE = PKG.parent.parent / "native"
+_NOT_A_FUNCTION = re.compile(r"^(if|for|while|switch|do|else|return|try|catch)\b")
+_TYPE_HEAD = re.compile(r"\b(namespace|struct|class|enum|union)\b[^()]*$")
+
+
+def _blank_comments_and_literals(src: str) -> str:
+    """C++ source with comments and string/char literals emptied, newlines kept (so braces inside them do
+    not count and line numbers stay)."""
+    out, i, n = [], 0, len(src)
+    while i < n:
+        if src.startswith("//", i):
+            j = src.find("\n", i)
+            i = n if j < 0 else j
+        elif src.startswith("/*", i):
+            j = src.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * src.count("\n", i, j))
+            i = j
+        elif src[i] in "\"'":
+            j = i + 1
+            while j < n and src[j] != src[i] and src[j] != "\n":
+                j += 2 if src[j] == "\\" else 1
+            out.append(src[i] * 2)
+            i = j + 1
+        else:
+            out.append(src[i])
+            i += 1
+    return "".join(out)
+
+
+def _native_functions(path: Path) -> list[tuple[int, int, str]]:
+    """(lines from the opening brace to the closing one, line of the opening brace, signature) of every
+    function body that is not inside another (lambdas and local blocks count as their function's lines)."""
+    src = _blank_comments_and_literals(path.read_text(encoding="utf-8", errors="replace"))
+    found, stack, head, line = [], [], [], 1
+    for ch in src:
+        if ch == "\n":
+            line += 1
+        if ch == "{":
+            text = "".join(head).strip()
+            last = text.split("\n")[-1].strip() if text else ""
+            is_function = (not any(kind == "function" for kind, _, _ in stack) and ")" in text
+                           and not _NOT_A_FUNCTION.match(last) and not _TYPE_HEAD.search(text) and not text.endswith("="))
+            stack.append(("function" if is_function else "block", line, " ".join(text.split())[:100]))
+            head = []
+        elif ch == "}":
+            if stack:
+                kind, first, sig = stack.pop()
+                if kind == "function":
+                    found.append((line - first + 1, first, sig))
+            head = []
+        elif ch == ";":
+            head = []
+        else:
+            head.append(ch)
+    return found
+
+
+def test_native_functions_are_short():
+    files = [p for p in sorted(NATIVE.rglob("*")) if p.suffix in (".cpp", ".h", ".cu", ".cuh")]
+    assert len(files) > 50
+    n_functions, long = 0, []
+    for p in files:
+        for n, first, sig in _native_functions(p):
+            n_functions += 1
+            if n > MAX_FUNCTION_LINES:
+                long.append(f"{p.relative_to(NATIVE.parent)}:{first}: {sig} has {n} lines")
+    assert n_functions > 500  # the scan found the functions (a broken scan would pass vacuously)
+    assert not long, f"native functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)

@@ -31,6 +31,7 @@ if importlib.util.find_spec("optiml") is None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))
 
 import optiml  # noqa: E402
+from optiml.util.machine import cpu_name  # noqa: E402  (also harness.cpu_name for the tools)
 
 # ---- optiml's internals ---------------------------------------------------------------------------------
 # The benchmarks use the public API (optiml.Model, optiml.Batch, optiml.quant, optiml.gguf, optiml._core)
@@ -231,17 +232,6 @@ def close(engine) -> None:
 
 
 # ---- the machine ----------------------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def memory_gib() -> float | None:
     try:
         with open("/proc/meminfo") as f:

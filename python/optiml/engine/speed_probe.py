@@ -16,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 from ..util.atomic import atomic_output
+from ..util.machine import cpu_name
 from ..util.paths import optiml_home
 
 __all__ = ["Verdict", "sparse_pays", "cache_path"]
@@ -50,17 +50,6 @@ def cache_path() -> str:
     return os.path.join(os.fspath(optiml_home()), "sparsity-speed.json")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _file_id(path: str) -> str:
     st = os.stat(path)
     return f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
@@ -68,7 +57,7 @@ def _file_id(path: str) -> str:
 
 def _key(model, config: str) -> str:
     """The machine, the files (path, size, time: a rewritten file is timed again), the settings."""
-    parts = [_cpu_name(), str(model._n_threads), _file_id(model.path), config, model.plan.device]
+    parts = [cpu_name(), str(model._n_threads), _file_id(model.path), config, model.plan.device]
     if model.predictors:
         parts.append(_file_id(model.predictors))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
