@@ -53,8 +53,10 @@ def system_info() -> dict:
 
     Keys: ``simd`` (the SIMD level kernels use: scalar, avx2, avx512 or neon), ``simd_available``,
     ``cpu_features``, ``n_threads`` (the default thread pool's size), ``physical_cores``,
-    ``cuda_compiled``, ``cuda_devices`` (a list of dicts: id, name, total_memory, free_memory,
-    compute_capability, multiprocessors) and, when that list is empty, ``cuda_note`` saying why.
+    ``cuda_compiled``, ``cuda_build`` (the build's OPTIML_CUDA setting: AUTO, ON, OFF or EMU),
+    ``cuda_devices`` (a list of dicts: id, name, total_memory, free_memory, compute_capability,
+    multiprocessors) and, when that list is empty, ``cuda_note`` saying why (for a build without the
+    backend: whether it was turned off on purpose or nvcc was missing).
     """
     return _core.system_info()
 
