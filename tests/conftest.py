@@ -84,3 +84,34 @@ def live_server(srv):
         uv.should_exit = True
         t.join(timeout=30)
         sock.close()
+
+
+# Children import the same optiml this process did (the installed package under CI, the source tree in a dev loop).
+def child_env() -> dict:
+    import optiml
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(optiml.__file__)))
+    return dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def tiny_model(path, **kv) -> Path:
+    """A 2-layer synthetic llama (tools/make_synthetic_model.py: the reference SmolLM2's tokenizer, random
+    weights, ~8 MB) at `path`; kv: GGUF metadata to set on it ({key: (value, gguf.GGUFValueType or None)})."""
+    import subprocess
+    import sys
+
+    donor = model_path("smollm2-135m-instruct-q4_1")
+    if not donor.is_file():
+        _missing(str(donor), "run: python tools/fetch_models.py smollm2-135m-instruct-q4_1 (.ci/run does)")
+    path = Path(path)
+    base = path.with_name(path.stem + ".base.gguf") if kv else path
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_model.py"), "-o", str(base), "--quiet",
+                    "--n-embd", "64", "--n-layer", "2", "--n-ff", "128", "--n-head", "2", "--n-head-kv", "2",
+                    "--type", "q8_0", "--tokenizer-from", str(donor)], check=True, capture_output=True, env=child_env())
+    if kv:
+        from optiml.formats.gguf_edit import rewrite_gguf
+
+        rewrite_gguf(str(base), str(path), set_kv=kv, progress=False)
+        base.unlink()
+    return path
+

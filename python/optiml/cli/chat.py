@@ -4,11 +4,11 @@ history, /commands)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Callable
 
+from ..util import jsonout
 from ..util.atomic import atomic_output
 from ..util.paths import optiml_home
 from . import common
@@ -188,7 +188,7 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                 try:
                     with atomic_output(os.path.expanduser(arg), suffix=".json") as tmp, \
                             open(tmp, "w", encoding="utf-8") as f:
-                        json.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
+                        jsonout.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
                     say(f"Saved {len(conv.messages)} messages to {arg}.")
                 except OSError as e:
                     say(f"cannot save: {e}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -18,11 +17,13 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
+from starlette.responses import JSONResponse as _StarletteJSONResponse
 from starlette.routing import Route
 
 from .._core import OptimlError
 from ..engine.sampling import RANDOM_SEED, Sampler
+from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Job, QueueFull, Scheduler
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
@@ -352,7 +353,15 @@ class _EventStream(EventSourceResponse):
 
 
 def _dumps(d) -> str:
-    return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
+    return jsonout.dumps(d, ensure_ascii=False, separators=(",", ":"))
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """Starlette's JSON response with NaN and Infinity written as null (a logprob of -inf, a statistic
+    not measured yet) instead of failing the request."""
+
+    def render(self, content) -> bytes:
+        return _dumps(content).encode("utf-8")
 
 
 def _sse(data: str) -> bytes:
