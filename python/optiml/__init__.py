@@ -12,6 +12,7 @@ from .formats import gguf, quant
 from .formats.predictors import PredictorMismatchError
 from .engine import plan, sampling, tokenizer
 from .engine.batch import Batch
+from .engine.chat_template import ChatTemplateError, TemplateLimitError
 from .engine.model import Model
 from .engine.sparsity import PredictorWarning
 from .offline.calibrate import calibrate
@@ -27,6 +28,7 @@ del _m
 __all__ = [
     "ArgumentError",
     "Batch",
+    "ChatTemplateError",
     "ContextOverflowError",
     "Model",
     "calibrate",
@@ -34,6 +36,7 @@ __all__ = [
     "train_predictors",
     "PredictorMismatchError",
     "PredictorWarning",
+    "TemplateLimitError",
     "GGUFError",
     "OptimlError",
     "UnsupportedModelError",

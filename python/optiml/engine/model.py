@@ -366,10 +366,25 @@ class Model(Sequences):
     @property
     def chat_template(self):
         """The model's chat template (optiml.engine.chat_template.ChatTemplate): GGUF
-        ``tokenizer.chat_template``, or the documented fallback when the file has none."""
+        ``tokenizer.chat_template``, or the documented fallback when the file has none. ChatTemplateError
+        (naming the file) when it does not compile. Assign a template's text (or a ChatTemplate) to chat
+        with another one, None to return to the file's."""
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer)
+            self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer,
+                                                             os.path.basename(self.path))
         return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template) -> None:
+        if template is None or isinstance(template, ChatTemplate):
+            tpl = template
+        elif isinstance(template, str) and template:
+            name = f"{os.path.basename(self.path)} (set by Model.chat_template)"
+            tpl = ChatTemplate.for_tokenizer(template, self.tokenizer, name)
+        else:
+            raise ArgumentError(f"chat_template: give the template's text, a ChatTemplate or None, not {template!r}")
+        self._chat_template = tpl
+        self._chat.forget()
 
     def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """The token ids of ``messages`` rendered with the chat template. When the text begins with the last
