@@ -115,3 +115,28 @@ def tiny_model(path, **kv) -> Path:
         base.unlink()
     return path
 
+
+def fixed_predictor(model_path, out, active: float, recorded_share: float, seed: int = 0) -> str:
+    """A predictor file for model_path marking the same random `active` share of each layer's neurons at every
+    token (zero low-rank part, random biases against the threshold); the file says `recorded_share` were
+    active on held-out tokens (what Model's predictors="auto" and down_copy="auto" read)."""
+    import statistics
+
+    import numpy as np
+
+    import optiml
+    from optiml.formats import predictors as PF
+    from optiml.formats.stats import model_fingerprint
+    from optiml.offline import predictors as P
+
+    hp = optiml.Model(model_path, n_ctx=64, predictors=None).hparams
+    L, E, F, r = hp["n_layer"], hp["n_embd"], hp["n_ff"], 32
+    t = statistics.NormalDist().inv_cdf(1 - active)
+    res = P.PredictorTraining(np.full(L, r, np.int32), np.full(L, t, np.float32), np.ones(L, np.float32),
+                              np.full(L, recorded_share, np.float32), np.zeros(L, np.float32),
+                              np.zeros(L, np.float32), 0.99, 0, "q8_0")
+    rng = np.random.default_rng(seed)
+    layers = [(np.zeros((r, E), np.float32), np.zeros((F, r), np.float32), rng.standard_normal(F, dtype=np.float32))
+              for _ in range(L)]
+    PF.write(str(out), layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
+    return str(out)

@@ -138,8 +138,10 @@ def test_info_json_is_strict_with_nan_placement(tmp_path, capfd):
     pl = info["placement"]
     assert pl["coverage"] == [None, 0.5] and pl["est_token_ms"] is None and pl["gpu_neurons"] == [64, 32]
     assert pl["solver"]["gap"] is None and pl["hardware"]["gpu_bandwidth"] is None
+    assert info["companions"]["placement"]["in_file"] and not info["companions"]["placement"]["used"]
     assert cli.main(["info", str(path)]) == 0
-    assert "nan%" in capfd.readouterr().out  # the text form shows the NaN coverage as it is
+    out = capfd.readouterr().out
+    assert "placement: in the file, not used: the default device runs every layer on the CPU" in out
 
 
 def test_bench_harness_json_is_strict(tmp_path):

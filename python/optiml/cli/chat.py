@@ -9,6 +9,7 @@ import sys
 from typing import Callable
 
 from ..engine.chat_template import ChatTemplateError
+from ..engine.sparsity import describe
 from ..util import jsonout
 from ..util.atomic import atomic_output
 from ..util.paths import optiml_home
@@ -184,6 +185,9 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                 say(f"prompt: {s['prompt_tokens']} tokens, {s['prompt_evaluated']} new, {pp:.1f} tokens/s | "
                     f"answer: {s['gen_tokens']} tokens, {tg:.1f} tokens/s | "
                     f"context: {model.n_past}/{model.n_ctx} tokens")
+                sp = model.sparsity_stats()
+                say(f"FFN: {describe(model.sparsity, model.predictors)}; {sp['skipped']:.1%} of the neurons skipped "
+                    f"over {sp['tokens']} tokens")
             elif cmd == "/save":
                 if not arg:
                     say("usage: /save FILE")

@@ -36,7 +36,7 @@ from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make
 from .plan import Plan, kv_types, plan_args
 from .sampling import Sampler
 from .sequences import Sequences
-from .sparsity import choose_mode, compact_down, predictors_beside, skip_stats
+from .sparsity import SkipMeter, choose_mode, compact_down, predictors_beside, skip_stats
 from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
 
@@ -232,12 +232,21 @@ class Model(Sequences):
         self._predicted_share = share
 
     def sparsity_stats(self, reset: bool = False) -> dict:
-        """Neurons skipped since the model was made (or the last reset=True): per layer and overall
-        shares of the (token, FFN neuron) pairs not computed, and the mode."""
+        """Neurons skipped since the model was made (or the last reset=True, set_sparsity or set_predictors):
+        per layer ("layers") and overall ("skipped") shares of the (token, FFN neuron) pairs not computed,
+        "tokens", the mode ("mode") and the predictor file in use ("predictors", or None)."""
         active, seen = self._session.sparsity_counts()
         if reset:
             self._session.reset_sparsity_counts()
-        return skip_stats(active, seen, self.sparsity, self.hparams)
+        return skip_stats(active, seen, self.sparsity, self.hparams, self.predictors)
+
+    def sparsity_meter(self, history: int | None = None) -> SkipMeter:
+        """Measures the share of FFN neurons skipped step by step from now on (engine.sparsity.SkipMeter):
+        call its step() after each eval or decode (or each piece a stream yields), then summary() for the
+        mean, the spread over the steps (the last `history` of them; None: all), the mode and the
+        predictors. Call step() from the thread that runs the model."""
+        return SkipMeter(self._session.sparsity_counts, lambda: (self.sparsity, self.predictors), self.hparams,
+                         history)
 
     # ---- where layers run (decode and the KV cache API: Sequences, engine/sequences.py) -------------
     @property
