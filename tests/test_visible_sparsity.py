@@ -107,7 +107,7 @@ def test_perplexity_reports_sparsity(with_predictors, tmp_path, capfd):
     assert cli.main(["perplexity", "-m", model, "--kl-divergence-base", kld, "--kl-divergence", "-t", "2"]) == 0
     out = capfd.readouterr().out
     assert "Mean    KLD:" in out
-    assert f"predictors m.predictors.gguf; neurons skipped: {skipped:.1%} mean" in out.splitlines()[-1]
+    assert f"predictors m.predictors.gguf; neurons skipped: {skipped:.1%} mean" in out.splitlines()[0]
 
 
 def test_info_names_companions_and_why(with_predictors, smollm2_path, gemma3_path, tmp_path, capfd):

@@ -108,7 +108,7 @@ def _compare(args) -> int:
                            "n_ctx": base.n_ctx, "seconds": time.perf_counter() - t0, **r.summary(),
                            "sparsity": sparsity})
     else:
-        print(r.format())
+        print(line)  # what the KLD bought, above the report (which ends the output, as llama.cpp's)
         print()
-        print(line)  # what the KLD bought
+        print(r.format())
     return 0
