@@ -90,3 +90,59 @@ def live_server(srv):
         uv.should_exit = True
         t.join(timeout=30)
         sock.close()
+
+
+# Children import the same optiml this process did (the installed package under CI, the source tree in a dev loop).
+def child_env() -> dict:
+    import optiml
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(optiml.__file__)))
+    return dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def tiny_model(path, **kv) -> Path:
+    """A 2-layer synthetic llama (tools/make_synthetic_model.py: the reference SmolLM2's tokenizer, random
+    weights, ~8 MB) at `path`; kv: GGUF metadata to set on it ({key: (value, gguf.GGUFValueType or None)})."""
+    import subprocess
+    import sys
+
+    donor = model_path("smollm2-135m-instruct-q4_1")
+    if not donor.is_file():
+        _missing(str(donor), "run: python tools/fetch_models.py smollm2-135m-instruct-q4_1 (.ci/run does)")
+    path = Path(path)
+    base = path.with_name(path.stem + ".base.gguf") if kv else path
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_model.py"), "-o", str(base), "--quiet",
+                    "--n-embd", "64", "--n-layer", "2", "--n-ff", "128", "--n-head", "2", "--n-head-kv", "2",
+                    "--type", "q8_0", "--tokenizer-from", str(donor)], check=True, capture_output=True, env=child_env())
+    if kv:
+        from optiml.formats.gguf_edit import rewrite_gguf
+
+        rewrite_gguf(str(base), str(path), set_kv=kv, progress=False)
+        base.unlink()
+    return path
+
+
+def fixed_predictor(model_path, out, active: float, recorded_share: float, seed: int = 0) -> str:
+    """A predictor file for model_path marking the same random `active` share of each layer's neurons at every
+    token (zero low-rank part, random biases against the threshold); the file says `recorded_share` were
+    active on held-out tokens (what Model's predictors="auto" and down_copy="auto" read)."""
+    import statistics
+
+    import numpy as np
+
+    import optiml
+    from optiml.formats import predictors as PF
+    from optiml.formats.stats import model_fingerprint
+    from optiml.offline import predictors as P
+
+    hp = optiml.Model(model_path, n_ctx=64, predictors=None).hparams
+    L, E, F, r = hp["n_layer"], hp["n_embd"], hp["n_ff"], 32
+    t = statistics.NormalDist().inv_cdf(1 - active)
+    res = P.PredictorTraining(np.full(L, r, np.int32), np.full(L, t, np.float32), np.ones(L, np.float32),
+                              np.full(L, recorded_share, np.float32), np.zeros(L, np.float32),
+                              np.zeros(L, np.float32), 0.99, 0, "q8_0")
+    rng = np.random.default_rng(seed)
+    layers = [(np.zeros((r, E), np.float32), np.zeros((F, r), np.float32), rng.standard_normal(F, dtype=np.float32))
+              for _ in range(L)]
+    PF.write(str(out), layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
+    return str(out)

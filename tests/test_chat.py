@@ -80,18 +80,16 @@ def test_template_renders_like_transformers(which, gen, conv, request):
     assert got == want
 
 
-def test_template_raise_exception_is_a_template_error():
-    import jinja2
-
-    with pytest.raises(jinja2.TemplateError, match="bad role tool"):
+def test_template_raise_exception_is_a_refusal():
+    with pytest.raises(optiml.ChatTemplateError, match="bad role tool") as e:
         ChatTemplate(FEATURES_TEMPLATE).render([{"role": "tool", "content": "x"}])
+    assert e.value.problem == "refused" and str(e.value).startswith("the chat template refuses these messages")
 
 
 def test_template_sandbox_refuses_attribute_tricks():
-    import jinja2
-
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(optiml.ChatTemplateError, match="blocked by the sandbox") as e:
         ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}").render([])
+    assert e.value.problem == "blocked" and "__class__" in str(e.value)
 
 
 class _Vocab:

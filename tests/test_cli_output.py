@@ -1,5 +1,5 @@
-"""Output people can script: --json on info, bench and perplexity (one object on stdout), --quiet (nothing on
-stderr), and exit statuses (2 bad input, 1 a failure while running)."""
+"""Output people can script: --json on info, bench and perplexity (one object on stdout, strict JSON: no NaN
+or Infinity), --quiet (nothing on stderr), and exit statuses (2 bad input, 1 a failure while running)."""
 
 import json
 import os
@@ -7,11 +7,15 @@ import subprocess
 import sys
 
 import gguf
+import numpy as np
 import pytest
 
 import optiml
 from optiml import cli
 from optiml.evaluate import perplexity as px
+from optiml.util import jsonout
+
+from conftest import ROOT, child_env, tiny_model
 
 TEXT = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled "
         "into his breast in an effort to escape the vile wind, slipped quickly through the glass doors. ") * 4
@@ -98,3 +102,64 @@ def test_exit_status_of_the_command(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and "no such model file" in r.stderr
     r = subprocess.run([sys.executable, "-m", "optiml", "--version"], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip() == f"optiml {optiml.__version__}"
+
+
+def strict_json(text: str):
+    """json.loads refusing NaN, Infinity and -Infinity (which Python's parser takes by default, and others do not)."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_jsonout_replaces_non_finite_values():
+    obj = {"a": float("nan"), "b": [np.float32("inf"), 1.5, np.array([np.nan, 2.0])], "c": (1, -float("inf")),
+           "d": np.int64(3), "e": b"x\xff", "f": True, "g": None}
+    text = jsonout.dumps(obj)
+    assert strict_json(text) == {"a": None, "b": [None, 1.5, [None, 2.0]], "c": [1, None], "d": 3, "e": "x\ufffd",
+                                 "f": True, "g": None}
+    with pytest.raises(TypeError):
+        jsonout.dumps({"x": object()})
+
+
+def test_info_json_is_strict_with_nan_placement(tmp_path, capfd):
+    """A placement whose coverage (and estimate, solver gap, hardware figure) is NaN or infinite: info --json
+    writes null there, and the text form still prints."""
+    P = "optiml.placement."
+    VT = gguf.GGUFValueType
+    path = tiny_model(tmp_path / "nan-placement.gguf", **{
+        P + "version": (2, VT.UINT32), P + "gpu_neurons": (np.array([64, 32], np.int32), VT.ARRAY),
+        P + "coverage": (np.array([np.nan, 0.5], np.float32), VT.ARRAY),
+        P + "est_token_ms": (float("nan"), VT.FLOAT32),
+        P + "solver": ('{"method": "highs", "status": "optimal", "gap": Infinity, "solve_s": 0.1}', VT.STRING),
+        P + "hardware": ('{"gpu_bandwidth": NaN}', VT.STRING)})
+    assert cli.main(["info", "--json", str(path)]) == 0
+    info = strict_json(capfd.readouterr().out)
+    pl = info["placement"]
+    assert pl["coverage"] == [None, 0.5] and pl["est_token_ms"] is None and pl["gpu_neurons"] == [64, 32]
+    assert pl["solver"]["gap"] is None and pl["hardware"]["gpu_bandwidth"] is None
+    assert info["companions"]["placement"]["in_file"] and not info["companions"]["placement"]["used"]
+    assert cli.main(["info", str(path)]) == 0
+    out = capfd.readouterr().out
+    assert "placement: in the file, not used: the default device runs every layer on the CPU" in out
+
+
+def test_bench_harness_json_is_strict(tmp_path):
+    """tools/bench's --json files: a row with NaN and infinite figures is written with null there."""
+    out = tmp_path / "r.json"
+    code = ("import harness; r = harness.Results('t'); r.add(model='m', ratio=float('nan'), tps=float('inf'), n=2); "
+            f"r.write({str(out)!r})")
+    env = child_env()
+    env["PYTHONPATH"] = str(ROOT / "tools" / "bench") + os.pathsep + env["PYTHONPATH"]
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd=ROOT / "tools" / "bench", env=env)
+    doc = strict_json(out.read_text())
+    assert doc["rows"] == [{"model": "m", "ratio": None, "tps": None, "n": 2}]
+
+
+def test_server_json_is_strict():
+    """The server's JSON answers (completions with logprobs of -inf, statistics not measured yet): null."""
+    pytest.importorskip("starlette")
+    from optiml.server.app import JSONResponse, _dumps
+
+    assert JSONResponse({"logprob": float("-inf"), "x": [float("nan"), 1.0]}).body == b'{"logprob":null,"x":[null,1.0]}'
+    assert strict_json(_dumps({"top_logprobs": {"a": float("-inf")}})) == {"top_logprobs": {"a": None}}

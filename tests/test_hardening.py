@@ -15,7 +15,7 @@ import pytest
 
 import optiml
 from optiml import OptimlError
-from optiml.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateLimitError
+from optiml.engine.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, TemplateLimitError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Children import the same optiml this process did (installed under CI, the source tree in a dev loop).
@@ -69,12 +69,28 @@ def test_template_output_limit_is_adjustable():
 
 
 def test_template_sandbox_holds():
-    import jinja2
-
     for source in ["{{ messages.__class__.__mro__[1].__subclasses__() }}",
                    "{{ cycler.__init__.__globals__.os.popen('id').read() }}", "{{ messages.append(1) }}"]:
-        with pytest.raises((jinja2.exceptions.SecurityError, jinja2.exceptions.UndefinedError)):
-            ChatTemplate(source).render(MSGS)
+        with pytest.raises(ChatTemplateError, match="blocked by the sandbox") as e:
+            ChatTemplate(source, name="hostile.gguf").render(MSGS)
+        assert e.value.problem == "blocked" and "hostile.gguf" in str(e.value)
+
+
+def test_hostile_templates_end_as_optiml_errors():
+    """Each hostile template of the fuzz corpus (and the seeds: real templates, the fallbacks) either renders
+    or raises a ChatTemplateError naming the template: no raw jinja2 or Python exception (issue #47)."""
+    raw = []
+    for source in targets.template_seeds():
+        try:
+            tpl = ChatTemplate(source.decode(), "<s>", "</s>", name="corpus.gguf")
+            tpl.max_render_seconds = 0.5
+            tpl.render(MSGS + [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "{{ 7 * 7 }}"}])
+        except ChatTemplateError as e:
+            assert isinstance(e, OptimlError) and e.template == "the chat template of corpus.gguf"
+            assert str(e).startswith(e.template)
+        except Exception as e:  # noqa: BLE001 (what the test counts)
+            raw.append((source[:60], repr(e)))
+    assert raw == []
 
 
 def test_template_limits_do_not_leak_a_trace_function():

@@ -21,7 +21,7 @@ from optiml.formats import predictors as PF
 from optiml.formats.gguf_edit import rewrite_gguf
 from optiml.formats.stats import model_fingerprint
 
-from conftest import shared_eval_text
+from conftest import fixed_predictor, shared_eval_text
 
 
 @pytest.fixture(scope="module")
@@ -104,31 +104,12 @@ def test_all_active_predictor_equals_dense(relu_model, smollm2_path, tmp_path):
     assert p.sparsity_stats()["skipped"] == 0
 
 
-def _fixed_predictor(model_path, out, active, recorded_share, seed=0):
-    """A predictor marking the same random ``active`` share of each layer's neurons at every token (zero
-    low-rank part, random biases against the threshold); the file says ``recorded_share`` were active on
-    held-out tokens (what Model's down_copy="auto" reads)."""
-    import statistics
-
-    hp = optiml.Model(model_path, n_ctx=64, predictors=None).hparams
-    L, E, F, r = hp["n_layer"], hp["n_embd"], hp["n_ff"], 32
-    t = statistics.NormalDist().inv_cdf(1 - active)
-    res = P.PredictorTraining(np.full(L, r, np.int32), np.full(L, t, np.float32), np.ones(L, np.float32),
-                              np.full(L, recorded_share, np.float32), np.zeros(L, np.float32),
-                              np.zeros(L, np.float32), 0.99, 0, "q8_0")
-    rng = np.random.default_rng(seed)
-    layers = [(np.zeros((r, E), np.float32), np.zeros((F, r), np.float32), rng.standard_normal(F, dtype=np.float32))
-              for _ in range(L)]
-    PF.write(out, layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
-    return out
-
-
 def test_predictors_use_the_chosen_down_copy(smollm2_path, tmp_path):
     """A gated model with predictors and no sparsity criterion: down_copy reaches the engine (8-bit rows
     or the grouped copy of the file's Q4_1 codes: close, not the same bits), and "auto" takes the grouped
     copy when the predictors mark at least 40% of the neurons active, the 8-bit rows below that."""
-    few = _fixed_predictor(smollm2_path, str(tmp_path / "few.gguf"), 0.3, 0.3)
-    many = _fixed_predictor(smollm2_path, str(tmp_path / "many.gguf"), 0.3, 0.6)  # same weights
+    few = fixed_predictor(smollm2_path, str(tmp_path / "few.gguf"), 0.3, 0.3)
+    many = fixed_predictor(smollm2_path, str(tmp_path / "many.gguf"), 0.3, 0.6)  # same weights
     ids = optiml.Model(smollm2_path, n_ctx=64, predictors=None).tokenize(shared_eval_text())[:12]
 
     def steps(pred, copy):
@@ -192,11 +173,11 @@ def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model
         copy = d / "m.gguf"
         shutil.copy(model, copy)
         beside = str(d / "m.predictors.gguf")
-        _fixed_predictor(copy, beside, 0.3, below)
+        fixed_predictor(copy, beside, 0.3, below)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # none expected
             assert optiml.Model(str(copy), n_ctx=64).predictors == beside
-        _fixed_predictor(copy, beside, 0.3, above)
+        fixed_predictor(copy, beside, 0.3, above)
         with pytest.warns(optiml.PredictorWarning, match=rf"not using .*m\.predictors\.gguf: .* {above:.1%} of the FFN") as rec:
             m = optiml.Model(str(copy), n_ctx=64)
         assert m.predictors is None and rec[0].filename == __file__  # points at the caller

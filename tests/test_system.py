@@ -17,11 +17,25 @@ def test_system_info_reports_simd_threads_and_cuda():
     for dev in info["cuda_devices"]:
         assert dev["total_memory"] > 0 and len(dev["compute_capability"]) == 2
     if not info["cuda_devices"]:
-        # With no GPU (or no driver) the module still imports and says why there is no device: for a build
-        # without the backend, whether it was left out on purpose (OPTIML_CUDA=OFF) or nvcc was missing.
+        # With no GPU (or no driver) the module still imports and says why there is no device.
         assert info["cuda_note"]
-        if not info["cuda_compiled"]:
-            assert "OPTIML_CUDA=OFF" in info["cuda_note"] or "nvcc was not found" in info["cuda_note"], info
+
+
+def test_cuda_note_says_why_the_build_has_no_cuda():
+    """The note follows the build's OPTIML_CUDA setting (recorded in the module as cuda_build): a build
+    with CUDA turned off on purpose says so, and does not blame a missing nvcc (issue #47)."""
+    info = optiml.system_info()
+    build = info["cuda_build"]
+    assert build in ("AUTO", "ON", "OFF", "EMU")
+    if build == "OFF":
+        assert not info["cuda_compiled"] and not info["cuda_devices"]
+        assert "OPTIML_CUDA=OFF" in info["cuda_note"] and "nvcc was not found" not in info["cuda_note"]
+    elif build == "AUTO" and not info["cuda_compiled"]:
+        assert "nvcc was not found" in info["cuda_note"] and "OPTIML_CUDA=OFF" not in info["cuda_note"]
+    elif build in ("ON", "EMU"):
+        assert info["cuda_compiled"]  # ON without nvcc fails at configure time
+        if not info["cuda_devices"]:
+            assert "this build has no CUDA backend" not in info["cuda_note"]
 
 
 def test_simd_level_matches_cpu_features():

@@ -43,6 +43,9 @@ nb::dict system_info() {
     info["physical_cores"] = physical_core_count();
 
     info["cuda_compiled"] = cuda_compiled();
+#if defined(OPTIML_CUDA_SETTING)
+    info["cuda_build"] = OPTIML_CUDA_SETTING;  // how the build was asked for CUDA: AUTO, ON, OFF or EMU
+#endif
     std::string why;
     nb::list devices;
     for (const CudaDevice& d : cuda_devices(&why)) {

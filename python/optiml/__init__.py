@@ -12,6 +12,7 @@ from .formats import gguf, quant
 from .formats.predictors import PredictorMismatchError
 from .engine import plan, sampling, tokenizer
 from .engine.batch import Batch
+from .engine.chat_template import ChatTemplateError, TemplateLimitError
 from .engine.model import Model
 from .engine.sparsity import PredictorWarning
 from .offline.calibrate import calibrate
@@ -27,6 +28,7 @@ del _m
 __all__ = [
     "ArgumentError",
     "Batch",
+    "ChatTemplateError",
     "ContextOverflowError",
     "Model",
     "calibrate",
@@ -34,6 +36,7 @@ __all__ = [
     "train_predictors",
     "PredictorMismatchError",
     "PredictorWarning",
+    "TemplateLimitError",
     "GGUFError",
     "OptimlError",
     "UnsupportedModelError",
@@ -53,8 +56,10 @@ def system_info() -> dict:
 
     Keys: ``simd`` (the SIMD level kernels use: scalar, avx2, avx512 or neon), ``simd_available``,
     ``cpu_features``, ``n_threads`` (the default thread pool's size), ``physical_cores``,
-    ``cuda_compiled``, ``cuda_devices`` (a list of dicts: id, name, total_memory, free_memory,
-    compute_capability, multiprocessors) and, when that list is empty, ``cuda_note`` saying why.
+    ``cuda_compiled``, ``cuda_build`` (the build's OPTIML_CUDA setting: AUTO, ON, OFF or EMU),
+    ``cuda_devices`` (a list of dicts: id, name, total_memory, free_memory, compute_capability,
+    multiprocessors) and, when that list is empty, ``cuda_note`` saying why (for a build without the
+    backend: whether it was turned off on purpose or nvcc was missing).
     """
     return _core.system_info()
 

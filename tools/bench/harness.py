@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -48,6 +47,7 @@ INTERNAL = {
     "solve": "optiml.offline.solve",  # make_groups, solve_groups: the placement MIP
     "sampling": "optiml.sampling",  # the Python sampler (Sampler, SamplingParams, find_stop)
     "quant_mix": "optiml.convert.quant_mix",  # the k-quant mixes (TYPES: name -> llama.cpp's ftype)
+    "jsonout": "optiml.util.jsonout",  # JSON without NaN or Infinity (null instead): the --json files
 }
 
 
@@ -352,6 +352,6 @@ class Results:
         """Writes the JSON document when path is set (the --json argument)."""
         if path:
             with open(path, "w", encoding="utf-8") as f:
-                json.dump(self.document(), f, indent=1, default=float)
+                internal("jsonout").dump(self.document(), f, indent=1, default=float)  # NaN, inf: null
                 f.write("\n")
             print(f"results: {path}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import _core
+from ..engine.sparsity import describe, format_skipped
 from ..engine.timing import bench_model
 from . import common
 
@@ -32,12 +33,15 @@ def run(args) -> int:
         return 0
     r = bench_model(m, args.n_prompt, args.n_gen, args.repetitions)
     hp = m.hparams
+    # the FFN neurons skipped, measured on the warm-up run: the prompt, and the generation's mean and steps
+    sparsity = {"mode": m.sparsity, "predictors": m.predictors, "pp_skipped": r["pp_sparsity"]["skipped"],
+                "tg_skipped": r["tg_sparsity"]["skipped"], "tg_skipped_per_step": r["tg_sparsity"]["per_step"]}
     if args.json:
         common.print_json({"model": args.model, "path": m.path, "arch": hp["arch"], "weight_bytes": hp["weight_bytes"],
                            "threads": args.threads or _core.get_num_threads(), "simd": _core.system_info()["simd"],
                            "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
                            "pp_tokens_per_s": r["pp"], "tg_tokens_per_s": r["tg"],
-                           "pp_runs": r["pp_runs"], "tg_runs": r["tg_runs"]})
+                           "pp_runs": r["pp_runs"], "tg_runs": r["tg_runs"], "sparsity": sparsity})
         return 0
     print(f"model: {args.model} ({hp['arch']}, {hp['weight_bytes'] / 2**20:.1f} MiB), "
           f"threads: {args.threads or _core.get_num_threads()}, simd: {_core.system_info()['simd']}")
@@ -45,4 +49,6 @@ def run(args) -> int:
     print("|-------|-----------|")
     print(f"| pp{args.n_prompt:<3} | {r['pp']:9.2f} |")
     print(f"| tg{args.n_gen:<3} | {r['tg']:9.2f} |")
+    print(f"FFN: {describe(m.sparsity, m.predictors)}; neurons skipped: pp{args.n_prompt} "
+          f"{format_skipped(r['pp_sparsity'])}, tg{args.n_gen} {format_skipped(r['tg_sparsity'])}")
     return 0

@@ -4,11 +4,13 @@ history, /commands)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Callable
 
+from ..engine.chat_template import ChatTemplateError
+from ..engine.sparsity import describe
+from ..util import jsonout
 from ..util.atomic import atomic_output
 from ..util.paths import optiml_home
 from . import common
@@ -132,7 +134,9 @@ def history_path() -> str:
 
 def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
          out=None, read: Callable[[str], str] | None = None, reserve: int = 256) -> int:
-    """Runs the interactive chat on ``model`` until /exit or end of input."""
+    """Runs the interactive chat on ``model`` until /exit or end of input. A chat template that fails on a
+    turn is reported and the turn dropped; one that does not compile raises ChatTemplateError (optiml
+    chat then exits with status 1 and the message)."""
     out = out or sys.stdout
     sampling = dict(sampling or {})
     read = read or _reader(history_path())
@@ -181,6 +185,9 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                 say(f"prompt: {s['prompt_tokens']} tokens, {s['prompt_evaluated']} new, {pp:.1f} tokens/s | "
                     f"answer: {s['gen_tokens']} tokens, {tg:.1f} tokens/s | "
                     f"context: {model.n_past}/{model.n_ctx} tokens")
+                sp = model.sparsity_stats()
+                say(f"FFN: {describe(model.sparsity, model.predictors)}; {sp['skipped']:.1%} of the neurons skipped "
+                    f"over {sp['tokens']} tokens")
             elif cmd == "/save":
                 if not arg:
                     say("usage: /save FILE")
@@ -188,7 +195,7 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                 try:
                     with atomic_output(os.path.expanduser(arg), suffix=".json") as tmp, \
                             open(tmp, "w", encoding="utf-8") as f:
-                        json.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
+                        jsonout.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
                     say(f"Saved {len(conv.messages)} messages to {arg}.")
                 except OSError as e:
                     say(f"cannot save: {e}")
@@ -197,30 +204,40 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
             continue
 
         conv.messages.append({"role": "user", "content": line})
-        dropped = conv.fit(reserve)
-        if dropped:
-            say(f"[context full: dropped the {dropped} oldest messages]")
-        if conv.prompt_tokens() >= model.n_ctx:
-            say("[the message does not fit in the context; /reset or a shorter message]")
-            conv.messages.pop()
-            continue
-        pieces: list[str] = []
-        gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
         try:
-            for piece in gen:
-                pieces.append(piece)
-                out.write(piece)
-                out.flush()
-        except KeyboardInterrupt:
-            gen.close()
-            say()
-            say("[stopped]")
-            conv.messages.pop()  # the interrupted exchange is forgotten
-            continue
-        reply = "".join(pieces)
-        conv.messages.append({"role": "assistant", "content": reply.strip() if tpl.fallback else reply})
-        if model.n_past >= model.n_ctx - 1:
-            say()
-            say("[context full: the answer was cut]")
+            _answer(model, conv, say, out, reserve, max_tokens, sampling)
+        except ChatTemplateError as e:  # the template refused or failed on this conversation: say so, go on
+            conv.messages.pop()
+            say(f"[error: {e}]")
+
+
+def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int | None, sampling: dict) -> None:
+    """One turn: the conversation (its last message the user's) fitted to the context and answered,
+    streaming; the answer is appended. ChatTemplateError when the template fails on the conversation."""
+    dropped = conv.fit(reserve)
+    if dropped:
+        say(f"[context full: dropped the {dropped} oldest messages]")
+    if conv.prompt_tokens() >= model.n_ctx:
+        say("[the message does not fit in the context; /reset or a shorter message]")
+        conv.messages.pop()
+        return
+    pieces: list[str] = []
+    gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
+    try:
+        for piece in gen:
+            pieces.append(piece)
+            out.write(piece)
+            out.flush()
+    except KeyboardInterrupt:
+        gen.close()
         say()
+        say("[stopped]")
+        conv.messages.pop()  # the interrupted exchange is forgotten
+        return
+    reply = "".join(pieces)
+    conv.messages.append({"role": "assistant", "content": reply.strip() if model.chat_template.fallback else reply})
+    if model.n_past >= model.n_ctx - 1:
         say()
+        say("[context full: the answer was cut]")
+    say()
+    say()

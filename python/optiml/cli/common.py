@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
-
-import numpy as np
 
 from .._core import ArgumentError
 from ..engine.model import Model
 from ..engine.sparsity import PredictorWarning
 from ..hub.registry import resolve
+from ..util import jsonout
 
 MODEL_HELP = ("GGUF model file, a known model name (optiml pull --list) or a Hugging Face reference "
               "(org/repo:Q4_K_M, org/repo/FILE.gguf), pulled on first use")
@@ -38,17 +36,8 @@ def model_arg(name: str) -> str:
 
 
 def print_json(obj) -> None:
-    """--json: one object on stdout (numpy values as plain numbers and lists)."""
-    def plain(o):
-        if isinstance(o, np.generic):
-            return o.item()
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-        if isinstance(o, bytes):
-            return o.decode("utf-8", errors="replace")
-        raise TypeError(f"{type(o).__name__} is not JSON serializable")
-
-    print(json.dumps(obj, default=plain))
+    """--json: one object on stdout (numpy values as plain numbers and lists; NaN and Infinity as null)."""
+    print(jsonout.dumps(obj))
 
 
 def log(*parts) -> None:

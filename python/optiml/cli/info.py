@@ -11,6 +11,7 @@ import numpy as np
 from .. import _core
 from .._core import ArgumentError, OptimlError
 from ..engine import plan
+from ..engine.companions import companions
 from ..formats import gguf, stats
 from ..formats.placement import coverage_curve, curve_ranks, ffn_layout, layer_bytes, read_placement
 from ..offline.coverage import plot
@@ -65,6 +66,7 @@ def run(args) -> int:
         hp = _core.Model(args.model).hparams
         print()
         print("  runs as: " + ", ".join(f"{k}={v}" for k, v in hp.items()))
+        _show_companions(companions(args.model))
     except OptimlError as e:
         print(f"\n  cannot run: {e}")
     if args.plot:
@@ -93,9 +95,26 @@ def _info_json(path: str, tensors: bool) -> dict:
         out["placement"] = read_placement(f)
     try:
         out["hparams"] = _core.Model(path).hparams
+        out["companions"] = companions(path)
     except OptimlError as e:
-        out["hparams"], out["cannot_run"] = None, str(e)
+        out["hparams"], out["companions"], out["cannot_run"] = None, None, str(e)
     return out
+
+
+def _show_companions(c: dict) -> None:
+    """What a Model with the defaults picks up besides the weights (engine.companions), and why."""
+    sp, pred, pl = c["sparsity"], c["predictors"], c["placement"]
+    print(f"  sparsity (auto): {sp['mode']}: {sp['why']}")
+    name = os.path.basename(pred["path"])
+    state = "not found" if not pred["found"] else ("used" if pred["used"] else "found, not used")
+    print(f"  predictors (auto): {name} {state}: {pred['why']}")
+    print(f"  placement: {'in the file, ' + ('used' if pl['used'] else 'not used') if pl['in_file'] else 'none'}: "
+          f"{pl['why']}")
+    if not c["files"]:
+        print("  companion files beside the model: none")
+    for f in c["files"]:
+        print(f"  companion file: {os.path.basename(f['path'])} ({f['kind']}): {'used' if f['used'] else 'not used'}: "
+              f"{f['why']}")
 
 
 def _show_placement(f) -> dict | None:

@@ -8,6 +8,7 @@ import time
 
 from .._core import ArgumentError
 from ..evaluate import perplexity as px
+from ..engine.sparsity import describe, format_skipped
 from . import common
 
 
@@ -34,6 +35,27 @@ def _progress(i, n, x):  # on stderr: stdout holds only the result
         print(f"[{i}]{x:.4f},", end=" " if i < n else "\n", flush=True, file=sys.stderr)
 
 
+def _metered(m):
+    """(progress callback, SkipMeter): _progress, with each window (one step) metered for the FFN neurons
+    it skipped."""
+    meter = m.sparsity_meter()
+
+    def progress(i, n, x):
+        meter.step()
+        _progress(i, n, x)
+
+    return progress, meter
+
+
+def _sparsity(m, meter) -> tuple[str, dict]:
+    """The FFN's sparsity in use and the neurons it skipped, per window (a step) and mean: a line of text,
+    and the --json object."""
+    s = meter.summary()
+    return (f"FFN: {describe(m.sparsity, m.predictors)}; neurons skipped: {format_skipped(s)}",
+            {"mode": s["mode"], "predictors": s["predictors"], "skipped": s["skipped"],
+             "skipped_per_window": s["per_step"]})
+
+
 def run(args) -> int:
     if args.kl_divergence:
         return _compare(args)
@@ -43,16 +65,19 @@ def run(args) -> int:
     m = common.load(args, n_ctx=512 if args.ctx is None else args.ctx)
     with open(args.file, encoding="utf-8", errors="replace") as f:
         text = f.read()
+    progress, meter = _metered(m)
     if args.kl_divergence_base:
-        ppl, err, count = px.save_base(args.kl_divergence_base, m, text, m.n_ctx, args.chunks, args.kl_top_k, _progress)
+        ppl, err, count = px.save_base(args.kl_divergence_base, m, text, m.n_ctx, args.chunks, args.kl_top_k, progress)
         common.log(f"saved the log-probs of {count} tokens to {args.kl_divergence_base}")
     else:
-        ppl, err, count = px.perplexity(m, text, m.n_ctx, args.chunks, _progress)
+        ppl, err, count = px.perplexity(m, text, m.n_ctx, args.chunks, progress)
     common.log(f"{count} tokens scored in {time.perf_counter() - t0:.1f} s (n_ctx={m.n_ctx})")
+    line, sparsity = _sparsity(m, meter)
+    common.log(line)  # stdout holds only the result: "PPL = ..."
     if args.json:
         common.print_json({"model": args.model, "file": args.file, "n_ctx": m.n_ctx, "n_tokens": count, "ppl": ppl,
                            "ppl_err": err, "seconds": time.perf_counter() - t0,
-                           "base_written": args.kl_divergence_base})
+                           "base_written": args.kl_divergence_base, "sparsity": sparsity})
         return 0
     print(f"PPL = {ppl:.4f} +/- {err:.4f}")
     return 0
@@ -74,11 +99,16 @@ def _compare(args) -> int:
             raise ArgumentError(f"{args.file} does not tokenize to the base's tokens with this model "
                                 "(the base stores its tokens: -f can be left out)")
     common.log(f"comparing with {base.path} ({base.model}, {base.n_chunks} windows of {base.n_ctx}); mean KLD:")
-    r = px.compare(base, m, args.chunks, _progress)
+    progress, meter = _metered(m)
+    r = px.compare(base, m, args.chunks, progress)
     common.log(f"{r.n} tokens scored in {time.perf_counter() - t0:.1f} s")
+    line, sparsity = _sparsity(m, meter)
     if args.json:
         common.print_json({"model": args.model, "base": str(base.path), "base_model": base.model,
-                           "n_ctx": base.n_ctx, "seconds": time.perf_counter() - t0, **r.summary()})
+                           "n_ctx": base.n_ctx, "seconds": time.perf_counter() - t0, **r.summary(),
+                           "sparsity": sparsity})
     else:
+        print(line)  # what the KLD bought, above the report (which ends the output, as llama.cpp's)
+        print()
         print(r.format())
     return 0

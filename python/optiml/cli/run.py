@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..engine.sparsity import describe, format_skipped
 from . import common
 
 
@@ -27,6 +28,7 @@ def run(args) -> int:
     m = common.load(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     t0 = time.perf_counter()
+    prompt_meter, gen_meter = m.sparsity_meter(), None
     for piece in m.stream(
         prompt,
         max_tokens=args.n_predict,
@@ -38,10 +40,26 @@ def run(args) -> int:
         seed=args.seed,
         stop=args.stop,
     ):
+        # The first piece comes once the prompt ran; each later one after a decode step (or a few, when a
+        # stop string held pieces back).
+        if gen_meter is None:
+            prompt_meter.step()
+            gen_meter = m.sparsity_meter()
+        else:
+            gen_meter.step()
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    common.log(sparsity_line(m, prompt_meter.summary(), gen_meter.summary() if gen_meter else None))
     if args.verbose:
         dt = time.perf_counter() - t0
         print(f"[{m.n_past} tokens in context, {dt:.2f} s]", file=sys.stderr)
     return 0
+
+
+def sparsity_line(m, prompt: dict, gen: dict | None) -> str:
+    """The FFN's sparsity in use and the neurons it skipped in the prompt and the generation (SkipMeter
+    summaries), as one log line."""
+    return (f"FFN: {describe(m.sparsity, m.predictors)}; neurons skipped: prompt {format_skipped(prompt)}, "
+            f"generation {format_skipped(gen) if gen else '-'}")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from .. import _core
+from ..util import jsonout
 
 
 def add_arguments(p) -> None:
@@ -12,5 +11,5 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    print(json.dumps(_core.system_info(), indent=2))
+    print(jsonout.dumps(_core.system_info(), indent=2))
     return 0

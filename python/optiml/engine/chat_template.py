@@ -16,7 +16,13 @@ A template is code from whoever made the model file. Besides the sandbox (no att
 internals, no mutation of the inputs, ``range`` capped by jinja2), rendering is bounded: at most
 ``MAX_OUTPUT_CHARS`` characters of output (also for a single ``*`` or ``**`` result) and
 ``MAX_RENDER_SECONDS`` of time (checked on every template line and call, so loops that print nothing
-count too). A template over either limit raises ``TemplateLimitError`` (an ``OptimlError``).
+count too). A template over either limit raises ``TemplateLimitError``.
+
+Every failure of a template ends as a ``ChatTemplateError`` (an ``OptimlError``; ``TemplateLimitError`` is
+one) whose message names the template (the model file it came from) and the problem, and whose
+``problem`` says which: "syntax" (it does not compile), "blocked" (the sandbox refused what it reached
+for), "refused" (the template's own ``raise_exception``: it does not accept these messages), "render"
+(it failed while rendering) or "limit".
 """
 
 from __future__ import annotations
@@ -35,14 +41,53 @@ from .._core import OptimlError
 from ..formats import gguf
 from .tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "CHATML_TEMPLATE", "PLAIN_TEMPLATE", "TemplateLimitError", "read_template"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "PLAIN_TEMPLATE", "TemplateLimitError",
+           "read_template"]
 
 MAX_OUTPUT_CHARS = 1 << 20  # a prompt is a few hundred kB at most; a template writing more is broken or hostile
 MAX_RENDER_SECONDS = 2.0  # real templates render in well under 10 ms
 
 
-class TemplateLimitError(OptimlError):
+class ChatTemplateError(OptimlError):
+    """A chat template that failed: it does not compile, the sandbox blocked it, it refused the messages,
+    it failed while rendering, or it went past the limits. ``template``: which template (e.g. "the chat
+    template of MODEL.gguf"); ``problem``: "syntax", "blocked", "refused", "render" or "limit"."""
+
+    def __init__(self, message: str, template: str | None = None, problem: str = "render"):
+        super().__init__(message)
+        self.template = template
+        self.problem = problem
+
+
+class TemplateLimitError(ChatTemplateError):
     """A chat template produced too much output or ran too long (see MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS)."""
+
+    def __init__(self, message: str, template: str | None = None, problem: str = "limit"):
+        super().__init__(message, template, problem)
+
+
+class TemplateRefused(Exception):
+    """Raised by a template's raise_exception(message): it does not accept the conversation. render() turns
+    it into a ChatTemplateError (problem "refused")."""
+
+
+# What to do about a template that fails (by ChatTemplateError.problem).
+_FIX = {
+    "refused": "the template accepts other conversations (such as roles alternating user/assistant after one "
+               "optional system message): change the messages",
+    "other": "the template in the model file is broken or hostile: use another model file, or give a template of "
+             "your own (Model.chat_template = TEMPLATE_TEXT)",
+}
+
+
+def _why(e: BaseException) -> str:
+    """An exception of jinja2 (or of the template's own code) as the problem's words."""
+    import jinja2
+
+    if isinstance(e, jinja2.TemplateSyntaxError):
+        return f"line {e.lineno}: {e.message}" if e.lineno else str(e.message)
+    text = str(e)
+    return f"{type(e).__name__}: {text.rstrip('.')}" if text else type(e).__name__
 
 
 class _Budget:
@@ -61,7 +106,7 @@ class _Budget:
 
     def check_size(self, n: int, what: str = "output"):
         if n > self.max_chars:
-            raise TemplateLimitError(f"the chat template's {what} exceeds {self.max_chars} characters; the "
+            raise TemplateLimitError(f"the chat template: its {what} exceeds {self.max_chars} characters; the "
                                      "template is broken or hostile")
 
 
@@ -142,7 +187,7 @@ def _compile(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise TemplateRefused(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -214,45 +259,82 @@ class ChatTemplate:
     """A jinja2 chat template with the special-token strings it may use.
 
     source: the template text. stop: extra stop strings generation needs with it (the plain fallback's).
-    fallback: True when the model had no template of its own.
+    fallback: True when the model had no template of its own. name: where the template comes from (the
+    model file's name), for error messages: see :attr:`what`. A template that does not compile raises
+    ChatTemplateError (problem "syntax"; "limit" when it nests too deeply).
     """
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", stop: Sequence[str] = (),
-                 fallback: bool = False):
+                 fallback: bool = False, name: str | None = None):
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.stop = list(stop)
         self.fallback = fallback
+        self.name = name
         try:
             self._template = _compile(source)
         except RecursionError:  # jinja2's parser recurses per nesting level: '{{{{{{...' (found by fuzzing)
-            raise TemplateLimitError("the chat template nests too deeply to compile; it is broken or hostile") from None
+            raise TemplateLimitError(f"{self.what} nests too deeply to compile; it is broken or hostile",
+                                     self.what) from None
+        except Exception as e:  # jinja2.TemplateSyntaxError, and whatever else its parser may raise
+            raise ChatTemplateError(f"{self.what} does not compile ({_why(e)}); {_FIX['other']}", self.what,
+                                    "syntax") from None
+
+    @property
+    def what(self) -> str:
+        """The template as error messages name it: "the chat template of MODEL.gguf", "the ChatML fallback
+        chat template (MODEL.gguf has none)", or "the chat template" when it has no name."""
+        if self.fallback:
+            kind = "ChatML" if self.source == CHATML_TEMPLATE else "plain"
+            return f"the {kind} fallback chat template" + (f" ({self.name} has none)" if self.name else "")
+        return f"the chat template of {self.name}" if self.name else "the chat template"
 
     @classmethod
-    def for_tokenizer(cls, template: str | None, tokenizer) -> ChatTemplate:
-        """The template (None: the fallback) with the tokenizer's BOS/EOS text."""
+    def for_tokenizer(cls, template: str | None, tokenizer, name: str | None = None) -> ChatTemplate:
+        """The template (None: the fallback) with the tokenizer's BOS/EOS text; name: see the class."""
 
         def text(i):
             return tokenizer.token_to_piece(i, True).decode("utf-8", "replace") if i is not None and i >= 0 else ""
 
         bos, eos = text(tokenizer.bos_id), text(tokenizer.eos_id)
         if template:
-            return cls(template, bos, eos)
+            return cls(template, bos, eos, name=name)
         if tokenizer.token_id("<|im_start|>") >= 0 and tokenizer.token_id("<|im_end|>") >= 0:
-            return cls(CHATML_TEMPLATE, bos, eos, fallback=True)
-        return cls(PLAIN_TEMPLATE, bos, eos, stop=["\nUser:"], fallback=True)
+            return cls(CHATML_TEMPLATE, bos, eos, fallback=True, name=name)
+        return cls(PLAIN_TEMPLATE, bos, eos, stop=["\nUser:"], fallback=True, name=name)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> ChatTemplate:
-        return cls.for_tokenizer(read_template(path), Tokenizer.from_file(path))
+        return cls.for_tokenizer(read_template(path), Tokenizer.from_file(path), os.path.basename(os.fspath(path)))
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The conversation as the model's prompt text (what apply_chat_template(tokenize=False) gives)."""
+        """The conversation as the model's prompt text (what apply_chat_template(tokenize=False) gives).
+        Any failure of the template raises ChatTemplateError (see the module doc)."""
         ctx = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
         ctx.update(kwargs)
         ctx.update(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
-        return self._render_limited(ctx, self.max_output_chars, self.max_render_seconds)
+        try:
+            return self._render_limited(ctx, self.max_output_chars, self.max_render_seconds)
+        except ChatTemplateError as e:  # the limits: named after this template
+            text = str(e)
+            if text.startswith("the chat template"):
+                text = self.what + text[len("the chat template"):]
+            else:
+                text = f"{self.what}: {text}"
+            raise type(e)(text, self.what, e.problem) from None
+        except TemplateRefused as e:
+            raise ChatTemplateError(f"{self.what} refuses these messages: {e}; {_FIX['refused']}", self.what,
+                                    "refused") from None
+        except Exception as e:  # the template's code failed: anything it raises is the template's failure
+            from jinja2.exceptions import SecurityError
+
+            if isinstance(e, SecurityError):
+                why = str(e).rstrip(".")
+                raise ChatTemplateError(f"{self.what} was blocked by the sandbox ({why}): it reaches for Python "
+                                        f"internals; {_FIX['other']}", self.what, "blocked") from None
+            raise ChatTemplateError(f"{self.what} failed while rendering ({_why(e)}); {_FIX['other']}", self.what,
+                                    "render") from None
 
     # Class-level so a caller (or a test) can tighten them per template.
     max_output_chars = MAX_OUTPUT_CHARS

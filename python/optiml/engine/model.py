@@ -36,7 +36,7 @@ from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make
 from .plan import Plan, kv_types, plan_args
 from .sampling import Sampler
 from .sequences import Sequences
-from .sparsity import choose_mode, compact_down, predictors_beside, skip_stats
+from .sparsity import SkipMeter, choose_mode, compact_down, predictors_beside, skip_stats
 from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
 
@@ -262,12 +262,21 @@ class Model(Sequences):
         self._predicted_share = share
 
     def sparsity_stats(self, reset: bool = False) -> dict:
-        """Neurons skipped since the model was made (or the last reset=True): per layer and overall
-        shares of the (token, FFN neuron) pairs not computed, and the mode."""
+        """Neurons skipped since the model was made (or the last reset=True, set_sparsity or set_predictors):
+        per layer ("layers") and overall ("skipped") shares of the (token, FFN neuron) pairs not computed,
+        "tokens", the mode ("mode") and the predictor file in use ("predictors", or None)."""
         active, seen = self._session.sparsity_counts()
         if reset:
             self._session.reset_sparsity_counts()
-        return skip_stats(active, seen, self.sparsity, self.hparams)
+        return skip_stats(active, seen, self.sparsity, self.hparams, self.predictors)
+
+    def sparsity_meter(self, history: int | None = None) -> SkipMeter:
+        """Measures the share of FFN neurons skipped step by step from now on (engine.sparsity.SkipMeter):
+        call its step() after each eval or decode (or each piece a stream yields), then summary() for the
+        mean, the spread over the steps (the last `history` of them; None: all), the mode and the
+        predictors. Call step() from the thread that runs the model."""
+        return SkipMeter(self._session.sparsity_counts, lambda: (self.sparsity, self.predictors), self.hparams,
+                         history)
 
     # ---- where layers run (decode and the KV cache API: Sequences, engine/sequences.py) -------------
     @property
@@ -396,10 +405,25 @@ class Model(Sequences):
     @property
     def chat_template(self):
         """The model's chat template (optiml.engine.chat_template.ChatTemplate): GGUF
-        ``tokenizer.chat_template``, or the documented fallback when the file has none."""
+        ``tokenizer.chat_template``, or the documented fallback when the file has none. ChatTemplateError
+        (naming the file) when it does not compile. Assign a template's text (or a ChatTemplate) to chat
+        with another one, None to return to the file's."""
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer)
+            self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer,
+                                                             os.path.basename(self.path))
         return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template) -> None:
+        if template is None or isinstance(template, ChatTemplate):
+            tpl = template
+        elif isinstance(template, str) and template:
+            name = f"{os.path.basename(self.path)} (set by Model.chat_template)"
+            tpl = ChatTemplate.for_tokenizer(template, self.tokenizer, name)
+        else:
+            raise ArgumentError(f"chat_template: give the template's text, a ChatTemplate or None, not {template!r}")
+        self._chat_template = tpl
+        self._chat.forget()
 
     def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """The token ids of ``messages`` rendered with the chat template. When the text begins with the last

@@ -12,11 +12,12 @@ the spans as a Chrome trace (chrome://tracing, https://ui.perfetto.dev).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..util import jsonout
 
 __all__ = ["Timeline", "LayerTimes", "record_steps"]
 
@@ -159,7 +160,7 @@ class Timeline:
             events.append({"name": kind if layer < 0 else f"{kind} {layer}", "cat": kind, "ph": "X", "pid": 0,
                            "tid": dev, "ts": (t0 - origin) * 1e6, "dur": (t1 - t0) * 1e6, "args": {"layer": layer}})
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            jsonout.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 def record_steps(session, ids: list[int], n_tokens: int, batch: int = 1) -> list:

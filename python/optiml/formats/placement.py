@@ -37,6 +37,7 @@ from .._core import ArgumentError, GGUFError, UnsupportedModelError
 from .gguf_edit import GGUFValueType as VT
 from .gguf_edit import check_output, rewrite_gguf
 from .stats import ActivationStats, hot_first_order
+from ..util import jsonout
 
 __all__ = ["PREFIX", "coverage_curve", "curve_ranks", "ffn_layout", "layer_bytes", "read_placement", "write_placed"]
 
@@ -246,8 +247,8 @@ def placement_kv(stats: ActivationStats, placement: Any,
         P + "vram_used": (int(placement.vram_used), VT.UINT64),
         P + "fixed_bytes": (int(placement.fixed_bytes), VT.UINT64),
         P + "ctx": (int(placement.ctx), VT.UINT32),
-        P + "hardware": (json.dumps(placement.hardware, sort_keys=True, default=str), VT.STRING),
-        P + "solver": (json.dumps(solver), VT.STRING),
+        P + "hardware": (jsonout.dumps(placement.hardware, sort_keys=True, default=str), VT.STRING),
+        P + "solver": (jsonout.dumps(solver), VT.STRING),
         P + "est_token_ms": (float(placement.est_token_s) * 1000.0, VT.FLOAT32),
         P + "stats.tokens": (int(stats.n_tokens), VT.UINT64),
         P + "stats.sources": (stats.sources or "-", VT.STRING),

@@ -36,6 +36,7 @@ import numpy as np
 from .. import _core
 from .._core import ArgumentError
 from ..formats.quant import quantize, type_info
+from ..util import jsonout
 
 __all__ = ["Hardware"]
 
@@ -94,7 +95,7 @@ class Hardware:
         d = self.to_dict()
         d.pop("source")
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(d, f, indent=2, sort_keys=True)
+            jsonout.dump(d, f, indent=2, sort_keys=True)
             f.write("\n")
 
     @classmethod

@@ -10,7 +10,9 @@ pip install "optiml[ray]"; imported only by serve_ray).
 
 from __future__ import annotations
 
+from ..engine.chat_template import ChatTemplateError
 from ..engine.model import Model
+from ..engine.sparsity import describe
 
 __all__ = ["Server", "create_app", "serve", "serve_ray"]
 
@@ -47,7 +49,12 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"
                if model.plan.n_seq_device < n_parallel else "")
     print(f"optiml serve: {server.model_id} on http://{host}:{port}/v1 ({n_parallel} slots of {model.n_ctx} "
-          f"tokens, queue {max_queue}{offload})", flush=True)
+          f"tokens, queue {max_queue}{offload}); FFN: {describe(model.sparsity, model.predictors)}", flush=True)
+    try:
+        model.chat_template  # compiled now: a broken one is reported before the first request
+    except ChatTemplateError as e:
+        print(f"optiml serve: warning: {e}. /v1/chat/completions answers 500 (code chat_template_error); "
+              "/v1/completions works", flush=True)
     uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -18,11 +17,14 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
+from starlette.responses import JSONResponse as _StarletteJSONResponse
 from starlette.routing import Route
 
 from .._core import OptimlError
+from ..engine.chat_template import ChatTemplateError
 from ..engine.sampling import RANDOM_SEED, Sampler
+from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
 from .scheduler import Job, QueueFull, Scheduler
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
@@ -351,8 +353,24 @@ class _EventStream(EventSourceResponse):
             await super()._send_with_timeout(send, message)
 
 
+def template_error(e: ChatTemplateError) -> APIError:
+    """A chat template's failure as an answer: 400 when the template refuses the messages (its own
+    raise_exception), else 500: the model's template is broken or hostile, whatever the request."""
+    if e.problem == "refused":
+        return APIError(400, str(e), param="messages", code="chat_template_refused")
+    return APIError(500, str(e), type="server_error", code="chat_template_error")
+
+
 def _dumps(d) -> str:
-    return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
+    return jsonout.dumps(d, ensure_ascii=False, separators=(",", ":"))
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """Starlette's JSON response with NaN and Infinity written as null (a logprob of -inf, a statistic
+    not measured yet) instead of failing the request."""
+
+    def render(self, content) -> bytes:
+        return _dumps(content).encode("utf-8")
 
 
 def _sse(data: str) -> bytes:
@@ -376,7 +394,11 @@ def create_app(server: Server) -> Starlette:
                 except APIError as e:
                     status = e.status
                     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-                except OptimlError as e:  # e.g. a template that refuses the conversation
+                except ChatTemplateError as e:
+                    err = template_error(e)
+                    status = err.status
+                    return JSONResponse(err.body(), status_code=err.status)
+                except OptimlError as e:  # a request the engine refuses (e.g. a bad sampling setting)
                     status = 400
                     return JSONResponse(bad(str(e)).body(), status_code=400)
                 finally:
@@ -391,11 +413,8 @@ def create_app(server: Server) -> Starlette:
         body = parse_json(await read_body(request, server.max_body))
         server.check_model(body)
         messages, fields = chat_request(body, server.model.n_vocab)
-        tpl = server.model.chat_template
-        try:
-            text = tpl.render(messages, add_generation_prompt=True)
-        except Exception as e:  # jinja2's raise_exception: the template refuses this conversation
-            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+        tpl = server.model.chat_template  # ChatTemplateError: see template_error
+        text = tpl.render(messages, add_generation_prompt=True)
         ids = server.chat_ids(text)
         server.check_prompt(ids)
         fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,6 +37,29 @@ class Metrics:
         self.host_sequences = Gauge("optiml_host_sequences", "Running sequences whose KV cache is in host memory",
                                     registry=r)
         self.rejected = Counter("optiml_rejected", "Requests turned away because the queue was full", registry=r)
+        # FFN activation sparsity: what is in use (set by the server) and the (token, neuron) pairs skipped.
+        self.ffn_sparsity = Info("optiml_ffn_sparsity", "The FFN's sparsity mode (none, calibrated, exact, custom) "
+                                 "and the activation predictor file in use (none)", registry=r)
+        self.ffn_neurons = Counter("optiml_ffn_neurons", "FFN (token, neuron) pairs of the steps run", registry=r)
+        self.ffn_skipped = Counter("optiml_ffn_neurons_skipped", "FFN (token, neuron) pairs not computed (skipped "
+                                   "by the sparsity mode or the predictors)", registry=r)
+        self.ffn_skipped_mean = Gauge("optiml_ffn_skipped_ratio", "Share of FFN neurons skipped over every step "
+                                      "since the server started", registry=r)
+        self.ffn_skipped_step = Gauge("optiml_ffn_step_skipped_ratio", "Share of FFN neurons skipped in the last "
+                                      "step", registry=r)
+        self.ffn_step_skipped = Histogram("optiml_ffn_step_skipped", "Share of FFN neurons skipped, per step",
+                                          buckets=tuple(i / 10 for i in range(1, 11)), registry=r)
+
+    def sparsity_in_use(self, mode: str, predictors: str | None) -> None:
+        self.ffn_sparsity.info({"mode": mode, "predictors": predictors or "none"})
+
+    def sparsity_step(self, meter, seen: int, active: int) -> None:
+        """After a step the SkipMeter `meter` recorded: seen and active were its totals before it."""
+        self.ffn_neurons.inc(meter.seen - seen)
+        self.ffn_skipped.inc((meter.seen - seen) - (meter.active - active))
+        self.ffn_skipped_mean.set(meter.skipped)
+        self.ffn_skipped_step.set(meter.last)
+        self.ffn_step_skipped.observe(meter.last)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -112,6 +112,10 @@ class Scheduler:
         self.cond = threading.Condition()
         self.stopping = False
         self.steps = 0
+        # The FFN neurons each step skipped (read in this thread after each step; /metrics shows them).
+        self.sparsity = model.sparsity_meter(history=1024)
+        if metrics:
+            metrics.sparsity_in_use(model.sparsity, model.predictors)
         self.thread = threading.Thread(target=self._run, name="optiml-scheduler", daemon=True)
 
     # ---- called from the server's event loop ----------------------------------------------------------
@@ -327,6 +331,7 @@ class Scheduler:
         features = self._step_features(batch) if self.policy is not None else None
         t0 = time.perf_counter()
         logits = self.model.decode(batch)
+        self._sparsity_step()
         if features is not None:
             self.policy.cost.observe(features, time.perf_counter() - t0)
             if self.metrics:
@@ -347,6 +352,13 @@ class Scheduler:
             j.slot.last_used = now
             if not j.cancelled:
                 self._sample(j, row, now)
+
+    def _sparsity_step(self) -> None:
+        """Records the step just run in the sparsity meter and the metrics."""
+        m = self.sparsity
+        seen, active = m.seen, m.active
+        if m.step() is not None and self.metrics:
+            self.metrics.sparsity_step(m, seen, active)
 
     def _step_features(self, batch: Batch):
         """What the cost model reads of a step: its tokens and the positions each attends over, by where
@@ -375,6 +387,7 @@ class Scheduler:
         tok, end, flush, out, j.pending = self.model._step_sequence(
             j.slot.index, pos, j.next_token, bias, j.sampler, j.detok, stops, j.pending, last)
         self.steps += 1
+        self._sparsity_step()
         now = time.perf_counter()
         j.slot.tokens.append(j.next_token)
         j.next_token = None

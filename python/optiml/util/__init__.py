@@ -2,4 +2,5 @@
 
 atomic: output files that appear whole or not at all. sizes: byte sizes read and shown. memory: what the
 operating system offers (available memory, transparent huge pages). paths: where OptiML keeps its files.
+jsonout: JSON every parser reads (no NaN or Infinity: null).
 """
