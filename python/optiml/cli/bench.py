@@ -49,6 +49,6 @@ def run(args) -> int:
     print("|-------|-----------|")
     print(f"| pp{args.n_prompt:<3} | {r['pp']:9.2f} |")
     print(f"| tg{args.n_gen:<3} | {r['tg']:9.2f} |")
-    print(f"FFN: {describe(m.sparsity, m.predictors)}; neurons skipped: pp{args.n_prompt} "
+    print(f"FFN: {describe(m.sparsity, m.predictors, m.sparsity_note)}; neurons skipped: pp{args.n_prompt} "
           f"{format_skipped(r['pp_sparsity'])}, tg{args.n_gen} {format_skipped(r['tg_sparsity'])}")
     return 0

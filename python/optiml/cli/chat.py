@@ -186,7 +186,7 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                     f"answer: {s['gen_tokens']} tokens, {tg:.1f} tokens/s | "
                     f"context: {model.n_past}/{model.n_ctx} tokens")
                 sp = model.sparsity_stats()
-                say(f"FFN: {describe(model.sparsity, model.predictors)}; {sp['skipped']:.1%} of the neurons skipped "
+                say(f"FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}; {sp['skipped']:.1%} of the neurons skipped "
                     f"over {sp['tokens']} tokens")
             elif cmd == "/save":
                 if not arg:

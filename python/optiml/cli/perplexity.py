@@ -51,7 +51,7 @@ def _sparsity(m, meter) -> tuple[str, dict]:
     """The FFN's sparsity in use and the neurons it skipped, per window (a step) and mean: a line of text,
     and the --json object."""
     s = meter.summary()
-    return (f"FFN: {describe(m.sparsity, m.predictors)}; neurons skipped: {format_skipped(s)}",
+    return (f"FFN: {describe(m.sparsity, m.predictors, m.sparsity_note)}; neurons skipped: {format_skipped(s)}",
             {"mode": s["mode"], "predictors": s["predictors"], "skipped": s["skipped"],
              "skipped_per_window": s["per_step"]})
 

@@ -61,5 +61,5 @@ def run(args) -> int:
 def sparsity_line(m, prompt: dict, gen: dict | None) -> str:
     """The FFN's sparsity in use and the neurons it skipped in the prompt and the generation (SkipMeter
     summaries), as one log line."""
-    return (f"FFN: {describe(m.sparsity, m.predictors)}; neurons skipped: prompt {format_skipped(prompt)}, "
+    return (f"FFN: {describe(m.sparsity, m.predictors, m.sparsity_note)}; neurons skipped: prompt {format_skipped(prompt)}, "
             f"generation {format_skipped(gen) if gen else '-'}")

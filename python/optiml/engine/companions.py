@@ -19,7 +19,7 @@ import os
 from .. import _core
 from .._core import OptimlError
 from ..formats.placement import read_placement
-from . import plan
+from . import plan, speed_probe
 from .sparsity import beside, choose_mode
 
 __all__ = ["companions"]
@@ -33,6 +33,9 @@ def _sparsity(native, path: str) -> dict:
            "exact": f"its FFN is ReLU-family ({hp['ffn_act']}): exact zero-skipping, the dense result",
            "none": f"no calibrated thresholds in the file and its FFN ({hp['ffn_act']}) is not ReLU-family: dense "
                    "(optiml calibrate adds thresholds)"}[mode]
+    if mode != "none":
+        why += ("; kept only where a step is faster than with the dense FFN on this machine (timed once at the first "
+                f"load, cached in {speed_probe.cache_path()}; Model.sparsity_note tells)")
     return {"mode": mode, "why": why, "activation": hp["ffn_act"], "calibrated": bool(cfg["calibrated"])}
 
 

@@ -150,10 +150,11 @@ _MODE_WORDS = {"none": "dense", "calibrated": "the file's calibrated thresholds"
                "custom": "thresholds given"}
 
 
-def describe(mode: str, predictors: str | None) -> str:
-    """The sparsity in use in words, for a log line: "sparsity exact (ReLU zeros skipped), predictors NAME"."""
+def describe(mode: str, predictors: str | None, note: str = "") -> str:
+    """The sparsity in use in words, for a log line: "sparsity exact (ReLU zeros skipped), predictors NAME",
+    then sparsity="auto"'s note on why (Model.sparsity_note) when there is one."""
     pred = os.path.basename(predictors) if predictors else "none"
-    return f"sparsity {mode} ({_MODE_WORDS.get(mode, mode)}), predictors {pred}"
+    return f"sparsity {mode} ({_MODE_WORDS.get(mode, mode)}), predictors {pred}" + (f" [{note}]" if note else "")
 
 
 class SkipMeter:

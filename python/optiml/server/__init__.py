@@ -49,7 +49,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"
                if model.plan.n_seq_device < n_parallel else "")
     print(f"optiml serve: {server.model_id} on http://{host}:{port}/v1 ({n_parallel} slots of {model.n_ctx} "
-          f"tokens, queue {max_queue}{offload}); FFN: {describe(model.sparsity, model.predictors)}", flush=True)
+          f"tokens, queue {max_queue}{offload}); FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}", flush=True)
     try:
         model.chat_template  # compiled now: a broken one is reported before the first request
     except ChatTemplateError as e:
