@@ -2,6 +2,13 @@
 // kernel that normalizes, rotates and stores the new keys and values, and a per-(token, head) kernel
 // that runs the softmax over the token's visible positions in chunks (two passes: max and sum online,
 // then the weighted values; no split over positions yet), for any context length and grouped-query heads.
+//
+// Keys and values are F16, F32, or (each on its own) the block formats Q8_0 and Q4_0 in the CPU's layout and
+// with its rotation (attn_quant.cpp, attention.cpp): a quantized side is rotated by a Walsh-Hadamard
+// transform before it is quantized (q with the keys, the attention output back after the values), keys are
+// rows of blocks whose dot products with q's Q8_0 codes are integer sums as the CPU's vec_dot, and values
+// are rows too, weighed in float. The bytes are the CPU's, so a cache moves between the devices (attention
+// offload) and both read it alike.
 #include <cuda_fp16.h>
 
 #include "kernels.cuh"
@@ -15,6 +22,7 @@ namespace {
 constexpr int kThreads = 128;        // threads of the scores kernel: positions per chunk
 constexpr int kMaxHeadDim = 256;     // the models this backend runs (Gemma 3: 256)
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
+constexpr int kMaxBlocks = kMaxHeadDim / 32;  // a quantized head's blocks of 32 values
 
 __device__ float warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -54,9 +62,169 @@ __device__ void store_kv(int32_t type, uint8_t* p, int64_t i, float v) {
         ((float*)p)[i] = v;
 }
 
+__host__ __device__ bool kv_quantized(int32_t type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0; }
+
+// Bytes of n values of a cache type (row_size for the four the cache stores; n a multiple of 32 when
+// quantized).
+__device__ size_t kv_bytes(int32_t type, int64_t n) {
+    if (type == TYPE_Q8_0) return (size_t)(n / 32) * sizeof(block_q8_0);
+    if (type == TYPE_Q4_0) return (size_t)(n / 32) * sizeof(block_q4_0);
+    return (size_t)n * (type == TYPE_F16 ? 2 : 4);
+}
+
+// An f16 scale's bits as a float (the hardware conversion is exact).
+__device__ float half_bits(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+
+// x[0..n) (device or shared memory) rotated in place in stripes of `block` values, as the CPU's kv_rotate:
+// the fast Walsh-Hadamard transform's rounds of butterflies (Sylvester's order) then 1/sqrt(block). Each
+// value goes through the same float operations as there, so the bits are the CPU's. Every thread of the
+// block calls it (it synchronizes between rounds).
+__device__ void rotate(float* x, int n, int block) {
+    for (int h = 1; h < block; h *= 2) {
+        for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+            const int j = p / h * 2 * h + p % h;  // the pair (j, j + h): h apart within a run of 2h
+            const float a = x[j], c = x[j + h];
+            x[j] = a + c;
+            x[j + h] = a - c;
+        }
+        __syncthreads();
+    }
+    const float norm = 1.0f / sqrtf((float)block);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] *= norm;
+    __syncthreads();
+}
+
+// Q8_0 codes of 32 values as the CPU converts activations (quant_legacy.cpp's q8_activation_codes:
+// 127 / amax, ties to even), which is also how it writes a q8_0 cache; returns the scale before its f16
+// rounding.
+__device__ float q8_0_codes(const float* x, int8_t* qs) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) qs[j] = (int8_t)rintf(x[j] * id);
+    return amax / 127.0f;
+}
+
+// One block of 32 values into the cache (dst: 2-byte aligned), as the CPU's kv_from_float writes it: Q8_0
+// by q8_0_codes, Q4_0 by llama.cpp's reference quantize_row_q4_0 (the signed extreme maps to code 0, codes
+// truncated after + 8.5, the product rounded before the add as the CPU's fp_barrier keeps it).
+__device__ void quantize_block(int32_t type, const float* x, uint8_t* dst) {
+    if (type == TYPE_Q8_0) {
+        const float d = q8_0_codes(x, (int8_t*)(dst + 2));
+        *(__half*)dst = __float2half_rn(d);
+        return;
+    }
+    float amax = fabsf(x[0]), max = x[0];  // the first of largest magnitude, with its sign
+    for (int j = 1; j < 32; j++)
+        if (fabsf(x[j]) > amax) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    const float d = max / -8.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    *(__half*)dst = __float2half_rn(d);
+    for (int j = 0; j < 16; j++) {
+        int c[2];
+        for (int half = 0; half < 2; half++) {
+            const float t = __fmul_rn(x[j + 16 * half], id) + 8.5f;
+            c[half] = !(t >= 0.0f) ? 0 : t >= 15.0f ? 15 : (int)t;  // NaN: 0, as the CPU's trunc_code
+        }
+        dst[2 + j] = (uint8_t)(c[0] | (c[1] << 4));
+    }
+}
+
+// A head of hd values (rotated already where the CPU rotates them) into its blocks at dst; a thread per block.
+__device__ void quantize_head(int32_t type, const float* x, int hd, uint8_t* dst) {
+    const size_t bytes = type == TYPE_Q8_0 ? sizeof(block_q8_0) : sizeof(block_q4_0);
+    for (int b = threadIdx.x; b < hd / 32; b += blockDim.x) quantize_block(type, x + 32 * b, dst + b * bytes);
+}
+
+// One key block against block b of the query's Q8_0 codes (xq: its eight words): the integer sum of the
+// code products (four bytes a step), for Q4_0 less 8 per query code (its codes are nibbles - 8), scaled as
+// the CPU's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0 scale it. kw: Q8_0's eight words of codes, or Q4_0's
+// four words of nibbles (low nibbles: values 0..15, high: 16..31).
+template <int TYPE>
+__device__ float key_block(float dk, const int* kw, const int32_t* xq, float dq, int xsum) {
+    int sumi = 0;
+    if (TYPE == TYPE_Q8_0) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) sumi = __dp4a(kw[j], xq[j], sumi);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; j++) sumi = __dp4a(kw[j] & 0x0F0F0F0F, xq[j], sumi);
+#pragma unroll
+        for (int j = 0; j < 4; j++) sumi = __dp4a((kw[j] >> 4) & 0x0F0F0F0F, xq[4 + j], sumi);
+        sumi -= 8 * xsum;
+    }
+    return (float)sumi * (dk * dq);
+}
+
+// Four bytes at a 2-byte aligned address (blocks hold their 16-bit scale first).
+__device__ int load_i32_a2(const uint8_t* p) {
+    const uint16_t* h = (const uint16_t*)p;
+    return (int)((uint32_t)h[0] | ((uint32_t)h[1] << 16));
+}
+
+// The dot product of one key head (n_blocks blocks at kr) with the query's codes, block by block in the
+// CPU's order. pairs: the head is whole pairs of blocks at a 4-byte aligned address (head_dim a multiple
+// of 64): a pair (68 or 36 bytes) is read as 32-bit words, block 0's scale the low half of word 0 and its
+// codes straddling words, block 1's scale the high half of word W and its codes words W + 1 on (half as
+// many loads as reading 16 bits at a time, which any 2-byte aligned block allows).
+template <int TYPE>
+__device__ float key_dot(const uint8_t* kr, int n_blocks, bool pairs, const int32_t* xq, const float* xd,
+                         const int* xs) {
+    constexpr int B = TYPE == TYPE_Q8_0 ? (int)sizeof(block_q8_0) : (int)sizeof(block_q4_0);  // 34 or 18
+    constexpr int W = (B - 2) / 4;  // words of codes per block: 8 or 4
+    float dot = 0.0f;
+    if (pairs) {
+        const uint32_t* p = (const uint32_t*)kr;
+        for (int b = 0; b < n_blocks; b += 2, p += 2 * B / 4) {
+            uint32_t w[2 * B / 4];
+#pragma unroll
+            for (int i = 0; i < 2 * B / 4; i++) w[i] = p[i];
+            int c[W];
+#pragma unroll
+            for (int j = 0; j < W; j++) c[j] = (int)((w[j] >> 16) | (w[j + 1] << 16));
+            dot += key_block<TYPE>(half_bits((uint16_t)(w[0] & 0xFFFF)), c, xq + 8 * b, xd[b], xs[b]);
+            dot += key_block<TYPE>(half_bits((uint16_t)(w[W] >> 16)), (const int*)(w + W + 1), xq + 8 * (b + 1),
+                                   xd[b + 1], xs[b + 1]);
+        }
+        return dot;
+    }
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t* blk = kr + (size_t)b * B;
+        int c[W];
+#pragma unroll
+        for (int j = 0; j < W; j++) c[j] = load_i32_a2(blk + 2 + 4 * j);
+        dot += key_block<TYPE>(half_bits(*(const uint16_t*)blk), c, xq + 8 * b, xd[b], xs[b]);
+    }
+    return dot;
+}
+
+// sum_i w[i] * (value `in_block` of the block at blk + i * stride): one dimension of the CPU's attn_mad over
+// `count` quantized value rows, the weight times the block's scale first as there; rows of weight 0 are
+// skipped as there (a masked position's row may hold whatever a truncated sequence left). The weights are
+// the same for every thread, so the skip never splits a warp, and a warp's 32 dimensions are one block:
+// the warp reads each row's block as one run of bytes.
+template <int TYPE>
+__device__ float value_dot(const uint8_t* blk, int in_block, size_t stride, const float* w, int count) {
+    const uint8_t* code = blk + 2 + (TYPE == TYPE_Q8_0 ? in_block : in_block % 16);
+    const int shift = TYPE == TYPE_Q4_0 && in_block >= 16 ? 4 : 0;
+    float acc = 0.0f;
+    for (int i = 0; i < count; i++, blk += stride, code += stride) {
+        if (w[i] == 0.0f) continue;
+        const float s = w[i] * half_bits(*(const uint16_t*)blk);
+        const int q = TYPE == TYPE_Q8_0 ? (int)(int8_t)*code : ((*code >> shift) & 0x0F) - 8;
+        acc += s * (float)q;
+    }
+    return acc;
+}
+
 // One block per (token, head) of q, k and v together (grid.y: n_head q heads, then n_head_kv k heads, then
 // n_head_kv v heads), so a decode step spreads over as many multiprocessors as it has heads: Gemma 3's
 // per-head norm, RoPE, q's scaling, and the new key or value into the cache.
+// kQuant: some side of the cache is quantized (an F16/F32 cache gets the kernel without that code).
+template <bool kQuant>
 __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* v, const int32_t* seq,
                                const int32_t* pos) {
     const int t = blockIdx.x, h = blockIdx.y;
@@ -66,8 +234,17 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
         const int hv = h - a.n_head - a.n_head_kv;
         const float* vt = v + (size_t)t * n_kv + (size_t)hv * hd;
         uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
+        if (kQuant && a.v_row) {
+            // Quantized values are rows like the keys (KVLayerView), rotated first where the CPU rotates them.
+            __shared__ float sv[kMaxHeadDim];
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = vt[i];
+            __syncthreads();
+            if (a.rot_v) rotate(sv, hd, a.rot_v);
+            quantize_head(a.v_type, sv, hd, v_seq + (size_t)pos[t] * a.v_row + (size_t)hv * kv_bytes(a.v_type, hd));
+            return;
+        }
         for (int i = threadIdx.x; i < hd; i += blockDim.x)
-            store_kv(a.kv_type, v_seq, ((int64_t)hv * hd + i) * a.n_ctx + pos[t], vt[i]);
+            store_kv(a.v_type, v_seq, ((int64_t)hv * hd + i) * a.n_ctx + pos[t], vt[i]);
         return;
     }
     const bool is_q = h < a.n_head;
@@ -112,54 +289,87 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
     if (is_q) {
         if (a.q_scale != 1.0f)
             for (int i = threadIdx.x; i < hd; i += blockDim.x) x[i] *= a.q_scale;
+        if (kQuant && a.rot_k) {  // q turned with the keys (q.k unchanged), after its scaling as on the CPU
+            __syncthreads();
+            rotate(x, hd, a.rot_k);
+        }
         return;
     }
     uint8_t* k_dst = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)pos[t] * a.k_row;
+    if (kQuant && kv_quantized(a.k_type)) {
+        if (a.rot_k) rotate(x, hd, a.rot_k);
+        quantize_head(a.k_type, x, hd, k_dst + (size_t)(h - a.n_head) * kv_bytes(a.k_type, hd));
+        return;
+    }
     const int64_t k0 = (int64_t)(h - a.n_head) * hd;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) store_kv(a.kv_type, k_dst, k0 + i, x[i]);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) store_kv(a.k_type, k_dst, k0 + i, x[i]);
 }
 
 // One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
-// the cache's type for the dot products with the keys, the softmax's weights normalized and rounded to it
-// before the sum over the values. Pass 1 runs the softmax's max and sum online over chunks of kThreads
+// the keys' type for the dot products with them (F16, F32; Q8_0 codes for quantized keys), the softmax's
+// weights normalized and rounded to the values' type before the sum over them (F16, F32; float for
+// quantized values, whose weighted sum is then rotated back). Pass 1 runs the softmax's max and sum online over chunks of kThreads
 // positions (one per thread); pass 2 recomputes each chunk's scores, weights them, and each thread
 // accumulates its output dimensions.
+// kQuant as for prepare_kernel.
+template <bool kQuant>
 __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out) {
     __shared__ float sq[kMaxHeadDim];
+    __shared__ int32_t sqc[kMaxHeadDim / 4];  // quantized keys: q's Q8_0 codes, four to a word,
+    __shared__ float sqd[kMaxBlocks];         // its blocks' scales (f16-rounded)
+    __shared__ int sqs[kMaxBlocks];           // and their codes' sums (for Q4_0's offset)
     __shared__ float sp[kThreads];
     __shared__ float red[kThreads / 32];
     const int h = blockIdx.x, t = blockIdx.y;
     const int hd = a.head_dim;
     const int kvh = h / (a.n_head / a.n_head_kv);
-    const size_t elem = a.kv_type == TYPE_F16 ? 2 : 4;
+    const bool k_quant = kQuant && kv_quantized(a.k_type), v_rows = kQuant && a.v_row != 0;
+    const size_t elem_v = a.v_type == TYPE_F16 ? 2 : 4;  // a transposed value's
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         const float v = q[((size_t)t * a.n_head + h) * hd + d];
-        sq[d] = a.kv_type == TYPE_F16 ? __half2float(__float2half_rn(v)) : v;
+        sq[d] = a.k_type == TYPE_F16 ? __half2float(__float2half_rn(v)) : v;
     }
     __syncthreads();
+    if (k_quant) {  // q in Q8_0 for the integer dot products, as the CPU converts it; a thread per block
+        for (int b = threadIdx.x; b < hd / 32; b += blockDim.x) {
+            int8_t* codes = (int8_t*)sqc + 32 * b;
+            sqd[b] = __half2float(__float2half_rn(q8_0_codes(sq + 32 * b, codes)));
+            int sum = 0;
+            for (int j = 0; j < 32; j++) sum += codes[j];
+            sqs[b] = sum;
+        }
+        __syncthreads();
+    }
 
     const int64_t n_seen = (int64_t)pos[t] + 1;
     const int64_t first = a.n_swa > 0 && n_seen > a.n_swa ? n_seen - a.n_swa : 0;
-    const uint8_t* k_seq = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)kvh * hd * elem;
+    const uint8_t* k_seq = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)kvh * kv_bytes(a.k_type, hd);
     const uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
     // F16 rows read 16 bytes at a time where they are aligned (a thread's key row is one contiguous run,
     // so byte-wide loads would leave most of each memory transaction unused); the sums run in the same
     // order either way.
-    const bool k_vec = a.kv_type == TYPE_F16 && hd % 8 == 0 && a.k_row % 16 == 0 && a.k_seq % 16 == 0 &&
+    const bool k_vec = a.k_type == TYPE_F16 && hd % 8 == 0 && a.k_row % 16 == 0 && a.k_seq % 16 == 0 &&
                        ((uintptr_t)a.k_cache % 16) == 0;
-    const bool v_vec = a.kv_type == TYPE_F16 && a.n_ctx % 8 == 0 && a.v_seq % 16 == 0 &&
+    const bool v_vec = a.v_type == TYPE_F16 && a.n_ctx % 8 == 0 && a.v_seq % 16 == 0 &&
                        ((uintptr_t)a.v_cache % 16) == 0;
+    // Quantized key heads read as pairs of blocks in 32-bit words where they are whole pairs, 4-byte aligned
+    // (key_dot; every head of a multiple of 64 values is, in a cache from cudaMalloc).
+    const bool k_pairs = k_quant && hd % 64 == 0 && a.k_row % 4 == 0 && a.k_seq % 4 == 0 &&
+                         ((uintptr_t)a.k_cache % 4) == 0;
     auto score = [&](int64_t s) {
         const uint8_t* kr = k_seq + (size_t)s * a.k_row;
         float dot = 0.0f;
-        if (k_vec) {
+        if (k_quant) {
+            dot = a.k_type == TYPE_Q8_0 ? key_dot<TYPE_Q8_0>(kr, hd / 32, k_pairs, sqc, sqd, sqs)
+                                        : key_dot<TYPE_Q4_0>(kr, hd / 32, k_pairs, sqc, sqd, sqs);
+        } else if (k_vec) {
             for (int d0 = 0; d0 < hd; d0 += 8) {
                 const Half8 k8 = *(const Half8*)(kr + 2 * (size_t)d0);
 #pragma unroll
                 for (int i = 0; i < 8; i++) dot += sq[d0 + i] * __half2float(k8.h[i]);
             }
         } else {
-            for (int d = 0; d < hd; d++) dot += sq[d] * load_kv(a.kv_type, kr, d);
+            for (int d = 0; d < hd; d++) dot += sq[d] * load_kv(a.k_type, kr, d);
         }
         return dot * a.kq_scale;
     };
@@ -180,14 +390,21 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
         const int64_t s = s0 + threadIdx.x;
         float p = s < n_seen ? expf(score(s) - m) * inv : 0.0f;
-        if (a.kv_type == TYPE_F16) p = __half2float(__float2half_rn(p));
+        if (a.v_type == TYPE_F16) p = __half2float(__float2half_rn(p));
         sp[threadIdx.x] = p;
         __syncthreads();
         const int count = (int)(n_seen - s0 < kThreads ? n_seen - s0 : kThreads);
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
             if (d >= hd) break;
-            const uint8_t* vr = v_seq + ((size_t)(kvh * hd + d) * a.n_ctx + s0) * elem;
+            if (v_rows) {  // quantized values: rows of blocks, dimension d's block in each (value_dot)
+                const int dim = kvh * hd + d;
+                const uint8_t* blk = v_seq + (size_t)s0 * a.v_row + kv_bytes(a.v_type, dim / 32 * 32);
+                o[j] += a.v_type == TYPE_Q8_0 ? value_dot<TYPE_Q8_0>(blk, dim % 32, a.v_row, sp, count)
+                                              : value_dot<TYPE_Q4_0>(blk, dim % 32, a.v_row, sp, count);
+                continue;
+            }
+            const uint8_t* vr = v_seq + ((size_t)(kvh * hd + d) * a.n_ctx + s0) * elem_v;
             float acc = 0.0f;
             int i = 0;
             if (v_vec && s0 % 8 == 0)
@@ -196,10 +413,23 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
 #pragma unroll
                     for (int e = 0; e < 8; e++) acc += sp[i + e] * __half2float(v8.h[e]);
                 }
-            for (; i < count; i++) acc += sp[i] * load_kv(a.kv_type, vr, i);
+            for (; i < count; i++) acc += sp[i] * load_kv(a.v_type, vr, i);
             o[j] += acc;
         }
         __syncthreads();  // sp is rewritten by the next chunk
+    }
+    if (v_rows && a.rot_v) {  // the values were rotated before they were stored: the sum is turned back
+        float* so = sq;  // (q is read no more: the last chunk ended with every thread at the barrier)
+        for (int j = 0; j < kDimsPerThread; j++) {
+            const int d = threadIdx.x + j * kThreads;
+            if (d < hd) so[d] = o[j];
+        }
+        __syncthreads();
+        rotate(so, hd, a.rot_v);
+        for (int j = 0; j < kDimsPerThread; j++) {
+            const int d = threadIdx.x + j * kThreads;
+            if (d < hd) o[j] = so[d];
+        }
     }
     for (int j = 0; j < kDimsPerThread; j++) {
         const int d = threadIdx.x + j * kThreads;
@@ -209,11 +439,30 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
 
 }  // namespace
 
+// What the kernels read: the cache's four types, quantized ones in whole blocks per head.
+static void check_cache(const CudaAttnArgs& a) {
+    for (int32_t type : {a.k_type, a.v_type}) {
+        if (type != TYPE_F16 && type != TYPE_F32 && !kv_quantized(type))
+            throw UnsupportedModelError(
+                format("the CUDA attention reads f16, f32, q8_0 and q4_0 KV caches, not type %d", type));
+        if (kv_quantized(type) && a.head_dim % 32)
+            throw UnsupportedModelError(format("the CUDA attention reads a quantized KV cache in blocks of 32 "
+                                               "values per head, and this model's heads have %d", a.head_dim));
+    }
+    if (kv_quantized(a.v_type) != (a.v_row != 0))
+        throw Error("internal: quantized values are rows (v_row), f16/f32 ones transposed");
+}
+
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n) {
     if (n <= 0) return;
+    check_cache(a);
     // 64 threads: a head's pairs (head_dim / 2) at most twice over for the usual head sizes.
-    OPTIML_LAUNCH(prepare_kernel, dim3(n, a.n_head + 2 * a.n_head_kv), 64, s, a, q, k, v, seq, pos);
+    const dim3 grid(n, a.n_head + 2 * a.n_head_kv);
+    if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
+        OPTIML_LAUNCH(prepare_kernel<true>, grid, 64, s, a, q, k, v, seq, pos);
+    else
+        OPTIML_LAUNCH(prepare_kernel<false>, grid, 64, s, a, q, k, v, seq, pos);
     cuda_check(cudaSuccess, "attention (prepare)");
 }
 
@@ -224,7 +473,11 @@ void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, con
         throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
                                            kMaxHeadDim, a.head_dim));
     if (n > 65535) throw ArgumentError(format("cuda attention: %d tokens is more than one launch holds", n));
-    OPTIML_LAUNCH(scores_kernel, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+    check_cache(a);
+    if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
+        OPTIML_LAUNCH(scores_kernel<true>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+    else
+        OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
     cuda_check(cudaSuccess, "attention (scores)");
 }
 

@@ -22,6 +22,7 @@
 #include "optiml/common.h"
 #include "optiml/cuda.h"
 #include "optiml/ggml_types.h"
+#include "optiml/kernels.h"
 #include "optiml/model.h"
 
 namespace optiml {
@@ -377,12 +378,17 @@ private:
         a.freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
         a.q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
         a.k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
-        a.kv_type = kv.type;
+        a.k_type = kv.type;
+        a.v_type = kv.v_type;
         a.n_ctx = kv.n_ctx;
+        // The CPU's rotation of a quantized side: the same bytes in the cache on either device.
+        a.rot_k = (int32_t)kv_rotation_block(kv.type, hp.head_dim, false);
+        a.rot_v = (int32_t)kv_rotation_block(kv.v_type, hp.head_dim, true);
         a.k_cache = kv.k;
         a.v_cache = kv.v;
         a.k_row = kv.k_row;
         a.k_seq = kv.k_seq;
+        a.v_row = kv.v_row;
         a.v_seq = kv.v_seq;
         cuda_attn_prepare(stream_, a, s.q, s.k, s.v, seq, pos, n);
         cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn);

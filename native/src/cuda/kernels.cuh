@@ -68,7 +68,10 @@ void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float*
 
 // The per-token part of attention before the scores: biases already added, per-head q/k RMSNorm
 // (q_norm/k_norm may be nullptr), RoPE, q scaled by hp.attn_q_scale, and the keys and values written
-// into the cache (F16 or F32; values transposed). seq/pos: device copies of the batch's.
+// into the cache in the layout of optiml/backend.h's KVLayerView: keys of k_type (F16, F32, Q8_0, Q4_0)
+// as rows, values of v_type transposed (F16, F32) or as rows (Q8_0, Q4_0; v_row their bytes). A
+// quantized side is rotated first in stripes of rot_k / rot_v values (q with the keys), as the CPU's
+// kv_rotation_block sets them (0: no rotation). seq/pos: device copies of the batch's.
 struct CudaAttnArgs {
     int32_t n_head, n_head_kv, head_dim, n_rot;
     bool neox;
@@ -77,10 +80,11 @@ struct CudaAttnArgs {
     const float* freq_factors;  // nullptr or [n_rot / 2]
     const float* q_norm;
     const float* k_norm;
-    int32_t kv_type, n_ctx;
+    int32_t k_type, v_type, n_ctx;
+    int32_t rot_k, rot_v;
     uint8_t* k_cache;
     uint8_t* v_cache;
-    size_t k_row, k_seq, v_seq;
+    size_t k_row, k_seq, v_row, v_seq;
 };
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n);

@@ -96,13 +96,6 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
         std::vector<const Weight*> ws;
         if (lp.attn_on_device) ws.insert(ws.end(), {&L.wq, &L.wk, &L.wv, &L.wo});
         if (lp.ffn_on_device > 0) ws.insert(ws.end(), {&L.ffn.gate, &L.ffn.up, &L.ffn.down});
-        // The CUDA attention reads F16 and F32 caches; a quantized one is read by the CPU's.
-        if (lp.attn_on_device && (kv_type_quantized(plan.kv_type) || kv_type_quantized(plan.kv_type_v)))
-            throw UnsupportedModelError(format("a %s/%s KV cache (keys/values) is read by the CPU attention only; the "
-                                               "CUDA attention reads f16 and f32 caches: use kv_type 'f16' (or "
-                                               "'f32') with device='cuda', or run on the CPU (device='cpu')",
-                                               kv_type_name(plan.kv_type).c_str(),
-                                               kv_type_name(plan.kv_type_v).c_str()));
         for (const Weight* w : ws)
             if (!cuda_reads_type(w->type))
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "

@@ -51,8 +51,8 @@ class Model(Sequences):
     pass while reading a prompt. kv_type: the KV cache's type, "f16" (as llama.cpp), "f32" (exact, twice
     the bytes), "q8_0" (half of f16's bytes) or "q4_0" (a quarter and a bit), by llama.cpp's names
     (--cache-type-k/-v; ggml type ids such as llama_cpp.GGML_TYPE_Q8_0 are accepted too); kv_type_k and
-    kv_type_v set the keys' and the values' apart (each defaults to kv_type). A quantized cache is read
-    by the CPU attention; the CUDA attention reads f16 and f32.
+    kv_type_v set the keys' and the values' apart (each defaults to kv_type). The CPU and the CUDA
+    attention read all four.
 
     sparsity: how the FFN skips neurons (see :meth:`set_sparsity`): "auto" (default: the thresholds the
     file carries from `optiml calibrate`; for a ReLU-family model without them, exact zero-skipping;

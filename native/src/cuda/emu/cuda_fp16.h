@@ -12,3 +12,4 @@ struct __half {
 
 inline float __half2float(__half h) { return optiml::fp16_to_fp32(h.bits); }
 inline __half __float2half_rn(float f) { return __half{optiml::fp32_to_fp16(f)}; }
+inline __half __ushort_as_half(unsigned short bits) { return __half{bits}; }

@@ -60,6 +60,12 @@ inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
     return c;
 }
+// A product rounded on its own, never fused into a following add (volatile: the compiler may not contract
+// through it, on a machine with FMA either).
+inline float __fmul_rn(float a, float b) {
+    volatile float r = a * b;
+    return r;
+}
 // (The arguments are captured by value: a stream being recorded into a graph keeps the launch for later.)
 #define OPTIML_LAUNCH(kernel, grid, block, stream, ...) \
     ::optiml_emu::launch(dim3(grid), dim3(block), [=] { kernel(__VA_ARGS__); })
