@@ -305,6 +305,27 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
     for (int i = threadIdx.x; i < hd; i += blockDim.x) store_kv(a.k_type, k_dst, k0 + i, x[i]);
 }
 
+// The block's query head into shared memory, rounded to the keys' type (F16, F32), and for quantized keys
+// its Q8_0 codes (four to a word in sqc), their blocks' f16-rounded scales (sqd) and code sums (sqs, for
+// Q4_0's offset), as the CPU converts it; a thread per block.
+__device__ void stage_query(int k_type, bool k_quant, const float* qh, int hd, float* sq, int32_t* sqc, float* sqd,
+                            int* sqs) {
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float v = qh[d];
+        sq[d] = k_type == TYPE_F16 ? __half2float(__float2half_rn(v)) : v;
+    }
+    __syncthreads();
+    if (!k_quant) return;
+    for (int b = threadIdx.x; b < hd / 32; b += blockDim.x) {
+        int8_t* codes = (int8_t*)sqc + 32 * b;
+        sqd[b] = __half2float(__float2half_rn(q8_0_codes(sq + 32 * b, codes)));
+        int sum = 0;
+        for (int j = 0; j < 32; j++) sum += codes[j];
+        sqs[b] = sum;
+    }
+    __syncthreads();
+}
+
 // One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
 // the keys' type for the dot products with them (F16, F32; Q8_0 codes for quantized keys), the softmax's
 // weights normalized and rounded to the values' type before the sum over them (F16, F32; float for
@@ -325,21 +346,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     const int kvh = h / (a.n_head / a.n_head_kv);
     const bool k_quant = kQuant && kv_quantized(a.k_type), v_rows = kQuant && a.v_row != 0;
     const size_t elem_v = a.v_type == TYPE_F16 ? 2 : 4;  // a transposed value's
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        const float v = q[((size_t)t * a.n_head + h) * hd + d];
-        sq[d] = a.k_type == TYPE_F16 ? __half2float(__float2half_rn(v)) : v;
-    }
-    __syncthreads();
-    if (k_quant) {  // q in Q8_0 for the integer dot products, as the CPU converts it; a thread per block
-        for (int b = threadIdx.x; b < hd / 32; b += blockDim.x) {
-            int8_t* codes = (int8_t*)sqc + 32 * b;
-            sqd[b] = __half2float(__float2half_rn(q8_0_codes(sq + 32 * b, codes)));
-            int sum = 0;
-            for (int j = 0; j < 32; j++) sum += codes[j];
-            sqs[b] = sum;
-        }
-        __syncthreads();
-    }
+    stage_query(a.k_type, k_quant, q + ((size_t)t * a.n_head + h) * hd, hd, sq, sqc, sqd, sqs);
 
     const int64_t n_seen = (int64_t)pos[t] + 1;
     const int64_t first = a.n_swa > 0 && n_seen > a.n_swa ? n_seen - a.n_swa : 0;
