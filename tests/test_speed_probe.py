@@ -115,3 +115,13 @@ def test_unwritable_home_still_decides(relu_model, probe_on, monkeypatch, tmp_pa
     monkeypatch.setenv("OPTIML_HOME", str(blocker / "home"))
     with optiml.Model(relu_model, n_ctx=64, n_threads=2) as m:
         assert m.sparsity == "none"
+
+
+def test_a_tiny_context_is_timed_within_it(relu_model, monkeypatch, tmp_path):
+    """The real clock, a context of 4 positions: the probe's steps fit in it (no context overflow at load)."""
+    monkeypatch.setenv("OPTIML_SPARSITY_PROBE", "on")
+    monkeypatch.setenv("OPTIML_HOME", str(tmp_path))
+    with optiml.Model(relu_model, n_ctx=4, n_threads=2) as m:
+        assert m.sparsity in ("exact", "none") and "ms" in m.sparsity_note
+        assert m.n_past == 0
+        m.eval([5, 6, 7, 8])  # the whole context is free again
