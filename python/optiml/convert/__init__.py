@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import gguf
+import numpy as np
 
 from . import hf_config, quant_mix, tokenizer, writer
 from .errors import ConvertError
@@ -62,7 +63,7 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"{hf_dir}: not a folder (a Hugging Face model folder is expected)")
     cfg = hf_config.load_config(hf_dir)
-    vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch == "qwen2")
+    vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe"))
     if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
         vocab.setdefault("add_bos", True)
         if vocab["model"] == "llama":
@@ -71,24 +72,32 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     with Checkpoint(hf_dir) as ckpt:
         plan = hf_config.tensor_plan(cfg, set(ckpt.entries))
         for p in plan:  # everything is checked before the output is created
-            e = ckpt.entries.get(p.source)
-            if e is None:
-                raise ConvertError(f"{hf_dir}: tensor {p.source} is missing from the checkpoint")
-            if tuple(e.shape) != tuple(p.shape):
-                raise ConvertError(f"{e.file.path}: tensor {p.source} has shape {list(e.shape)}, config.json "
-                                   f"implies {list(p.shape)}")
+            for src in p.sources:
+                e = ckpt.entries.get(src)
+                if e is None:
+                    raise ConvertError(f"{hf_dir}: tensor {src} is missing from the checkpoint")
+                if tuple(e.shape) != tuple(p.shape):
+                    raise ConvertError(f"{e.file.path}: tensor {src} has shape {list(e.shape)}, config.json "
+                                       f"implies {list(p.shape)}")
         has_output = any(p.name == "output.weight" for p in plan)
 
         def compute(p):
             def run():
+                if p.parts:  # a layer's experts, stacked into one [n_expert, rows, cols] tensor
+                    x = np.empty(p.gguf_shape, np.float32)
+                    for i, src in enumerate(p.parts):
+                        x[i] = ckpt.entries[src].load()
+                    return x
                 e = ckpt.entries[p.source]
                 x = e.load()
                 if p.add_one:
                     x = hf_config.add_one(x, e.dtype)
-                return hf_config.permute_qk(x, p.permute_heads) if p.permute_heads else x
+                x = hf_config.permute_qk(x, p.permute_heads) if p.permute_heads else x
+                return x.reshape(p.gguf_shape)
             return run
 
-        tensors = [(p.name, p.shape, quant_mix.tensor_type(p.name, p.shape, ot, cfg.n_layer, has_output), compute(p))
+        tensors = [(p.name, p.gguf_shape, quant_mix.tensor_type(p.name, p.gguf_shape, ot, cfg.n_layer, has_output,
+                                                                cfg.n_expert), compute(p))
                    for p in plan]
         if cfg.rope_scaling["rope_type"] == "llama3":
             factors = hf_config.llama3_rope_factors(cfg)

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import moe
+from .common import TensorPlan
+from .common import get_value as _get
 from .errors import ConvertError
 
 # HF class -> (GGUF architecture, permute q/k rows). llama.cpp writes Mistral as "llama" and permutes
@@ -19,6 +22,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", True),
     "Qwen2ForCausalLM": ("qwen2", False),
     "Gemma3ForCausalLM": ("gemma3", False),  # text-only; NeoX rotation like HF, no permutation
+    # mixtures of experts (moe.py): Mixtral is llama with experts, permuted like llama
+    "MixtralForCausalLM": ("llama", True),
+    "Qwen2MoeForCausalLM": ("qwen2moe", False),
+    "Qwen3MoeForCausalLM": ("qwen3moe", False),
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
 
@@ -48,21 +55,20 @@ class ModelConfig:
     swa_period: int = 6
     rope_theta_swa: float = 10000.0
     final_softcap: float = 0.0
+    # Mixtures of experts: the experts' count, how many each token uses, their width, the shared
+    # expert's width (0 = none); per-head q/k RMS norms (Qwen3); head_dim given by config.json
+    # (llama.cpp then writes attention.key_length/value_length).
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    qk_norm: bool = False
+    explicit_head_dim: bool = False
 
     @property
     def n_gqa(self) -> int:
         return self.n_head // self.n_head_kv
 
-
-def _get(cfg: dict, path: str, key: str, default=None, kind=None):
-    v = cfg.get(key, default)
-    if v is None:
-        raise ConvertError(f"{path}: {key} is missing")
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-        raise ConvertError(f"{path}: {key} = {v!r} is not a positive integer")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-        raise ConvertError(f"{path}: {key} = {v!r} is not a positive number")
-    return v
 
 
 def load_config(folder: str) -> ModelConfig:
@@ -92,17 +98,20 @@ def load_config(folder: str) -> ModelConfig:
     if n_head % n_head_kv:
         raise ConvertError(f"{path}: {n_head} attention heads cannot share {n_head_kv} KV heads evenly")
 
-    gemma = {}
+    extra = {}  # the architecture's own fields (Gemma 3's window, a mixture's experts)
     if arch == "gemma3":
         act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ConvertError(f"{path}: hidden_activation {act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
         act = "gelu"
-        gemma = _gemma3_extra(cfg, path, n_embd, n_head, int(head_dim))
+        extra = _gemma3_extra(cfg, path, n_embd, n_head, int(head_dim))
     else:
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish", "relu"):
             raise ConvertError(f"{path}: hidden_act {act!r} is not supported (silu, relu)")
+    n_ctx = int(cfg.get("max_position_embeddings") or 2048)
+    if hf_arch in moe.ARCHITECTURES:
+        extra = dict(moe.read_config(cfg, path, hf_arch, n_ctx), explicit_head_dim=cfg.get("head_dim") is not None)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
     # Gemma 3's rope_parameters has one entry per layer type: the global layers' is the main one.
@@ -121,11 +130,10 @@ def load_config(folder: str) -> ModelConfig:
         n_vocab=_get(cfg, path, "vocab_size", kind=int), n_embd=n_embd,
         n_ff=_get(cfg, path, "intermediate_size", kind=int), n_layer=_get(cfg, path, "num_hidden_layers", kind=int),
         n_head=n_head, n_head_kv=n_head_kv, head_dim=int(head_dim),
-        n_ctx=int(cfg.get("max_position_embeddings") or 2048),
-        rms_eps=float(_get(cfg, path, "rms_norm_eps", 1e-6, kind=float)),
+        n_ctx=n_ctx, rms_eps=float(_get(cfg, path, "rms_norm_eps", 1e-6, kind=float)),
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),
         rope_scaling=rope, activation=act if act in ("relu", "gelu") else "silu",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")), raw=cfg, **gemma)
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")), raw=cfg, **extra)
 
 
 def _gemma3_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int) -> dict:
@@ -177,11 +185,17 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
     ]
     if a != "gemma3":  # llama.cpp's Gemma 3 converter writes neither
         kv += [("u32", f"{a}.vocab_size", c.n_vocab), ("u32", f"{a}.rope.dimension_count", c.head_dim)]
-    if c.head_dim != c.n_embd // c.n_head or a == "gemma3":
+    if c.head_dim != c.n_embd // c.n_head or a == "gemma3" or c.explicit_head_dim:
         kv += [("u32", f"{a}.attention.key_length", c.head_dim), ("u32", f"{a}.attention.value_length", c.head_dim)]
     if c.rope_scaling["rope_type"] == "linear":
         kv += [("str", f"{a}.rope.scaling.type", "linear"),
                ("f32", f"{a}.rope.scaling.factor", float(c.rope_scaling["factor"]))]
+    if c.n_expert:  # llama.cpp writes the experts' width for the Qwen MoEs only (Mixtral's is n_ff)
+        kv += [("u32", f"{a}.expert_count", c.n_expert), ("u32", f"{a}.expert_used_count", c.n_expert_used)]
+        if a != "llama":
+            kv.append(("u32", f"{a}.expert_feed_forward_length", c.n_ff_exp))
+        if c.n_ff_shexp:
+            kv.append(("u32", f"{a}.expert_shared_feed_forward_length", c.n_ff_shexp))
     if c.activation == "relu":
         kv.append(("str", "optiml.ffn.activation", "relu"))  # the engine's switch to relu(gate) * up
     if a == "gemma3":  # gelu is gemma3's own activation; the window, and what differs from llama.cpp's defaults
@@ -216,18 +230,6 @@ def llama3_rope_factors(c: ModelConfig) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-@dataclass
-class TensorPlan:
-    """One output tensor: its GGUF name, the HF tensor it comes from, the expected HF shape, and the
-    head count to permute q/k rows with (0 = no permutation); add_one: Gemma's RMSNorm scales by
-    (1 + w), stored as 1 + w (computed in the checkpoint's precision, as llama.cpp does)."""
-    name: str
-    source: str
-    shape: tuple
-    permute_heads: int = 0
-    add_one: bool = False
-
-
 def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
     """Every tensor of the GGUF in llama.cpp's order, checked against the checkpoint's names."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
@@ -244,10 +246,16 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
             plan.append(TensorPlan(f"{b}{dst}.weight", f"{p}self_attn.{src}.weight", (rows, c.n_embd), perm))
             if f"{p}self_attn.{src}.bias" in available:
                 plan.append(TensorPlan(f"{b}{dst}.bias", f"{p}self_attn.{src}.bias", (rows,), perm))
+        if c.qk_norm:  # Qwen3: RMS norms over each head's q and k
+            plan += [TensorPlan(f"{b}attn_{w}_norm.weight", f"{p}self_attn.{w}_norm.weight", (c.head_dim,))
+                     for w in "qk"]
         plan.append(TensorPlan(b + "attn_output.weight", p + "self_attn.o_proj.weight", (c.n_embd, q)))
         if p + "self_attn.o_proj.bias" in available:
             plan.append(TensorPlan(b + "attn_output.bias", p + "self_attn.o_proj.bias", (c.n_embd,)))
         plan.append(TensorPlan(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", (c.n_embd,)))
+        if c.n_expert:
+            plan += moe.ffn_plan(c, i, available)
+            continue
         for src, dst, shape in (("gate_proj", "ffn_gate", (c.n_ff, c.n_embd)), ("up_proj", "ffn_up", (c.n_ff, c.n_embd)),
                                 ("down_proj", "ffn_down", (c.n_embd, c.n_ff))):
             plan.append(TensorPlan(f"{b}{dst}.weight", f"{p}mlp.{src}.weight", shape))
@@ -258,6 +266,8 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
     # its loader, like ours, uses token_embd. A checkpoint without lm_head is treated the same way.
     if not c.tie_embeddings and "lm_head.weight" in available:
         plan.append(TensorPlan("output.weight", "lm_head.weight", (c.n_vocab, c.n_embd)))
+    elif c.arch == "qwen2moe":  # llama.cpp's qwen2moe requires output.weight: a tied model gets a copy
+        plan.append(TensorPlan("output.weight", "model.embed_tokens.weight", (c.n_vocab, c.n_embd)))
     return plan
 
 

@@ -56,10 +56,11 @@ def _more_bits(i_layer: int, n_layer: int) -> bool:
 _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
-def tensor_type(name: str, shape: tuple, ot: OutType, n_layer: int, has_output: bool) -> T:
-    """The type of GGUF tensor `name` with numpy shape `shape` (rows, row length)."""
-    if len(shape) < 2 or not name.endswith(".weight"):
-        return T.F32  # norms, biases, rope factors
+def tensor_type(name: str, shape: tuple, ot: OutType, n_layer: int, has_output: bool, n_expert: int = 0) -> T:
+    """The type of GGUF tensor `name` with numpy shape `shape` ([n_expert,] rows, row length) in a model
+    of n_layer layers and n_expert experts (0: dense)."""
+    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("ffn_gate_inp.weight"):
+        return T.F32  # norms, biases, rope factors, 1-D gates; a mixture's router stays F32 at every type
     nx = shape[-1]
     t = ot.base
     if not ot.kquant_mix:
@@ -68,12 +69,21 @@ def tensor_type(name: str, shape: tuple, ot: OutType, n_layer: int, has_output: 
         return t
 
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    kind = name.split(".")[-2] if layer >= 0 else ""
+    k_m = ot.ftype in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M)
     if name == "output.weight" or (not has_output and name == "token_embd.weight"):
         # Q6_K for the output projection (Q8_0 if its rows do not split into the base type's blocks).
         t = T.Q8_0 if nx % _block(t) else (T.Q6_K if t != T.Q8_0 else t)
-    elif name.endswith("attn_v.weight") or name.endswith("ffn_down.weight"):
-        if ot.ftype in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and _more_bits(layer, n_layer):
+    elif kind in ("attn_v", "attn_k"):
+        if kind == "attn_v" and k_m and _more_bits(layer, n_layer):
             t = T.Q6_K
+        if n_expert == 8:  # llama.cpp's rule for Mixtral-8x7B's shape (any model with 8 experts)
+            t = T.Q8_0
+    elif kind.startswith("ffn_down"):  # ffn_down, ffn_down_exps, ffn_down_shexp
+        if k_m and _more_bits(layer, n_layer):
+            t = T.Q6_K
+    elif kind == "attn_output" and n_expert == 8 and ot.ftype == F.MOSTLY_Q4_K_M:
+        t = T.Q5_K
     # A row length that does not split into blocks: llama.cpp's fallback, then F16.
     if nx % _block(t):
         if t not in _FALLBACK:
