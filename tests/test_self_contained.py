@@ -39,3 +39,17 @@ def test_nothing_reads_outside_the_checkout():
                 if i not in skip and pattern.search(code):
                     bad.append(f"{path.relative_to(ROOT)}:{i}: {what}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_tools_do_not_import_the_tests():
+    """A tool runs from an installed package and a checkout alike: nothing under tools/ imports a module of
+    tests/ (conftest, fidelity, ...), which an installed package has not got."""
+    test_modules = {p.stem for p in ROOT.glob("tests/*.py")}
+    bad = []
+    for path in sorted(ROOT.glob("tools/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}: imports {n}" for n in names
+                    if n.split(".")[0] in test_modules]
+    assert not bad, "\n".join(bad)

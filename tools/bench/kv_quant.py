@@ -26,6 +26,7 @@ import time
 import harness  # noqa: E402  (tools/bench/: optiml importable, timing, the peer, the machine)
 
 import optiml  # noqa: E402
+from optiml.tokenizer import Tokenizer  # noqa: E402
 
 cpu_name = harness.cpu_name
 resolve = harness.internal("models").resolve
@@ -83,14 +84,10 @@ def main():
     ap.add_argument("--no-llama", action="store_true", help="OptiML only")
     args = ap.parse_args()
 
-    from conftest import shared_eval_text
-
     path = str(resolve(args.model))
     n_ctx = args.depth + args.tokens
-    from optiml.tokenizer import Tokenizer
-
     tok = Tokenizer.from_file(path)
-    ids = tok.encode(shared_eval_text())
+    ids = tok.encode(harness.TEXT.read_text(encoding="utf-8"))
     while len(ids) < n_ctx:
         ids = ids + ids
     fill, steps = ids[:args.depth], ids[args.depth:n_ctx]
