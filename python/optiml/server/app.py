@@ -84,7 +84,7 @@ class Server:
         if self._grammars is None:
             from .structured import Grammars
 
-            self._grammars = Grammars(self.tokenizer)
+            self._grammars = Grammars(self.tokenizer, self.model.n_vocab)
         return self._grammars
 
     # ---- checks ----------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ raises QueueFull.
 Prefix cache: a slot keeps the tokens its KV holds after its job leaves. A new job takes the free slot
 whose cache shares the longest prefix with its prompt, or copies a longer prefix from any other slot
 (Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once.
-Sampling and stop handling follow Model.stream step by step, so a greedy job gets the text
-Model.generate/chat gives for the same prompt.
+Each row of logits goes through the job's native output stage (engine.generation.output_stage: bias,
+response_format mask, sampling, logprobs, detokenization, stop strings), the per-token step of
+Model.generate, so a greedy job gets the text Model.generate/chat gives for the same prompt.
 
 CPU attention offload (offload.py): when the model's device holds the KV cache of fewer sequences than
 there are slots (optiml serve --kv-vram), a job that finds every device slot busy starts in a host slot,
@@ -19,8 +20,8 @@ its attention on the CPU, if the policy's measured cost model says the step's th
 --max-itl-ms; otherwise it waits. A device slot freed by a finishing job goes to a running host job.
 
 A job that generates alone (nothing else running or waiting) with no logprobs and no response_format
-takes each token in one native call (Model._step_sequence: decode, bias, sampling, detokenization and
-stop strings with the GIL released), so a lone client waits on as little Python per token as
+takes each token in one native call (Model._step_sequence: decode and the output stage, with the GIL
+released), so a lone client waits on as little Python per token as
 Model.generate's does. It goes back to batched steps as soon as another job arrives.
 """
 
@@ -31,10 +32,8 @@ import threading
 import time
 import traceback
 
-import numpy as np
-
 from ..engine.batch import Batch
-from ..engine.sampling import find_stop
+from ..engine.generation import output_stage
 
 
 class QueueFull(Exception):
@@ -64,14 +63,11 @@ class Job:
         self.cached = 0  # of which came from the prefix cache
         self.next_token = None  # sampled, to be run next step
         self.generated: list[int] = []
-        self.pending = ""  # text not yet sent (it may begin a stop string)
-        self.lp: list = []  # logprob entries not yet sent
         self.t_arrival = time.perf_counter()
         self.t_last = None
-        self.detok = None  # the stream's detokenizer, made at the first sampled token
+        self.output = None  # the native output stage, made when the job is admitted
         # A job without logprobs or a grammar can take its tokens natively when it runs alone.
         self.plain = top_logprobs < 0 and constraint is None
-        self._native_args = None  # (bias arrays, stops as bytes), made on the first native step
 
 
 class Slot:
@@ -88,12 +84,6 @@ def _common(a: list, b: list) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _log_softmax(row: np.ndarray) -> np.ndarray:
-    x = row.astype(np.float64)
-    m = np.max(x)
-    return x - (m + np.log(np.sum(np.exp(x - m))))
 
 
 class Scheduler:
@@ -262,6 +252,7 @@ class Scheduler:
         slot.job, job.slot = job, slot
         job.n_done = job.cached = keep
         job.sampler.accept(job.prompt)  # the prompt counts for the penalties, as in Model.stream
+        job.output = output_stage(self.tokenizer, job.sampler, job.stops, job.logit_bias, job.top_logprobs)
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(job.prompt))
         return True
@@ -351,7 +342,7 @@ class Scheduler:
         for j, row in zip(rows, logits):
             j.slot.last_used = now
             if not j.cancelled:
-                self._sample(j, row, now)
+                self._take(j, j.output.step(row, self._allowed(j), self._last(j, len(j.slot.tokens))), now)
 
     def _sparsity_step(self) -> None:
         """Records the step just run in the sparsity meter and the metrics."""
@@ -377,15 +368,10 @@ class Scheduler:
         return f
 
     def _lone_step(self, j: Job) -> None:
-        """One token of a plain job running alone, in one native call (what _step and _sample do for it)."""
-        if j._native_args is None:
-            bias = (np.array(list(j.logit_bias), np.int32), np.array(list(j.logit_bias.values()), np.float32))
-            j._native_args = (bias, [s.encode() for s in j.stops])
-        bias, stops = j._native_args
+        """One token of a plain job running alone, in one native call (decode and output stage)."""
         pos = len(j.slot.tokens)
-        last = (j.max_tokens is not None and len(j.generated) + 1 >= j.max_tokens) or pos + 1 >= self.n_ctx
-        tok, end, flush, out, j.pending = self.model._step_sequence(
-            j.slot.index, pos, j.next_token, bias, j.sampler, j.detok, stops, j.pending, last)
+        result = self.model._step_sequence(j.slot.index, pos, j.next_token, j.output, self._allowed(j),
+                                           self._last(j, pos + 1))
         self.steps += 1
         self._sparsity_step()
         now = time.perf_counter()
@@ -395,17 +381,7 @@ class Scheduler:
         if self.metrics:
             self.metrics.batch_tokens.observe(1)
             self.metrics.batch_sequences.observe(1)
-            self.metrics.itl.observe(now - j.t_last)
-        j.t_last = now
-        if tok >= 0:
-            j.generated.append(tok)
-            if self.metrics:
-                self.metrics.generated_tokens.inc()
-        if out:
-            j.sink({"type": "delta", "index": j.index, "text": out, "logprobs": []})
-        if end is not None:
-            return self._finish(j, end, flush)
-        j.next_token = tok
+        self._take(j, result, now)
 
     def _follow(self, j: Job, earlier: list) -> bool:
         """Shares a prompt prefix between jobs that read their prompts at the same time (n > 1, a common
@@ -424,63 +400,46 @@ class Scheduler:
             return False
         return False
 
-    def _sample(self, j: Job, row: np.ndarray, now: float) -> None:
-        if j.logit_bias or j.constraint is not None:
-            row = row.copy()
-            for tok, b in j.logit_bias.items():
-                row[tok] += b
-            if j.constraint is not None:
-                j.constraint.mask(row)
-        tok = j.sampler.sample(row)
+    @staticmethod
+    def _allowed(j: Job):
+        """The tokens the job's response_format allows now (a bitmask), or None."""
+        return None if j.constraint is None else j.constraint.allowed()
+
+    def _last(self, j: Job, n_kv: int) -> bool:
+        """Whether the token sampled now is the job's last (max_tokens, or a full context: the last sampled
+        token is not run, as in Model.stream)."""
+        return (j.max_tokens is not None and len(j.generated) + 1 >= j.max_tokens) or n_kv >= self.n_ctx
+
+    def _take(self, j: Job, result: tuple, now: float) -> None:
+        """One token's result from the output stage (token, end, text, logprobs) to the job's sink."""
+        tok, end, text, lp = result
         if self.metrics:
             if j.t_last is None:
                 self.metrics.ttft.observe(now - j.t_arrival)
             else:
                 self.metrics.itl.observe(now - j.t_last)
         j.t_last = now
-        if self.tokenizer.is_eog(tok):
-            return self._finish(j, "stop")
-        j.sampler.accept(tok)
-        j.generated.append(tok)
-        if self.metrics:
-            self.metrics.generated_tokens.inc()
-        if j.top_logprobs >= 0:
-            lp = _log_softmax(row)
-            top = []
-            if j.top_logprobs:
-                idx = np.argsort(-lp, kind="stable")[: j.top_logprobs]
-                top = [(int(i), float(lp[i])) for i in idx]
-            j.lp.append((tok, float(lp[tok]), top))
-        if j.constraint is not None:
-            j.constraint.accept(tok)
-            if j.constraint.error():
-                return self._fail(j, f"response_format: {j.constraint.error()}")
-        if j.detok is None:
-            j.detok = self.tokenizer.detokenizer()
-        j.pending += j.detok.push(tok)
-        if j.stops:
-            at, hold = find_stop(j.pending, j.stops)
-            if at >= 0:
-                j.pending = j.pending[:at]
-                return self._finish(j, "stop", flush=False)
-            out, j.pending = j.pending[: len(j.pending) - hold], j.pending[len(j.pending) - hold:]
-        else:
-            out, j.pending = j.pending, ""
-        if out or j.lp:
-            j.sink({"type": "delta", "index": j.index, "text": out, "logprobs": j.lp})
-            j.lp = []
-        if j.constraint is not None and j.constraint.done():
-            return self._finish(j, "stop")
-        if (j.max_tokens is not None and len(j.generated) >= j.max_tokens) or len(j.slot.tokens) >= self.n_ctx:
-            return self._finish(j, "length")  # the last sampled token is not run, as in Model.stream
+        if tok >= 0:
+            j.generated.append(tok)
+            if self.metrics:
+                self.metrics.generated_tokens.inc()
+            if j.constraint is not None:
+                j.constraint.accept(tok)
+                if j.constraint.error():
+                    return self._fail(j, f"response_format: {j.constraint.error()}")
+                if end != "stop" and j.constraint.done():  # the grammar is complete
+                    text += j.output.flush() if end is None else ""
+                    end = "stop"
+        lps = [] if lp is None else [(tok, lp[0], lp[1])]
+        if end is not None:
+            return self._finish(j, end, text, lps)
+        if text or lps:
+            j.sink({"type": "delta", "index": j.index, "text": text, "logprobs": lps})
         j.next_token = tok
 
-    def _finish(self, j: Job, reason: str, flush: bool = True) -> None:
-        if flush and j.detok is not None:
-            j.pending += j.detok.flush()
-        if j.pending or j.lp:
-            j.sink({"type": "delta", "index": j.index, "text": j.pending, "logprobs": j.lp})
-        j.pending, j.lp = "", []
+    def _finish(self, j: Job, reason: str, text: str, lps: list) -> None:
+        if text or lps:
+            j.sink({"type": "delta", "index": j.index, "text": text, "logprobs": lps})
         j.sink({"type": "done", "index": j.index, "finish_reason": reason, "prompt_tokens": len(j.prompt),
                 "completion_tokens": len(j.generated), "cached_tokens": j.cached})
         self._release(j)
