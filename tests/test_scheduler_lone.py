@@ -1,4 +1,4 @@
-"""The scheduler's lone path: a plain job running alone takes each token in one native call
+"""The pipeline's lone path: a plain job running alone takes each token in one native call
 (Model._step_sequence: decode and output stage) instead of a batched step.
 
 Oracles: the same job through the batched path (asking for logprobs keeps a job off the lone path; the
@@ -12,7 +12,8 @@ import pytest
 import optiml
 from optiml.engine.generation import output_stage
 from optiml.sampling import Sampler, SamplingParams
-from optiml.server.scheduler import Job, Scheduler
+from optiml.server.pipeline import Pipeline
+from optiml.server.scheduler import Job
 
 N_CTX = 256
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
@@ -32,7 +33,7 @@ def ref(smollm2_path):
 
 @pytest.fixture()
 def sched(model):
-    s = Scheduler(model, 2, 4, chunk=16)
+    s = Pipeline(model, 2, 4, chunk=16)
     s.lone_steps = 0
     lone = s._lone_step
 
