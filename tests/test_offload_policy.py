@@ -11,7 +11,8 @@ import pytest
 import optiml
 from optiml.sampling import Sampler, SamplingParams
 from optiml.server.offload import MIN_FIT, CostModel, OffloadPolicy, StepFeatures
-from optiml.server.scheduler import Job, Scheduler
+from optiml.server.pipeline import Pipeline
+from optiml.server.scheduler import Job
 from test_scheduler_lone import Result
 
 
@@ -114,7 +115,7 @@ def test_jobs_beyond_the_device_kv_run_on_the_host_with_the_same_text(smollm2_pa
             place(seq, where)
 
         m.kv_place = counted
-        sched = Scheduler(m, 3, 8, chunk=64, policy=OffloadPolicy())
+        sched = Pipeline(m, 3, 8, chunk=64, policy=OffloadPolicy())
         results = [Result() for _ in PROMPTS]
         jobs = []
         for k, (p, n) in enumerate(zip(PROMPTS, lengths)):

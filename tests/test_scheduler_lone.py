@@ -1,7 +1,7 @@
-"""The scheduler's lone path: a plain job running alone takes each token in one native call
-(Model._step_sequence) instead of a batched step and Python sampling.
+"""The pipeline's lone path: a plain job running alone takes each token in one native call
+(Model._step_sequence: decode and output stage) instead of a batched step.
 
-Oracles: the same job through the Python path (asking for logprobs keeps a job off the lone path; the
+Oracles: the same job through the batched path (asking for logprobs keeps a job off the lone path; the
 text must not change), and optiml.Model.generate run alone for greedy text.
 """
 
@@ -10,8 +10,10 @@ import threading
 import pytest
 
 import optiml
+from optiml.engine.generation import output_stage
 from optiml.sampling import Sampler, SamplingParams
-from optiml.server.scheduler import Job, Scheduler
+from optiml.server.pipeline import Pipeline
+from optiml.server.scheduler import Job
 
 N_CTX = 256
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
@@ -31,7 +33,7 @@ def ref(smollm2_path):
 
 @pytest.fixture()
 def sched(model):
-    s = Scheduler(model, 2, 4, chunk=16)
+    s = Pipeline(model, 2, 4, chunk=16)
     s.lone_steps = 0
     lone = s._lone_step
 
@@ -146,19 +148,21 @@ def test_step_sequence_rejects_bad_input(model):
     """The native step checks what the scheduler hands it (the API checks requests before that)."""
     import numpy as np
 
-    det = model.tokenizer.detokenizer()
+    from optiml import _core
+
     ok = Sampler(model.n_vocab, SamplingParams(temperature=0))
-    no_bias = (np.zeros(0, np.int32), np.zeros(0, np.float32))
-    bad_bias = (np.array([model.n_vocab + 5], np.int32), np.array([1.0], np.float32))
+    tk = model.tokenizer
     with pytest.raises(optiml.ArgumentError, match="logit bias token"):
-        model._step_sequence(1, 0, 1, bad_bias, ok, det, [], "", False)
+        output_stage(tk, ok, [], {model.n_vocab + 5: 1.0})
     with pytest.raises(optiml.ArgumentError, match="the sampler is for 100 tokens"):
-        model._step_sequence(1, 0, 1, no_bias, Sampler(100, SamplingParams(temperature=0)), det, [], "", False)
+        model._step_sequence(1, 0, 1, output_stage(tk, Sampler(100, SamplingParams(temperature=0)), []), None, False)
     with pytest.raises(optiml.ArgumentError, match="same length"):
-        model._step_sequence(1, 0, 1, (no_bias[0], bad_bias[1]), ok, det, [], "", False)
+        _core.OutputStage(tk._t, ok._s, [], np.zeros(0, np.int32), np.array([1.0], np.float32), -1)
+    with pytest.raises(optiml.ArgumentError, match="allowed-token mask"):
+        model._step_sequence(1, 0, 1, output_stage(tk, ok, []), np.ones(3, np.uint8), False)
     model.kv_clear(1)
-    tok, end, flush, out, held = model._step_sequence(1, 0, model.tokenize("Hello")[0], no_bias, ok, det, [], "", True)
-    assert 0 <= tok < model.n_vocab and end == "length" and flush and held == ""
+    tok, end, out, lp = model._step_sequence(1, 0, model.tokenize("Hello")[0], output_stage(tk, ok, []), None, True)
+    assert 0 <= tok < model.n_vocab and end == "length" and lp is None
 
 
 def test_a_job_whose_admission_fails_fails_alone(sched, model, ref, monkeypatch):

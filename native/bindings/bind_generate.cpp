@@ -1,6 +1,7 @@
 // optiml._core.Generator: the native generation loop (optiml/generate.h) as a Python iterator of text
-// pieces. python/optiml/model.py (Model.stream) drives it. optiml._core.step_sequence: one token of one
-// sequence, for the server's scheduler.
+// pieces. python/optiml/engine/model.py (Model.stream) drives it. optiml._core.OutputStage: one sequence's
+// output stage (sampling, logprobs, detokenization, stop strings) for the server; optiml._core.step_sequence:
+// one token of one sequence decoded and taken through its output stage in one call.
 //
 // __next__ releases the GIL for the whole step (eval, sampling, detokenization, stop strings) and
 // returns one non-empty str, or raises StopIteration at the end. The object keeps the Python Session,
@@ -48,16 +49,20 @@ struct RunGuard {
     ~RunGuard() { flag.store(false); }
 };
 
+std::vector<std::string> as_strings(const std::vector<nb::bytes>& stops) {
+    std::vector<std::string> st;
+    st.reserve(stops.size());
+    for (const nb::bytes& b : stops) st.emplace_back(b.c_str(), b.size());
+    return st;
+}
+
 void init(PyGenerator* self, nb::object session, nb::object tokenizer, nb::object sampler, Tokens1D prompt,
           int32_t n_cached, int32_t max_tokens, const std::vector<nb::bytes>& stops) {
     Session& s = native_session(session);
     std::shared_ptr<const Tokenizer> tok = native_tokenizer(tokenizer);
     Sampler& smp = nb::cast<Sampler&>(sampler);
     std::vector<int32_t> ids(prompt.data(), prompt.data() + prompt.shape(0));
-    std::vector<std::string> st;
-    st.reserve(stops.size());
-    for (const nb::bytes& b : stops) st.emplace_back(b.c_str(), b.size());
-    auto gen = std::make_unique<Generator>(s, *tok, smp, std::move(ids), n_cached, max_tokens, std::move(st));
+    auto gen = std::make_unique<Generator>(s, *tok, smp, std::move(ids), n_cached, max_tokens, as_strings(stops));
     PyGenerator* g = new (self) PyGenerator();
     g->session_owner = std::move(session);
     g->sampler_owner = std::move(sampler);
@@ -113,33 +118,106 @@ const Generator& idle(const PyGenerator& g) {
     return *g.gen;
 }
 
-// step_sequence (optiml/generate.h) with the GIL released: (token, end, flush, out, pending). The scheduler
-// calls it from one thread and keeps every object alive across the call; the Model's lock keeps other
-// threads off the session.
-nb::tuple step_sequence_py(nb::handle session, int32_t seq, int32_t pos, int32_t token, Tokens1D bias_ids,
-                           Floats1D bias_values, nb::handle sampler, nb::handle tokenizer, nb::handle detokenizer,
-                           const std::vector<nb::bytes>& stops, nb::bytes pending, bool last) {
+// optiml._core.OutputStage: one sequence's output stage (optiml/generate.h), for the server. Keeps the
+// Python Tokenizer's native object and the Python Sampler alive.
+struct PyOutputStage {
+    nb::object sampler_owner;
+    std::shared_ptr<const Tokenizer> tok;
+    std::unique_ptr<OutputStage> stage;
+    std::vector<float> row;  // a copy of the logits to bias and mask
+    std::atomic<bool> running{false};
+};
+
+void init_output(PyOutputStage* self, nb::handle tokenizer, nb::object sampler, const std::vector<nb::bytes>& stops,
+                 Tokens1D bias_ids, Floats1D bias_values, int32_t top_logprobs) {
     if (bias_ids.shape(0) != bias_values.shape(0))
-        throw ArgumentError("step_sequence: bias_ids and bias_values must have the same length");
-    Session& s = native_session(session);
+        throw ArgumentError("OutputStage: bias_ids and bias_values must have the same length");
     std::shared_ptr<const Tokenizer> tok = native_tokenizer(tokenizer);
     Sampler& smp = nb::cast<Sampler&>(sampler);
-    Detokenizer& detok = native_detokenizer(detokenizer);
     std::vector<std::pair<int32_t, float>> bias(bias_ids.shape(0));
     for (size_t i = 0; i < bias.size(); i++) bias[i] = {bias_ids(i), bias_values(i)};
-    std::vector<std::string> st;
-    st.reserve(stops.size());
-    for (const nb::bytes& b : stops) st.emplace_back(b.c_str(), b.size());
-    std::string held(pending.c_str(), pending.size());
-    thread_local std::vector<float> logits;  // n_vocab floats: not worth an allocation per token
-    SequenceStep r;
-    {
-        nb::gil_scoped_release release;
-        r = step_sequence(s, seq, pos, token, bias, smp, *tok, detok, st, held, last, logits);
-    }
+    auto stage = std::make_unique<OutputStage>(*tok, smp, as_strings(stops), std::move(bias), top_logprobs);
+    PyOutputStage* o = new (self) PyOutputStage();
+    o->sampler_owner = std::move(sampler);
+    o->tok = std::move(tok);
+    o->stage = std::move(stage);
+}
+
+// The allowed-token bitmask (None: every token), checked to cover the vocabulary.
+const uint8_t* allowed_bits(nb::handle allowed, int32_t n_vocab) {
+    if (allowed.is_none()) return nullptr;
+    auto bits = nb::cast<nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>>(allowed);
+    if (bits.shape(0) * 8 < (size_t)n_vocab)
+        throw ArgumentError(format("the allowed-token mask holds %zu bits, the vocabulary has %d tokens",
+                                   (size_t)bits.shape(0) * 8, n_vocab));
+    return bits.data();
+}
+
+// (token or -1, end: None/'stop'/'length', text out, logprobs: None or (logprob, [(token, logprob), ...])).
+nb::tuple to_tuple(const TokenOutput& r) {
     nb::object end = r.end ? nb::object(nb::str(r.end)) : nb::none();
-    return nb::make_tuple(r.token, end, r.flush, nb::str(r.out.data(), r.out.size()),
-                          nb::str(held.data(), held.size()));
+    nb::object lp = nb::none();
+    if (r.has_logprobs) {
+        nb::list top;
+        for (const TokenLogprob& t : r.top) top.append(nb::make_tuple(t.token, t.logprob));
+        lp = nb::make_tuple(r.logprob, top);
+    }
+    return nb::make_tuple(r.token, end, nb::str(r.out.data(), r.out.size()), lp);
+}
+
+nb::tuple output_step(PyOutputStage& o, Floats1D logits, nb::handle allowed, bool last) {
+    const int32_t n_vocab = o.stage->n_vocab();
+    if ((int64_t)logits.shape(0) != n_vocab)
+        throw ArgumentError(format("logits hold %zu values, but the sampler's vocabulary has %d tokens",
+                                   (size_t)logits.shape(0), n_vocab));
+    const uint8_t* bits = allowed_bits(allowed, n_vocab);
+    TokenOutput r;
+    {
+        RunGuard guard(o.running);
+        nb::gil_scoped_release release;
+        o.row.assign(logits.data(), logits.data() + n_vocab);
+        o.stage->step(o.row.data(), bits, last, r);
+    }
+    return to_tuple(r);
+}
+
+// step_sequence (optiml/generate.h) with the GIL released. The scheduler calls it from one thread and
+// keeps every object alive across the call; the Model's lock keeps other threads off the session.
+nb::tuple step_sequence_py(nb::handle session, int32_t seq, int32_t pos, int32_t token, PyOutputStage& o,
+                           nb::handle allowed, bool last) {
+    Session& s = native_session(session);
+    const uint8_t* bits = allowed_bits(allowed, o.stage->n_vocab());
+    TokenOutput r;
+    {
+        RunGuard guard(o.running);
+        nb::gil_scoped_release release;
+        step_sequence(s, seq, pos, token, *o.stage, bits, last, o.row, r);
+    }
+    return to_tuple(r);
+}
+
+void bind_output(nb::module_& m) {
+    nb::class_<PyOutputStage>(m, "OutputStage")
+        .def("__init__", &init_output, nb::arg("tokenizer"), nb::arg("sampler"), nb::arg("stops"),
+             nb::arg("bias_ids"), nb::arg("bias_values"), nb::arg("top_logprobs"),
+             "One sequence's output stage (optiml/generate.h): the sampler (its prompt already accepted), stop "
+             "strings (UTF-8 bytes), the logit bias (int32 ids, float32 values), top_logprobs (-1: none).")
+        .def("step", &output_step, nb::arg("logits"), nb::arg("allowed").none(), nb::arg("last"),
+             "Takes the next token from one row of float32 logits (not changed), with an allowed-token "
+             "bitmask (uint8, little-endian bits) or None: (token or -1, end, text out, logprobs).")
+        .def("flush", [](PyOutputStage& o) {
+            RunGuard guard(o.running);
+            const std::string s = o.stage->flush();
+            return nb::str(s.data(), s.size());
+        }, "The text the stream still holds; the stream starts over.")
+        .def_prop_ro("pending", [](const PyOutputStage& o) {
+            if (o.running.load()) throw Error("this output stage is running in another thread");
+            return nb::str(o.stage->pending().data(), o.stage->pending().size());
+        }, "The text held back (it may begin a stop string).");
+    m.def("step_sequence", &step_sequence_py, nb::arg("session"), nb::arg("seq"), nb::arg("pos"), nb::arg("token"),
+          nb::arg("output"), nb::arg("allowed").none(), nb::arg("last"),
+          "Runs `token` at `pos` of sequence `seq` and takes the next token through `output` (an OutputStage): "
+          "(token or -1, end, text out, logprobs), as OutputStage.step.");
 }
 
 }  // namespace
@@ -175,9 +253,5 @@ void bind_generate(nb::module_& m) {
             idle(g);
             return stats(g);
         }, "prompt_tokens, prompt_evaluated, prompt_s, gen_tokens, gen_s, busy_s (see optiml/generate.h).");
-    m.def("step_sequence", &step_sequence_py, nb::arg("session"), nb::arg("seq"), nb::arg("pos"), nb::arg("token"),
-          nb::arg("bias_ids"), nb::arg("bias_values"), nb::arg("sampler"), nb::arg("tokenizer"),
-          nb::arg("detokenizer"), nb::arg("stops"), nb::arg("pending"), nb::arg("last"),
-          "Runs `token` at `pos` of sequence `seq`, adds the bias, samples and detokenizes: (token or -1, "
-          "end: None/'stop'/'length', flush, text out, text held back). See optiml/generate.h.");
+    bind_output(m);
 }

@@ -1,4 +1,5 @@
-// The generation loop: prompt -> (sample -> end-of-generation check -> detokenize -> stop strings -> eval)*.
+// The generation loop: prompt -> (the output stage (below: sample, end-of-generation check, detokenize,
+// stop strings) -> eval)*.
 //
 // A Generator drives one Session from a prompt to the end of generation and hands out the text piece by
 // piece. Everything per token (eval, sampling, detokenization, stop-string matching) runs here, so a
@@ -53,30 +54,77 @@ struct GenerateStats {
                                    // detokenization and stop strings only (the native part of gen_s)
 };
 
-// The per-token work shared by Generator and a caller that keeps one sequence's state itself: samples
-// from `logits` and takes the token into the text stream. Returns -1 for an end-of-generation token
-// (not accepted, nothing else done). Otherwise the token is accepted by the sampler and pushed through
-// the detokenizer onto `pending`; the text that may go out moves from `pending` to `out`, and `stopped`
-// is set when a stop string matched (`out` then ends before it and `pending` is cleared).
-int32_t sample_into_text(Sampler& sampler, const Tokenizer& tok, Detokenizer& detok,
-                         const std::vector<std::string>& stops, const float* logits, std::string& pending,
-                         std::string& out, bool& stopped);
-
-// One token of one sequence of a multi-sequence Session, for a caller that keeps the sequence's state
-// between calls (the server's scheduler, while one request runs alone): runs `token` at position `pos`
-// of sequence `seq`, adds `bias` to the logits, then sample_into_text(). The text stream ends (`end`)
-// at an end-of-generation token or stop string ("stop"), or after this token when `last` ("length");
-// `flush` says whether the detokenizer's held bytes still go out (not after a stop string).
-struct SequenceStep {
-    int32_t token = -1;  // sampled and kept; -1 at end-of-generation
-    const char* end = nullptr;  // nullptr (more to come), "stop" or "length"
-    bool flush = false;
-    std::string out;
+// The output stage: what becomes of one sequence's row of logits. Generator (Model.generate, stream,
+// chat) and the server (a batched step's rows, and step_sequence below for a request running alone) all
+// take their tokens through it, so a greedy server request gets Model.generate's text.
+//
+//     logit bias (logit += b)  ->  allowed-token mask (-inf outside it: a JSON-schema grammar)
+//       ->  Sampler::sample  ->  end-of-generation check  ->  logprobs (when asked)
+//       ->  Sampler::accept  ->  Detokenizer  ->  stop strings  ->  the text that may go out
+//
+// Logprobs are the log-softmax (in double) of the logits after the bias and the mask, before the
+// sampler's penalties and temperature (what the OpenAI API reports): the kept token's, and with
+// top_logprobs = k > 0 the k best tokens, highest first, ties to the lower id.
+//
+// The text: pending holds what may begin a stop string (or an unfinished character); at a stop string
+// the text from it on is dropped, with what the detokenizer holds. An end-of-generation token is not
+// kept (not accepted, no logprobs) and ends the stream with the held text flushed.
+struct TokenLogprob {
+    int32_t token;
+    double logprob;
 };
-SequenceStep step_sequence(Session& session, int32_t seq, int32_t pos, int32_t token,
-                           const std::vector<std::pair<int32_t, float>>& bias, Sampler& sampler,
-                           const Tokenizer& tok, Detokenizer& detok, const std::vector<std::string>& stops,
-                           std::string& pending, bool last, std::vector<float>& logits);
+
+struct TokenOutput {
+    int32_t token = -1;         // sampled and kept; -1 at end-of-generation
+    const char* end = nullptr;  // nullptr (more to come), "stop" (end of generation, a stop string) or
+                                // "length" (the caller said `last`)
+    std::string out;            // the text that may go out now; at an end, all that is left of the stream
+    bool has_logprobs = false;  // top_logprobs >= 0 and a token was kept
+    double logprob = 0;         // the kept token's
+    std::vector<TokenLogprob> top;
+};
+
+class OutputStage {
+public:
+    // One sequence's stage. bias: (token, added logit) pairs with tokens in [0, sampler.n_vocab());
+    // stops: non-empty UTF-8 strings; top_logprobs: -1 none, 0 the kept token's, k > 0 also the k best.
+    // ArgumentError otherwise. The Tokenizer and the Sampler must outlive the stage.
+    OutputStage(const Tokenizer& tok, Sampler& sampler, std::vector<std::string> stops,
+                std::vector<std::pair<int32_t, float>> bias = {}, int32_t top_logprobs = -1);
+
+    // Takes the next token from `logits` (sampler.n_vocab() values, changed in place by the bias and the
+    // mask). allowed: nullptr (every token), or a bitmask of at least n_vocab bits (token t is bit t % 8
+    // of byte t / 8; 0: forbidden). last: the token sampled now is the stream's last (max_tokens, a full
+    // context): unless the stream ends otherwise, the end is "length" and the held text goes out.
+    void step(float* logits, const uint8_t* allowed, bool last, TokenOutput& r);
+
+    // What the stream still holds (a stop string's possible start; an unfinished character as U+FFFD),
+    // for an end the caller decides (a grammar that completed); the stream starts over.
+    std::string flush();
+
+    const std::string& pending() const { return pending_; }
+    int32_t n_vocab() const { return sampler_.n_vocab(); }
+
+private:
+    void bias_and_mask(float* logits, const uint8_t* allowed) const;
+    void logprobs(const float* logits, int32_t token, TokenOutput& r);
+    void text(int32_t token, bool last, TokenOutput& r);
+
+    const Tokenizer& tok_;
+    Sampler& sampler_;
+    Detokenizer detok_;
+    std::vector<std::string> stops_;
+    std::vector<std::pair<int32_t, float>> bias_;
+    int32_t top_logprobs_;
+    std::string pending_;         // decoded text held back
+    std::vector<int32_t> order_;  // the top-logprobs selection's buffer
+};
+
+// One token of one sequence of a multi-sequence Session, decoded and taken through its output stage in
+// one call (the server, while one request runs alone): runs `token` at position `pos` of sequence
+// `seq` into `logits`, then out.step(logits, allowed, last, r).
+void step_sequence(Session& session, int32_t seq, int32_t pos, int32_t token, OutputStage& out,
+                   const uint8_t* allowed, bool last, std::vector<float>& logits, TokenOutput& r);
 
 class Generator {
 public:
@@ -110,16 +158,13 @@ private:
     double since(Clock::time_point t) const { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
     Session& session_;
-    const Tokenizer& tok_;
     Sampler& sampler_;
-    Detokenizer detok_;
+    OutputStage out_;
     std::vector<int32_t> prompt_;
     int32_t n_cached_, max_tokens_;
-    std::vector<std::string> stops_;
 
     State state_ = State::start;
     std::vector<float> logits_;     // of the last evaluated token
-    std::string pending_;           // decoded text held back (it may begin a stop string)
     std::vector<int32_t> generated_;
     int32_t n_gen_evaluated_ = 0;
     int32_t to_eval_ = -1;          // sampled token to evaluate before the next sample, -1 if none

@@ -1,6 +1,8 @@
 """Generation in one context: stream()'s arguments checked into a sampler, the part of the context a prompt
 reuses, the last chat turn kept as token ids, and the native loop (optiml._core.Generator) whose pieces
-Model.stream hands on. The loop itself (eval, sampling, detokenization, stop strings) is native."""
+Model.stream hands on. The loop itself (eval, sampling, detokenization, stop strings) is native; its
+per-token part, the output stage (optiml._core.OutputStage), is also what the server takes each
+sequence's tokens through (output_stage)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from .. import _core
 from .._core import ArgumentError, ContextOverflowError
 from .sampling import RANDOM_SEED, Sampler, SamplingParams
 
-__all__ = ["ChatPrefix", "cached_prefix", "check_prompt", "generator", "make_sampler", "stop_strings"]
+__all__ = ["ChatPrefix", "cached_prefix", "check_prompt", "generator", "make_sampler", "output_stage", "stop_strings"]
 
 
 def make_sampler(n_vocab: int, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
@@ -68,7 +70,24 @@ def generator(session, tokenizer, sampler: Sampler, ids: list[int], n_cached: in
     """The native generation loop over ``ids`` (its first n_cached already in the context): iterating it
     yields text pieces, with the GIL released while it works."""
     return _core.Generator(session, tokenizer._t, sampler._s, np.array(ids, np.int32), n_cached, max_tokens,
-                           [s.encode("utf-8", "surrogatepass") for s in stops])
+                           _utf8(stops))
+
+
+def output_stage(tokenizer, sampler: Sampler, stops: list[str], logit_bias: dict | None = None,
+                 top_logprobs: int = -1) -> _core.OutputStage:
+    """One sequence's native output stage (native/include/optiml/generate.h), the per-token step of
+    Model.generate's loop: ``stage.step(logits, allowed, last)`` adds the logit bias ({token id: value}),
+    sets the tokens outside ``allowed`` (a little-endian bitmask, or None) to -inf, samples, and returns
+    (token or -1 at end of generation, None / "stop" / "length", the text that may go out, logprobs: None
+    or (the token's, [(token, logprob)] of the top_logprobs best; -1: none)). The sampler must already
+    have accepted the prompt."""
+    bias = logit_bias or {}
+    return _core.OutputStage(tokenizer._t, sampler._s, _utf8(stops), np.array(list(bias), np.int32),
+                             np.array(list(bias.values()), np.float32), top_logprobs)
+
+
+def _utf8(stops: list[str]) -> list[bytes]:
+    return [s.encode("utf-8", "surrogatepass") for s in stops]
 
 
 class ChatPrefix:

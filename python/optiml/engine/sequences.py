@@ -38,15 +38,15 @@ class Sequences:
                 self._forget_seq0()
             return self._session.decode(tokens, seq, pos, want)
 
-    def _step_sequence(self, seq: int, pos: int, token: int, bias: tuple, sampler, detok, stops: list,
-                       pending: str, last: bool) -> tuple:
-        """One token of sequence ``seq`` run and sampled natively (optiml._core.step_sequence): the server's
-        scheduler, while a request runs alone. Returns (token or -1, end, flush, text out, text held)."""
+    def _step_sequence(self, seq: int, pos: int, token: int, output, allowed, last: bool) -> tuple:
+        """One token of sequence ``seq`` run and taken through its output stage (engine.generation.output_stage)
+        in one native call, the GIL released (optiml._core.step_sequence): the server, while a request runs
+        alone. ``allowed``: the allowed-token bitmask or None; ``last``: the token sampled now is the last.
+        Returns what ``output.step`` does: (token or -1, end, text out, logprobs)."""
         with self._exclusive():
             if seq == 0:
                 self._forget_seq0()
-            return _core.step_sequence(self._session, seq, pos, token, bias[0], bias[1], sampler._s,
-                                       self.tokenizer._t, detok._d, stops, pending.encode(), last)
+            return _core.step_sequence(self._session, seq, pos, token, output, allowed, last)
 
     def seq_len(self, seq: int) -> int:
         """Positions held by sequence ``seq``."""

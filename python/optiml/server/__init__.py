@@ -3,9 +3,11 @@
     from optiml.server import Server, create_app
     app = create_app(Server(optiml.Model(path, n_ctx=4096, n_seq=4), n_parallel=4))   # an ASGI app
 
-Modules: app (routes), scheduler (the thread that owns the Model), schemas (request checks, errors),
-structured (response_format through llguidance), metrics (Prometheus), ray_serve (replicas on Ray Serve,
-pip install "optiml[ray]"; imported only by serve_ray).
+Modules: app (routes); pipeline (the thread that owns the Model) with its parts: scheduler (what runs
+next, no model), runner (steps the model), output (each token's native output stage, the events), offload
+(when attention goes to the CPU); schemas (request checks, errors), structured (response_format through
+llguidance), metrics (Prometheus), ray_serve (replicas on Ray Serve, pip install "optiml[ray]"; imported
+only by serve_ray).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The HTTP side: Starlette routes of the OpenAI API over the Scheduler.
+"""The HTTP side: Starlette routes of the OpenAI API over the Pipeline (pipeline.py).
 
-Handlers check and tokenize a request, hand its jobs to the scheduler thread, and turn the events that
+Handlers check and tokenize a request, hand its jobs to the pipeline's thread, and turn the events that
 come back (through an asyncio queue) into a JSON answer or server-sent events.
 """
 
@@ -26,7 +26,8 @@ from ..engine.chat_template import ChatTemplateError
 from ..engine.sampling import RANDOM_SEED, Sampler
 from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
-from .scheduler import Job, QueueFull, Scheduler
+from .pipeline import Pipeline
+from .scheduler import Job, QueueFull
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
 
 
@@ -56,7 +57,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 class Server:
-    """The state behind the routes: the model, its scheduler, metrics and settings."""
+    """The state behind the routes: the model, its pipeline, metrics and settings."""
 
     def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
                  max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
@@ -76,7 +77,7 @@ class Server:
         elif max_itl_ms is not None:
             raise ValueError("--max-itl-ms bounds CPU attention offload, which needs --kv-vram smaller than the "
                              "KV cache of --parallel sequences")
-        self.scheduler = Scheduler(model, n_parallel, max_queue, chunk, self.metrics, policy)
+        self.pipeline = Pipeline(model, n_parallel, max_queue, chunk, self.metrics, policy)
         self._grammars = None
 
     @property
@@ -84,7 +85,7 @@ class Server:
         if self._grammars is None:
             from .structured import Grammars
 
-            self._grammars = Grammars(self.tokenizer)
+            self._grammars = Grammars(self.tokenizer, self.model.n_vocab)
         return self._grammars
 
     # ---- checks ----------------------------------------------------------------------------------------
@@ -147,10 +148,10 @@ class Server:
         else:
             jobs = self.jobs(req, sink)
         try:
-            self.scheduler.submit(jobs)
+            self.pipeline.submit(jobs)
         except QueueFull as e:
             self.metrics.rejected.inc()
-            status = 503 if self.scheduler.stopping else 429
+            status = 503 if self.pipeline.stopping else 429
             raise APIError(status, f"the server is busy: {e}; retry later", type="server_busy",
                            code="queue_full", headers={"Retry-After": "1"}) from None
         return jobs, q
@@ -256,7 +257,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
             return Response(status_code=499)
         finally:
             watcher.cancel()
-            server.scheduler.cancel(jobs)  # frees the slots of unfinished jobs
+            server.pipeline.cancel(jobs)  # frees the slots of unfinished jobs
         choices = []
         for j in jobs:
             i, text = j.index, "".join(texts[j.index])
@@ -336,7 +337,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
                 yield chunk([], _usage(done, set()))
             yield _sse("[DONE]")
         finally:
-            server.scheduler.cancel(jobs)  # the client went away (or all is done): free the slots
+            server.pipeline.cancel(jobs)  # the client went away (or all is done): free the slots
 
     return _EventStream(stream(), ping=15)
 
@@ -445,7 +446,7 @@ def create_app(server: Server) -> Starlette:
 
     @endpoint("health", auth=False)
     async def health(request: Request):
-        return JSONResponse(dict(status="ok", **server.scheduler.status()))
+        return JSONResponse(dict(status="ok", **server.pipeline.status()))
 
     @endpoint("metrics", auth=False)
     async def metrics(request: Request):
@@ -469,11 +470,11 @@ def create_app(server: Server) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.scheduler.start()
+        server.pipeline.start()
         try:
             yield
         finally:
-            server.scheduler.stop()
+            server.pipeline.stop()
 
     routes = [
         Route("/", chat_page, methods=["GET"]),
@@ -493,4 +494,4 @@ def create_app(server: Server) -> Starlette:
 def _model_card(server: Server) -> dict:
     return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "optiml",
             "meta": {"n_ctx": server.model.n_ctx, "n_vocab": server.model.n_vocab,
-                     "n_parallel": len(server.scheduler.slots)}}
+                     "n_parallel": server.pipeline.n_parallel}}

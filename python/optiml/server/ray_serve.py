@@ -236,7 +236,7 @@ def _prompt_of(pending_request) -> str:
     return ""
 
 
-# ---- the replica: one engine and its scheduler --------------------------------------------------------
+# ---- the replica: one engine and its pipeline ---------------------------------------------------------
 class Replica:
     """One optiml server (Model, Scheduler thread, app.py's routes) inside a Ray Serve replica.
 
@@ -275,8 +275,8 @@ class Replica:
         self.model = Model(path, n_seq=n_parallel, **kw)
         self.server = Server(self.model, **server_kwargs)
         self.app = create_app(self.server)
-        # create_app's lifespan starts the scheduler under uvicorn; here no lifespan event comes.
-        self.server.scheduler.start()
+        # create_app's lifespan starts the pipeline under uvicorn; here no lifespan event comes.
+        self.server.pipeline.start()
         ctx = serve.get_replica_context()
         self.name = f"{ctx.replica_id.unique_id}@{os.getpid()}"
         self._steps, self._since = -1, time.monotonic()
@@ -346,13 +346,12 @@ class Replica:
 
     def check_health(self) -> None:
         """Ray Serve calls this every health_check_period_s; an exception gets the replica replaced."""
-        sched = self.server.scheduler
-        if not sched.thread.is_alive():
+        pipeline = self.server.pipeline
+        if not pipeline.thread.is_alive():
             raise RuntimeError("the scheduler thread is not running")
-        busy = any(s.job is not None for s in sched.slots) or bool(sched.waiting)
         now = time.monotonic()
-        if not busy or sched.steps != self._steps:
-            self._steps, self._since = sched.steps, now
+        if not pipeline.scheduler.busy() or pipeline.steps != self._steps:
+            self._steps, self._since = pipeline.steps, now
         elif now - self._since > self.STALL_S:
             raise RuntimeError(f"the scheduler has taken no step for {now - self._since:.0f} s with work waiting")
 
@@ -360,7 +359,7 @@ class Replica:
         # Ray Serve calls this when it stops the replica: running requests get an error event, not silence.
         server = getattr(self, "server", None)
         if server is not None:
-            server.scheduler.stop()
+            server.pipeline.stop()
 
 
 def _unprefixed(scope: dict) -> dict:

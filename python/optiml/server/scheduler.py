@@ -1,27 +1,25 @@
-"""Continuous batching: one thread owns the Model and advances every running sequence each step.
+"""The scheduler: what runs next. It decides and never computes: no model, no logits, no text.
 
-Each choice of a request is a Job with its own KV slot. A step is one Model.decode of
+Each choice of a request is a Job with its own KV slot. A step (Step) is
   - the next token of every generating job (all of them, every step: generation is never starved), then
   - at most `chunk` prompt tokens, taken first come first served from jobs still reading their prompt.
 Jobs join between steps when a slot is free and leave when they finish or their client goes away
 (cancel(): the slot is free at the next step). Waiting jobs queue up to `max_queue`; beyond that submit()
-raises QueueFull.
+raises QueueFull. A job that generates alone (nothing else running or waiting) with no logprobs and no
+response_format makes a lone step: the runner decodes it and takes its token in one native call.
 
 Prefix cache: a slot keeps the tokens its KV holds after its job leaves. A new job takes the free slot
-whose cache shares the longest prefix with its prompt, or copies a longer prefix from any other slot
-(Model.kv_copy), and runs only the rest; jobs reading a common prefix at the same time compute it once.
-Sampling and stop handling follow Model.stream step by step, so a greedy job gets the text
-Model.generate/chat gives for the same prompt.
+whose cache shares the longest prefix with its prompt, or copies a longer prefix from any other slot, and
+runs only the rest; jobs reading a common prefix at the same time compute it once.
 
 CPU attention offload (offload.py): when the model's device holds the KV cache of fewer sequences than
 there are slots (optiml serve --kv-vram), a job that finds every device slot busy starts in a host slot,
 its attention on the CPU, if the policy's measured cost model says the step's throughput goes up within
 --max-itl-ms; otherwise it waits. A device slot freed by a finishing job goes to a running host job.
 
-A job that generates alone (nothing else running or waiting) with no logprobs and no response_format
-takes each token in one native call (Model._step_sequence: decode, bias, sampling, detokenization and
-stop strings with the GIL released), so a lone client waits on as little Python per token as
-Model.generate's does. It goes back to batched steps as soon as another job arrives.
+The KV cache operations it decides go to `kv` (the Runner; a fake in tests): n_seq, kv_copy(src, dst, n),
+kv_truncate(seq, n), kv_where(seq) -> "device" | "host", kv_place(seq, where). submit, cancel and status
+are called from the server's event loop; everything else from the pipeline's thread (pipeline.py).
 """
 
 from __future__ import annotations
@@ -30,11 +28,10 @@ import collections
 import threading
 import time
 import traceback
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from ..engine.batch import Batch
-from ..engine.sampling import find_stop
+from .offload import StepFeatures
 
 
 class QueueFull(Exception):
@@ -42,7 +39,7 @@ class QueueFull(Exception):
 
 
 class Job:
-    """One sequence to generate. `sink(event)` is called from the scheduler thread with dicts:
+    """One sequence to generate. `sink(event)` is called from the pipeline's thread with dicts:
     {"type": "delta", "index", "text", "logprobs": [(tok, logprob, [(tok, logprob), ...]), ...]},
     {"type": "done", "index", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"},
     {"type": "error", "index", "message"}."""
@@ -64,14 +61,11 @@ class Job:
         self.cached = 0  # of which came from the prefix cache
         self.next_token = None  # sampled, to be run next step
         self.generated: list[int] = []
-        self.pending = ""  # text not yet sent (it may begin a stop string)
-        self.lp: list = []  # logprob entries not yet sent
         self.t_arrival = time.perf_counter()
         self.t_last = None
-        self.detok = None  # the stream's detokenizer, made at the first sampled token
-        # A job without logprobs or a grammar can take its tokens natively when it runs alone.
+        self.output = None  # the native output stage (output.py), made at the first token
+        # A job without logprobs or a grammar takes the lone step when it runs alone.
         self.plain = top_logprobs < 0 and constraint is None
-        self._native_args = None  # (bias arrays, stops as bytes), made on the first native step
 
 
 class Slot:
@@ -82,6 +76,31 @@ class Slot:
         self.last_used = 0.0
 
 
+@dataclass
+class Step:
+    """One step the scheduler decided: the jobs holding a slot (`active`), the generating jobs whose
+    next token runs (`gen`), the prompt chunks that run (`prefill`: job, its tokens from job.n_done on),
+    the jobs whose logits come back, in batch order (`rows`), and those tokens as a Batch. A lone step
+    (`lone`) runs that job's next token alone."""
+
+    active: list
+    gen: list = field(default_factory=list)
+    prefill: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    lone: Job | None = None
+    batch: Batch = field(default_factory=Batch)
+
+    @classmethod
+    def alone(cls, j: Job) -> "Step":
+        """The lone step of `j`: its next token, alone."""
+        batch = Batch().add(j.next_token, j.slot.index, len(j.slot.tokens), logits=True)
+        return cls([j], gen=[j], rows=[j], lone=j, batch=batch)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.batch)
+
+
 def _common(a: list, b: list) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -90,20 +109,12 @@ def _common(a: list, b: list) -> int:
     return i
 
 
-def _log_softmax(row: np.ndarray) -> np.ndarray:
-    x = row.astype(np.float64)
-    m = np.max(x)
-    return x - (m + np.log(np.sum(np.exp(x - m))))
-
-
 class Scheduler:
-    def __init__(self, model, n_parallel: int, max_queue: int, chunk: int = 256, metrics=None, policy=None):
-        if n_parallel > model.n_seq:
-            raise ValueError(f"n_parallel ({n_parallel}) exceeds the model's sequence slots ({model.n_seq})")
+    def __init__(self, kv, n_parallel: int, max_queue: int, chunk: int = 256, policy=None, metrics=None):
+        if n_parallel > kv.n_seq:
+            raise ValueError(f"n_parallel ({n_parallel}) exceeds the model's sequence slots ({kv.n_seq})")
+        self.kv = kv
         self.policy = policy  # an OffloadPolicy when the device holds fewer sequences than there are slots
-        self.model = model
-        self.tokenizer = model.tokenizer
-        self.n_ctx = model.n_ctx
         self.slots = [Slot(i) for i in range(n_parallel)]
         self.max_queue = max_queue
         self.chunk = chunk
@@ -111,23 +122,8 @@ class Scheduler:
         self.waiting: collections.deque[Job] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
-        self.steps = 0
-        # The FFN neurons each step skipped (read in this thread after each step; /metrics shows them).
-        self.sparsity = model.sparsity_meter(history=1024)
-        if metrics:
-            metrics.sparsity_in_use(model.sparsity, model.predictors)
-        self.thread = threading.Thread(target=self._run, name="optiml-scheduler", daemon=True)
 
     # ---- called from the server's event loop ----------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify()
-        self.thread.join(timeout=30)
-
     def submit(self, jobs: list) -> None:
         with self.cond:
             if self.stopping:
@@ -136,7 +132,7 @@ class Scheduler:
             if len(self.waiting) + len(jobs) > self.max_queue + free:  # the free slots take the first ones
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting (--queue {self.max_queue})")
             self.waiting.extend(jobs)
-            self._gauges()
+            self.gauges()
             self.cond.notify()
 
     def cancel(self, jobs: list) -> None:
@@ -145,57 +141,32 @@ class Scheduler:
                 j.cancelled = True
             self.cond.notify()
 
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
     def status(self) -> dict:
         with self.cond:
             busy = sum(s.job is not None for s in self.slots)
             return {"slots_idle": len(self.slots) - busy, "slots_processing": busy, "queue": len(self.waiting)}
 
-    # ---- the scheduler thread ---------------------------------------------------------------------------
-    def _gauges(self) -> None:
+    def busy(self) -> bool:
+        """Whether a job holds a slot or waits for one."""
+        with self.cond:
+            return bool(self.waiting) or any(s.job is not None for s in self.slots)
+
+    # ---- the pipeline's thread ----------------------------------------------------------------------------
+    def gauges(self) -> None:
         if self.metrics:
             self.metrics.queue_depth.set(len(self.waiting))
             self.metrics.running.set(sum(s.job is not None for s in self.slots))
 
-    def _run(self) -> None:
-        while True:
-            with self.cond:
-                changed = self._drop_cancelled()
-                if self.stopping:
-                    for j in [s.job for s in self.slots if s.job is not None] + list(self.waiting):
-                        j.sink({"type": "error", "index": j.index, "message": "the server is shutting down"})
-                    return
-                if not self.waiting and all(s.job is None for s in self.slots):
-                    if changed:
-                        self._gauges()
-                    self.cond.wait()
-                    continue
-            # Admissions and KV moves run outside the lock (only this thread changes the slots): a long KV
-            # copy (a shared prefix, a cache moving between the device and the host) must not hold up the
-            # event loop's submit, cancel and status.
-            changed |= self._admit_waiting()
-            if self.policy is not None:
-                changed |= self._promote()
-            with self.cond:
-                if changed:
-                    self._gauges()
-                active = [s.job for s in self.slots if s.job is not None]
-                lone = active[0] if len(active) == 1 and not self.waiting else None
-            if not active:
-                if not changed:  # waiting jobs the policy keeps waiting: sleep until something happens
-                    with self.cond:
-                        self.cond.wait(timeout=0.1)
-                continue
-            try:
-                if lone is not None and lone.plain and lone.next_token is not None:
-                    self._lone_step(lone)
-                else:
-                    self._step(active)
-            except Exception as e:  # a failed step fails its jobs, not the server
-                traceback.print_exc()
-                for j in active:
-                    self._fail(j, f"generation failed: {e}")
+    def jobs(self) -> list:
+        """Every job holding a slot, then every waiting one (under the lock)."""
+        return [s.job for s in self.slots if s.job is not None] + list(self.waiting)
 
-    def _drop_cancelled(self) -> bool:
+    def drop_cancelled(self) -> bool:
         """Frees the slots of jobs whose client went away and forgets cancelled waiting jobs (under the
         lock). True when something changed."""
         changed = False
@@ -208,18 +179,20 @@ class Scheduler:
             changed = True
         return changed
 
-    def _admit_waiting(self) -> bool:
-        """Admits waiting jobs in order while slots are free and the policy agrees. A job whose admission
-        fails (a KV copy error) fails alone. True when the queue changed."""
+    def admit(self, fail) -> bool:
+        """Admits waiting jobs in order while slots are free and the policy agrees, then (with offload)
+        moves running host jobs to freed device slots. A job whose admission fails (a KV copy error) goes
+        to `fail(job, message)` alone. True when something changed. Runs outside the lock (only this
+        thread changes the slots): a long KV copy must not hold up submit, cancel and status."""
         changed = False
         while True:
             with self.cond:
                 if not self.waiting or all(s.job is not None for s in self.slots):
-                    return changed
+                    break
                 job = self.waiting[0]  # stays the head: only this thread takes jobs out
             try:
                 if not self._admit(job):
-                    return changed  # the policy keeps it waiting for a device slot
+                    break  # the policy keeps it waiting for a device slot
                 error = None
             except Exception as e:
                 traceback.print_exc()
@@ -228,7 +201,10 @@ class Scheduler:
                 self.waiting.popleft()
             changed = True
             if error is not None:
-                self._fail(job, f"could not start: {error}")
+                fail(job, f"could not start: {error}")
+        if self.policy is not None:
+            changed |= self._promote()
+        return changed
 
     def _admit(self, job: Job) -> bool:
         """Gives `job` a free slot, reusing the longest cached prefix of its prompt. With offload, a slot
@@ -236,7 +212,7 @@ class Scheduler:
         the job keeps waiting)."""
         free = [s for s in self.slots if s.job is None]
         if self.policy is not None:
-            on_device = [s for s in free if self.model.kv_where(s.index) == "device"]
+            on_device = [s for s in free if self.kv.kv_where(s.index) == "device"]
             if on_device:
                 free = on_device
             else:
@@ -251,31 +227,28 @@ class Scheduler:
         try:
             if donor is not slot and _common(donor.tokens, job.prompt) > keep:
                 keep = _common(donor.tokens, job.prompt)
-                self.model.kv_copy(donor.index, slot.index, keep)
+                self.kv.kv_copy(donor.index, slot.index, keep)
                 slot.tokens = donor.tokens[:keep]
             keep = min(keep, len(job.prompt) - 1)  # the last prompt token runs: its logits start generation
-            self.model.kv_truncate(slot.index, keep)
+            self.kv.kv_truncate(slot.index, keep)
         except Exception:
             slot.tokens = []  # what its KV holds is unknown now: never reuse it as a prefix
             raise
         del slot.tokens[keep:]
         slot.job, job.slot = job, slot
         job.n_done = job.cached = keep
-        job.sampler.accept(job.prompt)  # the prompt counts for the penalties, as in Model.stream
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(job.prompt))
         return True
 
-    def _features(self, jobs=None):
+    def _features(self) -> StepFeatures:
         """The next step's features for the cost model: one token per running job (its prompt counts as
         its first step's attention), split by where each job's KV cache lives."""
-        from .offload import StepFeatures
-
         f = StepFeatures(0, 0, 0)
-        for j in jobs if jobs is not None else [s.job for s in self.slots if s.job is not None]:
+        for j in (s.job for s in self.slots if s.job is not None):
             kv = len(j.slot.tokens) + 1 if j.next_token is not None else len(j.prompt)
             f.tokens += 1
-            if self.model.kv_where(j.slot.index) == "host":
+            if self.kv.kv_where(j.slot.index) == "host":
                 f.kv_host += kv
             else:
                 f.kv_device += kv
@@ -284,7 +257,7 @@ class Scheduler:
     def _promote(self) -> bool:
         """A device slot held by an idle slot's cache goes to a running job on the host: the idle cache
         moves to the host, the job's to the device. True when something moved."""
-        where = {s.index: self.model.kv_where(s.index) for s in self.slots}
+        where = {s.index: self.kv.kv_where(s.index) for s in self.slots}
         moved = False
         for s in self.slots:
             if s.job is None or where[s.index] != "host":
@@ -293,11 +266,11 @@ class Scheduler:
             if idle is None:
                 break
             try:
-                self.model.kv_place(idle.index, "host")
-                self.model.kv_place(s.index, "device")
+                self.kv.kv_place(idle.index, "host")
+                self.kv.kv_place(s.index, "device")
             except Exception:  # the job runs on where its cache is; the next round reads the places anew
                 traceback.print_exc()
-                where = {t.index: self.model.kv_where(t.index) for t in self.slots}
+                where = {t.index: self.kv.kv_where(t.index) for t in self.slots}
                 break
             where[idle.index], where[s.index] = "host", "device"
             moved = True
@@ -305,107 +278,36 @@ class Scheduler:
             self.metrics.host_sequences.set(sum(1 for s in self.slots if s.job is not None and where[s.index] == "host"))
         return moved
 
-    def _step(self, active: list) -> None:
-        batch = Batch()
-        rows: list[Job] = []
-        gen = [j for j in active if j.next_token is not None]
-        for j in gen:
-            batch.add(j.next_token, j.slot.index, len(j.slot.tokens), logits=True)
-            rows.append(j)
+    def schedule(self) -> Step | None:
+        """The next step over the jobs holding a slot; None when no job does."""
+        with self.cond:
+            active = [s.job for s in self.slots if s.job is not None]
+            alone = len(active) == 1 and not self.waiting
+        if not active:
+            return None
+        if alone and active[0].plain and active[0].next_token is not None:
+            return Step.alone(active[0])
+        step = Step(active)
+        step.gen = [j for j in active if j.next_token is not None]
+        step.rows = list(step.gen)
+        for j in step.gen:
+            step.batch.add(j.next_token, j.slot.index, len(j.slot.tokens), logits=True)
         budget = self.chunk
-        prefill = []
         reading = sorted((j for j in active if j.next_token is None), key=lambda j: j.t_arrival)
         for k, j in enumerate(reading):
             if budget <= 0:
                 break
-            if self._follow(j, gen + reading[:k]):
+            if self._follow(j, step.gen + reading[:k]):
                 continue  # an earlier job is computing this job's prefix: wait for it, then copy
             rest = j.prompt[j.n_done:]
             take = rest[:budget]
             last = len(take) == len(rest)
-            batch.add_sequence(take, j.slot.index, j.n_done, logits="last" if last else "none")
-            prefill.append((j, take))
+            step.batch.add_sequence(take, j.slot.index, j.n_done, logits="last" if last else "none")
+            step.prefill.append((j, take))
             if last:
-                rows.append(j)
+                step.rows.append(j)
             budget -= len(take)
-        features = self._step_features(batch) if self.policy is not None else None
-        t0 = time.perf_counter()
-        logits = self.model.decode(batch)
-        self._sparsity_step()
-        if features is not None:
-            self.policy.cost.observe(features, time.perf_counter() - t0)
-            if self.metrics:
-                self.metrics.offload_steps.labels("pipelined" if features.pipelined else "gpu_only").inc()
-        self.steps += 1
-        if self.metrics:
-            self.metrics.batch_tokens.observe(len(batch))
-            self.metrics.batch_sequences.observe(len(gen) + len(prefill))
-            self.metrics.prompt_evaluated.inc(sum(len(t) for _, t in prefill))
-        now = time.perf_counter()
-        for j in gen:
-            j.slot.tokens.append(j.next_token)
-            j.next_token = None
-        for j, take in prefill:
-            j.slot.tokens.extend(take)
-            j.n_done += len(take)
-        for j, row in zip(rows, logits):
-            j.slot.last_used = now
-            if not j.cancelled:
-                self._sample(j, row, now)
-
-    def _sparsity_step(self) -> None:
-        """Records the step just run in the sparsity meter and the metrics."""
-        m = self.sparsity
-        seen, active = m.seen, m.active
-        if m.step() is not None and self.metrics:
-            self.metrics.sparsity_step(m, seen, active)
-
-    def _step_features(self, batch: Batch):
-        """What the cost model reads of a step: its tokens and the positions each attends over, by where
-        its sequence's KV cache lives."""
-        from .offload import StepFeatures
-
-        where = {}
-        f = StepFeatures(len(batch), 0, 0)
-        for seq, pos in zip(batch.seq, batch.pos):
-            if seq not in where:
-                where[seq] = self.model.kv_where(seq)
-            if where[seq] == "host":
-                f.kv_host += pos + 1
-            else:
-                f.kv_device += pos + 1
-        return f
-
-    def _lone_step(self, j: Job) -> None:
-        """One token of a plain job running alone, in one native call (what _step and _sample do for it)."""
-        if j._native_args is None:
-            bias = (np.array(list(j.logit_bias), np.int32), np.array(list(j.logit_bias.values()), np.float32))
-            j._native_args = (bias, [s.encode() for s in j.stops])
-        bias, stops = j._native_args
-        pos = len(j.slot.tokens)
-        last = (j.max_tokens is not None and len(j.generated) + 1 >= j.max_tokens) or pos + 1 >= self.n_ctx
-        tok, end, flush, out, j.pending = self.model._step_sequence(
-            j.slot.index, pos, j.next_token, bias, j.sampler, j.detok, stops, j.pending, last)
-        self.steps += 1
-        self._sparsity_step()
-        now = time.perf_counter()
-        j.slot.tokens.append(j.next_token)
-        j.next_token = None
-        j.slot.last_used = now
-        if self.metrics:
-            self.metrics.batch_tokens.observe(1)
-            self.metrics.batch_sequences.observe(1)
-            self.metrics.itl.observe(now - j.t_last)
-        j.t_last = now
-        if tok >= 0:
-            j.generated.append(tok)
-            if self.metrics:
-                self.metrics.generated_tokens.inc()
-        if out:
-            j.sink({"type": "delta", "index": j.index, "text": out, "logprobs": []})
-        if end is not None:
-            return self._finish(j, end, flush)
-        j.next_token = tok
+        return step
 
     def _follow(self, j: Job, earlier: list) -> bool:
         """Shares a prompt prefix between jobs that read their prompts at the same time (n > 1, a common
@@ -417,81 +319,48 @@ class Scheduler:
                 continue
             if lead.n_done < c:
                 return True
-            self.model.kv_copy(lead.slot.index, j.slot.index, c)
+            self.kv.kv_copy(lead.slot.index, j.slot.index, c)
             j.slot.tokens = lead.slot.tokens[:c]
             j.cached += c - j.n_done
             j.n_done = c
             return False
         return False
 
-    def _sample(self, j: Job, row: np.ndarray, now: float) -> None:
-        if j.logit_bias or j.constraint is not None:
-            row = row.copy()
-            for tok, b in j.logit_bias.items():
-                row[tok] += b
-            if j.constraint is not None:
-                j.constraint.mask(row)
-        tok = j.sampler.sample(row)
-        if self.metrics:
-            if j.t_last is None:
-                self.metrics.ttft.observe(now - j.t_arrival)
+    def step_features(self, batch: Batch) -> StepFeatures:
+        """What the cost model reads of a step: its tokens and the positions each attends over, by where
+        its sequence's KV cache lives."""
+        where = {}
+        f = StepFeatures(len(batch), 0, 0)
+        for seq, pos in zip(batch.seq, batch.pos):
+            if seq not in where:
+                where[seq] = self.kv.kv_where(seq)
+            if where[seq] == "host":
+                f.kv_host += pos + 1
             else:
-                self.metrics.itl.observe(now - j.t_last)
-        j.t_last = now
-        if self.tokenizer.is_eog(tok):
-            return self._finish(j, "stop")
-        j.sampler.accept(tok)
-        j.generated.append(tok)
+                f.kv_device += pos + 1
+        return f
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """A step's measured time, for the offload policy's cost model."""
+        self.policy.cost.observe(features, seconds)
         if self.metrics:
-            self.metrics.generated_tokens.inc()
-        if j.top_logprobs >= 0:
-            lp = _log_softmax(row)
-            top = []
-            if j.top_logprobs:
-                idx = np.argsort(-lp, kind="stable")[: j.top_logprobs]
-                top = [(int(i), float(lp[i])) for i in idx]
-            j.lp.append((tok, float(lp[tok]), top))
-        if j.constraint is not None:
-            j.constraint.accept(tok)
-            if j.constraint.error():
-                return self._fail(j, f"response_format: {j.constraint.error()}")
-        if j.detok is None:
-            j.detok = self.tokenizer.detokenizer()
-        j.pending += j.detok.push(tok)
-        if j.stops:
-            at, hold = find_stop(j.pending, j.stops)
-            if at >= 0:
-                j.pending = j.pending[:at]
-                return self._finish(j, "stop", flush=False)
-            out, j.pending = j.pending[: len(j.pending) - hold], j.pending[len(j.pending) - hold:]
-        else:
-            out, j.pending = j.pending, ""
-        if out or j.lp:
-            j.sink({"type": "delta", "index": j.index, "text": out, "logprobs": j.lp})
-            j.lp = []
-        if j.constraint is not None and j.constraint.done():
-            return self._finish(j, "stop")
-        if (j.max_tokens is not None and len(j.generated) >= j.max_tokens) or len(j.slot.tokens) >= self.n_ctx:
-            return self._finish(j, "length")  # the last sampled token is not run, as in Model.stream
-        j.next_token = tok
+            self.metrics.offload_steps.labels("pipelined" if features.pipelined else "gpu_only").inc()
 
-    def _finish(self, j: Job, reason: str, flush: bool = True) -> None:
-        if flush and j.detok is not None:
-            j.pending += j.detok.flush()
-        if j.pending or j.lp:
-            j.sink({"type": "delta", "index": j.index, "text": j.pending, "logprobs": j.lp})
-        j.pending, j.lp = "", []
-        j.sink({"type": "done", "index": j.index, "finish_reason": reason, "prompt_tokens": len(j.prompt),
-                "completion_tokens": len(j.generated), "cached_tokens": j.cached})
-        self._release(j)
+    def ran(self, step: Step, now: float) -> None:
+        """The step ran: each slot's KV holds its tokens."""
+        for j in step.gen:
+            j.slot.tokens.append(j.next_token)
+            j.next_token = None
+        for j, take in step.prefill:
+            j.slot.tokens.extend(take)
+            j.n_done += len(take)
+        for j in step.rows:
+            j.slot.last_used = now
 
-    def _fail(self, j: Job, message: str) -> None:
-        j.sink({"type": "error", "index": j.index, "message": message})
-        self._release(j)
-
-    def _release(self, j: Job) -> None:
+    def release(self, j: Job) -> None:
+        """`j` has finished (or failed): its slot is free, its KV stays as cache."""
         with self.cond:
             if j.slot is not None and j.slot.job is j:
                 j.slot.job = None
             j.next_token = None
-            self._gauges()
+            self.gauges()

@@ -2,7 +2,8 @@
 
 llguidance builds its token trie from the model's vocabulary (each token's bytes; control tokens marked
 with a leading 0xff as llguidance expects) and, for each step, gives a bitmask of the tokens that keep the
-output inside the grammar. Tokens outside it get -inf logits before the sampler sees them.
+output inside the grammar. The native output stage (output.py) gives the tokens outside it -inf logits
+before the sampler sees them.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ class _VocabWrapper:
 
 
 class Grammars:
-    """Compiles response formats for one tokenizer (built once, on first use: ~1 s for a 50k vocabulary)."""
+    """Compiles response formats for one tokenizer (built once, on first use: ~1 s for a 50k vocabulary).
+    n_vocab: the model's logits per row (the tokenizer's vocabulary when None); ids past the tokenizer's
+    are never allowed."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, n_vocab: int | None = None):
         self.tokenizer = tokenizer
+        self.n_vocab = tokenizer.n_vocab if n_vocab is None else n_vocab
         self._ll = None
 
     def _lltokenizer(self):
@@ -72,7 +76,7 @@ class Grammars:
     def matcher(self, grammar: str) -> "Constraint":
         import llguidance
 
-        return Constraint(llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0), self.tokenizer.n_vocab)
+        return Constraint(llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0), self.n_vocab)
 
 
 class Constraint:
@@ -82,11 +86,14 @@ class Constraint:
         self.m = matcher
         self.n_vocab = n_vocab
 
-    def mask(self, logits: np.ndarray) -> None:
-        """Sets the logits of tokens the grammar forbids now to -inf (in place)."""
+    def allowed(self) -> np.ndarray:
+        """The tokens the grammar allows now: uint8 bits covering n_vocab tokens, token t at bit t % 8 of
+        byte t // 8 (llguidance's 32-bit words, little-endian)."""
         bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: self.n_vocab].astype(bool)
-        logits[: allowed.size][~allowed] = -np.inf
+        need = (self.n_vocab + 7) // 8
+        if bits.size < need:
+            bits = np.concatenate([bits, np.zeros(need - bits.size, np.uint8)])
+        return bits
 
     def accept(self, tok: int) -> None:
         self.m.consume_token(int(tok))

@@ -1,0 +1,143 @@
+"""Continuous batching: one thread owns the Model and runs the pipeline, step after step.
+
+    scheduler (scheduler.py)  decides: admissions, slots, the prefix cache, CPU attention offload, which
+                              tokens go into the next step
+    runner (runner.py)        steps the model: a Batch through Model.decode, or one lone sequence
+    output stage (output.py)  each job's row of logits -> its token and text, natively (Model.generate's
+                              per-token step), then the job's events
+
+A job that generates alone (nothing else running or waiting) with no logprobs and no response_format
+takes each token in one native call (decode and output stage, the GIL released); it goes back to batched
+steps as soon as another job arrives. A step that fails fails its jobs, not the server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+from .output import OutputStage
+from .runner import Runner
+from .scheduler import QueueFull, Scheduler, Step
+
+__all__ = ["Pipeline", "QueueFull"]
+
+
+class Pipeline:
+    def __init__(self, model, n_parallel: int, max_queue: int, chunk: int = 256, metrics=None, policy=None):
+        self.runner = Runner(model, metrics)
+        self.scheduler = Scheduler(self.runner, n_parallel, max_queue, chunk, policy, metrics)
+        self.output = OutputStage(model.tokenizer, model.n_ctx, metrics)
+        self.metrics = metrics
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, name="optiml-scheduler", daemon=True)
+
+    # ---- called from the server's event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.thread.join(timeout=30)
+
+    def submit(self, jobs: list) -> None:
+        """Queues jobs (scheduler.Job); QueueFull when the queue is full or the server is stopping."""
+        self.scheduler.submit(jobs)
+
+    def cancel(self, jobs: list) -> None:
+        self.scheduler.cancel(jobs)
+
+    def status(self) -> dict:
+        return self.scheduler.status()
+
+    @property
+    def stopping(self) -> bool:
+        return self.scheduler.stopping
+
+    @property
+    def policy(self):
+        return self.scheduler.policy
+
+    @property
+    def n_parallel(self) -> int:
+        return len(self.scheduler.slots)
+
+    # ---- the pipeline's thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        s = self.scheduler
+        while True:
+            with s.cond:
+                changed = s.drop_cancelled()
+                if s.stopping:
+                    for j in s.jobs():
+                        self.output.fail(j, "the server is shutting down")
+                    return
+                if not s.waiting and all(slot.job is None for slot in s.slots):
+                    if changed:
+                        s.gauges()
+                    s.cond.wait()
+                    continue
+            changed |= s.admit(self._fail)
+            if changed:
+                with s.cond:
+                    s.gauges()
+            step = s.schedule()
+            if step is None:
+                if not changed:  # waiting jobs the policy keeps waiting: sleep until something happens
+                    with s.cond:
+                        s.cond.wait(timeout=0.1)
+                continue
+            try:
+                if step.lone is not None:
+                    self._lone_step(step.lone)
+                else:
+                    self._step(step)
+            except Exception as e:  # a failed step fails its jobs, not the server
+                traceback.print_exc()
+                for j in step.active:
+                    self._fail(j, f"generation failed: {e}")
+
+    def _step(self, step: Step) -> None:
+        s = self.scheduler
+        features = s.step_features(step.batch) if s.policy is not None else None
+        t0 = time.perf_counter()
+        logits = self.runner.decode(step.batch)
+        if features is not None:
+            s.observe(features, time.perf_counter() - t0)
+        self._count(step)
+        if self.metrics:
+            self.metrics.prompt_evaluated.inc(sum(len(t) for _, t in step.prefill))
+        now = time.perf_counter()
+        s.ran(step, now)
+        for j, row in zip(step.rows, logits):
+            if not j.cancelled:
+                self._deliver(j, self.output.sample(j, row, len(j.slot.tokens)), now)
+
+    def _lone_step(self, j) -> None:
+        """One token of a plain job running alone, in one native call (decode and output stage)."""
+        step = Step.alone(j)
+        pos = len(j.slot.tokens)
+        out = self.output
+        result = self.runner.step_lone(j.slot.index, pos, j.next_token, out.stage(j), out.allowed(j),
+                                       out.last(j, pos + 1))
+        self._count(step)
+        now = time.perf_counter()
+        self.scheduler.ran(step, now)
+        self._deliver(j, result, now)
+
+    def _count(self, step: Step) -> None:
+        self.steps += 1
+        if self.metrics:
+            self.metrics.batch_tokens.observe(step.n_tokens)
+            self.metrics.batch_sequences.observe(len(step.gen) + len(step.prefill))
+
+    def _deliver(self, j, result: tuple, now: float) -> None:
+        if self.output.deliver(j, result, now):
+            self.scheduler.release(j)
+        else:
+            j.next_token = result[0]
+
+    def _fail(self, j, message: str) -> None:
+        self.output.fail(j, message)
+        self.scheduler.release(j)
