@@ -9,8 +9,7 @@ from . import common
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
-    p.add_argument("--data", nargs="+", default=None, help="text or JSONL files to calibrate on")
+    common.add_data_args(p, "to calibrate on", required=False)
     p.add_argument("--stats", default=None, help="stats from optiml profile on this model, instead of --data")
     p.add_argument("--target", type=float, default=0.5, help="share of FFN neurons to skip (default 0.5)")
     p.add_argument("--criterion", choices=("product", "weighted", "gate"), default="product",
@@ -29,7 +28,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     cal = calibrate(common.model_arg(args.model), args.data, target=args.target, out=args.output, n_tokens=args.tokens,
                     criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx or 512,
-                    n_threads=args.threads, progress=not args.quiet,
+                    n_threads=args.threads, progress=not args.quiet, field=args.field,
                     stats=None if args.stats is None else stats.load(args.stats))
     print(f"criterion {cal.criterion}, allocation {cal.allocation}, target {cal.target:.0%} of FFN neurons skipped "
           f"(on {cal.n_tokens} calibration tokens)")

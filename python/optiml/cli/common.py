@@ -54,6 +54,14 @@ def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, r
     p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
 
 
+def add_data_args(p: argparse.ArgumentParser, what: str, required: bool = True) -> None:
+    """-m MODEL, --data FILES (`what` they are for), --field: the offline commands that run a model over text."""
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("--data", nargs="+", required=required, default=None,
+                   help=f"text files, or JSONL files with a text field, {what}")
+    p.add_argument("--field", default="text", help="the JSONL field holding the text (default: text)")
+
+
 def add_device_args(p: argparse.ArgumentParser, loads_weights: bool = True) -> None:
     if loads_weights:
         p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=None,

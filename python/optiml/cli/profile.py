@@ -7,9 +7,7 @@ from . import common
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
-    p.add_argument("--data", nargs="+", required=True, help="text files, or JSONL files with a text field")
-    p.add_argument("--field", default="text", help="the JSONL field holding the text (default: text)")
+    common.add_data_args(p, "to profile")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to profile (default 20000)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk, each from an empty context (512)")
     p.add_argument("--threshold", type=float, default=None,

@@ -10,9 +10,7 @@ from . import common
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-m", "--model", required=True, help=common.MODEL_HELP)
-    p.add_argument("--data", nargs="+", required=True, help="text or JSONL files to train on")
-    p.add_argument("--field", default="text", help="the text field of JSONL objects (default text)")
+    common.add_data_args(p, "to train on")
     p.add_argument("--recall", type=float, default=0.99, help="per-layer recall of firing neurons to keep (0.99)")
     p.add_argument("--samples", type=int, default=4096, help="sample tokens (default 4096)")
     p.add_argument("--label-sparsity", type=float, default=None,

@@ -133,9 +133,10 @@ def calibrate(
     n_threads: int | None = None,
     progress: bool = True,
     texts: list[str] | None = None,
+    field: str = "text",
 ) -> Calibration:
     """Thresholds that skip a share `target` of FFN neurons on `data` (files as optiml.profile reads
-    them, or `texts`), or from `stats` already measured on this model. With `out`, writes a copy of
+    them, JSONL by `field`, or `texts`), or from `stats` already measured on this model. With `out`, writes a copy of
     the model (a path) carrying them."""
     if not isinstance(target, (int, float)) or not 0 <= target < 1:
         raise ArgumentError(f"target must be a share of neurons in [0, 1), got {target!r}")
@@ -151,7 +152,7 @@ def calibrate(
         if not have_data:
             raise ArgumentError("calibration needs data (text or JSONL files) or stats from `optiml profile`")
         stats = profile(model, data, n_tokens=n_tokens, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
-                        texts=texts)
+                        texts=texts, field=field)
     else:
         stats.check_model(path)
     scale = None
@@ -163,7 +164,7 @@ def calibrate(
         scale = (stats.mean_abs_up * stats.down_norm).astype(np.float32)
         scale /= np.maximum(scale.mean(axis=1, keepdims=True), 1e-30)  # per layer around 1
         stats = profile(model, data, n_tokens=n_tokens, n_ctx=n_ctx, n_threads=n_threads, progress=progress,
-                        texts=texts, gate_weight=scale)
+                        texts=texts, field=field, gate_weight=scale)
     hist, err = (stats.prod_hist, stats.prod_err) if criterion == "product" else (stats.gate_hist, stats.gate_err)
     thr, share = allocate_thresholds(hist, err, stats.hist_edges, float(target), allocation)
     cal = Calibration(thr, share, float(target), criterion, allocation, stats.n_tokens, scale)
