@@ -226,11 +226,13 @@ def test_profiling_needs_the_cpu(smollm2_path):
 PROMPTS = ["The capital of France is", "Once upon a time, there", "def fibonacci(n):", "Water boils at"]
 
 
-def test_batch_equals_alone(smollm2_path):
+@pytest.mark.parametrize("kv", [{}, dict(kv_type="q8_0"), dict(kv_type="q4_0"), dict(kv_type_k="q8_0", kv_type_v="f16"),
+                                dict(kv_type_k="f16", kv_type_v="q4_0")], ids=["f16", "q8_0", "q4_0", "k-q8_0", "v-q4_0"])
+def test_batch_equals_alone(smollm2_path, kv):
     """Four sequences in one step give each sequence the bits it gets alone: every matmul kernel computes
     each (row, token) the same way whatever the batch, and attention's window depends on a token's own
-    position only."""
-    with optiml.Model(smollm2_path, n_ctx=64, n_threads=2, n_seq=4) as m:
+    position only; with a quantized KV cache (issue #47) too."""
+    with optiml.Model(smollm2_path, n_ctx=64, n_threads=2, n_seq=4, **kv) as m:
         ids = [m.tokenize(p) for p in PROMPTS]
         alone = []
         for s, p in enumerate(ids):

@@ -6,7 +6,8 @@ on the same file and the same tokens: the KL divergence that our q8_0/q4_0 cache
 cache may be at most 10% above what llama.cpp's costs against its f16 cache (numpy float64 log-softmax);
 the plan's byte counts against the block formats' sizes (34 bytes per 32 values for q8_0, 18 for q4_0);
 and the f16 cache's own bit-exact equalities (a sequence alone or in a batch, copied or not, on the device
-or offloaded) holding for the quantized cache too.
+or offloaded) holding for the quantized cache too (a sequence alone or in a batch: tests/test_engine.py's
+test_batch_equals_alone, over every cache type).
 """
 
 import numpy as np
@@ -97,36 +98,6 @@ def test_the_plan_halves_and_quarters_the_cache(smollm2_path):
 
 
 PROMPTS = ["The capital of France is", "Once upon a time, there", "def fibonacci(n):", "Water boils at"]
-
-
-@pytest.mark.parametrize("kv", [dict(kv_type="q8_0"), dict(kv_type="q4_0"), dict(kv_type_k="q8_0", kv_type_v="f16"),
-                                dict(kv_type_k="f16", kv_type_v="q4_0")], ids=["q8_0", "q4_0", "k-q8_0", "v-q4_0"])
-def test_batch_equals_alone(smollm2_path, kv):
-    """Four sequences in one step (prompts, then greedy decode steps) get the bits each gets alone."""
-    with optiml.Model(smollm2_path, n_ctx=64, n_threads=2, n_seq=4, **kv) as m:
-        ids = [m.tokenize(p) for p in PROMPTS]
-        alone = []
-        for s, p in enumerate(ids):
-            alone.append(m.decode(optiml.Batch().add_sequence(p, seq=s, logits="all")))
-            m.kv_clear(s)
-        b = optiml.Batch()
-        for s, p in enumerate(ids):
-            b.add_sequence(p, seq=s, logits="all")
-        assert np.array_equal(m.decode(b), np.vstack(alone))
-        nxt = [int(a[-1].argmax()) for a in alone]
-        pos = [len(p) for p in ids]
-        for _ in range(3):
-            step_alone = []
-            for s in range(4):
-                step_alone.append(m.decode(optiml.Batch().add(nxt[s], s, pos[s], logits=True)))
-                m.kv_truncate(s, pos[s])
-            b = optiml.Batch()
-            for s in range(4):
-                b.add(nxt[s], s, pos[s], logits=True)
-            together = m.decode(b)
-            assert np.array_equal(together, np.vstack(step_alone))
-            nxt = [int(r.argmax()) for r in together]
-            pos = [p + 1 for p in pos]
 
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
