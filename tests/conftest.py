@@ -40,6 +40,15 @@ def _missing(what: str, how: str):
     pytest.skip(f"{what} missing; {how}")
 
 
+def llama_cpp_module():
+    """llama-cpp-python, the CPU peer: required under CI (the test extra installs it), a skip elsewhere."""
+    try:
+        import llama_cpp
+    except ImportError:
+        _missing("llama_cpp (llama-cpp-python)", "pip install '.[test]'")
+    return llama_cpp
+
+
 def shared_eval_text() -> str:
     """tests/data/scandal-in-bohemia.txt: the text shared/eval/REFERENCE.md's peer figures were measured on."""
     return EVAL_TEXT.read_text(encoding="utf-8")

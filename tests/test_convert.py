@@ -19,6 +19,7 @@ from optiml.convert import ConvertError, convert  # noqa: E402
 from optiml.convert import pre_tokenizers as PT  # noqa: E402
 from optiml.convert.tokenizer import _pre_tokenizer_name  # noqa: E402
 
+from conftest import llama_cpp_module  # noqa: E402
 from test_model_hf import BASE, rel_err  # noqa: E402
 
 CONFIGS = {
@@ -150,16 +151,6 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
 
 
 # ---- llama.cpp runs what the converter writes -------------------------------------------------
-def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("llama_cpp (llama-cpp-python) is not importable")
-        pytest.skip("llama_cpp (llama-cpp-python) is not installed")
-    return llama_cpp
-
-
 # Positions where llama.cpp's top two logits are closer than this may go either way (llama.cpp's AVX-512
 # kernels put SmolLM2 Q8_0's top two 0.066 apart where OptiML had them 0.156 the other way round).
 TIE_GAP = 0.1
@@ -170,7 +161,7 @@ def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
     (teacher forcing): OptiML's prompt tokens equal llama.cpp's and its argmax equals llama.cpp's at every
     step where llama.cpp's top two logits are at least TIE_GAP apart. Returns (steps that
     disagree, max |logit difference| / logit spread, the greedy ids)."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False,
                           n_threads=1, n_threads_batch=1)  # 2 spinning threads crawl on a busy 2-core machine
     try:
@@ -285,7 +276,7 @@ def test_smollm2_q8_0_runs_in_llama_cpp(smol_hf, smollm2_path, tmp_path):
     tokenizer.json comes from transformers' reading of the GGUF (plain GPT-2 splitting); given the
     pre-tokenizer of SmolLM2's own tokenizer.json (each digit alone) it becomes "smollm", and llama.cpp
     then tokenizes it as it tokenizes llama.cpp's own SmolLM2 file."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     _, hf, _ = smol_hf
     d = tmp_path / "hf"
     shutil.copytree(hf, d)
@@ -439,7 +430,7 @@ def test_pre_tokenizer_table_splits_as_tokenizers_and_llama_cpp(entry, tmp_path)
         theirs = [text[a:b] for _, (a, b) in hf_pre.pre_tokenize_str(text)]
         assert _llama_cpp_split(text, entry.regexes) == theirs, text
 
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = hf_pre
     tok.decoder = decoders.ByteLevel()

@@ -26,6 +26,8 @@ from optiml.formats.gguf_edit import GGUFValueType, read_kv_spans, rewrite_gguf
 from optiml.formats import placement as P
 from optiml.formats.placement import coverage_curve, curve_ranks, read_placement, write_placed
 
+from conftest import llama_cpp_module
+
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
@@ -130,20 +132,10 @@ def _rel(a, b):
     return float((np.abs(a - b).max(1) / (a.max(1) - a.min(1))).max())
 
 
-def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("llama_cpp (llama-cpp-python) is not importable")
-        pytest.skip("llama_cpp (llama-cpp-python) is not installed")
-    return llama_cpp
-
-
 def llama_cpp_run(path, prompt, n=N_GEN, seq=None):
     """(llama.cpp's greedy ids after `prompt`, its logits [T, V] for the sequence) on the file; with
     seq given, the logits of seq instead (teacher forcing)."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False,
                           n_threads=1, n_threads_batch=1)  # 2 spinning threads crawl on a busy 2-core machine
     try:
