@@ -155,3 +155,22 @@ def fixed_predictor(model_path, out, active: float, recorded_share: float, seed:
               for _ in range(L)]
     PF.write(str(out), layers, res, str(model_path), model_fingerprint(str(model_path)), hp)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def llm(request):
+    """llama-cpp-python on the test module's reference model (REFERENCE_MODEL names its path fixture)."""
+    import fidelity
+
+    llama_cpp_module()
+    peer = fidelity.load_llama_cpp(request.getfixturevalue(request.module.REFERENCE_MODEL), 512)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def llama_greedy(llm, request):
+    """llama.cpp's 32 greedy tokens after the module's PROMPT_IDS, computed here, and its top-2 gaps."""
+    import fidelity
+
+    return fidelity.llama_cpp_greedy(llm, request.module.PROMPT_IDS, 32)

@@ -87,6 +87,7 @@ def test_long_context_past_the_window(tiny):
 # The real model against llama.cpp (llama-cpp-python, run live) and transformers f32 on its dequantized
 # weights; no stored generated tokens (see fidelity.py).
 PROMPT = "The capital of France is"
+REFERENCE_MODEL = "gemma3_path"  # the path fixture conftest's llm and llama_greedy load
 PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]  # the tokenizer's answer (llama.cpp's too), BOS added
 N_CTX, N_WINDOWS = 256, 2
 
@@ -97,18 +98,6 @@ def gemma3(gemma3_path):
         yield m
 
 
-@pytest.fixture(scope="module")
-def llm(gemma3_path):
-    pytest.importorskip("llama_cpp")
-    peer = fidelity.load_llama_cpp(gemma3_path, 512)
-    yield peer
-    peer.close()
-
-
-@pytest.fixture(scope="module")
-def llama_greedy(llm):
-    """llama.cpp's 32 greedy tokens after the prompt, computed here, and its top-2 gaps."""
-    return fidelity.llama_cpp_greedy(llm, PROMPT_IDS, 32)
 
 
 def test_prompt_ids_equal_llama_cpp(gemma3):

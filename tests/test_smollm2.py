@@ -12,6 +12,7 @@ import fidelity
 from conftest import shared_eval_text
 
 PROMPT = "The capital of France is"
+REFERENCE_MODEL = "smollm2_path"  # the path fixture conftest's llm and llama_greedy load
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # the tokenizer's answer (llama.cpp's too): no SIMD involved
 N_CTX, N_WINDOWS = 256, 4  # the fidelity windows: 1024 tokens of shared/eval's text (512 were too few: their
 # KLD moved 7% between our own SIMD levels, from a few tokens near a tie; ours/llama.cpp was 1.10 on AVX-512, 1.02 over 1024)
@@ -23,18 +24,6 @@ def model(smollm2_path):
         yield m
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path):
-    pytest.importorskip("llama_cpp")
-    peer = fidelity.load_llama_cpp(smollm2_path, 512)
-    yield peer
-    peer.close()
-
-
-@pytest.fixture(scope="module")
-def llama_greedy(llm):
-    """llama.cpp's 32 greedy tokens after the prompt, computed here, and its top-2 gaps."""
-    return fidelity.llama_cpp_greedy(llm, PROMPT_IDS, 32)
 
 
 @pytest.fixture(scope="module")
