@@ -379,6 +379,52 @@ def test_timeline_times_the_gpu_ops(tiny):
     assert sum(1 for s in t.spans if s[0] == 1 and s[2] == "ffn") == 2 * 4  # one per layer and step
 
 
+# The kernels one decode step of the tiny Q4_0 model launches per layer with the whole model on the device
+# (Model.launches, counted by the CUDA backend's launchers: native/src/cuda/kernels.cuh). Kept here so that
+# each fusion of kernels shows as a change of this table.
+LAYER_KERNELS = {"rms_norm": 2, "quantize": 4, "matmul_q8x": 7, "attn_prepare": 1, "attn_scores": 1, "add": 1,
+                 "act_mul": 1}
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"], ids=["plain", "recorded"])
+def test_launch_counts_match_the_plan(tiny, monkeypatch, graphs):
+    """Model.launches (optiml bench --launches): per layer the kernels the backend issues; every weight of
+    the plan read once by a 1-token step (the layers' bytes are the plan's attention and FFN weights, the
+    logits' its output weights), a 9-token step reading the matrices twice (8 tokens a pass); each step
+    writing one key and value per layer and reading those of every position up to its own. Recorded steps
+    (CUDA graphs) count the kernels they hold, each time they are launched."""
+    monkeypatch.setenv("OPTIML_CUDA_GRAPHS", graphs)
+    with optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda") as m:
+        hp, plan = m.hparams, m.plan
+        c = m.launches(3, prompt="Hello world")
+        c9 = m.launches(2, prompt="Hello world, and again", batch=9)
+        recorded = m._session.recorded_steps
+    assert recorded == (0 if graphs == "0" else 2 + 1)  # per shape the first step runs plain
+    n_layer = hp["n_layer"]
+    assert c.n_layer == n_layer and c.n_steps == 3 and c.device.startswith("cuda")
+    for layer in range(n_layer):
+        kernels = {k: v["launches"] for k, v in c.layer(layer).items() if not k.startswith("copy")}
+        assert kernels == LAYER_KERNELS, (layer, kernels)
+    assert c.per_token()["kernels"] >= n_layer * sum(LAYER_KERNELS.values())
+
+    def weights(counts, layers, kinds=""):
+        return sum(v["weight_bytes"] for layer in layers for k, v in counts.layer(layer).items() if k.startswith(kinds))
+
+    b = plan.device_bytes
+    assert weights(c, range(n_layer)) == b["attention_weights"] + b["ffn_weights"]
+    assert weights(c, [-1]) == b["output"] - 4 * plan._d["logits_rows"] * hp["n_vocab"]
+    assert weights(c9, range(n_layer), "matmul") == 2 * weights(c, range(n_layer), "matmul")
+
+    kv_head = hp["n_head_kv"] * hp["head_dim"] * 2  # f16 bytes of one position's keys (or values) in a layer
+    first, last = c.positions
+    per_step = 2 * kv_head + 2 * kv_head * sum(p + 1 for p in range(first, last + 1)) / 3
+    for layer in range(n_layer):
+        assert sum(v["kv_bytes"] for v in c.layer(layer).values()) == pytest.approx(per_step), layer
+    t = c.per_token()
+    assert t["weight_bytes"] == b["attention_weights"] + b["ffn_weights"] + weights(c, [-1])
+    assert t["host_launches"] > 0 and t["copies"] > 0
+
+
 @pytest.mark.skipif(EMULATED, reason="the emulator's device memory is host memory")
 def test_budget_is_never_exceeded_on_the_device(tiny):
     """Device memory measured before and after (issue #17): loading and generating take no more than the

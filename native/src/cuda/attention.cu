@@ -453,10 +453,25 @@ static void check_cache(const CudaAttnArgs& a) {
         throw Error("internal: quantized values are rows (v_row), f16/f32 ones transposed");
 }
 
+// Host-side bytes of n values of a cache type (kv_bytes on the device).
+static int64_t cache_bytes(int32_t type, int64_t n) {
+    if (type == TYPE_Q8_0) return n / 32 * (int64_t)sizeof(block_q8_0);
+    if (type == TYPE_Q4_0) return n / 32 * (int64_t)sizeof(block_q4_0);
+    return n * (type == TYPE_F16 ? 2 : 4);
+}
+
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n) {
     if (n <= 0) return;
     check_cache(a);
+    {
+        const int64_t n_q = (int64_t)a.n_head * a.head_dim, n_kv = (int64_t)a.n_head_kv * a.head_dim;
+        CudaTraffic t;
+        t.weights = 4 * ((a.freq_factors ? a.n_rot / 2 : 0) + (a.q_norm ? a.head_dim : 0) + (a.k_norm ? a.head_dim : 0));
+        t.activations = 4 * (int64_t)n * (2 * (n_q + n_kv) + n_kv + 2);  // q, k read and written, v read, seq, pos
+        t.kv = (int64_t)n * (cache_bytes(a.k_type, n_kv) + cache_bytes(a.v_type, n_kv));
+        cuda_count(CudaKernel::AttnPrepare, t);
+    }
     // 64 threads: a head's pairs (head_dim / 2) at most twice over for the usual head sizes.
     const dim3 grid(n, a.n_head + 2 * a.n_head_kv);
     if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
@@ -479,6 +494,13 @@ void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, con
     else
         OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
     cuda_check(cudaSuccess, "attention (scores)");
+    CudaTraffic t;
+    const int64_t n_q = (int64_t)a.n_head * a.head_dim;
+    t.activations = 4 * (int64_t)n * (2 * n_q + 2);  // q read, the output written, seq, pos
+    // Each visible position's key and value heads, once per kv head (the q heads of a group share them).
+    t.kv_per_position = (int64_t)a.n_head_kv * (cache_bytes(a.k_type, a.head_dim) + cache_bytes(a.v_type, a.head_dim));
+    t.n_swa = a.n_swa;
+    cuda_count(CudaKernel::AttnScores, t);
 }
 
 }  // namespace optiml

@@ -11,6 +11,7 @@
 // and the embedding table on the GPU (the embedding runs on the host; its rows are copied over).
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -33,7 +34,7 @@ namespace {
 // point of the same stream, which is also after the one asked for.
 constexpr int kEvents = 256;
 
-class CudaBackend : public Backend {
+class CudaBackend : public Backend, private CudaLaunchLog {
 public:
     explicit CudaBackend(int device) : Backend(format("cuda:%d", device)), device_(device) {
         use();
@@ -60,6 +61,7 @@ public:
         drop_timed();
         if (trace_base_) cudaEventDestroy(trace_base_);
         cudaStreamDestroy(stream_);
+        if (cuda_launch_log() == this) cuda_set_launch_log(nullptr);
     }
 
     bool host_memory() const override { return false; }
@@ -100,16 +102,19 @@ public:
         use();
         const OpSpan span(*this, SpanKind::CopyIn);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copying to the GPU");
+        count(CudaKernel::CopyIn, {0, (int64_t)bytes});
     }
     void copy_to_host(void* dst, const void* src, size_t bytes) override {
         use();
         const OpSpan span(*this, SpanKind::CopyOut);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copying from the GPU");
+        count(CudaKernel::CopyOut, {0, (int64_t)bytes});
     }
     void copy(void* dst, const void* src, size_t bytes) override {
         use();
         const OpSpan span(*this, SpanKind::Copy);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copying on the GPU");
+        count(CudaKernel::Copy, {0, 2 * (int64_t)bytes});
     }
 
     // ---- recorded steps (CUDA graphs) ------------------------------------------------------------
@@ -123,6 +128,7 @@ public:
         step_batch_host_.assign(b.seq, b.seq + b.n);
         step_batch_host_.insert(step_batch_host_.end(), b.pos, b.pos + b.n);
         copy_from_host(step_batch_, step_batch_host_.data(), sizeof(int32_t) * count);
+        count_pos_.assign(b.pos, b.pos + b.n);  // what a replayed step's attention reads
     }
 
     bool replay(const std::vector<int32_t>& key) override {
@@ -131,9 +137,29 @@ public:
         use();
         cuda_check(cudaGraphLaunch(it->second.exec, stream_), "launching a recorded step");
         ++launches_;
+        ++host_launches_;
+        for (const Counted& c : it->second.counted) add_count(c.layer, c.kind, c.traffic);
         return true;
     }
     int64_t recorded_launches() const override { return launches_; }
+
+    // ---- launch counts (kernels.cuh: the launchers count, count() keeps) --------------------------
+    std::vector<LaunchCount> launch_counts() const override {
+        std::vector<LaunchCount> out;
+        for (size_t l = 0; l < counts_.size(); l++)
+            for (size_t k = 0; k < counts_[l].size(); k++) {
+                const KindCount& c = counts_[l][k];
+                if (c.launches == 0) continue;
+                out.push_back({(int32_t)l - 1, cuda_kernel_name((CudaKernel)k), cuda_kernel_is_copy((CudaKernel)k),
+                               c.launches, c.weights, c.activations, c.kv});
+            }
+        return out;
+    }
+    int64_t host_launches() const override { return host_launches_; }
+    void reset_launch_counts() override {
+        counts_.clear();
+        host_launches_ = 0;
+    }
 
     bool capture_begin(const std::vector<int32_t>& key) override {
         if (!graphs_ || tracing()) return false;  // (tracing: ops timed one by one)
@@ -143,6 +169,7 @@ public:
         // where allocating is not allowed) exists from then on.
         if (rec.failed || ++rec.seen < 2) return false;
         use();
+        rec.counted.clear();
         if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
             cudaGetLastError();
             rec.failed = true;  // this device cannot record: every step of this shape runs plain
@@ -185,6 +212,8 @@ public:
         rec->epoch = alloc_epoch_;
         cuda_check(cudaGraphLaunch(rec->exec, stream_), "launching a recorded step");
         ++launches_;
+        ++host_launches_;
+        for (const Counted& c : rec->counted) add_count(c.layer, c.kind, c.traffic);
         return true;
     }
 
@@ -290,7 +319,36 @@ public:
     }
 
 private:
-    void use() { cuda_check(cudaSetDevice(device_), "selecting the GPU"); }
+    void use() {
+        cuda_check(cudaSetDevice(device_), "selecting the GPU");
+        cuda_set_launch_log(this);  // the launchers called from here on count into this backend
+    }
+
+    // CudaLaunchLog: one kernel or copy enqueued. While a step is being recorded the launches are kept
+    // with the recording and counted when it is launched (capture_end, replay), since until then none ran.
+    void count(CudaKernel k, const CudaTraffic& t) override {
+        const int layer = current_trace_layer();
+        if (capturing_) {
+            capturing_->counted.push_back({layer, k, t});
+            return;
+        }
+        ++host_launches_;
+        add_count(layer, k, t);
+    }
+    void add_count(int layer, CudaKernel k, const CudaTraffic& t) {
+        const size_t l = layer < -1 ? 0 : (size_t)(layer + 1);
+        if (counts_.size() <= l) counts_.resize(l + 1);
+        KindCount& c = counts_[l][(size_t)k];
+        c.launches++;
+        c.weights += t.weights;
+        c.activations += t.activations;
+        c.kv += t.kv;
+        if (t.kv_per_position)  // attention reads: each token's visible positions (count_pos_: the batch's)
+            for (const int32_t p : count_pos_) {
+                const int64_t seen = (int64_t)p + 1;
+                c.kv += t.kv_per_position * (t.n_swa > 0 && seen > t.n_swa ? t.n_swa : seen);
+            }
+    }
 
     // What a group of products sharing one input has made of it so far: x rounded into buf as the CPU
     // rounds activations for a type (-1: not yet), and x's 8-bit codes in codes_ (the integer path).
@@ -362,6 +420,7 @@ private:
         const int32_t n = b.n;
         const int32_t* seq = batch_on_device(b);
         const int32_t* pos = seq + n;
+        count_pos_.assign(b.pos, b.pos + n);
         const bool swa = hp.is_swa(layer);
         CudaAttnArgs a{};
         a.n_head = hp.n_head;
@@ -562,17 +621,31 @@ private:
     BatchOnDevice batch_cache_[2];
     uint64_t batch_clock_ = 0;
     // Recorded steps by key (Backend::replay); epoch: alloc_epoch_ when recorded.
+    struct Counted {
+        int layer;
+        CudaKernel kind;
+        CudaTraffic traffic;
+    };
     struct Recording {
         cudaGraphExec_t exec = nullptr;
         uint64_t epoch = 0;
         int seen = 0;
         bool failed = false;
+        std::vector<Counted> counted;  // what the recorded step launches (counted again each launch)
     };
     static constexpr size_t kMaxRecorded = 32;  // shapes kept (decode steps of 1..16 tokens, a few logits rows)
     std::map<std::vector<int32_t>, Recording> recordings_;
     Recording* capturing_ = nullptr;
     uint64_t alloc_epoch_ = 0;
     int64_t launches_ = 0;
+    // Launch counts: [layer + 1][kind], the calls that enqueued work, and the positions of the batch whose
+    // attention is being enqueued or replayed (the cache bytes it reads).
+    struct KindCount {
+        int64_t launches = 0, weights = 0, activations = 0, kv = 0;
+    };
+    std::vector<std::array<KindCount, (size_t)CudaKernel::kCount>> counts_;
+    int64_t host_launches_ = 0;
+    std::vector<int32_t> count_pos_;
     bool graphs_ = true;  // OPTIML_CUDA_GRAPHS=0 turns recording off
     int8_t* codes_ = nullptr;  // product()'s 8-bit activations: [kCodeTokens][codes_cols_]
     CudaQ8Meta* codes_meta_ = nullptr;

@@ -24,6 +24,56 @@ struct HParams;
 // Throws optiml::Error naming `what` when `err` (or, for cudaSuccess, the last launch) failed.
 void cuda_check(cudaError_t err, const char* what);
 
+// ---- what a step launches and moves ----------------------------------------------------------------
+// Every launcher below counts each kernel it enqueues (cuda_count): its kind, and the bytes of device
+// memory the kernel has to move at least, each byte once (a model of the traffic from the arguments, not
+// a measurement: re-reads that the caches serve are not counted; a product's weights are counted once per
+// slice of tokens that reads them again): weights (matrices, norm and bias vectors), activations (the
+// step's floats, 8-bit codes and their scales, positions), and the KV cache (keys and values written and
+// read). Reads of the cache depend on the tokens' positions, which the launchers see only on the device:
+// they report the bytes per visible position (kv_per_position) and the sliding window, and the log that
+// receives the count multiplies them out with the batch's positions. The backend keeps the counts per
+// layer (CudaBackend::count); the copies it enqueues itself it counts as Copy* kinds.
+enum class CudaKernel : uint8_t {
+    RmsNorm,
+    Quantize,  // activations to 8-bit codes (the integer products' input)
+    Round,     // activations rounded as the CPU rounds them (the float products' input)
+    Matmul,    // float products (dequantized weights)
+    MatmulQ8x, // integer products (Q4_0, Q4_1, Q8_0 weights with 8-bit activations)
+    DownNeuronMajor,
+    AttnPrepare,  // per-head norms, RoPE, q's scale, the new keys and values into the cache
+    AttnScores,   // softmax(q.K) V over the cache
+    AddBias,
+    Add,
+    ActMul,
+    Softcap,
+    CopyIn,   // host to device (the backend's copies)
+    CopyOut,  // device to host
+    Copy,     // device to device
+    kCount
+};
+const char* cuda_kernel_name(CudaKernel k);
+constexpr bool cuda_kernel_is_copy(CudaKernel k) {
+    return k == CudaKernel::CopyIn || k == CudaKernel::CopyOut || k == CudaKernel::Copy;
+}
+struct CudaTraffic {
+    int64_t weights = 0, activations = 0, kv = 0;
+    int64_t kv_per_position = 0;  // KV bytes read per visible position of each token (attention)
+    int32_t n_swa = 0;            // with a sliding window of this many positions (0: every earlier one)
+};
+// Where this thread's launchers count (the backend whose ops are being enqueued sets itself: use()).
+class CudaLaunchLog {
+public:
+    virtual void count(CudaKernel k, const CudaTraffic& t) = 0;
+
+protected:
+    ~CudaLaunchLog() = default;
+};
+void cuda_set_launch_log(CudaLaunchLog* log);
+CudaLaunchLog* cuda_launch_log();
+// One launch of a kernel of kind k moving t (nothing when no log is set).
+void cuda_count(CudaKernel k, const CudaTraffic& t);
+
 // y[t][r] (+)= sum_c W[r][c] * x[t][c] for t < n, r < rows; W holds `rows` rows of `cols` values of
 // `type`, row_bytes apart. UnsupportedModelError for a type the CUDA backend does not read.
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,

@@ -311,6 +311,9 @@ void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_b
     OPTIML_LAUNCH(down_nm_q8_kernel, dim3((unsigned)((dim + threads - 1) / threads), (unsigned)n), threads, s, rows,
                   row_bytes, dim_scale, h, n_neurons, dim, y);
     cuda_check(cudaSuccess, "down product (neuron-major)");
+    // (each token's threads read every row again)
+    cuda_count(CudaKernel::DownNeuronMajor, {(int64_t)n * (n_neurons * (int64_t)row_bytes + 4 * dim),
+                                             4 * (int64_t)n * (n_neurons + dim)});
 }
 
 bool cuda_reads_type(int32_t type) { return cudaq::block_size_of(type) > 0; }
@@ -339,6 +342,9 @@ void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t row
             throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
     }
     cuda_check(cudaSuccess, "matmul (integer)");
+    cuda_count(CudaKernel::MatmulQ8x, {(int64_t)grid.y * rows * (int64_t)row_bytes,
+                                       (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32)) +
+                                           (accumulate ? 8 : 4) * (int64_t)n * rows});
 }
 
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
@@ -361,6 +367,9 @@ void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, i
                                                type_traits(type).name ? type_traits(type).name : "these"));
     }
     cuda_check(cudaSuccess, "matmul");
+    const int64_t slices = (n + kTokens - 1) / kTokens;  // each reads the weights again
+    cuda_count(CudaKernel::Matmul, {slices * rows * (int64_t)row_bytes,
+                                    4 * (int64_t)n * cols + (accumulate ? 8 : 4) * (int64_t)n * rows});
 }
 
 }  // namespace optiml

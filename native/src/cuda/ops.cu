@@ -18,6 +18,37 @@ void cuda_check(cudaError_t err, const char* what) {
         throw Error(format("CUDA error in %s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err)));
 }
 
+const char* cuda_kernel_name(CudaKernel k) {
+    switch (k) {
+        case CudaKernel::RmsNorm: return "rms_norm";
+        case CudaKernel::Quantize: return "quantize";
+        case CudaKernel::Round: return "round";
+        case CudaKernel::Matmul: return "matmul";
+        case CudaKernel::MatmulQ8x: return "matmul_q8x";
+        case CudaKernel::DownNeuronMajor: return "down_neuron_major";
+        case CudaKernel::AttnPrepare: return "attn_prepare";
+        case CudaKernel::AttnScores: return "attn_scores";
+        case CudaKernel::AddBias: return "add_bias";
+        case CudaKernel::Add: return "add";
+        case CudaKernel::ActMul: return "act_mul";
+        case CudaKernel::Softcap: return "softcap";
+        case CudaKernel::CopyIn: return "copy_in";
+        case CudaKernel::CopyOut: return "copy_out";
+        case CudaKernel::Copy: return "copy";
+        case CudaKernel::kCount: break;
+    }
+    return "?";
+}
+
+namespace {
+thread_local CudaLaunchLog* t_launch_log = nullptr;
+}
+void cuda_set_launch_log(CudaLaunchLog* log) { t_launch_log = log; }
+CudaLaunchLog* cuda_launch_log() { return t_launch_log; }
+void cuda_count(CudaKernel k, const CudaTraffic& t) {
+    if (t_launch_log) t_launch_log->count(k, t);
+}
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -175,6 +206,7 @@ void cuda_rms_norm(cudaStream_t s, const float* x, const float* w, float* out, i
     threads = threads < 32 ? 32 : threads > 1024 ? 1024 : threads;
     OPTIML_LAUNCH(rms_norm_kernel, n, (unsigned)threads, s, x, w, out, dim, eps);
     cuda_check(cudaSuccess, "rms_norm");
+    cuda_count(CudaKernel::RmsNorm, {w ? 4 * dim : 0, 2 * 4 * (int64_t)n * dim});
 }
 
 void cuda_add_bias(cudaStream_t s, float* rows, const float* bias, int32_t n, int64_t dim) {
@@ -182,12 +214,14 @@ void cuda_add_bias(cudaStream_t s, float* rows, const float* bias, int32_t n, in
     if (count <= 0 || !bias) return;
     OPTIML_LAUNCH(add_bias_kernel, blocks(count), kThreads, s, rows, bias, dim, count);
     cuda_check(cudaSuccess, "add_bias");
+    cuda_count(CudaKernel::AddBias, {4 * dim, 2 * 4 * count});
 }
 
 void cuda_add(cudaStream_t s, float* x, const float* y, const float* y2, int64_t count) {
     if (count <= 0) return;
     OPTIML_LAUNCH(add_kernel, blocks(count), kThreads, s, x, y, y2, count);
     cuda_check(cudaSuccess, "add");
+    cuda_count(CudaKernel::Add, {0, (y2 ? 4 : 3) * 4 * count});
 }
 
 void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float* out, int32_t n, int64_t cols) {
@@ -208,12 +242,16 @@ void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float*
             OPTIML_LAUNCH(act_round_kernel, blocks(count), kThreads, s, type, x, out, count);
             break;
         case TYPE_F32:
-            if (out != x) cuda_check(cudaMemcpyAsync(out, x, 4 * (size_t)count, cudaMemcpyDeviceToDevice, s), "copy");
+            if (out != x) {
+                cuda_check(cudaMemcpyAsync(out, x, 4 * (size_t)count, cudaMemcpyDeviceToDevice, s), "copy");
+                cuda_count(CudaKernel::Copy, {0, 2 * 4 * count});
+            }
             return;
         default:
             throw UnsupportedModelError(format("the CUDA backend cannot convert activations to type %d", type));
     }
     cuda_check(cudaSuccess, "activation rounding");
+    cuda_count(CudaKernel::Round, {0, 2 * 4 * count});
 }
 
 void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, int8_t* codes, CudaQ8Meta* meta) {
@@ -222,12 +260,14 @@ void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, 
     if (cols % 32) throw ArgumentError("8-bit activations need rows of whole 32-value blocks");
     OPTIML_LAUNCH(quantize_q8x_kernel, blocks(count), kThreads, s, x, codes, meta, count / 32);
     cuda_check(cudaSuccess, "activation codes");
+    cuda_count(CudaKernel::Quantize, {0, 4 * count + count + (int64_t)sizeof(CudaQ8Meta) * (count / 32)});
 }
 
 void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap) {
     if (count <= 0) return;
     OPTIML_LAUNCH(softcap_kernel, blocks(count), kThreads, s, x, count, cap);
     cuda_check(cudaSuccess, "softcap");
+    cuda_count(CudaKernel::Softcap, {0, 2 * 4 * count});
 }
 
 void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count) {
@@ -235,6 +275,7 @@ void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float*
     if (act == FFN_GELU && gelu_f16) act = kGeluF16;
     OPTIML_LAUNCH(act_mul_kernel, blocks(count), kThreads, s, act, g, u, count);
     cuda_check(cudaSuccess, "act_mul");
+    cuda_count(CudaKernel::ActMul, {0, 3 * 4 * count});
 }
 
 }  // namespace optiml

@@ -105,9 +105,11 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
 
     auto enqueue = [&] {
         for (int il = 0; il < hp.n_layer; il++) {
+            trace_layer(il);  // (where the device counts the launches: Backend::launch_counts)
             dev->attention(hp, il, *exec_[il].attn_w, device_rope_freqs_, kv_->layer(il), kb, device_s_.x, device_s_);
             ffn_layer(il, n, dev);
         }
+        trace_layer(-1);
         if (n_out > 0)
             dev->logits(hp, device_output_norm_, device_output_, device_s_.x, out_rows, n_out, device_logits_,
                         device_s_.xn);
