@@ -90,6 +90,7 @@ def tiny(tmp_path_factory, request):
                         "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from", str(donor),
                         *extra], check=True)
         out[name] = path
+    out["donor"] = donor
     return out
 
 
@@ -117,6 +118,26 @@ def test_synthetic_model_matches_the_cpu(tiny, kind):
     ref = logits(tiny[kind], ids, device="cpu")
     got = logits(tiny[kind], ids, device="cuda")
     assert mean_kld(ref, got) < 1e-4
+
+
+@pytest.mark.parametrize("kind, stage", [("q8_0", "norm_quantize"), ("q5_0", "norm_round"), ("q6_k", "norm_round"),
+                                         ("f16", "norm_round"), ("bf16", "norm_round"), ("f32", "rms_norm")])
+def test_every_input_conversion_matches_the_cpu(tiny, tmp_path, kind, stage):
+    """The products' input stage (issue #43's fusions) for each way the CPU converts activations: Q8_0 weights
+    take 8-bit codes (the integer path), Q5_0 Q8_0-rounded floats, Q6_K Q8_K-rounded ones (256-value blocks),
+    F16 and BF16 their own rounding, F32 none (the norm alone). The norms are made by that stage."""
+    path = tmp_path / f"tiny_{kind}.gguf"
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                    "-o", str(path), "--n-embd", "256", "--n-layer", "2", "--n-ff", "512", "--n-head", "4",
+                    "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from",
+                    str(os.environ.get("OPTIML_TOKENIZER_DONOR") or tiny["donor"])], check=True)
+    ids = list(range(250, 256))
+    ref = logits(path, ids, device="cpu")
+    with optiml.Model(path, n_ctx=64, device="cuda") as m:
+        got = m.eval(ids, all_logits=True)
+        c = m.launches(2, prompt="Hello world")
+    assert mean_kld(ref, got) < 1e-4
+    assert c.layer(0)[stage]["launches"] == 2, c.layer(0)
 
 
 @pytest.mark.parametrize("split", [dict(n_gpu_layers=2), dict(gpu_neurons=512), dict(gpu_neurons=[0, 1024, 96, 512])])
@@ -381,9 +402,11 @@ def test_timeline_times_the_gpu_ops(tiny):
 
 # The kernels one decode step of the tiny Q4_0 model launches per layer with the whole model on the device
 # (Model.launches, counted by the CUDA backend's launchers: native/src/cuda/kernels.cuh). Kept here so that
-# each fusion of kernels shows as a change of this table.
-LAYER_KERNELS = {"rms_norm": 2, "quantize": 4, "matmul_q8x": 7, "attn_prepare": 1, "attn_scores": 1, "add": 1,
-                 "act_mul": 1}
+# each fusion of kernels shows as a change of this table. Before fusion (issue #43) a layer was 17: rms_norm
+# 2, quantize 4, matmul_q8x 7, attn_prepare 1, attn_scores 1, act_mul 1, add 1. Now: each norm made with
+# its products' 8-bit input, q/k/v and gate/up one launch each, act(gate) * up made with down's input, the
+# attention's output converted by the attention kernel, the residual adds in the o and down products.
+LAYER_KERNELS = {"norm_quantize": 2, "matmul_q8x": 4, "attn_prepare": 1, "attn_scores": 1, "act_quantize": 1}
 
 
 @pytest.mark.parametrize("graphs", ["0", "1"], ids=["plain", "recorded"])

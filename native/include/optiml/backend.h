@@ -222,6 +222,16 @@ public:
     virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
+    // A layer's whole FFN where one device computes it densely and the residual stream x lives there too:
+    // the results of rms_norm(x, join.norm, s.xn), ffn(share) into s.y and ffn_join(join, s.y) into x, which
+    // a device may fuse (the CUDA backend: the norm into the products' input, the residual add into the
+    // last product); scratch s as ffn's. False when the device does not (the default): the caller runs the
+    // three. Not for shares computed sparsely or profiled (those are the host's).
+    virtual bool ffn_block(const HParams& hp, int layer, const FFNShare& share, const FFNWeights& join, float* x,
+                           int32_t n, const StepScratch& s, int64_t* active) {
+        (void)hp, (void)layer, (void)share, (void)join, (void)x, (void)n, (void)s, (void)active;
+        return false;
+    }
     // logits[r] = softcap(output(rms_norm(x[rows[r]]))) for r < n_rows; rows: host memory.
     virtual void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x,
                         const int32_t* rows, int32_t n_rows, float* logits, float* scratch) = 0;

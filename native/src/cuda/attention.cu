@@ -305,6 +305,40 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
     for (int i = threadIdx.x; i < hd; i += blockDim.x) store_kv(a.k_type, k_dst, k0 + i, x[i]);
 }
 
+// The attention's output of one (token, head): thread x's dimensions d = x + j * kThreads (o[j]) at
+// out[row0 + d], stored as cuda_attn_scores' convert asks: a warp's 32 dimensions are one 32-value block
+// of the row (head_dim a multiple of 32 wherever convert is not -1), converted as cuda_input_stage
+// converts them.
+__device__ __forceinline__ void store_output(const float* o, int hd, size_t row0, float* out, int32_t convert,
+                                             int8_t* codes, CudaQ8Meta* meta) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d >= hd) break;  // (whole warps where the output is converted)
+        const size_t at = row0 + d;
+        if (convert == -1) {
+            out[at] = o[j];
+            continue;
+        }
+        const float amax = warp_max(fabsf(o[j]));
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        if (convert != kCudaCodes) {  // Q8_0 / Q8_1 rounding
+            out[at] = __half2float(__float2half_rn(amax / 127.0f)) * rintf(o[j] * id);
+            continue;
+        }
+        const int c = (int)rintf(o[j] * id);
+        codes[at] = (int8_t)c;
+        int sum = c;
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) {
+            const float dq = amax / 127.0f;
+            meta[at / 32] = CudaQ8Meta{__half2float(__float2half_rn(dq)), __half2float(__float2half_rn(dq * (float)sum)),
+                                       sum, 0};
+        }
+    }
+}
+
 // One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
 // the keys' type for the dot products with them (F16, F32; Q8_0 codes for quantized keys), the softmax's
 // weights normalized and rounded to the values' type before the sum over them (F16, F32; float for
@@ -313,7 +347,8 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
 // accumulates its output dimensions.
 // kQuant as for prepare_kernel.
 template <bool kQuant>
-__global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out) {
+__global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out,
+                              int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
     __shared__ float sq[kMaxHeadDim];
     __shared__ int32_t sqc[kMaxHeadDim / 4];  // quantized keys: q's Q8_0 codes, four to a word,
     __shared__ float sqd[kMaxBlocks];         // its blocks' scales (f16-rounded)
@@ -431,10 +466,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
             if (d < hd) o[j] = so[d];
         }
     }
-    for (int j = 0; j < kDimsPerThread; j++) {
-        const int d = threadIdx.x + j * kThreads;
-        if (d < hd) out[((size_t)t * a.n_head + h) * hd + d] = o[j];
-    }
+    store_output(o, hd, ((size_t)t * a.n_head + h) * hd, out, convert, codes, meta);
 }
 
 }  // namespace
@@ -482,21 +514,27 @@ void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k
 }
 
 void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
-                      int32_t n, float* out) {
+                      int32_t n, float* out, int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
     if (n <= 0) return;
     if (a.head_dim > kMaxHeadDim)
         throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
                                            kMaxHeadDim, a.head_dim));
     if (n > 65535) throw ArgumentError(format("cuda attention: %d tokens is more than one launch holds", n));
     check_cache(a);
+    if (convert != -1 && (a.head_dim % 32 || (convert != kCudaCodes && convert != TYPE_Q8_0 && convert != TYPE_Q8_1) ||
+                          (convert == kCudaCodes && (!codes || !meta))))
+        throw Error("internal: the attention converts its output to codes or Q8_0/Q8_1 in whole 32-value blocks only");
     if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
-        OPTIML_LAUNCH(scores_kernel<true>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+        OPTIML_LAUNCH(scores_kernel<true>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out, convert, codes, meta);
     else
-        OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+        OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out, convert, codes, meta);
     cuda_check(cudaSuccess, "attention (scores)");
     CudaTraffic t;
     const int64_t n_q = (int64_t)a.n_head * a.head_dim;
-    t.activations = 4 * (int64_t)n * (2 * n_q + 2);  // q read, the output written, seq, pos
+    // q read, seq, pos; the output written (as floats, or codes and their scales)
+    t.activations = 4 * (int64_t)n * (n_q + 2) +
+                    (convert == kCudaCodes ? (int64_t)n * (n_q + (int64_t)sizeof(CudaQ8Meta) * (n_q / 32))
+                                           : 4 * (int64_t)n * n_q);
     // Each visible position's key and value heads, once per kv head (the q heads of a group share them).
     t.kv_per_position = (int64_t)a.n_head_kv * (cache_bytes(a.k_type, a.head_dim) + cache_bytes(a.v_type, a.head_dim));
     t.n_swa = a.n_swa;

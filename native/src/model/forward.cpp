@@ -189,11 +189,15 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     // The device's share runs dense: which of its neurons fire is for its predictor to say (the hybrid
     // executor); the host skips inactive neurons of its own share.
     const FFNSparsity dense;
-    home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
-
     Backend* host = host_.get();
     Backend* dev = device_.get();
     const bool on_host = E.host_share.w != nullptr, on_dev = E.device_share.w != nullptr;
+    // The device's whole FFN where the residual stream is: norm, FFN and join as the device fuses them.
+    if (on_dev && !on_host && home == dev &&
+        dev->ffn_block(hp, il, E.device_share, E.attn_w->ffn, hs.x, n, hs, &device_active_[il]))
+        return;
+    home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
+
     if (on_host != on_dev) {  // one device computes the whole FFN
         Backend* be = on_host ? host : dev;
         const FFNShare& share = on_host ? E.host_share : E.device_share;
