@@ -421,6 +421,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     const float inv = 1.0f / l;
 
     float o[kDimsPerThread];
+    #pragma unroll
     for (int j = 0; j < kDimsPerThread; j++) o[j] = 0.0f;
     for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
         const int64_t s = s0 + threadIdx.x;
@@ -429,6 +430,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         sp[threadIdx.x] = p;
         __syncthreads();
         const int count = (int)(n_seen - s0 < kThreads ? n_seen - s0 : kThreads);
+        #pragma unroll
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
             if (d >= hd) break;
@@ -455,12 +457,14 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     }
     if (v_rows && a.rot_v) {  // the values were rotated before they were stored: the sum is turned back
         float* so = sq;  // (q is read no more: the last chunk ended with every thread at the barrier)
+        #pragma unroll
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
             if (d < hd) so[d] = o[j];
         }
         __syncthreads();
         rotate(so, hd, a.rot_v);
+        #pragma unroll
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
             if (d < hd) o[j] = so[d];
