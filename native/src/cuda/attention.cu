@@ -305,6 +305,23 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
     for (int i = threadIdx.x; i < hd; i += blockDim.x) store_kv(a.k_type, k_dst, k0 + i, x[i]);
 }
 
+// A thread's output dimensions (o[j]: d = x + j * kThreads) turned back by the values' rotation, through
+// `so` (hd floats of shared memory). Every thread of the block calls it.
+__device__ __forceinline__ void rotate_back(float* o, float* so, int hd, int block) {
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d < hd) so[d] = o[j];
+    }
+    __syncthreads();
+    rotate(so, hd, block);
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d < hd) o[j] = so[d];
+    }
+}
+
 // The attention's output of one (token, head): thread x's dimensions d = x + j * kThreads (o[j]) at
 // out[row0 + d], stored as cuda_attn_scores' convert asks: a warp's 32 dimensions are one 32-value block
 // of the row (head_dim a multiple of 32 wherever convert is not -1), converted as cuda_input_stage
@@ -421,7 +438,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     const float inv = 1.0f / l;
 
     float o[kDimsPerThread];
-    #pragma unroll
+#pragma unroll
     for (int j = 0; j < kDimsPerThread; j++) o[j] = 0.0f;
     for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
         const int64_t s = s0 + threadIdx.x;
@@ -430,7 +447,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         sp[threadIdx.x] = p;
         __syncthreads();
         const int count = (int)(n_seen - s0 < kThreads ? n_seen - s0 : kThreads);
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
             if (d >= hd) break;
@@ -455,21 +472,9 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         }
         __syncthreads();  // sp is rewritten by the next chunk
     }
-    if (v_rows && a.rot_v) {  // the values were rotated before they were stored: the sum is turned back
-        float* so = sq;  // (q is read no more: the last chunk ended with every thread at the barrier)
-        #pragma unroll
-        for (int j = 0; j < kDimsPerThread; j++) {
-            const int d = threadIdx.x + j * kThreads;
-            if (d < hd) so[d] = o[j];
-        }
-        __syncthreads();
-        rotate(so, hd, a.rot_v);
-        #pragma unroll
-        for (int j = 0; j < kDimsPerThread; j++) {
-            const int d = threadIdx.x + j * kThreads;
-            if (d < hd) o[j] = so[d];
-        }
-    }
+    // The values were rotated before they were stored: the sum is turned back (through sq: q is read no
+    // more, the last chunk ended with every thread at the barrier).
+    if (v_rows && a.rot_v) rotate_back(o, sq, hd, a.rot_v);
     store_output(o, hd, ((size_t)t * a.n_head + h) * hd, out, convert, codes, meta);
 }
 
