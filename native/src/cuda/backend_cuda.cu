@@ -48,6 +48,7 @@ public:
     explicit CudaBackend(int device) : Backend(format("cuda:%d", device)), device_(device) {
         use();
         if (const char* env = std::getenv("OPTIML_CUDA_GRAPHS")) graphs_ = std::strcmp(env, "0") != 0;
+        if (const char* env = std::getenv("OPTIML_CUDA_FUSE")) fuse_ = std::strcmp(env, "0") != 0;
         cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
         events_.resize(kEvents);
         for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
@@ -244,7 +245,7 @@ public:
         qkv(hp, L, x, b.n, s);
         // The attention's output made as the output projection reads it, by the attention kernel itself
         // (only here: attention_core's output may be joined by rows the host computed).
-        Input attn = core(hp, layer, L, rope_freqs, kv, b, s, &L.wo);
+        Input attn = core(hp, layer, L, rope_freqs, kv, b, s, fuse_ ? &L.wo : nullptr);
         out(hp, L, x, s, attn);
     }
 
@@ -299,7 +300,7 @@ public:
     // kernel). The same ops as rms_norm, ffn and ffn_join, fused, with the same bits.
     bool ffn_block(const HParams& hp, int, const FFNShare& share, const FFNWeights& join, float* x, int32_t n,
                    const StepScratch& s, int64_t* active) override {
-        if (share.rows || !share.w->down.present()) return false;  // (neuron-major shares: ffn + ffn_join)
+        if (!fuse_ || share.rows || !share.w->down.present()) return false;  // (neuron-major: ffn + ffn_join)
         use();
         const FFNWeights& w = *share.w;
         {
@@ -322,7 +323,7 @@ public:
         const int64_t count = (int64_t)n * hp.n_embd;
         if (y2) cuda_add(stream_, y, y2, nullptr, count);
         cuda_add_bias(stream_, y, (const float*)w.down_b.data, n, hp.n_embd);
-        if (w.post_norm.present()) cuda_rms_norm_add(stream_, y, (const float*)w.post_norm.data, x, n, hp.n_embd, hp.rms_eps);
+        if (w.post_norm.present()) norm_add(y, w.post_norm, x, n, hp);
         else cuda_add(stream_, x, y, nullptr, count);
     }
 
@@ -427,6 +428,15 @@ private:
     // The stage for rows [t0, t0 + m) of `in`: its values made (or read), converted as `convert` asks
     // (kCudaCodes: into codes_ from its row 0; a vec_dot type: into buf; -1: only the values, into x).
     void stage(Input& in, int32_t convert, int32_t t0, int32_t m) {
+        if (!fuse_ && in.make != CudaInputStage::Copy && convert != -1) {  // made first, then converted
+            stage(in, -1, 0, in.n);
+            in.make = CudaInputStage::Copy;
+        }
+        if (!fuse_ && in.make == CudaInputStage::Norm) {  // (the plain kernel, as before the fusion)
+            cuda_rms_norm(stream_, in.src, in.norm, in.x, in.n, in.cols, in.eps);
+            in.make = CudaInputStage::Copy;
+            return;
+        }
         const size_t off = (size_t)t0 * in.cols;
         CudaInputStage st;
         st.make = in.make;
@@ -470,7 +480,8 @@ private:
             const Weight& w0 = *o[i].w;
             const bool ints = q8x(w0);
             int j = i + 1;
-            while (j < count && j - i < kCudaMaxMatrices && o[j].w->type == w0.type && q8x(*o[j].w) == ints) j++;
+            while (fuse_ && j < count && j - i < kCudaMaxMatrices && o[j].w->type == w0.type && q8x(*o[j].w) == ints)
+                j++;
             CudaMatrix m[kCudaMaxMatrices];
             for (int k = i; k < j; k++) {
                 const Weight& w = *o[k].w;
@@ -479,10 +490,12 @@ private:
                 m[k - i].rows = w.rows;
                 m[k - i].row_bytes = w.row_bytes;
                 m[k - i].y = o[k].y;
-                m[k - i].bias = o[k].bias;
+                m[k - i].bias = fuse_ ? o[k].bias : nullptr;
                 m[k - i].accumulate = o[k].accumulate;
             }
             launch_products(in, w0.type, ints, m, j - i);
+            // (unfused: one product, its bias a kernel of its own, after any add into the output as before)
+            if (!fuse_ && o[i].bias) cuda_add_bias(stream_, o[i].y, o[i].bias, in.n, w0.rows);
             i = j;
         }
     }
@@ -621,6 +634,13 @@ private:
         return out;
     }
 
+    // x += rms_norm(y) * w: one kernel, or (unfused) y normalized in place, then added.
+    void norm_add(float* y, const Weight& w, float* x, int32_t n, const HParams& hp) {
+        if (fuse_) return cuda_rms_norm_add(stream_, y, (const float*)w.data, x, n, hp.n_embd, hp.rms_eps);
+        cuda_rms_norm(stream_, y, (const float*)w.data, y, n, hp.n_embd, hp.rms_eps);
+        cuda_add(stream_, x, y, nullptr, (int64_t)n * hp.n_embd);
+    }
+
     // Output projection into the residual stream, added by the product's epilogue with its bias (Gemma 3
     // normalizes it first: into xn, then normalized and added in one kernel).
     void out(const HParams& hp, const LayerWeights& L, float* x, const StepScratch& s, Input& attn) {
@@ -630,7 +650,7 @@ private:
             return;
         }
         products(attn, {{&L.wo, s.xn, bo, false}});
-        cuda_rms_norm_add(stream_, s.xn, (const float*)L.attn_post_norm.data, x, attn.n, hp.n_embd, hp.rms_eps);
+        norm_add(s.xn, L.attn_post_norm, x, attn.n, hp);
     }
 
     // The batch's seq and pos on the device. The offload pass (forward_offload.cpp) alternates two
@@ -813,6 +833,9 @@ private:
     int64_t host_launches_ = 0;
     std::vector<int32_t> count_pos_;
     bool graphs_ = true;  // OPTIML_CUDA_GRAPHS=0 turns recording off
+    // OPTIML_CUDA_FUSE=0: every op as its own kernels, as before issue #43's fusions (the same bits, more
+    // launches: for comparisons of the two, in the tests and on a GPU).
+    bool fuse_ = true;
     int8_t* codes_ = nullptr;  // the products' 8-bit activations: [kCodeTokens][codes_cols_]
     CudaQ8Meta* codes_meta_ = nullptr;
     int64_t codes_cols_ = 0;
