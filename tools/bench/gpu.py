@@ -12,7 +12,9 @@ token times tokens/s, over the peak (a table of known GPUs, else a measured devi
 Medians of --reps runs. With --launches N (default 4; 0: off) it then decodes N more steps of one token
 and of 8 and prints what each launched (Model.launches: kernels per layer and kind, bytes of weights,
 activations and KV cache), and the bandwidth column gains the share of the peak that the counted bytes
-per token at the measured tg speed come to. tools/checks/gpu_check.sh runs this on every model it has.
+per token at the measured tg speed come to. --unfused measures OptiML again with OPTIML_CUDA_FUSE=0 (every op
+as its own kernels, as before issue #43's fusions; the same logits) and prints both and the speedup.
+tools/checks/gpu_check.sh runs this on every model it has.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--launches", type=int, default=4, metavar="N",
                     help="then count what N decode steps launch (batch 1 and 8) and print it (0: off)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also measure OptiML with OPTIML_CUDA_FUSE=0 (its kernels unfused) and print the speedup")
     args, res = harness.parse(ap, "gpu")
     if not optiml.system_info()["cuda_devices"]:
         print("no CUDA device: nothing to measure")
@@ -147,6 +151,22 @@ def main() -> int:
                 bw += f" ({moved * o['tg'] / peak:.0%} counted, {t['kernels']:.0f} kernels/token)"
             print(f"| {name} | {label} | {o[test]:.1f} | {theirs:.1f} | {o[test] / theirs:.2f}x | {bw} |", flush=True)
             res.add(model=name, test=label, optiml=o[test], llama_cpp=theirs, ratio=o[test] / theirs, bandwidth_used=bw)
+        if args.unfused:
+            os.environ["OPTIML_CUDA_FUSE"] = "0"  # (read when the CUDA backend is made)
+            try:
+                u = ours(path, args.tg, args.pp, args.reps, args.launches)
+            finally:
+                del os.environ["OPTIML_CUDA_FUSE"]
+            for test, label in (("tg", f"tg{args.tg}"), ("b8", "8 seqs"), ("pp", f"pp{args.pp}")):
+                theirs = ll.get(test, float("nan"))
+                speedup = f"fused {o[test] / u[test]:.2f}x faster"
+                print(f"| {name} | {label} unfused | {u[test]:.1f} | {theirs:.1f} | {u[test] / theirs:.2f}x | {speedup} |",
+                      flush=True)
+                res.add(model=name, test=f"{label} unfused", optiml=u[test], llama_cpp=theirs, ratio=u[test] / theirs,
+                        fused_speedup=o[test] / u[test])
+            if u["launches"] and o["launches"]:
+                print(f"kernels per token, batch 1: {u['launches']['b1'].per_token()['kernels']:.0f} unfused, "
+                      f"{o['launches']['b1'].per_token()['kernels']:.0f} fused")
         if o["launches"]:
             counts.append((name, o["launches"]))
             res.add(model=name, test="launches", **{k: v.to_dict() for k, v in o["launches"].items()})
