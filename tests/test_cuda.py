@@ -90,6 +90,7 @@ def tiny(tmp_path_factory, request):
                         "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from", str(donor),
                         *extra], check=True)
         out[name] = path
+    out["donor"] = donor
     return out
 
 
@@ -117,6 +118,26 @@ def test_synthetic_model_matches_the_cpu(tiny, kind):
     ref = logits(tiny[kind], ids, device="cpu")
     got = logits(tiny[kind], ids, device="cuda")
     assert mean_kld(ref, got) < 1e-4
+
+
+@pytest.mark.parametrize("kind, stage", [("q8_0", "norm_quantize"), ("q5_0", "norm_round"), ("q6_k", "norm_round"),
+                                         ("f16", "norm_round"), ("bf16", "norm_round"), ("f32", "rms_norm")])
+def test_every_input_conversion_matches_the_cpu(tiny, tmp_path, kind, stage):
+    """The products' input stage (issue #43's fusions) for each way the CPU converts activations: Q8_0 weights
+    take 8-bit codes (the integer path), Q5_0 Q8_0-rounded floats, Q6_K Q8_K-rounded ones (256-value blocks),
+    F16 and BF16 their own rounding, F32 none (the norm alone). The norms are made by that stage."""
+    path = tmp_path / f"tiny_{kind}.gguf"
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                    "-o", str(path), "--n-embd", "256", "--n-layer", "2", "--n-ff", "512", "--n-head", "4",
+                    "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from",
+                    str(os.environ.get("OPTIML_TOKENIZER_DONOR") or tiny["donor"])], check=True)
+    ids = list(range(250, 254))
+    ref = logits(path, ids, device="cpu")
+    with optiml.Model(path, n_ctx=64, device="cuda") as m:
+        got = m.eval(ids, all_logits=True)
+        c = m.launches(1, prompt="Hello world")
+    assert mean_kld(ref, got) < 1e-4
+    assert c.layer(0)[stage]["launches"] == 2, c.layer(0)  # the attention's and the FFN's norms
 
 
 @pytest.mark.parametrize("split", [dict(n_gpu_layers=2), dict(gpu_neurons=512), dict(gpu_neurons=[0, 1024, 96, 512])])
@@ -377,6 +398,75 @@ def test_timeline_times_the_gpu_ops(tiny):
         kinds = {(s[0], s[2]) for s in t.spans if s[1] == layer}
         assert {(0, "ffn"), (1, "ffn")} <= kinds, (layer, kinds)
     assert sum(1 for s in t.spans if s[0] == 1 and s[2] == "ffn") == 2 * 4  # one per layer and step
+
+
+# The kernels one decode step of the tiny Q4_0 model launches per layer with the whole model on the device
+# (Model.launches, counted by the CUDA backend's launchers: native/src/cuda/kernels.cuh). Kept here so that
+# each fusion of kernels shows as a change of this table. Before fusion (issue #43) a layer was 17: rms_norm
+# 2, quantize 4, matmul_q8x 7, attn_prepare 1, attn_scores 1, act_mul 1, add 1. Now: each norm made with
+# its products' 8-bit input, q/k/v and gate/up one launch each, act(gate) * up made with down's input, the
+# attention's output converted by the attention kernel, the residual adds in the o and down products.
+LAYER_KERNELS = {"norm_quantize": 2, "matmul_q8x": 4, "attn_prepare": 1, "attn_scores": 1, "act_quantize": 1}
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"], ids=["plain", "recorded"])
+def test_launch_counts_match_the_plan(tiny, monkeypatch, graphs):
+    """Model.launches (optiml bench --launches): per layer the kernels the backend issues; every weight of
+    the plan read once by a 1-token step (the layers' bytes are the plan's attention and FFN weights, the
+    logits' its output weights), a 9-token step reading the matrices twice (8 tokens a pass); each step
+    writing one key and value per layer and reading those of every position up to its own. Recorded steps
+    (CUDA graphs) count the kernels they hold, each time they are launched."""
+    monkeypatch.setenv("OPTIML_CUDA_GRAPHS", graphs)
+    with optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda") as m:
+        hp, plan = m.hparams, m.plan
+        c = m.launches(3, prompt="Hello world")
+        c9 = m.launches(2, prompt="Hello world, and again", batch=9)
+        recorded = m._session.recorded_steps
+    assert recorded == (0 if graphs == "0" else 2 + 1)  # per shape the first step runs plain
+    n_layer = hp["n_layer"]
+    assert c.n_layer == n_layer and c.n_steps == 3 and c.device.startswith("cuda")
+    for layer in range(n_layer):
+        kernels = {k: v["launches"] for k, v in c.layer(layer).items() if not k.startswith("copy")}
+        assert kernels == LAYER_KERNELS, (layer, kernels)
+    assert c.per_token()["kernels"] >= n_layer * sum(LAYER_KERNELS.values())
+
+    def weights(counts, layers, kinds=""):
+        return sum(v["weight_bytes"] for layer in layers for k, v in counts.layer(layer).items() if k.startswith(kinds))
+
+    b = plan.device_bytes
+    assert weights(c, range(n_layer)) == b["attention_weights"] + b["ffn_weights"]
+    assert weights(c, [-1]) == b["output"] - 4 * plan._d["logits_rows"] * hp["n_vocab"]
+    assert weights(c9, range(n_layer), "matmul") == 2 * weights(c, range(n_layer), "matmul")
+
+    kv_head = hp["n_head_kv"] * hp["head_dim"] * 2  # f16 bytes of one position's keys (or values) in a layer
+    first, last = c.positions
+    per_step = 2 * kv_head + 2 * kv_head * sum(p + 1 for p in range(first, last + 1)) / 3
+    for layer in range(n_layer):
+        assert sum(v["kv_bytes"] for v in c.layer(layer).values()) == pytest.approx(per_step), layer
+    t = c.per_token()
+    assert t["weight_bytes"] == b["attention_weights"] + b["ffn_weights"] + weights(c, [-1])
+    assert t["host_launches"] > 0 and t["copies"] > 0
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_k", "smollm2", "gemma3"])
+def test_fused_kernels_equal_the_unfused_ones(request, tiny, monkeypatch, name):
+    """Issue #43's fusions change which kernels run, not what they compute: with OPTIML_CUDA_FUSE=0 every op
+    runs as its own kernels (the launch sequence from before the fusions) and the logits are the same, bit
+    for bit, over a prompt and recorded decode steps; the fused step launches fewer kernels."""
+    path = request.getfixturevalue(f"{name}_path") if name in ("smollm2", "gemma3") else tiny[name]
+    ids = list(range(260, 264))
+
+    def run(fuse):
+        monkeypatch.setenv("OPTIML_CUDA_FUSE", fuse)
+        with optiml.Model(path, n_ctx=64, device="cuda") as m:
+            out = [m.eval(ids)[None]] + [m.eval([270 + i])[None] for i in range(3)]
+            c = m.launches(1, prompt="Hello world")
+        return np.concatenate(out), c.per_token()["kernels"] / c.n_layer
+
+    fused, per_layer = run("1")
+    plain, plain_per_layer = run("0")
+    np.testing.assert_array_equal(fused, plain)
+    assert plain_per_layer >= 17 and per_layer <= plain_per_layer - 7, (plain_per_layer, per_layer)
 
 
 @pytest.mark.skipif(EMULATED, reason="the emulator's device memory is host memory")

@@ -120,3 +120,14 @@ def test_bench_timeline_command(model_path, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "optiml", "bench", "-m", str(model_path), "--device", "gpu"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "device" in bad.stderr
+
+
+def test_launch_counts_on_a_device_that_counts_none(model_path):
+    """Model.launches (optiml bench --launches) where the device keeps no launch counts (the CPU ones; the CUDA
+    backend counts, tests/test_cuda.py): an empty table that says so, and the context emptied after."""
+    with optiml.Model(model_path, n_ctx=64, n_threads=1, device="cpu:1", gpu_neurons=1024) as m:
+        c = m.launches(2, prompt="Hello world")
+        assert m.n_past == 0
+    assert c.rows == [] and c.n_steps == 2 and c.per_token()["kernels"] == 0
+    assert "counts none" in str(c)
+    assert c.to_dict()["per_token"]["weight_bytes"] == 0

@@ -350,6 +350,15 @@ void bind_model(nb::module_& m) {
             return d;
         })
         .def_prop_ro("recorded_steps", [](const PySession& s) { return s.session->recorded_steps(); })
+        .def("launch_counts", [](const PySession& s) {
+            nb::list out;
+            for (const LaunchCount& c : s.session->launch_counts())
+                out.append(nb::make_tuple(c.layer, c.kind, c.copy, c.launches, c.weight_bytes, c.activation_bytes,
+                                          c.kv_bytes));
+            return out;
+        }, "[(layer, kind, is_copy, launches, weight_bytes, activation_bytes, kv_bytes)] since the last reset")
+        .def_prop_ro("host_launches", [](const PySession& s) { return s.session->host_launches(); })
+        .def("reset_launch_counts", [](PySession& s) { s.session->reset_launch_counts(); })
         .def("timeline_start", [](PySession& s) {
             nb::gil_scoped_release release;  // waits for the device's stream
             s.session->timeline_start();

@@ -9,7 +9,12 @@ For each model: decode at batch 1 (tg), 8 sequences decoded together (aggregate 
 and tg, llama-batched-bench -npl 8 for the batch). Prints tokens/s, our ratio to llama.cpp, and for
 batch-1 decode the share of the GPU's memory bandwidth used: the bytes of weights the device reads per
 token times tokens/s, over the peak (a table of known GPUs, else a measured device-to-device copy).
-Medians of --reps runs. tools/checks/gpu_check.sh runs this on every model it has.
+Medians of --reps runs. With --launches N (default 4; 0: off) it then decodes N more steps of one token
+and of 8 and prints what each launched (Model.launches: kernels per layer and kind, bytes of weights,
+activations and KV cache), and the bandwidth column gains the share of the peak that the counted bytes
+per token at the measured tg speed come to. --unfused measures OptiML again with OPTIML_CUDA_FUSE=0 (every op
+as its own kernels, as before issue #43's fusions; the same logits) and prints both and the speedup.
+tools/checks/gpu_check.sh runs this on every model it has.
 """
 
 from __future__ import annotations
@@ -51,9 +56,10 @@ def peak_bandwidth() -> tuple[float, str]:
         return float("nan"), f"{name} (peak unknown: {e})"
 
 
-def ours(path: str, tg: int, pp: int, reps: int) -> dict:
+def ours(path: str, tg: int, pp: int, reps: int, launches: int = 0) -> dict:
     out = {"tg": [], "b8": [], "pp": []}
-    with optiml.Model(path, n_ctx=max(pp, tg) + 64, n_seq=8, device="cuda") as m:
+    counted = {}
+    with optiml.Model(path, n_ctx=max(pp, tg, 8 * launches) + 64, n_seq=8, device="cuda") as m:
         plan = m.plan
         weight_bytes = plan.device_bytes["attention_weights"] + plan.device_bytes["ffn_weights"]
         prompt = [m.tokenizer.bos_id if m.tokenizer.bos_id >= 0 else 1] + [100 + i % 1000 for i in range(pp - 1)]
@@ -81,7 +87,9 @@ def ours(path: str, tg: int, pp: int, reps: int) -> dict:
                     b.add(300 + i, s, 8 + i, logits=True)
                 m.decode(b)
             out["b8"].append(8 * steps / (time.perf_counter() - t))
-    return {k: statistics.median(v) for k, v in out.items()} | {"weight_bytes": weight_bytes}
+        if launches:
+            counted = {"b1": m.launches(launches), "b8": m.launches(launches, batch=8)}
+    return {k: statistics.median(v) for k, v in out.items()} | {"weight_bytes": weight_bytes, "launches": counted}
 
 
 def llama(path: str, bench: str | None, batched: str | None, tg: int, pp: int, reps: int) -> dict:
@@ -113,6 +121,10 @@ def main() -> int:
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--launches", type=int, default=4, metavar="N",
+                    help="then count what N decode steps launch (batch 1 and 8) and print it (0: off)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also measure OptiML with OPTIML_CUDA_FUSE=0 (its kernels unfused) and print the speedup")
     args, res = harness.parse(ap, "gpu")
     if not optiml.system_info()["cuda_devices"]:
         print("no CUDA device: nothing to measure")
@@ -121,10 +133,11 @@ def main() -> int:
     print(f"GPU: {peak_src}, peak {peak / 1e9:.0f} GB/s")
     print("| model | test | optiml tok/s | llama.cpp tok/s | ratio | bandwidth used |")
     print("|---|---|---|---|---|---|")
+    counts = []
     for path in args.model:
         name = os.path.basename(path)
         try:
-            o = ours(path, args.tg, args.pp, args.reps)
+            o = ours(path, args.tg, args.pp, args.reps, args.launches)
         except optiml.OptimlError as e:
             print(f"| {name} | - | failed: {e} | | | |")
             continue
@@ -132,8 +145,33 @@ def main() -> int:
         for test, label in (("tg", f"tg{args.tg}"), ("b8", "8 seqs"), ("pp", f"pp{args.pp}")):
             theirs = ll.get(test, float("nan"))
             bw = f"{o['weight_bytes'] * o['tg'] / peak:.0%}" if test == "tg" else ""
+            if test == "tg" and o["launches"]:  # every byte the step's kernels move, as counted
+                t = o["launches"]["b1"].per_token()
+                moved = t["weight_bytes"] + t["activation_bytes"] + t["kv_bytes"]
+                bw += f" ({moved * o['tg'] / peak:.0%} counted, {t['kernels']:.0f} kernels/token)"
             print(f"| {name} | {label} | {o[test]:.1f} | {theirs:.1f} | {o[test] / theirs:.2f}x | {bw} |", flush=True)
             res.add(model=name, test=label, optiml=o[test], llama_cpp=theirs, ratio=o[test] / theirs, bandwidth_used=bw)
+        if args.unfused:
+            os.environ["OPTIML_CUDA_FUSE"] = "0"  # (read when the CUDA backend is made)
+            try:
+                u = ours(path, args.tg, args.pp, args.reps, args.launches)
+            finally:
+                del os.environ["OPTIML_CUDA_FUSE"]
+            for test, label in (("tg", f"tg{args.tg}"), ("b8", "8 seqs"), ("pp", f"pp{args.pp}")):
+                theirs = ll.get(test, float("nan"))
+                speedup = f"fused {o[test] / u[test]:.2f}x faster"
+                print(f"| {name} | {label} unfused | {u[test]:.1f} | {theirs:.1f} | {u[test] / theirs:.2f}x | {speedup} |",
+                      flush=True)
+                res.add(model=name, test=f"{label} unfused", optiml=u[test], llama_cpp=theirs, ratio=u[test] / theirs,
+                        fused_speedup=o[test] / u[test])
+            if u["launches"] and o["launches"]:
+                print(f"kernels per token, batch 1: {u['launches']['b1'].per_token()['kernels']:.0f} unfused, "
+                      f"{o['launches']['b1'].per_token()['kernels']:.0f} fused")
+        if o["launches"]:
+            counts.append((name, o["launches"]))
+            res.add(model=name, test="launches", **{k: v.to_dict() for k, v in o["launches"].items()})
+    for name, c in counts:
+        print(f"\n{name}, batch 1: {c['b1']}\n{name}, batch 8: {str(c['b8']).splitlines()[1]}")
     res.write(args.json)
     return 0
 

@@ -9,7 +9,9 @@
 #   tools/checks/gpu_check.sh split M.gguf  # here: a real model too big for one call in two halves,
 #                                # build/gpu-parts-a and -b, to carry over two back-to-back calls
 #   tools/checks/gpu_check.sh verify    # there, in one call of under 10 minutes: the GPU tests, tools/bench/gpu.py on
-#                                # a 7B Q4_0 model against llama.cpp, and the hybrid benchmark (ReLU, 25%)
+#                                # a 7B Q4_0 model against llama.cpp (with the kernels and bytes a decode step
+#                                # launches, batch 1 and 8: --launches; and again unfused, OPTIML_CUDA_FUSE=0:
+#                                # --unfused), and the hybrid benchmark (ReLU, 25%)
 #   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
 #                                # not carried prebuilt), runs the GPU tests (with the real models when
 #                                # their parts were carried) and compute-sanitizer's memcheck, makes synthetic
@@ -144,8 +146,9 @@ verify() {
     step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
     llama_build
     wait "$maker" || failed+=(make-llama7b-q4_0)
-    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 \
-        --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench
+    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 --launches 4 --unfused \
+        --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench \
+        --json "$out/bench.json"
     cat "$out/bench.log"
     step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
         --tokens 32 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \

@@ -122,6 +122,15 @@ struct Span {
 const char* span_kind_name(SpanKind k);
 double trace_clock();  // seconds, the clock spans are in
 
+// Launches of one kind of kernel (or copy) in one layer (-1: outside the layers) and the bytes they had
+// to move at least (Backend::launch_counts; the CUDA backend's model of them: native/src/cuda/kernels.cuh).
+struct LaunchCount {
+    int32_t layer;
+    std::string kind;
+    bool copy;  // a copy (host to device, back, or within the device), not a kernel
+    int64_t launches = 0, weight_bytes = 0, activation_bytes = 0, kv_bytes = 0;
+};
+
 class Backend {
 public:
     explicit Backend(std::string name) : name_(std::move(name)) {}
@@ -213,6 +222,16 @@ public:
     virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
+    // A layer's whole FFN where one device computes it densely and the residual stream x lives there too:
+    // the results of rms_norm(x, join.norm, s.xn), ffn(share) into s.y and ffn_join(join, s.y) into x, which
+    // a device may fuse (the CUDA backend: the norm into the products' input, the residual add into the
+    // last product); scratch s as ffn's. False when the device does not (the default): the caller runs the
+    // three. Not for shares computed sparsely or profiled (those are the host's).
+    virtual bool ffn_block(const HParams& hp, int layer, const FFNShare& share, const FFNWeights& join, float* x,
+                           int32_t n, const StepScratch& s, int64_t* active) {
+        (void)hp, (void)layer, (void)share, (void)join, (void)x, (void)n, (void)s, (void)active;
+        return false;
+    }
     // logits[r] = softcap(output(rms_norm(x[rows[r]]))) for r < n_rows; rows: host memory.
     virtual void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x,
                         const int32_t* rows, int32_t n_rows, float* logits, float* scratch) = 0;
@@ -225,6 +244,15 @@ public:
     std::vector<Span> trace_stop();
     void trace_layer(int layer) { trace_layer_.store(layer, std::memory_order_relaxed); }
     bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
+
+    // ---- kernels launched and bytes moved -------------------------------------------------------
+    // A device that counts what its ops launch (the CUDA backend: every kernel and copy, per layer as
+    // trace_layer() names it, always on) reports the counts since the last reset; a recorded step that is
+    // launched again counts its kernels again. host_launches: the calls that put work on the stream (a
+    // kernel, a copy, or a whole recorded step). Devices that count nothing: empty, 0.
+    virtual std::vector<LaunchCount> launch_counts() const { return {}; }
+    virtual int64_t host_launches() const { return 0; }
+    virtual void reset_launch_counts() {}
 
     // ---- weights on this device ----------------------------------------------------------------
     // A copy of w (or of its rows [r0, r1)) in this backend's memory, counted as "weights".

@@ -280,6 +280,13 @@ public:
     std::vector<std::pair<std::string, size_t>> device_allocations() const;
     // Steps the device launched from a recording (Backend::replay): 0 without a device that records.
     int64_t recorded_steps() const { return device_ ? device_->recorded_launches() : 0; }
+    // What the plan's device launched since the last reset, per layer and kind (Backend::launch_counts:
+    // the CUDA backend counts; others report nothing), and its calls that enqueued work.
+    std::vector<LaunchCount> launch_counts() const { return device_ ? device_->launch_counts() : std::vector<LaunchCount>{}; }
+    int64_t host_launches() const { return device_ ? device_->host_launches() : 0; }
+    void reset_launch_counts() {
+        if (device_) device_->reset_launch_counts();
+    }
 
     // Sparse FFN from the next eval on; ArgumentError for thresholds that do not fit the model.
     void set_sparsity(const SparsitySettings& s);

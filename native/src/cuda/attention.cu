@@ -326,6 +326,57 @@ __device__ void stage_query(int k_type, bool k_quant, const float* qh, int hd, f
     __syncthreads();
 }
 
+// A thread's output dimensions (o[j]: d = x + j * kThreads) turned back by the values' rotation, through
+// `so` (hd floats of shared memory). Every thread of the block calls it.
+__device__ __forceinline__ void rotate_back(float* o, float* so, int hd, int block) {
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d < hd) so[d] = o[j];
+    }
+    __syncthreads();
+    rotate(so, hd, block);
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d < hd) o[j] = so[d];
+    }
+}
+
+// The attention's output of one (token, head): thread x's dimensions d = x + j * kThreads (o[j]) at
+// out[row0 + d], stored as cuda_attn_scores' convert asks: a warp's 32 dimensions are one 32-value block
+// of the row (head_dim a multiple of 32 wherever convert is not -1), converted as cuda_input_stage
+// converts them.
+__device__ __forceinline__ void store_output(const float* o, int hd, size_t row0, float* out, int32_t convert,
+                                             int8_t* codes, CudaQ8Meta* meta) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        if (d >= hd) break;  // (whole warps where the output is converted)
+        const size_t at = row0 + d;
+        if (convert == -1) {
+            out[at] = o[j];
+            continue;
+        }
+        const float amax = warp_max(fabsf(o[j]));
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        if (convert != kCudaCodes) {  // Q8_0 / Q8_1 rounding
+            out[at] = __half2float(__float2half_rn(amax / 127.0f)) * rintf(o[j] * id);
+            continue;
+        }
+        const int c = (int)rintf(o[j] * id);
+        codes[at] = (int8_t)c;
+        int sum = c;
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) {
+            const float dq = amax / 127.0f;
+            meta[at / 32] = CudaQ8Meta{__half2float(__float2half_rn(dq)), __half2float(__float2half_rn(dq * (float)sum)),
+                                       sum, 0};
+        }
+    }
+}
+
 // One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
 // the keys' type for the dot products with them (F16, F32; Q8_0 codes for quantized keys), the softmax's
 // weights normalized and rounded to the values' type before the sum over them (F16, F32; float for
@@ -334,7 +385,8 @@ __device__ void stage_query(int k_type, bool k_quant, const float* qh, int hd, f
 // accumulates its output dimensions.
 // kQuant as for prepare_kernel.
 template <bool kQuant>
-__global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out) {
+__global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out,
+                              int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
     __shared__ float sq[kMaxHeadDim];
     __shared__ int32_t sqc[kMaxHeadDim / 4];  // quantized keys: q's Q8_0 codes, four to a word,
     __shared__ float sqd[kMaxBlocks];         // its blocks' scales (f16-rounded)
@@ -393,6 +445,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     const float inv = 1.0f / l;
 
     float o[kDimsPerThread];
+#pragma unroll
     for (int j = 0; j < kDimsPerThread; j++) o[j] = 0.0f;
     for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
         const int64_t s = s0 + threadIdx.x;
@@ -401,6 +454,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         sp[threadIdx.x] = p;
         __syncthreads();
         const int count = (int)(n_seen - s0 < kThreads ? n_seen - s0 : kThreads);
+#pragma unroll
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
             if (d >= hd) break;
@@ -425,23 +479,10 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         }
         __syncthreads();  // sp is rewritten by the next chunk
     }
-    if (v_rows && a.rot_v) {  // the values were rotated before they were stored: the sum is turned back
-        float* so = sq;  // (q is read no more: the last chunk ended with every thread at the barrier)
-        for (int j = 0; j < kDimsPerThread; j++) {
-            const int d = threadIdx.x + j * kThreads;
-            if (d < hd) so[d] = o[j];
-        }
-        __syncthreads();
-        rotate(so, hd, a.rot_v);
-        for (int j = 0; j < kDimsPerThread; j++) {
-            const int d = threadIdx.x + j * kThreads;
-            if (d < hd) o[j] = so[d];
-        }
-    }
-    for (int j = 0; j < kDimsPerThread; j++) {
-        const int d = threadIdx.x + j * kThreads;
-        if (d < hd) out[((size_t)t * a.n_head + h) * hd + d] = o[j];
-    }
+    // The values were rotated before they were stored: the sum is turned back (through sq: q is read no
+    // more, the last chunk ended with every thread at the barrier).
+    if (v_rows && a.rot_v) rotate_back(o, sq, hd, a.rot_v);
+    store_output(o, hd, ((size_t)t * a.n_head + h) * hd, out, convert, codes, meta);
 }
 
 }  // namespace
@@ -460,10 +501,25 @@ static void check_cache(const CudaAttnArgs& a) {
         throw Error("internal: quantized values are rows (v_row), f16/f32 ones transposed");
 }
 
+// Host-side bytes of n values of a cache type (kv_bytes on the device).
+static int64_t cache_bytes(int32_t type, int64_t n) {
+    if (type == TYPE_Q8_0) return n / 32 * (int64_t)sizeof(block_q8_0);
+    if (type == TYPE_Q4_0) return n / 32 * (int64_t)sizeof(block_q4_0);
+    return n * (type == TYPE_F16 ? 2 : 4);
+}
+
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n) {
     if (n <= 0) return;
     check_cache(a);
+    {
+        const int64_t n_q = (int64_t)a.n_head * a.head_dim, n_kv = (int64_t)a.n_head_kv * a.head_dim;
+        CudaTraffic t;
+        t.weights = 4 * ((a.freq_factors ? a.n_rot / 2 : 0) + (a.q_norm ? a.head_dim : 0) + (a.k_norm ? a.head_dim : 0));
+        t.activations = 4 * (int64_t)n * (2 * (n_q + n_kv) + n_kv + 2);  // q, k read and written, v read, seq, pos
+        t.kv = (int64_t)n * (cache_bytes(a.k_type, n_kv) + cache_bytes(a.v_type, n_kv));
+        cuda_count(CudaKernel::AttnPrepare, t);
+    }
     // 64 threads: a head's pairs (head_dim / 2) at most twice over for the usual head sizes.
     const dim3 grid(n, a.n_head + 2 * a.n_head_kv);
     if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
@@ -474,18 +530,31 @@ void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k
 }
 
 void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
-                      int32_t n, float* out) {
+                      int32_t n, float* out, int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
     if (n <= 0) return;
     if (a.head_dim > kMaxHeadDim)
         throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
                                            kMaxHeadDim, a.head_dim));
     if (n > 65535) throw ArgumentError(format("cuda attention: %d tokens is more than one launch holds", n));
     check_cache(a);
+    if (convert != -1 && (a.head_dim % 32 || (convert != kCudaCodes && convert != TYPE_Q8_0 && convert != TYPE_Q8_1) ||
+                          (convert == kCudaCodes && (!codes || !meta))))
+        throw Error("internal: the attention converts its output to codes or Q8_0/Q8_1 in whole 32-value blocks only");
     if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
-        OPTIML_LAUNCH(scores_kernel<true>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+        OPTIML_LAUNCH(scores_kernel<true>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out, convert, codes, meta);
     else
-        OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out);
+        OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out, convert, codes, meta);
     cuda_check(cudaSuccess, "attention (scores)");
+    CudaTraffic t;
+    const int64_t n_q = (int64_t)a.n_head * a.head_dim;
+    // q read, seq, pos; the output written (as floats, or codes and their scales)
+    t.activations = 4 * (int64_t)n * (n_q + 2) +
+                    (convert == kCudaCodes ? (int64_t)n * (n_q + (int64_t)sizeof(CudaQ8Meta) * (n_q / 32))
+                                           : 4 * (int64_t)n * n_q);
+    // Each visible position's key and value heads, once per kv head (the q heads of a group share them).
+    t.kv_per_position = (int64_t)a.n_head_kv * (cache_bytes(a.k_type, a.head_dim) + cache_bytes(a.v_type, a.head_dim));
+    t.n_swa = a.n_swa;
+    cuda_count(CudaKernel::AttnScores, t);
 }
 
 }  // namespace optiml

@@ -2,18 +2,28 @@
 // memory from cudaMalloc counted by Backend::alloc, events for the order between devices, and the
 // forward pass's ops as kernels (kernels.cuh).
 //
-// Activations are rounded as the CPU rounds them before its products (8-bit blocks for quantized weights),
-// then multiplied in float: the devices then differ only in summation order.
+// Activations are converted as the CPU converts them before its products (8-bit codes multiplied as
+// integers for Q4_0/Q4_1/Q8_0 rows, else rounded and multiplied in float): the devices then differ only
+// in summation order.
 //
-// What this first version does not do yet (issue #16, #17): integer (dp4a) products, CUDA graphs,
-// tiled prompt kernels, pinned host staging (a copy to pageable host memory blocks the calling thread
-// until the stream reaches it, so a split FFN whose residual lives on the host does not overlap yet),
-// and the embedding table on the GPU (the embedding runs on the host; its rows are copied over).
+// A decode step's kernels are fused where the layout allows (issue #43): each RMSNorm is made by the
+// kernel that converts its products' input (CudaInputStage), as is the FFN's act(gate) * up for down;
+// q/k/v and gate/up are one launch each; biases and the residual adds run in the products' epilogue;
+// the attention kernel leaves its output as the output projection reads it; RoPE and the KV write are
+// one kernel. A layer of a Q4_0 llama is 9 kernels (17 before). Every kernel is counted with the bytes
+// it moves (Backend::launch_counts, `optiml bench --launches`).
+//
+// Not yet: tiled or tensor-core prompt kernels, pinned host staging (a copy to pageable host memory
+// blocks the calling thread until the stream reaches it, so a split FFN whose residual lives on the host
+// does not overlap yet), and the embedding table on the GPU (the embedding runs on the host; its rows are
+// copied over).
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <map>
 #include <vector>
 
@@ -33,11 +43,12 @@ namespace {
 // point of the same stream, which is also after the one asked for.
 constexpr int kEvents = 256;
 
-class CudaBackend : public Backend {
+class CudaBackend : public Backend, private CudaLaunchLog {
 public:
     explicit CudaBackend(int device) : Backend(format("cuda:%d", device)), device_(device) {
         use();
         if (const char* env = std::getenv("OPTIML_CUDA_GRAPHS")) graphs_ = std::strcmp(env, "0") != 0;
+        if (const char* env = std::getenv("OPTIML_CUDA_FUSE")) fuse_ = std::strcmp(env, "0") != 0;
         cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
         events_.resize(kEvents);
         for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
@@ -60,6 +71,7 @@ public:
         drop_timed();
         if (trace_base_) cudaEventDestroy(trace_base_);
         cudaStreamDestroy(stream_);
+        if (cuda_launch_log() == this) cuda_set_launch_log(nullptr);
     }
 
     bool host_memory() const override { return false; }
@@ -100,16 +112,19 @@ public:
         use();
         const OpSpan span(*this, SpanKind::CopyIn);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copying to the GPU");
+        count(CudaKernel::CopyIn, {0, (int64_t)bytes});
     }
     void copy_to_host(void* dst, const void* src, size_t bytes) override {
         use();
         const OpSpan span(*this, SpanKind::CopyOut);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copying from the GPU");
+        count(CudaKernel::CopyOut, {0, (int64_t)bytes});
     }
     void copy(void* dst, const void* src, size_t bytes) override {
         use();
         const OpSpan span(*this, SpanKind::Copy);
         cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "copying on the GPU");
+        count(CudaKernel::Copy, {0, 2 * (int64_t)bytes});
     }
 
     // ---- recorded steps (CUDA graphs) ------------------------------------------------------------
@@ -123,6 +138,7 @@ public:
         step_batch_host_.assign(b.seq, b.seq + b.n);
         step_batch_host_.insert(step_batch_host_.end(), b.pos, b.pos + b.n);
         copy_from_host(step_batch_, step_batch_host_.data(), sizeof(int32_t) * count);
+        count_pos_.assign(b.pos, b.pos + b.n);  // what a replayed step's attention reads
     }
 
     bool replay(const std::vector<int32_t>& key) override {
@@ -131,9 +147,29 @@ public:
         use();
         cuda_check(cudaGraphLaunch(it->second.exec, stream_), "launching a recorded step");
         ++launches_;
+        ++host_launches_;
+        for (const Counted& c : it->second.counted) add_count(c.layer, c.kind, c.traffic);
         return true;
     }
     int64_t recorded_launches() const override { return launches_; }
+
+    // ---- launch counts (kernels.cuh: the launchers count, count() keeps) --------------------------
+    std::vector<LaunchCount> launch_counts() const override {
+        std::vector<LaunchCount> out;
+        for (size_t l = 0; l < counts_.size(); l++)
+            for (size_t k = 0; k < counts_[l].size(); k++) {
+                const KindCount& c = counts_[l][k];
+                if (c.launches == 0) continue;
+                out.push_back({(int32_t)l - 1, cuda_kernel_name((CudaKernel)k), cuda_kernel_is_copy((CudaKernel)k),
+                               c.launches, c.weights, c.activations, c.kv});
+            }
+        return out;
+    }
+    int64_t host_launches() const override { return host_launches_; }
+    void reset_launch_counts() override {
+        counts_.clear();
+        host_launches_ = 0;
+    }
 
     bool capture_begin(const std::vector<int32_t>& key) override {
         if (!graphs_ || tracing()) return false;  // (tracing: ops timed one by one)
@@ -143,6 +179,7 @@ public:
         // where allocating is not allowed) exists from then on.
         if (rec.failed || ++rec.seen < 2) return false;
         use();
+        rec.counted.clear();
         if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
             cudaGetLastError();
             rec.failed = true;  // this device cannot record: every step of this shape runs plain
@@ -185,6 +222,8 @@ public:
         rec->epoch = alloc_epoch_;
         cuda_check(cudaGraphLaunch(rec->exec, stream_), "launching a recorded step");
         ++launches_;
+        ++host_launches_;
+        for (const Counted& c : rec->counted) add_count(c.layer, c.kind, c.traffic);
         return true;
     }
 
@@ -204,8 +243,10 @@ public:
         use();
         const OpSpan span(*this, SpanKind::Attention);
         qkv(hp, L, x, b.n, s);
-        core(hp, layer, L, rope_freqs, kv, b, s);
-        out(hp, L, b.n, x, s);
+        // The attention's output made as the output projection reads it, by the attention kernel itself
+        // (only here: attention_core's output may be joined by rows the host computed).
+        Input attn = core(hp, layer, L, rope_freqs, kv, b, s, fuse_ ? &L.wo : nullptr);
+        out(hp, L, x, s, attn);
     }
 
     void attention_qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n,
@@ -219,13 +260,14 @@ public:
                         const KVLayerView& kv, const BatchView& b, const StepScratch& s) override {
         use();
         const OpSpan span(*this, SpanKind::Attention);
-        core(hp, layer, L, rope_freqs, kv, b, s);
+        core(hp, layer, L, rope_freqs, kv, b, s, nullptr);
     }
 
     void attention_out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) override {
         use();
         const OpSpan span(*this, SpanKind::Attention);
-        out(hp, L, n, x, s);
+        Input attn = floats(s.attn, s.attn, n, hp.n_embd_q());
+        out(hp, L, x, s, attn);
     }
 
     void ffn(const HParams& hp, int, const FFNShare& share, const FFNSparsity& sp, const float* xn, int32_t n,
@@ -240,24 +282,39 @@ public:
         use();
         const OpSpan span(*this, SpanKind::FFN);
         const FFNWeights& w = *share.w;
-        const int64_t width = w.gate.rows;
-        Rounded held;  // y holds xn rounded for gate and up until down writes it
-        product(w.gate, xn, y, held, n, s.gate, false);
-        product(w.up, xn, y, held, n, s.up, false);
-        cuda_add_bias(stream_, s.gate, (const float*)w.gate_b.data, n, width);
-        cuda_add_bias(stream_, s.up, (const float*)w.up_b.data, n, width);
-        // GELU as the CPU's ffn_activate picks it: the f16 table unless the gate's input stays float.
-        const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
-        const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
-        cuda_act_mul(stream_, hp.ffn_act, gelu_f16, s.gate, s.up, (int64_t)n * width);
+        Input in = floats(const_cast<float*>(xn), y, n, hp.n_embd);  // y holds xn rounded until down writes it
+        Input h = gate_up(hp, w, in, s);
         if (w.down.present()) {
-            held = {};
-            product(w.down, s.gate, s.gate, held, n, y, false);
+            products(h, {{&w.down, y, nullptr, false}});
         } else {  // a placement's reordered share: its down columns as neuron-major rows (session.cpp)
-            cuda_down_neuron_major_q8(stream_, nm->bytes(), nm->row_bytes, nm->external_dim_scale, s.gate, width,
+            make_floats(h);
+            cuda_down_neuron_major_q8(stream_, nm->bytes(), nm->row_bytes, nm->external_dim_scale, s.gate, w.gate.rows,
                                       hp.n_embd, n, y);
         }
-        if (active) *active += (int64_t)n * width;
+        if (active) *active += (int64_t)n * w.gate.rows;
+    }
+
+    // The FFN block where the residual stream is (Backend::ffn_block): the norm made with the gate and up
+    // products' input, gate and up in one launch, act(gate) * up made with down's input, and down's sums
+    // added into x by its own epilogue (Gemma 3's post-norm: down into y, then normalized and added in one
+    // kernel). The same ops as rms_norm, ffn and ffn_join, fused, with the same bits.
+    bool ffn_block(const HParams& hp, int, const FFNShare& share, const FFNWeights& join, float* x, int32_t n,
+                   const StepScratch& s, int64_t* active) override {
+        if (!fuse_ || share.rows || !share.w->down.present()) return false;  // (neuron-major: ffn + ffn_join)
+        use();
+        const FFNWeights& w = *share.w;
+        {
+            const OpSpan span(*this, SpanKind::FFN);
+            Input in = normed(x, join.norm, hp.rms_eps, s.xn, s.y, n, hp.n_embd);
+            Input h = gate_up(hp, w, in, s);
+            const bool post = join.post_norm.present();
+            products(h, {{&w.down, post ? s.y : x, (const float*)join.down_b.data, !post}});
+            if (active) *active += (int64_t)n * w.gate.rows;
+            if (!post) return true;
+        }
+        const OpSpan span(*this, SpanKind::Join);
+        cuda_rms_norm_add(stream_, s.y, (const float*)join.post_norm.data, x, n, hp.n_embd, hp.rms_eps);
+        return true;
     }
 
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
@@ -266,8 +323,8 @@ public:
         const int64_t count = (int64_t)n * hp.n_embd;
         if (y2) cuda_add(stream_, y, y2, nullptr, count);
         cuda_add_bias(stream_, y, (const float*)w.down_b.data, n, hp.n_embd);
-        if (w.post_norm.present()) cuda_rms_norm(stream_, y, (const float*)w.post_norm.data, y, n, hp.n_embd, hp.rms_eps);
-        cuda_add(stream_, x, y, nullptr, count);
+        if (w.post_norm.present()) norm_add(y, w.post_norm, x, n, hp);
+        else cuda_add(stream_, x, y, nullptr, count);
     }
 
     void logits(const HParams& hp, const Weight& norm, const Weight& output, const float* x, const int32_t* rows,
@@ -283,55 +340,202 @@ public:
                 in = scratch;
                 break;
             }
-        cuda_rms_norm(stream_, in, (const float*)norm.data, scratch, n_rows, dim, hp.rms_eps);
-        Rounded held;
-        product(output, scratch, scratch, held, n_rows, logits, false);
+        Input normed_in;
+        if (in == scratch) {  // (a normalizing stage cannot write its own rows)
+            cuda_rms_norm(stream_, in, (const float*)norm.data, scratch, n_rows, dim, hp.rms_eps);
+            normed_in = floats(scratch, scratch, n_rows, dim);
+        } else {
+            normed_in = normed(in, norm, hp.rms_eps, scratch, scratch, n_rows, dim);
+        }
+        products(normed_in, {{&output, logits, nullptr, false}});
         if (hp.final_softcap > 0) cuda_softcap(stream_, logits, (int64_t)n_rows * hp.n_vocab, hp.final_softcap);
     }
 
 private:
-    void use() { cuda_check(cudaSetDevice(device_), "selecting the GPU"); }
+    void use() {
+        cuda_check(cudaSetDevice(device_), "selecting the GPU");
+        cuda_set_launch_log(this);  // the launchers called from here on count into this backend
+    }
 
-    // What a group of products sharing one input has made of it so far: x rounded into buf as the CPU
-    // rounds activations for a type (-1: not yet), and x's 8-bit codes in codes_ (the integer path).
-    struct Rounded {
-        int32_t type = -1;
+    // CudaLaunchLog: one kernel or copy enqueued. While a step is being recorded the launches are kept
+    // with the recording and counted when it is launched (capture_end, replay), since until then none ran.
+    void count(CudaKernel k, const CudaTraffic& t) override {
+        const int layer = current_trace_layer();
+        if (capturing_) {
+            capturing_->counted.push_back({layer, k, t});
+            return;
+        }
+        ++host_launches_;
+        add_count(layer, k, t);
+    }
+    void add_count(int layer, CudaKernel k, const CudaTraffic& t) {
+        const size_t l = layer < -1 ? 0 : (size_t)(layer + 1);
+        if (counts_.size() <= l) counts_.resize(l + 1);
+        KindCount& c = counts_[l][(size_t)k];
+        c.launches++;
+        c.weights += t.weights;
+        c.activations += t.activations;
+        c.kv += t.kv;
+        if (t.kv_per_position)  // attention reads: each token's visible positions (count_pos_: the batch's)
+            for (const int32_t p : count_pos_) {
+                const int64_t seen = (int64_t)p + 1;
+                c.kv += t.kv_per_position * (t.n_swa > 0 && seen > t.n_swa ? t.n_swa : seen);
+            }
+    }
+
+    // ---- products ------------------------------------------------------------------------------
+    // The input a group of products shares: n rows of `cols` floats at x, or (make != Copy) values still
+    // to be made from other rows by the input stage (kernels.cuh's CudaInputStage: the RMSNorm of src, or
+    // act(src) * up), which makes them in the same kernel that converts them for the first product that
+    // needs them, and stores them at x when keep_values (or when a product reads them as floats). Then
+    // what has been made of them so far: rounded into buf for a vec_dot type (-1: not yet; buf may be x
+    // when nothing reads x afterwards), 8-bit codes in codes_ (the integer path).
+    struct Input {
+        float* x = nullptr;
+        float* buf = nullptr;
+        int32_t n = 0;
+        int64_t cols = 0;
+        CudaInputStage::Make make = CudaInputStage::Copy;
+        const float* src = nullptr;
+        const float* norm = nullptr;
+        float eps = 0.0f;
+        const float* up = nullptr;
+        const float* gate_b = nullptr;
+        const float* up_b = nullptr;
+        int32_t act = 0;
+        bool keep_values = true;
+        int32_t rounded = -1;
         bool codes = false;
     };
+    static Input floats(float* x, float* buf, int32_t n, int64_t cols) {
+        Input in;
+        in.x = x;
+        in.buf = buf;
+        in.n = n;
+        in.cols = cols;
+        return in;
+    }
+    // The RMSNorm of src's rows by norm, into x (src != x).
+    static Input normed(const float* src, const Weight& norm, float eps, float* x, float* buf, int32_t n, int64_t cols) {
+        Input in = floats(x, buf, n, cols);
+        in.make = CudaInputStage::Norm;
+        in.src = src;
+        in.norm = (const float*)norm.data;
+        in.eps = eps;
+        return in;
+    }
 
-    // y (+)= W x, with x first converted the way the CPU converts activations for W's type (the products
-    // then differ from the CPU's only in summation order): for Q4_0/Q4_1/Q8_0 weights, to 8-bit codes
-    // multiplied as integers (dp4a, as the CPU's own block dot products), else rounded into
-    // `buf` and multiplied in float. `held` lets matrices sharing an input convert it once; buf may be x
-    // itself when nothing reads x afterwards.
-    void product(const Weight& w, const float* x, float* buf, Rounded& held, int32_t n, float* y, bool accumulate) {
-        const int32_t t = type_traits(w.type).vec_dot_type;
-        if (cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data)) {
-            ensure_codes(w.cols);
+    // The stage for rows [t0, t0 + m) of `in`: its values made (or read), converted as `convert` asks
+    // (kCudaCodes: into codes_ from its row 0; a vec_dot type: into buf; -1: only the values, into x).
+    void stage(Input& in, int32_t convert, int32_t t0, int32_t m) {
+        if (!fuse_ && in.make != CudaInputStage::Copy && convert != -1) {  // made first, then converted
+            stage(in, -1, 0, in.n);
+            in.make = CudaInputStage::Copy;
+        }
+        if (!fuse_ && in.make == CudaInputStage::Norm) {  // (the plain kernel, as before the fusion)
+            cuda_rms_norm(stream_, in.src, in.norm, in.x, in.n, in.cols, in.eps);
+            in.make = CudaInputStage::Copy;
+            return;
+        }
+        const size_t off = (size_t)t0 * in.cols;
+        CudaInputStage st;
+        st.make = in.make;
+        st.x = (in.make == CudaInputStage::Copy ? in.x : in.src) + off;
+        st.norm = in.norm;
+        st.eps = in.eps;
+        st.up = in.up ? in.up + off : nullptr;
+        st.gate_b = in.gate_b;
+        st.up_b = in.up_b;
+        st.act = in.act;
+        const bool store = in.make != CudaInputStage::Copy && (in.keep_values || convert == -1);
+        st.values = store ? in.x + off : nullptr;
+        st.convert = convert;
+        st.rounded = convert >= 0 ? in.buf + off : nullptr;
+        st.codes = codes_;
+        st.meta = codes_meta_;
+        cuda_input_stage(stream_, st, m, in.cols);
+        // Made and stored for every row: from now on x holds them (unless the rounding went over them).
+        if (store && t0 == 0 && m == in.n) in.make = CudaInputStage::Copy;
+    }
+    // x holds the values as floats.
+    void make_floats(Input& in) {
+        if (in.make != CudaInputStage::Copy) stage(in, -1, 0, in.n);
+    }
+
+    // One product of a group: y (+)= W x (+ bias).
+    struct Out {
+        const Weight* w;
+        float* y;
+        const float* bias;
+        bool accumulate;
+    };
+    // The products of `outs` over the shared input, each converted as the CPU converts activations for its
+    // weights (the products then differ from the CPU's only in summation order): for Q4_0/Q4_1/Q8_0 rows,
+    // to 8-bit codes multiplied as integers (dp4a, as the CPU's own block dot products), else rounded into
+    // buf and multiplied in float. Consecutive products of one type and path go out as one launch.
+    void products(Input& in, std::initializer_list<Out> outs) {
+        const Out* o = outs.begin();
+        const int count = (int)outs.size();
+        for (int i = 0; i < count;) {
+            const Weight& w0 = *o[i].w;
+            const bool ints = q8x(w0);
+            int j = i + 1;
+            while (fuse_ && j < count && j - i < kCudaMaxMatrices && o[j].w->type == w0.type && q8x(*o[j].w) == ints)
+                j++;
+            CudaMatrix m[kCudaMaxMatrices];
+            for (int k = i; k < j; k++) {
+                const Weight& w = *o[k].w;
+                if (w.cols != in.cols) throw Error("internal: products of one input with different widths");
+                m[k - i].w = w.data;
+                m[k - i].rows = w.rows;
+                m[k - i].row_bytes = w.row_bytes;
+                m[k - i].y = o[k].y;
+                m[k - i].bias = fuse_ ? o[k].bias : nullptr;
+                m[k - i].accumulate = o[k].accumulate;
+            }
+            launch_products(in, w0.type, ints, m, j - i);
+            // (unfused: one product, its bias a kernel of its own, after any add into the output as before)
+            if (!fuse_ && o[i].bias) cuda_add_bias(stream_, o[i].y, o[i].bias, in.n, w0.rows);
+            i = j;
+        }
+    }
+    bool q8x(const Weight& w) const { return cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data); }
+
+    void launch_products(Input& in, int32_t type, bool ints, CudaMatrix* m, int count) {
+        const int32_t n = in.n;
+        if (ints) {
+            ensure_codes(in.cols);
             if (n <= kCodeTokens) {  // the codes of every token fit: converted once for the group
-                if (!held.codes) cuda_quantize_q8x(stream_, x, n, w.cols, codes_, codes_meta_);
-                held.codes = true;
-                cuda_matmul_q8x(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, codes_, codes_meta_, n, y,
-                                accumulate);
+                if (!in.codes) stage(in, kCudaCodes, 0, n);
+                in.codes = true;
+                cuda_matmul_q8x_many(stream_, type, m, count, in.cols, codes_, codes_meta_, n);
                 return;
             }
+            CudaMatrix slice[kCudaMaxMatrices];
             for (int32_t t0 = 0; t0 < n; t0 += kCodeTokens) {  // a prompt: kCodeTokens rows at a time
-                const int32_t m = n - t0 < kCodeTokens ? n - t0 : kCodeTokens;
-                cuda_quantize_q8x(stream_, x + (size_t)t0 * w.cols, m, w.cols, codes_, codes_meta_);
-                cuda_matmul_q8x(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, codes_, codes_meta_, m,
-                                y + (size_t)t0 * w.rows, accumulate);
+                const int32_t rows = n - t0 < kCodeTokens ? n - t0 : kCodeTokens;
+                stage(in, kCudaCodes, t0, rows);
+                for (int k = 0; k < count; k++) {
+                    slice[k] = m[k];
+                    slice[k].y = m[k].y + (size_t)t0 * m[k].rows;
+                }
+                cuda_matmul_q8x_many(stream_, type, slice, count, in.cols, codes_, codes_meta_, rows);
             }
             return;
         }
-        const float* in = x;
-        if (t != TYPE_F32) {
-            if (held.type != t) {
-                cuda_round_activations(stream_, t, x, buf, n, w.cols);
-                held.type = t;
+        const int32_t t = type_traits(type).vec_dot_type;
+        const float* x = in.x;
+        if (t == TYPE_F32) {
+            make_floats(in);
+        } else {
+            if (in.rounded != t) {
+                stage(in, t, 0, n);
+                in.rounded = t;
+                if (in.buf == in.x) in.make = CudaInputStage::Copy;  // (x holds the rounded values now)
             }
-            in = buf;
+            x = in.buf;
         }
-        cuda_matmul(stream_, w.type, w.data, w.rows, w.cols, w.row_bytes, in, n, y, accumulate);
+        cuda_matmul_many(stream_, type, m, count, in.cols, x, n);
     }
 
     // The 8-bit codes of up to kCodeTokens rows of `cols` values (a longer batch is converted a slice at a
@@ -345,23 +549,43 @@ private:
         codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * kCodeTokens * (size_t)(codes_cols_ / 32), "scratch");
     }
 
-    // The attention block's three parts (see Backend::attention_qkv).
-    void qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n, const StepScratch& s) {
-        cuda_rms_norm(stream_, x, (const float*)L.attn_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
-        Rounded held;  // s.y holds xn rounded for q, k and v (the FFN's y is free until the FFN)
-        product(L.wq, s.xn, s.y, held, n, s.q, false);
-        product(L.wk, s.xn, s.y, held, n, s.k, false);
-        product(L.wv, s.xn, s.y, held, n, s.v, false);
-        cuda_add_bias(stream_, s.q, (const float*)L.bq.data, n, hp.n_embd_q());
-        cuda_add_bias(stream_, s.k, (const float*)L.bk.data, n, hp.n_embd_kv());
-        cuda_add_bias(stream_, s.v, (const float*)L.bv.data, n, hp.n_embd_kv());
+    // Gate and up of the FFN over `in` (one launch where their types agree, biases in the epilogue), and
+    // the input of down: act(gate) * up, made by down's input stage.
+    Input gate_up(const HParams& hp, const FFNWeights& w, Input& in, const StepScratch& s) {
+        const int64_t width = w.gate.rows;
+        products(in, {{&w.gate, s.gate, (const float*)w.gate_b.data, false},
+                      {&w.up, s.up, (const float*)w.up_b.data, false}});
+        // GELU as the CPU's ffn_activate picks it: the f16 table unless the gate's input stays float.
+        const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
+        const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
+        Input h = floats(s.gate, s.gate, in.n, width);  // (rounded in place: nothing reads the gate after down)
+        h.make = CudaInputStage::ActMul;
+        h.src = s.gate;
+        h.up = s.up;
+        h.act = cuda_act_code(hp.ffn_act, gelu_f16);
+        h.keep_values = false;
+        return h;
     }
 
-    void core(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs, const KVLayerView& kv,
-              const BatchView& b, const StepScratch& s) {
+    // The attention block's three parts (see Backend::attention_qkv): the norm made with the products'
+    // input, q, k and v in one launch where their types agree, their biases in its epilogue.
+    void qkv(const HParams& hp, const LayerWeights& L, const float* x, int32_t n, const StepScratch& s) {
+        // s.xn gets the norm, s.y its rounding (the FFN's y is free until the FFN)
+        Input in = normed(x, L.attn_norm, hp.rms_eps, s.xn, s.y, n, hp.n_embd);
+        products(in, {{&L.wq, s.q, (const float*)L.bq.data, false},
+                      {&L.wk, s.k, (const float*)L.bk.data, false},
+                      {&L.wv, s.v, (const float*)L.bv.data, false}});
+    }
+
+    // RoPE, the cache write and the attention. With `next` (the output projection's weights), the
+    // attention kernel leaves its output as that product reads it where it can (codes, or Q8_0/Q8_1
+    // rounding, heads of whole 32-value blocks): the Input says what it made.
+    Input core(const HParams& hp, int layer, const LayerWeights& L, const Weight& rope_freqs, const KVLayerView& kv,
+               const BatchView& b, const StepScratch& s, const Weight* next) {
         const int32_t n = b.n;
         const int32_t* seq = batch_on_device(b);
         const int32_t* pos = seq + n;
+        count_pos_.assign(b.pos, b.pos + n);
         const bool swa = hp.is_swa(layer);
         CudaAttnArgs a{};
         a.n_head = hp.n_head;
@@ -391,21 +615,42 @@ private:
         a.v_row = kv.v_row;
         a.v_seq = kv.v_seq;
         cuda_attn_prepare(stream_, a, s.q, s.k, s.v, seq, pos, n);
-        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn);
+        Input out = floats(s.attn, s.attn, n, hp.n_embd_q());  // (rounded in place: nothing reads it after)
+        int32_t convert = -1;
+        if (next && hp.head_dim % 32 == 0) {
+            if (q8x(*next) && n <= kCodeTokens) {
+                ensure_codes(next->cols);
+                convert = kCudaCodes;
+                out.codes = true;
+            } else if (!q8x(*next)) {
+                const int32_t t = type_traits(next->type).vec_dot_type;
+                if (t == TYPE_Q8_0 || t == TYPE_Q8_1) {
+                    convert = t;
+                    out.rounded = t;
+                }
+            }
+        }
+        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn, convert, codes_, codes_meta_);
+        return out;
     }
 
-    // Output projection into the residual stream (Gemma 3 normalizes it first).
-    void out(const HParams& hp, const LayerWeights& L, int32_t n, float* x, const StepScratch& s) {
-        Rounded held;  // attn is rounded in place: nothing reads it after the projection
+    // x += rms_norm(y) * w: one kernel, or (unfused) y normalized in place, then added.
+    void norm_add(float* y, const Weight& w, float* x, int32_t n, const HParams& hp) {
+        if (fuse_) return cuda_rms_norm_add(stream_, y, (const float*)w.data, x, n, hp.n_embd, hp.rms_eps);
+        cuda_rms_norm(stream_, y, (const float*)w.data, y, n, hp.n_embd, hp.rms_eps);
+        cuda_add(stream_, x, y, nullptr, (int64_t)n * hp.n_embd);
+    }
+
+    // Output projection into the residual stream, added by the product's epilogue with its bias (Gemma 3
+    // normalizes it first: into xn, then normalized and added in one kernel).
+    void out(const HParams& hp, const LayerWeights& L, float* x, const StepScratch& s, Input& attn) {
+        const float* bo = (const float*)L.bo.data;
         if (!L.attn_post_norm.present()) {
-            product(L.wo, s.attn, s.attn, held, n, x, true);
-            cuda_add_bias(stream_, x, (const float*)L.bo.data, n, hp.n_embd);
+            products(attn, {{&L.wo, x, bo, true}});
             return;
         }
-        product(L.wo, s.attn, s.attn, held, n, s.xn, false);
-        cuda_add_bias(stream_, s.xn, (const float*)L.bo.data, n, hp.n_embd);
-        cuda_rms_norm(stream_, s.xn, (const float*)L.attn_post_norm.data, s.xn, n, hp.n_embd, hp.rms_eps);
-        cuda_add(stream_, x, s.xn, nullptr, (int64_t)n * hp.n_embd);
+        products(attn, {{&L.wo, s.xn, bo, false}});
+        norm_add(s.xn, L.attn_post_norm, x, attn.n, hp);
     }
 
     // The batch's seq and pos on the device. The offload pass (forward_offload.cpp) alternates two
@@ -562,19 +807,36 @@ private:
     BatchOnDevice batch_cache_[2];
     uint64_t batch_clock_ = 0;
     // Recorded steps by key (Backend::replay); epoch: alloc_epoch_ when recorded.
+    struct Counted {
+        int layer;
+        CudaKernel kind;
+        CudaTraffic traffic;
+    };
     struct Recording {
         cudaGraphExec_t exec = nullptr;
         uint64_t epoch = 0;
         int seen = 0;
         bool failed = false;
+        std::vector<Counted> counted;  // what the recorded step launches (counted again each launch)
     };
     static constexpr size_t kMaxRecorded = 32;  // shapes kept (decode steps of 1..16 tokens, a few logits rows)
     std::map<std::vector<int32_t>, Recording> recordings_;
     Recording* capturing_ = nullptr;
     uint64_t alloc_epoch_ = 0;
     int64_t launches_ = 0;
+    // Launch counts: [layer + 1][kind], the calls that enqueued work, and the positions of the batch whose
+    // attention is being enqueued or replayed (the cache bytes it reads).
+    struct KindCount {
+        int64_t launches = 0, weights = 0, activations = 0, kv = 0;
+    };
+    std::vector<std::array<KindCount, (size_t)CudaKernel::kCount>> counts_;
+    int64_t host_launches_ = 0;
+    std::vector<int32_t> count_pos_;
     bool graphs_ = true;  // OPTIML_CUDA_GRAPHS=0 turns recording off
-    int8_t* codes_ = nullptr;  // product()'s 8-bit activations: [kCodeTokens][codes_cols_]
+    // OPTIML_CUDA_FUSE=0: every op as its own kernels, as before issue #43's fusions (the same bits, more
+    // launches: for comparisons of the two, in the tests and on a GPU).
+    bool fuse_ = true;
+    int8_t* codes_ = nullptr;  // the products' 8-bit activations: [kCodeTokens][codes_cols_]
     CudaQ8Meta* codes_meta_ = nullptr;
     int64_t codes_cols_ = 0;
     int32_t* step_batch_ = nullptr;  // upload_batch's seq and pos

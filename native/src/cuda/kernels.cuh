@@ -2,9 +2,10 @@
 // launcher enqueues on `stream` and returns at once; pointers are device pointers unless a comment
 // says otherwise. Launch errors are reported by cuda_check() after the launch.
 //
-// First version: every kernel is written for correctness and plainness (one warp per output row,
-// values dequantized in registers eight at a time, float accumulation), not yet for the speed goals
-// of issue #16 (integer dot products, CUDA graphs, tiled prompt kernels).
+// The products are one warp per output row (values dequantized in registers, or 8-bit integer dot
+// products), for up to three matrices sharing an input per launch, with the bias and the residual add
+// in their epilogue; the input stage makes and converts what they read in one kernel. Not yet tuned for
+// the speed goals of issue #43 (weights streamed near the memory's rate, tiled prompt kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,10 +25,81 @@ struct HParams;
 // Throws optiml::Error naming `what` when `err` (or, for cudaSuccess, the last launch) failed.
 void cuda_check(cudaError_t err, const char* what);
 
+// ---- what a step launches and moves ----------------------------------------------------------------
+// Every launcher below counts each kernel it enqueues (cuda_count): its kind, and the bytes of device
+// memory the kernel has to move at least, each byte once (a model of the traffic from the arguments, not
+// a measurement: re-reads that the caches serve are not counted; a product's weights are counted once per
+// slice of tokens that reads them again): weights (matrices, norm and bias vectors), activations (the
+// step's floats, 8-bit codes and their scales, positions), and the KV cache (keys and values written and
+// read). Reads of the cache depend on the tokens' positions, which the launchers see only on the device:
+// they report the bytes per visible position (kv_per_position) and the sliding window, and the log that
+// receives the count multiplies them out with the batch's positions. The backend keeps the counts per
+// layer (CudaBackend::count); the copies it enqueues itself it counts as Copy* kinds.
+enum class CudaKernel : uint8_t {
+    RmsNorm,
+    RmsNormAdd,    // x += rms_norm(y) (Gemma 3's post-norms into the residual stream)
+    Quantize,      // activations to 8-bit codes (the integer products' input)
+    Round,         // activations rounded as the CPU rounds them (the float products' input)
+    NormQuantize,  // RMSNorm and the 8-bit codes in one kernel (cuda_input_stage)
+    NormRound,     // RMSNorm and the rounding
+    ActQuantize,   // the FFN's act(gate) * up and the 8-bit codes
+    ActRound,      // act(gate) * up and the rounding
+    Matmul,        // float products (dequantized weights), of one to three matrices per launch
+    MatmulQ8x,     // integer products (Q4_0, Q4_1, Q8_0 weights with 8-bit activations), likewise
+    DownNeuronMajor,
+    AttnPrepare,  // per-head norms, RoPE, q's scale, the new keys and values into the cache
+    AttnScores,   // softmax(q.K) V over the cache (and the output's conversion for the next product)
+    AddBias,
+    Add,
+    ActMul,
+    Softcap,
+    CopyIn,   // host to device (the backend's copies)
+    CopyOut,  // device to host
+    Copy,     // device to device
+    kCount
+};
+const char* cuda_kernel_name(CudaKernel k);
+constexpr bool cuda_kernel_is_copy(CudaKernel k) {
+    return k == CudaKernel::CopyIn || k == CudaKernel::CopyOut || k == CudaKernel::Copy;
+}
+struct CudaTraffic {
+    int64_t weights = 0, activations = 0, kv = 0;
+    int64_t kv_per_position = 0;  // KV bytes read per visible position of each token (attention)
+    int32_t n_swa = 0;            // with a sliding window of this many positions (0: every earlier one)
+};
+// Where this thread's launchers count (the backend whose ops are being enqueued sets itself: use()).
+class CudaLaunchLog {
+public:
+    virtual void count(CudaKernel k, const CudaTraffic& t) = 0;
+
+protected:
+    ~CudaLaunchLog() = default;
+};
+void cuda_set_launch_log(CudaLaunchLog* log);
+CudaLaunchLog* cuda_launch_log();
+// One launch of a kernel of kind k moving t (nothing when no log is set).
+void cuda_count(CudaKernel k, const CudaTraffic& t);
+
 // y[t][r] (+)= sum_c W[r][c] * x[t][c] for t < n, r < rows; W holds `rows` rows of `cols` values of
 // `type`, row_bytes apart. UnsupportedModelError for a type the CUDA backend does not read.
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate);
+
+// One matrix of a product launch: y[t][r] = (y[t][r] +) (W[r] . x[t] + bias[r]), W of `rows` rows
+// row_bytes apart (bias may be nullptr; accumulate: y + (W x + bias), the residual add in the epilogue).
+struct CudaMatrix {
+    const uint8_t* w = nullptr;
+    int64_t rows = 0;
+    size_t row_bytes = 0;
+    float* y = nullptr;
+    const float* bias = nullptr;
+    bool accumulate = false;
+};
+constexpr int kCudaMaxMatrices = 3;
+// Up to kCudaMaxMatrices matrices of one type and width that read the same input (q, k and v; gate and
+// up) in one launch: the grid's blocks cover the first matrix's rows, then the second's, ...
+void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols, const float* x,
+                      int32_t n);
 
 // The integer path for a few tokens: x's rows as 8-bit codes per 32 values, as the CPU's Q8_0/Q8_1
 // activations (quant_legacy.cpp's q8_activation_codes), with per block the scale d (f16-rounded), Q8_1's
@@ -38,11 +110,42 @@ struct CudaQ8Meta {
     int32_t sum, unused;
 };
 void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, int8_t* codes, CudaQ8Meta* meta);
+// The products' input stage: the values a group of products reads, made and converted in one kernel.
+// make: x as it is (Copy), the RMSNorm of x's rows by `norm` (Norm: as cuda_rms_norm, bit for bit), or
+// act(x + gate_b) * (up + up_b) (ActMul: the FFN's hidden values, act a cuda_act_code, biases optional);
+// then converted for the products: to 8-bit codes and block scales as cuda_quantize_q8x (convert
+// kCudaCodes, into codes/meta), rounded as cuda_round_activations rounds for a vec_dot type (Q8_0, Q8_1,
+// Q8_K, F16, BF16, into `rounded`), or not at all (-1). values (optional): the float values before the
+// conversion. A Norm stage cannot write its rows in place (several blocks read each row).
+constexpr int32_t kCudaCodes = -2;
+struct CudaInputStage {
+    enum Make : int32_t { Copy = 0, Norm = 1, ActMul = 2 };
+    Make make = Copy;
+    const float* x = nullptr;  // n rows of cols values (ActMul: the gate's)
+    const float* norm = nullptr;
+    float eps = 0.0f;
+    const float* up = nullptr;
+    const float* gate_b = nullptr;
+    const float* up_b = nullptr;
+    int32_t act = 0;
+    float* values = nullptr;
+    int32_t convert = -1;
+    float* rounded = nullptr;
+    int8_t* codes = nullptr;
+    CudaQ8Meta* meta = nullptr;
+};
+void cuda_input_stage(cudaStream_t s, const CudaInputStage& st, int32_t n, int64_t cols);
+// The activation code cuda_act_mul and ActMul stages take for an FFNActivation (GELU through f16 when
+// gelu_f16, as the CPU's table).
+int32_t cuda_act_code(int act, bool gelu_f16);
 // True when cuda_matmul_q8x handles these weights: Q4_0, Q4_1 or Q8_0 rows, 16-byte aligned.
 bool cuda_matmul_q8x_reads(int32_t type, int64_t cols, size_t row_bytes, const void* w);
 // y[t][r] (+)= the CPU's block dot products of W's row r with x's codes (integer sums per block, scaled).
 void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                      const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate);
+// The same for up to kCudaMaxMatrices matrices sharing the codes, in one launch (as cuda_matmul_many).
+void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
+                          const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
 
 // y[t][d] = dim_scale[d] * sum_j h[t][j] * down[j][d]: a share's down product over its neuron-major Q8_0
 // rows (optiml/sparse.h's NeuronMajor: row j is neuron j's down column), for n_neurons neurons and dim
@@ -51,6 +154,8 @@ void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_b
                                const float* h, int64_t n_neurons, int64_t dim, int32_t n, float* y);
 // out[t] = rms_norm(x[t]) * w (w may be nullptr: no scale), n rows of dim values; out may be x.
 void cuda_rms_norm(cudaStream_t s, const float* x, const float* w, float* out, int32_t n, int64_t dim, float eps);
+// x[t] += rms_norm(y[t]) * w: the same bits as cuda_rms_norm into a buffer and cuda_add.
+void cuda_rms_norm_add(cudaStream_t s, const float* y, const float* w, float* x, int32_t n, int64_t dim, float eps);
 // rows[t][i] += bias[i] for t < n, i < dim.
 void cuda_add_bias(cudaStream_t s, float* rows, const float* bias, int32_t n, int64_t dim);
 // x[i] += y[i] (+ y2[i] when y2) for i < count.
@@ -88,8 +193,12 @@ struct CudaAttnArgs {
 };
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n);
-// out[t][h] = softmax(q[t][h] . K / scale) V over positions [first, pos[t]] of sequence seq[t].
+// out[t][h] = softmax(q[t][h] . K / scale) V over positions [first, pos[t]] of sequence seq[t]. convert: the
+// output as the next product (the output projection) reads it, made by the same kernel (each head is
+// whole 32-value blocks: head_dim a multiple of 32): -1 as floats into out; TYPE_Q8_0 / TYPE_Q8_1 rounded
+// into out as cuda_round_activations; kCudaCodes as cuda_quantize_q8x into codes and meta (out unwritten).
 void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
-                      int32_t n, float* out);
+                      int32_t n, float* out, int32_t convert = -1, int8_t* codes = nullptr,
+                      CudaQ8Meta* meta = nullptr);
 
 }  // namespace optiml

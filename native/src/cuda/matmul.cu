@@ -19,10 +19,51 @@ namespace {
 constexpr int kTokens = 8;        // tokens one warp carries per dequantized group
 constexpr int kRowsPerBlock = 4;  // warps (rows) per thread block
 
+// The matrices of one launch (CudaMatrix), by value: block x of the grid belongs to the last matrix whose
+// first_block is at most x.
+struct Matrices {
+    CudaMatrix m[kCudaMaxMatrices];
+    unsigned first_block[kCudaMaxMatrices];
+    int count;
+};
+
+// This warp's matrix and row (r: past the matrix's rows for the last block's spare warps). Constant
+// indices only (unrolled), so the parameters are never copied to local memory.
+__device__ __forceinline__ CudaMatrix pick_row(const Matrices& ms, int64_t& r) {
+    CudaMatrix m = ms.m[0];
+    unsigned first = 0;
+#pragma unroll
+    for (int k = 1; k < kCudaMaxMatrices; k++)
+        if (k < ms.count && blockIdx.x >= ms.first_block[k]) {
+            m = ms.m[k];
+            first = ms.first_block[k];
+        }
+    r = (int64_t)(blockIdx.x - first) * kRowsPerBlock + threadIdx.y;
+    return m;
+}
+
+Matrices make_matrices(const CudaMatrix* m, int count) {
+    if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 3 matrices per product launch");
+    Matrices ms{};
+    unsigned blocks = 0;
+    for (int k = 0; k < count; k++) {
+        ms.m[k] = m[k];
+        ms.first_block[k] = blocks;
+        blocks += (unsigned)((m[k].rows + kRowsPerBlock - 1) / kRowsPerBlock);
+    }
+    ms.count = count;
+    return ms;
+}
+unsigned total_blocks(const Matrices& ms) {
+    const CudaMatrix& last = ms.m[ms.count - 1];
+    return ms.first_block[ms.count - 1] + (unsigned)((last.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
 // The warp's 32 partial sums of each token through shared memory (`partial`: the warp's [kTokens][33]),
-// lane t adding token t's: one exchange for all tokens instead of a five-shuffle tree per token.
-__device__ __forceinline__ void write_row(float (*partial)[33], const float* acc, int nt, int lane, float* y,
-                                          int64_t rows, int64_t r, int32_t t0, bool accumulate) {
+// lane t adding token t's: one exchange for all tokens instead of a five-shuffle tree per token. Then
+// the matrix's epilogue: its bias, and the add into y (the residual stream) when it accumulates.
+__device__ __forceinline__ void write_row(float (*partial)[33], const float* acc, int nt, int lane,
+                                          const CudaMatrix& m, int64_t r, int32_t t0) {
 #pragma unroll
     for (int t = 0; t < kTokens; t++)
         if (t < nt) partial[t][lane] = acc[t];
@@ -30,21 +71,22 @@ __device__ __forceinline__ void write_row(float (*partial)[33], const float* acc
     if (lane < nt) {
         float s = 0.0f;
         for (int i = 0; i < 32; i++) s += partial[lane][i];
-        float* out = y + (size_t)(t0 + lane) * rows + r;
-        *out = accumulate ? *out + s : s;
+        if (m.bias) s += m.bias[r];
+        float* out = m.y + (size_t)(t0 + lane) * m.rows + r;
+        *out = m.accumulate ? *out + s : s;
     }
 }
 
 template <int TYPE>
-__global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
-                              const float* __restrict__ x, int32_t n, float* __restrict__ y, bool accumulate) {
+__global__ void matmul_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     const int lane = threadIdx.x;
-    const int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.y;
-    if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
+    int64_t r;
+    const CudaMatrix m = pick_row(ms, r);
+    if (r >= m.rows) return;  // the whole warp leaves together: r depends on the warp only
     const int32_t t0 = (int32_t)blockIdx.y * kTokens;
     const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    const uint8_t* row = w + (size_t)r * row_bytes;
+    const uint8_t* row = m.w + (size_t)r * m.row_bytes;
 
     float acc[kTokens];
 #pragma unroll
@@ -63,7 +105,7 @@ __global__ void matmul_kernel(const uint8_t* __restrict__ w, int64_t rows, int64
         }
     }
     __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
-    write_row(partial[threadIdx.y], acc, nt, lane, y, rows, r, t0, accumulate);
+    write_row(partial[threadIdx.y], acc, nt, lane, m, r, t0);
 }
 
 struct alignas(16) Bytes16 {
@@ -121,18 +163,18 @@ struct RowStager {
 };
 
 template <int TYPE>
-__global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
-                                     const float* __restrict__ x, int32_t n, float* __restrict__ y, bool accumulate) {
+__global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     using C = Chunk<TYPE>;
     __shared__ Bytes16 stage[kRowsPerBlock][C::kBytes / 16];
     __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + warp;
-    if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
+    int64_t r;
+    const CudaMatrix m = pick_row(ms, r);
+    if (r >= m.rows) return;  // the whole warp leaves together: r depends on the warp only
     const int32_t t0 = (int32_t)blockIdx.y * kTokens;
     const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    RowStager<TYPE> rs{(const Bytes16*)(w + (size_t)r * row_bytes), (int64_t)(row_bytes / 16), lane};
+    RowStager<TYPE> rs{(const Bytes16*)(m.w + (size_t)r * m.row_bytes), (int64_t)(m.row_bytes / 16), lane};
     const uint8_t* chunk = (const uint8_t*)stage[warp];
 
     float acc[kTokens];
@@ -194,7 +236,7 @@ __global__ void matmul_staged_kernel(const uint8_t* __restrict__ w, int64_t rows
             }
         }
     }
-    write_row(partial[warp], acc, nt, lane, y, rows, r, t0, accumulate);
+    write_row(partial[warp], acc, nt, lane, m, r, t0);
 }
 
 // Four bytes of shared memory at a 2-byte aligned address (blocks hold 16-bit fields first).
@@ -207,20 +249,20 @@ __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
 // of these types), staged through shared memory as the float kernel does; per block the integer dot
 // product of the weights' codes with x's (dp4a) and the CPU's scaling (vec_dot_scalar.cpp).
 template <int TYPE>
-__global__ void matmul_q8x_kernel(const uint8_t* __restrict__ w, int64_t rows, int64_t cols, size_t row_bytes,
-                                  const int8_t* __restrict__ codes, const CudaQ8Meta* __restrict__ meta, int32_t n,
-                                  float* __restrict__ y, bool accumulate) {
+__global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __restrict__ codes,
+                                  const CudaQ8Meta* __restrict__ meta, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     using C = Chunk<TYPE>;
     static_assert(C::kBlocks == 32 && Q::block_size == 32, "one 32-value block per lane");
     __shared__ Bytes16 stage[kRowsPerBlock][C::kBytes / 16];
     __shared__ float partial[kRowsPerBlock][kTokens][33];
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + warp;
-    if (r >= rows) return;  // the whole warp leaves together: r depends on the warp only
+    int64_t r;
+    const CudaMatrix m = pick_row(ms, r);
+    if (r >= m.rows) return;  // the whole warp leaves together: r depends on the warp only
     const int32_t t0 = (int32_t)blockIdx.y * kTokens;
     const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    RowStager<TYPE> rs{(const Bytes16*)(w + (size_t)r * row_bytes), (int64_t)(row_bytes / 16), lane};
+    RowStager<TYPE> rs{(const Bytes16*)(m.w + (size_t)r * m.row_bytes), (int64_t)(m.row_bytes / 16), lane};
     const int64_t n_blocks = cols / 32;
     const uint8_t* wb = (const uint8_t*)stage[warp] + lane * Q::block_bytes;
 
@@ -268,19 +310,36 @@ __global__ void matmul_q8x_kernel(const uint8_t* __restrict__ w, int64_t rows, i
             acc[t] += v;
         }
     }
-    write_row(partial[warp], acc, nt, lane, y, rows, r, t0, accumulate);
+    write_row(partial[warp], acc, nt, lane, m, r, t0);
 }
 
 template <int TYPE>
-void launch(cudaStream_t s, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes, const float* x, int32_t n,
-            float* y, bool accumulate) {
+void launch(cudaStream_t s, const Matrices& ms, int64_t cols, const float* x, int32_t n) {
     const dim3 block(32, kRowsPerBlock);
-    const dim3 grid((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock), (unsigned)((n + kTokens - 1) / kTokens));
+    const dim3 grid(total_blocks(ms), (unsigned)((n + kTokens - 1) / kTokens));
     // The staged kernel reads rows as 16-byte units and the activations as 4 floats at a time.
-    if (row_bytes % 16 == 0 && (uintptr_t)w % 16 == 0 && (uintptr_t)x % 16 == 0)
-        OPTIML_LAUNCH(matmul_staged_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
+    bool staged = (uintptr_t)x % 16 == 0;
+    for (int k = 0; k < ms.count; k++) staged = staged && ms.m[k].row_bytes % 16 == 0 && (uintptr_t)ms.m[k].w % 16 == 0;
+    if (staged)
+        OPTIML_LAUNCH(matmul_staged_kernel<TYPE>, grid, block, s, ms, cols, x, n);
     else
-        OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, w, rows, cols, row_bytes, x, n, y, accumulate);
+        OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, ms, cols, x, n);
+}
+
+// The weight bytes a launch reads: every matrix once per slice of kTokens tokens.
+int64_t matrices_bytes(const Matrices& ms, int32_t n) {
+    int64_t b = 0;
+    for (int k = 0; k < ms.count; k++) b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes;
+    return b * ((n + kTokens - 1) / kTokens);
+}
+// The outputs' bytes (read too where they accumulate) and the biases'.
+CudaTraffic outputs_traffic(const Matrices& ms, int32_t n) {
+    CudaTraffic t;
+    for (int k = 0; k < ms.count; k++) {
+        t.activations += (ms.m[k].accumulate ? 8 : 4) * (int64_t)n * ms.m[k].rows;
+        if (ms.m[k].bias) t.weights += 4 * ms.m[k].rows;
+    }
+    return t;
 }
 
 // One thread per output dimension and token: consecutive threads read consecutive bytes of each row.
@@ -311,6 +370,9 @@ void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_b
     OPTIML_LAUNCH(down_nm_q8_kernel, dim3((unsigned)((dim + threads - 1) / threads), (unsigned)n), threads, s, rows,
                   row_bytes, dim_scale, h, n_neurons, dim, y);
     cuda_check(cudaSuccess, "down product (neuron-major)");
+    // (each token's threads read every row again)
+    cuda_count(CudaKernel::DownNeuronMajor, {(int64_t)n * (n_neurons * (int64_t)row_bytes + 4 * dim),
+                                             4 * (int64_t)n * (n_neurons + dim)});
 }
 
 bool cuda_reads_type(int32_t type) { return cudaq::block_size_of(type) > 0; }
@@ -320,39 +382,62 @@ bool cuda_matmul_q8x_reads(int32_t type, int64_t cols, size_t row_bytes, const v
            (uintptr_t)w % 16 == 0;
 }
 
-void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
-                     const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate) {
-    if (n <= 0 || rows <= 0) return;
+void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
+                          const int8_t* codes, const CudaQ8Meta* meta, int32_t n) {
+    if (n <= 0) return;
+    const Matrices ms = make_matrices(m, count);
     const dim3 block(32, kRowsPerBlock);
-    const dim3 grid((unsigned)((rows + kRowsPerBlock - 1) / kRowsPerBlock), (unsigned)((n + kTokens - 1) / kTokens));
+    const dim3 grid(total_blocks(ms), (unsigned)((n + kTokens - 1) / kTokens));
+    if (grid.x == 0) return;
     switch (type) {
-        case TYPE_Q4_0:
-            OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_0>, grid, block, s, w, rows, cols, row_bytes, codes, meta, n, y, accumulate);
-            break;
-        case TYPE_Q4_1:
-            OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_1>, grid, block, s, w, rows, cols, row_bytes, codes, meta, n, y, accumulate);
-            break;
-        case TYPE_Q8_0:
-            OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q8_0>, grid, block, s, w, rows, cols, row_bytes, codes, meta, n, y, accumulate);
-            break;
-        default:
-            throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
+        case TYPE_Q4_0: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_0>, grid, block, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q4_1: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_1>, grid, block, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q8_0: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q8_0>, grid, block, s, ms, cols, codes, meta, n); break;
+        default: throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
     }
     cuda_check(cudaSuccess, "matmul (integer)");
+    CudaTraffic t = outputs_traffic(ms, n);
+    t.weights += matrices_bytes(ms, n);
+    t.activations += (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32));
+    cuda_count(CudaKernel::MatmulQ8x, t);
+}
+
+void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
+                     const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate) {
+    CudaMatrix m;
+    m.w = w;
+    m.rows = rows;
+    m.row_bytes = row_bytes;
+    m.y = y;
+    m.accumulate = accumulate;
+    cuda_matmul_q8x_many(s, type, &m, 1, cols, codes, meta, n);
 }
 
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate) {
-    if (n <= 0 || rows <= 0) return;
+    CudaMatrix m;
+    m.w = w;
+    m.rows = rows;
+    m.row_bytes = row_bytes;
+    m.y = y;
+    m.accumulate = accumulate;
+    cuda_matmul_many(s, type, &m, 1, cols, x, n);
+}
+
+void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols, const float* x,
+                      int32_t n) {
+    if (n <= 0) return;
+    const Matrices ms = make_matrices(m, count);
+    if (total_blocks(ms) == 0) return;
     if (cols % 8 != 0)
         throw UnsupportedModelError(format("the CUDA backend needs rows of a multiple of 8 values, got %lld",
                                            (long long)cols));
     if ((n + kTokens - 1) / kTokens > 65535)
         throw ArgumentError(format("cuda_matmul: %d tokens is more than one launch holds", n));
     switch (type) {
-#define OPTIML_MATMUL_CASE(T)                                                  \
-    case T:                                                                    \
-        launch<T>(s, w, rows, cols, row_bytes, x, n, y, accumulate);           \
+#define OPTIML_MATMUL_CASE(T)          \
+    case T:                            \
+        launch<T>(s, ms, cols, x, n);  \
         break;
         OPTIML_CUDA_FOR_EACH_TYPE(OPTIML_MATMUL_CASE)
 #undef OPTIML_MATMUL_CASE
@@ -361,6 +446,10 @@ void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, i
                                                type_traits(type).name ? type_traits(type).name : "these"));
     }
     cuda_check(cudaSuccess, "matmul");
+    CudaTraffic t = outputs_traffic(ms, n);
+    t.weights += matrices_bytes(ms, n);
+    t.activations += 4 * (int64_t)n * cols;
+    cuda_count(CudaKernel::Matmul, t);
 }
 
 }  // namespace optiml

@@ -18,16 +18,59 @@ void cuda_check(cudaError_t err, const char* what) {
         throw Error(format("CUDA error in %s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err)));
 }
 
+const char* cuda_kernel_name(CudaKernel k) {
+    switch (k) {
+        case CudaKernel::RmsNorm: return "rms_norm";
+        case CudaKernel::RmsNormAdd: return "rms_norm_add";
+        case CudaKernel::Quantize: return "quantize";
+        case CudaKernel::Round: return "round";
+        case CudaKernel::NormQuantize: return "norm_quantize";
+        case CudaKernel::NormRound: return "norm_round";
+        case CudaKernel::ActQuantize: return "act_quantize";
+        case CudaKernel::ActRound: return "act_round";
+        case CudaKernel::Matmul: return "matmul";
+        case CudaKernel::MatmulQ8x: return "matmul_q8x";
+        case CudaKernel::DownNeuronMajor: return "down_neuron_major";
+        case CudaKernel::AttnPrepare: return "attn_prepare";
+        case CudaKernel::AttnScores: return "attn_scores";
+        case CudaKernel::AddBias: return "add_bias";
+        case CudaKernel::Add: return "add";
+        case CudaKernel::ActMul: return "act_mul";
+        case CudaKernel::Softcap: return "softcap";
+        case CudaKernel::CopyIn: return "copy_in";
+        case CudaKernel::CopyOut: return "copy_out";
+        case CudaKernel::Copy: return "copy";
+        case CudaKernel::kCount: break;
+    }
+    return "?";
+}
+
+namespace {
+thread_local CudaLaunchLog* t_launch_log = nullptr;
+}
+void cuda_set_launch_log(CudaLaunchLog* log) { t_launch_log = log; }
+CudaLaunchLog* cuda_launch_log() { return t_launch_log; }
+void cuda_count(CudaKernel k, const CudaTraffic& t) {
+    if (t_launch_log) t_launch_log->count(k, t);
+}
+
 namespace {
 
 constexpr int kThreads = 256;
 
-// One block per row (up to 1024 threads: a decode step has one row, and one thread's long serial loop
-// over it set the kernel's time); the sum of squares in double, as the CPU (and ggml) keep it.
-__global__ void rms_norm_kernel(const float* x, const float* w, float* out, int64_t dim, float eps) {
+// Threads of a block that normalizes a row of dim values: about four values a thread, at most 1024 (a
+// decode step has one row, and one thread's long serial loop over it set the kernel's time). Every
+// kernel that normalizes (rms_norm_kernel, input_stage_kernel) uses this many, so their sums are the
+// same in every bit.
+int norm_threads(int64_t dim) {
+    int64_t threads = (dim / 4 + 31) / 32 * 32;
+    return (int)(threads < 32 ? 32 : threads > 1024 ? 1024 : threads);
+}
+
+// 1 / rms(xr[0..dim)) with eps, by the whole block (every thread calls it once and gets the result): the
+// sum of squares in double, as the CPU (and ggml) keep it.
+__device__ float row_rms_scale(const float* xr, int64_t dim, float eps) {
     __shared__ double partial[32];
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* outr = out + (size_t)blockIdx.x * dim;
     double sum = 0;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) sum += (double)xr[i] * xr[i];
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
@@ -35,8 +78,20 @@ __global__ void rms_norm_kernel(const float* x, const float* w, float* out, int6
     __syncthreads();
     double total = 0;
     for (int i = 0; i < (int)(blockDim.x / 32); i++) total += partial[i];
-    const float scale = (float)(1.0 / sqrt(total / (double)dim + (double)eps));
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) outr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
+    return (float)(1.0 / sqrt(total / (double)dim + (double)eps));
+}
+
+// One block per row. add: out[i] += the normalized value (rounded to float first, as when it is stored
+// and added by another kernel).
+__global__ void rms_norm_kernel(const float* x, const float* w, float* out, int64_t dim, float eps, bool add) {
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* outr = out + (size_t)blockIdx.x * dim;
+    const float scale = row_rms_scale(xr, dim, eps);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        // (__fmul_rn: never contracted with the add into one rounding)
+        const float v = w ? __fmul_rn(xr[i] * scale, w[i]) : __fmul_rn(xr[i], scale);
+        outr[i] = add ? outr[i] + v : v;
+    }
 }
 
 __global__ void add_bias_kernel(float* rows, const float* bias, int64_t dim, int64_t count) {
@@ -56,107 +111,134 @@ __device__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(sqrt_2_over_pi * x * (1.0f + 0.044715f * x * x)));
 }
 
-constexpr int kGeluF16 = 100;  // cuda_act_mul's GELU through f16, as the CPU's table
+constexpr int kGeluF16 = 100;  // the GELU through f16, as the CPU's table
 
-__global__ void act_mul_kernel(int act, float* g, const float* u, int64_t count) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    const float a = g[i], b = u[i];
-    float r;
+// act(a) * b for an FFNActivation (or kGeluF16).
+__device__ float act_mul(int act, float a, float b) {
     switch (act) {
-        case FFN_RELU: r = (a > 0 ? a : 0.0f) * b; break;
-        case FFN_RELU2: r = a > 0 && b > 0 ? a * b : 0.0f; break;
-        case FFN_GELU: r = gelu_tanh(a) * b; break;
+        case FFN_RELU: return (a > 0 ? a : 0.0f) * b;
+        case FFN_RELU2: return a > 0 && b > 0 ? a * b : 0.0f;
+        case FFN_GELU: return gelu_tanh(a) * b;
         case kGeluF16: {  // llama.cpp's f16 table (ops.cpp's gelu_mul): gelu of the f16 input, rounded to f16
             const float hx = __half2float(__float2half_rn(a));
-            r = a <= -10.0f ? 0.0f : a >= 10.0f ? a * b : __half2float(__float2half_rn(gelu_tanh(hx))) * b;
-            break;
+            return a <= -10.0f ? 0.0f : a >= 10.0f ? a * b : __half2float(__float2half_rn(gelu_tanh(hx))) * b;
         }
-        default: r = a / (1.0f + expf(-a)) * b; break;
+        default: return a / (1.0f + expf(-a)) * b;
     }
-    g[i] = r;
 }
 
-// Q8_0 / Q8_1 activations, as the CPU converts them (quant_legacy.cpp's q8_activation_codes): per 32
-// values amax, codes rint(x * 127 / amax), the scale amax / 127 rounded to f16. One warp per block.
-__global__ void act_q8_0_kernel(const float* x, float* out, int64_t n_blocks) {
-    const int64_t b = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (b >= n_blocks) return;  // whole warps leave together
-    const float v = x[b * 32 + threadIdx.x % 32];
-    float amax = fabsf(v);
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    const float d = __half2float(__float2half_rn(amax / 127.0f));
-    out[b * 32 + threadIdx.x % 32] = d * rintf(v * id);
+__device__ float warp_max(float v) {
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    return v;
 }
 
-// The same codes kept as integers for the integer products (kernels.cuh's CudaQ8Meta). One warp per block.
-__global__ void quantize_q8x_kernel(const float* x, int8_t* codes, CudaQ8Meta* meta, int64_t n_blocks) {
-    const int64_t b = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (b >= n_blocks) return;  // whole warps leave together
+__device__ int warp_sum(int v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// BF16 rounding to nearest even as optiml::fp32_to_bf16 (NaN stays NaN), back in float.
+__device__ float round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return x;
+    u = ((u + (0x7fffu + ((u >> 16) & 1))) >> 16) << 16;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
+
+// The products' input stage (kernels.cuh's CudaInputStage): grid (groups of the row / warps, rows), one
+// warp per group of G values (32; 256 for Q8_K, whose scale spans that many), lane l holding values
+// l, l + 32, ... of its group. Norm: the whole block first computes the row's scale, as rms_norm_kernel
+// does (same threads, same sums); every block of the row does (the row is re-read from the cache).
+// The conversions are those of the CPU (quant_legacy.cpp's q8_activation_codes: per 32 values amax, codes
+// rint(x * 127 / amax), the scale amax / 127 rounded to f16; quant_kquants.cpp's quantize_row_q8_K: per
+// 256 values the first value of largest magnitude sets iscale = -127 / max, codes min(127, rint(iscale *
+// x)), scale 1 / iscale).
+template <int G>
+__global__ void input_stage_kernel(CudaInputStage st, int64_t cols) {
+    constexpr int V = G / 32;
+    const int64_t row = blockIdx.y;
+    const float* xr = st.x + (size_t)row * cols;
+    const float scale = st.make == CudaInputStage::Norm ? row_rms_scale(xr, cols, st.eps) : 1.0f;
     const int lane = threadIdx.x % 32;
-    const float v = x[b * 32 + lane];
-    float amax = fabsf(v);
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    const int q = (int)rintf(v * id);
-    codes[b * 32 + lane] = (int8_t)q;
-    int sum = q;
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-        const float d = amax / 127.0f;
-        meta[b] = CudaQ8Meta{__half2float(__float2half_rn(d)), __half2float(__float2half_rn(d * (float)sum)), sum, 0};
-    }
-}
-
-// Q8_K activations (quant_kquants.cpp's quantize_row_q8_K): per 256 values the first value of largest
-// magnitude sets iscale = -127 / max, codes min(127, rint(iscale * x)), scale 1 / iscale (float). One
-// block of 256 threads per 256 values.
-__global__ void act_q8_k_kernel(const float* x, float* out) {
-    __shared__ float s_abs[256];
-    __shared__ int s_idx[256];
-    const int64_t base = (int64_t)blockIdx.x * 256;
-    const int i = threadIdx.x;
-    const float v = x[base + i];
-    s_abs[i] = fabsf(v);
-    s_idx[i] = i;
-    __syncthreads();
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (i < stride) {
-            const float a = s_abs[i], b = s_abs[i + stride];
-            const int ia = s_idx[i], ib = s_idx[i + stride];
-            if (b > a || (b == a && ib < ia)) {
-                s_abs[i] = b;
-                s_idx[i] = ib;
-            }
+    const int64_t g = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (g * G >= cols) return;  // whole warps leave together (after the block's only barrier)
+    float v[V];
+    bool in[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+        const int64_t i = g * G + lane + 32 * j;
+        in[j] = i < cols;  // (a partial last group only where nothing is converted per group)
+        if (!in[j]) {
+            v[j] = 0.0f;
+            continue;
         }
-        __syncthreads();
+        if (st.make == CudaInputStage::Norm) {
+            v[j] = st.norm ? __fmul_rn(xr[i] * scale, st.norm[i]) : xr[i] * scale;
+        } else if (st.make == CudaInputStage::ActMul) {
+            float a = xr[i], b = st.up[(size_t)row * cols + i];
+            if (st.gate_b) a += st.gate_b[i];
+            if (st.up_b) b += st.up_b[i];
+            v[j] = act_mul(st.act, a, b);
+        } else {
+            v[j] = xr[i];
+        }
+        if (st.values) st.values[(size_t)row * cols + i] = v[j];
     }
-    const float amax = s_abs[0];
-    const float max = x[base + s_idx[0]];
-    if (amax == 0.0f) {
-        out[base + i] = 0.0f;
+    const int32_t conv = st.convert;
+    if (conv < 0 && conv != kCudaCodes) return;
+    float* out = st.rounded + (size_t)row * cols + g * G;
+    if (conv == TYPE_F16 || conv == TYPE_BF16) {
+#pragma unroll
+        for (int j = 0; j < V; j++)
+            if (in[j]) out[lane + 32 * j] = conv == TYPE_F16 ? __half2float(__float2half_rn(v[j])) : round_bf16(v[j]);
         return;
     }
-    const float iscale = -127.0f / max;
-    const float q = fminf(127.0f, rintf(iscale * v));
-    out[base + i] = (1.0f / iscale) * q;
-}
-
-__global__ void act_round_kernel(int32_t type, const float* x, float* out, int64_t count) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    if (type == TYPE_F16) {
-        out[i] = __half2float(__float2half_rn(x[i]));
-    } else {  // BF16, round to nearest even as optiml::fp32_to_bf16 (NaN stays NaN)
-        uint32_t u;
-        memcpy(&u, &x[i], 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            out[i] = x[i];
+    if (G == 256) {  // Q8_K: the first value of largest magnitude (lowest index among equals), with its sign
+        float best = fabsf(v[0]), max = v[0];
+        int idx = lane;
+#pragma unroll
+        for (int j = 1; j < V; j++)
+            if (fabsf(v[j]) > best) {
+                best = fabsf(v[j]);
+                max = v[j];
+                idx = lane + 32 * j;
+            }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float b2 = __shfl_xor_sync(0xffffffffu, best, off), m2 = __shfl_xor_sync(0xffffffffu, max, off);
+            const int i2 = __shfl_xor_sync(0xffffffffu, idx, off);
+            if (b2 > best || (b2 == best && i2 < idx)) {
+                best = b2;
+                max = m2;
+                idx = i2;
+            }
+        }
+        if (best == 0.0f) {
+#pragma unroll
+            for (int j = 0; j < V; j++) out[lane + 32 * j] = 0.0f;
             return;
         }
-        u = ((u + (0x7fffu + ((u >> 16) & 1))) >> 16) << 16;
-        memcpy(&out[i], &u, 4);
+        const float iscale = -127.0f / max;
+#pragma unroll
+        for (int j = 0; j < V; j++) out[lane + 32 * j] = (1.0f / iscale) * fminf(127.0f, rintf(iscale * v[j]));
+        return;
+    }
+    // 32-value blocks: Q8_0 / Q8_1 rounding, or the integer products' codes.
+    const float amax = warp_max(fabsf(v[0]));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    if (conv != kCudaCodes) {
+        out[lane] = __half2float(__float2half_rn(amax / 127.0f)) * rintf(v[0] * id);
+        return;
+    }
+    const int q = (int)rintf(v[0] * id);
+    st.codes[(size_t)row * cols + g * 32 + lane] = (int8_t)q;
+    const int sum = warp_sum(q);
+    if (lane == 0) {
+        const float d = amax / 127.0f;
+        st.meta[(size_t)row * (cols / 32) + g] =
+            CudaQ8Meta{__half2float(__float2half_rn(d)), __half2float(__float2half_rn(d * (float)sum)), sum, 0};
     }
 }
 
@@ -171,10 +253,16 @@ unsigned blocks(int64_t count) { return (unsigned)((count + kThreads - 1) / kThr
 
 void cuda_rms_norm(cudaStream_t s, const float* x, const float* w, float* out, int32_t n, int64_t dim, float eps) {
     if (n <= 0) return;
-    int64_t threads = (dim / 4 + 31) / 32 * 32;  // about four values a thread
-    threads = threads < 32 ? 32 : threads > 1024 ? 1024 : threads;
-    OPTIML_LAUNCH(rms_norm_kernel, n, (unsigned)threads, s, x, w, out, dim, eps);
+    OPTIML_LAUNCH(rms_norm_kernel, n, (unsigned)norm_threads(dim), s, x, w, out, dim, eps, false);
     cuda_check(cudaSuccess, "rms_norm");
+    cuda_count(CudaKernel::RmsNorm, {w ? 4 * dim : 0, 2 * 4 * (int64_t)n * dim});
+}
+
+void cuda_rms_norm_add(cudaStream_t s, const float* y, const float* w, float* x, int32_t n, int64_t dim, float eps) {
+    if (n <= 0) return;
+    OPTIML_LAUNCH(rms_norm_kernel, n, (unsigned)norm_threads(dim), s, y, w, x, dim, eps, true);
+    cuda_check(cudaSuccess, "rms_norm (added)");
+    cuda_count(CudaKernel::RmsNormAdd, {w ? 4 * dim : 0, 3 * 4 * (int64_t)n * dim});
 }
 
 void cuda_add_bias(cudaStream_t s, float* rows, const float* bias, int32_t n, int64_t dim) {
@@ -182,59 +270,94 @@ void cuda_add_bias(cudaStream_t s, float* rows, const float* bias, int32_t n, in
     if (count <= 0 || !bias) return;
     OPTIML_LAUNCH(add_bias_kernel, blocks(count), kThreads, s, rows, bias, dim, count);
     cuda_check(cudaSuccess, "add_bias");
+    cuda_count(CudaKernel::AddBias, {4 * dim, 2 * 4 * count});
 }
 
 void cuda_add(cudaStream_t s, float* x, const float* y, const float* y2, int64_t count) {
     if (count <= 0) return;
     OPTIML_LAUNCH(add_kernel, blocks(count), kThreads, s, x, y, y2, count);
     cuda_check(cudaSuccess, "add");
+    cuda_count(CudaKernel::Add, {0, (y2 ? 4 : 3) * 4 * count});
+}
+
+void cuda_input_stage(cudaStream_t s, const CudaInputStage& st, int32_t n, int64_t cols) {
+    const int64_t count = (int64_t)n * cols;
+    if (count <= 0) return;
+    const int32_t conv = st.convert;
+    const bool codes = conv == kCudaCodes, none = conv == -1;
+    if (!codes && !none && conv != TYPE_Q8_0 && conv != TYPE_Q8_1 && conv != TYPE_Q8_K && conv != TYPE_F16 &&
+        conv != TYPE_BF16)
+        throw UnsupportedModelError(format("the CUDA backend cannot convert activations to type %d", conv));
+    const int group = conv == TYPE_Q8_K ? 256 : 32;
+    if ((codes || conv == TYPE_Q8_0 || conv == TYPE_Q8_1 || conv == TYPE_Q8_K) && cols % group)
+        throw ArgumentError(format("8-bit activations need rows of whole %d-value blocks", group));
+    if (n > 65535) throw ArgumentError(format("cuda input stage: %d rows is more than one launch holds", n));
+    if (none && !st.values) throw Error("internal: an input stage that neither stores nor converts");
+    if (st.make == CudaInputStage::Norm && (st.values == st.x || (!none && !codes && st.rounded == st.x)))
+        throw Error("internal: a normalizing input stage cannot write its rows in place (cuda_rms_norm does)");
+    const int threads = st.make == CudaInputStage::Norm ? norm_threads(cols) : kThreads;
+    const int64_t groups = (cols + group - 1) / group, per_block = threads / 32;
+    const dim3 grid((unsigned)((groups + per_block - 1) / per_block), (unsigned)n);
+    if (group == 256)
+        OPTIML_LAUNCH(input_stage_kernel<256>, grid, (unsigned)threads, s, st, cols);
+    else
+        OPTIML_LAUNCH(input_stage_kernel<32>, grid, (unsigned)threads, s, st, cols);
+    cuda_check(cudaSuccess, "activations (input stage)");
+    static constexpr CudaKernel kinds[3][3] = {
+        {CudaKernel::Copy, CudaKernel::Quantize, CudaKernel::Round},  // (a copy is refused above)
+        {CudaKernel::RmsNorm, CudaKernel::NormQuantize, CudaKernel::NormRound},
+        {CudaKernel::ActMul, CudaKernel::ActQuantize, CudaKernel::ActRound}};
+    CudaTraffic t;
+    t.weights = 4 * cols * ((st.make == CudaInputStage::Norm && st.norm) + (st.gate_b != nullptr) + (st.up_b != nullptr));
+    t.activations = 4 * count * (st.make == CudaInputStage::ActMul ? 2 : 1) + (st.values ? 4 * count : 0) +
+                    (codes ? count + (int64_t)sizeof(CudaQ8Meta) * (count / 32) : none ? 0 : 4 * count);
+    cuda_count(kinds[(int)st.make][none ? 0 : codes ? 1 : 2], t);
 }
 
 void cuda_round_activations(cudaStream_t s, int32_t type, const float* x, float* out, int32_t n, int64_t cols) {
     const int64_t count = (int64_t)n * cols;
     if (count <= 0) return;
-    switch (type) {
-        case TYPE_Q8_0:
-        case TYPE_Q8_1:
-            if (cols % 32) throw ArgumentError("8-bit activations need rows of whole 32-value blocks");
-            OPTIML_LAUNCH(act_q8_0_kernel, blocks(count), kThreads, s, x, out, count / 32);
-            break;
-        case TYPE_Q8_K:
-            if (cols % 256) throw ArgumentError("8-bit K activations need rows of whole 256-value blocks");
-            OPTIML_LAUNCH(act_q8_k_kernel, (unsigned)(count / 256), 256, s, x, out);
-            break;
-        case TYPE_F16:
-        case TYPE_BF16:
-            OPTIML_LAUNCH(act_round_kernel, blocks(count), kThreads, s, type, x, out, count);
-            break;
-        case TYPE_F32:
-            if (out != x) cuda_check(cudaMemcpyAsync(out, x, 4 * (size_t)count, cudaMemcpyDeviceToDevice, s), "copy");
-            return;
-        default:
-            throw UnsupportedModelError(format("the CUDA backend cannot convert activations to type %d", type));
+    if (type == TYPE_F32) {
+        if (out != x) {
+            cuda_check(cudaMemcpyAsync(out, x, 4 * (size_t)count, cudaMemcpyDeviceToDevice, s), "copy");
+            cuda_count(CudaKernel::Copy, {0, 2 * 4 * count});
+        }
+        return;
     }
-    cuda_check(cudaSuccess, "activation rounding");
+    CudaInputStage st;
+    st.x = x;
+    st.convert = type;
+    st.rounded = out;
+    cuda_input_stage(s, st, n, cols);
 }
 
 void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, int8_t* codes, CudaQ8Meta* meta) {
-    const int64_t count = (int64_t)n * cols;
-    if (count <= 0) return;
-    if (cols % 32) throw ArgumentError("8-bit activations need rows of whole 32-value blocks");
-    OPTIML_LAUNCH(quantize_q8x_kernel, blocks(count), kThreads, s, x, codes, meta, count / 32);
-    cuda_check(cudaSuccess, "activation codes");
+    CudaInputStage st;
+    st.x = x;
+    st.convert = kCudaCodes;
+    st.codes = codes;
+    st.meta = meta;
+    cuda_input_stage(s, st, n, cols);
 }
 
 void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap) {
     if (count <= 0) return;
     OPTIML_LAUNCH(softcap_kernel, blocks(count), kThreads, s, x, count, cap);
     cuda_check(cudaSuccess, "softcap");
+    cuda_count(CudaKernel::Softcap, {0, 2 * 4 * count});
 }
+
+int32_t cuda_act_code(int act, bool gelu_f16) { return act == FFN_GELU && gelu_f16 ? kGeluF16 : act; }
 
 void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count) {
     if (count <= 0) return;
-    if (act == FFN_GELU && gelu_f16) act = kGeluF16;
-    OPTIML_LAUNCH(act_mul_kernel, blocks(count), kThreads, s, act, g, u, count);
-    cuda_check(cudaSuccess, "act_mul");
+    CudaInputStage st;
+    st.make = CudaInputStage::ActMul;
+    st.x = g;
+    st.up = u;
+    st.act = cuda_act_code(act, gelu_f16);
+    st.values = g;
+    cuda_input_stage(s, st, 1, count);  // (one long row: elementwise)
 }
 
 }  // namespace optiml

@@ -105,9 +105,11 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
 
     auto enqueue = [&] {
         for (int il = 0; il < hp.n_layer; il++) {
+            trace_layer(il);  // (where the device counts the launches: Backend::launch_counts)
             dev->attention(hp, il, *exec_[il].attn_w, device_rope_freqs_, kv_->layer(il), kb, device_s_.x, device_s_);
             ffn_layer(il, n, dev);
         }
+        trace_layer(-1);
         if (n_out > 0)
             dev->logits(hp, device_output_norm_, device_output_, device_s_.x, out_rows, n_out, device_logits_,
                         device_s_.xn);
@@ -187,11 +189,15 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     // The device's share runs dense: which of its neurons fire is for its predictor to say (the hybrid
     // executor); the host skips inactive neurons of its own share.
     const FFNSparsity dense;
-    home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
-
     Backend* host = host_.get();
     Backend* dev = device_.get();
     const bool on_host = E.host_share.w != nullptr, on_dev = E.device_share.w != nullptr;
+    // The device's whole FFN where the residual stream is: norm, FFN and join as the device fuses them.
+    if (on_dev && !on_host && home == dev &&
+        dev->ffn_block(hp, il, E.device_share, E.attn_w->ffn, hs.x, n, hs, &device_active_[il]))
+        return;
+    home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
+
     if (on_host != on_dev) {  // one device computes the whole FFN
         Backend* be = on_host ? host : dev;
         const FFNShare& share = on_host ? E.host_share : E.device_share;

@@ -1,4 +1,5 @@
-"""optiml bench: prompt processing and generation speed (tokens/s), or with --timeline where a step's time goes."""
+"""optiml bench: prompt processing and generation speed (tokens/s), or with --timeline where a step's time goes,
+or with --launches what a step launches on the device and the bytes it moves."""
 
 from __future__ import annotations
 
@@ -18,11 +19,24 @@ def add_arguments(p) -> None:
                    help="instead of the speed table: time N decode steps op by op on each device and print where "
                         "the time goes per layer (busy, copies, waits, overlap of the host and the device)")
     p.add_argument("--trace", metavar="FILE", help="with --timeline: also write the spans as a Chrome trace (JSON)")
+    p.add_argument("--launches", type=int, default=0, metavar="N",
+                   help="instead of the speed table: decode N steps and print the kernels and copies the device "
+                        "launched per layer and kind, and the bytes of weights, activations and KV cache they "
+                        "move (CUDA, or its CPU emulator; with -b, steps of that many tokens; --json for JSON)")
+    p.add_argument("-b", "--batch", type=int, default=1, help="with --launches: tokens per step")
     common.add_device_args(p)
 
 
 def run(args) -> int:
-    m = common.load(args, n_ctx=max(args.n_prompt, args.n_gen, args.timeline or 0) + 64)
+    m = common.load(args, n_ctx=max(args.n_prompt, args.n_gen, args.timeline or 0,
+                                    (args.launches or 0) * max(args.batch, 1)) + 64)
+    if args.launches:
+        c = m.launches(args.launches, batch=args.batch)
+        if args.json:
+            common.print_json({"model": args.model, "path": m.path, **c.to_dict()})
+        else:
+            print(c)
+        return 0
     if args.timeline or args.trace:
         t = m.timeline(args.timeline or 8)
         if args.trace:

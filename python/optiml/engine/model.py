@@ -37,6 +37,7 @@ from .plan import Plan, kv_types, plan_args
 from .sampling import Sampler
 from .sequences import Sequences
 from .sparsity import SkipMeter, choose_mode, compact_down, predictors_beside, skip_stats
+from .launches import Launches, count_steps
 from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
 
@@ -329,6 +330,27 @@ class Model(Sequences):
         plan = self.plan
         devices = (("cpu", plan.device) if plan.device != "cpu" else ("cpu",))
         return Timeline(spans, devices, n_tokens)
+
+    def launches(self, n_tokens: int = 4, prompt: str = "The history of the printing press begins",
+                 batch: int = 1) -> Launches:
+        """Decodes ``n_tokens`` steps greedily after ``prompt`` and returns what the device launched for
+        them: kernels and copies per layer and kind, and the bytes of weights, activations and KV cache they
+        move (optiml.engine.launches.Launches; str() is a table; empty on a device that does not count, the
+        CPU ones). batch > 1 counts steps of that many tokens, as :meth:`timeline`. The context is emptied
+        before and after."""
+        n_tokens = positive_int("n_tokens", n_tokens)
+        batch = positive_int("batch", batch)
+        ids = self.tokenize(prompt)
+        if len(ids) + n_tokens * batch > self.n_ctx:
+            raise ArgumentError(f"the prompt ({len(ids)} tokens) and {n_tokens} steps of {batch} token(s) do not "
+                                f"fit the context of {self.n_ctx}; use fewer tokens or a larger n_ctx")
+        self.reset()
+        with self._exclusive():
+            self._forget_seq0()
+            rows, host, positions = count_steps(self._session, ids, n_tokens, batch)
+        self.reset()
+        return Launches([tuple(r) for r in rows], self.plan.device, n_tokens, batch, host,
+                        int(self.hparams["n_layer"]), positions)
 
     def reset(self) -> None:
         """Empties the context."""

@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -182,6 +183,13 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
         g_capture->push_back([grid, block, body] { launch(grid, block, body); });
         return;
     }
+    // OPTIML_EMU_COUNT_ONLY=1: kernels are not run at all (their results are whatever memory held), for
+    // counting what a big model's step launches (optiml bench --launches) without emulating every thread.
+    static const bool count_only = [] {
+        const char* e = std::getenv("OPTIML_EMU_COUNT_ONLY");
+        return e && *e && std::strcmp(e, "0") != 0;
+    }();
+    if (count_only) return;
     thread_local Block b;  // fibers and their stacks are kept for the next launch
     Block* outer = g_block;
     g_block = &b;
