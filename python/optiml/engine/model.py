@@ -310,12 +310,9 @@ class Model(Sequences):
             self._tokens.extend(int(t) for t in ids)
         return logits
 
-    def timeline(self, n_tokens: int = 8, prompt: str = "The history of the printing press begins",
-                 batch: int = 1):
-        """Decodes ``n_tokens`` steps greedily after ``prompt`` while the engine times every op, copy and
-        wait on each device (optiml.engine.timeline.Timeline; str() is a per-layer table). batch > 1
-        times steps of that many tokens instead (the prompt's last tokens again, as in prompt processing). The context
-        is emptied before and after."""
+    def _greedy_steps(self, prompt: str, n_tokens, batch, run):
+        """run(session, prompt ids, n_tokens, batch) on an empty context (emptied again after), for timeline
+        and launches: n_tokens greedy steps of `batch` tokens after the prompt, which must fit the context."""
         n_tokens = positive_int("n_tokens", n_tokens)
         batch = positive_int("batch", batch)
         ids = self.tokenize(prompt)
@@ -325,8 +322,17 @@ class Model(Sequences):
         self.reset()
         with self._exclusive():
             self._forget_seq0()
-            spans = record_steps(self._session, ids, n_tokens, batch)
+            out = run(self._session, ids, n_tokens, batch)
         self.reset()
+        return out
+
+    def timeline(self, n_tokens: int = 8, prompt: str = "The history of the printing press begins",
+                 batch: int = 1):
+        """Decodes ``n_tokens`` steps greedily after ``prompt`` while the engine times every op, copy and
+        wait on each device (optiml.engine.timeline.Timeline; str() is a per-layer table). batch > 1
+        times steps of that many tokens instead (the prompt's last tokens again, as in prompt processing). The context
+        is emptied before and after."""
+        spans = self._greedy_steps(prompt, n_tokens, batch, record_steps)
         plan = self.plan
         devices = (("cpu", plan.device) if plan.device != "cpu" else ("cpu",))
         return Timeline(spans, devices, n_tokens)
@@ -338,17 +344,7 @@ class Model(Sequences):
         move (optiml.engine.launches.Launches; str() is a table; empty on a device that does not count, the
         CPU ones). batch > 1 counts steps of that many tokens, as :meth:`timeline`. The context is emptied
         before and after."""
-        n_tokens = positive_int("n_tokens", n_tokens)
-        batch = positive_int("batch", batch)
-        ids = self.tokenize(prompt)
-        if len(ids) + n_tokens * batch > self.n_ctx:
-            raise ArgumentError(f"the prompt ({len(ids)} tokens) and {n_tokens} steps of {batch} token(s) do not "
-                                f"fit the context of {self.n_ctx}; use fewer tokens or a larger n_ctx")
-        self.reset()
-        with self._exclusive():
-            self._forget_seq0()
-            rows, host, positions = count_steps(self._session, ids, n_tokens, batch)
-        self.reset()
+        rows, host, positions = self._greedy_steps(prompt, n_tokens, batch, count_steps)
         return Launches([tuple(r) for r in rows], self.plan.device, n_tokens, batch, host,
                         int(self.hparams["n_layer"]), positions)
 
