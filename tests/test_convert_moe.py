@@ -22,7 +22,8 @@ from optiml.convert import ConvertError, convert  # noqa: E402
 from optiml.evaluate import perplexity as px  # noqa: E402
 
 from fidelity import TIE, top2_gap  # noqa: E402
-from test_convert import _llama_cpp, save_folder, tiny_tokenizer  # noqa: E402, F401 (a fixture)
+from conftest import llama_cpp_module  # noqa: E402
+from test_convert import save_folder, tiny_tokenizer  # noqa: E402, F401 (a fixture)
 from test_model_hf import rel_err  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -89,7 +90,7 @@ def kld(ref, logits):
 
 
 def llama_cpp_logits(path, ids):
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, n_threads_batch=2, logits_all=True, verbose=False)
     try:
         llm.eval(ids)
@@ -218,7 +219,7 @@ def test_quant_mix_matches_llama_quantize(tmp_path, tiny_tokenizer):  # noqa: F8
     """Q4_K_M of an 8-expert model with a shared expert: llama-quantize's MoE rules (attn_k and attn_v
     Q8_0 and attn_output Q5_K at 8 experts, more bits for ffn_down_exps / ffn_down_shexp in the first,
     last and every third layer, the router kept F32) on rows that split into 256-blocks."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     model = make_model("qwen2moe", hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
                        intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
     d = save_folder(model, tmp_path / "hf", tiny_tokenizer)
