@@ -374,5 +374,10 @@ def read_template(path: str | os.PathLike) -> str | None:
     with gguf.open(path) as f:
         t = f.metadata.get("tokenizer.chat_template")
     if isinstance(t, bytes):
-        t = t.decode("utf-8")
+        try:
+            t = t.decode("utf-8")
+        except UnicodeDecodeError as e:
+            where = f"the chat template of {os.path.basename(os.fspath(path))}"
+            raise ChatTemplateError(f"{where} is not UTF-8 text (byte {e.start}): {_FIX['other']}", where,
+                                    "syntax") from None
     return t or None
