@@ -99,6 +99,9 @@ def _phase(model, ids: list[int], steps: int) -> float:
 def sparse_pays(model, config: str, use_dense, use_sparse) -> Verdict:
     """Times `model` with its FFN dense (use_dense() switches to it) and sparse (use_sparse()), leaving it
     sparse; config names the sparse settings for the cache key. The context is emptied."""
+    # Off means the file's sparsity as it is: a verdict cached by an earlier run does not apply either.
+    if os.environ.get("OPTIML_SPARSITY_PROBE", "on").lower() in ("off", "0", "no"):
+        return Verdict(True, float("nan"), float("nan"), "")  # nothing decided: nothing to say
     key = _key(model, config)
     hit = _read_cache().get(key)
     if isinstance(hit, dict):
@@ -106,8 +109,6 @@ def sparse_pays(model, config: str, use_dense, use_sparse) -> Verdict:
             return Verdict(**hit, cached=True)
         except TypeError:
             pass
-    if os.environ.get("OPTIML_SPARSITY_PROBE", "on").lower() in ("off", "0", "no"):
-        return Verdict(True, float("nan"), float("nan"), "")  # nothing decided: nothing to say
     ids = model.tokenize(PROBE_TEXT)[: model.n_ctx]  # a tiny context still holds a step or two
     if len(ids) < 2:
         return Verdict(True, float("nan"), float("nan"), "sparsity as the file sets it: the context is too short "
