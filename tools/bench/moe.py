@@ -45,6 +45,7 @@ def make_model(path: str, n_layer: int, alpha: float) -> None:
            "--experts", "128", "--experts-used", "8", "--n-ff-exp", "768", "--n-ff", "6144", "--type", "q4_k",
            "--output-type", "q6_k", "--plant-experts", str(alpha), "--quiet"]
     log("writing " + path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     subprocess.run(cmd, check=True)
 
 

@@ -216,6 +216,18 @@ public:
     // recorder: profile the FFN (dense, whole layers on a host backend only).
     virtual void ffn(const HParams& hp, int layer, const FFNShare& share, const FFNSparsity& sp, const float* xn,
                      int32_t n, float* y, const StepScratch& s, int64_t* active, ActivationRecorder* recorder) = 0;
+    // A split layer's dense FFN computed as one device computes it whole (forward.cpp, ffn_layer), so that
+    // a split gives the unsplit run's bits: ffn_gate_up writes the share's gate and up products with their
+    // biases, [n][share.w->gate.rows] each (a share with rows: those neurons only, the others zero); then
+    // ffn_finish, on the host backend, puts the other share's products (gate2, up2: [n][k2], of file
+    // neurons rows2; host memory) beside its own in s.gate and s.up, and computes act(gate) * up and the
+    // whole down product into y. Adding two partial down products instead would reassociate each sum, and
+    // with 8-bit activations a last-bit difference grows into another draw of the quantization noise
+    // (docs/results/split-fidelity.md).
+    virtual void ffn_gate_up(const HParams& hp, int layer, const FFNShare& share, const float* xn, int32_t n,
+                             float* gate, float* up, const StepScratch& s, int64_t* active) = 0;
+    virtual void ffn_finish(const HParams& hp, const FFNShare& share, const float* gate2, const float* up2,
+                            const int32_t* rows2, int64_t k2, int32_t n, float* y, const StepScratch& s);
     // y[t] = a mixture-of-experts FFN of xn[t]: the router's choice of experts, their weighted sum and the
     // shared expert (optiml/model.h: HParams, MoEWeights). MoE layers run on the CPU only today: the
     // default refuses (UnsupportedModelError), the CPU backends implement it (native/src/cpu/moe_ffn.cpp).

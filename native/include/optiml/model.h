@@ -327,11 +327,13 @@ private:
     bool forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits);
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
+    void ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks);
     StepScratch scratch_rows(const Backend* be, int32_t r0) const;
     void trace_layer(int layer);
     void move(Backend* from, const float* src, Backend* to, float* dst, size_t n_floats);
     const StepScratch& scratch(const Backend* be) const;
     void bind_devices();
+    void alloc_split_scratch();
     void prepare_sparse();
 
     std::shared_ptr<Model> model_;
@@ -346,6 +348,9 @@ private:
     Weight device_output_norm_, device_output_;  // with plan_.output_on_device
     float* device_logits_ = nullptr;             // [plan_.logits_rows][n_vocab] on the device
     StepScratch host_s_, device_s_;
+    // Host memory (pinned for the device) where a split layer's device share sends its gate and up
+    // products, [n_batch][k] each (ffn_layer: the host finishes the FFN as one device would).
+    float *split_gate_ = nullptr, *split_up_ = nullptr;
     std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
     bool whole_on_device_ = false;   // every layer (attention, KV, whole FFN) and the logits on the device
     std::vector<int32_t> step_key_;  // forward_recorded's key of the step

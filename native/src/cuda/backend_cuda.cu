@@ -294,6 +294,20 @@ public:
         if (active) *active += (int64_t)n * w.gate.rows;
     }
 
+    // A packed share's gate and up products (Backend::ffn_gate_up); s.y takes the input's rounding (the
+    // share computes no down product here).
+    void ffn_gate_up(const HParams& hp, int, const FFNShare& share, const float* xn, int32_t n, float* gate,
+                     float* up, const StepScratch& s, int64_t* active) override {
+        if (share.rows) throw Error("internal: the CUDA backend computes packed FFN shares only");
+        use();
+        const OpSpan span(*this, SpanKind::FFN);
+        const FFNWeights& w = *share.w;
+        Input in = floats(const_cast<float*>(xn), s.y, n, hp.n_embd);
+        products(in, {{&w.gate, gate, (const float*)w.gate_b.data, false},
+                      {&w.up, up, (const float*)w.up_b.data, false}});
+        if (active) *active += (int64_t)n * w.gate.rows;
+    }
+
     // The FFN block where the residual stream is (Backend::ffn_block): the norm made with the gate and up
     // products' input, gate and up in one launch, act(gate) * up made with down's input, and down's sums
     // added into x by its own epilogue (Gemma 3's post-norm: down into y, then normalized and added in one

@@ -68,6 +68,11 @@ void Backend::moe_ffn(const HParams&, int layer, const MoEWeights&, const float*
                                        "this build; run the model with device='cpu'", name_.c_str(), layer));
 }
 
+void Backend::ffn_finish(const HParams&, const FFNShare&, const float*, const float*, const int32_t*, int64_t, int32_t,
+                         float*, const StepScratch&) {
+    throw Error(format("internal: %s finishes no split FFN (the host backend does)", name_.c_str()));
+}
+
 void Backend::trace_start() {
     synchronize();  // spans of work queued before the start would straddle it
     std::lock_guard<std::mutex> lock(trace_mutex_);

@@ -213,6 +213,12 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     // Split: the device's share is queued first, then the host computes its share while it runs.
     const StepScratch ds = scratch_rows(dev, r0);
     const StepScratch ks = scratch_rows(host, r0);
+    if (!sp.enabled && !rec) {
+        ffn_split_exact(il, n, home, ds, ks);
+        return;
+    }
+    // A sparse host share: each device sums its own neurons' down rows and the two partial sums are
+    // added (a reassociation of the unsplit sum; the sparse share differs from the dense run anyway).
     if (home == host) {
         dev->copy_from_host(ds.xn, ks.xn, xn_floats * sizeof(float));
         dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
@@ -233,6 +239,43 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
         // The host's y is read by the device's copy: the next host write to it comes after a wait on the
         // device (the next layer's xn_ready, or the residual's move back to the host).
     }
+}
+
+// A dense split as one device computes the whole FFN: the device's gate and up products come to the
+// host, which puts them beside its own and computes act(gate) * up and the whole down product (the host
+// reads all of down's columns either way: its share's activations are zero-padded to full width). Every
+// sum runs in the order of the unsplit run, so a split gives its bits where the devices' gate and up
+// products agree bit for bit (a CPU device; see Backend::ffn_gate_up).
+void Session::ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks) {
+    const HParams& hp = model_->hp;
+    const LayerExec& E = exec_[il];
+    Backend* host = host_.get();
+    Backend* dev = device_.get();
+    const size_t xn_bytes = (size_t)n * hp.n_embd * sizeof(float);
+    const size_t share_bytes = (size_t)n * E.k * sizeof(float);
+    Event xn_ready{};
+    if (home == host) dev->copy_from_host(ds.xn, ks.xn, xn_bytes);
+    else {
+        dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
+        xn_ready = dev->record();
+    }
+    dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
+    if (home != host) host->wait(xn_ready);
+    host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
+    // Queued after the host's share: a copy into pageable host memory would block this thread until
+    // the device gets there, serializing the two shares.
+    dev->copy_to_host(split_gate_, ds.gate, share_bytes);
+    dev->copy_to_host(split_up_, ds.up, share_bytes);
+    host->wait(dev->record());
+    host->ffn_finish(hp, E.host_share, split_gate_, split_up_, E.device_rows.data(), E.k, n, ks.y, ks);
+    if (home == host) {
+        host->ffn_join(hp, model_->layers[il].ffn, ks.y, nullptr, n, ks.x);
+        return;
+    }
+    // The host's y is read by the device's copy: the next host write to it comes after a wait on the
+    // device (the next layer's xn_ready, or the residual's move back to the host).
+    dev->copy_from_host(ds.y, ks.y, xn_bytes);
+    dev->ffn_join(hp, E.attn_w->ffn, ds.y, nullptr, n, ds.x);
 }
 
 }  // namespace optiml

@@ -159,7 +159,8 @@ void Session::bind_devices() {
                 F.gate_b = dev->upload(L.ffn.gate_b, "ffn weights");
                 F.up_b = dev->upload(L.ffn.up_b, "ffn weights");
             } else {
-                std::vector<int32_t> rows(E.k);
+                std::vector<int32_t>& rows = E.device_rows;
+                rows.resize(E.k);
                 for (int32_t i = 0; i < E.k; i++) rows[i] = order ? order[i] : i;
                 F.gate = dev->upload_rows(L.ffn.gate, rows.data(), E.k, "ffn weights");
                 F.up = dev->upload_rows(L.ffn.up, rows.data(), E.k, "ffn weights");
@@ -203,6 +204,7 @@ void Session::bind_devices() {
             }
         }
     }
+    alloc_split_scratch();
     if (plan_.output_on_device) {
         device_output_norm_ = dev->upload(M.output_norm, "output");
         device_output_ = dev->upload(M.output, "output");
@@ -277,6 +279,19 @@ void Session::set_sparsity(const SparsitySettings& st) {
         weights_placed_ = false;  // dense again: the FFN may go into rows16 before the next step
     }
     reset_sparsity_counts();
+}
+
+// Where split layers' device shares send their gate and up products (ffn_split_exact): room for the
+// largest share, in host memory the device copies into at full speed.
+void Session::alloc_split_scratch() {
+    int32_t split_k = 0;
+    for (const LayerExec& E : exec_)
+        if (E.k < model_->hp.n_ff) split_k = std::max(split_k, E.k);
+    if (split_k == 0) return;
+    const size_t floats = (size_t)n_batch_ * split_k;
+    split_gate_ = (float*)host_->alloc(2 * floats * sizeof(float), "split scratch");
+    split_up_ = split_gate_ + floats;
+    device_->pin_host(split_gate_, 2 * floats * sizeof(float));
 }
 
 void Session::set_compact_down(bool compact) {

@@ -174,6 +174,22 @@ public:
         });
     }
 
+    void ffn_gate_up(const HParams&, int, const FFNShare& share, const float* xn, int32_t n, float* gate, float* up,
+                     const StepScratch&, int64_t* active) override {
+        submit(SpanKind::FFN, [=] {
+            optiml::ffn_gate_up(*pool_, kt_, share, xn, n, gate, up);
+            if (active) *active += (int64_t)n * (share.rows ? share.n_rows : share.w->gate.rows);
+        });
+    }
+
+    void ffn_finish(const HParams& hp, const FFNShare& share, const float* gate2, const float* up2,
+                    const int32_t* rows2, int64_t k2, int32_t n, float* y, const StepScratch& s) override {
+        const HParams* php = &hp;
+        submit(SpanKind::FFN, [=] {
+            ffn_finish_split(*pool_, kt_, *php, share, gate2, up2, rows2, k2, n, FFNScratch{s.gate, s.up}, y);
+        });
+    }
+
     void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y) override {
         const HParams* php = &hp;
         const MoEWeights* pw = &w;

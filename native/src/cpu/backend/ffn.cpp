@@ -127,30 +127,54 @@ void ffn_down_neuron_major(ThreadPool& pool, const KernelTable& kt, const FFNSha
     }
 }
 
+void ffn_gate_up(ThreadPool& pool, const KernelTable& kt, const FFNShare& share, const float* xn, int32_t n,
+                 float* gate, float* up) {
+    const FFNWeights& w = *share.w;
+    const int64_t width = w.gate.rows;  // n_ff, or the neurons of a packed share
+    if (!share.rows) {
+        const Weight* gate_up[2] = {&w.gate, &w.up};
+        float* outs[2] = {gate, up};
+        matmul_shared_input(pool, kt, gate_up, outs, 2, xn, n);
+        add_bias_rows(w.gate_b, gate, n);
+        add_bias_rows(w.up_b, up, n);
+        return;
+    }
+    // The host's part of a split layer: its rows only, the other neurons' activations zero
+    // (act(0) * 0 = 0 for every activation), so the full-width down adds nothing for them.
+    std::memset(gate, 0, sizeof(float) * n * width);
+    std::memset(up, 0, sizeof(float) * n * width);
+    matmul_rows_gate_up(pool, kt, w.gate.matrix(), gate, w.up.matrix(), up, share.rows, share.n_rows, xn, n);
+    for (const auto& [bias, out] : {std::pair{&w.gate_b, gate}, std::pair{&w.up_b, up}}) {
+        if (!bias->present()) continue;
+        const float* b = (const float*)bias->data;
+        for (int32_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < share.n_rows; i++) out[t * width + share.rows[i]] += b[share.rows[i]];
+    }
+}
+
+void ffn_finish_split(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
+                      const float* gate2, const float* up2, const int32_t* rows2, int64_t k2, int32_t n,
+                      const FFNScratch& s, float* y) {
+    const FFNWeights& w = *share.w;
+    const int64_t width = w.gate.rows;
+    for (int32_t t = 0; t < n; t++) {
+        float* g = s.gate + t * width;
+        float* u = s.up + t * width;
+        for (int64_t i = 0; i < k2; i++) {
+            g[rows2[i]] = gate2[t * k2 + i];
+            u[rows2[i]] = up2[t * k2 + i];
+        }
+    }
+    ffn_activate(pool, kt, hp, w, s.gate, s.up, n, width);
+    const Weight* down[1] = {&w.down};
+    matmul_shared_input(pool, kt, down, &y, 1, s.gate, n);
+}
+
 void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share, const float* xn,
                int32_t n, const FFNScratch& s, float* y, const FFNObserver* observe, float* act_buf) {
     const FFNWeights& w = *share.w;
     const int64_t width = w.gate.rows;  // n_ff, or the neurons of a packed share
-
-    if (!share.rows) {
-        const Weight* gate_up[2] = {&w.gate, &w.up};
-        float* outs[2] = {s.gate, s.up};
-        matmul_shared_input(pool, kt, gate_up, outs, 2, xn, n);
-        add_bias_rows(w.gate_b, s.gate, n);
-        add_bias_rows(w.up_b, s.up, n);
-    } else {
-        // The host's part of a split layer: its rows only, the other neurons' activations zero
-        // (act(0) * 0 = 0 for every activation), so the full-width down adds nothing for them.
-        std::memset(s.gate, 0, sizeof(float) * n * width);
-        std::memset(s.up, 0, sizeof(float) * n * width);
-        matmul_rows_gate_up(pool, kt, w.gate.matrix(), s.gate, w.up.matrix(), s.up, share.rows, share.n_rows, xn, n);
-        for (const auto& [bias, out] : {std::pair{&w.gate_b, s.gate}, std::pair{&w.up_b, s.up}}) {
-            if (!bias->present()) continue;
-            const float* b = (const float*)bias->data;
-            for (int32_t t = 0; t < n; t++)
-                for (int64_t i = 0; i < share.n_rows; i++) out[t * width + share.rows[i]] += b[share.rows[i]];
-        }
-    }
+    ffn_gate_up(pool, kt, share, xn, n, s.gate, s.up);
 
     if (observe) {  // act(gate) on its own: the activation times a row of ones
         std::memcpy(act_buf, s.gate, sizeof(float) * n * width);

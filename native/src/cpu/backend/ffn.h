@@ -41,6 +41,18 @@ void ffn_dense(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const
                int32_t n, const FFNScratch& s, float* y, const FFNObserver* observe = nullptr,
                float* act_buf = nullptr);
 
+// The share's gate and up products with their biases, [n][share.w->gate.rows] each: every neuron of a
+// whole or packed share; a share with rows fills those neurons only and zeroes the others.
+void ffn_gate_up(ThreadPool& pool, const KernelTable& kt, const FFNShare& share, const float* xn, int32_t n,
+                 float* gate, float* up);
+
+// A split layer's FFN finished on the host as one device computes it whole (Backend::ffn_finish): the
+// other share's gate2/up2 ([n][k2], file neurons rows2) put into s.gate/s.up beside this share's (which
+// ffn_gate_up wrote, full width), then act(gate) * up and the whole down product into y.
+void ffn_finish_split(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
+                      const float* gate2, const float* up2, const int32_t* rows2, int64_t k2, int32_t n,
+                      const FFNScratch& s, float* y);
+
 // Scratch of the sparse FFN for up to n tokens.
 struct SparseScratch {
     int32_t* idx;    // [n][n_ff]: token t's active neurons from idx + t * n_ff
