@@ -79,7 +79,7 @@ def cluster(smollm2_path):
     url = f"http://127.0.0.1:{port}"
     state = {"proc": proc, "tmp": tmp, "url": url, "log": log}
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # a busy machine (CI beside other jobs) starts Ray slowly
         while "optiml serve --ray:" not in _read(log):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"optiml serve --ray did not start:\n{_read(log)[-4000:]}")
@@ -293,9 +293,11 @@ def test_replica_killed_mid_stream(cluster, client):
     time.sleep(0.5)
     victim = started[0][0]
     os.kill(int(victim.split("@")[1]), signal.SIGKILL)
-    done, hung = concurrent.futures.wait(futures, timeout=90)
+    t_kill = time.monotonic()
+    done, hung = concurrent.futures.wait(futures, timeout=300)  # 160 tokens each, on a survivor that may be starved
     pool.shutdown(wait=False)
-    assert not hung, f"{len(hung)} requests hung"
+    assert not hung, f"{len(hung)} requests hung {time.monotonic() - t_kill:.0f} s after the kill: {outcomes}"
+    print(f"after the kill: every request ended within {time.monotonic() - t_kill:.0f} s: {outcomes}")
     assert all(f.exception() is None for f in futures)
     assert sorted(outcomes) == [0, 1, 2, 3]
     assert not [i for i, (kind, _) in outcomes.items() if kind == "lost"], outcomes

@@ -564,6 +564,11 @@ def start_local_cluster(num_cpus: int, num_gpus: int | None = None, temp_dir: st
     # Ray Serve's controller checks its deployments 10 times a second: 4% of a core on an idle 2-core
     # machine, with the GCS it asks. Twice a second is quick enough to replace a dead replica.
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+    # Ray Serve gives its HTTP proxy 5 s to report ready and 10 s to answer a health check, then kills it:
+    # on a machine whose cores are busy (a build, another server) the proxy's start alone takes longer, and
+    # `optiml serve --ray` died with "ProxyActor ... was killed by ray.kill". A minute each, as the replicas'.
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "60")
     # A small object store: requests and answers are small and travel inline, and the default (30% of the
     # memory) would be reserved from the replicas' models.
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
