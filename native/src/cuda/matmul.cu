@@ -54,15 +54,6 @@ Matrices make_matrices(const CudaMatrix* m, int count) {
     ms.count = count;
     return ms;
 }
-CudaMatrix one_matrix(const uint8_t* w, int64_t rows, size_t row_bytes, float* y, bool accumulate) {
-    CudaMatrix m;
-    m.w = w;
-    m.rows = rows;
-    m.row_bytes = row_bytes;
-    m.y = y;
-    m.accumulate = accumulate;
-    return m;
-}
 unsigned total_blocks(const Matrices& ms) {
     const CudaMatrix& last = ms.m[ms.count - 1];
     return ms.first_block[ms.count - 1] + (unsigned)((last.rows + kRowsPerBlock - 1) / kRowsPerBlock);
@@ -424,13 +415,13 @@ void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int
 
 void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                      const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate) {
-    const CudaMatrix m = one_matrix(w, rows, row_bytes, y, accumulate);
+    const CudaMatrix m{w, rows, row_bytes, y, nullptr, accumulate};  // (no bias)
     cuda_matmul_q8x_many(s, type, &m, 1, cols, codes, meta, n);
 }
 
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate) {
-    const CudaMatrix m = one_matrix(w, rows, row_bytes, y, accumulate);
+    const CudaMatrix m{w, rows, row_bytes, y, nullptr, accumulate};  // (no bias)
     cuda_matmul_many(s, type, &m, 1, cols, x, n);
 }
 
