@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 import optiml  # noqa: E402
 from optiml import _core  # noqa: E402
 
-from hf_gguf import write_gguf  # noqa: E402
+from hf_gguf import write_and_close, write_gguf  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -96,10 +96,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     path = tmp_path / "gpt2.gguf"
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     with pytest.raises(optiml.UnsupportedModelError, match="gpt2.*supported: llama, mistral, qwen2"):
         _core.Model(str(path))
 
@@ -122,9 +119,6 @@ def test_wrong_tensor_shape_is_a_clear_error(tmp_path):
         w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed([int(d) for d in t.shape]))), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     with pytest.raises(optiml.GGUFError, match="attn_k.weight has shape"):
         _core.Model(str(tmp_path / "bad2.gguf"))
