@@ -297,9 +297,43 @@ __attribute__((always_inline)) inline float dot_q6_K(const block_q6_K& a, const 
     return d * (float)vaddvq_s32(sumi);
 }
 
+// The 2-bit codes of Q2_K and Q3_K against the activations x: element 128h + 32j + l is bits 2j..2j+1 of
+// qs[32h + l]; Q3 adds a third bit, bit 4h + j of hmask[l], and subtracts 4 (codes -4..3). sc: the 16
+// group scales. Returns the groups' scaled integer sums.
+template <bool Q3, typename Scale>
+__attribute__((always_inline)) inline int32x4_t sum_2bit_groups(const uint8_t* qs, const uint8_t* hmask,
+                                                                const Scale* sc, const int8_t* x) {
+    const uint8x16_t m3 = vdupq_n_u8(3), one = vdupq_n_u8(1);
+    const int8x16_t four = vdupq_n_s8(4);
+    uint8x16_t hm0 = vdupq_n_u8(0), hm1 = hm0;
+    if constexpr (Q3) {
+        hm0 = vld1q_u8(hmask);
+        hm1 = vld1q_u8(hmask + 16);
+    }
+    int32x4_t sumi = vdupq_n_s32(0);
+    for (int h = 0; h < 2; h++) {
+        uint8x16_t q0 = vld1q_u8(qs + 32 * h), q1 = vld1q_u8(qs + 32 * h + 16);
+        const int8_t* q8 = x + 128 * h;
+        const Scale* sg = sc + 8 * h;
+        for (int j = 0; j < 4; j++) {
+            int8x16_t v0 = s8(vandq_u8(q0, m3)), v1 = s8(vandq_u8(q1, m3));
+            if constexpr (Q3) {
+                v0 = vsubq_s8(s8(vorrq_u8(vandq_u8(q0, m3), vshlq_n_u8(vandq_u8(hm0, one), 2))), four);
+                v1 = vsubq_s8(s8(vorrq_u8(vandq_u8(q1, m3), vshlq_n_u8(vandq_u8(hm1, one), 2))), four);
+                hm0 = vshrq_n_u8(hm0, 1);
+                hm1 = vshrq_n_u8(hm1, 1);
+            }
+            sumi = add_group16(sumi, v0, q8 + 32 * j, sg[2 * j]);
+            sumi = add_group16(sumi, v1, q8 + 32 * j + 16, sg[2 * j + 1]);
+            q0 = vshrq_n_u8(q0, 2);
+            q1 = vshrq_n_u8(q1, 2);
+        }
+    }
+    return sumi;
+}
+
 // Q2_K: 2-bit q, 16 groups of 16 with a 4-bit scale (low nibble) and a 4-bit min (high nibble).
 __attribute__((always_inline)) inline float dot_q2_K(const block_q2_K& a, const block_q8_K& b) {
-    const uint8x16_t m3 = vdupq_n_u8(3);
     const float d = b.d * h2f(a.d);
     const float dmin = b.d * h2f(a.dmin);
     const uint8x16_t sc8 = vld1q_u8(a.scales);
@@ -313,51 +347,19 @@ __attribute__((always_inline)) inline float dot_q2_K(const block_q2_K& a, const 
     pm = vmlal_high_s16(pm, mn1, bs1);
     uint8_t scl[16];
     vst1q_u8(scl, vandq_u8(sc8, vdupq_n_u8(0x0F)));
-    int32x4_t sumi = vdupq_n_s32(0);
-    for (int h = 0; h < 2; h++) {
-        // element 128h + 32j + l is bits 2j..2j+1 of qs[32h + l]
-        uint8x16_t q0 = vld1q_u8(a.qs + 32 * h), q1 = vld1q_u8(a.qs + 32 * h + 16);
-        const int8_t* q8 = b.qs + 128 * h;
-        const uint8_t* sg = scl + 8 * h;
-        for (int j = 0; j < 4; j++) {
-            sumi = add_group16(sumi, s8(vandq_u8(q0, m3)), q8 + 32 * j, sg[2 * j]);
-            sumi = add_group16(sumi, s8(vandq_u8(q1, m3)), q8 + 32 * j + 16, sg[2 * j + 1]);
-            q0 = vshrq_n_u8(q0, 2);
-            q1 = vshrq_n_u8(q1, 2);
-        }
-    }
+    const int32x4_t sumi = sum_2bit_groups<false>(a.qs, nullptr, scl, b.qs);
     return d * (float)vaddvq_s32(sumi) - dmin * (float)vaddvq_s32(pm);
 }
 
 // Q3_K: value = (2 low bits | high bit << 2) - 4, 16 six-bit scales (minus 32). Codes are made
 // signed (-4..3) before the dot.
 __attribute__((always_inline)) inline float dot_q3_K(const block_q3_K& a, const block_q8_K& b) {
-    const uint8x16_t m3 = vdupq_n_u8(3), one = vdupq_n_u8(1);
-    const int8x16_t four = vdupq_n_s8(4);
     const float d = b.d * h2f(a.d);
     uint32_t aux[4];  // the 16 six-bit scales, biased by 32
     quant::q3_K_scale_bytes(a.scales, aux);
     int8_t sc[16];
     vst1q_s8(sc, vsubq_s8(vreinterpretq_s8_u32(vld1q_u32(aux)), vdupq_n_s8(32)));
-    // hmask byte l: bit 4h + j is the high bit of element 128h + 32j + l.
-    uint8x16_t hm0 = vld1q_u8(a.hmask), hm1 = vld1q_u8(a.hmask + 16);
-    int32x4_t sumi = vdupq_n_s32(0);
-    for (int h = 0; h < 2; h++) {
-        uint8x16_t q0 = vld1q_u8(a.qs + 32 * h), q1 = vld1q_u8(a.qs + 32 * h + 16);
-        const int8_t* q8 = b.qs + 128 * h;
-        const int8_t* sg = sc + 8 * h;
-        for (int j = 0; j < 4; j++) {
-            const uint8x16_t v0 = vorrq_u8(vandq_u8(q0, m3), vshlq_n_u8(vandq_u8(hm0, one), 2));
-            const uint8x16_t v1 = vorrq_u8(vandq_u8(q1, m3), vshlq_n_u8(vandq_u8(hm1, one), 2));
-            sumi = add_group16(sumi, vsubq_s8(s8(v0), four), q8 + 32 * j, sg[2 * j]);
-            sumi = add_group16(sumi, vsubq_s8(s8(v1), four), q8 + 32 * j + 16, sg[2 * j + 1]);
-            q0 = vshrq_n_u8(q0, 2);
-            q1 = vshrq_n_u8(q1, 2);
-            hm0 = vshrq_n_u8(hm0, 1);
-            hm1 = vshrq_n_u8(hm1, 1);
-        }
-    }
-    return d * (float)vaddvq_s32(sumi);
+    return d * (float)vaddvq_s32(sum_2bit_groups<true>(a.qs, a.hmask, sc, b.qs));
 }
 
 // ---- activation conversion (bit-identical to the scalar reference) ---------------------------
