@@ -157,6 +157,27 @@ def fixed_predictor(model_path, out, active: float, recorded_share: float, seed:
     return str(out)
 
 
+def check_prefix_copy_and_truncate(m, p: list) -> None:
+    """On a Model of n_seq >= 3 and a prompt p: a prefix copied to another sequence, and a sequence truncated and
+    continued, give the bits of the sequence that was never copied or cut (the same positions hold the same
+    blocks), and the logits of the prompt read in one step (another batch shape: the same kernels per token)."""
+    import numpy as np
+
+    from optiml.engine.batch import Batch
+
+    ref = m.decode(Batch().add_sequence(p, seq=0, logits="all"))
+    m.kv_copy(0, 1, len(p) - 2)
+    m.kv_copy(0, 2)
+    m.kv_truncate(2, len(p) - 2)
+    b = Batch().add_sequence(p[-2:], seq=1, pos=len(p) - 2, logits="all")
+    b.add_sequence(p[-2:], seq=2, pos=len(p) - 2, logits="all")
+    b.add_sequence(p[-2:], seq=0, pos=len(p) - 2, logits="all")  # rewrites its own last two positions
+    m.kv_truncate(0, len(p) - 2)
+    out = m.decode(b)
+    assert np.array_equal(out[0:2], out[4:6]) and np.array_equal(out[2:4], out[4:6])
+    np.testing.assert_allclose(out[4:6], ref[-2:], rtol=0, atol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def llm(request):
     """llama-cpp-python on the test module's reference model (REFERENCE_MODEL names its path fixture)."""

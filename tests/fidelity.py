@@ -96,6 +96,23 @@ def ppl_gap_within_noise(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     return abs(float(d.mean())), max(0.01, 3.0 * float(d.std(ddof=1)) / np.sqrt(len(d)))
 
 
+def assert_kld_within_llama_cpp(kld: dict, n: int, oracle_bound: float) -> None:
+    """kld_against_transformers' result over n tokens: llama.cpp's KLD under oracle_bound (the oracle is sound:
+    llama.cpp lands near its reference figure), ours at most 10% above llama.cpp's; same top token >= 95%, or
+    within one point of llama.cpp's rate where llama.cpp itself is under 95% on these tokens."""
+    ours, theirs = kld["ours"], kld["llama.cpp"]
+    assert ours["n"] == n
+    assert theirs["kld"] < oracle_bound, theirs
+    assert ours["kld"] <= 1.1 * theirs["kld"], (ours, theirs)
+    assert ours["same_top"] >= min(0.95, theirs["same_top"] - 0.01), (ours, theirs)
+
+
+def assert_ppl_within_noise(kld: dict) -> None:
+    """kld_against_transformers' perplexities: ours against llama.cpp's within ppl_gap_within_noise's bound."""
+    gap, bound = ppl_gap_within_noise(kld["ours"]["nll"], kld["llama.cpp"]["nll"])
+    assert gap <= bound, (gap, bound, kld["ours"]["ppl"], kld["llama.cpp"]["ppl"])
+
+
 def top2_gap(rows: np.ndarray) -> np.ndarray:
     top = np.partition(rows, -2, axis=-1)[..., -2:]
     return top[..., 1] - top[..., 0]

@@ -8,6 +8,14 @@ import gguf
 import numpy as np
 
 
+def write_and_close(w: gguf.GGUFWriter) -> None:
+    """Writes what was added to w (header, metadata, tensors) to its file and closes it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's reordering of q/k rows: HF rotates halves (NeoX), GGUF llama rotates pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -58,10 +66,7 @@ def write_gguf(model, path, arch: str = "llama", extra: dict | None = None) -> N
                     w.add_tensor(f"{b}{dst}.{kind}", sd[p + f"{src}.{kind}"])
         w.add_tensor(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
         w.add_tensor(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
 
 
 def write_gguf_gemma3(model, path) -> None:
@@ -106,10 +111,7 @@ def write_gguf_gemma3(model, path) -> None:
             w.add_tensor(f"{b}{dst}.weight", sd[f"{p}{src}.weight"])
         for src, dst in norms.items():
             w.add_tensor(f"{b}{dst}.weight", norm(f"{p}{src}.weight"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
 
 
 # ---- the other way: a GGUF (quantized, as llama.cpp writes it) back to a float32 transformers model ----

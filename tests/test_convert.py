@@ -52,9 +52,8 @@ def make_model(name, seed=0, **over):
     return model
 
 
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory):
-    """A byte-level BPE tokenizer of < 300 tokens, saved as transformers saves one."""
+def tiny_bpe():
+    """A byte-level BPE tokenizer of < 300 tokens (a tokenizers.Tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -63,7 +62,13 @@ def tiny_tokenizer(tmp_path_factory):
     trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>", "<|im_start|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(["The capital of France is Paris. 1234 numbers, and more words here."] * 50, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    """tiny_bpe, saved as transformers saves one."""
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tiny_bpe(), eos_token="<|endoftext|>",
                                                 bos_token="<|im_start|>")
     d = tmp_path_factory.mktemp("tok")
     fast.save_pretrained(d)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import optiml
+from conftest import check_prefix_copy_and_truncate
 from optiml.engine.batch import Batch
 
 DEVICES = optiml.system_info()["cuda_devices"]
@@ -339,22 +340,9 @@ def test_quantized_kv_cache_bytes(tiny):
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
 def test_quantized_kv_prefix_copy_and_truncate(tiny, kv):
-    """A prefix copied to another sequence, and a sequence truncated and continued, give the bits of the
-    sequence that was never copied or cut (the same positions hold the same blocks), and the prompt's logits
-    when it is read in one step."""
+    """conftest.check_prefix_copy_and_truncate on the GPU's quantized cache."""
     with optiml.Model(tiny["q4_0"], n_ctx=64, n_seq=3, device="cuda", kv_type=kv) as m:
-        p = list(range(500, 511))
-        ref = m.decode(Batch().add_sequence(p, seq=0, logits="all"))
-        m.kv_copy(0, 1, len(p) - 2)
-        m.kv_copy(0, 2)
-        m.kv_truncate(2, len(p) - 2)
-        b = Batch().add_sequence(p[-2:], seq=1, pos=len(p) - 2, logits="all")
-        b.add_sequence(p[-2:], seq=2, pos=len(p) - 2, logits="all")
-        b.add_sequence(p[-2:], seq=0, pos=len(p) - 2, logits="all")  # rewrites its own last two positions
-        m.kv_truncate(0, len(p) - 2)
-        out = m.decode(b)
-        assert np.array_equal(out[0:2], out[4:6]) and np.array_equal(out[2:4], out[4:6])
-        np.testing.assert_allclose(out[4:6], ref[-2:], rtol=0, atol=1e-3)
+        check_prefix_copy_and_truncate(m, list(range(500, 511)))
 
 
 def test_a_quantized_cache_moves_between_devices(tiny):

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_gguf import write_gguf_gemma3  # noqa: E402
+from test_model_hf import check_logits_match_transformers, check_token_by_token_equals_one_batch, rel_err  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=256,
@@ -39,10 +40,6 @@ def make_model(name, seed=0):
     return model
 
 
-def rel_err(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request, tmp_path_factory):
     model = make_model(request.param)
@@ -52,25 +49,11 @@ def tiny(request, tmp_path_factory):
 
 
 def test_tiny_logits_match_transformers(tiny):
-    name, model, path = tiny
-    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 40)  # 5x the window of 8
-    with torch.no_grad():
-        ref = model(torch.tensor(ids[None])).logits[0].numpy()
-    s = _core.Session(_core.Model(str(path)), 64, 2, "f32")
-    ours = s.eval(ids.astype(np.int32), True)
-    assert ours.shape == ref.shape
-    assert rel_err(ours, ref) < 1e-4, name
+    check_logits_match_transformers(tiny)
 
 
 def test_tiny_token_by_token_equals_one_batch(tiny):
-    name, model, path = tiny
-    ids = np.random.default_rng(2).integers(0, model.config.vocab_size, 24).astype(np.int32)
-    m = _core.Model(str(path))
-    whole = _core.Session(m, 64, 2, "f32").eval(ids, True)
-    s = _core.Session(m, 64, 3, "f32", n_batch=5)
-    part = s.eval(ids[:16], True)
-    steps = [s.eval(ids[i : i + 1], False) for i in range(16, 24)]
-    assert rel_err(np.concatenate([part, np.stack(steps)]), whole) < 1e-5, name
+    check_token_by_token_equals_one_batch(tiny)
 
 
 def test_long_context_past_the_window(tiny):
@@ -134,14 +117,10 @@ def kld(gemma3_path, gemma3, llm):
 
 def test_kl_divergence_against_transformers_within_llama_cpp(kld):
     """llama.cpp's own KLD against transformers f32 on these tokens is the bar (0.0048 on the whole text,
-    REFERENCE.md): ours at most 10% above it; same top token >= 95%, or within one point of llama.cpp's
-    rate where llama.cpp itself is under 95% on these 512 tokens (Gemma3: 93.8% on the text's first two
-    windows, 94.7% over six; REFERENCE.md's 95.5% is over the whole text's second halves)."""
-    ours, theirs = kld["ours"], kld["llama.cpp"]
-    assert ours["n"] == N_CTX * N_WINDOWS
-    assert theirs["kld"] < 0.008, theirs  # the oracle is sound: llama.cpp lands near its reference figure
-    assert ours["kld"] <= 1.1 * theirs["kld"], (ours, theirs)
-    assert ours["same_top"] >= min(0.95, theirs["same_top"] - 0.01), (ours, theirs)
+    REFERENCE.md), as fidelity.assert_kld_within_llama_cpp says. Gemma3's same-top rate is under 95% even for
+    llama.cpp: 93.8% on the text's first two windows, 94.7% over six (REFERENCE.md's 95.5% is over the whole
+    text's second halves)."""
+    fidelity.assert_kld_within_llama_cpp(kld, N_CTX * N_WINDOWS, 0.008)
 
 
 def test_perplexity_within_noise_of_llama_cpp(kld):
@@ -149,8 +128,7 @@ def test_perplexity_within_noise_of_llama_cpp(kld):
     difference of ln perplexity within 3 standard errors of the paired per-token differences (256 scored
     tokens: a flat 1% is below this sample's noise; measured 1.5% with our KLD below llama.cpp's); the
     whole-text figure (23.82 at ctx 256) is tools/bench/perplexity.py's."""
-    gap, bound = fidelity.ppl_gap_within_noise(kld["ours"]["nll"], kld["llama.cpp"]["nll"])
-    assert gap <= bound, (gap, bound, kld["ours"]["ppl"], kld["llama.cpp"]["ppl"])
+    fidelity.assert_ppl_within_noise(kld)
 
 
 # ---- optiml convert on a Gemma3ForCausalLM checkpoint ---------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 import optiml
 from optiml import gguf as og
 
+from hf_gguf import write_and_close
+
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 
@@ -173,10 +175,7 @@ def write_with_gguf_py(path, alignment=None):
     w.add_tensor("q8_0", q8, raw_dtype=QT.Q8_0)
     w.add_tensor("i32_1d", np.arange(5, dtype=np.int32))
     w.add_tensor("f64_4d", rng.standard_normal((2, 1, 2, 3)).astype(np.float64))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
 
 
 @pytest.mark.parametrize("alignment", [None, 64, 4096])

@@ -142,6 +142,8 @@ def _split_gguf(folder: Path, stem: str, n: int) -> dict:
     """The header-only parts of a split GGUF as llama.cpp's gguf-split writes them (split.no, split.count)."""
     import gguf
 
+    from hf_gguf import write_and_close
+
     out = {}
     for i in range(n):
         p = folder / f"{stem}-{i + 1:05d}-of-{n:05d}.gguf"
@@ -149,10 +151,7 @@ def _split_gguf(folder: Path, stem: str, n: int) -> dict:
         w.add_uint16("split.no", i)
         w.add_uint16("split.count", n)
         w.add_int32("split.tensors.count", 0)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        write_and_close(w)
         out[p.name] = p
     return out
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import optiml
-from conftest import shared_eval_text
+from conftest import check_prefix_copy_and_truncate, shared_eval_text
 from optiml import ArgumentError
 
 WINDOW, N_WINDOWS = 256, 2
@@ -102,22 +102,9 @@ PROMPTS = ["The capital of France is", "Once upon a time, there", "def fibonacci
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
 def test_prefix_copy_and_truncate(smollm2_path, kv):
-    """A prefix copied to another sequence, and a sequence truncated and continued, give the bits of the
-    sequence that was never copied or cut: the same positions hold the same blocks."""
+    """conftest.check_prefix_copy_and_truncate on the CPU's quantized cache."""
     with optiml.Model(smollm2_path, n_ctx=64, n_threads=2, n_seq=3, kv_type=kv) as m:
-        p = m.tokenize(PROMPTS[1])
-        ref = m.decode(optiml.Batch().add_sequence(p, seq=0, logits="all"))
-        m.kv_copy(0, 1, len(p) - 2)
-        m.kv_copy(0, 2)
-        m.kv_truncate(2, len(p) - 2)
-        b = optiml.Batch().add_sequence(p[-2:], seq=1, pos=len(p) - 2, logits="all")
-        b.add_sequence(p[-2:], seq=2, pos=len(p) - 2, logits="all")
-        b.add_sequence(p[-2:], seq=0, pos=len(p) - 2, logits="all")  # rewrites its own last two positions
-        m.kv_truncate(0, len(p) - 2)
-        out = m.decode(b)
-        assert np.array_equal(out[0:2], out[4:6]) and np.array_equal(out[2:4], out[4:6])
-        # and against the prompt read in one step (another batch shape: the same kernels per token)
-        np.testing.assert_allclose(out[4:6], ref[-2:], rtol=0, atol=1e-3)
+        check_prefix_copy_and_truncate(m, m.tokenize(PROMPTS[1]))
 
 
 def test_offloaded_sequences_give_the_same_logits(smollm2_path):

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 import optiml  # noqa: E402
 from optiml import _core  # noqa: E402
 
-from hf_gguf import write_gguf  # noqa: E402
+from hf_gguf import write_and_close, write_gguf  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -54,38 +54,40 @@ def tiny(request, tmp_path_factory):
     return request.param, model, path
 
 
-def test_logits_match_transformers(tiny):
+def check_logits_match_transformers(tiny, seed=1, n_tokens=40, cache="f32", tol=1e-4):
+    """n_tokens random tokens (40: 5x Gemma3's test window of 8): all logits within tol of transformers'."""
     name, model, path = tiny
-    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 40)
+    ids = np.random.default_rng(seed).integers(0, model.config.vocab_size, n_tokens)
     with torch.no_grad():
         ref = model(torch.tensor(ids[None])).logits[0].numpy()
-    m = _core.Model(str(path))
-    s = _core.Session(m, 64, 2, "f32")
+    s = _core.Session(_core.Model(str(path)), 64, 2, cache)
     ours = s.eval(ids.astype(np.int32), True)
     assert ours.shape == ref.shape
-    assert rel_err(ours, ref) < 1e-4, name
+    assert rel_err(ours, ref) < tol, name
 
 
-def test_decoding_token_by_token_equals_one_batch(tiny):
+def check_token_by_token_equals_one_batch(tiny):
+    """A prompt in batches of 5, then single tokens: every position's logits agree with one batch's."""
     name, model, path = tiny
     ids = np.random.default_rng(2).integers(0, model.config.vocab_size, 24).astype(np.int32)
     m = _core.Model(str(path))
     whole = _core.Session(m, 64, 2, "f32").eval(ids, True)
-    # A prompt in batches of 5, then single tokens: every position's logits agree.
     s = _core.Session(m, 64, 3, "f32", n_batch=5)
     part = s.eval(ids[:16], True)
     steps = [s.eval(ids[i : i + 1], False) for i in range(16, 24)]
-    got = np.concatenate([part, np.stack(steps)])
-    assert rel_err(got, whole) < 1e-5, name
+    assert rel_err(np.concatenate([part, np.stack(steps)]), whole) < 1e-5, name
+
+
+def test_logits_match_transformers(tiny):
+    check_logits_match_transformers(tiny)
+
+
+def test_decoding_token_by_token_equals_one_batch(tiny):
+    check_token_by_token_equals_one_batch(tiny)
 
 
 def test_f16_cache_stays_close(tiny):
-    name, model, path = tiny
-    ids = np.random.default_rng(3).integers(0, model.config.vocab_size, 30)
-    with torch.no_grad():
-        ref = model(torch.tensor(ids[None])).logits[0].numpy()
-    s = _core.Session(_core.Model(str(path)), 64, 2, "f16")
-    assert rel_err(s.eval(ids.astype(np.int32), True), ref) < 5e-3, name
+    check_logits_match_transformers(tiny, seed=3, n_tokens=30, cache="f16", tol=5e-3)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -94,10 +96,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     path = tmp_path / "gpt2.gguf"
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     with pytest.raises(optiml.UnsupportedModelError, match="gpt2.*supported: llama, mistral, qwen2"):
         _core.Model(str(path))
 
@@ -120,9 +119,6 @@ def test_wrong_tensor_shape_is_a_clear_error(tmp_path):
         w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
         w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed([int(d) for d in t.shape]))), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     with pytest.raises(optiml.GGUFError, match="attn_k.weight has shape"):
         _core.Model(str(tmp_path / "bad2.gguf"))

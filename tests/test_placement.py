@@ -270,18 +270,11 @@ def test_every_down_type_is_exact(qtype, tmp_path, tiny_hf):
 def tiny_hf(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from test_convert import make_model, save_folder, tiny_bpe
 
-    from test_convert import make_model, save_folder
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>", "<|im_start|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(["The capital of France is Paris. 1234 numbers, and more words here."] * 50, trainer)
     d = tmp_path_factory.mktemp("tiny")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d / "tok")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tiny_bpe(), eos_token="<|endoftext|>").save_pretrained(
+        d / "tok")
     model = make_model("llama-mqa-bias")
     del torch
     return save_folder(model, d / "hf", d / "tok")

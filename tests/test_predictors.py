@@ -22,6 +22,7 @@ from optiml.formats.gguf_edit import rewrite_gguf
 from optiml.formats.stats import model_fingerprint
 
 from conftest import fixed_predictor, shared_eval_text
+from hf_gguf import write_and_close
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +148,7 @@ def test_predictor_for_another_model_is_refused(relu_model, smollm2_path, gemma3
     w = gguf.GGUFWriter(str(g3), "optiml-predictor")
     w.add_array("optiml.predictor.threshold", [0.0] * m.hparams["n_layer"])
     w.add_tensor("blk.0.ffn_pred_a.weight", np.zeros((32, 64), np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     with pytest.raises(optiml.GGUFError, match="another model"):
         m._session.set_predictors(str(g3))
     # Auto-discovery: MODEL.predictors.gguf beside MODEL.gguf.

@@ -19,6 +19,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 
 from optiml import _core  # noqa: E402
+from test_quant import activation_values  # noqa: E402  (an independent numpy decoding)
 
 LEVELS = [lv for lv in _core.simd_levels() if lv != "scalar"]
 
@@ -107,26 +108,6 @@ def ref_convert(x, act):
     raise AssertionError(act)
 
 
-def decode_act(xq, act, n):
-    """float64 values of a converted activation row."""
-    if act == "F32":
-        return xq.view(np.float32).astype(np.float64)
-    if act == "F16":
-        return xq.view(np.float16).astype(np.float64)
-    if act == "BF16":
-        return (xq.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    if act in ("Q8_0", "Q8_1"):
-        size, off = (34, 2) if act == "Q8_0" else (36, 4)
-        b = xq.reshape(-1, size)
-        d = b[:, 0:2].copy().view(np.float16).astype(np.float64)
-        return (d * b[:, off:].view(np.int8).astype(np.float64)).ravel()
-    if act == "Q8_K":
-        b = xq.reshape(-1, 292)
-        d = b[:, 0:4].copy().view(np.float32).astype(np.float64)
-        return (d * b[:, 4:260].view(np.int8).astype(np.float64)).ravel()
-    raise AssertionError(act)
-
-
 def random_weights(name, n, rng, rows=1):
     tid, bs, ts, _, f16 = WTYPES[name]
     if name == "F32":
@@ -148,7 +129,7 @@ def dequant_weights(name, w_row):
     if name == "F16":
         return w_row.view(np.float16).astype(np.float64)
     if name == "BF16":
-        return decode_act(w_row, "BF16", 0)
+        return activation_values(w_row, "BF16", 0)
     return gguf.quants.dequantize(w_row, GT[name]).astype(np.float64).ravel()
 
 
@@ -177,13 +158,13 @@ def test_vec_dot(level, name):
             x = activations(n, rng)
             xq = x.view(np.uint8) if act == "F32" else _core.convert_activation(x, tid, level)
             got = _core.vec_dot_converted(tid, w, xq, n, level)
-            terms = dequant_weights(name, w) * decode_act(xq, act, n)
+            terms = dequant_weights(name, w) * activation_values(xq, act, n)
             if act == "Q8_1":
                 # The min term uses the stored fp16 s = d*sum(q), not the exact d*sum(q): m*(s - d*sum q).
                 m = w.reshape(-1, WTYPES[name][2])[:, 2:4].copy().view(np.float16).astype(np.float64).ravel()
                 xb = xq.reshape(-1, 36)
                 s = xb[:, 2:4].copy().view(np.float16).astype(np.float64).ravel()
-                exact = decode_act(xq, act, n).reshape(-1, 32).sum(axis=1)
+                exact = activation_values(xq, act, n).reshape(-1, 32).sum(axis=1)
                 terms = np.concatenate([terms, m * (s - exact)])
             bound = 2e-5 * np.abs(terms).sum() + 1e-6
             assert abs(got - terms.sum()) <= bound, (name, n, got, terms.sum())

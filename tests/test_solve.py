@@ -424,6 +424,7 @@ def test_bad_arguments(smollm2_path, smollm2_stats):
 
 def test_model_without_ffn_rejected(tmp_path):
     gguf_writer = pytest.importorskip("gguf")
+    from hf_gguf import write_and_close
     path = tmp_path / "noffn.gguf"
     w = gguf_writer.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -431,10 +432,7 @@ def test_model_without_ffn_rejected(tmp_path):
     w.add_head_count(2)
     w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
     w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     stats = _synthetic_stats("x" * 32, L=1, F=64)
     with pytest.raises(ArgumentError, match="no FFN neurons"):
         solve_placement(path, stats, 2**30, FAST)

@@ -223,6 +223,12 @@ def test_grouped_copy_is_the_file_matrix_exactly(qtype):
     np.testing.assert_array_equal((d * c + m).astype(np.float32), ref.T.astype(np.float32))
 
 
+def _grouped_case(qtype, n_embd, n_ff, seed):
+    """A test's type id, weights (from seed) and their grouped parts, and its inputs' generator (seed + 1)."""
+    w = _weights(n_embd, n_ff, qtype, seed=seed)
+    return quant.type_id(qtype), w, _grouped_parts(w, qtype, n_embd, n_ff), np.random.default_rng(seed + 1)
+
+
 MAX_GROUP_RUN = 1024  # kMaxGroupRun (kernels.h): a group's neurons are quantized this many at a time
 
 
@@ -284,10 +290,7 @@ def _grouped_check(y, y0, idx, a, c, d, m, group):
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k"])
 def test_grouped_axpy_matches_float64_reference(qtype):
     n_embd, n_ff = 224, 512  # 7 units of 32: 2 and 3 threads get unequal slices
-    tid = quant.type_id(qtype)
-    w = _weights(n_embd, n_ff, qtype, seed=22)
-    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
-    rng = np.random.default_rng(23)
+    tid, w, (c, d, m, group), rng = _grouped_case(qtype, n_embd, n_ff, 22)
     subsets = [np.zeros(0, np.int32), np.array([3], np.int32),  # no neuron, one neuron
                rng.permutation(np.arange(64, 96)).astype(np.int32),  # one full group, shuffled
                rng.permutation(n_ff).astype(np.int32)]  # every neuron
@@ -306,10 +309,7 @@ def test_grouped_axpy_matches_float64_reference(qtype):
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k"])
 def test_grouped_axpy_coefficient_edge_cases(qtype):
     n_embd, n_ff = 96, 256
-    tid = quant.type_id(qtype)
-    w = _weights(n_embd, n_ff, qtype, seed=27)
-    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
-    rng = np.random.default_rng(28)
+    tid, w, (c, d, m, group), rng = _grouped_case(qtype, n_embd, n_ff, 27)
     y0 = rng.standard_normal(n_embd).astype(np.float32)
     # A group whose coefficients are all zero adds nothing: y keeps its bits, alone or beside others.
     zeros = np.arange(32, 40, dtype=np.int32)
@@ -344,10 +344,7 @@ def test_grouped_axpy_coefficient_edge_cases(qtype):
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k"])
 def test_grouped_axpy_over_a_neuron_subset_and_into_y(qtype):
     n_embd, n_ff = 128, 256
-    tid = quant.type_id(qtype)
-    w = _weights(n_embd, n_ff, qtype, seed=24)
-    c, d, m, group = _grouped_parts(w, qtype, n_embd, n_ff)
-    rng = np.random.default_rng(25)
+    tid, w, (c, d, m, group), rng = _grouped_case(qtype, n_embd, n_ff, 24)
     subset = rng.permutation(n_ff)[:100].astype(np.int32)  # a host share: unsorted, groups scattered
     idx = rng.choice(100, size=37, replace=False).astype(np.int32)
     a = rng.standard_normal(37).astype(np.float32)

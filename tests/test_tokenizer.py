@@ -267,13 +267,12 @@ def test_encode_threads_release_gil(smol):
 def _write_gguf(path: Path, kv: dict) -> Path:
     import gguf
 
+    from hf_gguf import write_and_close
+
     w = gguf.GGUFWriter(str(path), "llama")
     for key, (kind, value) in kv.items():
         getattr(w, f"add_{kind}")(key, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     return path
 
 
@@ -386,6 +385,8 @@ def spm_files(tmp_path_factory):
     spm = pytest.importorskip("sentencepiece")
     import gguf
 
+    from hf_gguf import write_and_close
+
     d = tmp_path_factory.mktemp("spm")
     story = scandal_text()
     extra = "Café naïve résumé 東京 日本語 中文 Ελληνικά русский язык 1234567890 def f(x):\n    return x\n"
@@ -414,10 +415,7 @@ def spm_files(tmp_path_factory):
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_and_close(w)
     return sp, d / "m.gguf"
 
 

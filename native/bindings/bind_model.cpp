@@ -40,17 +40,10 @@ nb::dict sparsity_config(const PyModel& m) {
     nb::dict d;
     d["calibrated"] = sc.calibrated;
     d["criterion"] = sc.on_product ? "product" : "gate";
-    auto thr = new_array<float>({sc.threshold.size()});
-    std::copy(sc.threshold.begin(), sc.threshold.end(), thr.data());
-    d["threshold"] = thr;
+    d["threshold"] = to_array(sc.threshold);
     d["target"] = sc.target;
-    if (sc.neuron_scale.empty()) {
-        d["neuron_scale"] = nb::none();
-    } else {
-        auto ns = new_array<float>({sc.neuron_scale.size()});
-        std::copy(sc.neuron_scale.begin(), sc.neuron_scale.end(), ns.data());
-        d["neuron_scale"] = ns;
-    }
+    if (sc.neuron_scale.empty()) d["neuron_scale"] = nb::none();
+    else d["neuron_scale"] = to_array(sc.neuron_scale);
     return d;
 }
 
@@ -68,13 +61,7 @@ void set_sparsity(PySession& s, bool enabled, std::optional<Floats1D> thresholds
 }
 
 nb::tuple sparsity_counts(const PySession& s) {
-    const std::vector<int64_t>& a = s.session->ffn_active();
-    const std::vector<int64_t>& n = s.session->ffn_seen();
-    auto active = new_array<int64_t>({a.size()});
-    auto seen = new_array<int64_t>({n.size()});
-    std::copy(a.begin(), a.end(), active.data());
-    std::copy(n.begin(), n.end(), seen.data());
-    return nb::make_tuple(active, seen);
+    return nb::make_tuple(to_array(s.session->ffn_active()), to_array(s.session->ffn_seen()));
 }
 
 PyRecorder make_recorder(const PyModel& m, Floats1D thresholds, int64_t sample_every, int64_t max_samples,
@@ -85,13 +72,6 @@ PyRecorder make_recorder(const PyModel& m, Floats1D thresholds, int64_t sample_e
     nb::gil_scoped_release release;  // reads every down matrix for its column norms
     return PyRecorder{std::make_shared<ActivationRecorder>(*m.model, std::move(thr), sample_every, max_samples,
                                                            std::move(gw))};
-}
-
-template <typename T>
-nb::ndarray<nb::numpy, T> to_array(const std::vector<T>& v, std::initializer_list<size_t> shape) {
-    auto a = new_array<T>(shape);
-    std::copy(v.begin(), v.end(), a.data());
-    return a;
 }
 
 nb::dict recorder_result(const PyRecorder& pr) {

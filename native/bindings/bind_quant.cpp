@@ -34,10 +34,12 @@ void check_cols(const TypeTraits& t, int64_t n) {
                                    (long long)t.block_size, t.name));
 }
 
-// Calls fn(first_block, n_blocks) over [0, n_blocks), in parallel when the work is big. Every block
-// is independent in every format, and C-contiguous rows make the whole array one long row of blocks.
+// Calls fn(first_block, n_blocks) over [0, n_blocks) with the GIL released, in parallel when the work is
+// big. Every block is independent in every format, and C-contiguous rows make the whole array one long row
+// of blocks.
 template <typename Fn>
 void for_blocks(int64_t n_blocks, int64_t block_size, Fn fn) {
+    nb::gil_scoped_release release;
     if (n_blocks * block_size < kParallelMin) {
         fn(0, n_blocks);
         return;
@@ -57,14 +59,9 @@ nb::ndarray<nb::numpy, uint8_t> quantize_py(Floats2D x, int32_t type) {
     check_cols(t, cols);
     const size_t rb = row_size(type, cols);
     auto out = new_array<uint8_t>({(size_t)rows, rb});
-    const float* src = x.data();
-    uint8_t* dst = out.data();
-    {
-        nb::gil_scoped_release release;
-        for_blocks(rows * (cols / t.block_size), t.block_size, [&](int64_t b0, int64_t nb_) {
-            quantize_row(type, src + b0 * t.block_size, dst + b0 * t.type_size, nb_ * t.block_size);
-        });
-    }
+    for_blocks(rows * (cols / t.block_size), t.block_size, [&](int64_t b0, int64_t nb_) {
+        quantize_row(type, x.data() + b0 * t.block_size, out.data() + b0 * t.type_size, nb_ * t.block_size);
+    });
     return out;
 }
 
@@ -79,14 +76,9 @@ nb::ndarray<nb::numpy, float> dequantize_py(Bytes2D data, int32_t type, int64_t 
         throw ArgumentError(format("rows hold %zu bytes, but %lld elements of %s take %zu", (size_t)data.shape(1),
                                    (long long)n, t.name, rb));
     auto out = new_array<float>({(size_t)rows, (size_t)n});
-    const uint8_t* src = data.data();
-    float* dst = out.data();
-    {
-        nb::gil_scoped_release release;
-        for_blocks(rows * (n / t.block_size), t.block_size, [&](int64_t b0, int64_t nb_) {
-            dequantize_row(type, src + b0 * t.type_size, dst + b0 * t.block_size, nb_ * t.block_size);
-        });
-    }
+    for_blocks(rows * (n / t.block_size), t.block_size, [&](int64_t b0, int64_t nb_) {
+        dequantize_row(type, data.data() + b0 * t.type_size, out.data() + b0 * t.block_size, nb_ * t.block_size);
+    });
     return out;
 }
 

@@ -70,11 +70,7 @@ void bind_sampling(nb::module_& m) {
                 std::vector<int32_t> ids;
                 std::vector<double> pr;
                 s.probs(check_logits(s, logits), ids, pr);
-                auto ids_out = new_array<int32_t>({ids.size()});
-                auto pr_out = new_array<double>({pr.size()});
-                std::copy(ids.begin(), ids.end(), ids_out.data());
-                std::copy(pr.begin(), pr.end(), pr_out.data());
-                return nb::make_tuple(ids_out, pr_out);
+                return nb::make_tuple(to_array(ids), to_array(pr));
             },
             nb::arg("logits"))
         .def_prop_ro("n_vocab", &Sampler::n_vocab)

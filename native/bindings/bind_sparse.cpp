@@ -37,6 +37,21 @@ WeightMatrix weight_matrix(const BytesND& w, int32_t qtype, int64_t rows, int64_
     return WeightMatrix{qtype, rows, cols, w.data()};
 }
 
+// An axpy's coefficients: one per neuron index.
+void check_coefficients(const Ints1D& idx, const Floats1D& a) {
+    if (a.shape(0) != idx.shape(0))
+        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
+}
+
+// An axpy's output of dim values: a copy of y0 (checked to hold dim values) to add into, or zeros.
+nb::ndarray<nb::numpy, float> axpy_output(const std::optional<Floats1D>& y0, int64_t dim) {
+    if (y0 && (int64_t)y0->shape(0) != dim)
+        throw ArgumentError(format("y holds %zu values, expected dim = %lld", (size_t)y0->shape(0), (long long)dim));
+    auto y = new_array<float>({(size_t)dim});
+    if (y0) std::memcpy(y.data(), y0->data(), sizeof(float) * dim);
+    return y;
+}
+
 nb::ndarray<nb::numpy, float> matmul_rows_py(BytesND w, int32_t qtype, int64_t rows, int64_t cols, Ints1D idx,
                                              Floats2D x, int n_threads, const std::optional<std::string>& simd) {
     const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
@@ -81,17 +96,13 @@ nb::ndarray<nb::numpy, float> axpy_rows_py(BytesND d, int32_t type, int64_t n_ne
         throw ArgumentError(format("the neuron-major rows hold %zu bytes, but %lld rows of %lld %s values take %zu",
                                    (size_t)d.size(), (long long)n_neurons, (long long)dim, type_traits(type).name,
                                    need));
-    if (a.shape(0) != idx.shape(0))
-        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
-    if (y0 && (int64_t)y0->shape(0) != dim)
-        throw ArgumentError(format("y holds %zu values, expected dim = %lld", (size_t)y0->shape(0), (long long)dim));
+    check_coefficients(idx, a);
+    auto y = axpy_output(y0, dim);
     if (dim_scale && (int64_t)dim_scale->shape(0) != dim)
         throw ArgumentError(format("dim_scale holds %zu values, expected dim = %lld", (size_t)dim_scale->shape(0),
                                    (long long)dim));
     const KernelTable& kt = table_for(simd.value_or(""));
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
-    auto y = new_array<float>({(size_t)dim});
-    if (y0) std::memcpy(y.data(), y0->data(), sizeof(float) * dim);
     {
         nb::gil_scoped_release release;
         axpy_rows_raw(*pool, kt, type, n_neurons, dim, d.data(), idx.data(), a.data(), (int64_t)idx.shape(0),
@@ -136,14 +147,10 @@ nb::ndarray<nb::numpy, float> axpy_grouped_py(BytesND w, int32_t qtype, int64_t 
                                               Floats1D a, std::optional<Floats1D> y0, std::optional<Ints1D> subset,
                                               int n_threads, const std::optional<std::string>& simd) {
     const WeightMatrix W = weight_matrix(w, qtype, rows, cols);
-    if (a.shape(0) != idx.shape(0))
-        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
-    if (y0 && (int64_t)y0->shape(0) != rows)
-        throw ArgumentError(format("y holds %zu values, expected dim = %lld", (size_t)y0->shape(0), (long long)rows));
+    check_coefficients(idx, a);
+    auto y = axpy_output(y0, rows);
     const KernelTable& kt = table_for(simd.value_or(""));
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
-    auto y = new_array<float>({(size_t)rows});
-    if (y0) std::memcpy(y.data(), y0->data(), sizeof(float) * rows);
     {
         nb::gil_scoped_release release;
         NeuronMajor nm = repack_neuron_major_grouped(*pool, W);
@@ -170,11 +177,10 @@ PyNeuronMajor* make_neuron_major(BytesND w, int32_t qtype, int64_t rows, int64_t
 
 nb::ndarray<nb::numpy, float> neuron_major_axpy(const PyNeuronMajor& p, Ints1D idx, Floats1D a, int n_threads,
                                                 const std::optional<std::string>& simd) {
-    if (a.shape(0) != idx.shape(0))
-        throw ArgumentError(format("%zu coefficients for %zu neuron indices", (size_t)a.shape(0), (size_t)idx.shape(0)));
+    check_coefficients(idx, a);
     const KernelTable& kt = table_for(simd.value_or(""));
     std::shared_ptr<ThreadPool> pool = pool_for(n_threads);
-    auto y = new_array<float>({(size_t)p.nm.dim});
+    auto y = axpy_output(std::nullopt, p.nm.dim);
     {
         nb::gil_scoped_release release;
         axpy_rows(*pool, kt, p.nm, idx.data(), a.data(), (int64_t)idx.shape(0), y.data(), false);

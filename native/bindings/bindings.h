@@ -4,11 +4,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "optiml/kernels.h"
 #include "optiml/threadpool.h"
@@ -53,4 +55,12 @@ nb::ndarray<nb::numpy, T> new_array(std::initializer_list<size_t> shape) {
     T* data = new T[n > 0 ? n : 1]();
     nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
     return nb::ndarray<nb::numpy, T>(data, shape.size(), shape.begin(), owner);
+}
+
+// A new numpy array of `shape` (default: 1-D of v's size) holding a copy of v.
+template <typename T>
+nb::ndarray<nb::numpy, T> to_array(const std::vector<T>& v, std::initializer_list<size_t> shape = {}) {
+    auto a = shape.size() ? new_array<T>(shape) : new_array<T>({v.size()});
+    std::copy(v.begin(), v.end(), a.data());
+    return a;
 }

@@ -59,6 +59,22 @@ unsigned total_blocks(const Matrices& ms) {
     return ms.first_block[ms.count - 1] + (unsigned)((last.rows + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
+// A warp's work: row r of matrix m (r >= m.rows for the last block's spare warps, which leave at once: r
+// depends on the warp only) for the tokens t0 .. t0 + nt - 1 of this grid row's slice.
+struct RowTask {
+    CudaMatrix m;
+    int64_t r;
+    int32_t t0;
+    int nt;
+};
+__device__ __forceinline__ RowTask row_task(const Matrices& ms, int32_t n) {
+    RowTask k;
+    k.m = pick_row(ms, k.r);
+    k.t0 = (int32_t)blockIdx.y * kTokens;
+    k.nt = n - k.t0 < kTokens ? n - k.t0 : kTokens;
+    return k;
+}
+
 // The warp's 32 partial sums of each token through shared memory (`partial`: the warp's [kTokens][33]),
 // lane t adding token t's: one exchange for all tokens instead of a five-shuffle tree per token. Then
 // the matrix's epilogue: its bias, and the add into y (the residual stream) when it accumulates.
@@ -81,16 +97,11 @@ template <int TYPE>
 __global__ void matmul_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     const int lane = threadIdx.x;
-    int64_t r;
-    const CudaMatrix m = pick_row(ms, r);
-    if (r >= m.rows) return;  // the whole warp leaves together: r depends on the warp only
-    const int32_t t0 = (int32_t)blockIdx.y * kTokens;
-    const int nt = n - t0 < kTokens ? n - t0 : kTokens;
+    const auto [m, r, t0, nt] = row_task(ms, n);
+    if (r >= m.rows) return;
     const uint8_t* row = m.w + (size_t)r * m.row_bytes;
 
-    float acc[kTokens];
-#pragma unroll
-    for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
+    float acc[kTokens] = {};
     for (int64_t c = (int64_t)lane * 8; c < cols; c += 32 * 8) {
         float v[8];
         Q::dequant8(row + (size_t)(c / Q::block_size) * Q::block_bytes, (int)(c % Q::block_size), v);
@@ -132,17 +143,23 @@ struct Chunk {
     static constexpr int kGroups = kValues / 8;             // groups of eight values (a multiple of 32)
 };
 
-// A warp's row, a chunk at a time: fetch() starts the 16-byte loads of the chunk at value c0 into
-// registers (bytes past the row: none), store() puts them into the warp's shared memory once every lane
-// is done with the previous chunk.
+// A warp's row, a chunk at a time through the warp's shared memory `stage`: construction starts the
+// 16-byte loads of the first chunk into registers (bytes past the row: none); advance(c0) stores chunk c0
+// into `stage` once every lane is done with the previous chunk, then starts the next chunk's loads.
 template <int TYPE>
 struct RowStager {
     using C = Chunk<TYPE>;
     const Bytes16* row;
-    int64_t row_units;
+    int64_t row_units, cols;
     int lane;
-    Bytes16 next[C::kLoads];
+    Bytes16* stage;
+    Bytes16 next[C::kLoads] = {};
 
+    __device__ __forceinline__ RowStager(const CudaMatrix& m, int64_t r, int64_t cols_, int lane_, Bytes16* stage_)
+        : row((const Bytes16*)(m.w + (size_t)r * m.row_bytes)), row_units((int64_t)(m.row_bytes / 16)),
+          cols(cols_), lane(lane_), stage(stage_) {
+        fetch(0);
+    }
     __device__ __forceinline__ void fetch(int64_t c0) {
         const int64_t u0 = c0 / cudaq::QType<TYPE>::block_size * cudaq::QType<TYPE>::block_bytes / 16;
 #pragma unroll
@@ -151,7 +168,7 @@ struct RowStager {
             if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
         }
     }
-    __device__ __forceinline__ void store(Bytes16* stage) {
+    __device__ __forceinline__ void advance(int64_t c0) {
         __syncwarp();
 #pragma unroll
         for (int i = 0; i < C::kLoads; i++) {
@@ -159,31 +176,31 @@ struct RowStager {
             if (u < C::kBytes / 16) stage[u] = next[i];
         }
         __syncwarp();
+        if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
     }
+};
+
+// A thread block's shared memory in the staged kernels: each warp's chunk of its row and its partial sums.
+template <int TYPE>
+struct StagedShared {
+    Bytes16 stage[kRowsPerBlock][Chunk<TYPE>::kBytes / 16];
+    float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
 };
 
 template <int TYPE>
 __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     using C = Chunk<TYPE>;
-    __shared__ Bytes16 stage[kRowsPerBlock][C::kBytes / 16];
-    __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
+    __shared__ StagedShared<TYPE> sh;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    int64_t r;
-    const CudaMatrix m = pick_row(ms, r);
-    if (r >= m.rows) return;  // the whole warp leaves together: r depends on the warp only
-    const int32_t t0 = (int32_t)blockIdx.y * kTokens;
-    const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    RowStager<TYPE> rs{(const Bytes16*)(m.w + (size_t)r * m.row_bytes), (int64_t)(m.row_bytes / 16), lane};
-    const uint8_t* chunk = (const uint8_t*)stage[warp];
+    const auto [m, r, t0, nt] = row_task(ms, n);
+    if (r >= m.rows) return;
+    RowStager<TYPE> rs(m, r, cols, lane, sh.stage[warp]);
+    const uint8_t* chunk = (const uint8_t*)sh.stage[warp];
 
-    float acc[kTokens];
-#pragma unroll
-    for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
-    rs.fetch(0);
+    float acc[kTokens] = {};
     for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
-        rs.store(stage[warp]);
-        if (c0 + C::kValues < cols) rs.fetch(c0 + C::kValues);
+        rs.advance(c0);
         const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
         if (valid == C::kValues) {
             // A whole chunk: each lane's groups decoded, then their activations loaded together, so the
@@ -236,7 +253,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
             }
         }
     }
-    write_row(partial[warp], acc, nt, lane, m, r, t0);
+    write_row(sh.partial[warp], acc, nt, lane, m, r, t0);
 }
 
 // Four bytes of shared memory at a 2-byte aligned address (blocks hold 16-bit fields first).
@@ -254,25 +271,17 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
     using Q = cudaq::QType<TYPE>;
     using C = Chunk<TYPE>;
     static_assert(C::kBlocks == 32 && Q::block_size == 32, "one 32-value block per lane");
-    __shared__ Bytes16 stage[kRowsPerBlock][C::kBytes / 16];
-    __shared__ float partial[kRowsPerBlock][kTokens][33];
+    __shared__ StagedShared<TYPE> sh;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    int64_t r;
-    const CudaMatrix m = pick_row(ms, r);
-    if (r >= m.rows) return;  // the whole warp leaves together: r depends on the warp only
-    const int32_t t0 = (int32_t)blockIdx.y * kTokens;
-    const int nt = n - t0 < kTokens ? n - t0 : kTokens;
-    RowStager<TYPE> rs{(const Bytes16*)(m.w + (size_t)r * m.row_bytes), (int64_t)(m.row_bytes / 16), lane};
+    const auto [m, r, t0, nt] = row_task(ms, n);
+    if (r >= m.rows) return;
+    RowStager<TYPE> rs(m, r, cols, lane, sh.stage[warp]);
     const int64_t n_blocks = cols / 32;
-    const uint8_t* wb = (const uint8_t*)stage[warp] + lane * Q::block_bytes;
+    const uint8_t* wb = (const uint8_t*)sh.stage[warp] + lane * Q::block_bytes;
 
-    float acc[kTokens];
-#pragma unroll
-    for (int t = 0; t < kTokens; t++) acc[t] = 0.0f;
-    rs.fetch(0);
+    float acc[kTokens] = {};
     for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
-        rs.store(stage[warp]);
-        if (c0 + C::kValues < cols) rs.fetch(c0 + C::kValues);
+        rs.advance(c0);
         const int64_t blk = c0 / 32 + lane;
         if (blk >= n_blocks) continue;
         // The weights' codes as 8 words of four bytes: for Q4_0/Q4_1 words 0-3 hold values 0-15 (low
@@ -310,13 +319,15 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
             acc[t] += v;
         }
     }
-    write_row(partial[warp], acc, nt, lane, m, r, t0);
+    write_row(sh.partial[warp], acc, nt, lane, m, r, t0);
 }
+
+// The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of kTokens tokens.
+dim3 grid_of(const Matrices& ms, int32_t n) { return dim3(total_blocks(ms), (unsigned)((n + kTokens - 1) / kTokens)); }
 
 template <int TYPE>
 void launch(cudaStream_t s, const Matrices& ms, int64_t cols, const float* x, int32_t n) {
-    const dim3 block(32, kRowsPerBlock);
-    const dim3 grid(total_blocks(ms), (unsigned)((n + kTokens - 1) / kTokens));
+    const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n);
     // The staged kernel reads rows as 16-byte units and the activations as 4 floats at a time.
     bool staged = (uintptr_t)x % 16 == 0;
     for (int k = 0; k < ms.count; k++) staged = staged && ms.m[k].row_bytes % 16 == 0 && (uintptr_t)ms.m[k].w % 16 == 0;
@@ -332,14 +343,18 @@ int64_t matrices_bytes(const Matrices& ms, int32_t n) {
     for (int k = 0; k < ms.count; k++) b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes;
     return b * ((n + kTokens - 1) / kTokens);
 }
-// The outputs' bytes (read too where they accumulate) and the biases'.
-CudaTraffic outputs_traffic(const Matrices& ms, int32_t n) {
+// After a launch: its error check and its traffic, the weights (matrices_bytes), the outputs' bytes (read
+// too where they accumulate), the biases' and `inputs` bytes of activations.
+void count_launch(const Matrices& ms, int32_t n, int64_t inputs, CudaKernel kernel, const char* what) {
+    cuda_check(cudaSuccess, what);
     CudaTraffic t;
     for (int k = 0; k < ms.count; k++) {
         t.activations += (ms.m[k].accumulate ? 8 : 4) * (int64_t)n * ms.m[k].rows;
         if (ms.m[k].bias) t.weights += 4 * ms.m[k].rows;
     }
-    return t;
+    t.weights += matrices_bytes(ms, n);
+    t.activations += inputs;
+    cuda_count(kernel, t);
 }
 
 // One thread per output dimension and token: consecutive threads read consecutive bytes of each row.
@@ -386,8 +401,7 @@ void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int
                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n) {
     if (n <= 0) return;
     const Matrices ms = make_matrices(m, count);
-    const dim3 block(32, kRowsPerBlock);
-    const dim3 grid(total_blocks(ms), (unsigned)((n + kTokens - 1) / kTokens));
+    const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n);
     if (grid.x == 0) return;
     switch (type) {
         case TYPE_Q4_0: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_0>, grid, block, s, ms, cols, codes, meta, n); break;
@@ -395,32 +409,19 @@ void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int
         case TYPE_Q8_0: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q8_0>, grid, block, s, ms, cols, codes, meta, n); break;
         default: throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
     }
-    cuda_check(cudaSuccess, "matmul (integer)");
-    CudaTraffic t = outputs_traffic(ms, n);
-    t.weights += matrices_bytes(ms, n);
-    t.activations += (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32));
-    cuda_count(CudaKernel::MatmulQ8x, t);
+    count_launch(ms, n, (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32)), CudaKernel::MatmulQ8x,
+                 "matmul (integer)");
 }
 
 void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                      const int8_t* codes, const CudaQ8Meta* meta, int32_t n, float* y, bool accumulate) {
-    CudaMatrix m;
-    m.w = w;
-    m.rows = rows;
-    m.row_bytes = row_bytes;
-    m.y = y;
-    m.accumulate = accumulate;
+    const CudaMatrix m{w, rows, row_bytes, y, nullptr, accumulate};  // (no bias)
     cuda_matmul_q8x_many(s, type, &m, 1, cols, codes, meta, n);
 }
 
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate) {
-    CudaMatrix m;
-    m.w = w;
-    m.rows = rows;
-    m.row_bytes = row_bytes;
-    m.y = y;
-    m.accumulate = accumulate;
+    const CudaMatrix m{w, rows, row_bytes, y, nullptr, accumulate};  // (no bias)
     cuda_matmul_many(s, type, &m, 1, cols, x, n);
 }
 
@@ -445,11 +446,7 @@ void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int cou
             throw UnsupportedModelError(format("the CUDA backend does not read %s weights yet",
                                                type_traits(type).name ? type_traits(type).name : "these"));
     }
-    cuda_check(cudaSuccess, "matmul");
-    CudaTraffic t = outputs_traffic(ms, n);
-    t.weights += matrices_bytes(ms, n);
-    t.activations += 4 * (int64_t)n * cols;
-    cuda_count(CudaKernel::Matmul, t);
+    count_launch(ms, n, 4 * (int64_t)n * cols, CudaKernel::Matmul, "matmul");
 }
 
 }  // namespace optiml

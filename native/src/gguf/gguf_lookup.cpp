@@ -42,6 +42,10 @@ T integer_as(const uint8_t* p, uint32_t type, std::string_view key) {
     return (T)u;
 }
 
+// A scalar integer value, checked to fit in T.
+template <typename T>
+T integer_of(const GGUFValue& v, std::string_view key) { return integer_as<T>(v.data, v.type, key); }
+
 double float_at(const uint8_t* p, uint32_t type, std::string_view key) {
     if (type == GGUF_TYPE_FLOAT32) { float v; std::memcpy(&v, p, 4); return v; }
     if (type == GGUF_TYPE_FLOAT64) { double v; std::memcpy(&v, p, 8); return v; }
@@ -89,25 +93,10 @@ std::string GGUFFile::get_string(std::string_view key) const {
     return std::string(v.str());
 }
 
-uint32_t GGUFFile::get_u32(std::string_view key) const {
-    const GGUFValue& v = get(key);
-    return integer_as<uint32_t>(v.data, v.type, key);
-}
-
-uint64_t GGUFFile::get_u64(std::string_view key) const {
-    const GGUFValue& v = get(key);
-    return integer_as<uint64_t>(v.data, v.type, key);
-}
-
-int32_t GGUFFile::get_i32(std::string_view key) const {
-    const GGUFValue& v = get(key);
-    return integer_as<int32_t>(v.data, v.type, key);
-}
-
-int64_t GGUFFile::get_i64(std::string_view key) const {
-    const GGUFValue& v = get(key);
-    return integer_as<int64_t>(v.data, v.type, key);
-}
+uint32_t GGUFFile::get_u32(std::string_view key) const { return integer_of<uint32_t>(get(key), key); }
+uint64_t GGUFFile::get_u64(std::string_view key) const { return integer_of<uint64_t>(get(key), key); }
+int32_t GGUFFile::get_i32(std::string_view key) const { return integer_of<int32_t>(get(key), key); }
+int64_t GGUFFile::get_i64(std::string_view key) const { return integer_of<int64_t>(get(key), key); }
 
 float GGUFFile::get_f32(std::string_view key) const { return (float)get_f64(key); }
 

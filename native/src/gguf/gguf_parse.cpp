@@ -154,13 +154,18 @@ std::shared_ptr<GGUFFile> GGUFFile::open(const std::string& path, bool in_memory
 
 namespace {
 
-// A metadata key or tensor name (`what` and its index i say which in errors): a string of valid UTF-8.
-std::string_view read_name(Cursor& c, const char* what, uint64_t i) {
+// A metadata key or tensor name (`what` and its index i say which in errors): a string of valid UTF-8,
+// not yet in `index`. `named` is set to `noun` and the quoted name, how later errors name the entry.
+std::string_view read_name(Cursor& c, const char* what, uint64_t i,
+                           const std::map<std::string, size_t, std::less<>>& index, const char* noun,
+                           std::string& named) {
     const uint64_t at = c.pos;
     const std::string_view s = c.string(format("%s %" PRIu64, what, i));
     if (!valid_utf8(s))
         throw GGUFError(format("%s %" PRIu64 " at byte offset %" PRIu64 " is not valid UTF-8: %s", what, i, at,
                                gguf_quote(s).c_str()));
+    named = std::string(noun) + " " + gguf_quote(s);
+    if (index.count(s)) throw GGUFError(format("duplicate %s at byte offset %" PRIu64, named.c_str(), at));
     return s;
 }
 
@@ -277,11 +282,8 @@ void GGUFFile::parse() {
                                " bytes", n_kv, c.size));
 
     for (uint64_t i = 0; i < n_kv; i++) {
-        const uint64_t at = c.pos;
-        const std::string_view key = read_name(c, "key of metadata entry", i);
-        std::string what = "metadata key " + gguf_quote(key);
-        if (kv_index_.count(key))
-            throw GGUFError(format("duplicate %s at byte offset %" PRIu64, what.c_str(), at));
+        std::string what;
+        const std::string_view key = read_name(c, "key of metadata entry", i, kv_index_, "metadata key", what);
         uint64_t type_at = c.pos;
         uint32_t type = c.read<uint32_t>(what);
         if (type >= GGUF_TYPE_COUNT)
@@ -303,11 +305,8 @@ void GGUFFile::parse() {
     }
 
     for (uint64_t i = 0; i < n_tensors; i++) {
-        const uint64_t at = c.pos;
-        const std::string_view name = read_name(c, "name of tensor", i);
-        std::string what = "tensor " + gguf_quote(name);
-        if (tensor_index_.count(name))
-            throw GGUFError(format("duplicate %s at byte offset %" PRIu64, what.c_str(), at));
+        std::string what;
+        const std::string_view name = read_name(c, "name of tensor", i, tensor_index_, "tensor", what);
         GGUFTensorInfo t;
         t.name = std::string(name);
 

@@ -100,15 +100,20 @@ def perplexity(model, text: str, n_ctx: int, n_chunks: int = -1, progress=None) 
     """Perplexity with llama.cpp's convention (see the module docstring). Returns (ppl, its standard
     error, tokens scored). `progress(i, n, ppl)` is called after each window."""
     ws = windows(model, text, n_ctx, n_chunks)
-    nll = []
     try:
-        for i, w in enumerate(ws):
-            logp, targets = scored_logp(model, w)
-            nll.append(-logp[np.arange(len(targets)), targets])
-            if progress:
-                progress(i + 1, len(ws), math.exp(np.concatenate(nll).mean()))
+        return _score_windows(model, ws, progress, lambda logp, targets: -logp[np.arange(len(targets)), targets])
     finally:
         model.reset()
+
+
+def _score_windows(model, ws, progress, window_nll) -> tuple[float, float, int]:
+    """Scores the windows in turn, window_nll(logp, targets) giving a window's per-token negative
+    log-likelihoods, `progress(i, n, ppl)` after each. Returns (ppl, its standard error, tokens scored)."""
+    nll = []
+    for i, w in enumerate(ws):
+        nll.append(window_nll(*scored_logp(model, w)))
+        if progress:
+            progress(i + 1, len(ws), math.exp(np.concatenate(nll).mean()))
     nll = np.concatenate(nll)
     return (*_ppl(nll), len(nll))
 
@@ -214,23 +219,21 @@ def save_base(path, model, text: str, n_ctx: int, n_chunks: int = -1, top_k: int
     first = n_ctx // 2
     header = json.dumps({"n_vocab": n_vocab, "n_ctx": n_ctx, "n_chunks": len(ws), "first": first, "top_k": top_k,
                          "logp_step": LOGP_STEP, "model": os.path.basename(str(model.path))}).encode()
-    nll = []
     try:
         with atomic_output(path) as tmp, open(tmp, "wb") as f:
             f.write(MAGIC + np.array([VERSION, len(header)], "<u4").tobytes() + header)
             f.write(np.asarray(ws, dtype="<i4").tobytes())
             f.write(b"\0" * (-f.tell() % 64))
-            for i, w in enumerate(ws):
-                logp, targets = scored_logp(model, w)
+
+            def write_records(logp, targets):
                 rec = encode_records(logp, targets, top_k)
                 f.write(rec.tobytes())
-                nll.append(-rec["target_logp"].astype(np.float64))
-                if progress:
-                    progress(i + 1, len(ws), math.exp(np.concatenate(nll).mean()))
+                return -rec["target_logp"].astype(np.float64)
+
+            result = _score_windows(model, ws, progress, write_records)
     finally:
         model.reset()
-    nll = np.concatenate(nll)
-    return (*_ppl(nll), len(nll))
+    return result
 
 
 def read_base(path) -> Base:

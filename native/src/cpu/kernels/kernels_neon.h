@@ -210,170 +210,156 @@ inline int mins_dot_bsums(const uint8_t* mn, const int16_t* bsums) {
     return vaddvq_s32(vmlal_high_s16(vmull_s16(vget_low_s16(m), vget_low_s16(pair)), m, pair));
 }
 
-void vec_dot_q4_K(int64_t n, float* s, const void* w, const void* x) {
-    const block_q4_K* a = (const block_q4_K*)w;
+// sumi + scale * (16 signed codes q . the 16 int8 activations at x): the step of the k-quants with a
+// scale per 16 elements (Q2_K, Q3_K, Q6_K).
+inline int32x4_t add_group16(int32x4_t sumi, int8x16_t q, const int8_t* x, int32_t scale) {
+    return vmlaq_n_s32(sumi, dot_s8(vdupq_n_s32(0), q, vld1q_s8(x)), scale);
+}
+
+// The k-quant vec_dot: the super-blocks' terms, each from the type's block function (always inlined, so
+// the frame compiles as one loop), summed in block order.
+template <typename WBlock, float (*block_dot)(const WBlock&, const block_q8_K&)>
+void vec_dot_K(int64_t n, float* s, const void* w, const void* x) {
+    const WBlock* a = (const WBlock*)w;
     const block_q8_K* b = (const block_q8_K*)x;
-    const uint8x16_t m4 = vdupq_n_u8(0x0F);
     float sum = 0;
-    for (int64_t i = 0; i < n / OPTIML_QK_K; i++) {
-        uint8_t sc[8], mn[8];
-        unpack_scales_mins_k4(a[i].scales, sc, mn);
-        const float d = b[i].d * h2f(a[i].d);
-        const float dmin = b[i].d * h2f(a[i].dmin);
-        int32x4_t sumi = vdupq_n_s32(0);
-        for (int j = 0; j < 4; j++) {
-            // 32 bytes hold sub-block 2j in the low nibbles and 2j+1 in the high nibbles.
-            const uint8x16_t v0 = vld1q_u8(a[i].qs + 32 * j), v1 = vld1q_u8(a[i].qs + 32 * j + 16);
-            const int8_t* q8 = b[i].qs + 64 * j;
-            sumi = vmlaq_n_s32(sumi, dot32(s8(vandq_u8(v0, m4)), s8(vandq_u8(v1, m4)), q8), sc[2 * j]);
-            sumi = vmlaq_n_s32(sumi, dot32(s8(vshrq_n_u8(v0, 4)), s8(vshrq_n_u8(v1, 4)), q8 + 32), sc[2 * j + 1]);
-        }
-        sum += d * (float)vaddvq_s32(sumi) - dmin * (float)mins_dot_bsums(mn, b[i].bsums);
-    }
+    for (int64_t i = 0; i < n / OPTIML_QK_K; i++) sum += block_dot(a[i], b[i]);
     *s = sum;
 }
 
-void vec_dot_q5_K(int64_t n, float* s, const void* w, const void* x) {
-    const block_q5_K* a = (const block_q5_K*)w;
-    const block_q8_K* b = (const block_q8_K*)x;
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), one = vdupq_n_u8(1);
-    float sum = 0;
-    for (int64_t i = 0; i < n / OPTIML_QK_K; i++) {
-        uint8_t sc[8], mn[8];
-        unpack_scales_mins_k4(a[i].scales, sc, mn);
-        const float d = b[i].d * h2f(a[i].d);
-        const float dmin = b[i].d * h2f(a[i].dmin);
-        // qh byte l holds the fifth bit of element l of each sub-block: bit j for sub-block j.
-        uint8x16_t h0 = vld1q_u8(a[i].qh), h1 = vld1q_u8(a[i].qh + 16);
-        int32x4_t sumi = vdupq_n_s32(0);
-        for (int j = 0; j < 4; j++) {
-            const uint8x16_t v0 = vld1q_u8(a[i].qs + 32 * j), v1 = vld1q_u8(a[i].qs + 32 * j + 16);
-            const int8_t* q8 = b[i].qs + 64 * j;
-            const uint8x16_t lo0 = vorrq_u8(vandq_u8(v0, m4), vshlq_n_u8(vandq_u8(h0, one), 4));
-            const uint8x16_t lo1 = vorrq_u8(vandq_u8(v1, m4), vshlq_n_u8(vandq_u8(h1, one), 4));
-            const uint8x16_t hi0 = vorrq_u8(vshrq_n_u8(v0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(h0, 1), one), 4));
-            const uint8x16_t hi1 = vorrq_u8(vshrq_n_u8(v1, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(h1, 1), one), 4));
-            h0 = vshrq_n_u8(h0, 2);
-            h1 = vshrq_n_u8(h1, 2);
-            sumi = vmlaq_n_s32(sumi, dot32(s8(lo0), s8(lo1), q8), sc[2 * j]);
-            sumi = vmlaq_n_s32(sumi, dot32(s8(hi0), s8(hi1), q8 + 32), sc[2 * j + 1]);
-        }
-        sum += d * (float)vaddvq_s32(sumi) - dmin * (float)mins_dot_bsums(mn, b[i].bsums);
+__attribute__((always_inline)) inline float dot_q4_K(const block_q4_K& a, const block_q8_K& b) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    uint8_t sc[8], mn[8];
+    unpack_scales_mins_k4(a.scales, sc, mn);
+    const float d = b.d * h2f(a.d);
+    const float dmin = b.d * h2f(a.dmin);
+    int32x4_t sumi = vdupq_n_s32(0);
+    for (int j = 0; j < 4; j++) {
+        // 32 bytes hold sub-block 2j in the low nibbles and 2j+1 in the high nibbles.
+        const uint8x16_t v0 = vld1q_u8(a.qs + 32 * j), v1 = vld1q_u8(a.qs + 32 * j + 16);
+        const int8_t* q8 = b.qs + 64 * j;
+        sumi = vmlaq_n_s32(sumi, dot32(s8(vandq_u8(v0, m4)), s8(vandq_u8(v1, m4)), q8), sc[2 * j]);
+        sumi = vmlaq_n_s32(sumi, dot32(s8(vshrq_n_u8(v0, 4)), s8(vshrq_n_u8(v1, 4)), q8 + 32), sc[2 * j + 1]);
     }
-    *s = sum;
+    return d * (float)vaddvq_s32(sumi) - dmin * (float)mins_dot_bsums(mn, b.bsums);
+}
+
+__attribute__((always_inline)) inline float dot_q5_K(const block_q5_K& a, const block_q8_K& b) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), one = vdupq_n_u8(1);
+    uint8_t sc[8], mn[8];
+    unpack_scales_mins_k4(a.scales, sc, mn);
+    const float d = b.d * h2f(a.d);
+    const float dmin = b.d * h2f(a.dmin);
+    // qh byte l holds the fifth bit of element l of each sub-block: bit j for sub-block j.
+    uint8x16_t h0 = vld1q_u8(a.qh), h1 = vld1q_u8(a.qh + 16);
+    int32x4_t sumi = vdupq_n_s32(0);
+    for (int j = 0; j < 4; j++) {
+        const uint8x16_t v0 = vld1q_u8(a.qs + 32 * j), v1 = vld1q_u8(a.qs + 32 * j + 16);
+        const int8_t* q8 = b.qs + 64 * j;
+        const uint8x16_t lo0 = vorrq_u8(vandq_u8(v0, m4), vshlq_n_u8(vandq_u8(h0, one), 4));
+        const uint8x16_t lo1 = vorrq_u8(vandq_u8(v1, m4), vshlq_n_u8(vandq_u8(h1, one), 4));
+        const uint8x16_t hi0 = vorrq_u8(vshrq_n_u8(v0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(h0, 1), one), 4));
+        const uint8x16_t hi1 = vorrq_u8(vshrq_n_u8(v1, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(h1, 1), one), 4));
+        h0 = vshrq_n_u8(h0, 2);
+        h1 = vshrq_n_u8(h1, 2);
+        sumi = vmlaq_n_s32(sumi, dot32(s8(lo0), s8(lo1), q8), sc[2 * j]);
+        sumi = vmlaq_n_s32(sumi, dot32(s8(hi0), s8(hi1), q8 + 32), sc[2 * j + 1]);
+    }
+    return d * (float)vaddvq_s32(sumi) - dmin * (float)mins_dot_bsums(mn, b.bsums);
 }
 
 // Q6_K: q in 0..63 (value q - 32), one signed scale per 16 elements. Codes are made signed before
 // the dot (-32..31 fits int8), so no bsums correction is needed.
-void vec_dot_q6_K(int64_t n, float* s, const void* w, const void* x) {
-    const block_q6_K* a = (const block_q6_K*)w;
-    const block_q8_K* b = (const block_q8_K*)x;
+__attribute__((always_inline)) inline float dot_q6_K(const block_q6_K& a, const block_q8_K& b) {
     const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(3);
     const int8x16_t off = vdupq_n_s8(32);
-    float sum = 0;
-    for (int64_t i = 0; i < n / OPTIML_QK_K; i++) {
-        const float d = b[i].d * h2f(a[i].d);
-        int32x4_t sumi = vdupq_n_s32(0);
-        for (int h = 0; h < 2; h++) {
-            const uint8_t* ql = a[i].ql + 64 * h;
-            const uint8_t* qh = a[i].qh + 32 * h;
-            const int8_t* q8 = b[i].qs + 128 * h;
-            const int8_t* sc = a[i].scales + 8 * h;
-            for (int c = 0; c < 2; c++) {  // 16 elements per vector, each a scale group of its own
-                const uint8x16_t l0 = vld1q_u8(ql + 16 * c), l1 = vld1q_u8(ql + 32 + 16 * c);
-                const uint8x16_t hb = vld1q_u8(qh + 16 * c);
-                const uint8x16_t q0 = vorrq_u8(vandq_u8(l0, m4), vshlq_n_u8(vandq_u8(hb, m3), 4));
-                const uint8x16_t q1 = vorrq_u8(vandq_u8(l1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m3), 4));
-                const uint8x16_t q2 = vorrq_u8(vshrq_n_u8(l0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m3), 4));
-                const uint8x16_t q3 = vorrq_u8(vshrq_n_u8(l1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4));
-                const int8_t* xc = q8 + 16 * c;
-                const int32x4_t z = vdupq_n_s32(0);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, vsubq_s8(s8(q0), off), vld1q_s8(xc)), sc[c + 0]);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, vsubq_s8(s8(q1), off), vld1q_s8(xc + 32)), sc[c + 2]);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, vsubq_s8(s8(q2), off), vld1q_s8(xc + 64)), sc[c + 4]);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, vsubq_s8(s8(q3), off), vld1q_s8(xc + 96)), sc[c + 6]);
-            }
+    const float d = b.d * h2f(a.d);
+    int32x4_t sumi = vdupq_n_s32(0);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t* ql = a.ql + 64 * h;
+        const uint8_t* qh = a.qh + 32 * h;
+        const int8_t* q8 = b.qs + 128 * h;
+        const int8_t* sc = a.scales + 8 * h;
+        for (int c = 0; c < 2; c++) {  // 16 elements per vector, each a scale group of its own
+            const uint8x16_t l0 = vld1q_u8(ql + 16 * c), l1 = vld1q_u8(ql + 32 + 16 * c);
+            const uint8x16_t hb = vld1q_u8(qh + 16 * c);
+            const uint8x16_t q0 = vorrq_u8(vandq_u8(l0, m4), vshlq_n_u8(vandq_u8(hb, m3), 4));
+            const uint8x16_t q1 = vorrq_u8(vandq_u8(l1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m3), 4));
+            const uint8x16_t q2 = vorrq_u8(vshrq_n_u8(l0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m3), 4));
+            const uint8x16_t q3 = vorrq_u8(vshrq_n_u8(l1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4));
+            const int8_t* xc = q8 + 16 * c;
+            sumi = add_group16(sumi, vsubq_s8(s8(q0), off), xc, sc[c + 0]);
+            sumi = add_group16(sumi, vsubq_s8(s8(q1), off), xc + 32, sc[c + 2]);
+            sumi = add_group16(sumi, vsubq_s8(s8(q2), off), xc + 64, sc[c + 4]);
+            sumi = add_group16(sumi, vsubq_s8(s8(q3), off), xc + 96, sc[c + 6]);
         }
-        sum += d * (float)vaddvq_s32(sumi);
     }
-    *s = sum;
+    return d * (float)vaddvq_s32(sumi);
+}
+
+// The 2-bit codes of Q2_K and Q3_K against the activations x: element 128h + 32j + l is bits 2j..2j+1 of
+// qs[32h + l]; Q3 adds a third bit, bit 4h + j of hmask[l], and subtracts 4 (codes -4..3). sc: the 16
+// group scales. Returns the groups' scaled integer sums.
+template <bool Q3, typename Scale>
+__attribute__((always_inline)) inline int32x4_t sum_2bit_groups(const uint8_t* qs, const uint8_t* hmask,
+                                                                const Scale* sc, const int8_t* x) {
+    const uint8x16_t m3 = vdupq_n_u8(3), one = vdupq_n_u8(1);
+    const int8x16_t four = vdupq_n_s8(4);
+    uint8x16_t hm0 = vdupq_n_u8(0), hm1 = hm0;
+    if constexpr (Q3) {
+        hm0 = vld1q_u8(hmask);
+        hm1 = vld1q_u8(hmask + 16);
+    }
+    int32x4_t sumi = vdupq_n_s32(0);
+    for (int h = 0; h < 2; h++) {
+        uint8x16_t q0 = vld1q_u8(qs + 32 * h), q1 = vld1q_u8(qs + 32 * h + 16);
+        const int8_t* q8 = x + 128 * h;
+        const Scale* sg = sc + 8 * h;
+        for (int j = 0; j < 4; j++) {
+            int8x16_t v0 = s8(vandq_u8(q0, m3)), v1 = s8(vandq_u8(q1, m3));
+            if constexpr (Q3) {
+                v0 = vsubq_s8(s8(vorrq_u8(vandq_u8(q0, m3), vshlq_n_u8(vandq_u8(hm0, one), 2))), four);
+                v1 = vsubq_s8(s8(vorrq_u8(vandq_u8(q1, m3), vshlq_n_u8(vandq_u8(hm1, one), 2))), four);
+                hm0 = vshrq_n_u8(hm0, 1);
+                hm1 = vshrq_n_u8(hm1, 1);
+            }
+            sumi = add_group16(sumi, v0, q8 + 32 * j, sg[2 * j]);
+            sumi = add_group16(sumi, v1, q8 + 32 * j + 16, sg[2 * j + 1]);
+            q0 = vshrq_n_u8(q0, 2);
+            q1 = vshrq_n_u8(q1, 2);
+        }
+    }
+    return sumi;
 }
 
 // Q2_K: 2-bit q, 16 groups of 16 with a 4-bit scale (low nibble) and a 4-bit min (high nibble).
-void vec_dot_q2_K(int64_t n, float* s, const void* w, const void* x) {
-    const block_q2_K* a = (const block_q2_K*)w;
-    const block_q8_K* b = (const block_q8_K*)x;
-    const uint8x16_t m3 = vdupq_n_u8(3);
-    float sum = 0;
-    for (int64_t i = 0; i < n / OPTIML_QK_K; i++) {
-        const float d = b[i].d * h2f(a[i].d);
-        const float dmin = b[i].d * h2f(a[i].dmin);
-        const uint8x16_t sc8 = vld1q_u8(a[i].scales);
-        // min term: sum over the 16 groups of min_g * bsums_g
-        const int16x8_t mn0 = vreinterpretq_s16_u16(vmovl_u8(vshr_n_u8(vget_low_u8(sc8), 4)));
-        const int16x8_t mn1 = vreinterpretq_s16_u16(vmovl_high_u8(vshrq_n_u8(sc8, 4)));
-        const int16x8_t bs0 = vld1q_s16(b[i].bsums), bs1 = vld1q_s16(b[i].bsums + 8);
-        int32x4_t pm = vmull_s16(vget_low_s16(mn0), vget_low_s16(bs0));
-        pm = vmlal_high_s16(pm, mn0, bs0);
-        pm = vmlal_s16(pm, vget_low_s16(mn1), vget_low_s16(bs1));
-        pm = vmlal_high_s16(pm, mn1, bs1);
-        uint8_t scl[16];
-        vst1q_u8(scl, vandq_u8(sc8, vdupq_n_u8(0x0F)));
-        int32x4_t sumi = vdupq_n_s32(0);
-        for (int h = 0; h < 2; h++) {
-            // element 128h + 32j + l is bits 2j..2j+1 of qs[32h + l]
-            uint8x16_t q0 = vld1q_u8(a[i].qs + 32 * h), q1 = vld1q_u8(a[i].qs + 32 * h + 16);
-            const int8_t* q8 = b[i].qs + 128 * h;
-            const uint8_t* sg = scl + 8 * h;
-            for (int j = 0; j < 4; j++) {
-                const int32x4_t z = vdupq_n_s32(0);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, s8(vandq_u8(q0, m3)), vld1q_s8(q8 + 32 * j)), sg[2 * j]);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, s8(vandq_u8(q1, m3)), vld1q_s8(q8 + 32 * j + 16)), sg[2 * j + 1]);
-                q0 = vshrq_n_u8(q0, 2);
-                q1 = vshrq_n_u8(q1, 2);
-            }
-        }
-        sum += d * (float)vaddvq_s32(sumi) - dmin * (float)vaddvq_s32(pm);
-    }
-    *s = sum;
+__attribute__((always_inline)) inline float dot_q2_K(const block_q2_K& a, const block_q8_K& b) {
+    const float d = b.d * h2f(a.d);
+    const float dmin = b.d * h2f(a.dmin);
+    const uint8x16_t sc8 = vld1q_u8(a.scales);
+    // min term: sum over the 16 groups of min_g * bsums_g
+    const int16x8_t mn0 = vreinterpretq_s16_u16(vmovl_u8(vshr_n_u8(vget_low_u8(sc8), 4)));
+    const int16x8_t mn1 = vreinterpretq_s16_u16(vmovl_high_u8(vshrq_n_u8(sc8, 4)));
+    const int16x8_t bs0 = vld1q_s16(b.bsums), bs1 = vld1q_s16(b.bsums + 8);
+    int32x4_t pm = vmull_s16(vget_low_s16(mn0), vget_low_s16(bs0));
+    pm = vmlal_high_s16(pm, mn0, bs0);
+    pm = vmlal_s16(pm, vget_low_s16(mn1), vget_low_s16(bs1));
+    pm = vmlal_high_s16(pm, mn1, bs1);
+    uint8_t scl[16];
+    vst1q_u8(scl, vandq_u8(sc8, vdupq_n_u8(0x0F)));
+    const int32x4_t sumi = sum_2bit_groups<false>(a.qs, nullptr, scl, b.qs);
+    return d * (float)vaddvq_s32(sumi) - dmin * (float)vaddvq_s32(pm);
 }
 
 // Q3_K: value = (2 low bits | high bit << 2) - 4, 16 six-bit scales (minus 32). Codes are made
 // signed (-4..3) before the dot.
-void vec_dot_q3_K(int64_t n, float* s, const void* w, const void* x) {
-    const block_q3_K* a = (const block_q3_K*)w;
-    const block_q8_K* b = (const block_q8_K*)x;
-    const uint8x16_t m3 = vdupq_n_u8(3), one = vdupq_n_u8(1);
-    const int8x16_t four = vdupq_n_s8(4);
-    float sum = 0;
-    for (int64_t i = 0; i < n / OPTIML_QK_K; i++) {
-        const float d = b[i].d * h2f(a[i].d);
-        uint32_t aux[4];  // the 16 six-bit scales, biased by 32
-        quant::q3_K_scale_bytes(a[i].scales, aux);
-        int8_t sc[16];
-        vst1q_s8(sc, vsubq_s8(vreinterpretq_s8_u32(vld1q_u32(aux)), vdupq_n_s8(32)));
-        // hmask byte l: bit 4h + j is the high bit of element 128h + 32j + l.
-        uint8x16_t hm0 = vld1q_u8(a[i].hmask), hm1 = vld1q_u8(a[i].hmask + 16);
-        int32x4_t sumi = vdupq_n_s32(0);
-        for (int h = 0; h < 2; h++) {
-            uint8x16_t q0 = vld1q_u8(a[i].qs + 32 * h), q1 = vld1q_u8(a[i].qs + 32 * h + 16);
-            const int8_t* q8 = b[i].qs + 128 * h;
-            const int8_t* sg = sc + 8 * h;
-            for (int j = 0; j < 4; j++) {
-                const uint8x16_t v0 = vorrq_u8(vandq_u8(q0, m3), vshlq_n_u8(vandq_u8(hm0, one), 2));
-                const uint8x16_t v1 = vorrq_u8(vandq_u8(q1, m3), vshlq_n_u8(vandq_u8(hm1, one), 2));
-                const int32x4_t z = vdupq_n_s32(0);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, vsubq_s8(s8(v0), four), vld1q_s8(q8 + 32 * j)), sg[2 * j]);
-                sumi = vmlaq_n_s32(sumi, dot_s8(z, vsubq_s8(s8(v1), four), vld1q_s8(q8 + 32 * j + 16)), sg[2 * j + 1]);
-                q0 = vshrq_n_u8(q0, 2);
-                q1 = vshrq_n_u8(q1, 2);
-                hm0 = vshrq_n_u8(hm0, 1);
-                hm1 = vshrq_n_u8(hm1, 1);
-            }
-        }
-        sum += d * (float)vaddvq_s32(sumi);
-    }
-    *s = sum;
+__attribute__((always_inline)) inline float dot_q3_K(const block_q3_K& a, const block_q8_K& b) {
+    const float d = b.d * h2f(a.d);
+    uint32_t aux[4];  // the 16 six-bit scales, biased by 32
+    quant::q3_K_scale_bytes(a.scales, aux);
+    int8_t sc[16];
+    vst1q_s8(sc, vsubq_s8(vreinterpretq_s8_u32(vld1q_u32(aux)), vdupq_n_s8(32)));
+    return d * (float)vaddvq_s32(sum_2bit_groups<true>(a.qs, a.hmask, sc, b.qs));
 }
 
 // ---- activation conversion (bit-identical to the scalar reference) ---------------------------
@@ -499,11 +485,11 @@ inline void fill_neon_table(KernelTable& t) {
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1, block_q8_1>;
 
-    t.vec_dot[TYPE_Q2_K] = vec_dot_q2_K;
-    t.vec_dot[TYPE_Q3_K] = vec_dot_q3_K;
-    t.vec_dot[TYPE_Q4_K] = vec_dot_q4_K;
-    t.vec_dot[TYPE_Q5_K] = vec_dot_q5_K;
-    t.vec_dot[TYPE_Q6_K] = vec_dot_q6_K;
+    t.vec_dot[TYPE_Q2_K] = vec_dot_K<block_q2_K, dot_q2_K>;
+    t.vec_dot[TYPE_Q3_K] = vec_dot_K<block_q3_K, dot_q3_K>;
+    t.vec_dot[TYPE_Q4_K] = vec_dot_K<block_q4_K, dot_q4_K>;
+    t.vec_dot[TYPE_Q5_K] = vec_dot_K<block_q5_K, dot_q5_K>;
+    t.vec_dot[TYPE_Q6_K] = vec_dot_K<block_q6_K, dot_q6_K>;
 
     t.from_float[TYPE_Q8_0] = from_float_q8_0;
     t.from_float[TYPE_Q8_1] = from_float_q8_1;
