@@ -498,3 +498,24 @@ def test_attention_offload_matches_the_gpu_alone(tiny, kv):
     ref = run([])
     got = run([0, 2])
     assert mean_kld(ref, got) < 1e-4
+
+
+def test_moe_attention_on_the_gpu_experts_on_the_cpu(tmp_path, tiny):
+    """A mixture of experts on CUDA: attention, KV cache and logits on the GPU, every layer's experts on the
+    CPU (the CUDA backend runs no experts yet), xn and y crossing each layer; n_cpu_moe that would put experts
+    on the GPU is refused by name."""
+    path = tmp_path / "moe.gguf"
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                    "-o", str(path), "--arch", "qwen3moe", "--n-embd", "256", "--n-layer", "2", "--n-head", "4",
+                    "--n-head-kv", "2", "--n-ff", "512", "--experts", "8", "--experts-used", "2", "--n-ff-exp", "128",
+                    "--type", "q4_0", "--std", "0.05", "--quiet", "--tokenizer-from", str(tiny["donor"])], check=True)
+    ids = prompt_ids(path)
+    ref = logits(path, ids, device="cpu")
+    with optiml.Model(path, n_ctx=128, device="cuda") as m:
+        assert all(layer["attention"] != "cpu" and layer["ffn_on_device"] == 0 for layer in m.plan.layers)
+        assert "experts on the CPU" in m.plan._d["reason"] and m.plan.device_bytes["ffn_weights"] == 0
+        assert sum(m._session.device_allocations.values()) == m.plan.device_bytes["total"]
+        got = m.eval(ids, all_logits=True)
+    assert mean_kld(ref, got) < KLD_BOUND
+    with pytest.raises(optiml.ArgumentError, match="runs no experts yet"):
+        optiml.Model(path, n_ctx=128, device="cuda", n_cpu_moe=1)

@@ -264,6 +264,64 @@ def test_missing_expert_count_refused(q3_path, tmp_path):
         optiml.Model(bad, n_ctx=64)
 
 
-def test_device_refused(q3_path):
-    with pytest.raises(optiml.UnsupportedModelError, match="MoE layers run on the CPU only"):
-        optiml.Model(q3_path, n_ctx=64, device="cpu:1")
+# ---- experts on a second device (cpu:1), or kept on the CPU (n_cpu_moe) ----------------------------------
+
+
+def device_logits(path, ids=IDS, **kw):
+    with optiml.Model(path, n_ctx=64, n_threads=2, **kw) as m:
+        a = m.eval(ids, all_logits=True)
+        b = m.eval([ids[1]])
+        alloc = sum(m._session.device_allocations.values())
+        return np.vstack([a, b[None]]), m.plan, alloc
+
+
+@pytest.mark.parametrize("where", [dict(n_gpu_layers=2), dict(n_gpu_layers=2, n_cpu_moe=True),
+                                   dict(n_gpu_layers=2, n_cpu_moe=1), dict(n_gpu_layers=1), dict(vram="1MiB")])
+def test_experts_on_a_device_give_the_cpu_bits(f32_model, where):
+    """Whole mixtures of experts on the device (with its attention), or kept on the CPU while the layer's
+    attention runs on the device (cpu_moe / n_cpu_moe, llama.cpp's meaning): the same operations on the
+    same bits, the residual's xn and y crossing where the experts run."""
+    _, path = f32_model
+    ref, _, _ = device_logits(path, device="cpu")
+    got, plan, alloc = device_logits(path, device="cpu:1", **where)
+    assert np.array_equal(got, ref), plan
+    assert alloc == plan.device_bytes["total"]  # the plan counts what the device holds, byte for byte
+    experts = [l["ffn_on_device"] > 0 for l in plan.layers]
+    attention = [l["attention"] == "cpu:1" for l in plan.layers]
+    if where.get("n_cpu_moe") is True:
+        assert experts == [False, False] and attention == [True, True]
+        assert plan.device_bytes["ffn_weights"] == 0 and "experts on the CPU" in plan._d["reason"]
+    elif where.get("n_cpu_moe") == 1:
+        assert experts == [False, True] and attention == [True, True]
+    elif "n_gpu_layers" in where:
+        assert experts == attention and sum(attention) == where["n_gpu_layers"]
+        assert plan.device_bytes["ffn_weights"] > 0
+
+
+def test_moe_placement_arguments_refused(q3_path):
+    with pytest.raises(optiml.ArgumentError, match="n_cpu_moe=3: the model has 2 layers"):
+        optiml.Model(q3_path, n_ctx=64, device="cpu:1", n_cpu_moe=3)
+    with pytest.raises(optiml.ArgumentError, match="non-negative integer"):
+        optiml.Model(q3_path, n_ctx=64, device="cpu:1", n_cpu_moe=-1)
+    with pytest.raises(optiml.ArgumentError, match="gpu_neurons: this model's layers are mixtures of experts"):
+        optiml.Model(q3_path, n_ctx=64, device="cpu:1", gpu_neurons=32)
+
+
+def test_n_cpu_moe_refused_without_experts(smollm2_path):
+    with pytest.raises(optiml.ArgumentError, match="this model has no experts"):
+        optiml.plan.make(smollm2_path, n_ctx=64, device="cpu:1", n_cpu_moe=1)
+
+
+def test_cli_cpu_moe(q3_path):
+    """`optiml info --plan` with llama.cpp's flags: --cpu-moe and -ncmoe N (their meaning), --cpu-moe with
+    -ncmoe refused by the parser."""
+    def plan(*flags):
+        r = subprocess.run([sys.executable, "-m", "optiml", "info", str(q3_path), "--plan", "--device", "cpu:1",
+                            "-ngl", "2", *flags], capture_output=True, text=True)
+        return r.returncode, r.stdout + r.stderr
+    rc, out = plan("--cpu-moe")
+    assert rc == 0 and "every layer's experts on the CPU" in out, out
+    rc, out = plan("-ncmoe", "1")
+    assert rc == 0 and "the experts of layers 0-0 on the CPU" in out, out
+    rc, out = plan("--cpu-moe", "-ncmoe", "1")
+    assert rc == 2 and "not allowed with argument" in out, out

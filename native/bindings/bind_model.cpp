@@ -147,7 +147,7 @@ int32_t kv_type_v_id(const std::string& kv_type_v) {
 PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std::string& kv_type, int32_t n_batch,
                        int32_t n_seq, const std::string& device, int64_t vram, int32_t n_gpu_layers,
                        std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads, int64_t kv_vram,
-                       const std::string& kv_type_v) {
+                       const std::string& kv_type_v, int32_t n_cpu_moe) {
     const int32_t kvt = kv_type_id(kv_type), kvt_v = kv_type_v_id(kv_type_v);
     if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = physical cores)");
     PlanOptions o;
@@ -157,6 +157,7 @@ PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std
     if (gpu_neurons) o.gpu_neurons = *gpu_neurons;
     o.device_threads = device_threads;
     o.kv_vram = kv_vram;
+    o.n_cpu_moe = n_cpu_moe;
     std::shared_ptr<ThreadPool> pool = n_threads == 0 ? default_pool() : std::make_shared<ThreadPool>(n_threads);
     nb::gil_scoped_release release;  // uploads weights to the device
     return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch, n_seq, &o, kvt_v)};
@@ -199,8 +200,10 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
 
 nb::dict make_plan_py(const PyModel& m, int32_t n_ctx, int32_t n_seq, int32_t n_batch, const std::string& kv_type,
                       const std::string& device, int64_t vram, int32_t n_gpu_layers,
-                      std::optional<std::vector<int32_t>> gpu_neurons, int64_t kv_vram, const std::string& kv_type_v) {
+                      std::optional<std::vector<int32_t>> gpu_neurons, int64_t kv_vram, const std::string& kv_type_v,
+                      int32_t n_cpu_moe) {
     PlanOptions o;
+    o.n_cpu_moe = n_cpu_moe;
     o.kv_type_v = kv_type_v_id(kv_type_v);
     o.kv_vram = kv_vram;
     o.n_ctx = n_ctx;
@@ -297,14 +300,15 @@ void bind_model(nb::module_& m) {
     m.def("make_plan", &make_plan_py, nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_seq") = 1,
           nb::arg("n_batch") = 512, nb::arg("kv_type") = "f16", nb::arg("device") = "auto", nb::arg("vram") = -1,
           nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(), nb::arg("kv_vram") = -1,
-          nb::arg("kv_type_v") = "");
+          nb::arg("kv_type_v") = "", nb::arg("n_cpu_moe") = -1);
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
     nb::class_<PySession>(m, "Session")
         .def(nb::new_(&make_session), nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_threads") = 0,
              nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512, nb::arg("n_seq") = 1, nb::arg("device") = "cpu",
              nb::arg("vram") = -1, nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(),
-             nb::arg("device_threads") = 1, nb::arg("kv_vram") = -1, nb::arg("kv_type_v") = "")
+             nb::arg("device_threads") = 1, nb::arg("kv_vram") = -1, nb::arg("kv_type_v") = "",
+             nb::arg("n_cpu_moe") = -1)
         .def("decode", &decode, nb::arg("tokens"), nb::arg("seq"), nb::arg("pos"), nb::arg("logits"))
         .def_prop_ro("n_seq", [](const PySession& s) { return s.session->n_seq(); })
         .def("seq_len", [](const PySession& s, int32_t seq) { return s.session->kv().seq_len(seq); }, nb::arg("seq"))

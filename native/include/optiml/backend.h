@@ -229,8 +229,9 @@ public:
     virtual void ffn_finish(const HParams& hp, const FFNShare& share, const float* gate2, const float* up2,
                             const int32_t* rows2, int64_t k2, int32_t n, float* y, const StepScratch& s);
     // y[t] = a mixture-of-experts FFN of xn[t]: the router's choice of experts, their weighted sum and the
-    // shared expert (optiml/model.h: HParams, MoEWeights). MoE layers run on the CPU only today: the
-    // default refuses (UnsupportedModelError), the CPU backends implement it (native/src/cpu/moe_ffn.cpp).
+    // shared expert (optiml/model.h: HParams, MoEWeights). The CPU backends (the host and cpu:N) implement
+    // it (native/src/cpu/backend/moe_ffn.cpp); the default refuses (UnsupportedModelError), and make_plan
+    // keeps experts off a device without it (CUDA: every layer's experts on the host).
     virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;

@@ -33,6 +33,10 @@ struct PlanOptions {
     // then holds the KV cache of as many sequences as fit; the others live in host memory, where the
     // host computes their attention (forward_offload.cpp). Needs every layer's attention on the device.
     int64_t kv_vram = -1;
+    // Mixtures of experts: the experts (router, experts, shared expert) of layers [0, n_cpu_moe) stay on the
+    // CPU while the rest of those layers may go to the device (llama.cpp's --n-cpu-moe; n_layer: --cpu-moe).
+    // -1: where whole layers go. The rest of a layer's experts go with its attention.
+    int32_t n_cpu_moe = -1;
 };
 
 struct LayerPlan {

@@ -64,8 +64,8 @@ double trace_clock() {
 }
 
 void Backend::moe_ffn(const HParams&, int layer, const MoEWeights&, const float*, int32_t, float*) {
-    throw UnsupportedModelError(format("%s: layer %d is a mixture of experts, and MoE layers run on the CPU only in "
-                                       "this build; run the model with device='cpu'", name_.c_str(), layer));
+    throw UnsupportedModelError(format("%s: layer %d is a mixture of experts, and this device runs no experts in "
+                                       "this build; keep them on the CPU (n_cpu_moe, --cpu-moe)", name_.c_str(), layer));
 }
 
 void Backend::ffn_finish(const HParams&, const FFNShare&, const float*, const float*, const int32_t*, int64_t, int32_t,

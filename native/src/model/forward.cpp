@@ -163,10 +163,14 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const LayerWeights& L = model_->layers[il];
     const StepScratch hs = scratch_rows(home, r0);
     const size_t xn_floats = (size_t)n * hp.n_embd;
-    if (L.moe.present()) {  // a mixture of experts: where the residual lives (make_plan keeps MoE models on the CPU)
-        home->rms_norm(hs.x, L.ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
-        home->moe_ffn(hp, il, L.moe, hs.xn, n, hs.y);
-        home->ffn_join(hp, L.ffn, hs.y, nullptr, n, hs.x);
+    if (L.moe.present()) {  // a mixture of experts, whole on one device (k > 0: the device)
+        Backend* be = E.k > 0 ? device_.get() : host_.get();
+        home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
+        const StepScratch s = scratch_rows(be, r0);
+        move(home, hs.xn, be, s.xn, xn_floats);
+        be->moe_ffn(hp, il, *E.moe_w, s.xn, n, s.y);
+        move(be, s.y, home, hs.y, xn_floats);
+        home->ffn_join(hp, E.attn_w->ffn, hs.y, nullptr, n, hs.x);
         return;
     }
     ActivationRecorder* rec = recorder_.get();

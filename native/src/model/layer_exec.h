@@ -16,6 +16,7 @@ struct Session::LayerExec {
     FFNShare host_share, device_share;
     std::vector<int32_t> host_rows;        // file neurons the host computes (empty: all, or none)
     std::vector<int32_t> device_rows;      // file neurons of the device's share, in its packed order
+    const MoEWeights* moe_w = nullptr;     // a mixture of experts: its weights where it runs (k > 0: the device)
     FFNWeights device_ffn;                 // the device's packed share
     NeuronMajor device_nm;                 // its down rows when they are not a column slice
     std::unique_ptr<NeuronMajor> host_nm;  // neuron-major down rows of the host's neurons (sparse FFN)

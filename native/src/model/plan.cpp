@@ -34,8 +34,17 @@ size_t attn_layer_bytes(const Model& m, int il) {
     return n;
 }
 
+// A mixture of experts goes to a device whole: its router, every expert and the shared expert.
+static size_t moe_layer_bytes(const MoEWeights& e) {
+    size_t n = weight_bytes(e.gate_inp) + weight_bytes(e.gate_inp_shexp);
+    for (const ExpertWeights* x : {&e.gate, &e.up, &e.down}) n += x->expert_bytes * (size_t)x->n_expert;
+    for (const Weight* w : {&e.shared.gate, &e.shared.up, &e.shared.down}) n += weight_bytes(*w);
+    return n;
+}
+
 size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous) {
     if (k <= 0) return 0;
+    if (m.layers[il].moe.present()) return moe_layer_bytes(m.layers[il].moe);
     const FFNWeights& w = m.layers[il].ffn;
     const HParams& hp = m.hp;
     size_t n = (w.gate.row_bytes + w.up.row_bytes) * (size_t)k;
@@ -52,6 +61,7 @@ size_t output_bytes(const Model& m, int32_t logits_rows) {
 }
 
 int32_t ffn_share_align(const Model& m, int il) {
+    if (m.layers[il].moe.present()) return m.hp.n_ff;  // all or nothing
     return (int32_t)type_traits(m.layers[il].ffn.down.type).block_size;
 }
 
@@ -151,12 +161,16 @@ struct Placer {
     Plan& p;
     size_t kv;      // one layer's KV cache on the device
     int64_t avail;  // bytes of the budget not yet placed
+    int32_t cpu_moe_layers = 0;  // a mixture of experts in layers [0, this) stays on the host (n_cpu_moe)
+
+    // The FFN neurons of a layer placed whole: all of them, none for experts kept on the host.
+    int32_t whole_ffn(int il) const { return m.layers[il].moe.present() && il < cpu_moe_layers ? 0 : hp.n_ff; }
 
     void whole_layer(int il) {
-        p.layers[il] = LayerPlan{true, hp.n_ff};
+        p.layers[il] = LayerPlan{true, whole_ffn(il)};
         p.device_bytes.attn_weights += attn_layer_bytes(m, il);
         p.device_bytes.kv += kv;
-        p.device_bytes.ffn_weights += ffn_share_bytes(m, il, hp.n_ff, true);
+        p.device_bytes.ffn_weights += ffn_share_bytes(m, il, whole_ffn(il), true);
     }
 
     // n_gpu_layers: the last n layers whole, or an error when they do not fit.
@@ -173,7 +187,7 @@ struct Placer {
     // No placement: whole layers from the last one down, as llama.cpp's layer split does.
     void whole_layers_from_the_end() {
         for (int il = hp.n_layer - 1; il >= 0; il--) {
-            const size_t a = attn_layer_bytes(m, il) + kv + ffn_share_bytes(m, il, hp.n_ff, true);
+            const size_t a = attn_layer_bytes(m, il) + kv + ffn_share_bytes(m, il, whole_ffn(il), true);
             if ((int64_t)a > avail) break;
             avail -= (int64_t)a;
             whole_layer(il);
@@ -241,6 +255,29 @@ void place_neurons(const PlanOptions& o, Placer& at, int64_t budget) {
     }
 }
 
+// How many layers, from the first, keep their experts on the host: n_cpu_moe as llama.cpp means it
+// (cpu_moe: all). A CUDA device runs no experts yet (its grouped expert kernels are not built): there
+// every layer's experts stay on the host, and asking for fewer is an error.
+int32_t cpu_moe_layers(const Model& m, const PlanOptions& o, Plan& p) {
+    const HParams& hp = m.hp;
+    if (!hp.is_moe()) {
+        if (o.n_cpu_moe > 0)
+            throw ArgumentError("n_cpu_moe keeps the experts of mixture-of-experts layers on the CPU, and this "
+                                "model has no experts: leave it out");
+        return 0;
+    }
+    if (o.n_cpu_moe > hp.n_layer)
+        throw ArgumentError(format("n_cpu_moe=%d: the model has %d layers", o.n_cpu_moe, hp.n_layer));
+    if (device_index(p.device, "cuda") >= 0) {
+        if (o.n_cpu_moe >= 0 && o.n_cpu_moe < hp.n_layer)
+            throw ArgumentError(format("n_cpu_moe=%d would put the experts of %d layers on %s, and the CUDA backend "
+                                       "runs no experts yet: keep them all on the CPU (cpu_moe=True, --cpu-moe)",
+                                       o.n_cpu_moe, hp.n_layer - o.n_cpu_moe, p.device.c_str()));
+        return hp.n_layer;
+    }
+    return std::max(o.n_cpu_moe, 0);
+}
+
 // The device's share of the model within the budget (p.device set): its scratch, layers and neurons,
 // and the logits where the residual stream ends when the output matrix fits beside the rest.
 void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
@@ -248,7 +285,7 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
     const int64_t budget = p.budget < 0 ? INT64_MAX : p.budget;
     PlanBytes& b = p.device_bytes;
     b.scratch = scratch_bytes(hp, p.n_batch);
-    Placer at{m, hp, p, kv, budget - (int64_t)b.scratch};
+    Placer at{m, hp, p, kv, budget - (int64_t)b.scratch, cpu_moe_layers(m, o, p)};
     if (at.avail < 0) {
         p.reason = format("the budget does not hold the device's scratch (%s)", mib(b.scratch).c_str());
         b = PlanBytes{};
@@ -258,6 +295,11 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
     } else {
         place_neurons(o, at, budget);
     }
+    if (p.uses_device() && at.cpu_moe_layers > 0)
+        p.reason += at.cpu_moe_layers == hp.n_layer ? "; every layer's experts on the CPU"
+                                                    : format("; the experts of layers 0-%d on the CPU", at.cpu_moe_layers - 1);
+    if (p.uses_device() && at.cpu_moe_layers > 0 && device_index(p.device, "cuda") >= 0)
+        p.reason += " (the CUDA backend runs no experts yet)";
     if (p.uses_device() && p.layers[hp.n_layer - 1].attn_on_device) {
         const int32_t rows = std::min(p.n_batch, 64);
         const size_t ob = output_bytes(m, rows);
@@ -287,11 +329,10 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     if (o.n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", o.n_seq));
     if (o.n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", o.n_batch));
     choose_device(o, p);
-    if (hp.is_moe() && p.uses_device())  // (device 'auto' stays on the CPU)
-        // Expert placement (the solver, the hybrid executor, the device's grouped kernels) is not built yet.
-        throw UnsupportedModelError(format(
-            "device '%s': this model's layers are mixtures of experts (%d experts), and MoE layers run on the "
-            "CPU only in this build; use device='cpu'", p.device.c_str(), hp.n_expert));
+    if (hp.is_moe() && !o.gpu_neurons.empty() && p.uses_device())
+        // Hot experts or neurons inside them (the solver's placement of experts) are not built yet.
+        throw ArgumentError("gpu_neurons: this model's layers are mixtures of experts, which go to a device whole "
+                            "(n_gpu_layers, a budget, n_cpu_moe): leave gpu_neurons out");
     if (o.vram < -1) throw ArgumentError("vram must be >= 0 bytes");
 
     if (m.placement_order.size() == (size_t)hp.n_layer * hp.n_ff) p.neuron_order = m.placement_order;

@@ -65,6 +65,24 @@ static NeuronMajor neuron_major_rows(ThreadPool& pool, const Weight& down, const
     return gather_neuron_major(full, rows, n_rows);
 }
 
+// A mixture of experts in device memory: its router, every expert (one block per 3-D tensor) and the
+// shared expert, counted as the plan counts them (ffn_share_bytes).
+static MoEWeights upload_moe(Backend& dev, const MoEWeights& w) {
+    MoEWeights d = w;
+    d.gate_inp = dev.upload(w.gate_inp, "ffn weights");
+    d.gate_inp_shexp = dev.upload(w.gate_inp_shexp, "ffn weights");
+    for (auto [src, dst] : {std::pair{&w.gate, &d.gate}, {&w.up, &d.up}, {&w.down, &d.down}}) {
+        const size_t bytes = src->expert_bytes * (size_t)src->n_expert;
+        uint8_t* p = (uint8_t*)dev.alloc(bytes, "ffn weights");
+        dev.copy_from_host(p, src->data, bytes);
+        dst->data = p;
+    }
+    for (auto [src, dst] : {std::pair{&w.shared.gate, &d.shared.gate}, {&w.shared.up, &d.shared.up},
+                            {&w.shared.down, &d.shared.down}})
+        *dst = dev.upload(*src, "ffn weights");
+    return d;
+}
+
 static StepScratch carve_scratch(Backend& be, const HParams& hp, int32_t n_batch) {
     float* p = (float*)be.alloc(scratch_bytes(hp, n_batch), "scratch");
     StepScratch s;
@@ -146,8 +164,13 @@ void Session::bind_devices() {
             E.attn_w = &D;
         }
 
-        // The FFN: placed neurons [0, k) on the device, [k, n_ff) on the host.
+        // The FFN: placed neurons [0, k) on the device, [k, n_ff) on the host; a mixture of experts whole.
         E.k = lp.ffn_on_device;
+        if (L.moe.present()) {
+            if (E.k > 0) device_layers_[il].moe = upload_moe(*dev, L.moe);
+            E.moe_w = E.k > 0 ? &device_layers_[il].moe : &L.moe;
+            continue;
+        }
         const int32_t* order = ordered ? plan_.neuron_order.data() + (size_t)il * hp.n_ff : nullptr;
         if (E.k > 0) {
             FFNWeights& F = E.device_ffn;

@@ -75,6 +75,12 @@ def add_device_args(p: argparse.ArgumentParser, loads_weights: bool = True) -> N
                    help="the last N layers whole on the device (as llama.cpp's -ngl)")
     p.add_argument("--gpu-neurons", type=int, default=None,
                    help="FFN neurons per layer on the device (overrides the file's placement)")
+    moe = p.add_mutually_exclusive_group()
+    moe.add_argument("--cpu-moe", action="store_true",
+                     help="mixtures of experts: every layer's experts on the CPU, the rest where the plan puts it "
+                     "(as llama.cpp's --cpu-moe)")
+    moe.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=None, metavar="N",
+                     help="mixtures of experts: the experts of the first N layers on the CPU (llama.cpp's --n-cpu-moe)")
     p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
                    help="the KV cache's type for keys: f16 (default), f32, q8_0 (half the bytes), q4_0 (a quarter)")
     p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="the same for values")
@@ -108,6 +114,7 @@ def device(args) -> dict:
     """Model's keyword arguments for where layers run and the KV cache's types (the options of add_device_args)."""
     return {"device": getattr(args, "device", "auto"), "vram": getattr(args, "vram", None),
             "n_gpu_layers": getattr(args, "n_gpu_layers", None), "gpu_neurons": getattr(args, "gpu_neurons", None),
+            "n_cpu_moe": True if getattr(args, "cpu_moe", False) else getattr(args, "n_cpu_moe", None),
             "kv_type_k": getattr(args, "cache_type_k", None), "kv_type_v": getattr(args, "cache_type_v", None)}
 
 

@@ -77,7 +77,10 @@ class Model(Sequences):
     device (overrides the file's placement). The result is :attr:`plan`. kv_vram (such as "2GiB") limits
     the device's KV cache: it then holds as many sequences as fit, the others live in host memory and
     their attention runs on the CPU (CPU attention offload, see :meth:`kv_place`); it needs every layer's
-    attention on the device.
+    attention on the device. n_cpu_moe (mixtures of experts): the experts of the first N layers stay on the
+    CPU while the rest of those layers may go to the device (llama.cpp's --n-cpu-moe; True: every layer's,
+    --cpu-moe); without it a layer's experts go where its attention goes. A CUDA device keeps every
+    layer's experts on the CPU (it runs no experts yet).
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists, unless its predictors mark so many neurons active that they would
@@ -113,6 +116,7 @@ class Model(Sequences):
         use_mmap="auto",
         kv_type_k=None,
         kv_type_v=None,
+        n_cpu_moe=None,
     ):
         self.path = loading.model_file(path)
         self._model = loading.open_weights(self.path, use_mmap)
@@ -125,7 +129,7 @@ class Model(Sequences):
         n_batch = positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
         n_seq = positive_int("n_seq", n_seq)
-        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
+        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe)
         kv_type, where["kv_type_v"] = kv_types(kv_type, kv_type_k, kv_type_v)
         if use_mmap == "auto" and loading.auto_in_memory(
                 self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):

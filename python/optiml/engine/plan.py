@@ -76,12 +76,19 @@ class Plan:
 
 
 def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
-              kv_vram=None) -> dict:
-    """The native keyword arguments for a plan, validated."""
+              kv_vram=None, n_cpu_moe=None) -> dict:
+    """The native keyword arguments for a plan, validated. n_cpu_moe: a mixture of experts keeps the experts of
+    its first n_cpu_moe layers on the CPU (llama.cpp's --n-cpu-moe; True: every layer's, --cpu-moe)."""
     if not isinstance(device, str) or not device:
         raise ArgumentError(f"device must be a string such as 'auto', 'cpu', 'cpu:1' or 'cuda', not {device!r}")
     args = {"device": device, "vram": -1 if vram is None else parse_size(vram), "n_gpu_layers": -1,
-            "gpu_neurons": None, "kv_vram": -1 if kv_vram is None else parse_size(kv_vram)}
+            "gpu_neurons": None, "kv_vram": -1 if kv_vram is None else parse_size(kv_vram), "n_cpu_moe": -1}
+    if n_cpu_moe is True:
+        args["n_cpu_moe"] = n_layer
+    elif n_cpu_moe is not None and n_cpu_moe is not False:
+        if isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int) or n_cpu_moe < 0:
+            raise ArgumentError(f"n_cpu_moe must be a non-negative integer (or True: every layer), not {n_cpu_moe!r}")
+        args["n_cpu_moe"] = n_cpu_moe
     if n_gpu_layers is not None:
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < 0:
             raise ArgumentError(f"n_gpu_layers must be a non-negative integer, not {n_gpu_layers!r}")
@@ -97,12 +104,12 @@ def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, 
 
 def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_batch: int = 512,
          kv_type: str = "f16", device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
-         kv_vram=None, kv_type_k=None, kv_type_v=None) -> Plan:
+         kv_vram=None, kv_type_k=None, kv_type_v=None, n_cpu_moe=None) -> Plan:
     """The plan a model would run with (nothing is uploaded or allocated). kv_type, kv_type_k, kv_type_v:
     the KV cache's types (see :func:`kv_types`); the plan's KV bytes follow them."""
     tk, tv = kv_types(kv_type, kv_type_k, kv_type_v)
     model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams
     n_ctx = min(hp["n_ctx_train"], 4096) if n_ctx is None else n_ctx
-    args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram)
+    args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe)
     return Plan(_core.make_plan(model, n_ctx, n_seq, n_batch, tk, kv_type_v=tv, **args))

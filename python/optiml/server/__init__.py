@@ -31,9 +31,9 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
           api_key: str | None = None, n_threads: int | None = None, max_queue: int = 64, chunk: int = 256,
           model_id: str | None = None, log_level: str = "info", predictors="auto", device: str = "auto", vram=None,
           n_gpu_layers: int | None = None, gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None,
-          use_mmap="auto", kv_type_k=None, kv_type_v=None) -> None:
+          use_mmap="auto", kv_type_k=None, kv_type_v=None, n_cpu_moe=None) -> None:
     """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped.
-    predictors, device, vram, n_gpu_layers, gpu_neurons, kv_vram, use_mmap, kv_type_k, kv_type_v: as
+    predictors, device, vram, n_gpu_layers, gpu_neurons, kv_vram, use_mmap, kv_type_k, kv_type_v, n_cpu_moe: as
     optiml.Model's. With kv_vram holding
     fewer sequences than n_parallel, the others' attention runs on the CPU when the offload policy finds
     it pays (server/offload.py), within max_itl_ms per step when given."""
@@ -45,7 +45,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
 
     model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors, device=device,
                   vram=vram, n_gpu_layers=n_gpu_layers, gpu_neurons=gpu_neurons, kv_vram=kv_vram, use_mmap=use_mmap,
-                  kv_type_k=kv_type_k, kv_type_v=kv_type_v)
+                  kv_type_k=kv_type_k, kv_type_v=kv_type_v, n_cpu_moe=n_cpu_moe)
     server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
                     chunk=chunk, max_itl_ms=max_itl_ms)
     offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"

@@ -514,7 +514,7 @@ BUILD_ARGS = {
     "model": None, "replicas": 1, "min_replicas": None, "max_replicas": None, "cpus": 1, "gpus": 0,
     "parallel": 4, "ctx": None, "threads": None, "queue": 64, "chunk": 256, "alias": None, "api_key": None,
     "predictors": "auto", "device": "auto", "vram": None, "n_gpu_layers": None, "gpu_neurons": None,
-    "kv_vram": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None,
+    "kv_vram": None, "n_cpu_moe": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None,
     "stream_interval_ms": 100, "access_log": False,
 }
 
@@ -534,7 +534,8 @@ def build_app(args: dict):
 
     model_kwargs = {"n_ctx": num(a["ctx"]), "n_threads": num(a["threads"]), "predictors": a["predictors"],
                     "device": a["device"], "vram": a["vram"], "n_gpu_layers": num(a["n_gpu_layers"]),
-                    "gpu_neurons": num(a["gpu_neurons"]), "kv_vram": a["kv_vram"], "use_mmap": a["mmap"]}
+                    "gpu_neurons": num(a["gpu_neurons"]), "kv_vram": a["kv_vram"], "use_mmap": a["mmap"],
+                    "n_cpu_moe": True if str(a["n_cpu_moe"]).lower() == "true" else num(a["n_cpu_moe"])}
     if model_kwargs["predictors"] in ("none", None):
         model_kwargs["predictors"] = None
     server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]) or 256,
@@ -597,7 +598,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
               max_queue: int = 64, chunk: int = 256, model_id: str | None = None, log_level: str = "info",
               predictors="auto", device: str = "auto", vram=None, n_gpu_layers: int | None = None,
               gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None, use_mmap="auto",
-              kv_type_k=None, kv_type_v=None, min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
+              kv_type_k=None, kv_type_v=None, n_cpu_moe=None, min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
               stream_interval_ms: float = 100, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
               stop: threading.Event | None = None):
     """optiml serve --ray: the same server as optiml.server.serve (same arguments), as `replicas`
@@ -641,7 +642,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
                     model_kwargs={"n_ctx": n_ctx, "n_threads": n_threads or cpus, "predictors": predictors,
                                   "device": device, "vram": vram, "n_gpu_layers": n_gpu_layers,
                                   "gpu_neurons": gpu_neurons, "kv_vram": kv_vram, "use_mmap": use_mmap,
-                                  "kv_type_k": kv_type_k, "kv_type_v": kv_type_v},
+                                  "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "n_cpu_moe": n_cpu_moe},
                     server_kwargs={"api_key": api_key, "model_id": model_id, "chunk": chunk,
                                    "max_itl_ms": max_itl_ms},
                     stream_interval_ms=stream_interval_ms, access_log=log_level == "debug")
