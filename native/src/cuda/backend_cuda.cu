@@ -398,9 +398,9 @@ private:
     }
 
     // ---- products ------------------------------------------------------------------------------
-    // The input a group of products shares: n rows of `cols` floats at x, or (make != Copy) values still
-    // to be made from other rows by the input stage (kernels.cuh's CudaInputStage: the RMSNorm of src, or
-    // act(src) * up), which makes them in the same kernel that converts them for the first product that
+    // The input a group of products shares: n rows of `cols` floats at x, or (made.make != Copy) values
+    // still to be made from other rows by the input stage (`made`, kernels.cuh's CudaInputStage: the
+    // RMSNorm of made.x, or act(made.x) * made.up), which makes them in the same kernel that converts them for the first product that
     // needs them, and stores them at x when keep_values (or when a product reads them as floats). Then
     // what has been made of them so far: rounded into buf for a vec_dot type (-1: not yet; buf may be x
     // when nothing reads x afterwards), 8-bit codes in codes_ (the integer path).
@@ -409,14 +409,7 @@ private:
         float* buf = nullptr;
         int32_t n = 0;
         int64_t cols = 0;
-        CudaInputStage::Make make = CudaInputStage::Copy;
-        const float* src = nullptr;
-        const float* norm = nullptr;
-        float eps = 0.0f;
-        const float* up = nullptr;
-        const float* gate_b = nullptr;
-        const float* up_b = nullptr;
-        int32_t act = 0;
+        CudaInputStage made;  // how the values are made: make, its source rows x, norm/eps or up/act
         bool keep_values = true;
         int32_t rounded = -1;
         bool codes = false;
@@ -432,36 +425,31 @@ private:
     // The RMSNorm of src's rows by norm, into x (src != x).
     static Input normed(const float* src, const Weight& norm, float eps, float* x, float* buf, int32_t n, int64_t cols) {
         Input in = floats(x, buf, n, cols);
-        in.make = CudaInputStage::Norm;
-        in.src = src;
-        in.norm = (const float*)norm.data;
-        in.eps = eps;
+        in.made.make = CudaInputStage::Norm;
+        in.made.x = src;
+        in.made.norm = (const float*)norm.data;
+        in.made.eps = eps;
         return in;
     }
 
     // The stage for rows [t0, t0 + m) of `in`: its values made (or read), converted as `convert` asks
     // (kCudaCodes: into codes_ from its row 0; a vec_dot type: into buf; -1: only the values, into x).
     void stage(Input& in, int32_t convert, int32_t t0, int32_t m) {
-        if (!fuse_ && in.make != CudaInputStage::Copy && convert != -1) {  // made first, then converted
+        CudaInputStage& made = in.made;
+        if (!fuse_ && made.make != CudaInputStage::Copy && convert != -1) {  // made first, then converted
             stage(in, -1, 0, in.n);
-            in.make = CudaInputStage::Copy;
+            made.make = CudaInputStage::Copy;
         }
-        if (!fuse_ && in.make == CudaInputStage::Norm) {  // (the plain kernel, as before the fusion)
-            cuda_rms_norm(stream_, in.src, in.norm, in.x, in.n, in.cols, in.eps);
-            in.make = CudaInputStage::Copy;
+        if (!fuse_ && made.make == CudaInputStage::Norm) {  // (the plain kernel, as before the fusion)
+            cuda_rms_norm(stream_, made.x, made.norm, in.x, in.n, in.cols, made.eps);
+            made.make = CudaInputStage::Copy;
             return;
         }
         const size_t off = (size_t)t0 * in.cols;
-        CudaInputStage st;
-        st.make = in.make;
-        st.x = (in.make == CudaInputStage::Copy ? in.x : in.src) + off;
-        st.norm = in.norm;
-        st.eps = in.eps;
-        st.up = in.up ? in.up + off : nullptr;
-        st.gate_b = in.gate_b;
-        st.up_b = in.up_b;
-        st.act = in.act;
-        const bool store = in.make != CudaInputStage::Copy && (in.keep_values || convert == -1);
+        CudaInputStage st = made;
+        st.x = (made.make == CudaInputStage::Copy ? in.x : made.x) + off;
+        st.up = made.up ? made.up + off : nullptr;
+        const bool store = made.make != CudaInputStage::Copy && (in.keep_values || convert == -1);
         st.values = store ? in.x + off : nullptr;
         st.convert = convert;
         st.rounded = convert >= 0 ? in.buf + off : nullptr;
@@ -469,11 +457,11 @@ private:
         st.meta = codes_meta_;
         cuda_input_stage(stream_, st, m, in.cols);
         // Made and stored for every row: from now on x holds them (unless the rounding went over them).
-        if (store && t0 == 0 && m == in.n) in.make = CudaInputStage::Copy;
+        if (store && t0 == 0 && m == in.n) made.make = CudaInputStage::Copy;
     }
     // x holds the values as floats.
     void make_floats(Input& in) {
-        if (in.make != CudaInputStage::Copy) stage(in, -1, 0, in.n);
+        if (in.made.make != CudaInputStage::Copy) stage(in, -1, 0, in.n);
     }
 
     // One product of a group: y (+)= W x (+ bias).
@@ -545,7 +533,7 @@ private:
             if (in.rounded != t) {
                 stage(in, t, 0, n);
                 in.rounded = t;
-                if (in.buf == in.x) in.make = CudaInputStage::Copy;  // (x holds the rounded values now)
+                if (in.buf == in.x) in.made.make = CudaInputStage::Copy;  // (x holds the rounded values now)
             }
             x = in.buf;
         }
@@ -573,10 +561,10 @@ private:
         const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
         const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
         Input h = floats(s.gate, s.gate, in.n, width);  // (rounded in place: nothing reads the gate after down)
-        h.make = CudaInputStage::ActMul;
-        h.src = s.gate;
-        h.up = s.up;
-        h.act = cuda_act_code(hp.ffn_act, gelu_f16);
+        h.made.make = CudaInputStage::ActMul;
+        h.made.x = s.gate;
+        h.made.up = s.up;
+        h.made.act = cuda_act_code(hp.ffn_act, gelu_f16);
         h.keep_values = false;
         return h;
     }

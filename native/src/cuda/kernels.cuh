@@ -112,7 +112,7 @@ struct CudaQ8Meta {
 void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, int8_t* codes, CudaQ8Meta* meta);
 // The products' input stage: the values a group of products reads, made and converted in one kernel.
 // make: x as it is (Copy), the RMSNorm of x's rows by `norm` (Norm: as cuda_rms_norm, bit for bit), or
-// act(x + gate_b) * (up + up_b) (ActMul: the FFN's hidden values, act a cuda_act_code, biases optional);
+// act(x) * up (ActMul: the FFN's hidden values, act a cuda_act_code; the products added the biases);
 // then converted for the products: to 8-bit codes and block scales as cuda_quantize_q8x (convert
 // kCudaCodes, into codes/meta), rounded as cuda_round_activations rounds for a vec_dot type (Q8_0, Q8_1,
 // Q8_K, F16, BF16, into `rounded`), or not at all (-1). values (optional): the float values before the
@@ -125,8 +125,6 @@ struct CudaInputStage {
     const float* norm = nullptr;
     float eps = 0.0f;
     const float* up = nullptr;
-    const float* gate_b = nullptr;
-    const float* up_b = nullptr;
     int32_t act = 0;
     float* values = nullptr;
     int32_t convert = -1;

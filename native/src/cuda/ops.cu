@@ -178,10 +178,7 @@ __global__ void input_stage_kernel(CudaInputStage st, int64_t cols) {
         if (st.make == CudaInputStage::Norm) {
             v[j] = st.norm ? __fmul_rn(xr[i] * scale, st.norm[i]) : xr[i] * scale;
         } else if (st.make == CudaInputStage::ActMul) {
-            float a = xr[i], b = st.up[(size_t)row * cols + i];
-            if (st.gate_b) a += st.gate_b[i];
-            if (st.up_b) b += st.up_b[i];
-            v[j] = act_mul(st.act, a, b);
+            v[j] = act_mul(st.act, xr[i], st.up[(size_t)row * cols + i]);
         } else {
             v[j] = xr[i];
         }
@@ -308,7 +305,7 @@ void cuda_input_stage(cudaStream_t s, const CudaInputStage& st, int32_t n, int64
         {CudaKernel::RmsNorm, CudaKernel::NormQuantize, CudaKernel::NormRound},
         {CudaKernel::ActMul, CudaKernel::ActQuantize, CudaKernel::ActRound}};
     CudaTraffic t;
-    t.weights = 4 * cols * ((st.make == CudaInputStage::Norm && st.norm) + (st.gate_b != nullptr) + (st.up_b != nullptr));
+    t.weights = st.make == CudaInputStage::Norm && st.norm ? 4 * cols : 0;
     t.activations = 4 * count * (st.make == CudaInputStage::ActMul ? 2 : 1) + (st.values ? 4 * count : 0) +
                     (codes ? count + (int64_t)sizeof(CudaQ8Meta) * (count / 32) : none ? 0 : 4 * count);
     cuda_count(kinds[(int)st.make][none ? 0 : codes ? 1 : 2], t);
