@@ -66,11 +66,11 @@ inline void fill_quant_kernels(KernelTable& t) {
     t.vec_dot_rows[TYPE_Q4_K] = vec_dot_rows_k<block_q4_K>;
     t.vec_dot_rows[TYPE_Q5_K] = vec_dot_rows_k<block_q5_K>;
     t.vec_dot_rows[TYPE_Q6_K] = vec_dot_rows_k<block_q6_K>;
-    t.gemm[TYPE_Q2_K] = gemm_tiled<KUnpackedTile<block_q2_K>, KR, KT>;
-    t.gemm[TYPE_Q3_K] = gemm_tiled<KUnpackedTile<block_q3_K>, KR, KT>;
-    t.gemm[TYPE_Q4_K] = gemm_tiled<KUnpackedTile<block_q4_K>, KR, KT>;
-    t.gemm[TYPE_Q5_K] = gemm_tiled<KUnpackedTile<block_q5_K>, KR, KT>;
-    t.gemm[TYPE_Q6_K] = gemm_tiled<KUnpackedTile<block_q6_K>, KR, KT>;
+    t.gemm[TYPE_Q2_K] = gemm_k<block_q2_K, KR, KT>;
+    t.gemm[TYPE_Q3_K] = gemm_k<block_q3_K, KR, KT>;
+    t.gemm[TYPE_Q4_K] = gemm_k<block_q4_K, KR, KT>;
+    t.gemm[TYPE_Q5_K] = gemm_k<block_q5_K, KR, KT>;
+    t.gemm[TYPE_Q6_K] = gemm_k<block_q6_K, KR, KT>;
 }
 
 // The float kernels for vector type FV with R x T tiles (R * T accumulators + T activation vectors
