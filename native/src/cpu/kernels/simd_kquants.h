@@ -170,11 +170,12 @@ struct KBlocks {
 };
 
 // ... or the row unpacked beforehand (the batched product meets each block once per token, so it
-// unpacks a few rows once and runs all its tokens over them): codes and per-chunk scale vectors
-// ready to use.
+// unpacks a few rows once and runs all its tokens over them): codes ready to use and the scales as
+// KRow keeps them (a shuffle per chunk, shared by the tile's tokens, is cheaper than unpacking and
+// reading 8 scale vectors a block).
 struct alignas(32) KUnpacked {  // aligned: a 32-byte load across two cache lines costs two
     uint8_t codes[8][32];
-    int16_t scales[8][16];
+    int16_t s16[16];
     int16_t c16[16];
     float d, dmin;
 };
@@ -182,12 +183,13 @@ struct KFromUnpacked {
     const KUnpacked* u;
     explicit KFromUnpacked(const void* p) : u((const KUnpacked*)p) {}
     void prepare(int64_t i, KRow& k) const {
+        k.s16 = load256(u[i].s16);
         k.c16 = load256(u[i].c16);
         k.d = u[i].d;
         k.dmin = u[i].dmin;
     }
     __m256i codes(int64_t i, const KRow&, int c) const { return load256(u[i].codes[c]); }
-    __m256i scales(int64_t i, const KRow&, int c) const { return load256(u[i].scales[c]); }
+    __m256i scales(int64_t, const KRow& k, int c) const { return chunk_scales(k.s16, c); }
 };
 
 template <class WBlock>
@@ -198,8 +200,8 @@ inline void unpack_row_k(const void* row, int64_t nb, KUnpacked* out) {
         KQ<WBlock>::prepare(a[i], k);
         for (int c = 0; c < 8; c++) {
             _mm256_storeu_si256((__m256i*)out[i].codes[c], KQ<WBlock>::codes(a[i], c));
-            _mm256_storeu_si256((__m256i*)out[i].scales[c], chunk_scales(k.s16, c));
         }
+        _mm256_storeu_si256((__m256i*)out[i].s16, k.s16);
         _mm256_storeu_si256((__m256i*)out[i].c16, k.c16);
         out[i].d = k.d;
         out[i].dmin = k.dmin;
