@@ -106,9 +106,11 @@ class Reference:
             w = prob[i, top]
             if self.norm_w:
                 w = w / w.sum()
+            self.choices.setdefault(p, []).append((top, w, []))  # per token: experts, weights, their act*up
             for e, we in zip(top, w):
                 g = T[p + "ffn_gate_exps.weight"][e] @ h[i]
                 u = T[p + "ffn_up_exps.weight"][e] @ h[i]
+                self.choices[p][-1][2].append(g / (1 + np.exp(-g)) * u)
                 y[i] += we * (T[p + "ffn_down_exps.weight"][e] @ (g / (1 + np.exp(-g)) * u))
         if p + "ffn_gate_shexp.weight" in T:
             g, u = h @ T[p + "ffn_gate_shexp.weight"].T, h @ T[p + "ffn_up_shexp.weight"].T
@@ -120,6 +122,7 @@ class Reference:
     def logits(self, ids):
         T, n, hd = self.t, len(ids), self.head_dim
         self.route_gap = np.inf  # the smallest margin of a token's last chosen expert over the next one
+        self.choices = {}  # per layer prefix: per token (experts, weights, act(gate) * up of each)
         pos = np.arange(n, dtype=np.float64)
         x = T["token_embd.weight"][ids]
         mask = np.triu(np.full((n, n), -np.inf), 1)
@@ -225,6 +228,81 @@ def test_quantized_experts(tmp_path, qtype, seed):
     decided = (top2_gap(ours) > TIE) & (top2_gap(theirs) > TIE)
     assert decided.sum() >= len(IDS) // 3
     assert (ours.argmax(1) == theirs.argmax(1))[decided].all()
+
+
+# ---- the profiler ----------------------------------------------------------------------------------
+
+
+def test_profiler_records_the_routing(f32_model):
+    """`optiml profile`'s recorder on a mixture of experts: which experts each layer chose (counts, weights,
+    consecutive pairs) and which neurons inside them fired, against the float64 pass; a new chunk does not
+    pair with the one before."""
+    from optiml.offline.profile import run_chunks
+
+    name, path = f32_model
+    oracle = Reference(path)
+    chunks = [IDS[:24], IDS[24:40]]
+    choices, gap = {}, np.inf
+    for c in chunks:
+        oracle.logits(c)
+        gap = min(gap, oracle.route_gap)
+        for p, v in oracle.choices.items():
+            choices.setdefault(p, []).extend(v)
+    first_len = len(chunks[0])
+    if gap < 1e-3:
+        pytest.skip(f"a near-tie in the router (margin {gap:.2e})")
+    L, X, k = oracle.n_layer, oracle.n_expert, oracle.k
+    thr = 0.05
+    with optiml.Model(path, n_ctx=64, n_threads=2) as m:
+        rec = optiml._core.ActivationRecorder(m._model, np.full(L, thr, dtype=np.float32))
+        run_chunks(m, chunks, rec)
+        r = rec.result()
+    assert r["n_tokens"] == 40
+    for il in range(L):
+        toks = choices[f"blk.{il}."]
+        count, weight = np.zeros(X, np.int64), np.zeros(X)
+        nxt = np.zeros((X, X), np.int64)
+        fired, near = np.zeros((X, r["expert_fired"].shape[2]), np.int64), 0
+        for t, (top, w, hs) in enumerate(toks):
+            count[top] += 1
+            weight[top] += w
+            if t > 0 and t != first_len:  # the second chunk's first token follows nothing
+                for a in toks[t - 1][0]:
+                    nxt[a, top] += 1
+            for e, h in zip(top, hs):
+                fired[e] += np.abs(h) > thr
+                near += int((np.abs(np.abs(h) - thr) < 1e-4).sum())
+        np.testing.assert_array_equal(r["expert_count"][il], count)
+        np.testing.assert_allclose(r["expert_weight"][il], weight, rtol=1e-3, atol=1e-4)  # f32 softmax
+        np.testing.assert_array_equal(r["expert_next"][il], nxt)
+        assert np.abs(r["expert_fired"][il] - fired).sum() <= near
+    assert r["expert_next"].sum() == L * (24 - 1 + 16 - 1) * k * k
+
+
+def test_profile_cli_on_experts(q3_path, tmp_path):
+    """`optiml profile` on a mixture of experts: the stats file holds the experts' arrays (they load back),
+    the summary names the experts' skew; `optiml solve` and `optiml calibrate` refuse the model with a reason."""
+    from optiml.formats import stats as ostats
+
+    text = tmp_path / "text.txt"
+    text.write_text("The history of the printing press begins in the fifteenth century. " * 40)
+    out = tmp_path / "q3.stats.npz"
+    cmd = [sys.executable, "-m", "optiml", "profile", "-m", str(q3_path), "--data", str(text), "--tokens", "300",
+           "--ctx", "128", "-q", "-o", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "experts: the top 10%" in p.stdout and "neurons inside the experts" in p.stdout
+    st = ostats.load(out)
+    assert st.is_moe and st.expert_count.shape == (2, 8) and st.expert_next.shape == (2, 8, 8)
+    assert st.expert_freq.shape == (2, 8, 64) and 0 < st.expert_freq.mean() < 1
+    assert (st.expert_count.sum(axis=1) == st.n_tokens * 2).all()
+    p = subprocess.run([sys.executable, "-m", "optiml", "solve", "-m", str(q3_path), "--stats", str(out), "--vram",
+                        "1MiB", "-o", str(tmp_path / "placed.gguf")], capture_output=True, text=True)
+    assert p.returncode != 0 and "mixture-of-experts" in p.stderr, p.stderr
+    with pytest.raises(optiml.OptimlError, match="nothing to calibrate"):
+        optiml.calibrate(str(q3_path), None, texts=[text.read_text()], target=0.5, progress=False)
+    with pytest.raises(optiml.OptimlError, match="samples"):
+        optiml.profile(str(q3_path), None, texts=[text.read_text()], n_tokens=100, samples=8, progress=False)
 
 
 # ---- malformed metadata and what is not supported -------------------------------------------------

@@ -91,6 +91,13 @@ nb::dict recorder_result(const PyRecorder& pr) {
     d["prod_err"] = to_array(r.prod_err, {L, B});
     d["sample_x"] = to_array(r.sample_x, {S, L, (size_t)r.n_embd});  // f16 bits
     d["sample_mask"] = to_array(r.sample_mask, {S, L, F / 8});
+    if (r.n_expert > 0) {
+        const size_t X = r.n_expert;
+        d["expert_count"] = to_array(r.expert_count, {L, X});
+        d["expert_weight"] = to_array(r.expert_weight, {L, X});
+        d["expert_next"] = to_array(r.expert_next, {L, X, X});
+        d["expert_fired"] = to_array(r.expert_fired, {L, X, (size_t)r.n_ff_exp});
+    }
     return d;
 }
 

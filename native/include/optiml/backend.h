@@ -232,7 +232,9 @@ public:
     // shared expert (optiml/model.h: HParams, MoEWeights). The CPU backends (the host and cpu:N) implement
     // it (native/src/cpu/backend/moe_ffn.cpp); the default refuses (UnsupportedModelError), and make_plan
     // keeps experts off a device without it (CUDA: every layer's experts on the host).
-    virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y);
+    // rec: the profiler's recorder (optiml/recorder.h), on the host only.
+    virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y,
+                         ActivationRecorder* rec);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
     // A layer's whole FFN where one device computes it densely and the residual stream x lives there too:

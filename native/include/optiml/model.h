@@ -267,7 +267,7 @@ public:
     int32_t n_ctx() const { return n_ctx_; }
     int32_t n_seq() const { return kv_->n_seq(); }
     // Forgets everything of sequence 0 after the first n positions (0 = reset).
-    void truncate(int32_t n) { kv_->truncate(0, n); }
+    void truncate(int32_t n);  // sequence 0 to its first n positions (0: empty; a recorder then starts anew)
     KVCache& kv() { return *kv_; }
     // CPU attention offload: sequence s's KV cache moves to host memory (on_host) or back to the device,
     // and from the next step its attention runs on the host (see forward_offload.cpp).

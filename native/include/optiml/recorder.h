@@ -1,5 +1,6 @@
 // Recording hooks for `optiml profile`: per layer and per FFN neuron, how often it fires, how large its
-// activation is, and histograms of activation magnitudes from which `optiml calibrate` picks thresholds.
+// activation is, and histograms of activation magnitudes from which `optiml calibrate` picks thresholds;
+// for a mixture of experts, which experts the router chooses and the firing of the neurons inside them.
 // A Session with a recorder attached feeds it every token it evaluates (the FFN then runs dense).
 #pragma once
 
@@ -34,6 +35,16 @@ public:
     void record(ThreadPool& pool, int layer, const float* xn, const float* a, const float* u, const float* h,
                 int32_t n);
 
+    // A mixture-of-experts layer's router choice for n tokens: chosen[t * k + j] and weight[t * k + j],
+    // best first (the MoE FFN calls it after routing). Consecutive tokens of one sequence (within a step,
+    // and across steps until new_sequence) add to expert_next.
+    void record_experts(int layer, const int32_t* chosen, const float* weight, int32_t n, int32_t k);
+    // h = act(gate) * up of `rows` tokens routed to expert e of a MoE layer [rows][n_ff_exp]: the neurons
+    // that fire inside the expert, and prod_hist as for a dense layer (thresholds come from it).
+    void record_expert_neurons(int layer, int32_t expert, const float* h, int64_t rows);
+    // The next token evaluated starts a sequence (the session's context was emptied).
+    void new_sequence();
+
     // Bin edges: kHistBins + 1 values, the first 0 and the last +inf.
     static std::vector<float> hist_edges();
 
@@ -51,9 +62,19 @@ public:
     int64_t sample_every, max_samples, n_samples = 0;
     std::vector<uint16_t> sample_x;
     std::vector<uint8_t> sample_mask;
+    // Mixtures of experts (n_expert > 0): per layer and expert, the tokens routed to it and the sum of
+    // their weights; expert_next[l][a][b]: a token chose b after the token before it chose a; expert_fired
+    // [l][e][j]: neuron j of expert e fired (|h| > threshold) on a token routed to it.
+    int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;
+    std::vector<int64_t> expert_count;  // [n_layer][n_expert]
+    std::vector<double> expert_weight;  // [n_layer][n_expert]
+    std::vector<int64_t> expert_next;   // [n_layer][n_expert][n_expert]
+    std::vector<int64_t> expert_fired;  // [n_layer][n_expert][n_ff_exp]
 
 private:
     std::vector<int64_t> layer_seen_;  // tokens seen per layer, to place samples
+    std::vector<int32_t> last_chosen_;  // [n_layer][k]: the previous token's experts
+    std::vector<uint8_t> has_last_;     // [n_layer]
 };
 
 // The histogram bin of |v|.

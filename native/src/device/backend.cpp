@@ -63,7 +63,7 @@ double trace_clock() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void Backend::moe_ffn(const HParams&, int layer, const MoEWeights&, const float*, int32_t, float*) {
+void Backend::moe_ffn(const HParams&, int layer, const MoEWeights&, const float*, int32_t, float*, ActivationRecorder*) {
     throw UnsupportedModelError(format("%s: layer %d is a mixture of experts, and this device runs no experts in "
                                        "this build; keep them on the CPU (n_cpu_moe, --cpu-moe)", name_.c_str(), layer));
 }

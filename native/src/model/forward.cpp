@@ -168,7 +168,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
         home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
         const StepScratch s = scratch_rows(be, r0);
         move(home, hs.xn, be, s.xn, xn_floats);
-        be->moe_ffn(hp, il, *E.moe_w, s.xn, n, s.y);
+        be->moe_ffn(hp, il, *E.moe_w, s.xn, n, s.y, be == host_.get() ? recorder_.get() : nullptr);
         move(be, s.y, home, hs.y, xn_floats);
         home->ffn_join(hp, E.attn_w->ffn, hs.y, nullptr, n, hs.x);
         return;

@@ -1,5 +1,6 @@
 #include "optiml/recorder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -56,6 +57,17 @@ ActivationRecorder::ActivationRecorder(const Model& model, std::vector<float> th
     gate_hist.assign((size_t)n_layer * kHistBins, 0.0);
     gate_err = prod_hist = prod_err = gate_hist;
     layer_seen_.assign(n_layer, 0);
+    if (model.hp.is_moe()) {
+        n_expert = model.hp.n_expert;
+        n_expert_used = model.hp.n_expert_used;
+        n_ff_exp = model.hp.n_ff_exp;
+        expert_count.assign((size_t)n_layer * n_expert, 0);
+        expert_weight.assign((size_t)n_layer * n_expert, 0.0);
+        expert_next.assign((size_t)n_layer * n_expert * n_expert, 0);
+        expert_fired.assign((size_t)n_layer * n_expert * n_ff_exp, 0);
+        last_chosen_.assign((size_t)n_layer * n_expert_used, 0);
+        has_last_.assign(n_layer, 0);
+    }
 
     // Down columns' norms: down is [n_embd rows][n_ff cols]; sum the squares of each column.
     std::vector<float> row(n_ff);
@@ -147,5 +159,43 @@ void ActivationRecorder::record(ThreadPool& pool, int il, const float* xn, const
     layer_seen_[il] += n;
     if (il == 0) n_tokens += n;
 }
+
+void ActivationRecorder::record_experts(int il, const int32_t* chosen, const float* weight, int32_t n, int32_t k) {
+    if (k != n_expert_used || n_expert == 0)
+        throw ArgumentError(format("record_experts: %d experts a token on a recorder made for %d", k, n_expert_used));
+    int64_t* count = expert_count.data() + (size_t)il * n_expert;
+    double* wsum = expert_weight.data() + (size_t)il * n_expert;
+    int64_t* next = expert_next.data() + (size_t)il * n_expert * n_expert;
+    int32_t* last = last_chosen_.data() + (size_t)il * k;
+    for (int32_t t = 0; t < n; t++) {
+        const int32_t* c = chosen + (size_t)t * k;
+        const int32_t* prev = t > 0 ? c - k : (has_last_[il] ? last : nullptr);
+        for (int32_t j = 0; j < k; j++) {
+            count[c[j]]++;
+            wsum[c[j]] += weight[(size_t)t * k + j];
+            if (prev)
+                for (int32_t i = 0; i < k; i++) next[(size_t)prev[i] * n_expert + c[j]]++;
+        }
+    }
+    if (n > 0) {
+        std::memcpy(last, chosen + (size_t)(n - 1) * k, sizeof(int32_t) * k);
+        has_last_[il] = 1;
+    }
+    if (il == 0) n_tokens += n;
+}
+
+void ActivationRecorder::record_expert_neurons(int il, int32_t e, const float* h, int64_t rows) {
+    const float thr = thresholds[il];
+    int64_t* fired_e = expert_fired.data() + ((size_t)il * n_expert + e) * n_ff_exp;
+    double* ph = prod_hist.data() + (size_t)il * kHistBins;
+    for (int64_t r = 0; r < rows; r++)
+        for (int32_t j = 0; j < n_ff_exp; j++) {
+            const float v = h[r * n_ff_exp + j];
+            fired_e[j] += std::fabs(v) > thr;
+            ph[hist_bin(v)] += 1;
+        }
+}
+
+void ActivationRecorder::new_sequence() { std::fill(has_last_.begin(), has_last_.end(), 0); }
 
 }  // namespace optiml

@@ -381,10 +381,12 @@ std::vector<int64_t> Session::ffn_active() const {
     return a;
 }
 
+void Session::truncate(int32_t n) {
+    kv_->truncate(0, n);
+    if (recorder_ && n == 0) recorder_->new_sequence();  // the next token follows none
+}
+
 void Session::set_recorder(std::shared_ptr<ActivationRecorder> rec) {
-    if (rec && model_->hp.is_moe())
-        throw ArgumentError("profiling: this model's FFNs are mixtures of experts, which run dense (the sparse FFN, "
-                            "predictors and the activation profiler do not handle experts yet)");
     if (rec && plan_.uses_device())
         throw ArgumentError("profiling runs the model on the CPU alone: make the Model with device='cpu'");
     recorder_ = std::move(rec);

@@ -23,6 +23,11 @@ A stats file is an .npz with these arrays (L layers, F FFN neurons per layer, B 
   optional (profile --samples):
     sample_x      f16 [L, S, n_embd]  FFN inputs (after the FFN norm) of S sampled tokens
     sample_mask   u8  [L, S, F/8]     their firing masks, np.packbits over neurons
+  mixtures of experts (X experts of Fe neurons; the per-neuron arrays above are zero for their layers):
+    expert_count  i64 [L, X]     tokens the router sent to each expert
+    expert_weight f64 [L, X]     the sum of their routing weights
+    expert_next   i64 [L, X, X]  [l, a, b]: a token chose b after the token before it (same text) chose a
+    expert_freq   f32 [L, X, Fe] share of the tokens routed to the expert on which the neuron fired
 
 Neuron indices are the model file's order. hot_first_order gives the order `optiml solve` places in.
 """
@@ -43,6 +48,7 @@ __all__ = ["ActivationStats", "model_fingerprint", "hot_first_order", "load", "s
 
 _REQUIRED = ("fingerprint", "model", "activation", "n_tokens", "sources", "threshold", "freq", "mean_abs",
              "mean_abs_up", "down_norm", "impact", "hist_edges", "gate_hist", "gate_err", "prod_hist", "prod_err")
+_OPTIONAL = ("sample_x", "sample_mask", "expert_count", "expert_weight", "expert_next", "expert_freq")
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
@@ -80,6 +86,10 @@ class ActivationStats:
     prod_err: np.ndarray
     sample_x: np.ndarray | None = None
     sample_mask: np.ndarray | None = None
+    expert_count: np.ndarray | None = None
+    expert_weight: np.ndarray | None = None
+    expert_next: np.ndarray | None = None
+    expert_freq: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -89,6 +99,25 @@ class ActivationStats:
     @property
     def n_ff(self) -> int:
         return self.freq.shape[1]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_count is not None
+
+    def expert_coverage(self, share: float) -> float:
+        """Mixtures of experts: the share of all routings that the top `share` of each layer's experts (by
+        use) account for."""
+        c = np.sort(self.expert_count, axis=1)[:, ::-1]
+        k = max(1, int(round(share * c.shape[1])))
+        return float(c[:, :k].sum() / max(1, c.sum()))
+
+    def expert_reuse(self) -> float:
+        """Mixtures of experts: of a token's experts, the mean share that the token before it chose too
+        (k / n_expert when the choices are independent and every expert equally used)."""
+        k = self.expert_count.sum(axis=1).max() / max(1, self.n_tokens)
+        pairs = self.expert_next.sum()
+        same = sum(np.trace(self.expert_next[l]) for l in range(self.expert_next.shape[0]))
+        return float(same / pairs * k) if pairs else 0.0
 
     def check_model(self, path: str | os.PathLike) -> None:
         """ArgumentError unless these stats were measured on the model at path."""
@@ -115,9 +144,9 @@ def save(stats: ActivationStats, path: str | os.PathLike) -> None:
     for k in ("fingerprint", "model", "activation", "sources"):
         arrays[k] = np.array(arrays[k])
     arrays["n_tokens"] = np.array(arrays["n_tokens"], dtype=np.int64)
-    if stats.sample_x is not None:
-        arrays["sample_x"] = stats.sample_x
-        arrays["sample_mask"] = stats.sample_mask
+    for k in _OPTIONAL:
+        if getattr(stats, k) is not None:
+            arrays[k] = getattr(stats, k)
     with atomic_output(path, suffix=".npz") as tmp:  # numpy would append .npz to another name
         np.savez_compressed(tmp, **arrays)
 
@@ -140,12 +169,20 @@ def load(path: str | os.PathLike) -> ActivationStats:
     for k in ("fingerprint", "model", "activation", "sources"):
         d[k] = str(d[k])
     d["n_tokens"] = int(d["n_tokens"])
-    s = ActivationStats(**{k: d.pop(k) for k in _REQUIRED}, sample_x=d.pop("sample_x", None),
-                        sample_mask=d.pop("sample_mask", None), extra=d)
+    s = ActivationStats(**{k: d.pop(k) for k in _REQUIRED}, **{k: d.pop(k, None) for k in _OPTIONAL}, extra=d)
     L, F = s.freq.shape
     for k in ("mean_abs", "mean_abs_up", "down_norm", "impact"):
         if getattr(s, k).shape != (L, F):
             raise ArgumentError(f"{path}: {k} has shape {getattr(s, k).shape}, expected {(L, F)}")
     if s.threshold.shape != (L,):
         raise ArgumentError(f"{path}: threshold has shape {s.threshold.shape}, expected {(L,)}")
+    if s.is_moe:
+        X = s.expert_count.shape[1] if s.expert_count.ndim == 2 else -1
+        want = {"expert_count": (L, X), "expert_weight": (L, X), "expert_next": (L, X, X)}
+        for k, shape in want.items():
+            a = getattr(s, k)
+            if a is None or a.shape != shape:
+                raise ArgumentError(f"{path}: {k} has shape {None if a is None else a.shape}, expected {shape}")
+        if s.expert_freq is None or s.expert_freq.shape[:2] != (L, X):
+            raise ArgumentError(f"{path}: expert_freq is missing or not [{L}, {X}, n_ff_exp]")
     return s

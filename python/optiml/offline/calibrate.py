@@ -27,6 +27,7 @@ import numpy as np
 
 from .._core import ArgumentError
 from ..engine.model import Model
+from ..formats import gguf
 from ..formats.stats import ActivationStats
 from ..util.atomic import check_new_output
 from .profile import layer_quantiles, profile
@@ -120,6 +121,14 @@ def allocate_thresholds(hist: np.ndarray, err: np.ndarray, edges: np.ndarray, ta
     return thr.astype(np.float32), share.astype(np.float32)
 
 
+def _is_moe(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False  # a model name: profile() resolves it, and the engine refuses a sparse mixture of experts
+    with gguf.open(path) as f:
+        arch = str(f.metadata.get("general.architecture", ""))
+        return int(f.metadata.get(f"{arch}.expert_count", 0) or 0) > 0
+
+
 def calibrate(
     model,
     data: Sequence[str | os.PathLike] | str | os.PathLike | None = None,
@@ -145,6 +154,10 @@ def calibrate(
     if allocation not in ("greedy", "uniform"):
         raise ArgumentError(f"allocation must be 'greedy' or 'uniform', not {allocation!r}")
     path = model.path if isinstance(model, Model) else os.fspath(model)
+    if stats is not None and stats.is_moe or stats is None and _is_moe(path):
+        raise ArgumentError(f"{os.path.basename(path)}: a mixture of experts runs its experts dense (the sparse FFN "
+                            "does not handle experts yet), so there is nothing to calibrate; `optiml profile` "
+                            "measures its experts' use")
     if out is not None:
         out = check_new_output(out, path)
     have_data = data is not None or texts is not None

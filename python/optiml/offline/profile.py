@@ -1,5 +1,7 @@
 """`optiml profile`: run a model over sample text and record, per layer and per FFN neuron, how often it
-fires and how much it contributes (optiml.formats.stats describes the result).
+fires and how much it contributes; for a mixture of experts, which experts the router chooses (alone and
+after the token before) and how often the neurons inside each fire (optiml.formats.stats describes the
+result).
 
     stats = optiml.profile("model.gguf", ["wiki.txt", "chats.jsonl"], n_tokens=20000, out="model.stats.npz")
 
@@ -160,8 +162,12 @@ def profile(
     m = Model(model, n_ctx=n_ctx, n_threads=n_threads, sparsity="none") if own else model
     try:
         hp = m.hparams
-        if hp["n_ff"] <= 0:
+        moe = hp["n_expert"] > 0
+        if hp["n_ff"] <= 0 and not moe:
             raise ArgumentError(f"{m.path}: the model has no FFN neurons to profile")
+        if moe and samples:
+            raise ArgumentError(f"{m.path}: a mixture of experts keeps no samples (activation predictors do not "
+                                "handle experts yet); profile it with samples=0")
         n_ctx = min(n_ctx, m.n_ctx)
         chunks = token_chunks(m, docs, n_ctx, n_tokens)
         L = hp["n_layer"]
@@ -205,6 +211,11 @@ def profile(
         if samples:
             stats.sample_x = np.ascontiguousarray(r["sample_x"].view(np.float16).transpose(1, 0, 2))
             stats.sample_mask = np.ascontiguousarray(r["sample_mask"].transpose(1, 0, 2))
+        if moe:
+            stats.expert_count = r["expert_count"]
+            stats.expert_weight = r["expert_weight"]
+            stats.expert_next = r["expert_next"]
+            stats.expert_freq = (r["expert_fired"] / np.maximum(r["expert_count"], 1)[:, :, None]).astype(np.float32)
         if out is not None:
             save(stats, out)
         return stats

@@ -190,10 +190,11 @@ public:
         });
     }
 
-    void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y) override {
+    void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y,
+                 ActivationRecorder* rec) override {
         const HParams* php = &hp;
         const MoEWeights* pw = &w;
-        submit(SpanKind::FFN, [=] { moe_ffn_cpu(*pool_, kt_, *php, *pw, xn, n, y, moe_); });
+        submit(SpanKind::FFN, [=] { moe_ffn_cpu(*pool_, kt_, *php, *pw, xn, n, y, moe_, rec, layer); });
     }
 
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {

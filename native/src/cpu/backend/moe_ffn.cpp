@@ -147,7 +147,7 @@ void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chose
 }
 
 void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
-                 int32_t n, float* y, MoEScratch& s) {
+                 int32_t n, float* y, MoEScratch& s, ActivationRecorder* rec, int il) {
     const int32_t X = hp.n_expert, k = hp.n_expert_used;
     const int64_t E = hp.n_embd, F = w.gate.rows;
     const int64_t nk = (int64_t)n * k;
@@ -162,6 +162,7 @@ void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, con
         matmul_shared_input(pool, kt, router, out, 1, xn, n);
     }
     moe_route(hp, s.logits.data(), n, s.chosen.data(), s.weight.data());
+    if (rec) rec->record_experts(il, s.chosen.data(), s.weight.data(), n, k);
 
     // 2. Grouped by expert (a counting sort: tokens stay in order within an expert).
     s.count.assign(X, 0);
@@ -204,6 +205,9 @@ void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, con
 
     // 4. act(gate) * up, then down of each chosen expert over its rows.
     per_token(pool, (int32_t)nk, [&](int64_t r) { kt.silu_mul(F, s.g.data() + r * F, s.u.data() + r * F); });
+    if (rec)
+        for (int32_t e = 0; e < X; e++)
+            if (s.count[e]) rec->record_expert_neurons(il, e, s.g.data() + (int64_t)s.first[e] * F, s.count[e]);
     size_t h_row = 0;
     const uint8_t* hq = convert_for(pool, kt, w.down.type, s.g.data(), F, nk, s.hq, &h_row);
     s.d.resize(nk * E);

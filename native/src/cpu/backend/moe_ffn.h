@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "optiml/model.h"
+#include "optiml/recorder.h"
 
 namespace optiml {
 
@@ -27,8 +28,9 @@ struct MoEScratch {
 // shared expert): the step's tokens are grouped by expert and each expert's gate, up and down products run
 // over all of its tokens at once (a batch kernel reads the expert's weights once for them), every
 // expert's rows handed to the pool from one queue so 1 token and 512 tokens both use every thread.
+// rec (optional, `optiml profile`): told the router's choice and the experts' act(gate) * up, as layer il.
 void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
-                 int32_t n, float* y, MoEScratch& s);
+                 int32_t n, float* y, MoEScratch& s, ActivationRecorder* rec = nullptr, int il = 0);
 
 // The router alone: chosen[t * k + j] and weight[t * k + j] for each of n tokens, from the router logits
 // ([n][n_expert]) as hp says (softmax, top k, renormalized when expert_weights_norm, scaled).
