@@ -113,9 +113,10 @@ KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 @pytest.mark.parametrize("simd", [lv for lv in optiml._core.simd_levels()])
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_kquant_matvec_kernel_equals_rowwise_dot(qtype, simd):
-    # The k-quant matrix-vector kernel takes rows four at a time; remainders and multi-block rows.
+    # The k-quant matrix-vector kernel takes rows under 512 bytes four at a time (remainders one by one)
+    # and longer rows one at a time: both paths, at every row count, give each row its vec_dot's bits.
     for rows in (1, 3, 4, 5, 9, 31):
-        for cols in (256, 1024):
+        for cols in (256, 768, 1024, 4096):
             w = _weights(rows, cols, qtype, seed=rows + cols)
             x = np.random.default_rng(rows).standard_normal(cols).astype(np.float32)
             y = quant.matmul(w, qtype, x, n_threads=2, simd=simd)
