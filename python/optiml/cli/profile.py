@@ -28,13 +28,11 @@ def run(args) -> int:
           f"|act(gate)*up| > threshold (layer mean {float(st.threshold.mean()):.4g})")
     if st.is_moe:
         X = st.expert_count.shape[1]
-        k = int(round(st.expert_count.sum(axis=1).max() / max(1, st.n_tokens)))
         print(f"experts: the top 10% of each layer's {X} take {st.expert_coverage(0.1):.1%} of the routings, the "
               f"top 25% {st.expert_coverage(0.25):.1%}; a token reuses {st.expert_reuse():.1%} of the experts the "
-              f"token before it chose ({k / X:.1%} if independent and even)")
-        used = st.expert_count[:, :, None]  # each expert's rate weighted by the tokens it saw
-        rate = float((st.expert_freq * used).sum() / max(1, used.sum() * st.expert_freq.shape[2]))
-        print(f"neurons inside the experts: mean firing rate {rate:.3f} on the tokens routed to them")
+              f"token before it chose ({st.n_expert_used / X:.1%} if independent and even)")
+        print(f"neurons inside the experts: mean firing rate {st.expert_firing_rate():.3f} on the tokens routed "
+              "to them")
     else:
         print(f"mean firing rate {float(st.freq.mean()):.3f}; the top 10% of each layer's neurons cover "
               f"{coverage_of_top(st, 0.1):.1%} of firings, the top 20% {coverage_of_top(st, 0.2):.1%}")

@@ -111,13 +111,23 @@ class ActivationStats:
         k = max(1, int(round(share * c.shape[1])))
         return float(c[:, :k].sum() / max(1, c.sum()))
 
+    @property
+    def n_expert_used(self) -> int:
+        """Mixtures of experts: the experts each token is routed to."""
+        return int(round(self.expert_count.sum(axis=1).max() / max(1, self.n_tokens)))
+
     def expert_reuse(self) -> float:
         """Mixtures of experts: of a token's experts, the mean share that the token before it chose too
         (k / n_expert when the choices are independent and every expert equally used)."""
-        k = self.expert_count.sum(axis=1).max() / max(1, self.n_tokens)
         pairs = self.expert_next.sum()
-        same = sum(np.trace(self.expert_next[l]) for l in range(self.expert_next.shape[0]))
-        return float(same / pairs * k) if pairs else 0.0
+        same = np.trace(self.expert_next, axis1=1, axis2=2).sum()
+        return float(same / pairs * self.n_expert_used) if pairs else 0.0
+
+    def expert_firing_rate(self) -> float:
+        """Mixtures of experts: the share of an expert's neurons that fire on a token routed to it, over
+        all routings (each expert's rate weighted by the tokens it saw)."""
+        used = self.expert_count[:, :, None]
+        return float((self.expert_freq * used).sum() / max(1, used.sum() * self.expert_freq.shape[2]))
 
     def check_model(self, path: str | os.PathLike) -> None:
         """ArgumentError unless these stats were measured on the model at path."""

@@ -30,7 +30,7 @@ struct MoEScratch {
 // expert's rows handed to the pool from one queue so 1 token and 512 tokens both use every thread.
 // rec (optional, `optiml profile`): told the router's choice and the experts' act(gate) * up, as layer il.
 void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
-                 int32_t n, float* y, MoEScratch& s, ActivationRecorder* rec = nullptr, int il = 0);
+                 int32_t n, float* y, MoEScratch& s, ActivationRecorder* rec, int il);
 
 // The router alone: chosen[t * k + j] and weight[t * k + j] for each of n tokens, from the router logits
 // ([n][n_expert]) as hp says (softmax, top k, renormalized when expert_weights_norm, scaled).
