@@ -281,7 +281,8 @@ def test_profiler_records_the_routing(f32_model):
 
 def test_profile_cli_on_experts(q3_path, tmp_path):
     """`optiml profile` on a mixture of experts: the stats file holds the experts' arrays (they load back),
-    the summary names the experts' skew; `optiml solve` and `optiml calibrate` refuse the model with a reason."""
+    the summary names the experts' skew; `optiml calibrate` refuses the model with a reason. (`optiml solve`
+    on them: test_solve_places_the_hottest_experts.)"""
     from optiml.formats import stats as ostats
 
     text = tmp_path / "text.txt"
@@ -296,9 +297,6 @@ def test_profile_cli_on_experts(q3_path, tmp_path):
     assert st.is_moe and st.expert_count.shape == (2, 8) and st.expert_next.shape == (2, 8, 8)
     assert st.expert_freq.shape == (2, 8, 64) and 0 < st.expert_freq.mean() < 1
     assert (st.expert_count.sum(axis=1) == st.n_tokens * 2).all()
-    p = subprocess.run([sys.executable, "-m", "optiml", "solve", "-m", str(q3_path), "--stats", str(out), "--vram",
-                        "1MiB", "-o", str(tmp_path / "placed.gguf")], capture_output=True, text=True)
-    assert p.returncode != 0 and "mixture-of-experts" in p.stderr, p.stderr
     with pytest.raises(optiml.OptimlError, match="nothing to calibrate"):
         optiml.calibrate(str(q3_path), None, texts=[text.read_text()], target=0.5, progress=False)
     with pytest.raises(optiml.OptimlError, match="samples"):
@@ -403,3 +401,133 @@ def test_cli_cpu_moe(q3_path):
     assert rc == 0 and "the experts of layers 0-0 on the CPU" in out, out
     rc, out = plan("--cpu-moe", "-ncmoe", "1")
     assert rc == 2 and "not allowed with argument" in out, out
+
+
+# ---- hot experts on the device, cold ones on the CPU, in the same layer (#46 item 5) ----------------------
+
+
+@pytest.mark.parametrize("lists", [
+    [[3, 1], [0, 5, 7]],           # a few experts of each layer
+    [[], [2]],                     # one layer split, the other whole on the CPU
+    [list(range(8)), [6]],         # one layer whole on the device, one split
+    [[7, 6, 5, 4, 3, 2, 1], [0]],  # all but one
+])
+def test_hot_experts_split_give_the_cpu_bits(f32_model, lists):
+    """A layer's listed experts on the device (cpu:1), the others on the CPU, both at once: the router at
+    home, every expert's rows on one side in the unsplit order, the sum on the host best first, as the
+    unsplit run; so the same bits, also with a shared expert (qwen2moe) and for the mixtral-shaped model's
+    4 experts (lists cut to its experts)."""
+    name, path = f32_model
+    n_expert = {"qwen3moe": 8, "qwen2moe": 8, "mixtral": 4}[name]
+    lists = [[e for e in ids if e < n_expert] for ids in lists]
+    ref, _, _ = device_logits(path, device="cpu")
+    got, plan, alloc = device_logits(path, device="cpu:1", gpu_experts=lists)
+    assert np.array_equal(got, ref), plan
+    assert alloc == plan.device_bytes["total"]  # the plan counts what the device holds, byte for byte
+    for l, ids in zip(plan.layers, lists):
+        whole = len(ids) == n_expert
+        assert l["device_experts"] == ([] if whole else ids)
+        assert (l["ffn_on_device"] > 0) == whole
+    if any(0 < len(ids) < n_expert for ids in lists):
+        assert "experts split in" in str(plan)
+
+
+def test_split_experts_with_the_attention_on_the_cpu(q3_path, tmp_path):
+    """The file's placement (as optiml solve writes it) with a layer's attention on the CPU and some of its
+    experts on the device: the router runs on the host, the device only computes its experts; same bits."""
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+
+    i32 = lambda v: (np.asarray(v, dtype=np.int32), VT.ARRAY)  # noqa: E731
+    placed = edited(q3_path, tmp_path / "placed.gguf", {
+        "optiml.placement.gpu_attention": i32([0, 1]), "optiml.placement.gpu_expert_count": i32([2, 3]),
+        "optiml.placement.gpu_experts": i32([6, 2, 1, 0, 4])})
+    ref, _, _ = device_logits(q3_path, device="cpu")
+    got, plan, alloc = device_logits(placed, device="cpu:1")
+    assert np.array_equal(got, ref), plan
+    assert alloc == plan.device_bytes["total"]
+    assert [l["attention"] for l in plan.layers] == ["cpu", "cpu:1"]
+    assert [l["device_experts"] for l in plan.layers] == [[6, 2], [1, 0, 4]]
+    assert "the file's expert placement" in plan.reason
+    # a budget holds what it holds: the hottest of each list first
+    budget = plan.device_bytes["total"] - plan.device_bytes["output"] - 30000  # the logits, and one expert less
+    _, plan, alloc = device_logits(placed, device="cpu:1", vram=budget)
+    assert alloc == plan.device_bytes["total"]
+    assert all(l["device_experts"] == ids[:len(l["device_experts"])] for l, ids in zip(plan.layers, [[6, 2], [1, 0, 4]]))
+    assert sum(len(l["device_experts"]) for l in plan.layers) < 5
+
+
+@pytest.mark.parametrize("counts,ids,message", [
+    ([2, 2], [6, 2, 1, 0, 4], "adds up to 4 of the 5"),
+    ([2, 3], [6, 6, 1, 0, 4], "layer 0 lists expert 6 twice"),
+    ([2, 3], [6, 9, 1, 0, 4], "layer 0 lists expert 9; the model's experts are 0..7"),
+    ([2], [6, 2], "gpu_expert_count has 1 values for 2 layers"),
+])
+def test_malformed_expert_placement_refused(q3_path, tmp_path, counts, ids, message):
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+
+    bad = edited(q3_path, tmp_path / "bad.gguf", {
+        "optiml.placement.gpu_expert_count": (np.asarray(counts, dtype=np.int32), VT.ARRAY),
+        "optiml.placement.gpu_experts": (np.asarray(ids, dtype=np.int32), VT.ARRAY)})
+    with pytest.raises(optiml.GGUFError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        optiml.Model(bad, n_ctx=64)
+
+
+def test_gpu_experts_refused(q3_path, smollm2_path):
+    def plan(**kw):
+        return optiml.plan.make(q3_path, n_ctx=64, device="cpu:1", **kw)
+    with pytest.raises(optiml.ArgumentError, match="one list of expert ids per layer"):
+        plan(gpu_experts=[1, 2])
+    with pytest.raises(optiml.ArgumentError, match="3 lists for 2 layers"):
+        plan(gpu_experts=[[1], [2], [3]])
+    with pytest.raises(optiml.ArgumentError, match="layer 1 lists expert 8; the model's experts are 0..7"):
+        plan(gpu_experts=[[1], [8]])
+    with pytest.raises(optiml.ArgumentError, match="layer 0 lists expert 1 twice"):
+        plan(gpu_experts=[[1, 1], [2]])
+    with pytest.raises(optiml.ArgumentError, match="n_gpu_layers says it too"):
+        plan(gpu_experts=[[1], [2]], n_gpu_layers=2)
+    with pytest.raises(optiml.ArgumentError, match="n_cpu_moe says it too"):
+        plan(gpu_experts=[[1], [2]], n_cpu_moe=1)
+    with pytest.raises(optiml.ArgumentError, match="the model has no experts"):
+        optiml.plan.make(smollm2_path, n_ctx=64, device="cpu:1", gpu_experts=[[0]] * 30)
+    assert "gpu_experts ignored" in optiml.plan.make(q3_path, n_ctx=64, device="cpu", gpu_experts=[[1], [2]]).reason
+
+
+def test_solve_places_the_hottest_experts(q3_path, tmp_path):
+    """`optiml profile` then `optiml solve` on a mixture of experts: each layer's GPU experts are a prefix of
+    its experts by how often the router chose them, within the budget; the placed file keeps the weights,
+    reads back, and runs split on cpu:1 with the CPU run's bits and the solver's experts."""
+    from optiml.formats import stats as ostats
+    from optiml.formats.placement import read_placement
+    from optiml.offline.solve_experts import expert_layout
+
+    text = tmp_path / "text.txt"
+    text.write_text("The history of the printing press begins in the fifteenth century. " * 40)
+    st_path = tmp_path / "q3.stats.npz"
+    p = subprocess.run([sys.executable, "-m", "optiml", "profile", "-m", str(q3_path), "--data", str(text),
+                        "--tokens", "300", "--ctx", "128", "-q", "-o", str(st_path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    st = ostats.load(st_path)
+    lay = expert_layout(q3_path)
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * 64 + lay["scratch_per_token"] * 64
+    budget = fixed + 5 * lay["expert_bytes"][0] + 1000
+    out = tmp_path / "placed.gguf"
+    hw = tmp_path / "hw.json"  # a CPU slow enough that experts this small pay for the device's costs
+    hw.write_text('{"cpu_bandwidth": 1e6, "gpu_bandwidth": 1e12}')
+    p = subprocess.run([sys.executable, "-m", "optiml", "solve", "-m", str(q3_path), "--stats", str(st_path),
+                        "--vram", str(budget), "--ctx", "64", "--batch", "64", "--hardware", str(hw), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "experts on the GPU per layer" in p.stdout
+    d = read_placement(out)
+    lists = d["gpu_experts"]
+    assert 0 < sum(len(ids) for ids in lists) <= 5
+    for l, ids in enumerate(lists):
+        count = st.expert_count[l]
+        assert sorted(count[ids].tolist(), reverse=True) == count[ids].tolist()  # hottest first
+        if ids:  # a prefix of the experts by count: none left out is hotter than one placed
+            assert count[ids].min() >= np.delete(count, ids).max(initial=0)
+    ref, _, _ = device_logits(q3_path, device="cpu")
+    got, plan, alloc = device_logits(out, device="cpu:1", n_batch=64, vram=budget)
+    assert np.array_equal(got, ref), plan
+    assert [l["device_experts"] for l in plan.layers] == lists
+    assert alloc <= budget

@@ -154,7 +154,8 @@ int32_t kv_type_v_id(const std::string& kv_type_v) {
 PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std::string& kv_type, int32_t n_batch,
                        int32_t n_seq, const std::string& device, int64_t vram, int32_t n_gpu_layers,
                        std::optional<std::vector<int32_t>> gpu_neurons, int32_t device_threads, int64_t kv_vram,
-                       const std::string& kv_type_v, int32_t n_cpu_moe) {
+                       const std::string& kv_type_v, int32_t n_cpu_moe,
+                       std::optional<std::vector<std::vector<int32_t>>> gpu_experts) {
     const int32_t kvt = kv_type_id(kv_type), kvt_v = kv_type_v_id(kv_type_v);
     if (n_threads < 0) throw ArgumentError("n_threads must be >= 0 (0 = physical cores)");
     PlanOptions o;
@@ -165,6 +166,7 @@ PySession make_session(const PyModel& m, int32_t n_ctx, int n_threads, const std
     o.device_threads = device_threads;
     o.kv_vram = kv_vram;
     o.n_cpu_moe = n_cpu_moe;
+    if (gpu_experts) o.gpu_experts = *gpu_experts;
     std::shared_ptr<ThreadPool> pool = n_threads == 0 ? default_pool() : std::make_shared<ThreadPool>(n_threads);
     nb::gil_scoped_release release;  // uploads weights to the device
     return PySession{std::make_unique<Session>(m.model, n_ctx, pool, kvt, n_batch, n_seq, &o, kvt_v)};
@@ -181,6 +183,7 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
         nb::dict ld;
         ld["attention"] = l.attn_on_device ? p.device : std::string("cpu");
         ld["ffn_on_device"] = l.ffn_on_device;
+        ld["device_experts"] = l.device_experts;
         layers.append(ld);
     }
     d["layers"] = layers;
@@ -208,9 +211,10 @@ nb::dict plan_dict(const Plan& p, const Model& m) {
 nb::dict make_plan_py(const PyModel& m, int32_t n_ctx, int32_t n_seq, int32_t n_batch, const std::string& kv_type,
                       const std::string& device, int64_t vram, int32_t n_gpu_layers,
                       std::optional<std::vector<int32_t>> gpu_neurons, int64_t kv_vram, const std::string& kv_type_v,
-                      int32_t n_cpu_moe) {
+                      int32_t n_cpu_moe, std::optional<std::vector<std::vector<int32_t>>> gpu_experts) {
     PlanOptions o;
     o.n_cpu_moe = n_cpu_moe;
+    if (gpu_experts) o.gpu_experts = *gpu_experts;
     o.kv_type_v = kv_type_v_id(kv_type_v);
     o.kv_vram = kv_vram;
     o.n_ctx = n_ctx;
@@ -307,7 +311,7 @@ void bind_model(nb::module_& m) {
     m.def("make_plan", &make_plan_py, nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_seq") = 1,
           nb::arg("n_batch") = 512, nb::arg("kv_type") = "f16", nb::arg("device") = "auto", nb::arg("vram") = -1,
           nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(), nb::arg("kv_vram") = -1,
-          nb::arg("kv_type_v") = "", nb::arg("n_cpu_moe") = -1);
+          nb::arg("kv_type_v") = "", nb::arg("n_cpu_moe") = -1, nb::arg("gpu_experts").none() = nb::none());
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
     nb::class_<PySession>(m, "Session")
@@ -315,7 +319,7 @@ void bind_model(nb::module_& m) {
              nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512, nb::arg("n_seq") = 1, nb::arg("device") = "cpu",
              nb::arg("vram") = -1, nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(),
              nb::arg("device_threads") = 1, nb::arg("kv_vram") = -1, nb::arg("kv_type_v") = "",
-             nb::arg("n_cpu_moe") = -1)
+             nb::arg("n_cpu_moe") = -1, nb::arg("gpu_experts").none() = nb::none())
         .def("decode", &decode, nb::arg("tokens"), nb::arg("seq"), nb::arg("pos"), nb::arg("logits"))
         .def_prop_ro("n_seq", [](const PySession& s) { return s.session->n_seq(); })
         .def("seq_len", [](const PySession& s, int32_t seq) { return s.session->kv().seq_len(seq); }, nb::arg("seq"))

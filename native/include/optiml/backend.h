@@ -28,6 +28,18 @@
 
 namespace optiml {
 
+// A step's (token, expert) pairs grouped by expert, in host memory: rows first[e] .. first[e] + count[e] - 1
+// go through expert e of the weights they meet (n_expert of them), row r taking token token[r]. An op
+// reading them runs before the arrays change (the caller waits for the backend first).
+struct MoEGroups {
+    int32_t n_tok = 0;  // tokens of the step (rows of the input)
+    const int32_t* token = nullptr;
+    int64_t n_rows = 0;
+    const int32_t* first = nullptr;
+    const int32_t* count = nullptr;
+    int32_t n_expert = 0;
+};
+
 struct HParams;
 struct Weight;
 struct FFNWeights;
@@ -235,6 +247,18 @@ public:
     // rec: the profiler's recorder (optiml/recorder.h), on the host only.
     virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y,
                          ActivationRecorder* rec);
+    // The parts of a mixture of experts whose experts are split between two devices (Session::moe_split),
+    // which routes on the host and sums every token's experts there in the order moe_ffn does. The
+    // defaults refuse, as moe_ffn's.
+    // logits[t] = w's router . xn[t], [n][n_expert].
+    virtual void moe_router(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n,
+                            float* logits);
+    // d[r] = expert(xn[g.token[r]]) for the rows of g, each through the expert of w it is grouped under.
+    virtual void moe_experts(const HParams& hp, int layer, const MoEWeights& w, const float* xn, const MoEGroups& g,
+                             float* d);
+    // sy[t] = the shared expert of xn[t] and sgate[t] its gate (sigmoid(gate_inp_shexp . xn[t]); 1 without one).
+    virtual void moe_shared(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* sy,
+                            float* sgate);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
     // A layer's whole FFN where one device computes it densely and the residual stream x lives there too:

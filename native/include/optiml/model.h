@@ -188,6 +188,8 @@ public:
     // far as the budget holds: files from before the solver chose it per layer).
     std::vector<int32_t> placement_gpu_attention;
     std::vector<int32_t> placement_order;
+    // Mixtures of experts: per layer the experts meant for the GPU, hottest first (empty: no such placement).
+    std::vector<std::vector<int32_t>> placement_gpu_experts;
 
     // Neuron-major copy of layer il's down matrix (row j = neuron j's down column), made the first time a
     // session computes that layer's whole FFN sparsely on the host. Thread-safe.
@@ -328,6 +330,9 @@ private:
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
     void ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks);
+    struct MoESplit;
+    void moe_split(int il, int32_t n, Backend* home, int32_t r0);
+    void alloc_moe_split();
     StepScratch scratch_rows(const Backend* be, int32_t r0) const;
     void trace_layer(int layer);
     void move(Backend* from, const float* src, Backend* to, float* dst, size_t n_floats);
@@ -351,6 +356,7 @@ private:
     // Host memory (pinned for the device) where a split layer's device share sends its gate and up
     // products, [n_batch][k] each (ffn_layer: the host finishes the FFN as one device would).
     float *split_gate_ = nullptr, *split_up_ = nullptr;
+    std::unique_ptr<MoESplit> moe_split_;  // with layers whose experts are split between the devices
     std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
     bool whole_on_device_ = false;   // every layer (attention, KV, whole FFN) and the logits on the device
     std::vector<int32_t> step_key_;  // forward_recorded's key of the step

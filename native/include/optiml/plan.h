@@ -37,11 +37,20 @@ struct PlanOptions {
     // CPU while the rest of those layers may go to the device (llama.cpp's --n-cpu-moe; n_layer: --cpu-moe).
     // -1: where whole layers go. The rest of a layer's experts go with its attention.
     int32_t n_cpu_moe = -1;
+    // Mixtures of experts: per layer, the experts meant for the device, hottest first ([n_layer] lists of
+    // expert ids), overriding the file's placement (`optiml solve`); empty: the file's. As many of each
+    // list as the budget holds go to the device; the layer's other experts stay on the host and both run
+    // at once (Session::moe_split). A layer whose every expert fits goes whole.
+    std::vector<std::vector<int32_t>> gpu_experts;
 };
 
 struct LayerPlan {
     bool attn_on_device = false;  // attention weights, KV cache and the residual stream
     int32_t ffn_on_device = 0;    // placed neurons [0, k) on the device
+    // A mixture of experts split between the devices: the experts on the device (fewer than all; a layer
+    // whose experts all go has ffn_on_device = n_ff instead). Its router and shared expert run where the
+    // layer's attention does.
+    std::vector<int32_t> device_experts;
 };
 
 // Device bytes by use, as the engine allocates them.
@@ -70,6 +79,7 @@ struct Plan {
     bool uses_device() const { return !device.empty(); }
     int32_t layers_on_device() const;   // attention on the device
     int64_t neurons_on_device() const;
+    bool splits_experts() const;  // some layer's experts split between the devices (device_experts)
     // A readable table: per layer, where the attention and how many FFN neurons go to the device; bytes.
     std::string summary(const Model& m) const;
 };
@@ -82,6 +92,15 @@ Plan make_plan(const Model& m, const PlanOptions& o);
 // Keys of kv_type and values of kv_type_v (< 0: kv_type).
 size_t kv_layer_bytes(const HParams& hp, int32_t n_ctx, int32_t n_seq, int32_t kv_type, int32_t kv_type_v = -1);
 size_t scratch_bytes(const HParams& hp, int32_t n_batch);
+// The device buffers of layers whose experts are split (Session::moe_split): the router's logits, the
+// device experts' output rows (every row of a step, at most) and the shared expert's output and gate.
+size_t moe_split_scratch_bytes(const HParams& hp, int32_t n_batch);
+// One expert's gate, up and down; the router and shared expert (what a split layer's home holds).
+size_t expert_bytes(const Model& m, int il);
+size_t moe_home_bytes(const Model& m, int il);
+// What is wrong with per-layer expert lists (gpu_experts): "" when there is one list per layer, each of
+// distinct experts of the model.
+std::string expert_lists_error(const HParams& hp, const std::vector<std::vector<int32_t>>& lists);
 // Attention weights of layer il plus the FFN's norms and down bias (computed where the residual lives).
 size_t attn_layer_bytes(const Model& m, int il);
 // The device's share of layer il's FFN, k placed neurons (contiguous: down as a column slice; else

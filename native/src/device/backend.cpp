@@ -68,6 +68,18 @@ void Backend::moe_ffn(const HParams&, int layer, const MoEWeights&, const float*
                                        "this build; keep them on the CPU (n_cpu_moe, --cpu-moe)", name_.c_str(), layer));
 }
 
+void Backend::moe_router(const HParams& hp, int layer, const MoEWeights& w, const float*, int32_t, float*) {
+    Backend::moe_ffn(hp, layer, w, nullptr, 0, nullptr, nullptr);  // its refusal
+}
+
+void Backend::moe_experts(const HParams& hp, int layer, const MoEWeights& w, const float*, const MoEGroups&, float*) {
+    Backend::moe_ffn(hp, layer, w, nullptr, 0, nullptr, nullptr);  // its refusal
+}
+
+void Backend::moe_shared(const HParams& hp, int layer, const MoEWeights& w, const float*, int32_t, float*, float*) {
+    Backend::moe_ffn(hp, layer, w, nullptr, 0, nullptr, nullptr);  // its refusal
+}
+
 void Backend::ffn_finish(const HParams&, const FFNShare&, const float*, const float*, const int32_t*, int64_t, int32_t,
                          float*, const StepScratch&) {
     throw Error(format("internal: %s finishes no split FFN (the host backend does)", name_.c_str()));

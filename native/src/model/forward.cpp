@@ -163,6 +163,10 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const LayerWeights& L = model_->layers[il];
     const StepScratch hs = scratch_rows(home, r0);
     const size_t xn_floats = (size_t)n * hp.n_embd;
+    if (L.moe.present() && !E.expert_order.empty()) {  // its experts split between the devices
+        moe_split(il, n, home, r0);
+        return;
+    }
     if (L.moe.present()) {  // a mixture of experts, whole on one device (k > 0: the device)
         Backend* be = E.k > 0 ? device_.get() : host_.get();
         home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);

@@ -22,6 +22,21 @@ struct Session::LayerExec {
     std::unique_ptr<NeuronMajor> host_nm;  // neuron-major down rows of the host's neurons (sparse FFN)
     bool host_nm_compact = false;  // host_nm was made for SparsitySettings::compact_down
     std::vector<int32_t> host_slot;        // file neuron -> row of host_nm
+    // A mixture of experts split between the devices (LayerPlan::device_experts; the device's weights in
+    // device_layers_[il].moe, its experts numbered in the plan's order): the order of the experts' rows
+    // in a step, the host's experts (by id) and then the device's, and how many are the host's.
+    std::vector<int32_t> expert_order;
+    int32_t n_host_experts = 0;
+};
+
+// The buffers of the layers whose experts are split (Session::moe_split), for n_batch tokens: on the
+// device (moe_split_scratch_bytes) and on the host, and the step's routing, made on the host.
+struct Session::MoESplit {
+    float *dev_logits = nullptr, *dev_d = nullptr, *dev_sy = nullptr, *dev_sgate = nullptr;
+    std::vector<float> logits, d, d2, sy, sgate;  // d: the host experts' rows; d2: the device's, copied
+    std::vector<int32_t> chosen, slot, count, first, token;
+    std::vector<float> weight;
+    std::vector<int32_t> host_count, dev_first, dev_count;
 };
 
 }  // namespace optiml

@@ -7,6 +7,7 @@
 #include "moe.h"
 #include "optiml/common.h"
 #include "optiml/model.h"
+#include "optiml/plan.h"
 #include "optiml/rows16.h"
 #include "optiml/quant.h"
 
@@ -212,6 +213,34 @@ void read_placement(const GGUFFile& f, const HParams& hp, std::vector<int32_t>& 
     }
 }
 
+// `optiml.placement.gpu_experts` (optiml solve, mixtures of experts): each layer's list of experts for the
+// GPU, hottest first, concatenated; `optiml.placement.gpu_expert_count` says how many are each layer's.
+void read_expert_placement(const GGUFFile& f, const HParams& hp, std::vector<std::vector<int32_t>>& lists) {
+    const bool has_ids = f.has("optiml.placement.gpu_experts"), has_count = f.has("optiml.placement.gpu_expert_count");
+    if (!has_ids && !has_count) return;
+    if (has_ids != has_count)
+        throw GGUFError(format("%s: optiml.placement.gpu_experts and gpu_expert_count go together; the file has one",
+                               f.path().c_str()));
+    const std::vector<int32_t> ids = f.get_i32_array("optiml.placement.gpu_experts");
+    const std::vector<int32_t> count = f.get_i32_array("optiml.placement.gpu_expert_count");
+    if (count.size() != (size_t)hp.n_layer)
+        throw GGUFError(format("%s: optiml.placement.gpu_expert_count has %zu values for %d layers", f.path().c_str(),
+                               count.size(), hp.n_layer));
+    size_t at = 0;
+    for (int32_t c : count) {
+        if (c < 0 || at + c > ids.size())
+            throw GGUFError(format("%s: optiml.placement.gpu_expert_count does not add up to the %zu experts of "
+                                   "optiml.placement.gpu_experts", f.path().c_str(), ids.size()));
+        lists.emplace_back(ids.begin() + at, ids.begin() + at + c);
+        at += c;
+    }
+    if (at != ids.size())
+        throw GGUFError(format("%s: optiml.placement.gpu_expert_count adds up to %zu of the %zu experts of "
+                               "optiml.placement.gpu_experts", f.path().c_str(), at, ids.size()));
+    const std::string why = expert_lists_error(hp, lists);
+    if (!why.empty()) throw GGUFError(format("%s: optiml.placement.gpu_experts: %s", f.path().c_str(), why.c_str()));
+}
+
 class Binder {
 public:
     explicit Binder(const GGUFFile& f) : f_(f) {}
@@ -332,6 +361,7 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
     }
     M.sparsity = read_sparsity(f, hp);
     read_placement(f, hp, M.placement_gpu_neurons, M.placement_gpu_attention, M.placement_order);
+    read_expert_placement(f, hp, M.placement_gpu_experts);
     return model;
 }
 

@@ -25,6 +25,11 @@ size_t scratch_bytes(const HParams& hp, int32_t n_batch) {
 
 static size_t weight_bytes(const Weight& w) { return w.present() ? w.row_bytes * (size_t)w.rows : 0; }
 
+size_t moe_split_scratch_bytes(const HParams& hp, int32_t n_batch) {
+    const size_t nb = (size_t)n_batch;
+    return sizeof(float) * nb * ((size_t)hp.n_expert + (size_t)hp.n_expert_used * hp.n_embd + hp.n_embd + 1);
+}
+
 size_t attn_layer_bytes(const Model& m, int il) {
     const LayerWeights& L = m.layers[il];
     size_t n = 0;
@@ -34,17 +39,41 @@ size_t attn_layer_bytes(const Model& m, int il) {
     return n;
 }
 
-// A mixture of experts goes to a device whole: its router, every expert and the shared expert.
-static size_t moe_layer_bytes(const MoEWeights& e) {
+size_t expert_bytes(const Model& m, int il) {
+    const MoEWeights& e = m.layers[il].moe;
+    return e.gate.expert_bytes + e.up.expert_bytes + e.down.expert_bytes;
+}
+
+size_t moe_home_bytes(const Model& m, int il) {
+    const MoEWeights& e = m.layers[il].moe;
     size_t n = weight_bytes(e.gate_inp) + weight_bytes(e.gate_inp_shexp);
-    for (const ExpertWeights* x : {&e.gate, &e.up, &e.down}) n += x->expert_bytes * (size_t)x->n_expert;
     for (const Weight* w : {&e.shared.gate, &e.shared.up, &e.shared.down}) n += weight_bytes(*w);
     return n;
 }
 
+// A mixture of experts whole on a device: its router, every expert and the shared expert.
+static size_t moe_layer_bytes(const Model& m, int il) {
+    return moe_home_bytes(m, il) + expert_bytes(m, il) * (size_t)m.hp.n_expert;
+}
+
+std::string expert_lists_error(const HParams& hp, const std::vector<std::vector<int32_t>>& lists) {
+    if (!hp.is_moe()) return "the model has no experts";
+    if (lists.size() != (size_t)hp.n_layer) return format("%zu lists for %d layers", lists.size(), hp.n_layer);
+    std::vector<uint8_t> seen(hp.n_expert);
+    for (size_t il = 0; il < lists.size(); il++) {
+        std::fill(seen.begin(), seen.end(), 0);
+        for (int32_t e : lists[il]) {
+            if (e < 0 || e >= hp.n_expert)
+                return format("layer %zu lists expert %d; the model's experts are 0..%d", il, e, hp.n_expert - 1);
+            if (seen[e]++) return format("layer %zu lists expert %d twice", il, e);
+        }
+    }
+    return "";
+}
+
 size_t ffn_share_bytes(const Model& m, int il, int32_t k, bool contiguous) {
     if (k <= 0) return 0;
-    if (m.layers[il].moe.present()) return moe_layer_bytes(m.layers[il].moe);
+    if (m.layers[il].moe.present()) return moe_layer_bytes(m, il);
     const FFNWeights& w = m.layers[il].ffn;
     const HParams& hp = m.hp;
     size_t n = (w.gate.row_bytes + w.up.row_bytes) * (size_t)k;
@@ -69,6 +98,12 @@ int32_t Plan::layers_on_device() const {
     int32_t n = 0;
     for (const LayerPlan& l : layers) n += l.attn_on_device;
     return n;
+}
+
+bool Plan::splits_experts() const {
+    for (const LayerPlan& l : layers)
+        if (!l.device_experts.empty()) return true;
+    return false;
 }
 
 int64_t Plan::neurons_on_device() const {
@@ -96,6 +131,12 @@ std::string Plan::summary(const Model& m) const {
                     layers_on_device(), hp.n_layer, (long long)neurons_on_device(),
                     (long long)hp.n_layer * hp.n_ff, 100.0 * neurons_on_device() / ((double)hp.n_layer * hp.n_ff),
                     neuron_order.empty() ? "" : "; neurons gathered by the file's stored order");
+        if (splits_experts()) {
+            int64_t n = 0, split = 0;
+            for (const LayerPlan& l : layers) n += (int64_t)l.device_experts.size(), split += !l.device_experts.empty();
+            s += format("  experts split in %lld layers: %lld of their %lld experts on the device, the rest on the "
+                        "CPU, both at once\n", (long long)split, (long long)n, (long long)split * hp.n_expert);
+        }
     }
     s += format("host: KV cache %s, scratch %s; context %d x %d sequence(s), batch %d\n", mib(host_kv_bytes).c_str(),
                 mib(host_scratch_bytes).c_str(), n_ctx, n_seq, n_batch);
@@ -108,8 +149,12 @@ std::string Plan::summary(const Model& m) const {
         s += "layer  attention  FFN on device\n";
         for (size_t il = 0; il < layers.size(); il++) {
             const LayerPlan& l = layers[il];
-            s += format("%5zu  %-9s  %5d / %d\n", il, l.attn_on_device ? device.c_str() : "cpu", l.ffn_on_device,
-                        hp.n_ff);
+            if (!l.device_experts.empty())
+                s += format("%5zu  %-9s  %5zu / %d experts\n", il, l.attn_on_device ? device.c_str() : "cpu",
+                            l.device_experts.size(), hp.n_expert);
+            else
+                s += format("%5zu  %-9s  %5d / %d\n", il, l.attn_on_device ? device.c_str() : "cpu", l.ffn_on_device,
+                            hp.n_ff);
         }
     }
     return s;
@@ -133,8 +178,8 @@ void choose_device(const PlanOptions& o, Plan& p) {
         }
     }
     if (dev == "cpu" || dev == "cpu:0") {
-        if (o.n_gpu_layers > 0 || !o.gpu_neurons.empty())
-            p.reason = "n_gpu_layers / gpu_neurons ignored: the device is the CPU";
+        if (o.n_gpu_layers > 0 || !o.gpu_neurons.empty() || !o.gpu_experts.empty())
+            p.reason = "n_gpu_layers / gpu_neurons / gpu_experts ignored: the device is the CPU";
     } else if (device_index(dev, "cpu") >= 1) {
         p.device = dev;
     } else if (device_index(dev, "cuda") >= 0) {
@@ -167,7 +212,7 @@ struct Placer {
     int32_t whole_ffn(int il) const { return m.layers[il].moe.present() && il < cpu_moe_layers ? 0 : hp.n_ff; }
 
     void whole_layer(int il) {
-        p.layers[il] = LayerPlan{true, whole_ffn(il)};
+        p.layers[il] = LayerPlan{true, whole_ffn(il), {}};
         p.device_bytes.attn_weights += attn_layer_bytes(m, il);
         p.device_bytes.kv += kv;
         p.device_bytes.ffn_weights += ffn_share_bytes(m, il, whole_ffn(il), true);
@@ -207,6 +252,43 @@ struct Placer {
     // Attention and KV first: the layers the placement chose (`chosen`, as far as the budget holds), or,
     // in a file without that choice, layer by layer until one does not fit. Then as many hot neurons per
     // layer as the placement asks (want) and the budget holds.
+    // Mixtures of experts by expert: attention as placement() places it, then per layer as many of its
+    // listed experts (hottest first) as the budget holds, with the router and shared expert where the
+    // layer's attention is on the device too. A layer whose experts all fit with those goes whole. The
+    // split layers' scratch is set aside first, and given back when no layer splits.
+    void experts(const std::vector<std::vector<int32_t>>& want, const std::vector<int32_t>* chosen) {
+        if (chosen)
+            for (int il = 0; il < hp.n_layer; il++)
+                if ((*chosen)[il]) attention(il);
+        bool may_split = false;
+        for (const std::vector<int32_t>& ids : want) may_split |= !ids.empty() && (int32_t)ids.size() < hp.n_expert;
+        const size_t split_scratch = may_split ? moe_split_scratch_bytes(hp, p.n_batch) : 0;
+        avail -= (int64_t)split_scratch;
+        for (int il = 0; il < hp.n_layer; il++) {
+            if (!chosen && !attention(il)) break;
+            const std::vector<int32_t>& ids = want[il];
+            if (ids.empty()) continue;
+            const size_t whole = ffn_share_bytes(m, il, hp.n_ff, true);
+            if ((int32_t)ids.size() == hp.n_expert && (int64_t)whole <= avail) {
+                p.layers[il].ffn_on_device = hp.n_ff;
+                p.device_bytes.ffn_weights += whole;
+                avail -= (int64_t)whole;
+                continue;
+            }
+            const int64_t fixed = p.layers[il].attn_on_device ? (int64_t)moe_home_bytes(m, il) : 0;
+            const int64_t per = (int64_t)expert_bytes(m, il);
+            if (avail < fixed + per) continue;
+            const int64_t k = std::min<int64_t>((int64_t)ids.size(), (avail - fixed) / per);
+            p.layers[il].device_experts.assign(ids.begin(), ids.begin() + k);
+            p.device_bytes.ffn_weights += (size_t)(fixed + k * per);
+            avail -= fixed + k * per;
+        }
+        if (p.splits_experts())
+            p.device_bytes.scratch += split_scratch;
+        else
+            avail += (int64_t)split_scratch;
+    }
+
     void placement(const std::vector<int32_t>& want, const std::vector<int32_t>* chosen) {
         const bool contiguous = p.neuron_order.empty();
         // The solver's choice of layers first (it reserved their attention before any neuron).
@@ -228,6 +310,21 @@ struct Placer {
         }
     }
 };
+
+// Mixtures of experts placed by expert: the lists of o.gpu_experts, else the file's (optiml solve).
+void place_experts(const PlanOptions& o, Placer& at, int64_t budget) {
+    const Model& m = at.m;
+    Plan& p = at.p;
+    const bool given = !o.gpu_experts.empty();  // (checked by make_plan)
+    p.reason = given ? "gpu_experts given" : "the file's expert placement";
+    at.experts(given ? o.gpu_experts : m.placement_gpu_experts,
+               !given && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention : nullptr);
+    if (p.layers_on_device() == 0 && p.neurons_on_device() == 0 && !p.splits_experts()) {
+        p.reason += format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str());
+        p.device_bytes = PlanBytes{};
+        p.device.clear();
+    }
+}
 
 // Without n_gpu_layers: the neurons of o.gpu_neurons, else of the file's placement, else whole layers.
 void place_neurons(const PlanOptions& o, Placer& at, int64_t budget) {
@@ -292,6 +389,9 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
         p.device.clear();
     } else if (o.n_gpu_layers >= 0) {
         at.last_layers(o.n_gpu_layers, budget);
+    } else if (hp.is_moe() && (!o.gpu_experts.empty() || !m.placement_gpu_experts.empty()) &&
+               device_index(p.device, "cuda") < 0) {
+        place_experts(o, at, budget);
     } else {
         place_neurons(o, at, budget);
     }
@@ -330,9 +430,19 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     if (o.n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", o.n_batch));
     choose_device(o, p);
     if (hp.is_moe() && !o.gpu_neurons.empty() && p.uses_device())
-        // Hot experts or neurons inside them (the solver's placement of experts) are not built yet.
-        throw ArgumentError("gpu_neurons: this model's layers are mixtures of experts, which go to a device whole "
-                            "(n_gpu_layers, a budget, n_cpu_moe): leave gpu_neurons out");
+        // Neurons inside experts on a device are not built: experts go whole (gpu_experts), or whole layers.
+        throw ArgumentError("gpu_neurons: this model's layers are mixtures of experts, which go to a device by "
+                            "expert (gpu_experts) or by layer (n_gpu_layers, a budget, n_cpu_moe): leave gpu_neurons out");
+    if (!o.gpu_experts.empty() && p.uses_device()) {
+        const std::string why = expert_lists_error(hp, o.gpu_experts);
+        if (!why.empty()) throw ArgumentError("gpu_experts: " + why);
+        if (o.n_gpu_layers >= 0 || o.n_cpu_moe >= 0)
+            throw ArgumentError(format("gpu_experts says which experts go to the device, and %s says it too: give one",
+                                       o.n_gpu_layers >= 0 ? "n_gpu_layers" : "n_cpu_moe"));
+        if (device_index(p.device, "cuda") >= 0)
+            throw ArgumentError(format("gpu_experts would put experts on %s, and the CUDA backend runs no experts "
+                                       "yet: leave gpu_experts out (every expert stays on the CPU)", p.device.c_str()));
+    }
     if (o.vram < -1) throw ArgumentError("vram must be >= 0 bytes");
 
     if (m.placement_order.size() == (size_t)hp.n_layer * hp.n_ff) p.neuron_order = m.placement_order;

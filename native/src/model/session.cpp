@@ -83,6 +83,43 @@ static MoEWeights upload_moe(Backend& dev, const MoEWeights& w) {
     return d;
 }
 
+// A layer's experts split between the devices: the device's experts (its gate, up and down blocks in
+// the plan's order), and the router and shared expert when the layer's attention is on the device too.
+static MoEWeights upload_experts(Backend& dev, const MoEWeights& w, const std::vector<int32_t>& ids, bool home) {
+    MoEWeights d;
+    if (home) {
+        d.gate_inp = dev.upload(w.gate_inp, "ffn weights");
+        d.gate_inp_shexp = dev.upload(w.gate_inp_shexp, "ffn weights");
+        d.shared = w.shared;
+        for (auto [src, dst] : {std::pair{&w.shared.gate, &d.shared.gate}, {&w.shared.up, &d.shared.up},
+                                {&w.shared.down, &d.shared.down}})
+            *dst = dev.upload(*src, "ffn weights");
+    }
+    for (auto [src, dst] : {std::pair{&w.gate, &d.gate}, {&w.up, &d.up}, {&w.down, &d.down}}) {
+        *dst = *src;
+        dst->n_expert = (int64_t)ids.size();
+        uint8_t* p = (uint8_t*)dev.alloc(src->expert_bytes * ids.size(), "ffn weights");
+        for (size_t i = 0; i < ids.size(); i++)
+            dev.copy_from_host(p + i * src->expert_bytes, src->data + (size_t)ids[i] * src->expert_bytes,
+                               src->expert_bytes);
+        dst->data = p;
+    }
+    return d;
+}
+
+// The order of a split layer's experts in a step's rows: the host's (by id), then the device's (in the
+// plan's order); *n_host: how many are the host's.
+static std::vector<int32_t> host_then_device(int32_t n_expert, const std::vector<int32_t>& device, int32_t* n_host) {
+    std::vector<uint8_t> on_device(n_expert);
+    for (int32_t e : device) on_device[e] = 1;
+    std::vector<int32_t> order;
+    for (int32_t e = 0; e < n_expert; e++)
+        if (!on_device[e]) order.push_back(e);
+    *n_host = (int32_t)order.size();
+    order.insert(order.end(), device.begin(), device.end());
+    return order;
+}
+
 static StepScratch carve_scratch(Backend& be, const HParams& hp, int32_t n_batch) {
     float* p = (float*)be.alloc(scratch_bytes(hp, n_batch), "scratch");
     StepScratch s;
@@ -163,12 +200,14 @@ void Session::bind_devices() {
                 *dst = dev->upload(*src, "attention weights");
             E.attn_w = &D;
         }
-
         // The FFN: placed neurons [0, k) on the device, [k, n_ff) on the host; a mixture of experts whole.
         E.k = lp.ffn_on_device;
-        if (L.moe.present()) {
+        if (L.moe.present()) {  // whole on the device (k > 0) or the host, or split (device_experts)
             if (E.k > 0) device_layers_[il].moe = upload_moe(*dev, L.moe);
             E.moe_w = E.k > 0 ? &device_layers_[il].moe : &L.moe;
+            if (lp.device_experts.empty()) continue;
+            device_layers_[il].moe = upload_experts(*dev, L.moe, lp.device_experts, lp.attn_on_device);
+            E.expert_order = host_then_device(hp.n_expert, lp.device_experts, &E.n_host_experts);
             continue;
         }
         const int32_t* order = ordered ? plan_.neuron_order.data() + (size_t)il * hp.n_ff : nullptr;
@@ -176,11 +215,9 @@ void Session::bind_devices() {
             FFNWeights& F = E.device_ffn;
             F.norm = L.ffn.norm;  // (the norm runs where the residual lives; these stay unused here)
             if (E.k == hp.n_ff) {  // the whole FFN: the order does not matter
-                F.gate = dev->upload(L.ffn.gate, "ffn weights");
-                F.up = dev->upload(L.ffn.up, "ffn weights");
-                F.down = dev->upload(L.ffn.down, "ffn weights");
-                F.gate_b = dev->upload(L.ffn.gate_b, "ffn weights");
-                F.up_b = dev->upload(L.ffn.up_b, "ffn weights");
+                for (auto [src, dst] : {std::pair{&L.ffn.gate, &F.gate}, {&L.ffn.up, &F.up}, {&L.ffn.down, &F.down},
+                                        {&L.ffn.gate_b, &F.gate_b}, {&L.ffn.up_b, &F.up_b}})
+                    *dst = dev->upload(*src, "ffn weights");
             } else {
                 std::vector<int32_t>& rows = E.device_rows;
                 rows.resize(E.k);
@@ -228,14 +265,14 @@ void Session::bind_devices() {
         }
     }
     alloc_split_scratch();
+    alloc_moe_split();
     if (plan_.output_on_device) {
         device_output_norm_ = dev->upload(M.output_norm, "output");
         device_output_ = dev->upload(M.output, "output");
         device_logits_ = (float*)dev->alloc(sizeof(float) * (size_t)plan_.logits_rows * hp.n_vocab, "output");
     }
-    whole_on_device_ = dev && plan_.output_on_device;
-    for (int il = 0; il < hp.n_layer && whole_on_device_; il++)
-        whole_on_device_ = exec_[il].attn == dev && exec_[il].k == hp.n_ff;
+    whole_on_device_ = dev && plan_.output_on_device && std::all_of(exec_.begin(), exec_.end(), [&](const LayerExec& E) {
+                           return E.attn == dev && E.k == hp.n_ff; });
     if (dev) dev->synchronize();
     // The plan's count is the allocation's: a mismatch is a bug in one of them.
     if (dev && dev->allocated_bytes() != plan_.device_bytes.total())
@@ -315,6 +352,26 @@ void Session::alloc_split_scratch() {
     split_gate_ = (float*)host_->alloc(2 * floats * sizeof(float), "split scratch");
     split_up_ = split_gate_ + floats;
     device_->pin_host(split_gate_, 2 * floats * sizeof(float));
+}
+
+void Session::alloc_moe_split() {
+    if (!plan_.splits_experts()) return;
+    const HParams& hp = model_->hp;
+    const size_t nb = (size_t)n_batch_, rows = nb * hp.n_expert_used;
+    moe_split_ = std::make_unique<MoESplit>();
+    MoESplit& m = *moe_split_;
+    float* p = (float*)device_->alloc(moe_split_scratch_bytes(hp, n_batch_), "scratch");
+    m.dev_logits = p;
+    m.dev_d = m.dev_logits + nb * hp.n_expert;
+    m.dev_sy = m.dev_d + rows * hp.n_embd;
+    m.dev_sgate = m.dev_sy + nb * hp.n_embd;
+    m.logits.resize(nb * hp.n_expert);
+    m.d.resize(rows * hp.n_embd);
+    m.d2.resize(rows * hp.n_embd);
+    m.sy.resize(nb * hp.n_embd);
+    m.sgate.resize(nb);
+    // What the device copies into host memory: pinned, so the copies queue without blocking this thread.
+    for (std::vector<float>* v : {&m.logits, &m.d2, &m.sy, &m.sgate}) device_->pin_host(v->data(), v->size() * sizeof(float));
 }
 
 void Session::set_compact_down(bool compact) {

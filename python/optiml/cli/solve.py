@@ -1,5 +1,5 @@
-"""optiml solve: which FFN neurons go to the GPU (optiml.offline.solve), written into a placed copy of the
-model (optiml.formats.placement)."""
+"""optiml solve: which FFN neurons go to the GPU (optiml.offline.solve), or for a mixture of experts which
+experts (optiml.offline.solve_experts), written into a placed copy of the model (optiml.formats.placement)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import warnings
 
 from .._core import ArgumentError
 from ..formats import stats
-from ..formats.placement import write_placed
+from ..formats.placement import write_expert_placement, write_placed
 from ..offline.hardware import Hardware
 from ..offline.solve import format_report, solve_placement
+from ..offline.solve_experts import solve_expert_placement
 from ..util.sizes import parse_size
 from . import common
 
@@ -47,11 +48,19 @@ def run(args) -> int:
     hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        placement = solve_placement(model, st, vram, hw, ctx=args.ctx, group=args.group,
-                                    time_limit=args.time_limit, batch=args.batch)
+        if st.is_moe:  # whole experts (optiml.offline.solve_experts)
+            placement = solve_expert_placement(model, st, vram, hw, ctx=args.ctx, time_limit=args.time_limit,
+                                               batch=args.batch)
+        else:
+            placement = solve_placement(model, st, vram, hw, ctx=args.ctx, group=args.group,
+                                        time_limit=args.time_limit, batch=args.batch)
     for w in caught:
         print(f"optiml solve: warning: {w.message}", file=sys.stderr)
     print(format_report(placement))
+    if st.is_moe:
+        write_expert_placement(model, st, placement, args.outfile)
+        print(f"wrote {args.outfile}: weights unchanged, each layer's GPU experts in optiml.placement.gpu_experts")
+        return 0
     res = write_placed(model, st, placement, args.outfile)
     if res["form"] == "permuted":
         how = "FFN neurons permuted hot-first in the file"

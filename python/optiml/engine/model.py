@@ -79,8 +79,10 @@ class Model(Sequences):
     their attention runs on the CPU (CPU attention offload, see :meth:`kv_place`); it needs every layer's
     attention on the device. n_cpu_moe (mixtures of experts): the experts of the first N layers stay on the
     CPU while the rest of those layers may go to the device (llama.cpp's --n-cpu-moe; True: every layer's,
-    --cpu-moe); without it a layer's experts go where its attention goes. A CUDA device keeps every
-    layer's experts on the CPU (it runs no experts yet).
+    --cpu-moe); without it a layer's experts go where its attention goes. gpu_experts: per layer a list
+    of expert ids for the device, hottest first (overrides the file's expert placement, `optiml solve`): as
+    many as the budget holds go there, the layer's other experts stay on the CPU, and both sides compute
+    at once. A CUDA device keeps every layer's experts on the CPU (it runs no experts yet).
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists, unless its predictors mark so many neurons active that they would
@@ -117,6 +119,7 @@ class Model(Sequences):
         kv_type_k=None,
         kv_type_v=None,
         n_cpu_moe=None,
+        gpu_experts=None,
     ):
         self.path = loading.model_file(path)
         self._model = loading.open_weights(self.path, use_mmap)
@@ -129,7 +132,8 @@ class Model(Sequences):
         n_batch = positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
         n_seq = positive_int("n_seq", n_seq)
-        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe)
+        where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe,
+                          gpu_experts)
         kv_type, where["kv_type_v"] = kv_types(kv_type, kv_type_k, kv_type_v)
         if use_mmap == "auto" and loading.auto_in_memory(
                 self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):

@@ -8,7 +8,9 @@ device: "auto" (a GPU when this build can run one, else the CPU), "cpu", "cpu:N"
 that the plan treats as an accelerator, for testing split execution on any machine) or "cuda[:N]".
 vram: the device's memory budget (bytes, or a size such as "6GiB"); n_gpu_layers: the last N layers whole
 on the device, as llama.cpp's -ngl; gpu_neurons: per-layer FFN neurons on the device (one value for all
-layers, or one per layer), overriding the file's placement (`optiml solve`).
+layers, or one per layer), overriding the file's placement (`optiml solve`); gpu_experts (mixtures of
+experts): per layer the experts for the device, hottest first, the others kept on the CPU, both running at
+once, overriding the file's expert placement.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def kv_types(kv_type="f16", kv_type_k=None, kv_type_v=None) -> tuple[str, str]:
 
 class Plan:
     """A plan as data: ``device``, ``reason``, ``budget`` (bytes, -1 = none), ``layers`` (per layer a dict
-    with ``attention`` (its device) and ``ffn_on_device`` (neurons)), ``device_bytes`` (by use),
+    with ``attention`` (its device), ``ffn_on_device`` (neurons) and ``device_experts`` (the experts on
+    the device of a layer whose experts are split)), ``device_bytes`` (by use),
     ``host_kv_bytes``, ``host_scratch_bytes``, ``kv_type_k`` and ``kv_type_v`` (the KV cache's types);
     str() gives the table."""
 
@@ -76,9 +79,11 @@ class Plan:
 
 
 def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
-              kv_vram=None, n_cpu_moe=None) -> dict:
+              kv_vram=None, n_cpu_moe=None, gpu_experts=None) -> dict:
     """The native keyword arguments for a plan, validated. n_cpu_moe: a mixture of experts keeps the experts of
-    its first n_cpu_moe layers on the CPU (llama.cpp's --n-cpu-moe; True: every layer's, --cpu-moe)."""
+    its first n_cpu_moe layers on the CPU (llama.cpp's --n-cpu-moe; True: every layer's, --cpu-moe).
+    gpu_experts: per layer a list of expert ids for the device, hottest first (as many as the budget
+    holds go; the others stay on the CPU and both run at once), overriding the file's (`optiml solve`)."""
     if not isinstance(device, str) or not device:
         raise ArgumentError(f"device must be a string such as 'auto', 'cpu', 'cpu:1' or 'cuda', not {device!r}")
     args = {"device": device, "vram": -1 if vram is None else parse_size(vram), "n_gpu_layers": -1,
@@ -99,17 +104,25 @@ def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, 
         if not isinstance(gpu_neurons, Sequence) or any(isinstance(k, bool) or not isinstance(k, int) for k in gpu_neurons):
             raise ArgumentError("gpu_neurons must be an integer or a list of one integer per layer")
         args["gpu_neurons"] = [int(k) for k in gpu_neurons]
+    if gpu_experts is not None:
+        if (not isinstance(gpu_experts, Sequence) or isinstance(gpu_experts, str)
+                or any(not isinstance(ids, Sequence) or isinstance(ids, str) for ids in gpu_experts)
+                or any(isinstance(e, bool) or not isinstance(e, int) for ids in gpu_experts for e in ids)):
+            raise ArgumentError("gpu_experts must be a list of one list of expert ids per layer")
+        if len(gpu_experts) != n_layer:
+            raise ArgumentError(f"gpu_experts has {len(gpu_experts)} lists for {n_layer} layers")
+        args["gpu_experts"] = [[int(e) for e in ids] for ids in gpu_experts]
     return args
 
 
 def make(path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_batch: int = 512,
          kv_type: str = "f16", device: str = "auto", vram=None, n_gpu_layers=None, gpu_neurons=None,
-         kv_vram=None, kv_type_k=None, kv_type_v=None, n_cpu_moe=None) -> Plan:
+         kv_vram=None, kv_type_k=None, kv_type_v=None, n_cpu_moe=None, gpu_experts=None) -> Plan:
     """The plan a model would run with (nothing is uploaded or allocated). kv_type, kv_type_k, kv_type_v:
     the KV cache's types (see :func:`kv_types`); the plan's KV bytes follow them."""
     tk, tv = kv_types(kv_type, kv_type_k, kv_type_v)
     model = _core.Model(os.fsencode(resolve(path)))
     hp = model.hparams
     n_ctx = min(hp["n_ctx_train"], 4096) if n_ctx is None else n_ctx
-    args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe)
+    args = plan_args(hp["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe, gpu_experts)
     return Plan(_core.make_plan(model, n_ctx, n_seq, n_batch, tk, kv_type_v=tv, **args))

@@ -39,7 +39,8 @@ from .gguf_edit import check_output, rewrite_gguf
 from .stats import ActivationStats, hot_first_order
 from ..util import jsonout
 
-__all__ = ["PREFIX", "coverage_curve", "curve_ranks", "ffn_layout", "layer_bytes", "read_placement", "write_placed"]
+__all__ = ["PREFIX", "coverage_curve", "curve_ranks", "ffn_layout", "layer_bytes", "read_placement", "write_placed",
+           "write_expert_placement"]
 
 PREFIX = "optiml.placement."
 VERSION = 2  # 2: neuron_order; no requantized down (v1 wrote down_type)
@@ -262,6 +263,51 @@ def placement_kv(stats: ActivationStats, placement: Any,
     return kv
 
 
+def write_expert_placement(model_path: str | os.PathLike, stats: ActivationStats, placement: Any,
+                           out_path: str | os.PathLike, progress: bool = True) -> dict:
+    """Writes out_path: the mixture of experts at model_path with the solver's expert placement in
+    optiml.placement.* (gpu_experts: each layer's GPU experts hottest first, concatenated; gpu_expert_count:
+    how many are each layer's; gpu_attention; gpu_neurons all zero). The weights are copied unchanged.
+    Returns {"form": "experts"}."""
+    model_path, out_path = os.fspath(model_path), os.fspath(out_path)
+    if not os.path.isfile(model_path):
+        raise FileNotFoundError(f"model file not found: {model_path}")
+    check_output(model_path, out_path)
+    stats.check_model(model_path)
+    experts = [[int(e) for e in ids] for ids in placement.gpu_experts]
+    n_layer = len(placement.gpu_neurons)
+    if len(experts) != n_layer or len(placement.coverage) != n_layer:
+        raise ArgumentError(f"the placement has {len(experts)} expert lists for {n_layer} layers")
+    solver = {"method": placement.method, "status": placement.status, "gap": float(placement.gap),
+              "solve_s": float(placement.solve_s)}
+    P = PREFIX
+    flat = [e for ids in experts for e in ids]
+    kv = {
+        P + "version": (VERSION, VT.UINT32),
+        P + "group_size": (1, VT.UINT32),
+        P + "gpu_neurons": (np.zeros(n_layer, dtype=np.int32), VT.ARRAY),
+        P + "gpu_attention": (np.asarray(getattr(placement, "gpu_attention", None) or [1] * n_layer, dtype=np.int32),
+                              VT.ARRAY),
+        P + "gpu_expert_count": (np.asarray([len(ids) for ids in experts], dtype=np.int32), VT.ARRAY),
+        P + "gpu_experts": (np.asarray(flat, dtype=np.int32), VT.ARRAY),
+        P + "coverage": (np.asarray(placement.coverage, dtype=np.float32), VT.ARRAY),
+        P + "vram_budget": (int(placement.vram_budget), VT.UINT64),
+        P + "vram_used": (int(placement.vram_used), VT.UINT64),
+        P + "fixed_bytes": (int(placement.fixed_bytes), VT.UINT64),
+        P + "ctx": (int(placement.ctx), VT.UINT32),
+        P + "hardware": (jsonout.dumps(placement.hardware, sort_keys=True, default=str), VT.STRING),
+        P + "solver": (jsonout.dumps(solver), VT.STRING),
+        P + "est_token_ms": (float(placement.est_token_s) * 1000.0, VT.FLOAT32),
+        P + "stats.tokens": (int(stats.n_tokens), VT.UINT64),
+        P + "stats.sources": (stats.sources or "-", VT.STRING),
+        P + "stats.fingerprint": (stats.fingerprint, VT.STRING),
+    }
+    if not flat:  # an empty array has no element type to read back: no experts, no list
+        del kv[P + "gpu_experts"], kv[P + "gpu_expert_count"]
+    rewrite_gguf(model_path, out_path, set_kv=kv, remove_prefixes=(PREFIX,), progress=progress, desc="placing")
+    return {"form": "experts"}
+
+
 def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Any,
                  out_path: str | os.PathLike, progress: bool = True) -> dict:
     """Writes out_path: model_path with each layer's FFN neurons in hot-first order and the placement in
@@ -334,9 +380,15 @@ def read_placement(path_or_file) -> dict | None:
                 d[k] = json.loads(d[k])
             except (TypeError, ValueError):
                 d[k] = {"text": d[k]}
-    for k in ("gpu_neurons", "gpu_attention", "curve_ranks"):
+    for k in ("gpu_neurons", "gpu_attention", "curve_ranks", "gpu_expert_count"):
         if k in d:
             d[k] = [int(v) for v in d[k]]
+    if "gpu_experts" in d and "gpu_expert_count" in d:  # back to one list per layer (the engine checks them)
+        flat, at = [int(v) for v in d["gpu_experts"]], 0
+        d["gpu_experts"] = []
+        for c in d["gpu_expert_count"]:
+            d["gpu_experts"].append(flat[at:at + c])
+            at += c
     if "coverage" in d:
         d["coverage"] = [float(v) for v in d["coverage"]]
     n_layer = len(d.get("gpu_neurons", []))

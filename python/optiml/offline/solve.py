@@ -105,6 +105,8 @@ class Placement:
     # per layer: its attention and KV cache on the GPU. All True when the fixed part fits; when it does not,
     # the layers [0, m) the solver chose (see solve_placement); empty: not decided (all where they fit).
     gpu_attention: list[bool] = field(default_factory=list)
+    # a mixture of experts (optiml.offline.solve_experts): per layer the experts on the GPU, hottest first
+    gpu_experts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -573,13 +575,18 @@ def format_report(p: Placement) -> str:
         f"VRAM: {mib(p.vram_used)} used of {mib(p.vram_budget)} "
         f"(fixed part {mib(p.fixed_bytes)} for ctx {p.ctx}"
         f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",
-        f"FFN: {mib(gpu_ffn)} on the GPU, {mib(total_ffn - gpu_ffn)} on the CPU "
-        f"({gpu_ffn / total_ffn if total_ffn else 0:.1%} of FFN bytes), group {p.group} neurons",
+        f"{'experts' if p.gpu_experts else 'FFN'}: {mib(gpu_ffn)} on the GPU, {mib(total_ffn - gpu_ffn)} on the CPU "
+        f"({gpu_ffn / total_ffn if total_ffn else 0:.1%} of {'expert' if p.gpu_experts else 'FFN'} bytes)"
+        + ("" if p.gpu_experts else f", group {p.group} neurons"),
     ]
     cov = np.asarray(p.coverage)
     if len(cov):
-        lines.append(f"firings covered by the GPU: mean {cov.mean():.1%}, min {cov.min():.1%}, max {cov.max():.1%}")
-    lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
+        lines.append(f"{'routings' if p.gpu_experts else 'firings'} covered by the GPU: mean {cov.mean():.1%}, "
+                     f"min {cov.min():.1%}, max {cov.max():.1%}")
+    if p.gpu_experts:
+        lines.append("experts on the GPU per layer: " + " ".join(str(len(e)) for e in p.gpu_experts))
+    else:
+        lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
     if any(p.gpu_attention) and not all(p.gpu_attention):
         lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers")
     ratio = p.cpu_only_token_s / p.est_token_s if p.est_token_s > 0 else math.nan

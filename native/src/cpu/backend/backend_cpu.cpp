@@ -197,6 +197,25 @@ public:
         submit(SpanKind::FFN, [=] { moe_ffn_cpu(*pool_, kt_, *php, *pw, xn, n, y, moe_, rec, layer); });
     }
 
+    void moe_router(const HParams&, int, const MoEWeights& w, const float* xn, int32_t n, float* logits) override {
+        const MoEWeights* pw = &w;
+        submit(SpanKind::FFN, [=] { moe_router_cpu(*pool_, kt_, *pw, xn, n, logits); });
+    }
+
+    void moe_experts(const HParams& hp, int layer, const MoEWeights& w, const float* xn, const MoEGroups& g,
+                     float* d) override {
+        const HParams* php = &hp;
+        const MoEWeights* pw = &w;
+        submit(SpanKind::FFN, [=] { moe_experts_cpu(*pool_, kt_, *php, *pw, xn, g, d, moe_, nullptr, layer); });
+    }
+
+    void moe_shared(const HParams& hp, int, const MoEWeights& w, const float* xn, int32_t n, float* sy,
+                    float* sgate) override {
+        const HParams* php = &hp;
+        const MoEWeights* pw = &w;
+        submit(SpanKind::FFN, [=] { moe_shared_cpu(*pool_, kt_, *php, *pw, xn, n, sy, sgate, moe_); });
+    }
+
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
         const HParams* php = &hp;
         const FFNWeights* pw = &w;

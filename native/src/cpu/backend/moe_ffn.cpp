@@ -146,45 +146,42 @@ void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chose
     }
 }
 
-void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
-                 int32_t n, float* y, MoEScratch& s, ActivationRecorder* rec, int il) {
-    const int32_t X = hp.n_expert, k = hp.n_expert_used;
+void moe_group(const int32_t* chosen, int64_t nk, int32_t k, int32_t n_expert, const int32_t* order,
+               std::vector<int32_t>& count, std::vector<int32_t>& first, std::vector<int32_t>& token, int32_t* slot) {
+    count.assign(n_expert, 0);
+    first.resize(n_expert);
+    token.resize(nk);
+    for (int64_t i = 0; i < nk; i++) count[chosen[i]]++;
+    for (int32_t j = 0, at = 0; j < n_expert; j++) {
+        const int32_t e = order ? order[j] : j;
+        first[e] = at, at += count[e];
+    }
+    std::vector<int32_t> fill(first);
+    for (int64_t i = 0; i < nk; i++) {
+        const int32_t row = fill[chosen[i]]++;
+        slot[i] = row;
+        token[row] = (int32_t)(i / k);
+    }
+}
+
+void moe_router_cpu(ThreadPool& pool, const KernelTable& kt, const MoEWeights& w, const float* xn, int32_t n,
+                    float* logits) {
+    const Weight* router[1] = {&w.gate_inp};
+    float* out[1] = {logits};
+    matmul_shared_input(pool, kt, router, out, 1, xn, n);
+}
+
+void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
+                     const MoEGroups& g, float* d, MoEScratch& s, ActivationRecorder* rec, int il) {
     const int64_t E = hp.n_embd, F = w.gate.rows;
-    const int64_t nk = (int64_t)n * k;
+    const int64_t nr = g.n_rows;
+    if (nr == 0) return;
 
-    // 1. The router.
-    s.logits.resize((size_t)n * X);
-    s.chosen.resize(nk);
-    s.weight.resize(nk);
-    {
-        const Weight* router[1] = {&w.gate_inp};
-        float* out[1] = {s.logits.data()};
-        matmul_shared_input(pool, kt, router, out, 1, xn, n);
-    }
-    moe_route(hp, s.logits.data(), n, s.chosen.data(), s.weight.data());
-    if (rec) rec->record_experts(il, s.chosen.data(), s.weight.data(), n, k);
-
-    // 2. Grouped by expert (a counting sort: tokens stay in order within an expert).
-    s.count.assign(X, 0);
-    s.first.resize(X);
-    s.slot.resize(nk);
-    s.token.resize(nk);
-    for (int64_t i = 0; i < nk; i++) s.count[s.chosen[i]]++;
-    for (int32_t e = 0, at = 0; e < X; e++) s.first[e] = at, at += s.count[e];
-    {
-        std::vector<int32_t> fill(s.first);
-        for (int64_t i = 0; i < nk; i++) {
-            const int32_t row = fill[s.chosen[i]]++;
-            s.slot[i] = row;
-            s.token[row] = (int32_t)(i / k);
-        }
-    }
-
-    // 3. gate and up of each chosen expert over its rows: the input converted once, then gathered.
+    // gate and up of each chosen expert over its rows: the input converted once, then gathered.
     auto gathered = [&](int32_t wtype, std::vector<uint8_t>& gbuf, size_t* x_row) {
-        const uint8_t* xq = convert_for(pool, kt, wtype, xn, E, n, s.xq, x_row);
-        if (gbuf.size() < *x_row * nk) gbuf.resize(*x_row * nk);
-        for (int64_t r = 0; r < nk; r++) std::memcpy(gbuf.data() + r * *x_row, xq + s.token[r] * *x_row, *x_row);
+        const uint8_t* xq = convert_for(pool, kt, wtype, xn, E, g.n_tok, s.xq, x_row);
+        if (gbuf.size() < *x_row * nr) gbuf.resize(*x_row * nr);
+        for (int64_t r = 0; r < nr; r++) std::memcpy(gbuf.data() + r * *x_row, xq + g.token[r] * *x_row, *x_row);
         return (const uint8_t*)gbuf.data();
     };
     size_t xg_row = 0, xu_row = 0;
@@ -192,67 +189,102 @@ void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, con
     const bool same_x = type_traits(w.gate.type).vec_dot_type == type_traits(w.up.type).vec_dot_type;
     const uint8_t* xu = same_x ? xg : gathered(w.up.type, s.xg2, &xu_row);
     if (same_x) xu_row = xg_row;
-    s.g.resize(nk * F);
-    s.u.resize(nk * F);
+    s.g.resize(nr * F);
+    s.u.resize(nr * F);
     std::vector<Product> ps;
-    for (int32_t e = 0; e < X; e++) {
-        if (!s.count[e]) continue;
-        const int64_t r0 = s.first[e];
-        ps.push_back({w.gate.matrix(e), xg + r0 * xg_row, xg_row, s.count[e], s.g.data() + r0 * F});
-        ps.push_back({w.up.matrix(e), xu + r0 * xu_row, xu_row, s.count[e], s.u.data() + r0 * F});
+    for (int32_t e = 0; e < g.n_expert; e++) {
+        if (!g.count[e]) continue;
+        const int64_t r0 = g.first[e];
+        ps.push_back({w.gate.matrix(e), xg + r0 * xg_row, xg_row, g.count[e], s.g.data() + r0 * F});
+        ps.push_back({w.up.matrix(e), xu + r0 * xu_row, xu_row, g.count[e], s.u.data() + r0 * F});
     }
     grouped_products(pool, kt, ps);
 
-    // 4. act(gate) * up, then down of each chosen expert over its rows.
-    per_token(pool, (int32_t)nk, [&](int64_t r) { kt.silu_mul(F, s.g.data() + r * F, s.u.data() + r * F); });
+    // act(gate) * up, then down of each chosen expert over its rows.
+    per_token(pool, (int32_t)nr, [&](int64_t r) { kt.silu_mul(F, s.g.data() + r * F, s.u.data() + r * F); });
     if (rec)
-        for (int32_t e = 0; e < X; e++)
-            if (s.count[e]) rec->record_expert_neurons(il, e, s.g.data() + (int64_t)s.first[e] * F, s.count[e]);
+        for (int32_t e = 0; e < g.n_expert; e++)
+            if (g.count[e]) rec->record_expert_neurons(il, e, s.g.data() + (int64_t)g.first[e] * F, g.count[e]);
     size_t h_row = 0;
-    const uint8_t* hq = convert_for(pool, kt, w.down.type, s.g.data(), F, nk, s.hq, &h_row);
-    s.d.resize(nk * E);
+    const uint8_t* hq = convert_for(pool, kt, w.down.type, s.g.data(), F, nr, s.hq, &h_row);
     ps.clear();
-    for (int32_t e = 0; e < X; e++) {
-        if (!s.count[e]) continue;
-        const int64_t r0 = s.first[e];
-        ps.push_back({w.down.matrix(e), hq + r0 * h_row, h_row, s.count[e], s.d.data() + r0 * E});
+    for (int32_t e = 0; e < g.n_expert; e++) {
+        if (!g.count[e]) continue;
+        const int64_t r0 = g.first[e];
+        ps.push_back({w.down.matrix(e), hq + r0 * h_row, h_row, g.count[e], d + r0 * E});
     }
     grouped_products(pool, kt, ps);
+}
 
-    // 5. Each token's experts weighted and summed, best first.
-    per_token(pool, n, [&](int64_t t) {
-        float* yt = y + t * E;
-        for (int32_t j = 0; j < k; j++) {
-            const float wj = s.weight[t * k + j];
-            const float* d = s.d.data() + (int64_t)s.slot[t * k + j] * E;
-            if (j == 0)
-                for (int64_t i = 0; i < E; i++) yt[i] = d[i] * wj;
-            else
-                for (int64_t i = 0; i < E; i++) yt[i] += d[i] * wj;
-        }
-    });
-
-    // 6. The shared expert: a dense FFN of every token, gated by sigmoid(gate_inp_shexp . xn).
-    if (!w.shared.gate.present()) return;
+void moe_shared_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
+                    int32_t n, float* sy, float* sgate, MoEScratch& s) {
     const int64_t S = w.shared.gate.rows;
     s.sg.resize(n * S);
     s.su.resize(n * S);
-    s.sy.resize(n * E);
     FFNShare share;
     share.w = &w.shared;
-    ffn_dense(pool, kt, hp, share, xn, n, FFNScratch{s.sg.data(), s.su.data()}, s.sy.data());
-    s.sgate.assign(n, 0.0f);
-    if (w.gate_inp_shexp.present()) {
-        const Weight* gate[1] = {&w.gate_inp_shexp};
-        float* out[1] = {s.sgate.data()};
-        matmul_shared_input(pool, kt, gate, out, 1, xn, n);
+    ffn_dense(pool, kt, hp, share, xn, n, FFNScratch{s.sg.data(), s.su.data()}, sy);
+    if (!w.gate_inp_shexp.present()) {
+        std::fill(sgate, sgate + n, 1.0f);
+        return;
     }
-    for (int32_t t = 0; t < n; t++) {
-        const float g = w.gate_inp_shexp.present() ? 1.0f / (1.0f + std::exp(-s.sgate[t])) : 1.0f;
-        const float* sy = s.sy.data() + (int64_t)t * E;
-        float* yt = y + (int64_t)t * E;
-        for (int64_t i = 0; i < E; i++) yt[i] += sy[i] * g;
+    const Weight* gate[1] = {&w.gate_inp_shexp};
+    float* out[1] = {sgate};
+    matmul_shared_input(pool, kt, gate, out, 1, xn, n);
+    for (int32_t t = 0; t < n; t++) sgate[t] = 1.0f / (1.0f + std::exp(-sgate[t]));
+}
+
+void moe_combine(ThreadPool& pool, const HParams& hp, int32_t n, const float* weight, const int32_t* slot,
+                 const float* d, int64_t n_rows_d, const float* d2, const float* sy, const float* sgate, float* y) {
+    const int32_t k = hp.n_expert_used;
+    const int64_t E = hp.n_embd;
+    per_token(pool, n, [&](int64_t t) {
+        float* yt = y + t * E;
+        for (int32_t j = 0; j < k; j++) {
+            const float wj = weight[t * k + j];
+            const int64_t r = slot[t * k + j];
+            const float* dr = r < n_rows_d ? d + r * E : d2 + (r - n_rows_d) * E;
+            if (j == 0)
+                for (int64_t i = 0; i < E; i++) yt[i] = dr[i] * wj;
+            else
+                for (int64_t i = 0; i < E; i++) yt[i] += dr[i] * wj;
+        }
+        if (!sy) return;
+        const float g = sgate[t];
+        const float* st = sy + t * E;
+        for (int64_t i = 0; i < E; i++) yt[i] += st[i] * g;
+    });
+}
+
+void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
+                 int32_t n, float* y, MoEScratch& s, ActivationRecorder* rec, int il) {
+    const int32_t X = hp.n_expert, k = hp.n_expert_used;
+    const int64_t nk = (int64_t)n * k;
+
+    // 1. The router.
+    s.logits.resize((size_t)n * X);
+    s.chosen.resize(nk);
+    s.weight.resize(nk);
+    moe_router_cpu(pool, kt, w, xn, n, s.logits.data());
+    moe_route(hp, s.logits.data(), n, s.chosen.data(), s.weight.data());
+    if (rec) rec->record_experts(il, s.chosen.data(), s.weight.data(), n, k);
+
+    // 2. Grouped by expert; 3-4. every chosen expert over its rows.
+    s.slot.resize(nk);
+    moe_group(s.chosen.data(), nk, k, X, nullptr, s.count, s.first, s.token, s.slot.data());
+    s.d.resize(nk * hp.n_embd);
+    const MoEGroups g{n, s.token.data(), nk, s.first.data(), s.count.data(), X};
+    moe_experts_cpu(pool, kt, hp, w, xn, g, s.d.data(), s, rec, il);
+
+    // 5-6. Each token's experts weighted and summed, best first, and the shared expert.
+    const bool shared = w.shared.gate.present();
+    if (shared) {
+        s.sy.resize((size_t)n * hp.n_embd);
+        s.sgate.resize(n);
+        moe_shared_cpu(pool, kt, hp, w, xn, n, s.sy.data(), s.sgate.data(), s);
     }
+    moe_combine(pool, hp, n, s.weight.data(), s.slot.data(), s.d.data(), nk, nullptr, shared ? s.sy.data() : nullptr,
+                shared ? s.sgate.data() : nullptr, y);
 }
 
 }  // namespace optiml
