@@ -500,22 +500,48 @@ def test_attention_offload_matches_the_gpu_alone(tiny, kv):
     assert mean_kld(ref, got) < 1e-4
 
 
-def test_moe_attention_on_the_gpu_experts_on_the_cpu(tmp_path, tiny):
-    """A mixture of experts on CUDA: attention, KV cache and logits on the GPU, every layer's experts on the
-    CPU (the CUDA backend runs no experts yet), xn and y crossing each layer; n_cpu_moe that would put experts
-    on the GPU is refused by name."""
-    path = tmp_path / "moe.gguf"
+MOE_ARCHS = {
+    # 8 experts of 128, 2 used; Q4_0: the integer products
+    "qwen3moe": ["--arch", "qwen3moe", "--n-ff-exp", "128", "--experts-used", "2", "--type", "q4_0"],
+    # a shared expert with its sigmoid gate, 3 used; F16: the float products
+    "qwen2moe": ["--arch", "qwen2moe", "--n-ff-exp", "64", "--experts-used", "3", "--shared-expert", "96",
+                 "--type", "f16"],
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE_ARCHS))
+def moe_model(request, tmp_path_factory, tiny):
+    path = tmp_path_factory.mktemp("moe") / f"{request.param}.gguf"
     subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
-                    "-o", str(path), "--arch", "qwen3moe", "--n-embd", "256", "--n-layer", "2", "--n-head", "4",
-                    "--n-head-kv", "2", "--n-ff", "512", "--experts", "8", "--experts-used", "2", "--n-ff-exp", "128",
-                    "--type", "q4_0", "--std", "0.05", "--quiet", "--tokenizer-from", str(tiny["donor"])], check=True)
-    ids = prompt_ids(path)
-    ref = logits(path, ids, device="cpu")
-    with optiml.Model(path, n_ctx=128, device="cuda") as m:
-        assert all(layer["attention"] != "cpu" and layer["ffn_on_device"] == 0 for layer in m.plan.layers)
-        assert "experts on the CPU" in m.plan._d["reason"] and m.plan.device_bytes["ffn_weights"] == 0
-        assert sum(m._session.device_allocations.values()) == m.plan.device_bytes["total"]
+                    "-o", str(path), "--n-embd", "256", "--n-layer", "2", "--n-head", "4", "--n-head-kv", "2",
+                    "--n-ff", "512", "--experts", "8", "--std", "0.05", "--quiet", "--tokenizer-from",
+                    str(tiny["donor"]), *MOE_ARCHS[request.param]], check=True)
+    return path
+
+
+@pytest.mark.parametrize("where", [dict(n_cpu_moe=True), dict(), dict(n_cpu_moe=1),
+                                   dict(gpu_experts=[[1, 5], [0, 2, 7]]), dict(gpu_experts=[[], list(range(8))])])
+def test_moe_on_the_gpu(moe_model, where):
+    """A mixture of experts on CUDA: every layer's experts on the CPU (--cpu-moe), every layer whole on the GPU
+    (router, experts, shared expert: the host routes between the router and the experts), the first layer's
+    experts on the CPU (-ncmoe 1), and hot experts on the GPU with the rest of the layer's on the CPU, both at
+    once; prompt and decode steps against the CPU."""
+    ids = prompt_ids(moe_model)
+    ref = np.vstack([logits(moe_model, ids, device="cpu"), logits(moe_model, ids[:1], device="cpu")])
+    with optiml.Model(moe_model, n_ctx=128, device="cuda", **where) as m:
+        plan = m.plan
+        assert sum(m._session.device_allocations.values()) == plan.device_bytes["total"]
         got = m.eval(ids, all_logits=True)
+        m.reset()
+        got = np.vstack([got, m.eval(ids[:1], all_logits=True)])
+    whole = [l["ffn_on_device"] > 0 for l in plan.layers]
+    split = [l["device_experts"] for l in plan.layers]
+    if where.get("n_cpu_moe") is True:
+        assert whole == [False, False] and plan.device_bytes["ffn_weights"] == 0
+    elif where.get("n_cpu_moe") == 1:
+        assert whole == [False, True]
+    elif "gpu_experts" in where:
+        assert split == [[1, 5], [0, 2, 7]] or (split == [[], []] and whole == [False, True])
+    else:
+        assert whole == [True, True]
     assert mean_kld(ref, got) < KLD_BOUND
-    with pytest.raises(optiml.ArgumentError, match="runs no experts yet"):
-        optiml.Model(path, n_ctx=128, device="cuda", n_cpu_moe=1)

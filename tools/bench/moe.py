@@ -39,11 +39,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_model(path: str, n_layer: int, alpha: float) -> None:
+def make_model(path: str, n_layer: int, alpha: float, tokenizer_from: str | None = None) -> None:
     cmd = [sys.executable, os.path.join(HERE, "make_synthetic_model.py"), "-o", path, "--arch", "qwen3moe",
            "--n-embd", "2048", "--n-layer", str(n_layer), "--n-head", "32", "--n-head-kv", "4", "--head-dim", "128",
            "--experts", "128", "--experts-used", "8", "--n-ff-exp", "768", "--n-ff", "6144", "--type", "q4_k",
            "--output-type", "q6_k", "--plant-experts", str(alpha), "--quiet"]
+    if tokenizer_from:
+        cmd += ["--tokenizer-from", tokenizer_from]
     log("writing " + path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     subprocess.run(cmd, check=True)

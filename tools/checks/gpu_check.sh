@@ -11,7 +11,9 @@
 #   tools/checks/gpu_check.sh verify    # there, in one call of under 10 minutes: the GPU tests, tools/bench/gpu.py on
 #                                # a 7B Q4_0 model against llama.cpp (with the kernels and bytes a decode step
 #                                # launches, batch 1 and 8: --launches; and again unfused, OPTIML_CUDA_FUSE=0:
-#                                # --unfused), and the hybrid benchmark (ReLU, 25%)
+#                                # --unfused), the hybrid benchmark (ReLU, 25%) and the mixture-of-experts one
+#                                # (tools/bench/moe_gpu.py: hot experts placed by the solver against llama.cpp
+#                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape)
 #   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
 #                                # not carried prebuilt), runs the GPU tests (with the real models when
 #                                # their parts were carried) and compute-sanitizer's memcheck, makes synthetic
@@ -143,6 +145,10 @@ verify() {
     "$py" tools/make_synthetic_model.py -o "$models/llama7b-q4_0.gguf" --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --quiet --type q4_0 > "$out/make-llama7b-q4_0.log" 2>&1 &
     local maker=$!
+    mkdir -p "$models/moe"  # issue #46's mixture of experts, 4 of Qwen3-30B-A3B's layers (1.5 GB)
+    PYTHONPATH=tools/bench "$py" -c "from moe import make_model; make_model('$models/moe/qwen3moe-30b-a3b-shape-4l-q4_k.gguf', 4, 1.0, '$OPTIML_TOKENIZER_DONOR')" \
+        > "$out/make-moe.log" 2>&1 &
+    local moe_maker=$!
     step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
     llama_build
     wait "$maker" || failed+=(make-llama7b-q4_0)
@@ -154,6 +160,10 @@ verify() {
         --tokens 32 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --workdir build/bench-hybrid
     tail -n 25 "$out/hybrid-relu.log"
+    wait "$moe_maker" || failed+=(make-moe)
+    step moe "$py" tools/bench/moe_gpu.py --device cuda --n-layer 4 --share 0.25 --reps 2 --profile-tokens 1024 \
+        --workdir "$models/moe" --llama-bench build/llama-cuda/bin/llama-bench
+    tail -n 12 "$out/moe.log"
     echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
     [ ${#failed[@]} -eq 0 ]
 }

@@ -159,6 +159,8 @@ public:
     // ---- memory: every byte counted --------------------------------------------------------------
     // Zeroed device memory for `bytes`, freed with the backend. `what` names the use in the accounting.
     void* alloc(size_t bytes, const char* what);
+    // Frees one block of alloc() now (a buffer that grows); the caller knows no queued op reads it.
+    void release(void* p);
     size_t allocated_bytes() const { return allocated_; }
     // Bytes allocated per use ("weights", "kv", "scratch", ...).
     std::vector<std::pair<std::string, size_t>> allocation_summary() const;

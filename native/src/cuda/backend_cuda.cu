@@ -34,6 +34,7 @@
 #include "optiml/ggml_types.h"
 #include "optiml/kernels.h"
 #include "optiml/model.h"
+#include "optiml/moe_route.h"
 
 namespace optiml {
 
@@ -329,6 +330,103 @@ public:
         const OpSpan span(*this, SpanKind::Join);
         cuda_rms_norm_add(stream_, s.y, (const float*)join.post_norm.data, x, n, hp.n_embd, hp.rms_eps);
         return true;
+    }
+
+    // ---- mixtures of experts ----------------------------------------------------------------------
+    // The router's logits (Backend::moe_router).
+    void moe_router(const HParams& hp, int, const MoEWeights& w, const float* xn, int32_t n, float* logits) override {
+        use();
+        const OpSpan span(*this, SpanKind::FFN);
+        Input in = floats(const_cast<float*>(xn), moe_buffer(moe_round_, (size_t)n * hp.n_embd), n, hp.n_embd);
+        products(in, {{&w.gate_inp, logits, nullptr, false}});
+    }
+
+    // Each expert's rows (Backend::moe_experts): the step's rows gathered by expert once, then per chosen
+    // expert its gate and up over its rows (one launch), act(gate) * up made by down's input stage, down.
+    // Not yet one grouped launch for all experts (llama.cpp's mul_mat_id): a launch per expert and product.
+    void moe_experts(const HParams& hp, int, const MoEWeights& w, const float* xn, const MoEGroups& g,
+                     float* d) override {
+        if (g.n_rows == 0) return;
+        use();
+        const OpSpan span(*this, SpanKind::FFN);
+        const int64_t E = hp.n_embd, F = w.gate.rows, nr = g.n_rows;
+        int32_t* idx = (int32_t*)moe_buffer(moe_idx_, (size_t)nr);
+        float* xg = moe_buffer(moe_xg_, (size_t)nr * E);
+        float* round = moe_buffer(moe_round_, (size_t)nr * E);
+        StepScratch ss;
+        ss.gate = moe_buffer(moe_gate_, (size_t)nr * F);
+        ss.up = moe_buffer(moe_up_, (size_t)nr * F);
+        copy_from_host(idx, g.token, sizeof(int32_t) * nr);
+        cuda_gather_rows(stream_, xn, idx, nr, E, xg);
+        for (int32_t e = 0; e < g.n_expert; e++) {
+            if (!g.count[e]) continue;
+            const size_t r0 = (size_t)g.first[e];
+            FFNWeights fw;
+            fw.gate = expert(w.gate, e);
+            fw.up = expert(w.up, e);
+            const Weight down = expert(w.down, e);
+            StepScratch se;
+            se.gate = ss.gate + r0 * F;
+            se.up = ss.up + r0 * F;
+            Input in = floats(xg + r0 * E, round + r0 * E, g.count[e], E);
+            Input h = gate_up(hp, fw, in, se);
+            products(h, {{&down, d + r0 * E, nullptr, false}});
+        }
+    }
+
+    // The shared expert and its gate (Backend::moe_shared).
+    void moe_shared(const HParams& hp, int, const MoEWeights& w, const float* xn, int32_t n, float* sy,
+                    float* sgate) override {
+        use();
+        const OpSpan span(*this, SpanKind::FFN);
+        const int64_t S = w.shared.gate.rows;
+        float* round = moe_buffer(moe_round_, (size_t)n * hp.n_embd);
+        StepScratch ss;
+        ss.gate = moe_buffer(moe_gate_, (size_t)n * S);
+        ss.up = moe_buffer(moe_up_, (size_t)n * S);
+        Input in = floats(const_cast<float*>(xn), round, n, hp.n_embd);
+        Input h = gate_up(hp, w.shared, in, ss);
+        products(h, {{&w.shared.down, sy, nullptr, false}});
+        if (w.gate_inp_shexp.present()) {
+            Input g = floats(const_cast<float*>(xn), round, n, hp.n_embd);
+            products(g, {{&w.gate_inp_shexp, sgate, nullptr, false}});
+            cuda_sigmoid(stream_, sgate, n);
+        } else {
+            moe_ones_.assign(n, 1.0f);
+            copy_from_host(sgate, moe_ones_.data(), sizeof(float) * n);
+        }
+    }
+
+    // A whole mixture of experts here (Backend::moe_ffn): the router, its logits to the host, which picks
+    // and groups each token's experts (moe_route, moe_group: a sync per layer, as llama.cpp's experts
+    // split across devices), the experts and the shared expert here, and the weighted sum (the CPU's
+    // order). Steps with experts here are not recorded (Session::forward_recorded): the host takes part.
+    void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y,
+                 ActivationRecorder* rec) override {
+        if (rec) throw Error("internal: the profiler records on the host");
+        const int32_t X = hp.n_expert, k = hp.n_expert_used;
+        const int64_t nk = (int64_t)n * k, E = hp.n_embd;
+        MoEHost& m = moe_host_;
+        float* logits = moe_buffer(moe_logits_, (size_t)n * X);
+        moe_router(hp, layer, w, xn, n, logits);
+        m.logits.resize((size_t)n * X);
+        copy_to_host(m.logits.data(), logits, sizeof(float) * n * X);
+        synchronize();
+        m.chosen.resize(nk);
+        m.weight.resize(nk);
+        m.slot.resize(nk);
+        moe_route(hp, m.logits.data(), n, m.chosen.data(), m.weight.data());
+        moe_group(m.chosen.data(), nk, k, X, nullptr, m.count, m.first, m.token, m.slot.data());
+        float* d = moe_buffer(moe_d_, (size_t)nk * E);
+        moe_experts(hp, layer, w, xn, MoEGroups{n, m.token.data(), nk, m.first.data(), m.count.data(), X}, d);
+        const bool shared = w.shared.gate.present();
+        float* sy = shared ? moe_buffer(moe_sy_, (size_t)n * E + n) : nullptr;
+        if (shared) moe_shared(hp, layer, w, xn, n, sy, sy + (size_t)n * E);
+        const OpSpan span(*this, SpanKind::FFN);
+        float* wd = moe_buffer(moe_weight_, 2 * (size_t)nk);  // the weights, then the slots
+        copy_from_host(wd, m.weight.data(), sizeof(float) * nk);
+        copy_from_host(wd + nk, m.slot.data(), sizeof(int32_t) * nk);
+        cuda_moe_combine(stream_, n, k, E, wd, (const int32_t*)(wd + nk), d, sy, shared ? sy + (size_t)n * E : nullptr, y);
     }
 
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
@@ -770,6 +868,34 @@ private:
         if (err) std::rethrow_exception(err);
     }
 
+    // Expert e of a 3-D expert tensor as a matrix.
+    static Weight expert(const ExpertWeights& x, int32_t e) {
+        Weight w;
+        w.name = x.name;
+        w.type = x.type;
+        w.rows = x.rows;
+        w.cols = x.cols;
+        w.row_bytes = x.row_bytes;
+        w.data = x.data + (size_t)e * x.expert_bytes;
+        return w;
+    }
+    // A buffer of the experts' steps of at least `floats` 4-byte values, grown as steps need (device
+    // scratch allocated at first use, as the activations' codes, outside the plan's count).
+    struct MoEBuffer {
+        float* p = nullptr;
+        size_t floats = 0;
+    };
+    float* moe_buffer(MoEBuffer& b, size_t floats) {
+        if (floats <= b.floats) return b.p;
+        if (b.p) {
+            synchronize();  // queued ops may still read the old one
+            release(b.p);
+        }
+        b.floats = floats + floats / 4;
+        b.p = (float*)alloc(b.floats * sizeof(float), "scratch");
+        return b.p;
+    }
+
     void* device_alloc(size_t bytes) override {
         use();
         void* p = nullptr;
@@ -845,6 +971,13 @@ private:
     size_t step_batch_capacity_ = 0;
     std::vector<int32_t> step_batch_host_;
     std::vector<void*> pinned_;        // host ranges page-locked by pin_host
+    MoEBuffer moe_idx_, moe_xg_, moe_round_, moe_gate_, moe_up_, moe_logits_, moe_d_, moe_sy_, moe_weight_;
+    struct MoEHost {  // a whole mixture of experts' routing, on the host
+        std::vector<float> logits, weight;
+        std::vector<int32_t> chosen, slot, count, first, token;
+    };
+    MoEHost moe_host_;
+    std::vector<float> moe_ones_;
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;
     double trace_base_host_ = 0;

@@ -53,6 +53,9 @@ enum class CudaKernel : uint8_t {
     Add,
     ActMul,
     Softcap,
+    Gather,      // a mixture of experts' rows gathered by expert
+    Sigmoid,     // the shared expert's gate
+    MoECombine,  // each token's experts weighted and summed
     CopyIn,   // host to device (the backend's copies)
     CopyOut,  // device to host
     Copy,     // device to device
@@ -168,6 +171,15 @@ void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap);
 // g = act(g) * u elementwise over count values; act as FFNActivation (GELU: the tanh form, through
 // f16 as the CPU's table when gelu_f16: the CPU does so where the gate's input is 8-bit anyway).
 void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count);
+
+// Mixtures of experts (native/src/cuda/moe.cu). dst[r] = src[idx[r]] for n_rows rows of cols floats.
+void cuda_gather_rows(cudaStream_t s, const float* src, const int32_t* idx, int64_t n_rows, int64_t cols, float* dst);
+// x = 1 / (1 + exp(-x)) over count values.
+void cuda_sigmoid(cudaStream_t s, float* x, int64_t count);
+// y[t] = sum over j < k, in order, of weight[t * k + j] * d[slot[t * k + j]], then + sgate[t] * sy[t] when sy
+// (rows of cols floats): the CPU's moe_combine.
+void cuda_moe_combine(cudaStream_t s, int32_t n, int32_t k, int64_t cols, const float* weight, const int32_t* slot,
+                      const float* d, const float* sy, const float* sgate, float* y);
 
 // The per-token part of attention before the scores: biases already added, per-head q/k RMSNorm
 // (q_norm/k_norm may be nullptr), RoPE, q scaled by hp.attn_q_scale, and the keys and values written

@@ -37,6 +37,9 @@ const char* cuda_kernel_name(CudaKernel k) {
         case CudaKernel::Add: return "add";
         case CudaKernel::ActMul: return "act_mul";
         case CudaKernel::Softcap: return "softcap";
+        case CudaKernel::Gather: return "gather";
+        case CudaKernel::Sigmoid: return "sigmoid";
+        case CudaKernel::MoECombine: return "moe_combine";
         case CudaKernel::CopyIn: return "copy_in";
         case CudaKernel::CopyOut: return "copy_out";
         case CudaKernel::Copy: return "copy";

@@ -23,6 +23,18 @@ void* Backend::alloc(size_t bytes, const char* what) {
     return p;
 }
 
+void Backend::release(void* p) {
+    std::lock_guard<std::mutex> lock(alloc_mutex_);
+    for (size_t i = 0; i < blocks_.size(); i++) {
+        if (blocks_[i].ptr != p) continue;
+        allocated_ -= blocks_[i].bytes;
+        blocks_.erase(blocks_.begin() + (ptrdiff_t)i);
+        device_free(p);
+        return;
+    }
+    throw Error("internal: releasing memory the backend did not allocate");
+}
+
 void Backend::free_all() {
     std::lock_guard<std::mutex> lock(alloc_mutex_);
     for (const Allocation& a : blocks_) device_free(a.ptr);

@@ -13,7 +13,8 @@
 // the same tokens.
 #include <cstring>
 
-#include "../cpu/backend/moe_ffn.h"
+#include "../cpu/backend/moe_ffn.h"  // moe_combine: the host sums every token's experts
+#include "optiml/moe_route.h"
 #include "layer_exec.h"
 #include "optiml/model.h"
 

@@ -353,9 +353,8 @@ void place_neurons(const PlanOptions& o, Placer& at, int64_t budget) {
 }
 
 // How many layers, from the first, keep their experts on the host: n_cpu_moe as llama.cpp means it
-// (cpu_moe: all). A CUDA device runs no experts yet (its grouped expert kernels are not built): there
-// every layer's experts stay on the host, and asking for fewer is an error.
-int32_t cpu_moe_layers(const Model& m, const PlanOptions& o, Plan& p) {
+// (cpu_moe: all).
+int32_t cpu_moe_layers(const Model& m, const PlanOptions& o) {
     const HParams& hp = m.hp;
     if (!hp.is_moe()) {
         if (o.n_cpu_moe > 0)
@@ -365,13 +364,6 @@ int32_t cpu_moe_layers(const Model& m, const PlanOptions& o, Plan& p) {
     }
     if (o.n_cpu_moe > hp.n_layer)
         throw ArgumentError(format("n_cpu_moe=%d: the model has %d layers", o.n_cpu_moe, hp.n_layer));
-    if (device_index(p.device, "cuda") >= 0) {
-        if (o.n_cpu_moe >= 0 && o.n_cpu_moe < hp.n_layer)
-            throw ArgumentError(format("n_cpu_moe=%d would put the experts of %d layers on %s, and the CUDA backend "
-                                       "runs no experts yet: keep them all on the CPU (cpu_moe=True, --cpu-moe)",
-                                       o.n_cpu_moe, hp.n_layer - o.n_cpu_moe, p.device.c_str()));
-        return hp.n_layer;
-    }
     return std::max(o.n_cpu_moe, 0);
 }
 
@@ -382,15 +374,14 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
     const int64_t budget = p.budget < 0 ? INT64_MAX : p.budget;
     PlanBytes& b = p.device_bytes;
     b.scratch = scratch_bytes(hp, p.n_batch);
-    Placer at{m, hp, p, kv, budget - (int64_t)b.scratch, cpu_moe_layers(m, o, p)};
+    Placer at{m, hp, p, kv, budget - (int64_t)b.scratch, cpu_moe_layers(m, o)};
     if (at.avail < 0) {
         p.reason = format("the budget does not hold the device's scratch (%s)", mib(b.scratch).c_str());
         b = PlanBytes{};
         p.device.clear();
     } else if (o.n_gpu_layers >= 0) {
         at.last_layers(o.n_gpu_layers, budget);
-    } else if (hp.is_moe() && (!o.gpu_experts.empty() || !m.placement_gpu_experts.empty()) &&
-               device_index(p.device, "cuda") < 0) {
+    } else if (hp.is_moe() && (!o.gpu_experts.empty() || !m.placement_gpu_experts.empty())) {
         place_experts(o, at, budget);
     } else {
         place_neurons(o, at, budget);
@@ -398,8 +389,6 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
     if (p.uses_device() && at.cpu_moe_layers > 0)
         p.reason += at.cpu_moe_layers == hp.n_layer ? "; every layer's experts on the CPU"
                                                     : format("; the experts of layers 0-%d on the CPU", at.cpu_moe_layers - 1);
-    if (p.uses_device() && at.cpu_moe_layers > 0 && device_index(p.device, "cuda") >= 0)
-        p.reason += " (the CUDA backend runs no experts yet)";
     if (p.uses_device() && p.layers[hp.n_layer - 1].attn_on_device) {
         const int32_t rows = std::min(p.n_batch, 64);
         const size_t ob = output_bytes(m, rows);
@@ -439,9 +428,6 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
         if (o.n_gpu_layers >= 0 || o.n_cpu_moe >= 0)
             throw ArgumentError(format("gpu_experts says which experts go to the device, and %s says it too: give one",
                                        o.n_gpu_layers >= 0 ? "n_gpu_layers" : "n_cpu_moe"));
-        if (device_index(p.device, "cuda") >= 0)
-            throw ArgumentError(format("gpu_experts would put experts on %s, and the CUDA backend runs no experts "
-                                       "yet: leave gpu_experts out (every expert stays on the CPU)", p.device.c_str()));
     }
     if (o.vram < -1) throw ArgumentError("vram must be >= 0 bytes");
 

@@ -148,14 +148,21 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerPlan& lp = plan.layers[il];
         const LayerWeights& L = M.layers[il];
-        std::vector<const Weight*> ws;
-        if (lp.attn_on_device) ws.insert(ws.end(), {&L.wq, &L.wk, &L.wv, &L.wo});
-        if (lp.ffn_on_device > 0) ws.insert(ws.end(), {&L.ffn.gate, &L.ffn.up, &L.ffn.down});
-        for (const Weight* w : ws)
-            if (!cuda_reads_type(w->type))
+        std::vector<std::pair<const char*, int32_t>> ws;  // (name, type)
+        if (lp.attn_on_device)
+            for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo}) ws.emplace_back(w->name, w->type);
+        if (lp.ffn_on_device > 0 && !L.moe.present())
+            for (const Weight* w : {&L.ffn.gate, &L.ffn.up, &L.ffn.down}) ws.emplace_back(w->name, w->type);
+        if (L.moe.present() && (lp.ffn_on_device > 0 || !lp.device_experts.empty())) {
+            for (const ExpertWeights* x : {&L.moe.gate, &L.moe.up, &L.moe.down}) ws.emplace_back(x->name, x->type);
+            for (const Weight* w : {&L.moe.gate_inp, &L.moe.gate_inp_shexp, &L.moe.shared.gate, &L.moe.shared.up,
+                                    &L.moe.shared.down})
+                if (w->present()) ws.emplace_back(w->name, w->type);
+        }
+        for (auto [name, type] : ws)
+            if (!cuda_reads_type(type))
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "
-                                                   "CPU (device='cpu')",
-                                                   w->name, type_traits(w->type).name));
+                                                   "CPU (device='cpu')", name, type_traits(type).name));
     }
 }
 
@@ -271,8 +278,8 @@ void Session::bind_devices() {
         device_output_ = dev->upload(M.output, "output");
         device_logits_ = (float*)dev->alloc(sizeof(float) * (size_t)plan_.logits_rows * hp.n_vocab, "output");
     }
-    whole_on_device_ = dev && plan_.output_on_device && std::all_of(exec_.begin(), exec_.end(), [&](const LayerExec& E) {
-                           return E.attn == dev && E.k == hp.n_ff; });
+    whole_on_device_ = dev && plan_.output_on_device && !hp.is_moe() &&
+                       std::all_of(exec_.begin(), exec_.end(), [&](const LayerExec& E) { return E.attn == dev && E.k == hp.n_ff; });
     if (dev) dev->synchronize();
     // The plan's count is the allocation's: a mismatch is a bug in one of them.
     if (dev && dev->allocated_bytes() != plan_.device_bytes.total())

@@ -82,7 +82,7 @@ class Model(Sequences):
     --cpu-moe); without it a layer's experts go where its attention goes. gpu_experts: per layer a list
     of expert ids for the device, hottest first (overrides the file's expert placement, `optiml solve`): as
     many as the budget holds go there, the layer's other experts stay on the CPU, and both sides compute
-    at once. A CUDA device keeps every layer's experts on the CPU (it runs no experts yet).
+    at once.
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists, unless its predictors mark so many neurons active that they would

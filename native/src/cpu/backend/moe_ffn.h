@@ -6,6 +6,7 @@
 
 #include "optiml/backend.h"
 #include "optiml/model.h"
+#include "optiml/moe_route.h"
 #include "optiml/recorder.h"
 
 namespace optiml {
@@ -38,11 +39,6 @@ void moe_ffn_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, con
 // logits[t] = w's router . xn[t] ([n][n_expert]).
 void moe_router_cpu(ThreadPool& pool, const KernelTable& kt, const MoEWeights& w, const float* xn, int32_t n,
                     float* logits);
-// The nk = n * k choices (chosen[i]: token i / k's expert) grouped by expert, a counting sort: expert e's
-// rows are first[e] .. first[e] + count[e] - 1, its tokens in order; the experts' rows follow one another
-// in `order` (a permutation of the experts; nullptr: by id). slot[i]: the row of choice i.
-void moe_group(const int32_t* chosen, int64_t nk, int32_t k, int32_t n_expert, const int32_t* order,
-               std::vector<int32_t>& count, std::vector<int32_t>& first, std::vector<int32_t>& token, int32_t* slot);
 // d[r] ([g.n_rows][n_embd]) = expert(xn[g.token[r]]) for every row of g, through w's expert it is grouped
 // under: gate and up of every expert in one pool dispatch, act(gate) * up, down in another.
 void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
@@ -54,9 +50,5 @@ void moe_shared_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, 
 // n_rows_d in d, the rest in d2 from its row 0), then + sgate[t] * sy[t] when sy: llama.cpp's order.
 void moe_combine(ThreadPool& pool, const HParams& hp, int32_t n, const float* weight, const int32_t* slot,
                  const float* d, int64_t n_rows_d, const float* d2, const float* sy, const float* sgate, float* y);
-
-// The router alone: chosen[t * k + j] and weight[t * k + j] for each of n tokens, from the router logits
-// ([n][n_expert]) as hp says (softmax, top k, renormalized when expert_weights_norm, scaled).
-void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chosen, float* weight);
 
 }  // namespace optiml

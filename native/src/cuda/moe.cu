@@ -1,0 +1,63 @@
+// The mixture-of-experts steps around the products on the GPU: a step's rows gathered by expert, the
+// shared expert's sigmoid gate, and each token's experts summed as the CPU sums them (moe_combine in
+// native/src/cpu/backend/moe_ffn.cpp: best first, then the shared expert).
+#include "kernels.cuh"
+
+namespace optiml {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void gather_rows_kernel(const float* src, const int32_t* idx, int64_t cols, float* dst) {
+    const float* s = src + (size_t)idx[blockIdx.x] * cols;
+    float* d = dst + (size_t)blockIdx.x * cols;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) d[i] = s[i];
+}
+
+__global__ void sigmoid_kernel(float* x, int64_t count) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+// One block per token: its k rows of d weighted and added in order, then the shared expert.
+__global__ void combine_kernel(int32_t k, int64_t cols, const float* weight, const int32_t* slot, const float* d,
+                               const float* sy, const float* sgate, float* y) {
+    const int32_t t = blockIdx.x;
+    float* yt = y + (size_t)t * cols;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = 0.0f;
+        for (int32_t j = 0; j < k; j++) {
+            const float p = d[(size_t)slot[t * k + j] * cols + i] * weight[t * k + j];
+            v = j == 0 ? p : v + p;
+        }
+        if (sy) v += sy[(size_t)t * cols + i] * sgate[t];
+        yt[i] = v;
+    }
+}
+
+}  // namespace
+
+void cuda_gather_rows(cudaStream_t s, const float* src, const int32_t* idx, int64_t n_rows, int64_t cols, float* dst) {
+    if (n_rows <= 0) return;
+    OPTIML_LAUNCH(gather_rows_kernel, (unsigned)n_rows, kThreads, s, src, idx, cols, dst);
+    cuda_check(cudaSuccess, "gather_rows");
+    cuda_count(CudaKernel::Gather, {0, 2 * 4 * n_rows * cols + 4 * n_rows});
+}
+
+void cuda_sigmoid(cudaStream_t s, float* x, int64_t count) {
+    if (count <= 0) return;
+    OPTIML_LAUNCH(sigmoid_kernel, (unsigned)((count + kThreads - 1) / kThreads), kThreads, s, x, count);
+    cuda_check(cudaSuccess, "sigmoid");
+    cuda_count(CudaKernel::Sigmoid, {0, 2 * 4 * count});
+}
+
+void cuda_moe_combine(cudaStream_t s, int32_t n, int32_t k, int64_t cols, const float* weight, const int32_t* slot,
+                      const float* d, const float* sy, const float* sgate, float* y) {
+    if (n <= 0) return;
+    OPTIML_LAUNCH(combine_kernel, (unsigned)n, kThreads, s, k, cols, weight, slot, d, sy, sgate, y);
+    cuda_check(cudaSuccess, "moe_combine");
+    cuda_count(CudaKernel::MoECombine, {0, 4 * (int64_t)n * cols * (k + 1 + (sy ? 1 : 0)) + 8 * (int64_t)n * k});
+}
+
+}  // namespace optiml
