@@ -454,6 +454,23 @@ def test_split_experts_with_the_attention_on_the_cpu(q3_path, tmp_path):
     assert alloc == plan.device_bytes["total"]
     assert all(l["device_experts"] == ids[:len(l["device_experts"])] for l, ids in zip(plan.layers, [[6, 2], [1, 0, 4]]))
     assert sum(len(l["device_experts"]) for l in plan.layers) < 5
+    # n_cpu_moe (llama.cpp's flags) says where experts go instead of the file's expert placement
+    _, plan, alloc = device_logits(placed, device="cpu:1", n_cpu_moe=True)
+    assert alloc == plan.device_bytes["total"]
+    assert [l["device_experts"] for l in plan.layers] == [[], []] and plan.device_bytes["ffn_weights"] == 0
+
+
+def test_whole_lists_that_do_not_fit_split(q3_path):
+    """Every expert listed, a budget that holds the attention and only some of them: the layers split (the
+    first split takes the split buffers from the budget too), counted as allocated."""
+    ref, _, _ = device_logits(q3_path, device="cpu")
+    _, whole, _ = device_logits(q3_path, device="cpu:1", gpu_experts=[list(range(8))] * 2)
+    assert [l["ffn_on_device"] for l in whole.layers] == [128, 128]
+    budget = whole.device_bytes["total"] - whole.device_bytes["output"] - 200000
+    got, plan, alloc = device_logits(q3_path, device="cpu:1", gpu_experts=[list(range(8))] * 2, vram=budget)
+    assert np.array_equal(got, ref), plan
+    assert alloc == plan.device_bytes["total"] <= budget
+    assert any(l["device_experts"] for l in plan.layers)
 
 
 @pytest.mark.parametrize("counts,ids,message", [

@@ -47,9 +47,9 @@ struct PlanOptions {
 struct LayerPlan {
     bool attn_on_device = false;  // attention weights, KV cache and the residual stream
     int32_t ffn_on_device = 0;    // placed neurons [0, k) on the device
-    // A mixture of experts split between the devices: the experts on the device (fewer than all; a layer
-    // whose experts all go has ffn_on_device = n_ff instead). Its router and shared expert run where the
-    // layer's attention does.
+    // A mixture of experts split between the devices: the experts on the device (all of them only where
+    // the layer's attention, router and shared expert stay on the host; a layer whose every part goes has
+    // ffn_on_device = n_ff instead). Its router and shared expert run where the layer's attention does.
     std::vector<int32_t> device_experts;
 };
 

@@ -341,9 +341,12 @@ public:
         products(in, {{&w.gate_inp, logits, nullptr, false}});
     }
 
-    // Each expert's rows (Backend::moe_experts): the step's rows gathered by expert once, then per chosen
-    // expert its gate and up over its rows (one launch), act(gate) * up made by down's input stage, down.
-    // Not yet one grouped launch for all experts (llama.cpp's mul_mat_id): a launch per expert and product.
+    // Each expert's rows (Backend::moe_experts): the step's rows gathered by expert once, their input
+    // converted once, the chosen experts' gate and up products in launches of up to 16 matrices (each
+    // over its expert's rows), act(gate) * up made once for all rows by down's input stage, the downs
+    // likewise: four kernels for a decode step's experts (llama.cpp's mul_mat_id does it in two). Rows that
+    // the integer products would read as more than 16 rows of codes (prompts of Q4_0/Q4_1/Q8_0 experts)
+    // go an expert at a time.
     void moe_experts(const HParams& hp, int, const MoEWeights& w, const float* xn, const MoEGroups& g,
                      float* d) override {
         if (g.n_rows == 0) return;
@@ -358,6 +361,27 @@ public:
         ss.up = moe_buffer(moe_up_, (size_t)nr * F);
         copy_from_host(idx, g.token, sizeof(int32_t) * nr);
         cuda_gather_rows(stream_, xn, idx, nr, E, xg);
+        const Weight gate0 = expert(w.gate, 0), up0 = expert(w.up, 0), down0 = expert(w.down, 0);
+        if (fuse_ && (nr <= kCodeTokens || !(q8x(gate0) || q8x(up0) || q8x(down0)))) {
+            std::vector<Weight>& ws = moe_weights_;
+            ws.clear();
+            for (int32_t e = 0; e < g.n_expert; e++)
+                if (g.count[e]) ws.insert(ws.end(), {expert(w.gate, e), expert(w.up, e), expert(w.down, e)});
+            std::vector<Out> gu, dn;
+            for (int32_t e = 0, i = 0; e < g.n_expert; e++) {
+                if (!g.count[e]) continue;
+                const int32_t r0 = g.first[e], c = g.count[e];
+                gu.push_back({&ws[i], ss.gate + (size_t)r0 * F, nullptr, false, r0, c});
+                gu.push_back({&ws[i + 1], ss.up + (size_t)r0 * F, nullptr, false, r0, c});
+                dn.push_back({&ws[i + 2], d + (size_t)r0 * E, nullptr, false, r0, c});
+                i += 3;
+            }
+            Input in = floats(xg, round, (int32_t)nr, E);
+            products(in, gu.data(), (int)gu.size());
+            Input h = act_input(hp, w.gate.type, ss.gate, ss.up, (int32_t)nr, F);
+            products(h, dn.data(), (int)dn.size());
+            return;
+        }
         for (int32_t e = 0; e < g.n_expert; e++) {
             if (!g.count[e]) continue;
             const size_t r0 = (size_t)g.first[e];
@@ -562,20 +586,21 @@ private:
         if (in.made.make != CudaInputStage::Copy) stage(in, -1, 0, in.n);
     }
 
-    // One product of a group: y (+)= W x (+ bias).
+    // One product of a group: y (+)= W x (+ bias), over the input's rows, or n of them from row x_row on.
     struct Out {
         const Weight* w;
         float* y;
         const float* bias;
         bool accumulate;
+        int32_t x_row = 0;
+        int32_t n = -1;
     };
     // The products of `outs` over the shared input, each converted as the CPU converts activations for its
     // weights (the products then differ from the CPU's only in summation order): for Q4_0/Q4_1/Q8_0 rows,
     // to 8-bit codes multiplied as integers (dp4a, as the CPU's own block dot products), else rounded into
     // buf and multiplied in float. Consecutive products of one type and path go out as one launch.
-    void products(Input& in, std::initializer_list<Out> outs) {
-        const Out* o = outs.begin();
-        const int count = (int)outs.size();
+    void products(Input& in, std::initializer_list<Out> outs) { products(in, outs.begin(), (int)outs.size()); }
+    void products(Input& in, const Out* o, int count) {
         for (int i = 0; i < count;) {
             const Weight& w0 = *o[i].w;
             const bool ints = q8x(w0);
@@ -592,6 +617,8 @@ private:
                 m[k - i].y = o[k].y;
                 m[k - i].bias = fuse_ ? o[k].bias : nullptr;
                 m[k - i].accumulate = o[k].accumulate;
+                m[k - i].x_row = o[k].x_row;
+                m[k - i].n = o[k].n;
             }
             launch_products(in, w0.type, ints, m, j - i);
             // (unfused: one product, its bias a kernel of its own, after any add into the output as before)
@@ -611,6 +638,9 @@ private:
                 cuda_matmul_q8x_many(stream_, type, m, count, in.cols, codes_, codes_meta_, n);
                 return;
             }
+            for (int k = 0; k < count; k++)
+                if (m[k].n >= 0) throw Error("internal: products over parts of the input take 8-bit codes of "
+                                             "at most 16 rows");
             CudaMatrix slice[kCudaMaxMatrices];
             for (int32_t t0 = 0; t0 < n; t0 += kCodeTokens) {  // a prompt: kCodeTokens rows at a time
                 const int32_t rows = n - t0 < kCodeTokens ? n - t0 : kCodeTokens;
@@ -655,13 +685,17 @@ private:
         const int64_t width = w.gate.rows;
         products(in, {{&w.gate, s.gate, (const float*)w.gate_b.data, false},
                       {&w.up, s.up, (const float*)w.up_b.data, false}});
+        return act_input(hp, w.gate.type, s.gate, s.up, in.n, width);
+    }
+    // down's input: act(gate) * up of n rows of `width`, made by down's input stage.
+    static Input act_input(const HParams& hp, int32_t gate_type, float* gate, float* up, int32_t n, int64_t width) {
         // GELU as the CPU's ffn_activate picks it: the f16 table unless the gate's input stays float.
-        const int32_t gate_x = type_traits(w.gate.type).vec_dot_type;
+        const int32_t gate_x = type_traits(gate_type).vec_dot_type;
         const bool gelu_f16 = gate_x != TYPE_F32 && gate_x != TYPE_F16 && gate_x != TYPE_BF16;
-        Input h = floats(s.gate, s.gate, in.n, width);  // (rounded in place: nothing reads the gate after down)
+        Input h = floats(gate, gate, n, width);  // (rounded in place: nothing reads the gate after down)
         h.made.make = CudaInputStage::ActMul;
-        h.made.x = s.gate;
-        h.made.up = s.up;
+        h.made.x = gate;
+        h.made.up = up;
         h.made.act = cuda_act_code(hp.ffn_act, gelu_f16);
         h.keep_values = false;
         return h;
@@ -978,6 +1012,7 @@ private:
     };
     MoEHost moe_host_;
     std::vector<float> moe_ones_;
+    std::vector<Weight> moe_weights_;  // moe_experts' matrices of one step
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;
     double trace_base_host_ = 0;

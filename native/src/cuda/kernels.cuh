@@ -88,8 +88,10 @@ void cuda_count(CudaKernel k, const CudaTraffic& t);
 void cuda_matmul(cudaStream_t s, int32_t type, const uint8_t* w, int64_t rows, int64_t cols, size_t row_bytes,
                  const float* x, int32_t n, float* y, bool accumulate);
 
-// One matrix of a product launch: y[t][r] = (y[t][r] +) (W[r] . x[t] + bias[r]), W of `rows` rows
-// row_bytes apart (bias may be nullptr; accumulate: y + (W x + bias), the residual add in the epilogue).
+// One matrix of a product launch: y[t][r] = (y[t][r] +) (W[r] . x[x_row + t] + bias[r]), W of `rows` rows
+// row_bytes apart (bias may be nullptr; accumulate: y + (W x + bias), the residual add in the epilogue),
+// for the launch's tokens t, or n of them from input row x_row on (a mixture of experts: each expert's
+// matrix over its rows of one gathered input).
 struct CudaMatrix {
     const uint8_t* w = nullptr;
     int64_t rows = 0;
@@ -97,10 +99,13 @@ struct CudaMatrix {
     float* y = nullptr;
     const float* bias = nullptr;
     bool accumulate = false;
+    int32_t x_row = 0;
+    int32_t n = -1;  // -1: the launch's n
 };
-constexpr int kCudaMaxMatrices = 3;
+constexpr int kCudaMaxMatrices = 16;
 // Up to kCudaMaxMatrices matrices of one type and width that read the same input (q, k and v; gate and
-// up) in one launch: the grid's blocks cover the first matrix's rows, then the second's, ...
+// up; experts' gate and up) in one launch: the grid's blocks cover the first matrix's rows, then the
+// second's, ...
 void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols, const float* x,
                       int32_t n);
 

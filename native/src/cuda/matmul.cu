@@ -7,6 +7,8 @@
 // row a chunk at a time with coalesced 16-byte loads into shared memory, the next chunk's loads in flight
 // while the lanes decode the current one from there (a block is only 2-byte aligned, so decoding straight
 // from global memory means byte loads, few bytes in flight, and a bandwidth far under the memory's).
+#include <algorithm>
+
 #include "dequant.cuh"
 #include "kernels.cuh"
 #include "optiml/common.h"
@@ -43,7 +45,7 @@ __device__ __forceinline__ CudaMatrix pick_row(const Matrices& ms, int64_t& r) {
 }
 
 Matrices make_matrices(const CudaMatrix* m, int count) {
-    if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 3 matrices per product launch");
+    if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 16 matrices per product launch");
     Matrices ms{};
     unsigned blocks = 0;
     for (int k = 0; k < count; k++) {
@@ -60,18 +62,22 @@ unsigned total_blocks(const Matrices& ms) {
 }
 
 // A warp's work: row r of matrix m (r >= m.rows for the last block's spare warps, which leave at once: r
-// depends on the warp only) for the tokens t0 .. t0 + nt - 1 of this grid row's slice.
+// depends on the warp only) for the matrix's tokens t0 .. t0 + nt - 1 of this grid row's slice, input rows
+// x0 + t0 .. (nt <= 0: the matrix has fewer tokens than the launch; the warps leave).
 struct RowTask {
     CudaMatrix m;
     int64_t r;
     int32_t t0;
     int nt;
+    int32_t x0;
 };
 __device__ __forceinline__ RowTask row_task(const Matrices& ms, int32_t n) {
     RowTask k;
     k.m = pick_row(ms, k.r);
+    const int32_t nm = k.m.n < 0 ? n : k.m.n;
     k.t0 = (int32_t)blockIdx.y * kTokens;
-    k.nt = n - k.t0 < kTokens ? n - k.t0 : kTokens;
+    k.nt = nm - k.t0 < kTokens ? nm - k.t0 : kTokens;
+    k.x0 = k.m.x_row;
     return k;
 }
 
@@ -97,8 +103,8 @@ template <int TYPE>
 __global__ void matmul_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     const int lane = threadIdx.x;
-    const auto [m, r, t0, nt] = row_task(ms, n);
-    if (r >= m.rows) return;
+    const auto [m, r, t0, nt, x0] = row_task(ms, n);
+    if (r >= m.rows || nt <= 0) return;
     const uint8_t* row = m.w + (size_t)r * m.row_bytes;
 
     float acc[kTokens] = {};
@@ -108,7 +114,7 @@ __global__ void matmul_kernel(Matrices ms, int64_t cols, const float* __restrict
 #pragma unroll
         for (int t = 0; t < kTokens; t++) {
             if (t >= nt) break;
-            const float* xt = x + (size_t)(t0 + t) * cols + c;
+            const float* xt = x + (size_t)(x0 + t0 + t) * cols + c;
             float s = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; i++) s += v[i] * xt[i];
@@ -193,8 +199,8 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
     using C = Chunk<TYPE>;
     __shared__ StagedShared<TYPE> sh;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const auto [m, r, t0, nt] = row_task(ms, n);
-    if (r >= m.rows) return;
+    const auto [m, r, t0, nt, x0] = row_task(ms, n);
+    if (r >= m.rows || nt <= 0) return;
     RowStager<TYPE> rs(m, r, cols, lane, sh.stage[warp]);
     const uint8_t* chunk = (const uint8_t*)sh.stage[warp];
 
@@ -215,7 +221,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
 #pragma unroll
             for (int t = 0; t < kTokens; t++) {
                 if (t >= nt) break;
-                const float* xt = x + (size_t)(t0 + t) * cols + c0;
+                const float* xt = x + (size_t)(x0 + t0 + t) * cols + c0;
                 Floats4 xa[G][2];
 #pragma unroll
                 for (int k = 0; k < G; k++) {
@@ -242,7 +248,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
 #pragma unroll
             for (int t = 0; t < kTokens; t++) {
                 if (t >= nt) break;
-                const Floats4* xt = (const Floats4*)(x + (size_t)(t0 + t) * cols + c0 + v0);
+                const Floats4* xt = (const Floats4*)(x + (size_t)(x0 + t0 + t) * cols + c0 + v0);
                 const Floats4 a = xt[0], b = xt[1];
                 float s = 0.0f;
 #pragma unroll
@@ -273,8 +279,8 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
     static_assert(C::kBlocks == 32 && Q::block_size == 32, "one 32-value block per lane");
     __shared__ StagedShared<TYPE> sh;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const auto [m, r, t0, nt] = row_task(ms, n);
-    if (r >= m.rows) return;
+    const auto [m, r, t0, nt, x0] = row_task(ms, n);
+    if (r >= m.rows || nt <= 0) return;
     RowStager<TYPE> rs(m, r, cols, lane, sh.stage[warp]);
     const int64_t n_blocks = cols / 32;
     const uint8_t* wb = (const uint8_t*)sh.stage[warp] + lane * Q::block_bytes;
@@ -305,9 +311,9 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
 #pragma unroll
         for (int t = 0; t < kTokens; t++) {
             if (t >= nt) break;
-            const Bytes16* xq = (const Bytes16*)(codes + (size_t)(t0 + t) * cols + 32 * blk);
+            const Bytes16* xq = (const Bytes16*)(codes + (size_t)(x0 + t0 + t) * cols + 32 * blk);
             const Bytes16 a = xq[0], b = xq[1];
-            const CudaQ8Meta m = meta[(size_t)(t0 + t) * n_blocks + blk];
+            const CudaQ8Meta m = meta[(size_t)(x0 + t0 + t) * n_blocks + blk];
             int sumi = 0;
 #pragma unroll
             for (int j = 0; j < 4; j++) sumi = __dp4a(wq[j], (int)a.w[j], sumi);
@@ -322,8 +328,16 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
     write_row(sh.partial[warp], acc, nt, lane, m, r, t0);
 }
 
+// The most tokens a matrix of the launch has.
+int32_t max_tokens(const Matrices& ms, int32_t n) {
+    int32_t most = 0;
+    for (int k = 0; k < ms.count; k++) most = std::max(most, ms.m[k].n < 0 ? n : ms.m[k].n);
+    return most;
+}
 // The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of kTokens tokens.
-dim3 grid_of(const Matrices& ms, int32_t n) { return dim3(total_blocks(ms), (unsigned)((n + kTokens - 1) / kTokens)); }
+dim3 grid_of(const Matrices& ms, int32_t n) {
+    return dim3(total_blocks(ms), (unsigned)((max_tokens(ms, n) + kTokens - 1) / kTokens));
+}
 
 template <int TYPE>
 void launch(cudaStream_t s, const Matrices& ms, int64_t cols, const float* x, int32_t n) {
@@ -337,11 +351,14 @@ void launch(cudaStream_t s, const Matrices& ms, int64_t cols, const float* x, in
         OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, ms, cols, x, n);
 }
 
-// The weight bytes a launch reads: every matrix once per slice of kTokens tokens.
+// The weight bytes a launch reads: every matrix once per slice of kTokens of its tokens.
 int64_t matrices_bytes(const Matrices& ms, int32_t n) {
     int64_t b = 0;
-    for (int k = 0; k < ms.count; k++) b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes;
-    return b * ((n + kTokens - 1) / kTokens);
+    for (int k = 0; k < ms.count; k++) {
+        const int32_t nm = ms.m[k].n < 0 ? n : ms.m[k].n;
+        b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes * ((nm + kTokens - 1) / kTokens);
+    }
+    return b;
 }
 // After a launch: its error check and its traffic, the weights (matrices_bytes), the outputs' bytes (read
 // too where they accumulate), the biases' and `inputs` bytes of activations.
@@ -349,7 +366,7 @@ void count_launch(const Matrices& ms, int32_t n, int64_t inputs, CudaKernel kern
     cuda_check(cudaSuccess, what);
     CudaTraffic t;
     for (int k = 0; k < ms.count; k++) {
-        t.activations += (ms.m[k].accumulate ? 8 : 4) * (int64_t)n * ms.m[k].rows;
+        t.activations += (ms.m[k].accumulate ? 8 : 4) * (int64_t)(ms.m[k].n < 0 ? n : ms.m[k].n) * ms.m[k].rows;
         if (ms.m[k].bias) t.weights += 4 * ms.m[k].rows;
     }
     t.weights += matrices_bytes(ms, n);
@@ -433,7 +450,7 @@ void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int cou
     if (cols % 8 != 0)
         throw UnsupportedModelError(format("the CUDA backend needs rows of a multiple of 8 values, got %lld",
                                            (long long)cols));
-    if ((n + kTokens - 1) / kTokens > 65535)
+    if ((max_tokens(ms, n) + kTokens - 1) / kTokens > 65535)
         throw ArgumentError(format("cuda_matmul: %d tokens is more than one launch holds", n));
     switch (type) {
 #define OPTIML_MATMUL_CASE(T)          \

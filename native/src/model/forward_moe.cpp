@@ -10,7 +10,10 @@
 //      experts best first, as moe_ffn does, so a split gives the unsplit run's bits where the two devices'
 //      products agree bit for bit (a CPU device); the sum joins the residual at home.
 // Each expert's rows stay on one device, in the same order as the unsplit run's, so every product meets
-// the same tokens.
+// the same tokens. The host waits for the device twice a layer (the logits, the device's rows): in CPU
+// attention offload (forward_offload.cpp) that also waits for the other sub-batch's queued work, so such
+// layers overlap less there.
+// Not yet: the router's top k on the device, which would spare the logits' trip to the host.
 #include <cstring>
 
 #include "../cpu/backend/moe_ffn.h"  // moe_combine: the host sums every token's experts

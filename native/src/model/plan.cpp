@@ -255,15 +255,12 @@ struct Placer {
     // Mixtures of experts by expert: attention as placement() places it, then per layer as many of its
     // listed experts (hottest first) as the budget holds, with the router and shared expert where the
     // layer's attention is on the device too. A layer whose experts all fit with those goes whole. The
-    // split layers' scratch is set aside first, and given back when no layer splits.
+    // first layer that splits also takes the split layers' scratch.
     void experts(const std::vector<std::vector<int32_t>>& want, const std::vector<int32_t>* chosen) {
         if (chosen)
             for (int il = 0; il < hp.n_layer; il++)
                 if ((*chosen)[il]) attention(il);
-        bool may_split = false;
-        for (const std::vector<int32_t>& ids : want) may_split |= !ids.empty() && (int32_t)ids.size() < hp.n_expert;
-        const size_t split_scratch = may_split ? moe_split_scratch_bytes(hp, p.n_batch) : 0;
-        avail -= (int64_t)split_scratch;
+        const int64_t split_scratch = (int64_t)moe_split_scratch_bytes(hp, p.n_batch);
         for (int il = 0; il < hp.n_layer; il++) {
             if (!chosen && !attention(il)) break;
             const std::vector<int32_t>& ids = want[il];
@@ -275,18 +272,16 @@ struct Placer {
                 avail -= (int64_t)whole;
                 continue;
             }
-            const int64_t fixed = p.layers[il].attn_on_device ? (int64_t)moe_home_bytes(m, il) : 0;
+            const int64_t scratch = p.splits_experts() ? 0 : split_scratch;
+            const int64_t fixed = (p.layers[il].attn_on_device ? (int64_t)moe_home_bytes(m, il) : 0) + scratch;
             const int64_t per = (int64_t)expert_bytes(m, il);
             if (avail < fixed + per) continue;
             const int64_t k = std::min<int64_t>((int64_t)ids.size(), (avail - fixed) / per);
             p.layers[il].device_experts.assign(ids.begin(), ids.begin() + k);
-            p.device_bytes.ffn_weights += (size_t)(fixed + k * per);
+            p.device_bytes.ffn_weights += (size_t)(fixed - scratch + k * per);
+            p.device_bytes.scratch += (size_t)scratch;
             avail -= fixed + k * per;
         }
-        if (p.splits_experts())
-            p.device_bytes.scratch += split_scratch;
-        else
-            avail += (int64_t)split_scratch;
     }
 
     void placement(const std::vector<int32_t>& want, const std::vector<int32_t>* chosen) {
@@ -381,7 +376,8 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
         p.device.clear();
     } else if (o.n_gpu_layers >= 0) {
         at.last_layers(o.n_gpu_layers, budget);
-    } else if (hp.is_moe() && (!o.gpu_experts.empty() || !m.placement_gpu_experts.empty())) {
+    } else if (hp.is_moe() && (!o.gpu_experts.empty() || (!m.placement_gpu_experts.empty() && o.n_cpu_moe < 0))) {
+        // (n_cpu_moe says where experts go instead of the file's expert placement)
         place_experts(o, at, budget);
     } else {
         place_neurons(o, at, budget);

@@ -117,11 +117,29 @@ def _show_companions(c: dict) -> None:
               f"{f['why']}")
 
 
+def _show_expert_placement(pl: dict) -> None:
+    experts, cov = pl["gpu_experts"], pl.get("coverage", [])
+    print()
+    print(f"  placement (optiml.placement.*, v{pl.get('version')}): whole experts, each layer's hottest first; the "
+          "weights are the source's")
+    print(f"  {'layer':>5}  {'experts':>7}  {'routings':>8}  on the GPU (hottest first)")
+    for l, ids in enumerate(experts):
+        shown = " ".join(map(str, ids[:12])) + (" ..." if len(ids) > 12 else "")
+        print(f"  {l:5d}  {len(ids):7d}  {cov[l] if l < len(cov) else float('nan'):8.1%}  {shown}")
+    solver = pl.get("solver", {})
+    print(f"  budget {mib(pl.get('vram_budget', 0), '.2f')}, used {mib(pl.get('vram_used', 0), '.2f')} "
+          f"(fixed {mib(pl.get('fixed_bytes', 0), '.2f')}), ctx {pl.get('ctx')}; solver {solver.get('method')} "
+          f"{solver.get('status')}; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
+
+
 def _show_placement(f) -> dict | None:
     """Prints the placement table of a placed file; returns read_placement's dict (None if unplaced)."""
     pl = read_placement(f)
     if pl is None:
         return None
+    if pl["form"] == "experts":
+        _show_expert_placement(pl)
+        return pl
     k = pl["gpu_neurons"]
     cov = pl.get("coverage", [float("nan")] * len(k))
     sizes = layer_bytes(f, k)
@@ -167,6 +185,9 @@ def _plot_info(args, placed: dict | None) -> None:
         freq = -np.sort(-st.freq, axis=1)[:, ranks - 1]
         cov = coverage_curve(st.freq)[:, ranks - 1]
         src = f"stats: {st.n_tokens} tokens"
+    elif placed is not None and placed["form"] == "experts":
+        raise OptimlError(f"{args.model}: an expert placement keeps no neuron curves to plot; give the activation "
+                          "stats (--stats STATS.npz)")
     elif placed is not None:
         ranks = np.asarray(placed["curve_ranks"])
         freq, cov = placed["curve_freq"], placed["curve_coverage"]

@@ -40,6 +40,8 @@ def run(args) -> int:
     vram = parse_size(args.vram)
     if args.ctx < 1:
         raise ArgumentError(f"--ctx must be >= 1, not {args.ctx}")
+    if args.batch < 1:
+        raise ArgumentError(f"--batch must be >= 1, not {args.batch}")
     if args.group < 1:
         raise ArgumentError(f"--group must be >= 1, not {args.group}")
     if not args.time_limit > 0:

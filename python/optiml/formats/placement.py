@@ -361,8 +361,8 @@ def read_placement(path_or_file) -> dict | None:
     """The optiml.placement.* metadata of a file, parsed: keys are the names after the prefix
     ("gpu_neurons", "stats.tokens", ...); hardware and solver are dicts, curve_freq and curve_coverage
     [L, P] arrays, neuron_order an int32 [L, n_ff] array (placed -> stored). "form" says how the file
-    holds the placement: "permuted" (weights in placed order) or "neuron_order" (weights in the stored
-    order, gathered at load). None when the file has no placement. GGUFError for a neuron_order that is
+    holds the placement: "permuted" (weights in placed order), "neuron_order" (weights in the stored
+    order, gathered at load) or "experts" (a mixture of experts: gpu_experts, one list per layer). None when the file has no placement. GGUFError for a neuron_order that is
     not a permutation of each layer's neurons."""
     if isinstance(path_or_file, _gguf.GGUFFile):
         md = path_or_file.metadata
@@ -395,7 +395,7 @@ def read_placement(path_or_file) -> dict | None:
     for k in ("curve_freq", "curve_coverage"):
         if k in d and n_layer:
             d[k] = np.asarray(d[k], dtype=np.float32).reshape(n_layer, -1)
-    d["form"] = "permuted"
+    d["form"] = "experts" if "gpu_experts" in d else "permuted"
     if "neuron_order" in d:
         d["neuron_order"] = _check_neuron_order(d["neuron_order"], n_layer, where)
         d["form"] = "neuron_order"

@@ -58,7 +58,7 @@ def expert_layout(path) -> dict:
     k = int(md.get(f"{arch}.expert_used_count", 0) or 0)
     if n_expert <= 0 or n_layer <= 0:
         raise ArgumentError(f"{os.path.basename(path)} is not a mixture of experts ({arch}.expert_count)")
-    expert_bytes, types = [], set()
+    expert_bytes, types = [], []
     for l in range(n_layer):
         ts = [tensors.get(f"blk.{l}.{n}.weight") for n in _EXPS]
         if any(t is None for t in ts):
@@ -67,7 +67,7 @@ def expert_layout(path) -> dict:
         if any(t.n_bytes % n_expert for t in ts):
             raise ArgumentError(f"layer {l}: expert tensor sizes are not whole experts")
         expert_bytes.append(sum(t.n_bytes // n_expert for t in ts))
-        types.add(type_info(ts[1].type).name)
+        types.append(type_info(ts[1].type).name)
     exps = {f"blk.{l}.{n}.weight" for l in range(n_layer) for n in _EXPS}
     has_output = "output.weight" in tensors
     weights_fixed = sum(t.n_bytes for n, t in tensors.items()
@@ -89,7 +89,7 @@ def expert_layout(path) -> dict:
     split = 4 * (n_expert + k * n_embd + n_embd + 1)
     return dict(n_layer=n_layer, n_expert=n_expert, n_expert_used=k, expert_bytes=expert_bytes, weights_fixed=weights_fixed,
                 attn=attn, kv_per_token=n_layer * n_head_kv * (k_len + v_len) * 2,
-                scratch_per_token=scratch + split, expert_type=min(types))
+                scratch_per_token=scratch + split, expert_type=max(set(types), key=types.count))  # the most layers'
 
 
 def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096,
@@ -102,6 +102,9 @@ def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx
     model_path = os.fspath(model_path)
     if isinstance(vram, bool) or not isinstance(vram, (int, np.integer)) or vram < 0:
         raise ArgumentError(f"the VRAM budget must be a whole number of bytes >= 0, not {vram!r}")
+    for name, v in (("ctx", ctx), ("batch", batch)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ArgumentError(f"{name} must be a whole number of tokens >= 1, not {v!r}")
     if not os.path.isfile(model_path):
         raise FileNotFoundError(f"model file not found: {model_path}")
     lay = expert_layout(model_path)
@@ -112,8 +115,8 @@ def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx
     L, X = lay["n_layer"], lay["n_expert"]
     count = np.asarray(stats.expert_count, dtype=np.float64)
     if count.shape != (L, X):
-        raise ArgumentError(f"the stats count {count.shape[1]} experts in {count.shape[0]} layers, the model has "
-                            f"{X} in {L}")
+        raise ArgumentError(f"the stats count experts as {count.shape} (layers, experts); the model has {X} "
+                            f"experts in {L} layers")
     share = count / max(1, stats.n_tokens)
     order = [np.argsort(-count[l], kind="stable") for l in range(L)]
     gbs = [np.full(X, lay["expert_bytes"][l], dtype=np.int64) for l in range(L)]
