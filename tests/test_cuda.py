@@ -545,3 +545,17 @@ def test_moe_on_the_gpu(moe_model, where):
     else:
         assert whole == [True, True]
     assert mean_kld(ref, got) < KLD_BOUND
+
+
+def test_moe_decode_stays_on_the_gpu(moe_model):
+    """A mixture of experts whole on the GPU, decoded a token at a time: the router's top k on the GPU (no
+    host sync), so the steps are recorded and replayed as CUDA graphs; the same distributions as the CPU's."""
+    ids = prompt_ids(moe_model)
+    ref = logits(moe_model, ids, device="cpu")
+    with optiml.Model(moe_model, n_ctx=128, device="cuda") as m:
+        assert m.plan.output_on_device and all(l["ffn_on_device"] > 0 for l in m.plan.layers)
+        got = [m.eval(ids[:4], all_logits=True)]
+        got += [m.eval([t], all_logits=True) for t in ids[4:]]
+        recorded = m._session.recorded_steps
+    assert recorded >= len(ids) - 6  # (a shape runs plain once, then is recorded)
+    assert mean_kld(ref, np.vstack(got)) < KLD_BOUND

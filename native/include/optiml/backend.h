@@ -247,6 +247,9 @@ public:
     // it (native/src/cpu/backend/moe_ffn.cpp); the default refuses (UnsupportedModelError), and make_plan
     // keeps experts off a device without it (CUDA: every layer's experts on the host).
     // rec: the profiler's recorder (optiml/recorder.h), on the host only.
+    // A device keeps a step of at most kMoEPairsOnDevice (token, expert) pairs on the device, its router's
+    // choice too (the CUDA backend: no host sync, so Session::forward_recorded may record such steps).
+    static constexpr int64_t kMoEPairsOnDevice = 16;
     virtual void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y,
                          ActivationRecorder* rec);
     // The parts of a mixture of experts whose experts are split between two devices (Session::moe_split),

@@ -358,9 +358,7 @@ private:
     float *split_gate_ = nullptr, *split_up_ = nullptr;
     std::unique_ptr<MoESplit> moe_split_;  // with layers whose experts are split between the devices
     std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
-    // Every layer (attention, KV, whole FFN) and the logits on the device, and no mixture of experts (whose
-    // layers route on the host between the router and the experts): steps forward_recorded can record.
-    bool whole_on_device_ = false;
+    bool whole_on_device_ = false;   // every layer (attention, KV, whole FFN) and the logits on the device
     std::vector<int32_t> step_key_;  // forward_recorded's key of the step
     std::vector<int32_t> off_tok_, off_seq_, off_slot_, off_pos_, off_rows_;  // forward_offload's reordered batch
 

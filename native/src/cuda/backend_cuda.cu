@@ -351,7 +351,6 @@ public:
                      float* d) override {
         if (g.n_rows == 0) return;
         use();
-        const OpSpan span(*this, SpanKind::FFN);
         const int64_t E = hp.n_embd, F = w.gate.rows, nr = g.n_rows;
         int32_t* idx = (int32_t*)moe_buffer(moe_idx_, (size_t)nr);
         float* xg = moe_buffer(moe_xg_, (size_t)nr * E);
@@ -360,6 +359,7 @@ public:
         ss.gate = moe_buffer(moe_gate_, (size_t)nr * F);
         ss.up = moe_buffer(moe_up_, (size_t)nr * F);
         copy_from_host(idx, g.token, sizeof(int32_t) * nr);
+        const OpSpan span(*this, SpanKind::FFN);
         cuda_gather_rows(stream_, xn, idx, nr, E, xg);
         const Weight gate0 = expert(w.gate, 0), up0 = expert(w.up, 0), down0 = expert(w.down, 0);
         if (fuse_ && (nr <= kCodeTokens || !(q8x(gate0) || q8x(up0) || q8x(down0)))) {
@@ -416,20 +416,26 @@ public:
             products(g, {{&w.gate_inp_shexp, sgate, nullptr, false}});
             cuda_sigmoid(stream_, sgate, n);
         } else {
-            moe_ones_.assign(n, 1.0f);
-            copy_from_host(sgate, moe_ones_.data(), sizeof(float) * n);
+            cuda_fill(stream_, sgate, n, 1.0f);
         }
     }
 
-    // A whole mixture of experts here (Backend::moe_ffn): the router, its logits to the host, which picks
-    // and groups each token's experts (moe_route, moe_group: a sync per layer, as llama.cpp's experts
-    // split across devices), the experts and the shared expert here, and the weighted sum (the CPU's
-    // order). Steps with experts here are not recorded (Session::forward_recorded): the host takes part.
+    // A whole mixture of experts here (Backend::moe_ffn). A step of at most kMoEPairsOnDevice (token,
+    // expert) pairs (decode) stays on the GPU: the router, its top k (cuda_moe_route), each pair through its chosen
+    // expert's gate and up in one launch and down in another, the shared expert and the weighted sum; such
+    // steps can be recorded (Session::forward_recorded). A longer step routes on the host, which groups
+    // the pairs by expert so each expert reads its weights once for its tokens (moe_experts): a sync per
+    // layer, as llama.cpp's experts split across devices have.
     void moe_ffn(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y,
                  ActivationRecorder* rec) override {
         if (rec) throw Error("internal: the profiler records on the host");
         const int32_t X = hp.n_expert, k = hp.n_expert_used;
         const int64_t nk = (int64_t)n * k, E = hp.n_embd;
+        if (nk <= kMoEPairsOnDevice && w.gate.expert_bytes % 16 == 0 && w.up.expert_bytes % 16 == 0 &&
+            w.down.expert_bytes % 16 == 0) {
+            moe_ffn_routed_here(hp, layer, w, xn, n, y);
+            return;
+        }
         MoEHost& m = moe_host_;
         float* logits = moe_buffer(moe_logits_, (size_t)n * X);
         moe_router(hp, layer, w, xn, n, logits);
@@ -446,11 +452,45 @@ public:
         const bool shared = w.shared.gate.present();
         float* sy = shared ? moe_buffer(moe_sy_, (size_t)n * E + n) : nullptr;
         if (shared) moe_shared(hp, layer, w, xn, n, sy, sy + (size_t)n * E);
-        const OpSpan span(*this, SpanKind::FFN);
         float* wd = moe_buffer(moe_weight_, 2 * (size_t)nk);  // the weights, then the slots
         copy_from_host(wd, m.weight.data(), sizeof(float) * nk);
         copy_from_host(wd + nk, m.slot.data(), sizeof(int32_t) * nk);
+        const OpSpan span(*this, SpanKind::FFN);
         cuda_moe_combine(stream_, n, k, E, wd, (const int32_t*)(wd + nk), d, sy, shared ? sy + (size_t)n * E : nullptr, y);
+    }
+
+    // moe_ffn's decode path: nothing leaves the GPU.
+    void moe_ffn_routed_here(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* y) {
+        const int32_t X = hp.n_expert, k = hp.n_expert_used;
+        const int32_t nk = n * k;
+        const int64_t E = hp.n_embd, F = w.gate.rows;
+        float* logits = moe_buffer(moe_logits_, (size_t)n * X);
+        float* route = moe_buffer(moe_weight_, 2 * (size_t)nk);  // the weights, then the chosen experts
+        int32_t* chosen = (int32_t*)(route + nk);
+        float* d = moe_buffer(moe_d_, (size_t)nk * E);
+        const bool shared = w.shared.gate.present();
+        float* sy = shared ? moe_buffer(moe_sy_, (size_t)n * E + n) : nullptr;
+        moe_router(hp, layer, w, xn, n, logits);
+        {
+            use();
+            const OpSpan span(*this, SpanKind::FFN);
+            cuda_moe_route(stream_, logits, n, X, k, hp.expert_weights_norm, hp.expert_weights_scale, chosen, route);
+            StepScratch ss;
+            ss.gate = moe_buffer(moe_gate_, (size_t)nk * F);
+            ss.up = moe_buffer(moe_up_, (size_t)nk * F);
+            const Weight gate = expert(w.gate, 0), up = expert(w.up, 0), down = expert(w.down, 0);
+            Input in = floats(const_cast<float*>(xn), moe_buffer(moe_round_, (size_t)n * E), n, E);
+            const Out gu[2] = {{&gate, ss.gate, nullptr, false, 0, nk, chosen, w.gate.expert_bytes, k},
+                               {&up, ss.up, nullptr, false, 0, nk, chosen, w.up.expert_bytes, k}};
+            products(in, gu, 2);
+            Input h = act_input(hp, w.gate.type, ss.gate, ss.up, nk, F);
+            const Out dn[1] = {{&down, d, nullptr, false, 0, nk, chosen, w.down.expert_bytes, 1}};
+            products(h, dn, 1);
+        }
+        if (shared) moe_shared(hp, layer, w, xn, n, sy, sy + (size_t)n * E);
+        use();
+        const OpSpan span(*this, SpanKind::FFN);
+        cuda_moe_combine(stream_, n, k, E, route, nullptr, d, sy, shared ? sy + (size_t)n * E : nullptr, y);
     }
 
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
@@ -594,6 +634,9 @@ private:
         bool accumulate;
         int32_t x_row = 0;
         int32_t n = -1;
+        const int32_t* ids = nullptr;  // experts chosen on the GPU (CudaMatrix::ids)
+        size_t id_stride = 0;
+        int32_t x_group = 1;
     };
     // The products of `outs` over the shared input, each converted as the CPU converts activations for its
     // weights (the products then differ from the CPU's only in summation order): for Q4_0/Q4_1/Q8_0 rows,
@@ -619,6 +662,9 @@ private:
                 m[k - i].accumulate = o[k].accumulate;
                 m[k - i].x_row = o[k].x_row;
                 m[k - i].n = o[k].n;
+                m[k - i].ids = o[k].ids;
+                m[k - i].id_stride = o[k].id_stride;
+                m[k - i].x_group = o[k].x_group;
             }
             launch_products(in, w0.type, ints, m, j - i);
             // (unfused: one product, its bias a kernel of its own, after any add into the output as before)
@@ -1011,7 +1057,6 @@ private:
         std::vector<int32_t> chosen, slot, count, first, token;
     };
     MoEHost moe_host_;
-    std::vector<float> moe_ones_;
     std::vector<Weight> moe_weights_;  // moe_experts' matrices of one step
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;

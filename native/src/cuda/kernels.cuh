@@ -56,6 +56,7 @@ enum class CudaKernel : uint8_t {
     Gather,      // a mixture of experts' rows gathered by expert
     Sigmoid,     // the shared expert's gate
     MoECombine,  // each token's experts weighted and summed
+    MoERoute,    // the router's top k, on the GPU
     CopyIn,   // host to device (the backend's copies)
     CopyOut,  // device to host
     Copy,     // device to device
@@ -101,6 +102,11 @@ struct CudaMatrix {
     bool accumulate = false;
     int32_t x_row = 0;
     int32_t n = -1;  // -1: the launch's n
+    // Experts chosen on the GPU (a mixture of experts' decode step): n slots, slot j through the matrix at
+    // w + ids[j] * id_stride (expert ids[j] of a 3-D tensor), over input row j / x_group, into y's row j.
+    const int32_t* ids = nullptr;
+    size_t id_stride = 0;
+    int32_t x_group = 1;
 };
 constexpr int kCudaMaxMatrices = 16;
 // Up to kCudaMaxMatrices matrices of one type and width that read the same input (q, k and v; gate and
@@ -177,12 +183,19 @@ void cuda_softcap(cudaStream_t s, float* x, int64_t count, float cap);
 // f16 as the CPU's table when gelu_f16: the CPU does so where the gate's input is 8-bit anyway).
 void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float* u, int64_t count);
 
-// Mixtures of experts (native/src/cuda/moe.cu). dst[r] = src[idx[r]] for n_rows rows of cols floats.
+// Mixtures of experts (native/src/cuda/moe.cu). The router's choice for n tokens from their logits
+// ([n][n_expert]), as the host's moe_route: softmax, the k most probable best first (ties: the lower index),
+// renormalized when norm, times scale: chosen[t * k + j], weight[t * k + j].
+void cuda_moe_route(cudaStream_t s, const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm,
+                    float scale, int32_t* chosen, float* weight);
+// x[i] = value for count values.
+void cuda_fill(cudaStream_t s, float* x, int64_t count, float value);
+// dst[r] = src[idx[r]] for n_rows rows of cols floats.
 void cuda_gather_rows(cudaStream_t s, const float* src, const int32_t* idx, int64_t n_rows, int64_t cols, float* dst);
 // x = 1 / (1 + exp(-x)) over count values.
 void cuda_sigmoid(cudaStream_t s, float* x, int64_t count);
-// y[t] = sum over j < k, in order, of weight[t * k + j] * d[slot[t * k + j]], then + sgate[t] * sy[t] when sy
-// (rows of cols floats): the CPU's moe_combine.
+// y[t] = sum over j < k, in order, of weight[t * k + j] * d[slot[t * k + j]] (slot nullptr: row t * k + j),
+// then + sgate[t] * sy[t] when sy (rows of cols floats): the CPU's moe_combine.
 void cuda_moe_combine(cudaStream_t s, int32_t n, int32_t k, int64_t cols, const float* weight, const int32_t* slot,
                       const float* d, const float* sy, const float* sgate, float* y);
 

@@ -46,6 +46,9 @@ __device__ __forceinline__ CudaMatrix pick_row(const Matrices& ms, int64_t& r) {
 
 Matrices make_matrices(const CudaMatrix* m, int count) {
     if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 16 matrices per product launch");
+    for (int k = 0; k < count; k++)
+        if ((m[k].ids != nullptr) != (m[0].ids != nullptr) || (m[k].ids && m[k].n != m[0].n))
+            throw Error("internal: a launch's matrices are all chosen on the GPU, over the same slots, or none");
     Matrices ms{};
     unsigned blocks = 0;
     for (int k = 0; k < count; k++) {
@@ -74,6 +77,15 @@ struct RowTask {
 __device__ __forceinline__ RowTask row_task(const Matrices& ms, int32_t n) {
     RowTask k;
     k.m = pick_row(ms, k.r);
+    if (k.m.ids) {  // slot blockIdx.y: its expert's matrix, one input row, one output row
+        const int32_t j = (int32_t)blockIdx.y;
+        k.m.w += (size_t)k.m.ids[j] * k.m.id_stride;
+        k.m.y += (size_t)j * k.m.rows;
+        k.t0 = 0;
+        k.nt = 1;
+        k.x0 = j / k.m.x_group;
+        return k;
+    }
     const int32_t nm = k.m.n < 0 ? n : k.m.n;
     k.t0 = (int32_t)blockIdx.y * kTokens;
     k.nt = nm - k.t0 < kTokens ? nm - k.t0 : kTokens;
@@ -334,8 +346,10 @@ int32_t max_tokens(const Matrices& ms, int32_t n) {
     for (int k = 0; k < ms.count; k++) most = std::max(most, ms.m[k].n < 0 ? n : ms.m[k].n);
     return most;
 }
-// The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of kTokens tokens.
+// The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of kTokens tokens
+// (experts chosen on the GPU: per slot).
 dim3 grid_of(const Matrices& ms, int32_t n) {
+    if (ms.m[0].ids) return dim3(total_blocks(ms), (unsigned)max_tokens(ms, n));
     return dim3(total_blocks(ms), (unsigned)((max_tokens(ms, n) + kTokens - 1) / kTokens));
 }
 
@@ -344,7 +358,8 @@ void launch(cudaStream_t s, const Matrices& ms, int64_t cols, const float* x, in
     const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n);
     // The staged kernel reads rows as 16-byte units and the activations as 4 floats at a time.
     bool staged = (uintptr_t)x % 16 == 0;
-    for (int k = 0; k < ms.count; k++) staged = staged && ms.m[k].row_bytes % 16 == 0 && (uintptr_t)ms.m[k].w % 16 == 0;
+    for (int k = 0; k < ms.count; k++)
+        staged = staged && ms.m[k].row_bytes % 16 == 0 && (uintptr_t)ms.m[k].w % 16 == 0 && ms.m[k].id_stride % 16 == 0;
     if (staged)
         OPTIML_LAUNCH(matmul_staged_kernel<TYPE>, grid, block, s, ms, cols, x, n);
     else
@@ -356,7 +371,7 @@ int64_t matrices_bytes(const Matrices& ms, int32_t n) {
     int64_t b = 0;
     for (int k = 0; k < ms.count; k++) {
         const int32_t nm = ms.m[k].n < 0 ? n : ms.m[k].n;
-        b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes * ((nm + kTokens - 1) / kTokens);
+        b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes * (ms.m[k].ids ? nm : (nm + kTokens - 1) / kTokens);
     }
     return b;
 }

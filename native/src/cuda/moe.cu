@@ -28,7 +28,8 @@ __global__ void combine_kernel(int32_t k, int64_t cols, const float* weight, con
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
         float v = 0.0f;
         for (int32_t j = 0; j < k; j++) {
-            const float p = d[(size_t)slot[t * k + j] * cols + i] * weight[t * k + j];
+            const int32_t row = slot ? slot[t * k + j] : t * k + j;
+            const float p = d[(size_t)row * cols + i] * weight[t * k + j];
             v = j == 0 ? p : v + p;
         }
         if (sy) v += sy[(size_t)t * cols + i] * sgate[t];
@@ -36,7 +37,63 @@ __global__ void combine_kernel(int32_t k, int64_t cols, const float* weight, con
     }
 }
 
+__global__ void fill_kernel(float* x, int64_t count, float value) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] = value;
+}
+
+// One thread per token (a decode step's few tokens; 128 experts are a few thousand steps): the host's
+// moe_route, step for step (expf for std::exp, so a near-tie may choose differently).
+__global__ void route_kernel(const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm, float scale,
+                             int32_t* chosen, float* weight) {
+    const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float* l = logits + (size_t)t * n_expert;
+    float mx = l[0];
+    for (int32_t e = 1; e < n_expert; e++) mx = l[e] > mx ? l[e] : mx;
+    double sum = 0;
+    for (int32_t e = 0; e < n_expert; e++) sum += expf(l[e] - mx);
+    const float inv = (float)(1.0 / sum);
+    int32_t* ct = chosen + (size_t)t * k;
+    float* wt = weight + (size_t)t * k;
+    float wsum = 0;
+    for (int32_t j = 0; j < k; j++) {  // the next best: the highest p not taken (ties: the lower index)
+        int32_t best = -1;
+        float bp = 0;
+        for (int32_t e = 0; e < n_expert; e++) {
+            bool taken = false;
+            for (int32_t i = 0; i < j; i++) taken = taken || ct[i] == e;
+            const float p = expf(l[e] - mx) * inv;
+            if (!taken && (best < 0 || p > bp)) best = e, bp = p;
+        }
+        ct[j] = best;
+        wt[j] = bp;
+        wsum += bp;
+    }
+    if (norm) {
+        const float d = wsum > 6.103515625e-5f ? wsum : 6.103515625e-5f;
+        for (int32_t j = 0; j < k; j++) wt[j] /= d;
+    }
+    if (scale != 1.0f)
+        for (int32_t j = 0; j < k; j++) wt[j] *= scale;
+}
+
 }  // namespace
+
+void cuda_moe_route(cudaStream_t s, const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm,
+                    float scale, int32_t* chosen, float* weight) {
+    if (n <= 0) return;
+    OPTIML_LAUNCH(route_kernel, (unsigned)((n + 31) / 32), 32, s, logits, n, n_expert, k, norm, scale, chosen, weight);
+    cuda_check(cudaSuccess, "moe_route");
+    cuda_count(CudaKernel::MoERoute, {0, 4 * (int64_t)n * n_expert + 8 * (int64_t)n * k});
+}
+
+void cuda_fill(cudaStream_t s, float* x, int64_t count, float value) {
+    if (count <= 0) return;
+    OPTIML_LAUNCH(fill_kernel, (unsigned)((count + kThreads - 1) / kThreads), kThreads, s, x, count, value);
+    cuda_check(cudaSuccess, "fill");
+    cuda_count(CudaKernel::Sigmoid, {0, 4 * count});
+}
 
 void cuda_gather_rows(cudaStream_t s, const float* src, const int32_t* idx, int64_t n_rows, int64_t cols, float* dst) {
     if (n_rows <= 0) return;

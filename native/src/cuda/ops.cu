@@ -40,6 +40,7 @@ const char* cuda_kernel_name(CudaKernel k) {
         case CudaKernel::Gather: return "gather";
         case CudaKernel::Sigmoid: return "sigmoid";
         case CudaKernel::MoECombine: return "moe_combine";
+        case CudaKernel::MoERoute: return "moe_route";
         case CudaKernel::CopyIn: return "copy_in";
         case CudaKernel::CopyOut: return "copy_out";
         case CudaKernel::Copy: return "copy";

@@ -97,6 +97,8 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
     const int32_t n = kb.n;
     // (while tracing every op is timed on its own, in its layer: no recorded steps)
     if (!whole_on_device_ || host_->tracing() || recorder_ || n > kMaxRecordedTokens || n_out > plan_.logits_rows) return false;
+    // (a longer mixture-of-experts step routes on the host, which a recording cannot hold)
+    if (hp.is_moe() && (int64_t)n * hp.n_expert_used > Backend::kMoEPairsOnDevice) return false;
     const size_t x_floats = (size_t)n * hp.n_embd;
     move(host_.get(), host_s_.x, dev, device_s_.x, x_floats);
     dev->upload_batch(kb);
@@ -116,7 +118,7 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
     };
     if (dev->replay(step_key_)) {
         for (int il = 0; il < hp.n_layer; il++)  // what the recorded ffn ops counted when they were enqueued
-            device_active_[il] += (int64_t)n * exec_[il].device_share.w->gate.rows;
+            if (exec_[il].device_share.w) device_active_[il] += (int64_t)n * exec_[il].device_share.w->gate.rows;
     } else {
         const bool recording = dev->capture_begin(step_key_);
         try {

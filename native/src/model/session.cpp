@@ -278,7 +278,7 @@ void Session::bind_devices() {
         device_output_ = dev->upload(M.output, "output");
         device_logits_ = (float*)dev->alloc(sizeof(float) * (size_t)plan_.logits_rows * hp.n_vocab, "output");
     }
-    whole_on_device_ = dev && plan_.output_on_device && !hp.is_moe() &&
+    whole_on_device_ = dev && plan_.output_on_device &&
                        std::all_of(exec_.begin(), exec_.end(), [&](const LayerExec& E) { return E.attn == dev && E.k == hp.n_ff; });
     if (dev) dev->synchronize();
     // The plan's count is the allocation's: a mismatch is a bug in one of them.
