@@ -225,24 +225,16 @@ def _check_placement(p, n_layer: int, n_ff: int) -> list[int]:
     return k
 
 
-def placement_kv(stats: ActivationStats, placement: Any,
-                 neuron_order: np.ndarray | None = None) -> dict[str, tuple[Any, VT | None]]:
-    """The optiml.placement.* key/values of a placement and the stats it came from; neuron_order ([n_layer,
-    n_ff], placed -> stored) for a file whose weights keep the stored order. placement: the solver's
-    optiml.offline.solve.Placement, or anything with its fields (a file format does not import the solver)."""
-    n_layer, n_ff = stats.freq.shape
-    ranks = curve_ranks(n_ff)
-    freq_sorted = -np.sort(-np.asarray(stats.freq, dtype=np.float32), axis=1)
-    cov = coverage_curve(stats.freq)
+def _solution_kv(stats: ActivationStats, placement: Any, n_layer: int) -> dict[str, tuple[Any, VT | None]]:
+    """The keys every placement writes: where attention goes, what the solver was given and found, the stats."""
     solver = {"method": placement.method, "status": placement.status, "gap": float(placement.gap),
               "solve_s": float(placement.solve_s)}
     P = PREFIX
-    kv = {
+    return {
         P + "version": (VERSION, VT.UINT32),
         P + "group_size": (int(placement.group), VT.UINT32),
-        P + "gpu_neurons": (np.asarray(placement.gpu_neurons, dtype=np.int32), VT.ARRAY),
-        P + "gpu_attention": (np.asarray(getattr(placement, "gpu_attention", None) or [1] * len(placement.gpu_neurons),
-                                         dtype=np.int32), VT.ARRAY),
+        P + "gpu_attention": (np.asarray(getattr(placement, "gpu_attention", None) or [1] * n_layer, dtype=np.int32),
+                              VT.ARRAY),
         P + "coverage": (np.asarray(placement.coverage, dtype=np.float32), VT.ARRAY),
         P + "vram_budget": (int(placement.vram_budget), VT.UINT64),
         P + "vram_used": (int(placement.vram_used), VT.UINT64),
@@ -254,6 +246,22 @@ def placement_kv(stats: ActivationStats, placement: Any,
         P + "stats.tokens": (int(stats.n_tokens), VT.UINT64),
         P + "stats.sources": (stats.sources or "-", VT.STRING),
         P + "stats.fingerprint": (stats.fingerprint, VT.STRING),
+    }
+
+
+def placement_kv(stats: ActivationStats, placement: Any,
+                 neuron_order: np.ndarray | None = None) -> dict[str, tuple[Any, VT | None]]:
+    """The optiml.placement.* key/values of a placement and the stats it came from; neuron_order ([n_layer,
+    n_ff], placed -> stored) for a file whose weights keep the stored order. placement: the solver's
+    optiml.offline.solve.Placement, or anything with its fields (a file format does not import the solver)."""
+    n_layer, n_ff = stats.freq.shape
+    ranks = curve_ranks(n_ff)
+    freq_sorted = -np.sort(-np.asarray(stats.freq, dtype=np.float32), axis=1)
+    cov = coverage_curve(stats.freq)
+    P = PREFIX
+    kv = {
+        **_solution_kv(stats, placement, len(placement.gpu_neurons)),
+        P + "gpu_neurons": (np.asarray(placement.gpu_neurons, dtype=np.int32), VT.ARRAY),
         P + "curve_ranks": (ranks.astype(np.int32), VT.ARRAY),
         P + "curve_freq": (freq_sorted[:, ranks - 1].reshape(-1).astype(np.float32), VT.ARRAY),
         P + "curve_coverage": (cov[:, ranks - 1].reshape(-1).astype(np.float32), VT.ARRAY),
@@ -278,29 +286,13 @@ def write_expert_placement(model_path: str | os.PathLike, stats: ActivationStats
     n_layer = len(placement.gpu_neurons)
     if len(experts) != n_layer or len(placement.coverage) != n_layer:
         raise ArgumentError(f"the placement has {len(experts)} expert lists for {n_layer} layers")
-    solver = {"method": placement.method, "status": placement.status, "gap": float(placement.gap),
-              "solve_s": float(placement.solve_s)}
     P = PREFIX
     flat = [e for ids in experts for e in ids]
     kv = {
-        P + "version": (VERSION, VT.UINT32),
-        P + "group_size": (1, VT.UINT32),
+        **_solution_kv(stats, placement, n_layer),
         P + "gpu_neurons": (np.zeros(n_layer, dtype=np.int32), VT.ARRAY),
-        P + "gpu_attention": (np.asarray(getattr(placement, "gpu_attention", None) or [1] * n_layer, dtype=np.int32),
-                              VT.ARRAY),
         P + "gpu_expert_count": (np.asarray([len(ids) for ids in experts], dtype=np.int32), VT.ARRAY),
         P + "gpu_experts": (np.asarray(flat, dtype=np.int32), VT.ARRAY),
-        P + "coverage": (np.asarray(placement.coverage, dtype=np.float32), VT.ARRAY),
-        P + "vram_budget": (int(placement.vram_budget), VT.UINT64),
-        P + "vram_used": (int(placement.vram_used), VT.UINT64),
-        P + "fixed_bytes": (int(placement.fixed_bytes), VT.UINT64),
-        P + "ctx": (int(placement.ctx), VT.UINT32),
-        P + "hardware": (jsonout.dumps(placement.hardware, sort_keys=True, default=str), VT.STRING),
-        P + "solver": (jsonout.dumps(solver), VT.STRING),
-        P + "est_token_ms": (float(placement.est_token_s) * 1000.0, VT.FLOAT32),
-        P + "stats.tokens": (int(stats.n_tokens), VT.UINT64),
-        P + "stats.sources": (stats.sources or "-", VT.STRING),
-        P + "stats.fingerprint": (stats.fingerprint, VT.STRING),
     }
     if not flat:  # an empty array has no element type to read back: no experts, no list
         del kv[P + "gpu_experts"], kv[P + "gpu_expert_count"]
