@@ -363,8 +363,7 @@ public:
         cuda_gather_rows(stream_, xn, idx, nr, E, xg);
         const Weight gate0 = expert(w.gate, 0), up0 = expert(w.up, 0), down0 = expert(w.down, 0);
         if (fuse_ && (nr <= kCodeTokens || !(q8x(gate0) || q8x(up0) || q8x(down0)))) {
-            std::vector<Weight>& ws = moe_weights_;
-            ws.clear();
+            std::vector<Weight> ws;  // (read by products() as it enqueues them)
             for (int32_t e = 0; e < g.n_expert; e++)
                 if (g.count[e]) ws.insert(ws.end(), {expert(w.gate, e), expert(w.up, e), expert(w.down, e)});
             std::vector<Out> gu, dn;
@@ -1057,7 +1056,6 @@ private:
         std::vector<int32_t> chosen, slot, count, first, token;
     };
     MoEHost moe_host_;
-    std::vector<Weight> moe_weights_;  // moe_experts' matrices of one step
     std::vector<TimedOp> timed_;
     cudaEvent_t trace_base_ = nullptr;
     double trace_base_host_ = 0;

@@ -14,8 +14,6 @@
 // attention offload (forward_offload.cpp) that also waits for the other sub-batch's queued work, so such
 // layers overlap less there.
 // Not yet: the router's top k on the device, which would spare the logits' trip to the host.
-#include <cstring>
-
 #include "../cpu/backend/moe_ffn.h"  // moe_combine: the host sums every token's experts
 #include "optiml/moe_route.h"
 #include "layer_exec.h"

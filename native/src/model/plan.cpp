@@ -249,9 +249,6 @@ struct Placer {
         return true;
     }
 
-    // Attention and KV first: the layers the placement chose (`chosen`, as far as the budget holds), or,
-    // in a file without that choice, layer by layer until one does not fit. Then as many hot neurons per
-    // layer as the placement asks (want) and the budget holds.
     // Mixtures of experts by expert: attention as placement() places it, then per layer as many of its
     // listed experts (hottest first) as the budget holds, with the router and shared expert where the
     // layer's attention is on the device too. A layer whose experts all fit with those goes whole. The
@@ -284,6 +281,9 @@ struct Placer {
         }
     }
 
+    // Attention and KV first: the layers the placement chose (`chosen`, as far as the budget holds), or,
+    // in a file without that choice, layer by layer until one does not fit. Then as many hot neurons per
+    // layer as the placement asks (want) and the budget holds.
     void placement(const std::vector<int32_t>& want, const std::vector<int32_t>* chosen) {
         const bool contiguous = p.neuron_order.empty();
         // The solver's choice of layers first (it reserved their attention before any neuron).

@@ -65,27 +65,10 @@ static NeuronMajor neuron_major_rows(ThreadPool& pool, const Weight& down, const
     return gather_neuron_major(full, rows, n_rows);
 }
 
-// A mixture of experts in device memory: its router, every expert (one block per 3-D tensor) and the
-// shared expert, counted as the plan counts them (ffn_share_bytes).
-static MoEWeights upload_moe(Backend& dev, const MoEWeights& w) {
-    MoEWeights d = w;
-    d.gate_inp = dev.upload(w.gate_inp, "ffn weights");
-    d.gate_inp_shexp = dev.upload(w.gate_inp_shexp, "ffn weights");
-    for (auto [src, dst] : {std::pair{&w.gate, &d.gate}, {&w.up, &d.up}, {&w.down, &d.down}}) {
-        const size_t bytes = src->expert_bytes * (size_t)src->n_expert;
-        uint8_t* p = (uint8_t*)dev.alloc(bytes, "ffn weights");
-        dev.copy_from_host(p, src->data, bytes);
-        dst->data = p;
-    }
-    for (auto [src, dst] : {std::pair{&w.shared.gate, &d.shared.gate}, {&w.shared.up, &d.shared.up},
-                            {&w.shared.down, &d.shared.down}})
-        *dst = dev.upload(*src, "ffn weights");
-    return d;
-}
-
-// A layer's experts split between the devices: the device's experts (its gate, up and down blocks in
-// the plan's order), and the router and shared expert when the layer's attention is on the device too.
-static MoEWeights upload_experts(Backend& dev, const MoEWeights& w, const std::vector<int32_t>& ids, bool home) {
+// A mixture of experts in device memory, counted as the plan counts it (ffn_share_bytes, Placer::experts):
+// the router and shared expert where `home` (the whole layer, or a split layer's attention on the device),
+// and the experts `ids` in that order (nullptr: every expert, one block per 3-D tensor).
+static MoEWeights upload_moe(Backend& dev, const MoEWeights& w, const std::vector<int32_t>* ids, bool home) {
     MoEWeights d;
     if (home) {
         d.gate_inp = dev.upload(w.gate_inp, "ffn weights");
@@ -97,10 +80,11 @@ static MoEWeights upload_experts(Backend& dev, const MoEWeights& w, const std::v
     }
     for (auto [src, dst] : {std::pair{&w.gate, &d.gate}, {&w.up, &d.up}, {&w.down, &d.down}}) {
         *dst = *src;
-        dst->n_expert = (int64_t)ids.size();
-        uint8_t* p = (uint8_t*)dev.alloc(src->expert_bytes * ids.size(), "ffn weights");
-        for (size_t i = 0; i < ids.size(); i++)
-            dev.copy_from_host(p + i * src->expert_bytes, src->data + (size_t)ids[i] * src->expert_bytes,
+        if (ids) dst->n_expert = (int64_t)ids->size();
+        uint8_t* p = (uint8_t*)dev.alloc(src->expert_bytes * (size_t)dst->n_expert, "ffn weights");
+        if (!ids) dev.copy_from_host(p, src->data, src->expert_bytes * (size_t)src->n_expert);
+        for (size_t i = 0; ids && i < ids->size(); i++)
+            dev.copy_from_host(p + i * src->expert_bytes, src->data + (size_t)(*ids)[i] * src->expert_bytes,
                                src->expert_bytes);
         dst->data = p;
     }
@@ -210,10 +194,10 @@ void Session::bind_devices() {
         // The FFN: placed neurons [0, k) on the device, [k, n_ff) on the host; a mixture of experts whole.
         E.k = lp.ffn_on_device;
         if (L.moe.present()) {  // whole on the device (k > 0) or the host, or split (device_experts)
-            if (E.k > 0) device_layers_[il].moe = upload_moe(*dev, L.moe);
+            if (E.k > 0) device_layers_[il].moe = upload_moe(*dev, L.moe, nullptr, true);
             E.moe_w = E.k > 0 ? &device_layers_[il].moe : &L.moe;
             if (lp.device_experts.empty()) continue;
-            device_layers_[il].moe = upload_experts(*dev, L.moe, lp.device_experts, lp.attn_on_device);
+            device_layers_[il].moe = upload_moe(*dev, L.moe, &lp.device_experts, lp.attn_on_device);
             E.expert_order = host_then_device(hp.n_expert, lp.device_experts, &E.n_host_experts);
             continue;
         }
