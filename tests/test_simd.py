@@ -198,6 +198,34 @@ def test_attn_dot_rows_equal_each_row_alone(level, dtype):
         _core.attn_dot_rows(WTYPES["Q8_0"][0], np.zeros(64, np.uint8), 16, np.zeros(32, np.uint8), 16, 1)
 
 
+@pytest.mark.parametrize("level", _core.simd_levels())
+def test_attn_dot_heads_equal_each_head_alone(level):
+    """The query heads that share a KV head go through its rows together (keys against the queries, V's
+    dimension rows against each head's weights); every (row, head) must keep the bits of attn_dot alone,
+    for head counts that fill the 4-head tiles or not, rows left over, and lengths with scalar tails."""
+    rng = np.random.default_rng(11)
+    for n in (16, 33, 64, 96, 128, 160, 256):
+        for n_rows in (1, 3, 4, 9):
+            for n_y in (1, 2, 3, 4, 5, 8, 9):
+                stride = n + 5
+                rows = rng.standard_normal(stride * n_rows).astype(np.float16)
+                ys = rng.standard_normal(n * n_y).astype(np.float16)
+                got = _core.attn_dot_heads(rows.view(np.uint8), stride, ys.view(np.uint8), n, n_rows, n_y, simd=level)
+                assert got.shape == (n_y, n_rows)
+                for q in range(n_y):
+                    alone = _core.attn_dot_rows(WTYPES["F16"][0], rows.view(np.uint8), stride,
+                                                ys[q * n:(q + 1) * n].view(np.uint8), n, n_rows, together=False,
+                                                simd=level)
+                    np.testing.assert_array_equal(got[q].view(np.uint32), alone.view(np.uint32),
+                                                  err_msg=f"n={n} rows={n_rows} heads={n_y} head {q}")
+                m = np.lib.stride_tricks.as_strided(rows, (n_rows, n), (stride * 2, 2)).astype(np.float64)
+                exact = ys.reshape(n_y, n).astype(np.float64) @ m.T
+                bound = 2e-5 * (np.abs(ys.reshape(n_y, n).astype(np.float64)) @ np.abs(m).T) + 1e-6
+                assert (np.abs(got - exact) <= bound).all(), (n, n_rows, n_y)
+    with pytest.raises(_core.ArgumentError, match="ys holds"):
+        _core.attn_dot_heads(np.zeros(64, np.uint8), 16, np.zeros(32, np.uint8), 16, 1, 2)
+
+
 # ---- activation conversion -----------------------------------------------------------------------
 def conversion_inputs(n, rng, act):
     yield activations(n, rng)

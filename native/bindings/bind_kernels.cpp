@@ -78,6 +78,33 @@ nb::ndarray<nb::numpy, float> attn_dot_rows_py(int32_t type, Bytes1D rows, int64
     return out;
 }
 
+// The same dots for n_y vectors at once (ys: n_y rows of n F16 values), out[q, r] = dot(row r, y_q): by
+// the level's heads kernel where it has one, else by attn_dot row by row and vector by vector.
+nb::ndarray<nb::numpy, float> attn_dot_heads_py(Bytes1D rows, int64_t row_stride, Bytes1D ys, int64_t n, int64_t n_rows,
+                                                int64_t n_y, const std::string& simd) {
+    const KernelTable& kt = table_for(simd);
+    const size_t elem = sizeof(fp16_t);
+    if (n <= 0 || n_rows <= 0 || n_y <= 0 || row_stride < n)
+        throw ArgumentError(format("attn_dot_heads: n=%lld, n_rows=%lld, n_y=%lld, row_stride=%lld (need n, n_rows, "
+                                   "n_y > 0 and row_stride >= n)",
+                                   (long long)n, (long long)n_rows, (long long)n_y, (long long)row_stride));
+    if ((size_t)ys.shape(0) != n_y * n * elem || (size_t)rows.shape(0) < ((n_rows - 1) * row_stride + n) * elem)
+        throw ArgumentError(format("attn_dot_heads: ys holds %zu bytes (need %zu), rows %zu (need %zu)",
+                                   (size_t)ys.shape(0), (size_t)(n_y * n * elem), (size_t)rows.shape(0),
+                                   (size_t)(((n_rows - 1) * row_stride + n) * elem)));
+    auto out = new_array<float>({(size_t)n_y, (size_t)n_rows});
+    if (kt.attn_dot_heads[TYPE_F16]) {
+        kt.attn_dot_heads[TYPE_F16](n, out.data(), n_rows, rows.data(), row_stride * elem, ys.data(), n * elem, n_rows,
+                                    (int)n_y);
+        return out;
+    }
+    for (int64_t q = 0; q < n_y; q++)
+        for (int64_t r = 0; r < n_rows; r++)
+            kt.attn_dot[TYPE_F16](n, out.data() + q * n_rows + r, rows.data() + r * row_stride * elem,
+                                  ys.data() + q * n * elem);
+    return out;
+}
+
 using Ints1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 void paged_store(PagedKV& kv, int32_t layer, int32_t seq, int32_t pos, Floats1D k, Floats1D v) {
@@ -209,6 +236,9 @@ void bind_kernels(nb::module_& m) {
     m.def("attn_dot_rows", &attn_dot_rows_py, nb::arg("type"), nb::arg("rows"), nb::arg("row_stride"), nb::arg("y"),
           nb::arg("n"), nb::arg("n_rows"), nb::arg("together") = true, nb::arg("simd") = "",
           "Attention's dot products of F16/F32 rows with y, many rows at once or row by row.");
+    m.def("attn_dot_heads", &attn_dot_heads_py, nb::arg("rows"), nb::arg("row_stride"), nb::arg("ys"), nb::arg("n"),
+          nb::arg("n_rows"), nb::arg("n_y"), nb::arg("simd") = "",
+          "Attention's F16 dot products of rows with several vectors at once (the heads of one KV head).");
     m.def("matmul", &matmul_py, nb::arg("w"), nb::arg("wtype"), nb::arg("x"), nb::arg("simd") = "",
           nb::arg("n_threads") = 0, nb::arg("rows16") = false,
           "Y[t, r] = dot(W[r], X[t]) for weight rows W (bytes, or the rows16 layout) and activations X.");

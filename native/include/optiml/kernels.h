@@ -27,6 +27,10 @@ const char* simd_level_name(SimdLevel level);
 typedef void (*vec_dot_fn)(int64_t n, float* s, const void* w, const void* x);
 // s[r] = dot(row r, y) for n_rows rows `stride` bytes apart, each with attn_dot's bits.
 typedef void (*attn_dot_rows_fn)(int64_t n, float* s, const void* rows, size_t stride, const void* y, int64_t n_rows);
+// s[q * s_stride + r] = dot(row r, y_q) for n_rows rows `stride` bytes apart and n_y vectors y_q
+// (y_stride bytes apart), each with attn_dot's bits: the query heads of one KV head at once.
+typedef void (*attn_dot_heads_fn)(int64_t n, float* s, int64_t s_stride, const void* rows, size_t stride,
+                                  const void* y, size_t y_stride, int64_t n_rows, int n_y);
 // s[t] = dot(w, x_t) for 4 activation rows x_t = x + t * x_stride bytes: a batch kernel that unpacks
 // each weight block once; every s[t] equals what vec_dot gives for that row, bit for bit.
 typedef void (*vec_dot4_fn)(int64_t n, float* s, const void* w, const void* x, size_t x_stride);
@@ -145,6 +149,9 @@ struct KernelTable {
     // Optional: attn_dot over many rows (K rows against q, V's dimension rows against the weights),
     // sharing y's loads and conversions; where null, attention calls attn_dot per row.
     attn_dot_rows_fn attn_dot_rows[TYPE_COUNT];
+    // Optional: several heads' vectors against the same rows (each row converted once for all of
+    // them); F16 only; where null, attention runs head by head.
+    attn_dot_heads_fn attn_dot_heads[TYPE_COUNT];
     attn_mad_fn attn_mad[TYPE_COUNT];  // quantized values: Q8_0, Q4_0
     softmax_exp_fn softmax_exp;
     act_mul_fn silu_mul;                   // silu(g) * u, silu(x) = x / (1 + e^-x)

@@ -113,82 +113,133 @@ void rope_and_store_kv(ThreadPool& pool, const KernelTable& kt, const HParams& h
 
 }
 
-void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const KVLayerView& kv,
-            const BatchView& b, const StepScratch& sc) {
-    const int64_t n_q = hp.n_embd_q(), hd = hp.head_dim;
-    const int32_t n = b.n;
-    const float* q = sc.q;
-    float* attn = sc.attn;
-    const bool v_rows = kv.v_row != 0;  // quantized values: rows like the keys; F16/F32 transposed
-    const size_t kv_elem = type_traits(kv.v_type).type_size;
-    const int64_t rot_v = kv_rotation_block(kv.v_type, hd, true);
-    const bool swa = hp.is_swa(il);
-    // Causal attention: token t (sequence seq, position pos) sees positions 0..pos of its sequence. One
-    // task per (token, head); a KV head serves n_head / n_head_kv query heads (grouped-query attention).
-    // Like llama.cpp, scores cover a window of the cache padded to a multiple of 32 (masked positions
-    // are -inf, weight 0), softmax runs over that window, and the weights are converted to the cache
-    // type before the dot products with V: the sums then group exactly as llama.cpp's do. The window
-    // depends on the token's own position only, so a sequence gets the same bits alone or in a batch.
-    const int group = hp.n_head / hp.n_head_kv;
-    const float scale = hp.attn_kq_scale;
-    // A sliding-window layer: position p sees only p - n_swa < s <= p (masked like the future).
-    const int64_t n_swa = swa ? hp.n_swa : 0;
+// Causal attention: token t (sequence seq, position pos) sees positions 0..pos of its sequence; a KV
+// head serves n_head / n_head_kv query heads (grouped-query attention). Like llama.cpp, scores cover a
+// window of the cache padded to a multiple of 32 (masked positions are -inf, weight 0), softmax runs over
+// that window, and the weights are converted to the cache type before the dot products with V: the sums
+// then group exactly as llama.cpp's do. The window depends on the token's own position only, so a
+// sequence gets the same bits alone or in a batch.
+struct CausalAttention {
+    const KernelTable& kt;
+    const HParams& hp;
+    const KVLayerView& kv;
+    const BatchView& b;
+    const float* q;
+    float* attn;
+    int64_t n_q, hd;
+    bool v_rows;  // quantized values: rows like the keys; F16/F32 transposed
+    size_t kv_elem;
+    int64_t rot_v;
+    int group;
+    float scale;
+    int64_t n_swa;  // a sliding-window layer: position p sees only p - n_swa < s <= p
     // The query in the keys' vec_dot type (F16, F32; Q8_0 for quantized keys, as llama.cpp's flash
     // attention converts it), the weights in the values' (F16, F32; quantized values take float weights).
-    const bool k_quant = kv.type == TYPE_Q8_0 || kv.type == TYPE_Q4_0;
-    const from_float_fn to_dot = kt.from_float[type_traits(kv.type).vec_dot_type];
-    const from_float_fn to_dot_v = kt.from_float[type_traits(kv.v_type).vec_dot_type];
-    const size_t head_bytes = row_size(kv.type, hd);
-    const size_t head_bytes_v = row_size(kv.v_type, hd);
-    // With enough of them to share out, one task per (token, KV head): the query heads that share a KV
-    // head run one after the other, so its keys and values come from memory once and from the cache for
-    // the others (8 sequences of SmolLM2 decoded 4% faster than with a task per query head). Few tokens
-    // keep a task per query head, so that every thread has some (Gemma 3 has one KV head).
-    const int heads_per_task = (int64_t)n * hp.n_head_kv >= 4 * pool.size() ? group : 1;
-    const int64_t n_tasks = (int64_t)n * hp.n_head / heads_per_task;
-    auto attend = [&](int64_t t, int64_t h) {
-        const int64_t kvh = h / group;
-        const int64_t n_seen = (int64_t)b.pos[t] + 1;
-        const int64_t n_window = std::min<int64_t>(kv.n_ctx, (n_seen + 31) / 32 * 32);
-        const uint8_t* k_seq = kv.k + (size_t)b.seq[t] * kv.k_seq;
-        const uint8_t* v_seq = kv.v + (size_t)b.seq[t] * kv.v_seq;
-        // This head's V rows are read last; fetching them now (for a task's first head) lets the K
-        // pass and the softmax hide their latency (they are n_ctx values apart, a pattern the hardware
-        // prefetcher misses).
-        const uint8_t* v_head = v_seq + (size_t)kvh * hd * kv.n_ctx * kv_elem;
-        if (h % heads_per_task == 0 && !v_rows)
-            for (int64_t d = 0; d < hd; d++)
-                for (int64_t off = 0; off < n_window * (int64_t)kv_elem; off += 64)
-                    __builtin_prefetch(v_head + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
-        float* scores = thread_buffer<float>((size_t)n_window, 0);
-        uint8_t* conv = thread_buffer<uint8_t>((size_t)std::max<int64_t>(n_window, hd) * sizeof(float), 2);
-        to_dot(q + t * n_q + h * hd, conv, hd);
-        const int64_t first = n_swa ? std::max<int64_t>(0, n_seen - n_swa) : 0;
-        for (int64_t s = 0; s < first; s++) scores[s] = -INFINITY;
-        if (k_quant)
-            kv_quant_dots(kt, kv.type, hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes,
-                          kv.k_row, conv, n_seen - first,
-                          thread_buffer<const void*>((size_t)(n_seen - first + kRowsAhead), 0));
-        else
-            attn_dots(kt, kv.type, hd, scores + first, k_seq + (size_t)first * kv.k_row + kvh * head_bytes,
-                      kv.k_row, conv, n_seen - first);
-        for (int64_t s = first; s < n_seen; s++) scores[s] *= scale;
-        for (int64_t s = n_seen; s < n_window; s++) scores[s] = -INFINITY;
+    bool k_quant;
+    from_float_fn to_dot, to_dot_v;
+    size_t head_bytes, head_bytes_v;
+
+    CausalAttention(const KernelTable& kt_, const HParams& hp_, int il, const KVLayerView& kv_, const BatchView& b_,
+                    const StepScratch& sc)
+        : kt(kt_), hp(hp_), kv(kv_), b(b_), q(sc.q), attn(sc.attn), n_q(hp.n_embd_q()), hd(hp.head_dim),
+          v_rows(kv.v_row != 0), kv_elem(type_traits(kv.v_type).type_size),
+          rot_v(kv_rotation_block(kv.v_type, hd, true)), group(hp.n_head / hp.n_head_kv), scale(hp.attn_kq_scale),
+          n_swa(hp.is_swa(il) ? hp.n_swa : 0), k_quant(kv.type == TYPE_Q8_0 || kv.type == TYPE_Q4_0),
+          to_dot(kt.from_float[type_traits(kv.type).vec_dot_type]),
+          to_dot_v(kt.from_float[type_traits(kv.v_type).vec_dot_type]), head_bytes(row_size(kv.type, hd)),
+          head_bytes_v(row_size(kv.v_type, hd)) {}
+
+    int64_t n_window(int64_t t) const { return std::min<int64_t>(kv.n_ctx, ((int64_t)b.pos[t] + 1 + 31) / 32 * 32); }
+    int64_t first(int64_t t) const { return n_swa ? std::max<int64_t>(0, (int64_t)b.pos[t] + 1 - n_swa) : 0; }
+    const uint8_t* v_head(int64_t t, int64_t kvh) const {
+        return kv.v + (size_t)b.seq[t] * kv.v_seq + (size_t)kvh * hd * kv.n_ctx * kv_elem;
+    }
+
+    // This head's V rows are read last; fetching them now lets the K pass and the softmax hide their
+    // latency (they are n_ctx values apart, a pattern the hardware prefetcher misses).
+    void prefetch_v(int64_t t, int64_t kvh) const {
+        if (v_rows) return;
+        const uint8_t* v = v_head(t, kvh);
+        for (int64_t d = 0; d < hd; d++)
+            for (int64_t off = 0; off < n_window(t) * (int64_t)kv_elem; off += 64)
+                __builtin_prefetch(v + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
+    }
+
+    // Raw scores in, softmax weights out (scaled, masked outside first..pos, over the whole window).
+    void softmax(int64_t t, float* scores) const {
+        const int64_t n_seen = (int64_t)b.pos[t] + 1, nw = n_window(t), f = first(t);
+        for (int64_t s = 0; s < f; s++) scores[s] = -INFINITY;
+        for (int64_t s = f; s < n_seen; s++) scores[s] *= scale;
+        for (int64_t s = n_seen; s < nw; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
-        for (int64_t s = first; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
-        const double sum = kt.softmax_exp(n_window, scores, scores, max);
+        for (int64_t s = f; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
+        const double sum = kt.softmax_exp(nw, scores, scores, max);
         const float inv = (float)(1.0 / sum);
-        for (int64_t s = 0; s < n_window; s++) scores[s] *= inv;
+        for (int64_t s = 0; s < nw; s++) scores[s] *= inv;
+    }
+
+    // One query head of token t.
+    void head(int64_t t, int64_t h) const {
+        const int64_t kvh = h / group, n_seen = (int64_t)b.pos[t] + 1, nw = n_window(t), f = first(t);
+        const uint8_t* k_seq = kv.k + (size_t)b.seq[t] * kv.k_seq;
+        float* scores = thread_buffer<float>((size_t)nw, 0);
+        uint8_t* conv = thread_buffer<uint8_t>((size_t)std::max<int64_t>(nw, hd) * sizeof(float), 2);
+        to_dot(q + t * n_q + h * hd, conv, hd);
+        const uint8_t* k0 = k_seq + (size_t)f * kv.k_row + kvh * head_bytes;
+        if (k_quant)
+            kv_quant_dots(kt, kv.type, hd, scores + f, k0, kv.k_row, conv, n_seen - f,
+                          thread_buffer<const void*>((size_t)(n_seen - f + kRowsAhead), 0));
+        else
+            attn_dots(kt, kv.type, hd, scores + f, k0, kv.k_row, conv, n_seen - f);
+        softmax(t, scores);
         float* out = attn + t * n_q + h * hd;
         if (v_rows) {  // the weighted sum of the seen positions' dequantized rows, in float
-            kt.attn_mad[kv.v_type](hd, out, v_seq + (size_t)first * kv.v_row + kvh * head_bytes_v, kv.v_row,
-                                   scores + first, n_seen - first);
+            const uint8_t* v_seq = kv.v + (size_t)b.seq[t] * kv.v_seq;
+            kt.attn_mad[kv.v_type](hd, out, v_seq + (size_t)f * kv.v_row + kvh * head_bytes_v, kv.v_row, scores + f,
+                                   n_seen - f);
             if (rot_v) kv_rotate(out, hd, rot_v);
             return;
         }
-        to_dot_v(scores, conv, n_window);
-        attn_dots(kt, kv.v_type, n_window, out, v_head, kv.n_ctx * kv_elem, conv, hd);
-    };
+        to_dot_v(scores, conv, nw);
+        attn_dots(kt, kv.v_type, nw, out, v_head(t, kvh), kv.n_ctx * kv_elem, conv, hd);
+    }
+
+    // Whether heads() can run: F16 keys and values, stored as rows and transposed.
+    bool heads_at_once() const {
+        return kv.type == TYPE_F16 && kv.v_type == TYPE_F16 && !v_rows && kt.attn_dot_heads[TYPE_F16];
+    }
+
+    // The nh query heads h0.. of token t that share a KV head, each key and value row converted once
+    // for all of them; the same bits as head() for each.
+    void heads(int64_t t, int64_t h0, int nh) const {
+        const int64_t kvh = h0 / group, n_seen = (int64_t)b.pos[t] + 1, nw = n_window(t), f = first(t);
+        const size_t q_row = (size_t)hd * sizeof(fp16_t), w_row = (size_t)nw * sizeof(fp16_t);
+        float* scores = thread_buffer<float>((size_t)nh * nw, 0);
+        uint8_t* qc = thread_buffer<uint8_t>((size_t)nh * q_row, 2);
+        uint8_t* wc = thread_buffer<uint8_t>((size_t)nh * w_row, 1);
+        for (int i = 0; i < nh; i++) to_dot(q + t * n_q + (h0 + i) * hd, qc + i * q_row, hd);
+        const uint8_t* k0 = kv.k + (size_t)b.seq[t] * kv.k_seq + (size_t)f * kv.k_row + kvh * head_bytes;
+        kt.attn_dot_heads[TYPE_F16](hd, scores + f, nw, k0, kv.k_row, qc, q_row, n_seen - f, nh);
+        for (int i = 0; i < nh; i++) {
+            softmax(t, scores + i * nw);
+            to_dot_v(scores + i * nw, wc + i * w_row, nw);
+        }
+        kt.attn_dot_heads[TYPE_F16](nw, attn + t * n_q + h0 * hd, hd, v_head(t, kvh), kv.n_ctx * kv_elem, wc, w_row,
+                                    hd, nh);
+    }
+};
+
+void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const KVLayerView& kv,
+            const BatchView& b, const StepScratch& sc) {
+    const CausalAttention a(kt, hp, il, kv, b, sc);
+    const int32_t n = b.n;
+    // With enough of them to share out, one task per (token, KV head): the query heads that share a KV
+    // head run together (F16) or one after the other, so its keys and values come from memory once
+    // (8 sequences of SmolLM2 decoded 4% faster than with a task per query head). Few tokens keep a task
+    // per query head, so that every thread has some (Gemma 3 has one KV head).
+    const int heads_per_task = (int64_t)n * hp.n_head_kv >= 4 * pool.size() ? a.group : 1;
+    const int64_t n_tasks = (int64_t)n * hp.n_head / heads_per_task;
+    const bool together = heads_per_task > 1 && a.heads_at_once();
     // Tasks go to whichever thread is free, last first: later tokens see more positions, so the
     // long tasks are taken early and the short ones even out the end.
     std::atomic<int64_t> next{0};
@@ -196,7 +247,12 @@ void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, 
         for (int64_t c = next.fetch_add(1); c < n_tasks; c = next.fetch_add(1)) {
             const int64_t task = n_tasks - 1 - c, per_token = hp.n_head / heads_per_task;
             const int64_t t = task / per_token, h0 = task % per_token * heads_per_task;
-            for (int64_t h = h0; h < h0 + heads_per_task; h++) attend(t, h);
+            a.prefetch_v(t, h0 / a.group);
+            if (together) {
+                a.heads(t, h0, heads_per_task);
+                continue;
+            }
+            for (int64_t h = h0; h < h0 + heads_per_task; h++) a.head(t, h);
         }
     });
 }

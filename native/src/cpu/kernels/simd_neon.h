@@ -62,6 +62,9 @@ struct F32x4 {
     static V select(M m, V a, V b) { return vbslq_f32(m, a, b); }  // m ? a : b
     static float hsum(V v) { return vaddvq_f32(v); }
     static float hsum_ggml(V v) { return vaddvq_f32(v); }  // GGML_F32x4_REDUCE's last step
+    static void hsum_ggml8(const V* v, float* out) {
+        for (int i = 0; i < 8; i++) out[i] = hsum_ggml(v[i]);
+    }
     static void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
     // The NEON kernels were measured with the near prefetch alone: the far one is left out.
     static void prefetch_l2(const void*) {}

@@ -13,6 +13,7 @@
 
 #include <cmath>
 
+#include "attn_dot_heads.h"
 #include "attn_dot_rows.h"
 #include "ops.h"
 
@@ -165,6 +166,7 @@ inline void fill_ops(KernelTable& t) {
     t.attn_dot[TYPE_F16] = attn_dot_f16_simd<O>;
     t.attn_dot_rows[TYPE_F32] = attn_dot_rows_by<float, O::kF32Rows, dot_f32_rows<O, O::kF32Rows>, dot_f32_rows<O, 1>>;
     t.attn_dot_rows[TYPE_F16] = attn_dot_rows_by<fp16_t, O::kF16Rows, dot_f16_rows<O, O::kF16Rows>, dot_f16_rows<O, 1>>;
+    t.attn_dot_heads[TYPE_F16] = attn_dot_heads_f16<O>;
     t.softmax_exp = softmax_exp_simd<O>;
     t.silu_mul = silu_mul_simd<O>;
     t.relu_mul = relu_mul_simd<O>;

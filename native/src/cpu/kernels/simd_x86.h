@@ -176,6 +176,18 @@ struct F32x8 {
         const __m128 t1 = _mm_hadd_ps(t0, t0);
         return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
     }
+    // hsum_ggml of 8 vectors at once, each sum formed from the same additions: the halves' sums two
+    // vectors to a register, then the two hadds over four vectors' halves at a time.
+    static void hsum_ggml8(const V* v, float* out) {
+        __m256 t[4];
+        for (int i = 0; i < 4; i++)
+            t[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                                 _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+        alignas(32) float r[8];  // v0 v2 v4 v6 | v1 v3 v5 v7
+        _mm256_store_ps(r, h);
+        for (int i = 0; i < 4; i++) out[2 * i] = r[i], out[2 * i + 1] = r[4 + i];
+    }
     static void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
     static void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 };
@@ -215,6 +227,9 @@ struct F32x16 {
     static V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
     static float hsum(V v) { return _mm512_reduce_add_ps(v); }
     static float hsum_ggml(V v) { return _mm512_reduce_add_ps(v); }  // GGML_F32x16_REDUCE
+    static void hsum_ggml8(const V* v, float* out) {
+        for (int i = 0; i < 8; i++) out[i] = hsum_ggml(v[i]);
+    }
     static void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
     static void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 };
