@@ -8,9 +8,20 @@ namespace {
 
 // s[t * n_rows + r] = dot(rows[r], x_t), x_t = x + t * x_stride bytes, for r < n_rows and t < n_tok.
 // Rows are taken NR at a time; Tile::prepare may unpack them once (for all the tokens) and returns
-// what Tile::run reads. Whole NR x NT tiles run first, then the token edge with NR x 1 tiles; the last
-// rows (fewer than NR) run one by one with 1 x NT and 1 x 1 tiles. A tile computes each of its
+// what Tile::run reads. Whole NR x NT tiles run first, then the token edge (fewer than NT tokens) as one
+// tile of its width: the experts of a mixture see a few tokens each, and 1-token tiles reread each row per
+// token. The last rows (fewer than NR) run one by one with 1 x NT and 1 x 1 tiles. A tile computes each of its
 // (row, token) values exactly as the family's vec_dot does, so the tiling never changes a bit.
+// The token edge: `left` (1 <= left <= K) tokens as one NR x left tile.
+template <class Tile, int NR, int K>
+inline void run_edge(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x,
+                     size_t x_stride, int64_t left) {
+    if constexpr (K > 1) {
+        if (left < K) return run_edge<Tile, NR, K - 1>(n, s, s_stride, rows, x, x_stride, left);
+    }
+    Tile::template run<NR, K>(n, s, s_stride, rows, x, x_stride);
+}
+
 template <class Tile, int NR, int NT>
 void gemm_tiled(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
                 int64_t n_tok) {
@@ -22,7 +33,8 @@ void gemm_tiled(int64_t n, float* s, const void* const* rows, int64_t n_rows, co
         if (nr == NR) {
             int64_t t = 0;
             for (; t + NT <= n_tok; t += NT) Tile::template run<NR, NT>(n, sr + t * n_rows, n_rows, tr, xb + t * x_stride, x_stride);
-            for (; t < n_tok; t++) Tile::template run<NR, 1>(n, sr + t * n_rows, n_rows, tr, xb + t * x_stride, x_stride);
+            if constexpr (NT > 1)
+                if (t < n_tok) run_edge<Tile, NR, NT - 1>(n, sr + t * n_rows, n_rows, tr, xb + t * x_stride, x_stride, n_tok - t);
             continue;
         }
         for (int64_t k = 0; k < nr; k++) {
