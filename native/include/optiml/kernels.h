@@ -49,6 +49,16 @@ constexpr int64_t kRowsAhead = 24;
 // row-sparse product passes the active ones).
 typedef void (*gemm_fn)(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
                         int64_t n_tok);
+// The batched product over activations laid out for it beforehand (gemm_x), once for all of a product's
+// row chunks and threads: s[t * ldo + r] = dot(rows[r], x_t), x_t = xa + t * gemm_x_row(n) bytes, with
+// vec_dot's bits; the output is written in place (ldo floats a token), so no chunk copies it.
+typedef void (*gemm_pre_fn)(int64_t n, float* s, int64_t ldo, const void* const* rows, int64_t n_rows, const void* xa,
+                            int64_t n_tok);
+// n_tok rows of Q8_K activations (x_stride bytes apart) into gemm_pre's layout, gemm_x_row(n) bytes a row:
+// each super-block's codes 32-byte aligned (read in place, half of the loads would cross a cache line).
+typedef void (*gemm_x_fn)(int64_t n, const void* x, size_t x_stride, int64_t n_tok, void* xa);
+constexpr size_t kGemmXBlock = 320;  // bytes of a super-block of 256 activations in gemm_pre's layout
+inline size_t gemm_x_row(int64_t n) { return (size_t)(n / 256) * kGemmXBlock; }
 // The activations of a product with rows16 matrices (optiml/rows16.h), regrouped once per call for all
 // its row chunks: for token group g (tokens 8g..8g+7) and block i, slot (g * nb + i) * 8 + t holds
 // token 8g + t's 32 codes, its scale dx, its Q8_1 sum d * sum(q) (sx; Q8_1 only) and sum(q) (qsum).
@@ -137,6 +147,10 @@ struct KernelTable {
     // Optional, indexed by weight type. A level that has no gemm for a type leaves it null (the
     // scalar table has none): matmul then calls that level's vec_dot (or vec_dot4) per (row, token).
     gemm_fn gemm[TYPE_COUNT];
+    // Optional (x86 k-quants), with gemm_x for their activations (Q8_K): gemm over activations laid out
+    // once per product.
+    gemm_pre_fn gemm_pre[TYPE_COUNT];
+    gemm_x_fn gemm_x;
     // Optional, Q4_0/Q4_1/Q8_0 only: the product with rows16 matrices, for any number of tokens. Where a
     // level has it, a CPU-only model read into memory keeps its dense matrices in that layout.
     gemm_rows16_fn gemm_rows16[TYPE_COUNT];

@@ -41,6 +41,12 @@ void convert_activations(ThreadPool& pool, from_float_fn convert, const float* X
 const uint8_t* activations_for(ThreadPool& pool, const KernelTable& kt, int32_t xtype, const float* X, int64_t cols,
                                int64_t n_tokens);
 
+// x (n_tokens rows of activations in Q8_K, x_row bytes apart) laid out for the level's gemm_pre, once for
+// all the row chunks of a product: into a buffer of the calling thread, valid until its next call. Only
+// where kt.gemm_x is set.
+const uint8_t* gemm_x_for(ThreadPool& pool, const KernelTable& kt, const uint8_t* x, size_t x_row, int64_t cols,
+                          int64_t n_tokens);
+
 // Checks that (wtype, cols) can be multiplied; throws ArgumentError naming the problem.
 void check_matmul_args(int32_t wtype, int64_t cols);
 

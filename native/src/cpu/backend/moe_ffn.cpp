@@ -31,6 +31,7 @@ struct Product {
     size_t x_row;
     int64_t n_tok;
     float* y;
+    const uint8_t* xa = nullptr;  // or laid out for gemm_pre (gemm_x_for), when not null
 };
 
 void product_rows(const KernelTable& kt, const Product& p, int64_t r0, int64_t r1) {
@@ -47,6 +48,15 @@ void product_rows(const KernelTable& kt, const Product& p, int64_t r0, int64_t r
             for (int64_t k = 0; k < nr + kRowsAhead; k++) rows[k] = wbase + std::min(rb + k, W.rows - 1) * w_row;
             dot_rows(W.cols, s, rows, p.x, nr);
             std::memcpy(p.y + rb, s, sizeof(float) * nr);
+        }
+        return;
+    }
+    if (p.n_tok > 1 && p.xa) {  // a batch over activations laid out once for the step: straight into y
+        const void* rows[64];
+        for (int64_t rb = r0; rb < r1; rb += 64) {
+            const int64_t nr = std::min<int64_t>(64, r1 - rb);
+            for (int64_t k = 0; k < nr; k++) rows[k] = wbase + (rb + k) * w_row;
+            kt.gemm_pre[W.type](W.cols, p.y + rb, W.rows, rows, nr, p.xa, p.n_tok);
         }
         return;
     }
@@ -142,12 +152,17 @@ void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
     if (same_x) xu_row = xg_row;
     s.g.resize(nr * F);
     s.u.resize(nr * F);
+    // A prompt's rows laid out once for the batched kernels that read them so (x86 k-quants).
+    const bool pre = g.n_tok > 1 && same_x && kt.gemm_x && kt.gemm_pre[w.gate.type] && kt.gemm_pre[w.up.type];
+    const uint8_t* xa = pre ? gemm_x_for(pool, kt, xg, xg_row, E, nr) : nullptr;
+    const size_t xa_row = gemm_x_row(E);
     std::vector<Product> ps;
     for (int32_t e = 0; e < g.n_expert; e++) {
         if (!g.count[e]) continue;
         const int64_t r0 = g.first[e];
-        ps.push_back({w.gate.matrix(e), xg + r0 * xg_row, xg_row, g.count[e], s.g.data() + r0 * F});
-        ps.push_back({w.up.matrix(e), xu + r0 * xu_row, xu_row, g.count[e], s.u.data() + r0 * F});
+        const uint8_t* xae = xa ? xa + r0 * xa_row : nullptr;
+        ps.push_back({w.gate.matrix(e), xg + r0 * xg_row, xg_row, g.count[e], s.g.data() + r0 * F, xae});
+        ps.push_back({w.up.matrix(e), xu + r0 * xu_row, xu_row, g.count[e], s.u.data() + r0 * F, xae});
     }
     grouped_products(pool, kt, ps);
 
@@ -158,11 +173,14 @@ void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
             if (g.count[e]) rec->record_expert_neurons(il, e, s.g.data() + (int64_t)g.first[e] * F, g.count[e]);
     size_t h_row = 0;
     const uint8_t* hq = convert_for(pool, kt, w.down.type, s.g.data(), F, nr, s.hq, &h_row);
+    const bool pre_h = g.n_tok > 1 && kt.gemm_x && kt.gemm_pre[w.down.type];
+    const uint8_t* ha = pre_h ? gemm_x_for(pool, kt, hq, h_row, F, nr) : nullptr;
+    const size_t ha_row = gemm_x_row(F);
     ps.clear();
     for (int32_t e = 0; e < g.n_expert; e++) {
         if (!g.count[e]) continue;
         const int64_t r0 = g.first[e];
-        ps.push_back({w.down.matrix(e), hq + r0 * h_row, h_row, g.count[e], d + r0 * E});
+        ps.push_back({w.down.matrix(e), hq + r0 * h_row, h_row, g.count[e], d + r0 * E, ha ? ha + r0 * ha_row : nullptr});
     }
     grouped_products(pool, kt, ps);
 }

@@ -48,6 +48,24 @@ const uint8_t* activations_for(ThreadPool& pool, const KernelTable& kt, int32_t 
     return xq_buf.data();
 }
 
+const uint8_t* gemm_x_for(ThreadPool& pool, const KernelTable& kt, const uint8_t* x, size_t x_row, int64_t cols,
+                          int64_t n_tokens) {
+    static thread_local std::vector<uint8_t> xa_buf;
+    const size_t xa_row = gemm_x_row(cols);
+    if (xa_buf.size() < xa_row * n_tokens) xa_buf.resize(xa_row * n_tokens);
+    uint8_t* xa = xa_buf.data();
+    if (n_tokens * cols <= 65536) {
+        kt.gemm_x(cols, x, x_row, n_tokens, xa);
+        return xa;
+    }
+    pool.run([&](int ith, int nth) {
+        int64_t t0, t1;
+        split_range(n_tokens, ith, nth, &t0, &t1);
+        kt.gemm_x(cols, x + t0 * x_row, x_row, t1 - t0, xa + t0 * xa_row);
+    });
+    return xa;
+}
+
 Rows16Terms& rows16_gemm_terms(int64_t n_tok, int64_t nb) {
     static thread_local Rows16Terms terms;
     rows16_terms_size(n_tok, nb, terms);
@@ -65,6 +83,7 @@ struct Chunk {
     int64_t r0, r1;
     const uint8_t* x;  // the activations in W's vec_dot_type, x_row bytes a token
     size_t x_row;
+    const uint8_t* xa;  // or laid out for gemm_pre (gemm_x_for), when not null
     int64_t n_tokens;
     bool accumulate;
     size_t w_row;  // bytes of a row of W
@@ -117,9 +136,14 @@ void chunk_batch(const Chunk& c) {
     float s[64 * kGemmTokens];
     const int64_t nr = c.r1 - c.r0;
     for (int64_t k = 0; k < nr; k++) rows[k] = c.row(c.r0 + k);
+    if (c.xa && !c.accumulate)
+        return c.kt.gemm_pre[c.W.type](c.W.cols, c.y + c.r0, c.W.rows, rows, nr, c.xa, c.n_tokens);
     for (int64_t t0 = 0; t0 < c.n_tokens; t0 += kGemmTokens) {
         const int64_t nt = std::min(c.n_tokens - t0, kGemmTokens);
-        c.kt.gemm[c.W.type](c.W.cols, s, rows, nr, c.x + t0 * c.x_row, c.x_row, nt);
+        if (c.xa)
+            c.kt.gemm_pre[c.W.type](c.W.cols, s, nr, rows, nr, c.xa + t0 * gemm_x_row(c.W.cols), nt);
+        else
+            c.kt.gemm[c.W.type](c.W.cols, s, rows, nr, c.x + t0 * c.x_row, c.x_row, nt);
         for (int64_t t = 0; t < nt; t++) {
             float* out = c.y + (t0 + t) * c.W.rows + c.r0;
             const float* st = s + t * nr;
@@ -256,6 +280,9 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
     static const Rows16Terms no_terms;
     const Rows16Terms& terms =
         any_rows16 ? rows16_terms_for(pool, kt, xtype, xbase, x_row, cols, n_tokens) : no_terms;
+    bool pre = n_tokens > 1 && !any_rows16 && kt.gemm_x;
+    for (int m = 0; m < n_mats; m++) pre = pre && kt.gemm_pre[w[m].type];
+    const uint8_t* xa = pre ? gemm_x_for(pool, kt, xbase, x_row, cols, n_tokens) : nullptr;
     pool.run([&](int, int) {
         int64_t c = next.fetch_add(1), ahead = n_chunks;
         if (claim_ahead && c < n_chunks) ahead = next.fetch_add(1);
@@ -272,7 +299,8 @@ void matmul_many(ThreadPool& pool, const KernelTable& kt, const WeightMatrix* w,
             const int m = chunk_matrix(c);
             const int64_t r0 = (c - chunk_start[m]) * chunk;
             const int64_t r1 = r0 + chunk < w[m].rows ? r0 + chunk : w[m].rows;
-            run_chunk(Chunk{kt, w[m], y[m], r0, r1, xbase, x_row, n_tokens, accumulate, row_size(w[m].type, cols)}, terms);
+            run_chunk(Chunk{kt, w[m], y[m], r0, r1, xbase, x_row, xa, n_tokens, accumulate, row_size(w[m].type, cols)},
+                      terms);
         }
     });
 }

@@ -71,6 +71,12 @@ inline void fill_quant_kernels(KernelTable& t) {
     t.gemm[TYPE_Q4_K] = gemm_k<block_q4_K, KR, KT>;
     t.gemm[TYPE_Q5_K] = gemm_k<block_q5_K, KR, KT>;
     t.gemm[TYPE_Q6_K] = gemm_k<block_q6_K, KR, KT>;
+    t.gemm_pre[TYPE_Q2_K] = gemm_pre_k<block_q2_K, KR, KT>;
+    t.gemm_pre[TYPE_Q3_K] = gemm_pre_k<block_q3_K, KR, KT>;
+    t.gemm_pre[TYPE_Q4_K] = gemm_pre_k<block_q4_K, KR, KT>;
+    t.gemm_pre[TYPE_Q5_K] = gemm_pre_k<block_q5_K, KR, KT>;
+    t.gemm_pre[TYPE_Q6_K] = gemm_pre_k<block_q6_K, KR, KT>;
+    t.gemm_x = gemm_x_k;
 }
 
 // The float kernels for vector type FV with R x T tiles (R * T accumulators + T activation vectors

@@ -318,6 +318,21 @@ struct KUnpackedTile {
     }
 };
 
+// Q8_K activation rows into XAligned blocks (gemm_x_fn).
+inline void gemm_x_k(int64_t n, const void* x, size_t x_stride, int64_t n_tok, void* xa) {
+    const int64_t nb = n / OPTIML_QK_K;
+    for (int64_t t = 0; t < n_tok; t++) {
+        const block_q8_K* b = (const block_q8_K*)((const uint8_t*)x + t * x_stride);
+        XAligned* o = (XAligned*)xa + t * nb;
+        for (int64_t i = 0; i < nb; i++) {
+            std::memcpy(o[i].qs, b[i].qs, sizeof(o[i].qs));
+            std::memcpy(o[i].bsums, b[i].bsums, sizeof(o[i].bsums));
+            o[i].d = b[i].d;
+        }
+    }
+}
+static_assert(sizeof(XAligned) == kGemmXBlock, "gemm_x_row counts XAligned blocks");
+
 // The batched product (gemm_fn): the activations copied once into XAligned blocks (a buffer of the
 // calling thread; a copy per call, read by every row of it), then the tiles.
 template <class WBlock, int NR, int NT>
@@ -326,16 +341,27 @@ void gemm_k(int64_t n, float* s, const void* const* rows, int64_t n_rows, const 
     static thread_local std::vector<XAligned> xa;
     const int64_t nb = n / OPTIML_QK_K;
     if ((int64_t)xa.size() < n_tok * nb) xa.resize(n_tok * nb);
-    for (int64_t t = 0; t < n_tok; t++) {
-        const block_q8_K* b = (const block_q8_K*)((const uint8_t*)x + t * x_stride);
-        XAligned* o = xa.data() + t * nb;
-        for (int64_t i = 0; i < nb; i++) {
-            std::memcpy(o[i].qs, b[i].qs, sizeof(o[i].qs));
-            std::memcpy(o[i].bsums, b[i].bsums, sizeof(o[i].bsums));
-            o[i].d = b[i].d;
+    gemm_x_k(n, x, x_stride, n_tok, xa.data());
+    gemm_tiled<KUnpackedTile<WBlock>, NR, NT>(n, s, rows, n_rows, xa.data(), nb * sizeof(XAligned), n_tok);
+}
+
+// The batched product over activations already in XAligned blocks (gemm_pre_fn). Rows are unpacked 16
+// at a time (40 KiB for 2048 columns), once for every token, which go over them 64 at a time (their
+// activations, 160 KiB, stay in L2 while the 16 rows go through them).
+template <class WBlock, int NR, int NT>
+void gemm_pre_k(int64_t n, float* s, int64_t ldo, const void* const* rows, int64_t n_rows, const void* xa,
+                int64_t n_tok) {
+    constexpr int64_t kRows = 16, kTokens = 64;
+    const size_t xa_row = gemm_x_row(n);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kRows) {
+        const int64_t nr = n_rows - r0 < kRows ? n_rows - r0 : kRows;
+        const void* const* tr = KUnpackedTile<WBlock>::prepare(n, rows + r0, nr);
+        for (int64_t t0 = 0; t0 < n_tok; t0 += kTokens) {
+            const int64_t nt = n_tok - t0 < kTokens ? n_tok - t0 : kTokens;
+            gemm_tiles<KUnpackedTile<WBlock>, NR, NT>(n, s + t0 * ldo + r0, ldo, tr, nr,
+                                                       (const uint8_t*)xa + t0 * xa_row, xa_row, nt);
         }
     }
-    gemm_tiled<KUnpackedTile<WBlock>, NR, NT>(n, s, rows, n_rows, xa.data(), nb * sizeof(XAligned), n_tok);
 }
 
 // Matrix-vector product (vec_dot_rows_fn); every row's value is its vec_dot, bit for bit. Rows of
