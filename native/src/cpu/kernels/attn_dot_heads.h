@@ -95,7 +95,9 @@ void attn_dot_heads_f16(int64_t n, float* s, int64_t s_stride, const void* rows,
         for (int q = 0; q < nq; q++) {
             const fp16_t* src = (const fp16_t*)((const uint8_t*)ys + (q0 + q) * y_stride);
             float* dst = yf.data() + (q0 + q) * n;
-            for (int64_t k = 0; k < n; k++) dst[k] = fp16_to_fp32(src[k]);
+            int64_t k = 0;
+            for (; k + O::N <= n; k += O::N) O::store(dst + k, O::load_f16(src + k));
+            for (; k < n; k++) dst[k] = fp16_to_fp32(src[k]);
             y[q] = dst;
         }
         float* sq = s + q0 * s_stride;
