@@ -414,8 +414,8 @@ def test_cli_cpu_moe(q3_path):
 ])
 def test_hot_experts_split_give_the_cpu_bits(f32_model, lists):
     """A layer's listed experts on the device (cpu:1), the others on the CPU, both at once: the router at
-    home, every expert's rows on one side in the unsplit order, the sum on the host best first, as the
-    unsplit run; so the same bits, also with a shared expert (qwen2moe) and for the mixtral-shaped model's
+    home, every expert's rows on one side in the unsplit order, the sum at home (here the device) best
+    first, as the unsplit run; so the same bits, also with a shared expert (qwen2moe) and for the mixtral-shaped model's
     4 experts (lists cut to its experts)."""
     name, path = f32_model
     n_expert = {"qwen3moe": 8, "qwen2moe": 8, "mixtral": 4}[name]

@@ -264,6 +264,10 @@ public:
     // sy[t] = the shared expert of xn[t] and sgate[t] its gate (sigmoid(gate_inp_shexp . xn[t]); 1 without one).
     virtual void moe_shared(const HParams& hp, int layer, const MoEWeights& w, const float* xn, int32_t n, float* sy,
                             float* sgate);
+    // y[t] = sum over t's k experts, best first, of weight * d[slot] (then + sgate[t] * sy[t] when sy): the
+    // sum moe_ffn makes, where the residual lives on this device (the host's rows copied in beside its own).
+    virtual void moe_combine(const HParams& hp, int32_t n, const float* weight, const int32_t* slot, const float* d,
+                             const float* sy, const float* sgate, float* y);
     // x[t] += post_norm(y[t] (+ y2[t] when y2) + bias): the FFN's parts join the residual stream.
     virtual void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) = 0;
     // A layer's whole FFN where one device computes it densely and the residual stream x lives there too:

@@ -333,6 +333,14 @@ public:
     }
 
     // ---- mixtures of experts ----------------------------------------------------------------------
+    // Each token's experts summed where the residual lives (Backend::moe_combine).
+    void moe_combine(const HParams& hp, int32_t n, const float* weight, const int32_t* slot, const float* d,
+                     const float* sy, const float* sgate, float* y) override {
+        use();
+        const OpSpan span(*this, SpanKind::FFN);
+        cuda_moe_combine(stream_, n, hp.n_expert_used, hp.n_embd, weight, slot, d, sy, sgate, y);
+    }
+
     // The router's logits (Backend::moe_router).
     void moe_router(const HParams& hp, int, const MoEWeights& w, const float* xn, int32_t n, float* logits) override {
         use();

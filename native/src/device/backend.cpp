@@ -92,6 +92,11 @@ void Backend::moe_shared(const HParams& hp, int layer, const MoEWeights& w, cons
     Backend::moe_ffn(hp, layer, w, nullptr, 0, nullptr, nullptr);  // its refusal
 }
 
+void Backend::moe_combine(const HParams&, int32_t, const float*, const int32_t*, const float*, const float*,
+                          const float*, float*) {
+    throw Error(format("internal: %s sums no mixture of experts", name_.c_str()));
+}
+
 void Backend::ffn_finish(const HParams&, const FFNShare&, const float*, const float*, const int32_t*, int64_t, int32_t,
                          float*, const StepScratch&) {
     throw Error(format("internal: %s finishes no split FFN (the host backend does)", name_.c_str()));

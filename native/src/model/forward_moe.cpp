@@ -6,13 +6,14 @@
 //      host's experts' rows first, then the device's;
 //   3. the device runs its experts over their rows while the host runs its own; the shared expert runs
 //      at home, after the device's experts there;
-//   4. the device's rows (and a shared expert's output) come to the host, which sums each token's
-//      experts best first, as moe_ffn does, so a split gives the unsplit run's bits where the two devices'
-//      products agree bit for bit (a CPU device); the sum joins the residual at home.
+//   4. the sum of each token's experts, best first, as moe_ffn makes it, where the residual lives: on the
+//      device (home there) the host's rows go to it beside the device's own, and the host does not wait
+//      for it; on the host the device's rows (and a shared expert's output) come back to be summed.
 // Each expert's rows stay on one device, in the same order as the unsplit run's, so every product meets
-// the same tokens. The host waits for the device twice a layer (the logits, the device's rows): in CPU
-// attention offload (forward_offload.cpp) that also waits for the other sub-batch's queued work, so such
-// layers overlap less there.
+// the same tokens, and a split gives the unsplit run's bits where the two devices' products and sums agree
+// bit for bit (a CPU device). The host waits for the device once a layer (the logits) with the residual
+// there, twice with it on the host: in CPU attention offload (forward_offload.cpp) that also waits for the
+// other sub-batch's queued work, so such layers overlap less there.
 // Not yet: the router's top k on the device, which would spare the logits' trip to the host.
 #include "../cpu/backend/moe_ffn.h"  // moe_combine: the host sums every token's experts
 #include "optiml/moe_route.h"
@@ -72,25 +73,33 @@ void Session::moe_split(int il, int32_t n, Backend* home, int32_t r0) {
     const MoEGroups host_g{n, m.token.data(), host_rows, m.first.data(), m.host_count.data(), X};
     const MoEGroups dev_g{n, m.token.data() + host_rows, nk - host_rows, m.dev_first.data(), m.dev_count.data(), n_dev};
 
-    // 3. The device's experts (and, at home there, the shared expert) queued, then the host's experts.
+    // 3. The device's experts (and, at home there, the shared expert) queued, then the host's experts. With
+    // the sum on the device, its rows follow where the host's will be copied.
     if (home == host) dev->copy_from_host(ds.xn, ks.xn, x_floats * sizeof(float));
-    dev->moe_experts(hp, il, dev_w, ds.xn, dev_g, m.dev_d);
+    float* dev_rows = home == dev ? m.dev_d + host_rows * hp.n_embd : m.dev_d;
+    dev->moe_experts(hp, il, dev_w, ds.xn, dev_g, dev_rows);
     if (shared && home == dev) dev->moe_shared(hp, il, dev_w, ds.xn, n, m.dev_sy, m.dev_sgate);
     host->moe_experts(hp, il, host_w, ks.xn, host_g, m.d.data());
     if (shared && home == host) host->moe_shared(hp, il, host_w, ks.xn, n, m.sy.data(), m.sgate.data());
 
-    // 4. The device's results to the host (queued after the host's share: a copy the device cannot start
-    // yet would hold this thread), the sum there, and the join at home.
-    dev->copy_to_host(m.d2.data(), m.dev_d, sizeof(float) * (size_t)(nk - host_rows) * hp.n_embd);
-    if (shared && home == dev) {
-        dev->copy_to_host(m.sy.data(), m.dev_sy, x_floats * sizeof(float));
-        dev->copy_to_host(m.sgate.data(), m.dev_sgate, sizeof(float) * n);
+    // 4. At home on the device: the host's rows and the step's routing go to it, and it sums and joins.
+    if (home == dev) {
+        if (host_rows) dev->copy_from_host(m.dev_d, m.d.data(), sizeof(float) * (size_t)host_rows * hp.n_embd);
+        dev->copy_from_host(m.dev_weight, m.weight.data(), sizeof(float) * nk);
+        dev->copy_from_host(m.dev_slot, m.slot.data(), sizeof(int32_t) * nk);
+        dev->moe_combine(hp, n, m.dev_weight, m.dev_slot, m.dev_d, shared ? m.dev_sy : nullptr,
+                         shared ? m.dev_sgate : nullptr, hs.y);
+        dev->ffn_join(hp, E.attn_w->ffn, hs.y, nullptr, n, hs.x);
+        return;
     }
+
+    // At home on the host: the device's rows come back (queued after the host's share: a copy the device
+    // cannot start yet would hold this thread), and the host sums and joins.
+    dev->copy_to_host(m.d2.data(), m.dev_d, sizeof(float) * (size_t)(nk - host_rows) * hp.n_embd);
     host->wait(dev->record());
     moe_combine(*pool_, hp, n, m.weight.data(), m.slot.data(), m.d.data(), host_rows, m.d2.data(),
                 shared ? m.sy.data() : nullptr, shared ? m.sgate.data() : nullptr, ks.y);
-    move(host, ks.y, home, hs.y, x_floats);
-    home->ffn_join(hp, E.attn_w->ffn, hs.y, nullptr, n, hs.x);
+    host->ffn_join(hp, E.attn_w->ffn, ks.y, nullptr, n, ks.x);
 }
 
 }  // namespace optiml

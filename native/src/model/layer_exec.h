@@ -32,7 +32,8 @@ struct Session::LayerExec {
 // The buffers of the layers whose experts are split (Session::moe_split), for n_batch tokens: on the
 // device (moe_split_scratch_bytes) and on the host, and the step's routing, made on the host.
 struct Session::MoESplit {
-    float *dev_logits = nullptr, *dev_d = nullptr, *dev_sy = nullptr, *dev_sgate = nullptr;
+    float *dev_logits = nullptr, *dev_d = nullptr, *dev_sy = nullptr, *dev_sgate = nullptr, *dev_weight = nullptr;
+    int32_t* dev_slot = nullptr;
     std::vector<float> logits, d, d2, sy, sgate;  // d: the host experts' rows; d2: the device's, copied
     std::vector<int32_t> chosen, slot, count, first, token;
     std::vector<float> weight;

@@ -27,7 +27,10 @@ static size_t weight_bytes(const Weight& w) { return w.present() ? w.row_bytes *
 
 size_t moe_split_scratch_bytes(const HParams& hp, int32_t n_batch) {
     const size_t nb = (size_t)n_batch;
-    return sizeof(float) * nb * ((size_t)hp.n_expert + (size_t)hp.n_expert_used * hp.n_embd + hp.n_embd + 1);
+    // The logits, every (token, expert) row, the shared expert's output and gate, and the routing (weights
+    // and rows) for a sum on the device.
+    return sizeof(float) * nb *
+           ((size_t)hp.n_expert + (size_t)hp.n_expert_used * hp.n_embd + hp.n_embd + 1 + 2 * (size_t)hp.n_expert_used);
 }
 
 size_t attn_layer_bytes(const Model& m, int il) {

@@ -356,13 +356,19 @@ void Session::alloc_moe_split() {
     m.dev_d = m.dev_logits + nb * hp.n_expert;
     m.dev_sy = m.dev_d + rows * hp.n_embd;
     m.dev_sgate = m.dev_sy + nb * hp.n_embd;
+    m.dev_weight = m.dev_sgate + nb;
+    m.dev_slot = (int32_t*)(m.dev_weight + rows);
     m.logits.resize(nb * hp.n_expert);
     m.d.resize(rows * hp.n_embd);
     m.d2.resize(rows * hp.n_embd);
     m.sy.resize(nb * hp.n_embd);
     m.sgate.resize(nb);
-    // What the device copies into host memory: pinned, so the copies queue without blocking this thread.
-    for (std::vector<float>* v : {&m.logits, &m.d2, &m.sy, &m.sgate}) device_->pin_host(v->data(), v->size() * sizeof(float));
+    m.weight.resize(rows);  // at full size, so that a step's resize keeps the pinned memory
+    m.slot.resize(rows);
+    // What the device copies to and from host memory: pinned, so the copies queue without blocking this thread.
+    for (std::vector<float>* v : {&m.logits, &m.d, &m.d2, &m.sy, &m.sgate, &m.weight})
+        device_->pin_host(v->data(), v->size() * sizeof(float));
+    device_->pin_host(m.slot.data(), m.slot.size() * sizeof(int32_t));
 }
 
 void Session::set_compact_down(bool compact) {

@@ -216,6 +216,14 @@ public:
         submit(SpanKind::FFN, [=] { moe_shared_cpu(*pool_, kt_, *php, *pw, xn, n, sy, sgate, moe_); });
     }
 
+    void moe_combine(const HParams& hp, int32_t n, const float* weight, const int32_t* slot, const float* d,
+                     const float* sy, const float* sgate, float* y) override {
+        const HParams* php = &hp;
+        const int64_t nk = (int64_t)n * hp.n_expert_used;
+        submit(SpanKind::FFN,
+               [=] { optiml::moe_combine(*pool_, *php, n, weight, slot, d, nk, nullptr, sy, sgate, y); });
+    }
+
     void ffn_join(const HParams& hp, const FFNWeights& w, float* y, const float* y2, int32_t n, float* x) override {
         const HParams* php = &hp;
         const FFNWeights* pw = &w;
