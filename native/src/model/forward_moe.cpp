@@ -48,6 +48,9 @@ void Session::moe_split(int il, int32_t n, Backend* home, int32_t r0) {
     }
 
     // 2. Each token's experts, and the step's choices grouped by expert: the host's rows, then the device's.
+    // The host buffers written here (routing, rows) may still be read by the device's copies of the last
+    // split layer with the residual there: the wait above, or the one in move() that brought the residual
+    // to the host since, orders this after them.
     m.chosen.resize(nk);
     m.weight.resize(nk);
     m.slot.resize(nk);

@@ -86,7 +86,7 @@ def expert_layout(path) -> dict:
     n_ff = int(md.get(f"{arch}.feed_forward_length", 0) or 0) or int(md[f"{arch}.expert_feed_forward_length"])
     # plan.cpp: scratch_bytes (x, xn, y, y2; q, attn; k, v; gate, up) and moe_split_scratch_bytes.
     scratch = 4 * (4 * n_embd + 2 * n_head * k_len + 2 * n_head_kv * k_len + 2 * n_ff)
-    split = 4 * (n_expert + k * n_embd + n_embd + 1)
+    split = 4 * (n_expert + k * n_embd + n_embd + 1 + 2 * k)
     return dict(n_layer=n_layer, n_expert=n_expert, n_expert_used=k, expert_bytes=expert_bytes, weights_fixed=weights_fixed,
                 attn=attn, kv_per_token=n_layer * n_head_kv * (k_len + v_len) * 2,
                 scratch_per_token=scratch + split, expert_type=max(set(types), key=types.count))  # the most layers'

@@ -160,8 +160,9 @@ struct CausalAttention {
     void prefetch_v(int64_t t, int64_t kvh) const {
         if (v_rows) return;
         const uint8_t* v = v_head(t, kvh);
+        const int64_t bytes = n_window(t) * (int64_t)kv_elem;
         for (int64_t d = 0; d < hd; d++)
-            for (int64_t off = 0; off < n_window(t) * (int64_t)kv_elem; off += 64)
+            for (int64_t off = 0; off < bytes; off += 64)
                 __builtin_prefetch(v + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
     }
 

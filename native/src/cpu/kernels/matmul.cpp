@@ -50,10 +50,14 @@ const uint8_t* activations_for(ThreadPool& pool, const KernelTable& kt, int32_t 
 
 const uint8_t* gemm_x_for(ThreadPool& pool, const KernelTable& kt, const uint8_t* x, size_t x_row, int64_t cols,
                           int64_t n_tokens) {
-    static thread_local std::vector<uint8_t> xa_buf;
+    // Whole aligned blocks: the layout exists so that every 32-byte load of the codes is aligned.
+    struct alignas(64) Block {
+        uint8_t bytes[kGemmXBlock];
+    };
+    static thread_local std::vector<Block> xa_buf;
     const size_t xa_row = gemm_x_row(cols);
-    if (xa_buf.size() < xa_row * n_tokens) xa_buf.resize(xa_row * n_tokens);
-    uint8_t* xa = xa_buf.data();
+    if (xa_buf.size() * kGemmXBlock < xa_row * n_tokens) xa_buf.resize(xa_row * n_tokens / kGemmXBlock);
+    uint8_t* xa = xa_buf.data()->bytes;
     if (n_tokens * cols <= 65536) {
         kt.gemm_x(cols, x, x_row, n_tokens, xa);
         return xa;
