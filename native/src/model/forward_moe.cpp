@@ -39,11 +39,11 @@ void Session::moe_split(int il, int32_t n, Backend* home, int32_t r0) {
     // 1. The norm and the router at home; the logits (and the input, for the host's experts) to the host.
     home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
     if (home == host) {
-        host->moe_router(hp, il, host_w, ks.xn, n, m.logits.data());
+        host->moe_router(hp, il, host_w, ks.xn, n, m.logits);
     } else {
         dev->moe_router(hp, il, dev_w, ds.xn, n, m.dev_logits);
         dev->copy_to_host(ks.xn, ds.xn, x_floats * sizeof(float));
-        dev->copy_to_host(m.logits.data(), m.dev_logits, sizeof(float) * n * X);
+        dev->copy_to_host(m.logits, m.dev_logits, sizeof(float) * n * X);
         host->wait(dev->record());
     }
 
@@ -52,10 +52,8 @@ void Session::moe_split(int il, int32_t n, Backend* home, int32_t r0) {
     // split layer with the residual there: the wait above, or the one in move() that brought the residual
     // to the host since, orders this after them.
     m.chosen.resize(nk);
-    m.weight.resize(nk);
-    m.slot.resize(nk);
-    moe_route(hp, m.logits.data(), n, m.chosen.data(), m.weight.data());
-    moe_group(m.chosen.data(), nk, k, X, E.expert_order.data(), m.count, m.first, m.token, m.slot.data());
+    moe_route(hp, m.logits, n, m.chosen.data(), m.weight);
+    moe_group(m.chosen.data(), nk, k, X, E.expert_order.data(), m.count, m.first, m.token, m.slot);
     int64_t host_rows = 0;
     m.host_count = m.count;
     for (int32_t j = 0; j < X; j++) {
@@ -82,14 +80,14 @@ void Session::moe_split(int il, int32_t n, Backend* home, int32_t r0) {
     float* dev_rows = home == dev ? m.dev_d + host_rows * hp.n_embd : m.dev_d;
     dev->moe_experts(hp, il, dev_w, ds.xn, dev_g, dev_rows);
     if (shared && home == dev) dev->moe_shared(hp, il, dev_w, ds.xn, n, m.dev_sy, m.dev_sgate);
-    host->moe_experts(hp, il, host_w, ks.xn, host_g, m.d.data());
-    if (shared && home == host) host->moe_shared(hp, il, host_w, ks.xn, n, m.sy.data(), m.sgate.data());
+    host->moe_experts(hp, il, host_w, ks.xn, host_g, m.d);
+    if (shared && home == host) host->moe_shared(hp, il, host_w, ks.xn, n, m.sy, m.sgate);
 
     // 4. At home on the device: the host's rows and the step's routing go to it, and it sums and joins.
     if (home == dev) {
-        if (host_rows) dev->copy_from_host(m.dev_d, m.d.data(), sizeof(float) * (size_t)host_rows * hp.n_embd);
-        dev->copy_from_host(m.dev_weight, m.weight.data(), sizeof(float) * nk);
-        dev->copy_from_host(m.dev_slot, m.slot.data(), sizeof(int32_t) * nk);
+        if (host_rows) dev->copy_from_host(m.dev_d, m.d, sizeof(float) * (size_t)host_rows * hp.n_embd);
+        dev->copy_from_host(m.dev_weight, m.weight, sizeof(float) * nk);
+        dev->copy_from_host(m.dev_slot, m.slot, sizeof(int32_t) * nk);
         dev->moe_combine(hp, n, m.dev_weight, m.dev_slot, m.dev_d, shared ? m.dev_sy : nullptr,
                          shared ? m.dev_sgate : nullptr, hs.y);
         dev->ffn_join(hp, E.attn_w->ffn, hs.y, nullptr, n, hs.x);
@@ -98,10 +96,10 @@ void Session::moe_split(int il, int32_t n, Backend* home, int32_t r0) {
 
     // At home on the host: the device's rows come back (queued after the host's share: a copy the device
     // cannot start yet would hold this thread), and the host sums and joins.
-    dev->copy_to_host(m.d2.data(), m.dev_d, sizeof(float) * (size_t)(nk - host_rows) * hp.n_embd);
+    dev->copy_to_host(m.d2, m.dev_d, sizeof(float) * (size_t)(nk - host_rows) * hp.n_embd);
     host->wait(dev->record());
-    moe_combine(*pool_, hp, n, m.weight.data(), m.slot.data(), m.d.data(), host_rows, m.d2.data(),
-                shared ? m.sy.data() : nullptr, shared ? m.sgate.data() : nullptr, ks.y);
+    moe_combine(*pool_, hp, n, m.weight, m.slot, m.d, host_rows, m.d2,
+                shared ? m.sy : nullptr, shared ? m.sgate : nullptr, ks.y);
     host->ffn_join(hp, E.attn_w->ffn, ks.y, nullptr, n, ks.x);
 }
 

@@ -34,9 +34,10 @@ struct Session::LayerExec {
 struct Session::MoESplit {
     float *dev_logits = nullptr, *dev_d = nullptr, *dev_sy = nullptr, *dev_sgate = nullptr, *dev_weight = nullptr;
     int32_t* dev_slot = nullptr;
-    std::vector<float> logits, d, d2, sy, sgate;  // d: the host experts' rows; d2: the device's, copied
-    std::vector<int32_t> chosen, slot, count, first, token;
-    std::vector<float> weight;
+    // On the host, in one pinned block: d holds the host experts' rows, d2 the device's copied back.
+    float *logits = nullptr, *d = nullptr, *d2 = nullptr, *sy = nullptr, *sgate = nullptr, *weight = nullptr;
+    int32_t* slot = nullptr;
+    std::vector<int32_t> chosen, count, first, token;
     std::vector<int32_t> host_count, dev_first, dev_count;
 };
 

@@ -358,17 +358,19 @@ void Session::alloc_moe_split() {
     m.dev_sgate = m.dev_sy + nb * hp.n_embd;
     m.dev_weight = m.dev_sgate + nb;
     m.dev_slot = (int32_t*)(m.dev_weight + rows);
-    m.logits.resize(nb * hp.n_expert);
-    m.d.resize(rows * hp.n_embd);
-    m.d2.resize(rows * hp.n_embd);
-    m.sy.resize(nb * hp.n_embd);
-    m.sgate.resize(nb);
-    m.weight.resize(rows);  // at full size, so that a step's resize keeps the pinned memory
-    m.slot.resize(rows);
-    // What the device copies to and from host memory: pinned, so the copies queue without blocking this thread.
-    for (std::vector<float>* v : {&m.logits, &m.d, &m.d2, &m.sy, &m.sgate, &m.weight})
-        device_->pin_host(v->data(), v->size() * sizeof(float));
-    device_->pin_host(m.slot.data(), m.slot.size() * sizeof(int32_t));
+    // What the device copies to and from host memory, in one block pinned once, so the copies queue without
+    // blocking this thread (small blocks of their own could share a page, which CUDA pins only once: the
+    // second would stay pageable, and its copies would wait for the device).
+    const size_t floats = nb * hp.n_expert + 2 * rows * hp.n_embd + nb * hp.n_embd + nb + 2 * rows;
+    float* h = (float*)host_->alloc(floats * sizeof(float), "moe split scratch");
+    m.logits = h;
+    m.d = m.logits + nb * hp.n_expert;
+    m.d2 = m.d + rows * hp.n_embd;
+    m.sy = m.d2 + rows * hp.n_embd;
+    m.sgate = m.sy + nb * hp.n_embd;
+    m.weight = m.sgate + nb;
+    m.slot = (int32_t*)(m.weight + rows);
+    device_->pin_host(h, floats * sizeof(float));
 }
 
 void Session::set_compact_down(bool compact) {
