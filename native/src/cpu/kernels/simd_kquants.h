@@ -333,18 +333,6 @@ inline void gemm_x_k(int64_t n, const void* x, size_t x_stride, int64_t n_tok, v
 }
 static_assert(sizeof(XAligned) == kGemmXBlock, "gemm_x_row counts XAligned blocks");
 
-// The batched product (gemm_fn): the activations copied once into XAligned blocks (a buffer of the
-// calling thread; a copy per call, read by every row of it), then the tiles.
-template <class WBlock, int NR, int NT>
-void gemm_k(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
-            int64_t n_tok) {
-    static thread_local std::vector<XAligned> xa;
-    const int64_t nb = n / OPTIML_QK_K;
-    if ((int64_t)xa.size() < n_tok * nb) xa.resize(n_tok * nb);
-    gemm_x_k(n, x, x_stride, n_tok, xa.data());
-    gemm_tiled<KUnpackedTile<WBlock>, NR, NT>(n, s, rows, n_rows, xa.data(), nb * sizeof(XAligned), n_tok);
-}
-
 // The batched product over activations already in XAligned blocks (gemm_pre_fn). Rows are unpacked 16
 // at a time (40 KiB for 2048 columns), once for every token, which go over them 64 at a time (their
 // activations, 160 KiB, stay in L2 while the 16 rows go through them).
@@ -362,6 +350,18 @@ void gemm_pre_k(int64_t n, float* s, int64_t ldo, const void* const* rows, int64
                                                        (const uint8_t*)xa + t0 * xa_row, xa_row, nt);
         }
     }
+}
+
+// The batched product (gemm_fn): the activations copied into XAligned blocks (a buffer of the calling
+// thread; a copy per call, read by every row of it), then gemm_pre_k over them.
+template <class WBlock, int NR, int NT>
+void gemm_k(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
+            int64_t n_tok) {
+    static thread_local std::vector<XAligned> xa;
+    const int64_t nb = n / OPTIML_QK_K;
+    if ((int64_t)xa.size() < n_tok * nb) xa.resize(n_tok * nb);
+    gemm_x_k(n, x, x_stride, n_tok, xa.data());
+    gemm_pre_k<WBlock, NR, NT>(n, s, n_rows, rows, n_rows, xa.data(), n_tok);
 }
 
 // Matrix-vector product (vec_dot_rows_fn); every row's value is its vec_dot, bit for bit. Rows of
