@@ -466,8 +466,8 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
-    def write_placed(model, stats, placement, out):
-        seen.update(model=model, placement=placement, out=out)
+    def write_placed(model, stats, placement, out, order=None):
+        seen.update(model=model, placement=placement, out=out, order=order)
         return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
 
     monkeypatch.setattr(solve_command, "write_placed", write_placed)
@@ -478,4 +478,5 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     assert rc == 0, text.err
     assert "status Optimal" in text.out and "ms/token" in text.out
     assert seen["out"] == str(out) and seen["placement"].vram_used <= 74 * 2**20
+    assert seen["order"] is None  # --order hot: the writer's own hot-first order
     assert "weights kept in their order" in text.out and "optiml.placement.neuron_order" in text.out

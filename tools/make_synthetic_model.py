@@ -24,6 +24,13 @@ With --activation relu a neuron fires exactly when its gate is positive; with Si
 ones with large activations, which is what calibration keeps. The speed of a dense run does not depend on
 the values, so llama.cpp's side of a comparison is unaffected.
 
+--plant-clusters C plants co-activation: each layer's neurons fall into clusters of C (a random
+assignment, so a cluster's rows lie scattered through the file), and every gate row of cluster c is
+sqrt(--cluster-share) * std * sqrt(E) * d_c plus the rest of its random part, d_c a random unit vector of the
+cluster (up rows likewise with their own e_c). The neurons of a cluster then see nearly the same gate and up
+values, so they fire together; d_c . x_n decides a cluster's gate sign, which a predictor of rank n_ff / C
+learns exactly (cluster_layout() gives the assignment and directions; tools/bench/coactive.py uses them).
+
 Tensors are generated, quantized (optiml.quant.quantize, native and multithreaded) and written one at
 a time (optiml.convert.writer.write_gguf), so memory stays near the largest tensor in float32
 (token_embd: 49152 x 4096 x 4 bytes = 0.8 GB); the file appears only once complete.
@@ -107,6 +114,16 @@ def power_law_firing(n: int, mean: float) -> np.ndarray:
     return p
 
 
+def cluster_layout(seed: int, layer: int, n_ff: int, size: int, n_embd: int, which: int = 0):
+    """--plant-clusters' structure of one layer: the cluster of each neuron (int64 [n_ff]) and the clusters'
+    unit directions (float32 [n_ff // size, n_embd]) of its gate rows (which=0) or up rows (which=1)."""
+    n_clusters = n_ff // size
+    of = np.random.default_rng([seed, 17, layer]).permutation(n_ff) % n_clusters
+    d = np.random.default_rng([seed, 19 + which, layer]).standard_normal((n_clusters, n_embd)).astype(np.float32)
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    return of, d
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--out", required=True, help="output GGUF path")
@@ -124,6 +141,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plant-firing", type=float, default=None, metavar="MEAN",
                     help="plant power-law FFN firing with this mean rate per neuron (0 < MEAN < 1): see above")
+    ap.add_argument("--plant-clusters", type=int, default=None, metavar="C",
+                    help="plant co-activation: FFN neurons in clusters of C that fire together (see above)")
+    ap.add_argument("--cluster-share", type=float, default=0.9,
+                    help="share of a clustered gate/up row's variance that its cluster's direction holds")
     ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
                     "(its vocab size becomes n_vocab)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
@@ -152,6 +173,13 @@ def main(argv=None) -> int:
 
     if a.plant_firing is not None and not 0 < a.plant_firing < 0.98:
         ap.error("--plant-firing must be in (0, 0.98)")
+    if a.plant_clusters is not None:
+        if moe or a.plant_firing is not None:
+            ap.error("--plant-clusters plants a dense FFN's co-activation: not with --experts or --plant-firing")
+        if not 2 <= a.plant_clusters <= a.n_ff // 2:
+            ap.error("--plant-clusters must be in 2..n_ff/2")
+        if not 0 < a.cluster_share < 1:
+            ap.error("--cluster-share must be in (0, 1)")
     if (a.head_dim is None and a.n_embd % a.n_head) or a.n_head % a.n_head_kv:
         ap.error("n_embd must be a multiple of n_head, and n_head of n_head_kv")
     head_dim = a.head_dim or a.n_embd // a.n_head
@@ -242,6 +270,23 @@ def main(argv=None) -> int:
 
     RSTD = (a.router_std or a.std) / a.std
 
+    def clustered(make, layer, which):
+        def run():
+            g = make()
+            of, d = cluster_layout(a.seed, layer, FF, a.plant_clusters, E, which)
+            w = np.float32(a.cluster_share)
+            g *= np.sqrt(1 - w)
+            g += (np.sqrt(w) * a.std * np.sqrt(E)) * d[of]
+            return g
+        return run
+
+    def ffn_rows(make, layer, which):
+        if a.plant_clusters is not None:
+            return clustered(make, layer, which)
+        if which == 0 and a.plant_firing is not None:
+            return planted_gate(make, layer)
+        return make
+
     # (name, numpy shape = (rows, cols) with cols the row length, type, compute)
     emb = rand((n_vocab, E), 1_000_000)
     tensors = [("token_embd.weight", (n_vocab, E), OT, embedding(emb) if plant else emb)]
@@ -266,9 +311,8 @@ def main(argv=None) -> int:
                         (p + "attn_v.bias", (kv,), F32, rand((kv,), s + 13))]
         if not moe:
             tensors += [
-                (p + "ffn_gate.weight", (FF, E), WT,
-                 planted_gate(rand((FF, E), s + 5), il) if a.plant_firing is not None else rand((FF, E), s + 5)),
-                (p + "ffn_up.weight", (FF, E), WT, rand((FF, E), s + 6)),
+                (p + "ffn_gate.weight", (FF, E), WT, ffn_rows(rand((FF, E), s + 5), il, 0)),
+                (p + "ffn_up.weight", (FF, E), WT, ffn_rows(rand((FF, E), s + 6), il, 1)),
                 (p + "ffn_down.weight", (E, FF), WT,
                  scaled(rand((E, FF), s + 7), 0.1) if plant else rand((E, FF), s + 7)),
             ]
@@ -306,6 +350,8 @@ def main(argv=None) -> int:
                           + (f", planted power-law FFN firing of mean {a.plant_firing}" if a.plant_firing is not None else "")
                           + (f", {a.experts} experts ({a.experts_used} used) of popularity planted with exponent "
                              f"{a.plant_experts}" if a.plant_experts is not None else "")
+                          + (f", FFN neurons in co-active clusters of {a.plant_clusters} (share {a.cluster_share})"
+                             if a.plant_clusters is not None else "")
                           + ") written by tools/make_synthetic_model.py for speed benchmarks; not a language model")
         w.add_context_length(a.n_ctx_train)
         w.add_embedding_length(E)

@@ -390,6 +390,12 @@ void bind_model(nb::module_& m) {
             s.session->set_predictors(std::move(p));
         }, nb::arg("path").none(), "Attaches the activation predictors of a companion GGUF (None detaches).")
         .def_prop_ro("has_predictors", [](const PySession& s) { return s.session->has_predictors(); })
+        .def_prop_ro("placed_copy_layers", [](const PySession& s) { return s.session->placed_copy_layers(); },
+                     "Layers whose FFN the host reads from a copy in the file's placed order (with predictors).")
+        .def_prop_ro("placed_copy_bytes", [](const PySession& s) { return s.session->placed_copy_bytes(); })
+        .def_prop_rw("predictor_group", [](const PySession& s) { return s.session->predictor_group(); },
+                     [](PySession& s, int32_t g) { s.session->set_predictor_group(g); },
+                     "Predictors decide by groups of this many consecutive neurons (1: neuron by neuron).")
         .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {
             s.session->set_recorder(r && *r ? (*r)->rec : nullptr);
         }, nb::arg("recorder").none());

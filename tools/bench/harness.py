@@ -48,6 +48,8 @@ INTERNAL = {
     "sampling": "optiml.sampling",  # the Python sampler (Sampler, SamplingParams, find_stop)
     "quant_mix": "optiml.convert.quant_mix",  # the k-quant mixes (TYPES: name -> llama.cpp's ftype)
     "jsonout": "optiml.util.jsonout",  # JSON without NaN or Infinity (null instead): the --json files
+    "coactive": "optiml.offline.coactive",  # co-activation order and run lengths (`optiml solve --order coactive`)
+    "placement": "optiml.formats.placement",  # read_placement: a placed file's order
 }
 
 

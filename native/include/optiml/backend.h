@@ -96,12 +96,16 @@ struct KVLayerView {
 //   share of a split layer, read in place from the mapped file).
 // For the sparse FFN: down_nm holds neuron-major down rows of the share's neurons, nm_slot[j] the row of
 // neuron j (nullptr: row j).
+//   stored != nullptr (with a predictor only): w's gate/up rows and biases are a copy in a placed order,
+// row j being file neuron stored[j] (co-active neurons side by side: a step reads runs of rows), and
+// down_nm follows that order; w.down, the predictor and neuron_scale keep the file's order.
 struct FFNShare {
     const FFNWeights* w = nullptr;
     const int32_t* rows = nullptr;
     int64_t n_rows = 0;
     const NeuronMajor* down_nm = nullptr;
     const int32_t* nm_slot = nullptr;
+    const int32_t* stored = nullptr;
 };
 
 // How a share skips neurons: dense, or |act(gate)| (weighted by neuron_scale) / |act(gate) * up| above a
@@ -114,6 +118,10 @@ struct FFNSparsity {
     // With a predictor, only the neurons it predicts active (the union over the batch's tokens) have
     // their gate and up computed; the criterion above then applies to those.
     const LayerPredictor* predictor = nullptr;
+    // Decide by groups of `group` consecutive neurons of the share (in the placed order when it has one):
+    // a group is computed whole when any of its neurons is predicted active. Fewer, longer runs of rows
+    // where co-active neurons sit together (`optiml solve --order coactive`); 1: neuron by neuron.
+    int32_t group = 1;
 };
 
 // Scratch of one backend for a step of up to n_batch tokens (device memory of that backend).

@@ -307,6 +307,13 @@ public:
     // they do not fit the model.
     void set_predictors(std::shared_ptr<const Predictors> p);
     bool has_predictors() const { return predictors_ != nullptr; }
+    // Predictors decide by groups of g consecutive neurons (FFNSparsity::group; 1: by neuron).
+    void set_predictor_group(int32_t g);
+    int32_t predictor_group() const { return predictor_group_; }
+    // Layers whose FFN the host reads from a copy in the file's placed order (LayerExec::host_placed),
+    // and the bytes of those copies.
+    std::vector<int32_t> placed_copy_layers() const;
+    size_t placed_copy_bytes() const;
 
     // While a recorder is attached, every evaluated token's FFN activations go to it (the FFN runs
     // dense, on the host: ArgumentError when the plan puts any layer on a device). nullptr detaches.
@@ -340,6 +347,7 @@ private:
     void bind_devices();
     void alloc_split_scratch();
     void prepare_sparse();
+    void prepare_placed(int il);
 
     std::shared_ptr<Model> model_;
     std::shared_ptr<ThreadPool> pool_;
@@ -366,6 +374,7 @@ private:
     std::vector<int64_t> host_active_, device_active_, ffn_seen_;
     std::shared_ptr<ActivationRecorder> recorder_;
     std::shared_ptr<const Predictors> predictors_;
+    int32_t predictor_group_ = 1;
 
     // The layout of the model's dense matrices (Model::set_rows16) follows this session's needs: rows16
     // where only this CPU's dense product reads a matrix, rows where anything else does. Placed before

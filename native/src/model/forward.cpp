@@ -194,6 +194,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
             sp.threshold = 0.0f;
         }
         sp.predictor = &predictors_->layers[il];
+        sp.group = predictor_group_;
     }
 
     // The device's share runs dense: which of its neurons fire is for its predictor to say (the hybrid
@@ -210,7 +211,9 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
 
     if (on_host != on_dev) {  // one device computes the whole FFN
         Backend* be = on_host ? host : dev;
-        const FFNShare& share = on_host ? E.host_share : E.device_share;
+        // With a predictor, a placed copy of the host's layer reads co-active neurons as runs.
+        const FFNShare& share = !on_host ? E.device_share : sp.predictor && E.host_placed.w ? E.host_placed
+                                                                                          : E.host_share;
         const StepScratch s = scratch_rows(be, r0);
         move(home, hs.xn, be, s.xn, xn_floats);
         int64_t* active = on_host ? &host_active_[il] : &device_active_[il];

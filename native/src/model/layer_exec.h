@@ -4,7 +4,9 @@
 #include <memory>
 #include <vector>
 
+#include "optiml/huge_pages.h"
 #include "optiml/model.h"
+#include "optiml/sparse.h"
 
 namespace optiml {
 
@@ -22,6 +24,16 @@ struct Session::LayerExec {
     std::unique_ptr<NeuronMajor> host_nm;  // neuron-major down rows of the host's neurons (sparse FFN)
     bool host_nm_compact = false;  // host_nm was made for SparsitySettings::compact_down
     std::vector<int32_t> host_slot;        // file neuron -> row of host_nm
+    // A layer the host computes whole with a predictor, in a file whose placement kept the stored order
+    // (optiml.placement.neuron_order, e.g. `optiml solve --order coactive`): gate/up rows (and their
+    // biases) copied in the placed order, so that neurons that fire together are read as runs, and
+    // down's neuron-major rows in the same order (FFNShare::stored).
+    FFNShare host_placed;
+    FFNWeights placed_ffn;
+    HugePageVector<uint8_t> placed_rows;  // gate rows, then up rows
+    std::vector<float> placed_bias;       // gate's, then up's (when present)
+    std::unique_ptr<NeuronMajor> placed_nm;
+    bool placed_nm_compact = false;
     // A mixture of experts split between the devices (LayerPlan::device_experts; the device's weights in
     // device_layers_[il].moe, its experts numbered in the plan's order): the order of the experts' rows
     // in a step, the host's experts (by id) and then the device's, and how many are the host's.

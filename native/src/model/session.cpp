@@ -386,6 +386,10 @@ void Session::prepare_sparse() {
         LayerExec& E = exec_[il];
         if (!E.host_share.w) continue;
         if (!E.host_share.rows) {
+            if (predictors_ && !plan_.neuron_order.empty()) {
+                prepare_placed(il);
+                continue;
+            }
             E.host_share.down_nm = &model_->down_neuron_major(*pool_, il, sparsity_.compact_down);
             continue;
         }
@@ -401,6 +405,73 @@ void Session::prepare_sparse() {
         E.host_share.down_nm = E.host_nm.get();
         E.host_share.nm_slot = E.host_slot.data();
     }
+}
+
+// The placed copy of a host layer (LayerExec::host_placed): its gate/up rows gathered in the placed order
+// once, and down's neuron-major rows in that order (again when compact_down changes).
+void Session::prepare_placed(int il) {
+    const HParams& hp = model_->hp;
+    LayerExec& E = exec_[il];
+    const FFNWeights& L = model_->layers[il].ffn;
+    const int32_t* order = plan_.neuron_order.data() + (size_t)il * hp.n_ff;
+    if (!E.host_placed.w) {
+        const size_t gate_bytes = L.gate.row_bytes * (size_t)hp.n_ff, up_bytes = L.up.row_bytes * (size_t)hp.n_ff;
+        E.placed_rows.resize(gate_bytes + up_bytes);
+        uint8_t* gate = E.placed_rows.data();
+        uint8_t* up = gate + gate_bytes;
+        pool_->run([&](int ith, int nth) {
+            int64_t j0, j1;
+            split_range(hp.n_ff, ith, nth, &j0, &j1);
+            for (int64_t j = j0; j < j1; j++) {
+                std::memcpy(gate + j * L.gate.row_bytes, L.gate.row(order[j]), L.gate.row_bytes);
+                std::memcpy(up + j * L.up.row_bytes, L.up.row(order[j]), L.up.row_bytes);
+            }
+        });
+        FFNWeights& F = E.placed_ffn;
+        F = L;
+        F.gate.data = gate;
+        F.up.data = up;
+        const int n_bias = (int)L.gate_b.present() + (int)L.up_b.present();
+        E.placed_bias.resize((size_t)n_bias * hp.n_ff);
+        float* b = E.placed_bias.data();
+        for (auto [src, dst] : {std::pair{&L.gate_b, &F.gate_b}, {&L.up_b, &F.up_b}}) {
+            if (!src->present()) continue;
+            for (int64_t j = 0; j < hp.n_ff; j++) b[j] = ((const float*)src->data)[order[j]];
+            dst->data = (const uint8_t*)b;
+            b += hp.n_ff;
+        }
+        E.host_placed.w = &F;
+        E.host_placed.stored = order;
+    }
+    if (!E.placed_nm || E.placed_nm_compact != sparsity_.compact_down) {
+        E.placed_nm.reset();  // the old copy goes first: never both at once
+        E.placed_nm = std::make_unique<NeuronMajor>(
+            neuron_major_rows(*pool_, L.down, order, hp.n_ff, sparsity_.compact_down));
+        E.placed_nm_compact = sparsity_.compact_down;
+        E.host_placed.down_nm = E.placed_nm.get();
+    }
+}
+
+void Session::set_predictor_group(int32_t g) {
+    if (g < 1 || g > model_->hp.n_ff)
+        throw ArgumentError(format("predictor_group must be in 1..n_ff (%lld), not %d", (long long)model_->hp.n_ff, g));
+    predictor_group_ = g;
+}
+
+std::vector<int32_t> Session::placed_copy_layers() const {
+    std::vector<int32_t> out;
+    for (size_t il = 0; il < exec_.size(); il++)
+        if (exec_[il].host_placed.w) out.push_back((int32_t)il);
+    return out;
+}
+
+size_t Session::placed_copy_bytes() const {
+    size_t b = 0;
+    for (const LayerExec& E : exec_)
+        if (E.host_placed.w)
+            b += E.placed_rows.size() + sizeof(float) * E.placed_bias.size() +
+                 (E.placed_nm ? E.placed_nm->data.size() : 0);
+    return b;
 }
 
 void Session::set_predictors(std::shared_ptr<const Predictors> p) {

@@ -12,6 +12,7 @@ from ..formats import stats
 from ..formats.placement import write_expert_placement, write_placed
 from ..offline.hardware import Hardware
 from ..offline.solve import format_report, solve_placement
+from ..offline.coactive import placed_order
 from ..offline.solve_experts import solve_expert_placement
 from ..util.sizes import parse_size
 from . import common
@@ -30,6 +31,10 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=512,
                    help="most tokens per step the model will run with (its n_batch), for the device's scratch")
     p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
+    p.add_argument("--order", choices=("hot", "coactive"), default="hot",
+                   help="the CPU's neurons in each layer: hot (most frequent first, the default) or coactive "
+                        "(neurons that fire together side by side, so a sparse step reads longer runs of rows: "
+                        "needs stats profiled with --samples N). --vram 0 orders for the CPU alone")
     p.add_argument("-o", "--outfile", required=True, help="GGUF file to write (neurons permuted, placement recorded)")
 
 
@@ -47,6 +52,11 @@ def run(args) -> int:
     if not args.time_limit > 0:
         raise ArgumentError(f"--time-limit must be > 0, not {args.time_limit}")
     st = stats.load(args.stats)
+    if args.order == "coactive" and st.is_moe:
+        raise ArgumentError("--order coactive orders FFN neurons; a mixture of experts is placed by whole experts")
+    if args.order == "coactive" and st.sample_mask is None:
+        raise ArgumentError(f"--order coactive needs the firing masks of sampled tokens, which {args.stats} does not "
+                            "hold: profile with --samples N (e.g. 2048)")
     hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -63,9 +73,16 @@ def run(args) -> int:
         write_expert_placement(model, st, placement, args.outfile)
         print(f"wrote {args.outfile}: weights unchanged, each layer's GPU experts in optiml.placement.gpu_experts")
         return 0
-    res = write_placed(model, st, placement, args.outfile)
+    order = None
+    if args.order == "coactive":
+        order, runs = placed_order(st, placement.gpu_neurons)
+        before = sum(r[0] for r in runs) / len(runs)
+        after = sum(r[1] for r in runs) / len(runs)
+        print(f"co-activation order: a step's active CPU rows come in runs of {before:.2f} rows hot-first, "
+              f"{after:.2f} in this order (mean over layers, on sampled tokens held out from the ordering)")
+    res = write_placed(model, st, placement, args.outfile, order=order)
     if res["form"] == "permuted":
-        how = "FFN neurons permuted hot-first in the file"
+        how = f"FFN neurons permuted {'hot-first' if order is None else 'in the co-activation order'} in the file"
     else:
         how = ("weights kept in their order (quantized down tensors cannot move a neuron's column exactly), "
                "placed order in optiml.placement.neuron_order")

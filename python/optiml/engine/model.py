@@ -86,7 +86,12 @@ class Model(Sequences):
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists, unless its predictors mark so many neurons active that they would
-    slow decoding down: then a PredictorWarning says so), a path, or None.
+    slow decoding down: then a PredictorWarning says so), a path, or None. predictor_group: they decide by
+    groups of this many consecutive neurons (default 1: neuron by neuron), a group computed whole when
+    any of its neurons is predicted active: more neurons computed (closer to the dense result), read as
+    longer runs of rows where the file orders co-active neurons together (`optiml solve --order
+    coactive`; with the weights kept in their order, the CPU then reads its layers from a copy in that
+    order, :meth:`placed_copy`).
 
     use_mmap: True maps the file (weights are paged in as they are first read and shared with the page
     cache), False reads it whole into private memory backed by 2 MiB pages where the OS has them (Linux
@@ -120,6 +125,7 @@ class Model(Sequences):
         kv_type_v=None,
         n_cpu_moe=None,
         gpu_experts=None,
+        predictor_group: int = 1,
     ):
         self.path = loading.model_file(path)
         self._model = loading.open_weights(self.path, use_mmap)
@@ -157,6 +163,7 @@ class Model(Sequences):
                 self._attach_predictors(*found)
         elif predictors is not None:
             self.set_predictors(predictors)
+        self.predictor_group = predictor_group
         self.sparsity = "none"
         self.set_sparsity(sparsity, thresholds)
         self.sparsity_note = ""  # why the FFN is sparse or dense, when sparsity="auto" decided it
@@ -215,6 +222,23 @@ class Model(Sequences):
             else:
                 self._session.set_sparsity(True, thr, product, scale, compact_down=self._compact_down())
         self.sparsity = chosen
+
+    @property
+    def predictor_group(self) -> int:
+        """Predictors decide by groups of this many consecutive neurons (see the class doc); settable."""
+        return self._session.predictor_group
+
+    @predictor_group.setter
+    def predictor_group(self, g: int) -> None:
+        g = positive_int("predictor_group", g)
+        with self._exclusive():
+            self._session.predictor_group = g
+
+    def placed_copy(self) -> dict:
+        """The layers whose FFN the CPU reads from a copy in the file's placed order (a placed file that kept
+        its weights' order, with predictors) and the bytes of those copies (gate/up rows and down's
+        neuron-major rows)."""
+        return {"layers": list(self._session.placed_copy_layers), "bytes": int(self._session.placed_copy_bytes)}
 
     def _keep_sparsity_if_it_pays(self) -> None:
         """sparsity="auto": the file's sparsity (its thresholds, a ReLU FFN's zeros, the predictors found beside

@@ -301,8 +301,10 @@ def write_expert_placement(model_path: str | os.PathLike, stats: ActivationStats
 
 
 def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Any,
-                 out_path: str | os.PathLike, progress: bool = True) -> dict:
-    """Writes out_path: model_path with each layer's FFN neurons in hot-first order and the placement in
+                 out_path: str | os.PathLike, progress: bool = True, order: np.ndarray | None = None) -> dict:
+    """Writes out_path: model_path with each layer's FFN neurons in hot-first order (or `order`, [n_layer,
+    n_ff]: placed neuron i of layer l is stored neuron order[l, i]; its GPU share must stay a hot prefix
+    for the solver's figures to hold) and the placement in
     optiml.placement.* metadata (any previous placement replaced; other keys copied unchanged). The
     neurons are permuted in the file when every layer's down tensor allows it exactly, else the weights
     keep their order and optiml.placement.neuron_order records it (see the module doc); nothing is
@@ -327,7 +329,13 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
                             f"the model {n_layer} x {n_ff}")
     _check_placement(placement, n_layer, n_ff)
 
-    order = hot_first_order(stats.freq, stats.impact)
+    if order is None:
+        order = hot_first_order(stats.freq, stats.impact)
+    else:
+        order = np.asarray(order, dtype=np.int64)
+        if order.shape != (n_layer, n_ff) or any(not np.array_equal(np.sort(o), np.arange(n_ff)) for o in order):
+            raise ArgumentError(f"the neuron order must hold a permutation of {n_ff} neurons for each of "
+                                f"{n_layer} layers")
     downs = [layers[l]["ffn_down.weight"] for l in range(n_layer)]
     down_types: dict[str, int] = {}
     for t in downs:

@@ -1,6 +1,7 @@
 // The FFN computed for active neurons only. Without a predictor the gate is computed densely (it decides
 // who is active) and the up rows and down columns of inactive neurons are never read; with one, the
 // gate rows of neurons predicted inactive are skipped too.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -81,11 +82,57 @@ void down_projection(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
     } else {
         // Dense over act(gate) * up with the inactive neurons zeroed: the same function, the dense kernel.
         std::memset(s.gate, 0, sizeof(float) * n * width);
+        const int32_t* stored = share.stored;  // w.down is in the file's order
         for (int32_t t = 0; t < n; t++)
-            for (int32_t i = 0; i < ss.count[t]; i++) s.gate[t * width + ss.idx[t * width + i]] = ss.val[t * width + i];
+            for (int32_t i = 0; i < ss.count[t]; i++) {
+                const int32_t j = ss.idx[t * width + i];
+                s.gate[t * width + (stored ? stored[j] : j)] = ss.val[t * width + i];
+            }
         const Weight* down[1] = {&w.down};
         matmul_shared_input(pool, kt, down, &y, 1, s.gate, n);
     }
+}
+
+// The neurons a predictor marks active for one token (scores sc, in the file's order): ids into the
+// share's rows of w, ascending, into idx; returns how many. Only the share's own neurons (a split layer's
+// host share lists them through nm_slot); by groups of sp.group consecutive rows when it is > 1.
+int32_t predicted_neurons(const FFNShare& share, const FFNSparsity& sp, const float* sc, int64_t width,
+                          int32_t* idx) {
+    const LayerPredictor& P = *sp.predictor;
+    const float* bias = (const float*)P.bias.data;
+    const float pthr = P.threshold;
+    const int32_t* in_share = share.rows ? share.nm_slot : nullptr;
+    const int32_t* stored = share.stored;  // w's rows in a placed order
+    const int32_t group = sp.group;
+    int32_t c = 0;
+    // Branch-free: about which neurons fire the branch predictor can only guess (the store is
+    // overwritten while the condition is false).
+    if (group > 1)
+        for (int32_t g0 = 0; g0 < width; g0 += group) {
+            const int32_t g1 = std::min<int32_t>((int32_t)width, g0 + group);
+            bool any = false;
+            for (int32_t j = g0; j < g1 && !any; j++) {
+                const int32_t f = stored ? stored[j] : j;
+                any = sc[f] + bias[f] > pthr;
+            }
+            if (any)
+                for (int32_t j = g0; j < g1; j++)
+                    if (!in_share || in_share[j] >= 0) idx[c++] = j;
+        }
+    else if (stored)
+        for (int32_t j = 0; j < width; j++) {
+            idx[c] = j;
+            c += sc[stored[j]] + bias[stored[j]] > pthr;
+        }
+    else if (!in_share)
+        for (int32_t j = 0; j < width; j++) {
+            idx[c] = j;
+            c += sc[j] + bias[j] > pthr;
+        }
+    else
+        for (int32_t j = 0; j < width; j++)
+            if (sc[j] + bias[j] > pthr && in_share[j] >= 0) idx[c++] = j;
+    return c;
 }
 
 // The FFN over the neurons a predictor marks active. 1. z = A x and the scores B z + bias per token
@@ -111,26 +158,9 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
     float* scores = ss.val;
     matmul_shared_input(pool, kt, pb, &scores, 1, ss.z, n);
 
-    // 2. Predicted neurons per token (of the share's neurons only: a split layer's host share lists
-    // its neurons through nm_slot), and their union.
-    const float* bias = (const float*)P.bias.data;
-    const float pthr = P.threshold;
-    const int32_t* in_share = share.rows ? share.nm_slot : nullptr;
+    // 2. Predicted neurons per token and their union.
     auto predict = [&](int64_t t) {
-        const float* sc = scores + t * width;
-        int32_t* idx = ss.idx + t * width;
-        int32_t c = 0;
-        // Branch-free: about which neurons fire the branch predictor can only guess (the store is
-        // overwritten while the condition is false).
-        if (!in_share)
-            for (int32_t j = 0; j < width; j++) {
-                idx[c] = j;
-                c += sc[j] + bias[j] > pthr;
-            }
-        else
-            for (int32_t j = 0; j < width; j++)
-                if (sc[j] + bias[j] > pthr && in_share[j] >= 0) idx[c++] = j;
-        ss.count[t] = c;
+        ss.count[t] = predicted_neurons(share, sp, scores + t * width, width, ss.idx + t * width);
     };
     per_token(pool, n, predict);
     int64_t n_uni = 0;
@@ -151,7 +181,8 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
     const float* gb = w.gate_b.present() ? (const float*)w.gate_b.data : nullptr;
     const float* ub = w.up_b.present() ? (const float*)w.up_b.data : nullptr;
     const float threshold = sp.threshold;
-    const float* neuron_scale = sp.neuron_scale;
+    const float* neuron_scale = sp.neuron_scale;  // in the file's order
+    const int32_t* stored = share.stored;
     // Each token keeps its own predicted neurons (computed for the whole batch as the union): the
     // function does not depend on which tokens share a batch.
     auto activate = [&](int64_t t) {
@@ -178,7 +209,7 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
             ffn_activate(pool, kt, hp, w, g, ones((size_t)n_own), 1, n_own);  // act(gate) alone
             for (int64_t i = 0; i < n_own; i++) {
                 const int32_t j = idx[i];
-                const float m = neuron_scale ? std::fabs(g[i]) * neuron_scale[j] : std::fabs(g[i]);
+                const float m = neuron_scale ? std::fabs(g[i]) * neuron_scale[stored ? stored[j] : j] : std::fabs(g[i]);
                 if (m > threshold) {
                     idx[c] = j;
                     val[c] = g[i];
@@ -205,6 +236,8 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
 int64_t ffn_sparse(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const FFNShare& share,
                    const FFNSparsity& sp, const float* xn, int32_t n, const FFNScratch& s, const SparseScratch& ss,
                    float* y) {
+    if (share.stored && !sp.predictor)
+        throw Error("internal: an FFN share in a placed order runs with a predictor only");
     const FFNWeights& w = *share.w;
     const int64_t width = w.gate.rows;  // n_ff, or the neurons of a packed share
     const bool on_product = sp.on_product;

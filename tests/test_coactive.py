@@ -1,0 +1,156 @@
+"""Co-active neurons side by side (`optiml solve --order coactive`, optiml.offline.coactive), the CPU's copy
+of a layer in a file's placed order, and predictors that decide by groups of neurons."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml._core import ArgumentError
+from optiml.formats.gguf_edit import GGUFValueType as VT
+from optiml.formats.gguf_edit import rewrite_gguf
+from optiml.formats.placement import read_placement
+from optiml.offline.coactive import coactive_order, run_lengths
+
+from conftest import ROOT, child_env, fixed_predictor, model_path, tiny_model
+
+sys.path.insert(0, str(ROOT / "tools"))
+from make_synthetic_model import cluster_layout  # noqa: E402
+
+TEXT = ROOT / "tests" / "data" / "scandal-in-bohemia.txt"
+
+
+def planted_masks(n_tokens, n_ff, size, seed=0, stray=0.03, miss=0.05):
+    """Firing masks of clusters of `size` neurons scattered through the layer: a cluster fires for half of
+    the tokens, each member with it but for `miss` of the time, plus `stray` random firings."""
+    rng = np.random.default_rng(seed)
+    of = rng.permutation(n_ff) % (n_ff // size)
+    on = rng.random((n_tokens, n_ff // size)) < 0.5
+    m = on[:, of] & (rng.random((n_tokens, n_ff)) >= miss) | (rng.random((n_tokens, n_ff)) < stray)
+    return m, of
+
+
+def test_run_lengths_count_runs_of_active_rows():
+    m = np.array([[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 0]], dtype=bool)
+    assert run_lengths(m, np.arange(4)) == pytest.approx(5 / 4)  # runs: [2, 1], [], [1, 1]
+    assert run_lengths(m, np.array([0, 1, 3, 2])) == pytest.approx(5 / 3)  # [3], [], [1, 1]
+    assert run_lengths(np.zeros((2, 3), bool), np.arange(3)) == 0.0
+
+
+def test_coactive_order_puts_planted_clusters_together():
+    m, of = planted_masks(1024, 1024, 32)
+    fit, held = m[0::2], m[1::2]
+    order = coactive_order(fit)
+    assert sorted(order.tolist()) == list(range(1024))
+    same = np.mean(of[order[1:]] == of[order[:-1]])
+    assert same > 0.9, f"only {same:.2f} of adjacent neurons share a cluster"
+    before, after = run_lengths(held, np.arange(1024)), run_lengths(held, order)
+    assert after > 4 * before, (before, after)
+
+
+def test_coactive_order_of_a_subset_keeps_to_it():
+    m, _ = planted_masks(256, 256, 16)
+    subset = np.arange(64, 256, 3)
+    order = coactive_order(m, subset)
+    assert sorted(order.tolist()) == subset.tolist()
+    with pytest.raises(ArgumentError, match="--samples"):
+        coactive_order(np.zeros((0, 8), bool))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(tiny_model(tmp_path_factory.mktemp("co") / "tiny.gguf"))
+
+
+@pytest.fixture(scope="module")
+def placed(tiny, tmp_path_factory):
+    """tiny with a random neuron order recorded (its weights kept where they are)."""
+    rng = np.random.default_rng(3)
+    order = np.concatenate([rng.permutation(128) for _ in range(2)]).astype(np.int32)
+    out = tmp_path_factory.mktemp("co") / "placed.gguf"
+    rewrite_gguf(tiny, str(out), set_kv={"optiml.placement.version": (2, VT.UINT32),
+                                         "optiml.placement.gpu_neurons": (np.zeros(2, np.int32), VT.ARRAY),
+                                         "optiml.placement.neuron_order": (order, VT.ARRAY)}, progress=False)
+    return str(out)
+
+
+def logits_of(path, pred, group=1, **kw):
+    m = optiml.Model(path, n_ctx=128, n_threads=2, predictors=pred, predictor_group=group, **kw)
+    ids = m.tokenize(TEXT.read_text(encoding="utf-8")[:2000])[:40]
+    prompt = np.array(m.eval(ids[:32]), dtype=np.float64)
+    steps = [np.array(m.eval([t]), dtype=np.float64) for t in ids[32:40]]
+    skipped = m.sparsity_stats()["skipped"]
+    copy = m.placed_copy()
+    m.close()
+    return prompt, np.array(steps), skipped, copy
+
+
+def test_placed_copy_computes_what_the_file_order_computes(tiny, placed, tmp_path):
+    pred = fixed_predictor(tiny, tmp_path / "p.gguf", active=0.5, recorded_share=0.5)
+    p0, s0, skip0, copy0 = logits_of(tiny, pred)
+    p1, s1, skip1, copy1 = logits_of(placed, pred)
+    assert copy0 == {"layers": [], "bytes": 0}
+    assert copy1["layers"] == [0, 1] and copy1["bytes"] > 0
+    assert skip1 == pytest.approx(skip0) and 0.3 < skip0 < 0.7
+    np.testing.assert_array_equal(p1, p0)  # a prompt's down product runs dense, in the file's order
+    np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-4 * np.abs(s0).max())  # only the sum's order differs
+    # Without predictors the placed file runs from its weights as stored: no copy.
+    m = optiml.Model(placed, n_ctx=64, predictors=None)
+    assert m.placed_copy()["layers"] == []
+    m.close()
+
+
+def test_group_prediction_computes_whole_groups(tiny, placed, tmp_path):
+    pred = fixed_predictor(tiny, tmp_path / "p.gguf", active=0.3, recorded_share=0.3)
+    _, _, skip1, _ = logits_of(placed, pred, group=1)
+    _, _, skip8, _ = logits_of(placed, pred, group=8)
+    p_all, s_all, skip_all, _ = logits_of(placed, pred, group=128)  # one group: any prediction computes all
+    pd, sd, _, _ = logits_of(tiny, None, sparsity="none")
+    assert skip_all == 0.0 and skip8 < skip1
+    assert 0.6 < skip1 < 0.8
+    # Every neuron computed: the dense function (the sums in another order).
+    np.testing.assert_allclose(s_all, sd, rtol=0, atol=1e-4 * np.abs(sd).max())
+    np.testing.assert_allclose(p_all, pd, rtol=0, atol=1e-4 * np.abs(pd).max())
+    for bad in (0, 129, -1):
+        with pytest.raises(ArgumentError, match="predictor_group"):
+            optiml.Model(tiny, n_ctx=64, predictor_group=bad)
+
+
+def run_cli(*args):
+    r = subprocess.run([sys.executable, "-m", "optiml", *args], capture_output=True, text=True, env=child_env())
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_solve_orders_a_clustered_model_by_coactivation(tmp_path):
+    donor = model_path("smollm2-135m-instruct-q4_1")
+    path = tmp_path / "clusters.gguf"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_model.py"), "-o", str(path), "--quiet",
+                    "--n-embd", "128", "--n-layer", "2", "--n-ff", "512", "--n-head", "2", "--n-head-kv", "2",
+                    "--type", "q8_0", "--plant-clusters", "16", "--cluster-share", "0.95",
+                    "--tokenizer-from", str(donor)], check=True, capture_output=True, env=child_env())
+    stats = tmp_path / "s.npz"
+    rc, out = run_cli("profile", "-m", str(path), "--data", str(TEXT), "--tokens", "1024", "--samples", "1024",
+                      "-o", str(stats))
+    assert rc == 0, out
+    placed = tmp_path / "placed.gguf"
+    rc, out = run_cli("solve", "-m", str(path), "--stats", str(stats), "--vram", "0", "--order", "coactive",
+                      "-o", str(placed))
+    assert rc == 0, out
+    assert "co-activation order" in out
+    order = read_placement(str(placed))["neuron_order"]
+    for layer in range(2):
+        of, _ = cluster_layout(0, layer, 512, 16, 128)
+        o = order[layer]
+        assert sorted(o.tolist()) == list(range(512))
+        same = np.mean(of[o[1:]] == of[o[:-1]])
+        assert same > 0.8, f"layer {layer}: {same:.2f} of adjacent neurons share a cluster"
+    # Stats without sampled masks: refused, saying what to do.
+    bare = tmp_path / "bare.npz"
+    assert run_cli("profile", "-m", str(path), "--data", str(TEXT), "--tokens", "256", "-o", str(bare))[0] == 0
+    rc, out = run_cli("solve", "-m", str(path), "--stats", str(bare), "--vram", "0", "--order", "coactive",
+                      "-o", str(tmp_path / "x.gguf"))
+    assert rc != 0 and "--samples" in out and "Traceback" not in out
