@@ -84,7 +84,7 @@ def logits_of(path, pred, group=1, **kw):
     prompt = np.array(m.eval(ids[:32]), dtype=np.float64)
     steps = [np.array(m.eval([t]), dtype=np.float64) for t in ids[32:40]]
     skipped = m.sparsity_stats()["skipped"]
-    copy = m.placed_copy()
+    copy = m.placed_copy_info()
     m.close()
     return prompt, np.array(steps), skipped, copy
 
@@ -100,7 +100,7 @@ def test_placed_copy_computes_what_the_file_order_computes(tiny, placed, tmp_pat
     np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-4 * np.abs(s0).max())  # only the sum's order differs
     # Without predictors the placed file runs from its weights as stored: no copy.
     m = optiml.Model(placed, n_ctx=64, predictors=None)
-    assert m.placed_copy()["layers"] == []
+    assert m.placed_copy_info()["layers"] == []
     m.close()
 
 
@@ -154,3 +154,22 @@ def test_solve_orders_a_clustered_model_by_coactivation(tmp_path):
     rc, out = run_cli("solve", "-m", str(path), "--stats", str(bare), "--vram", "0", "--order", "coactive",
                       "-o", str(tmp_path / "x.gguf"))
     assert rc != 0 and "--samples" in out and "Traceback" not in out
+
+
+def test_split_layers_read_the_hosts_neurons_from_a_placed_copy(placed, tiny, tmp_path):
+    """A split layer (cpu:1 standing in for a GPU): the host's placed neurons [k, n_ff) come from the copy,
+    computing what they compute read in place (placed_copy=False)."""
+    pred = fixed_predictor(tiny, tmp_path / "p.gguf", active=0.5, recorded_share=0.5)
+    kw = dict(device="cpu:1", gpu_neurons=32)
+    p0, s0, skip0, copy0 = logits_of(placed, pred, placed_copy=False, **kw)
+    p1, s1, skip1, copy1 = logits_of(placed, pred, **kw)
+    assert copy0 == {"layers": [], "bytes": 0} and copy1["layers"] == [0, 1]
+    assert skip1 == pytest.approx(skip0) and 0.2 < skip0 < 0.6
+    np.testing.assert_array_equal(p1, p0)  # a prompt's down product runs dense, in the file's order
+    np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-4 * np.abs(s0).max())
+    # Host-only layers too, and the copies freed when turned off.
+    m = optiml.Model(placed, n_ctx=64, predictors=pred)
+    assert m.placed_copy_info()["layers"] == [0, 1]
+    m._session.placed_copies = False
+    assert m.placed_copy_info() == {"layers": [], "bytes": 0}
+    m.close()

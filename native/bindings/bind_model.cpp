@@ -280,6 +280,29 @@ nb::dict measure_device_py(const std::string& device, size_t bytes, size_t small
     return d;
 }
 
+// A session's activation predictors, and how a placed file's neurons are read with them.
+static void bind_predictors(nb::class_<PySession>& session) {
+    session
+        .def("set_predictors", [](PySession& s, std::optional<std::string> path) {
+            std::shared_ptr<const Predictors> p;
+            nb::gil_scoped_release release;  // the first call repacks the down matrices
+            if (path) p = Predictors::load(*path, s.session->model());
+            s.session->set_predictors(std::move(p));
+        }, nb::arg("path").none(), "Attaches the activation predictors of a companion GGUF (None detaches).")
+        .def_prop_ro("has_predictors", [](const PySession& s) { return s.session->has_predictors(); })
+        .def_prop_ro("placed_copy_layers", [](const PySession& s) { return s.session->placed_copy_layers(); },
+                     "Layers whose FFN the host reads from a copy in the file's placed order (with predictors).")
+        .def_prop_ro("placed_copy_bytes", [](const PySession& s) { return s.session->placed_copy_bytes(); })
+        .def_prop_rw("placed_copies", [](const PySession& s) { return s.session->placed_copies(); },
+                     [](PySession& s, bool on) {
+                         nb::gil_scoped_release release;  // may copy the layers
+                         s.session->set_placed_copies(on);
+                     }, "Whether the host reads a placed file's neurons from copies in the placed order.")
+        .def_prop_rw("predictor_group", [](const PySession& s) { return s.session->predictor_group(); },
+                     [](PySession& s, int32_t g) { s.session->set_predictor_group(g); },
+                     "Predictors decide by groups of this many consecutive neurons (1: neuron by neuron).");
+}
+
 void bind_model(nb::module_& m) {
     m.def("measure_device", &measure_device_py, nb::arg("device"), nb::arg("bytes") = (size_t)256 << 20,
           nb::arg("small_bytes") = (size_t)16384, nb::arg("n_threads") = 1);
@@ -314,7 +337,8 @@ void bind_model(nb::module_& m) {
           nb::arg("kv_type_v") = "", nb::arg("n_cpu_moe") = -1, nb::arg("gpu_experts").none() = nb::none());
     m.def("supported_architectures", [] { return std::string(supported_architectures()); });
 
-    nb::class_<PySession>(m, "Session")
+    auto session = nb::class_<PySession>(m, "Session");
+    session
         .def(nb::new_(&make_session), nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_threads") = 0,
              nb::arg("kv_type") = "f16", nb::arg("n_batch") = 512, nb::arg("n_seq") = 1, nb::arg("device") = "cpu",
              nb::arg("vram") = -1, nb::arg("n_gpu_layers") = -1, nb::arg("gpu_neurons").none() = nb::none(),
@@ -383,22 +407,10 @@ void bind_model(nb::module_& m) {
         }, nb::arg("compact"))
         .def("sparsity_counts", &sparsity_counts)
         .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
-        .def("set_predictors", [](PySession& s, std::optional<std::string> path) {
-            std::shared_ptr<const Predictors> p;
-            nb::gil_scoped_release release;  // the first call repacks the down matrices
-            if (path) p = Predictors::load(*path, s.session->model());
-            s.session->set_predictors(std::move(p));
-        }, nb::arg("path").none(), "Attaches the activation predictors of a companion GGUF (None detaches).")
-        .def_prop_ro("has_predictors", [](const PySession& s) { return s.session->has_predictors(); })
-        .def_prop_ro("placed_copy_layers", [](const PySession& s) { return s.session->placed_copy_layers(); },
-                     "Layers whose FFN the host reads from a copy in the file's placed order (with predictors).")
-        .def_prop_ro("placed_copy_bytes", [](const PySession& s) { return s.session->placed_copy_bytes(); })
-        .def_prop_rw("predictor_group", [](const PySession& s) { return s.session->predictor_group(); },
-                     [](PySession& s, int32_t g) { s.session->set_predictor_group(g); },
-                     "Predictors decide by groups of this many consecutive neurons (1: neuron by neuron).")
         .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {
             s.session->set_recorder(r && *r ? (*r)->rec : nullptr);
         }, nb::arg("recorder").none());
+    bind_predictors(session);
 }
 
 optiml::Session& native_session(nb::handle session) { return *nb::cast<PySession&>(session).session; }

@@ -22,7 +22,8 @@ with llama.cpp on the same file, medians):
     file order        predictors, the rows in the file's order (a step reads clusters scattered)
     co-active         predictors, the placed file: a copy of each layer in co-activation order
     co-active, g=G    the same predicting by groups of G placed neurons (--groups)
-Beside each: the mean run of consecutive rows a step reads (from the profile's held-out sampled FFN
+Then the two orders alternated with each other (the order's own effect, side by side). Beside each row: the
+mean run of consecutive rows a step reads (from the profile's held-out sampled FFN
 inputs, the forced predictor's masks) and the speed against llama.cpp and OptiML dense.
 
 --quality does the same on SmolLM2-135M and Gemma 3 270M (real models, real text) with predictors TRAINED
@@ -98,7 +99,7 @@ def mean_run(masks: np.ndarray, order: np.ndarray, group: int) -> float:
 def run_optiml(a, path: str, pred: str | None, group: int, peer, ids, n_ctx: int):
     m = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, sparsity="none", predictors=pred,
                      predictor_group=group)
-    copy = m.placed_copy()
+    copy = m.placed_copy_info()
     o, p = alternate_tg_text(m, peer, ids, a.n_prompt, a.n_gen, a.repeats)
     share = None
     if pred:
@@ -232,6 +233,15 @@ def main(argv=None) -> int:
         log(f"{name}: optiml {[round(v, 2) for v in o]}, llama.cpp {[round(v, 2) for v in p]}, computed {share}")
         rows.append((name, o, p, share, run, copy))
     close(peer)
+    # The order's own effect, side by side: the two orders with the same predictor, alternated.
+    log("co-active against file order, alternated")
+    fm = optiml.Model(path, n_ctx=n_ctx, n_threads=a.threads, sparsity="none", predictors=pred)
+    cm = optiml.Model(placed, n_ctx=n_ctx, n_threads=a.threads, sparsity="none", predictors=pred)
+    co_runs, file_runs = alternate_tg_text(cm, fm, ids, a.n_prompt, a.n_gen, a.repeats)
+    close(cm)
+    close(fm)
+    results.add(ffn="co-active over file order (alternated)", optiml_runs=co_runs, file_order_runs=file_runs,
+                ratio=statistics.median(co_runs) / statistics.median(file_runs))
 
     od = statistics.median(rows[0][1]) / statistics.median(rows[0][2])
     print(f"### {'tiny (smoke test)' if a.tiny else '7B-shaped'} SwiGLU, planted clusters of {a.cluster}, random Q4_0 weights, {a.threads} threads")
@@ -253,6 +263,9 @@ def main(argv=None) -> int:
     hits = sum(x >= GOAL for x in per_run)
     print(f"\ngoal: co-active >= {GOAL}x llama.cpp dense in 4 of 5 runs -> {best[0]}: per-run ratios "
           f"{', '.join(f'{x:.2f}' for x in per_run)} ({hits} of {len(per_run)} at or above)")
+    print(f"co-active over file order, the two alternated with each other: "
+          f"{statistics.median(co_runs) / statistics.median(file_runs):.2f}x ({spread(co_runs, '.2f')} against "
+          f"{spread(file_runs, '.2f')} tok/s)")
     print("vs optiml dense: each row's ratio to llama.cpp divided by the dense row's (llama.cpp the common "
           "reference across the pairs)")
     results.note(f"cluster {a.cluster}, samples {a.samples}")

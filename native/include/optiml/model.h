@@ -310,8 +310,12 @@ public:
     // Predictors decide by groups of g consecutive neurons (FFNSparsity::group; 1: by neuron).
     void set_predictor_group(int32_t g);
     int32_t predictor_group() const { return predictor_group_; }
-    // Layers whose FFN the host reads from a copy in the file's placed order (LayerExec::host_placed),
-    // and the bytes of those copies.
+    // Whether the host reads its neurons of a placed file that kept its weights' order from copies in
+    // the placed order (with predictors; LayerExec::host_placed): on (the default) costs the copies'
+    // memory, off frees them and reads the file's rows where they are.
+    void set_placed_copies(bool on);
+    bool placed_copies() const { return placed_copies_; }
+    // Layers whose FFN the host reads from such a copy, and the bytes of those copies.
     std::vector<int32_t> placed_copy_layers() const;
     size_t placed_copy_bytes() const;
 
@@ -375,6 +379,7 @@ private:
     std::shared_ptr<ActivationRecorder> recorder_;
     std::shared_ptr<const Predictors> predictors_;
     int32_t predictor_group_ = 1;
+    bool placed_copies_ = true;
 
     // The layout of the model's dense matrices (Model::set_rows16) follows this session's needs: rows16
     // where only this CPU's dense product reads a matrix, rows where anything else does. Placed before

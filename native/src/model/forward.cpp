@@ -211,9 +211,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
 
     if (on_host != on_dev) {  // one device computes the whole FFN
         Backend* be = on_host ? host : dev;
-        // With a predictor, a placed copy of the host's layer reads co-active neurons as runs.
-        const FFNShare& share = !on_host ? E.device_share : sp.predictor && E.host_placed.w ? E.host_placed
-                                                                                          : E.host_share;
+        const FFNShare& share = on_host ? E.host_ffn(sp) : E.device_share;
         const StepScratch s = scratch_rows(be, r0);
         move(home, hs.xn, be, s.xn, xn_floats);
         int64_t* active = on_host ? &host_active_[il] : &device_active_[il];
@@ -235,7 +233,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     if (home == host) {
         dev->copy_from_host(ds.xn, ks.xn, xn_floats * sizeof(float));
         dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
-        host->ffn(hp, il, E.host_share, sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
+        host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
         // Queued after the host's share: a copy into pageable host memory blocks the calling thread
         // until the device gets there, which would otherwise serialize the two shares.
         dev->copy_to_host(ks.y2, ds.y, xn_floats * sizeof(float));
@@ -246,7 +244,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
         const Event xn_ready = dev->record();
         dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
         host->wait(xn_ready);
-        host->ffn(hp, il, E.host_share, sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
+        host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
         dev->copy_from_host(ds.y2, ks.y, xn_floats * sizeof(float));
         dev->ffn_join(hp, E.attn_w->ffn, ds.y, ds.y2, n, ds.x);
         // The host's y is read by the device's copy: the next host write to it comes after a wait on the

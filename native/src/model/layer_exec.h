@@ -34,6 +34,11 @@ struct Session::LayerExec {
     std::vector<float> placed_bias;       // gate's, then up's (when present)
     std::unique_ptr<NeuronMajor> placed_nm;
     bool placed_nm_compact = false;
+
+    // The host's share as a step reads it: with a predictor, from the placed copy where there is one.
+    const FFNShare& host_ffn(const FFNSparsity& sp) const {
+        return sp.predictor && host_placed.w ? host_placed : host_share;
+    }
     // A mixture of experts split between the devices (LayerPlan::device_experts; the device's weights in
     // device_layers_[il].moe, its experts numbered in the plan's order): the order of the experts' rows
     // in a step, the host's experts (by id) and then the device's, and how many are the host's.

@@ -385,11 +385,11 @@ void Session::prepare_sparse() {
     for (int il = 0; il < hp.n_layer; il++) {
         LayerExec& E = exec_[il];
         if (!E.host_share.w) continue;
+        if (predictors_ && placed_copies_ && !plan_.neuron_order.empty()) {  // from a copy in placed order
+            prepare_placed(il);
+            continue;
+        }
         if (!E.host_share.rows) {
-            if (predictors_ && !plan_.neuron_order.empty()) {
-                prepare_placed(il);
-                continue;
-            }
             E.host_share.down_nm = &model_->down_neuron_major(*pool_, il, sparsity_.compact_down);
             continue;
         }
@@ -407,21 +407,23 @@ void Session::prepare_sparse() {
     }
 }
 
-// The placed copy of a host layer (LayerExec::host_placed): its gate/up rows gathered in the placed order
-// once, and down's neuron-major rows in that order (again when compact_down changes).
+// The placed copy of the host's neurons of a layer (LayerExec::host_placed): placed neurons [k, n_ff)
+// (k: the device's share, 0 for a layer the host computes whole), their gate/up rows gathered in the
+// placed order once, and down's neuron-major rows in that order (again when compact_down changes).
 void Session::prepare_placed(int il) {
     const HParams& hp = model_->hp;
     LayerExec& E = exec_[il];
     const FFNWeights& L = model_->layers[il].ffn;
-    const int32_t* order = plan_.neuron_order.data() + (size_t)il * hp.n_ff;
+    const int32_t* order = plan_.neuron_order.data() + (size_t)il * hp.n_ff + E.k;
+    const int64_t m = hp.n_ff - E.k;
     if (!E.host_placed.w) {
-        const size_t gate_bytes = L.gate.row_bytes * (size_t)hp.n_ff, up_bytes = L.up.row_bytes * (size_t)hp.n_ff;
+        const size_t gate_bytes = L.gate.row_bytes * (size_t)m, up_bytes = L.up.row_bytes * (size_t)m;
         E.placed_rows.resize(gate_bytes + up_bytes);
         uint8_t* gate = E.placed_rows.data();
         uint8_t* up = gate + gate_bytes;
         pool_->run([&](int ith, int nth) {
             int64_t j0, j1;
-            split_range(hp.n_ff, ith, nth, &j0, &j1);
+            split_range(m, ith, nth, &j0, &j1);
             for (int64_t j = j0; j < j1; j++) {
                 std::memcpy(gate + j * L.gate.row_bytes, L.gate.row(order[j]), L.gate.row_bytes);
                 std::memcpy(up + j * L.up.row_bytes, L.up.row(order[j]), L.up.row_bytes);
@@ -431,25 +433,40 @@ void Session::prepare_placed(int il) {
         F = L;
         F.gate.data = gate;
         F.up.data = up;
+        F.gate.rows = F.up.rows = m;
         const int n_bias = (int)L.gate_b.present() + (int)L.up_b.present();
-        E.placed_bias.resize((size_t)n_bias * hp.n_ff);
+        E.placed_bias.resize((size_t)n_bias * m);
         float* b = E.placed_bias.data();
         for (auto [src, dst] : {std::pair{&L.gate_b, &F.gate_b}, {&L.up_b, &F.up_b}}) {
             if (!src->present()) continue;
-            for (int64_t j = 0; j < hp.n_ff; j++) b[j] = ((const float*)src->data)[order[j]];
+            for (int64_t j = 0; j < m; j++) b[j] = ((const float*)src->data)[order[j]];
             dst->data = (const uint8_t*)b;
-            b += hp.n_ff;
+            dst->cols = m;
+            dst->row_bytes = sizeof(float) * m;
+            b += m;
         }
         E.host_placed.w = &F;
         E.host_placed.stored = order;
     }
     if (!E.placed_nm || E.placed_nm_compact != sparsity_.compact_down) {
         E.placed_nm.reset();  // the old copy goes first: never both at once
-        E.placed_nm = std::make_unique<NeuronMajor>(
-            neuron_major_rows(*pool_, L.down, order, hp.n_ff, sparsity_.compact_down));
+        E.placed_nm = std::make_unique<NeuronMajor>(neuron_major_rows(*pool_, L.down, order, m, sparsity_.compact_down));
         E.placed_nm_compact = sparsity_.compact_down;
         E.host_placed.down_nm = E.placed_nm.get();
     }
+}
+
+void Session::set_placed_copies(bool on) {
+    placed_copies_ = on;
+    if (!on)
+        for (LayerExec& E : exec_) {
+            E.host_placed = FFNShare{};
+            E.placed_ffn = FFNWeights{};
+            E.placed_rows = {};
+            E.placed_bias = {};
+            E.placed_nm.reset();
+        }
+    if (sparsity_.enabled || predictors_) prepare_sparse();
 }
 
 void Session::set_predictor_group(int32_t g) {

@@ -91,7 +91,8 @@ class Model(Sequences):
     any of its neurons is predicted active: more neurons computed (closer to the dense result), read as
     longer runs of rows where the file orders co-active neurons together (`optiml solve --order
     coactive`; with the weights kept in their order, the CPU then reads its layers from a copy in that
-    order, :meth:`placed_copy`).
+    order, :meth:`placed_copy_info`; placed_copy=False reads the file's rows where they are instead, without
+    the copies' memory).
 
     use_mmap: True maps the file (weights are paged in as they are first read and shared with the page
     cache), False reads it whole into private memory backed by 2 MiB pages where the OS has them (Linux
@@ -126,6 +127,7 @@ class Model(Sequences):
         n_cpu_moe=None,
         gpu_experts=None,
         predictor_group: int = 1,
+        placed_copy: bool = True,
     ):
         self.path = loading.model_file(path)
         self._model = loading.open_weights(self.path, use_mmap)
@@ -145,6 +147,8 @@ class Model(Sequences):
                 self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):
             self._model = _core.Model(os.fsencode(self.path), in_memory=True)
         self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch, n_seq, **where)
+        if not placed_copy:  # before any predictors: their copies are made as they attach
+            self._session.placed_copies = False
         self._tokens: list[int] = []  # what the context (KV cache) holds
         self._busy = threading.Lock()
         self._chat_template = None
@@ -234,7 +238,7 @@ class Model(Sequences):
         with self._exclusive():
             self._session.predictor_group = g
 
-    def placed_copy(self) -> dict:
+    def placed_copy_info(self) -> dict:
         """The layers whose FFN the CPU reads from a copy in the file's placed order (a placed file that kept
         its weights' order, with predictors) and the bytes of those copies (gate/up rows and down's
         neuron-major rows)."""

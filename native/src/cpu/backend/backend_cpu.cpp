@@ -155,7 +155,8 @@ public:
                 if (active) *active += all;
                 return;
             }
-            const size_t width = (size_t)share.w->gate.rows;
+            // (a placed share's predictor scores every file neuron: n_ff per token)
+            const size_t width = (size_t)(share.stored ? h.n_ff : share.w->gate.rows);
             const size_t need = (size_t)n * width;
             if (sp_idx_.size() < need) {
                 sp_idx_.resize(need);

@@ -81,12 +81,14 @@ void down_projection(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
         }
     } else {
         // Dense over act(gate) * up with the inactive neurons zeroed: the same function, the dense kernel.
-        std::memset(s.gate, 0, sizeof(float) * n * width);
-        const int32_t* stored = share.stored;  // w.down is in the file's order
+        // A placed share's w.down is the file's: its inputs go to their file neurons, of all n_ff.
+        const int32_t* stored = share.stored;
+        const int64_t in_width = stored ? hp.n_ff : width;
+        std::memset(s.gate, 0, sizeof(float) * n * in_width);
         for (int32_t t = 0; t < n; t++)
             for (int32_t i = 0; i < ss.count[t]; i++) {
                 const int32_t j = ss.idx[t * width + i];
-                s.gate[t * width + (stored ? stored[j] : j)] = ss.val[t * width + i];
+                s.gate[t * in_width + (stored ? stored[j] : j)] = ss.val[t * width + i];
             }
         const Weight* down[1] = {&w.down};
         matmul_shared_input(pool, kt, down, &y, 1, s.gate, n);
@@ -147,7 +149,8 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
     const FFNWeights& w = *share.w;
     const LayerPredictor& P = *sp.predictor;
     const int64_t width = w.gate.rows;
-    if (P.b.rows != width || P.a.cols != hp.n_embd)
+    const int64_t n_scores = share.stored ? hp.n_ff : width;  // a placed share's scores: every file neuron
+    if (P.b.rows != n_scores || P.a.cols != hp.n_embd)
         throw ArgumentError("the predictor does not fit this FFN share (its neurons are not the layer's)");
 
     // 1. Scores.
@@ -160,7 +163,7 @@ int64_t ffn_predicted(ThreadPool& pool, const KernelTable& kt, const HParams& hp
 
     // 2. Predicted neurons per token and their union.
     auto predict = [&](int64_t t) {
-        ss.count[t] = predicted_neurons(share, sp, scores + t * width, width, ss.idx + t * width);
+        ss.count[t] = predicted_neurons(share, sp, scores + t * n_scores, width, ss.idx + t * width);
     };
     per_token(pool, n, predict);
     int64_t n_uni = 0;
