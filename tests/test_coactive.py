@@ -141,7 +141,11 @@ def test_solve_orders_a_clustered_model_by_coactivation(tmp_path):
                       "-o", str(placed))
     assert rc == 0, out
     assert "co-activation order" in out
-    order = read_placement(str(placed))["neuron_order"]
+    pl = read_placement(str(placed))
+    assert pl["order"] == "coactive"
+    rc, out = run_cli("info", str(placed))
+    assert rc == 0 and "co-activation order" in out, out
+    order = pl["neuron_order"]
     for layer in range(2):
         of, _ = cluster_layout(0, layer, 512, 16, 128)
         o = order[layer]

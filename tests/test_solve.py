@@ -466,7 +466,7 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
-    def write_placed(model, stats, placement, out, order=None):
+    def write_placed(model, stats, placement, out, order=None, order_name="custom"):
         seen.update(model=model, placement=placement, out=out, order=order)
         return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
 

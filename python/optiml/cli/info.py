@@ -145,7 +145,11 @@ def _show_placement(f) -> dict | None:
     sizes = layer_bytes(f, k)
     n_ff = ffn_layout(f)[1]
     print()
-    print(f"  placement (optiml.placement.*, v{pl.get('version')}): FFN neurons hot-first, "
+    how = {"hot-first": "FFN neurons hot-first",
+           "coactive": "FFN neurons hot-first for the GPU share, the CPU's after it in co-activation order (neurons "
+                       "that fire together side by side)"}.get(pl.get("order", "hot-first"), f"FFN neurons in a "
+                                                                                     f"{pl.get('order')} order")
+    print(f"  placement (optiml.placement.*, v{pl.get('version')}): {how}, "
           f"layer l's GPU share is placed neurons [0, k_l)")
     if pl["form"] == "neuron_order":
         print("  form: neuron_order: the weights keep the source's order (exact); optiml.placement.neuron_order "
@@ -163,7 +167,8 @@ def _show_placement(f) -> dict | None:
     solver = pl.get("solver", {})
     print(f"  budget {mib(pl.get('vram_budget', 0), '.2f')}, used {mib(pl.get('vram_used', 0), '.2f')} "
           f"(fixed {mib(pl.get('fixed_bytes', 0), '.2f')}), ctx {pl.get('ctx')}, group {pl.get('group_size')}")
-    print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {solver.get('gap', 0):.3g}, "
+    gap = solver.get("gap")  # null where no program ran (greedy, all-cpu)
+    print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {'n/a' if gap is None else format(gap, '.3g')}, "
           f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
     if pl.get("hardware"):
         print(f"  hardware: {json.dumps(pl['hardware'], sort_keys=True)}")

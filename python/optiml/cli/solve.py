@@ -80,7 +80,7 @@ def run(args) -> int:
         after = sum(r[1] for r in runs) / len(runs)
         print(f"co-activation order: a step's active CPU rows come in runs of {before:.2f} rows hot-first, "
               f"{after:.2f} in this order (mean over layers, on sampled tokens held out from the ordering)")
-    res = write_placed(model, st, placement, args.outfile, order=order)
+    res = write_placed(model, st, placement, args.outfile, order=order, order_name="coactive")
     if res["form"] == "permuted":
         how = f"FFN neurons permuted {'hot-first' if order is None else 'in the co-activation order'} in the file"
     else:

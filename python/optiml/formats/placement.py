@@ -301,10 +301,12 @@ def write_expert_placement(model_path: str | os.PathLike, stats: ActivationStats
 
 
 def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Any,
-                 out_path: str | os.PathLike, progress: bool = True, order: np.ndarray | None = None) -> dict:
+                 out_path: str | os.PathLike, progress: bool = True, order: np.ndarray | None = None,
+                 order_name: str = "custom") -> dict:
     """Writes out_path: model_path with each layer's FFN neurons in hot-first order (or `order`, [n_layer,
     n_ff]: placed neuron i of layer l is stored neuron order[l, i]; its GPU share must stay a hot prefix
-    for the solver's figures to hold) and the placement in
+    for the solver's figures to hold; order_name says how it was made, in optiml.placement.order, e.g.
+    "coactive") and the placement in
     optiml.placement.* metadata (any previous placement replaced; other keys copied unchanged). The
     neurons are permuted in the file when every layer's down tensor allows it exactly, else the weights
     keep their order and optiml.placement.neuron_order records it (see the module doc); nothing is
@@ -329,6 +331,7 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
                             f"the model {n_layer} x {n_ff}")
     _check_placement(placement, n_layer, n_ff)
 
+    custom = order
     if order is None:
         order = hot_first_order(stats.freq, stats.impact)
     else:
@@ -351,6 +354,7 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
                 elif name == "ffn_down.weight":
                     transforms[t.name] = _permute_down(order[l])
     kv = placement_kv(stats, placement, None if permute else order)
+    kv[PREFIX + "order"] = ("hot-first" if custom is None else order_name, VT.STRING)
     rewrite_gguf(model_path, out_path, set_kv=kv, remove_prefixes=(PREFIX,), transforms=transforms,
                  progress=progress, desc="placing")
     return {"form": "permuted" if permute else "neuron_order", "down_types": down_types}
