@@ -72,10 +72,14 @@ def placed(tiny, tmp_path_factory):
     rng = np.random.default_rng(3)
     order = np.concatenate([rng.permutation(128) for _ in range(2)]).astype(np.int32)
     out = tmp_path_factory.mktemp("co") / "placed.gguf"
-    rewrite_gguf(tiny, str(out), set_kv={"optiml.placement.version": (2, VT.UINT32),
-                                         "optiml.placement.gpu_neurons": (np.zeros(2, np.int32), VT.ARRAY),
-                                         "optiml.placement.neuron_order": (order, VT.ARRAY)}, progress=False)
+    rewrite_gguf(tiny, str(out), set_kv=order_kv(order, "coactive"), progress=False)
     return str(out)
+
+
+def order_kv(order, name):
+    return {"optiml.placement.version": (2, VT.UINT32),
+            "optiml.placement.gpu_neurons": (np.zeros(2, np.int32), VT.ARRAY),
+            "optiml.placement.neuron_order": (order, VT.ARRAY), "optiml.placement.order": (name, VT.STRING)}
 
 
 def logits_of(path, pred, group=1, **kw):
@@ -102,6 +106,37 @@ def test_placed_copy_computes_what_the_file_order_computes(tiny, placed, tmp_pat
     m = optiml.Model(placed, n_ctx=64, predictors=None)
     assert m.placed_copy_info()["layers"] == []
     m.close()
+    # Nor with a hot-first order (the solver's usual one): a copy would read no longer runs.
+    rng = np.random.default_rng(5)
+    hot = tmp_path / "hot.gguf"
+    rewrite_gguf(tiny, str(hot), set_kv=order_kv(np.concatenate([rng.permutation(128) for _ in range(2)])
+                                                 .astype(np.int32), "hot-first"), progress=False)
+    m = optiml.Model(str(hot), n_ctx=64, predictors=pred)
+    assert m.placed_copy_info()["layers"] == []
+    m.close()
+
+
+def test_detaching_predictors_frees_the_copies_and_keeps_the_criterion(tiny, placed, tmp_path):
+    pred = fixed_predictor(tiny, tmp_path / "p.gguf", active=0.5, recorded_share=0.5)
+    ids = optiml.Model(tiny, n_ctx=64).tokenize(TEXT.read_text(encoding="utf-8")[:500])[:24]
+
+    def skipped(m):
+        m.reset()
+        m.sparsity_stats(reset=True)
+        for t in ids:
+            m.eval([t])
+        return m.sparsity_stats()["skipped"]
+
+    for path in (tiny, placed):  # the same share skipped by the threshold, copies or not
+        m = optiml.Model(path, n_ctx=64, predictors=pred, sparsity="threshold", thresholds=0.05)
+        m._session.set_predictors(None)  # the native call alone, as the Python wrapper's first step
+        assert m.placed_copy_info() == {"layers": [], "bytes": 0}
+        if path == tiny:
+            expected = skipped(m)
+            assert expected > 0.05
+        else:
+            assert skipped(m) == pytest.approx(expected)
+        m.close()
 
 
 def test_group_prediction_computes_whole_groups(tiny, placed, tmp_path):

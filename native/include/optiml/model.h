@@ -188,6 +188,9 @@ public:
     // far as the budget holds: files from before the solver chose it per layer).
     std::vector<int32_t> placement_gpu_attention;
     std::vector<int32_t> placement_order;
+    // How the file's neurons were ordered (optiml.placement.order: "hot-first", "coactive", ...; empty in
+    // files from before the key, which are hot-first).
+    std::string placement_order_name;
     // Mixtures of experts: per layer the experts meant for the GPU, hottest first (empty: no such placement).
     std::vector<std::vector<int32_t>> placement_gpu_experts;
 
@@ -352,6 +355,8 @@ private:
     void alloc_split_scratch();
     void prepare_sparse();
     void prepare_placed(int il);
+    bool reads_placed_copies() const;
+    void free_placed();
 
     std::shared_ptr<Model> model_;
     std::shared_ptr<ThreadPool> pool_;

@@ -361,6 +361,7 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
     }
     M.sparsity = read_sparsity(f, hp);
     read_placement(f, hp, M.placement_gpu_neurons, M.placement_gpu_attention, M.placement_order);
+    if (f.has("optiml.placement.order")) M.placement_order_name = f.get_string("optiml.placement.order");
     read_expert_placement(f, hp, M.placement_gpu_experts);
     return model;
 }

@@ -385,7 +385,7 @@ void Session::prepare_sparse() {
     for (int il = 0; il < hp.n_layer; il++) {
         LayerExec& E = exec_[il];
         if (!E.host_share.w) continue;
-        if (predictors_ && placed_copies_ && !plan_.neuron_order.empty()) {  // from a copy in placed order
+        if (reads_placed_copies()) {  // the host's neurons from a copy in placed order
             prepare_placed(il);
             continue;
         }
@@ -456,16 +456,26 @@ void Session::prepare_placed(int il) {
     }
 }
 
+// With predictors, where the file kept its weights' order and recorded an order other than hot-first
+// (a hot-first order reads no longer runs than the file's; a copy would only cost memory).
+bool Session::reads_placed_copies() const {
+    const std::string& name = model_->placement_order_name;
+    return predictors_ && placed_copies_ && !plan_.neuron_order.empty() && !name.empty() && name != "hot-first";
+}
+
+void Session::free_placed() {
+    for (LayerExec& E : exec_) {
+        E.host_placed = FFNShare{};
+        E.placed_ffn = FFNWeights{};
+        E.placed_rows = {};
+        E.placed_bias = {};
+        E.placed_nm.reset();
+    }
+}
+
 void Session::set_placed_copies(bool on) {
     placed_copies_ = on;
-    if (!on)
-        for (LayerExec& E : exec_) {
-            E.host_placed = FFNShare{};
-            E.placed_ffn = FFNWeights{};
-            E.placed_rows = {};
-            E.placed_bias = {};
-            E.placed_nm.reset();
-        }
+    if (!on) free_placed();
     if (sparsity_.enabled || predictors_) prepare_sparse();
 }
 
@@ -508,7 +518,9 @@ void Session::set_predictors(std::shared_ptr<const Predictors> p) {
         place_weights();
         prepare_sparse();
     } else {
+        free_placed();  // only predictors read them
         weights_placed_ = false;
+        if (sparsity_.enabled) prepare_sparse();  // the criterion's down copies, in the file's order
     }
     reset_sparsity_counts();
 }

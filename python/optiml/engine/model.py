@@ -86,13 +86,15 @@ class Model(Sequences):
 
     predictors: activation predictors (see :meth:`set_predictors`): "auto" (default: MODEL.predictors.gguf
     beside MODEL.gguf when it exists, unless its predictors mark so many neurons active that they would
-    slow decoding down: then a PredictorWarning says so), a path, or None. predictor_group: they decide by
-    groups of this many consecutive neurons (default 1: neuron by neuron), a group computed whole when
-    any of its neurons is predicted active: more neurons computed (closer to the dense result), read as
-    longer runs of rows where the file orders co-active neurons together (`optiml solve --order
-    coactive`; with the weights kept in their order, the CPU then reads its layers from a copy in that
-    order, :meth:`placed_copy_info`; placed_copy=False reads the file's rows where they are instead, without
-    the copies' memory).
+    slow decoding down: then a PredictorWarning says so), a path, or None. With predictors and a file whose
+    neurons `optiml solve --order coactive` ordered but whose weights kept their order (quantized down
+    tensors), the CPU reads its neurons from a copy in the placed order, made at load, so that neurons that
+    fire together are read as runs of rows (:meth:`placed_copy_info`; placed_copy=False reads the file's rows
+    where they are, without the copies' memory). predictor_group: the predictors decide by groups of this
+    many consecutive neurons as the CPU reads them (in the placed order from a copy, else in the file's
+    order; default 1: neuron by neuron), a group computed whole when any of its neurons is predicted
+    active: more neurons computed (closer to the dense result), in longer runs where co-active neurons sit
+    together.
 
     use_mmap: True maps the file (weights are paged in as they are first read and shared with the page
     cache), False reads it whole into private memory backed by 2 MiB pages where the OS has them (Linux
@@ -129,6 +131,7 @@ class Model(Sequences):
         predictor_group: int = 1,
         placed_copy: bool = True,
     ):
+        predictor_group = positive_int("predictor_group", predictor_group)
         self.path = loading.model_file(path)
         self._model = loading.open_weights(self.path, use_mmap)
         self.hparams: dict = self._model.hparams

@@ -57,7 +57,8 @@ def _file_id(path: str) -> str:
 
 def _key(model, config: str) -> str:
     """The machine, the files (path, size, time: a rewritten file is timed again), the settings."""
-    parts = [cpu_name(), str(model._n_threads), _file_id(model.path), config, model.plan.device]
+    parts = [cpu_name(), str(model._n_threads), _file_id(model.path), config, model.plan.device,
+             f"group {model.predictor_group}", f"placed copies {model._session.placed_copies}"]
     if model.predictors:
         parts.append(_file_id(model.predictors))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]

@@ -107,20 +107,21 @@ int32_t predicted_neurons(const FFNShare& share, const FFNSparsity& sp, const fl
     const int32_t* stored = share.stored;  // w's rows in a placed order
     const int32_t group = sp.group;
     int32_t c = 0;
-    // Branch-free: about which neurons fire the branch predictor can only guess (the store is
-    // overwritten while the condition is false).
+    // By groups: only the share's own neurons count towards a group's decision.
     if (group > 1)
         for (int32_t g0 = 0; g0 < width; g0 += group) {
             const int32_t g1 = std::min<int32_t>((int32_t)width, g0 + group);
             bool any = false;
             for (int32_t j = g0; j < g1 && !any; j++) {
                 const int32_t f = stored ? stored[j] : j;
-                any = sc[f] + bias[f] > pthr;
+                any = sc[f] + bias[f] > pthr && (!in_share || in_share[j] >= 0);
             }
             if (any)
                 for (int32_t j = g0; j < g1; j++)
                     if (!in_share || in_share[j] >= 0) idx[c++] = j;
         }
+    // Neuron by neuron, branch-free: about which neurons fire the branch predictor can only guess (the
+    // store is overwritten while the condition is false).
     else if (stored)
         for (int32_t j = 0; j < width; j++) {
             idx[c] = j;
