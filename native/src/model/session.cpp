@@ -497,7 +497,8 @@ size_t Session::placed_copy_bytes() const {
     for (const LayerExec& E : exec_)
         if (E.host_placed.w)
             b += E.placed_rows.size() + sizeof(float) * E.placed_bias.size() +
-                 (E.placed_nm ? E.placed_nm->data.size() : 0);
+                 (E.placed_nm ? E.placed_nm->data.size() + sizeof(float) * E.placed_nm->dim_scale.size() +
+                                    E.placed_nm->group_d.size() + E.placed_nm->group_m.size() : 0);
     return b;
 }
 

@@ -335,7 +335,10 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
     if order is None:
         order = hot_first_order(stats.freq, stats.impact)
     else:
-        order = np.asarray(order, dtype=np.int64)
+        try:
+            order = np.asarray(order, dtype=np.int64)
+        except (ValueError, TypeError):
+            order = np.zeros(0, dtype=np.int64)  # ragged or not numbers: refused below
         if order.shape != (n_layer, n_ff) or any(not np.array_equal(np.sort(o), np.arange(n_ff)) for o in order):
             raise ArgumentError(f"the neuron order must hold a permutation of {n_ff} neurons for each of "
                                 f"{n_layer} layers")
