@@ -16,7 +16,7 @@ from optiml.formats.gguf_edit import rewrite_gguf
 from optiml.formats.placement import read_placement
 from optiml.offline.coactive import coactive_order, run_lengths
 
-from conftest import ROOT, child_env, fixed_predictor, model_path, tiny_model
+from conftest import ROOT, child_env, fixed_predictor, llama_cpp_module, model_path, tiny_model
 
 sys.path.insert(0, str(ROOT / "tools"))
 from make_synthetic_model import cluster_layout  # noqa: E402
@@ -212,3 +212,20 @@ def test_split_layers_read_the_hosts_neurons_from_a_placed_copy(placed, tiny, tm
     m._session.placed_copies = False
     assert m.placed_copy_info() == {"layers": [], "bytes": 0}
     m.close()
+
+
+def test_the_benchmark_runs_and_finds_the_clusters(tmp_path):
+    """tools/bench/coactive.py end to end on its tiny model (one repeat): the co-activation order reads the
+    forced predictor's rows in far longer runs than the file's order."""
+    import json
+
+    llama_cpp_module()  # the benchmark's peer
+    out = tmp_path / "coactive.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "coactive.py"), "--tiny", "--cluster", "16",
+                        "--groups", "16", "--repeats", "1", "--n-gen", "4", "--samples", "512", "--model-dir",
+                        str(tmp_path), "--json", str(out)], capture_output=True, text=True, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["ffn"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["co-active"]["mean_run"] > 4 * rows["file order"]["mean_run"]
+    assert rows["co-active"]["placed_copy_bytes"] > 0 and rows["file order"]["placed_copy_bytes"] == 0
+    assert 0.3 < rows["co-active"]["computed"] < 0.7
