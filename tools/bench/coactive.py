@@ -49,7 +49,7 @@ import numpy as np
 
 import harness
 import optiml
-from harness import alternate_tg_text, close, log, noisy, spread
+from harness import alternate_tg_text, close, computed_share, log, noisy, spread
 
 sys.path.insert(0, str(harness.ROOT / "tools"))
 from make_synthetic_model import cluster_layout  # noqa: E402
@@ -101,14 +101,7 @@ def run_optiml(a, path: str, pred: str | None, group: int, peer, ids, n_ctx: int
                      predictor_group=group)
     copy = m.placed_copy_info()
     o, p = alternate_tg_text(m, peer, ids, a.n_prompt, a.n_gen, a.repeats)
-    share = None
-    if pred:
-        m.reset()
-        m.eval(ids[:a.n_prompt])
-        m.sparsity_stats(reset=True)
-        for i in range(a.n_prompt, a.n_prompt + 8):
-            m.eval(ids[i:i + 1])
-        share = 1.0 - m.sparsity_stats()["skipped"]
+    share = computed_share(m, ids, a.n_prompt) if pred else None
     close(m)
     return o, p, share, copy
 
@@ -155,12 +148,7 @@ def bench_quality(a, results) -> None:
                                                          for g in [1] + a.groups]:
             m = optiml.Model(p_, n_ctx=256, n_threads=a.threads, sparsity="none", predictors=pred, predictor_group=g)
             r = px.compare(base, m).summary()
-            m.reset()
-            m.eval(ids[:16])
-            m.sparsity_stats(reset=True)
-            for i in range(16, 48):
-                m.eval(ids[i:i + 1])
-            share = 1.0 - m.sparsity_stats()["skipped"]
+            share = computed_share(m, ids, 16, 32)
             o, d = alternate_tg_text(m, dense, ids, 16, 64, a.repeats)
             ratio = statistics.median(o) / statistics.median(d)
             results.add(table="quality", model=name, ffn=label, computed=share, kld_mean=r["kld_mean"],

@@ -172,6 +172,17 @@ def alternate(engines: dict, tests: dict, repeats: int, warmup: bool = True) -> 
     return out
 
 
+def computed_share(m, ids: list[int], n_prompt: int, n: int = 8) -> float:
+    """The share of gate/up rows an OptiML model computed per generated token over n text tokens after a
+    prompt of n_prompt (single-token steps only: a batch computes the union of its tokens' predicted rows)."""
+    m.reset()
+    m.eval(ids[:n_prompt])
+    m.sparsity_stats(reset=True)
+    for i in range(n_prompt, n_prompt + n):
+        m.eval(ids[i:i + 1])
+    return 1.0 - m.sparsity_stats()["skipped"]
+
+
 def alternate_tg_text(a, b, ids: list[int], n_prompt: int, n_gen: int, repeats: int) -> tuple[list, list]:
     """time_tg_text of two engines (OptiML and llama.cpp, or two OptiML settings), alternated: (a's runs,
     b's runs)."""

@@ -41,7 +41,7 @@ import numpy as np
 
 import harness
 import optiml
-from harness import alternate_tg_text, close, log, noisy, spread
+from harness import alternate_tg_text, close, computed_share, log, noisy, spread
 
 models = harness.internal("models")
 P = harness.internal("predictor")
@@ -66,17 +66,6 @@ def forced_predictor(model_path: str, out: str, sparsity: float, rank: int, seed
               for _ in range(L)]
     harness.internal("predictor_file").write(out, layers, res, model_path, model_fingerprint(model_path), hp)
     return out
-
-
-def computed_share(m, ids, n_prompt: int, n: int = 8) -> float:
-    """The share of gate/up rows computed per generated token (single-token steps only: a batch computes
-    the union of its tokens' predicted rows)."""
-    m.reset()
-    m.eval(ids[:n_prompt])
-    m.sparsity_stats(reset=True)
-    for i in range(n_prompt, n_prompt + n):
-        m.eval(ids[i:i + 1])
-    return 1.0 - m.sparsity_stats()["skipped"]
 
 
 def weight_bytes(path: str) -> dict:

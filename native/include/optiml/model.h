@@ -355,6 +355,8 @@ private:
     void alloc_split_scratch();
     void prepare_sparse();
     void prepare_placed(int il);
+    bool refresh_rows(std::unique_ptr<NeuronMajor>& nm, bool& made_compact, const Weight& down, const int32_t* rows,
+                      int64_t n);
     bool reads_placed_copies() const;
     void free_placed();
 

@@ -24,10 +24,10 @@ struct Session::LayerExec {
     std::unique_ptr<NeuronMajor> host_nm;  // neuron-major down rows of the host's neurons (sparse FFN)
     bool host_nm_compact = false;  // host_nm was made for SparsitySettings::compact_down
     std::vector<int32_t> host_slot;        // file neuron -> row of host_nm
-    // A layer the host computes whole with a predictor, in a file whose placement kept the stored order
-    // (optiml.placement.neuron_order, e.g. `optiml solve --order coactive`): gate/up rows (and their
-    // biases) copied in the placed order, so that neurons that fire together are read as runs, and
-    // down's neuron-major rows in the same order (FFNShare::stored).
+    // With a predictor, in a file whose placement kept the stored order and records a co-activation order
+    // (optiml.placement.neuron_order and .order): the host's neurons (placed [k, n_ff)) as a copy of their
+    // gate/up rows and biases in the placed order, so that neurons that fire together are read as runs,
+    // with down's neuron-major rows in the same order (FFNShare::stored; Session::prepare_placed).
     FFNShare host_placed;
     FFNWeights placed_ffn;
     HugePageVector<uint8_t> placed_rows;  // gate rows, then up rows

@@ -393,18 +393,25 @@ void Session::prepare_sparse() {
             E.host_share.down_nm = &model_->down_neuron_major(*pool_, il, sparsity_.compact_down);
             continue;
         }
-        if (E.host_nm && E.host_nm_compact == sparsity_.compact_down) continue;
-        E.host_nm.reset();  // the old copy goes first: never both at once
-        E.host_nm_compact = sparsity_.compact_down;
-        auto nm = std::make_unique<NeuronMajor>(
-            neuron_major_rows(*pool_, model_->layers[il].ffn.down, E.host_rows.data(), (int64_t)E.host_rows.size(),
-                              sparsity_.compact_down));
+        if (!refresh_rows(E.host_nm, E.host_nm_compact, model_->layers[il].ffn.down, E.host_rows.data(),
+                          (int64_t)E.host_rows.size()))
+            continue;
         E.host_slot.assign(hp.n_ff, -1);
         for (size_t i = 0; i < E.host_rows.size(); i++) E.host_slot[E.host_rows[i]] = (int32_t)i;
-        E.host_nm = std::move(nm);
         E.host_share.down_nm = E.host_nm.get();
         E.host_share.nm_slot = E.host_slot.data();
     }
+}
+
+// nm: neuron-major down rows of rows[0..n) in list order, made again unless it was made for the session's
+// compact_down (made_compact). Returns whether it was made now.
+bool Session::refresh_rows(std::unique_ptr<NeuronMajor>& nm, bool& made_compact, const Weight& down,
+                           const int32_t* rows, int64_t n) {
+    if (nm && made_compact == sparsity_.compact_down) return false;
+    nm.reset();  // the old copy goes first: never both at once
+    nm = std::make_unique<NeuronMajor>(neuron_major_rows(*pool_, down, rows, n, sparsity_.compact_down));
+    made_compact = sparsity_.compact_down;
+    return true;
 }
 
 // The placed copy of the host's neurons of a layer (LayerExec::host_placed): placed neurons [k, n_ff)
@@ -448,12 +455,7 @@ void Session::prepare_placed(int il) {
         E.host_placed.w = &F;
         E.host_placed.stored = order;
     }
-    if (!E.placed_nm || E.placed_nm_compact != sparsity_.compact_down) {
-        E.placed_nm.reset();  // the old copy goes first: never both at once
-        E.placed_nm = std::make_unique<NeuronMajor>(neuron_major_rows(*pool_, L.down, order, m, sparsity_.compact_down));
-        E.placed_nm_compact = sparsity_.compact_down;
-        E.host_placed.down_nm = E.placed_nm.get();
-    }
+    if (refresh_rows(E.placed_nm, E.placed_nm_compact, L.down, order, m)) E.host_placed.down_nm = E.placed_nm.get();
 }
 
 // With predictors, where the file kept its weights' order and recorded an order other than hot-first

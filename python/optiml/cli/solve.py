@@ -12,7 +12,7 @@ from ..formats import stats
 from ..formats.placement import write_expert_placement, write_placed
 from ..offline.hardware import Hardware
 from ..offline.solve import format_report, solve_placement
-from ..offline.coactive import placed_order
+from ..offline.coactive import check_stats, placed_order
 from ..offline.solve_experts import solve_expert_placement
 from ..util.sizes import parse_size
 from . import common
@@ -52,11 +52,8 @@ def run(args) -> int:
     if not args.time_limit > 0:
         raise ArgumentError(f"--time-limit must be > 0, not {args.time_limit}")
     st = stats.load(args.stats)
-    if args.order == "coactive" and st.is_moe:
-        raise ArgumentError("--order coactive orders FFN neurons; a mixture of experts is placed by whole experts")
-    if args.order == "coactive" and st.sample_mask is None:
-        raise ArgumentError(f"--order coactive needs the firing masks of sampled tokens, which {args.stats} does not "
-                            "hold: profile with --samples N (e.g. 2048)")
+    if args.order == "coactive":  # before the solver's work
+        check_stats(st, args.stats)
     hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

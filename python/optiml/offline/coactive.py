@@ -24,7 +24,7 @@ import numpy as np
 
 from .._core import ArgumentError
 
-__all__ = ["coactive_order", "placed_order", "run_lengths", "unpack_masks"]
+__all__ = ["check_stats", "coactive_order", "placed_order", "run_lengths", "unpack_masks"]
 
 
 def unpack_masks(packed: np.ndarray, n_ff: int) -> np.ndarray:
@@ -102,6 +102,18 @@ def run_lengths(masks: np.ndarray, order: np.ndarray) -> float:
     return active / starts
 
 
+def check_stats(stats, where: str = "the stats") -> None:
+    """ArgumentError unless the stats can order neurons: a dense FFN's, with enough sampled firing masks."""
+    if stats.is_moe:
+        raise ArgumentError("--order coactive orders FFN neurons; a mixture of experts is placed by whole experts")
+    if stats.sample_mask is None:
+        raise ArgumentError(f"--order coactive needs the firing masks of sampled tokens, which {where} does not "
+                            "hold: profile with --samples N (e.g. 2048)")
+    if stats.sample_mask.shape[1] < 4:
+        raise ArgumentError(f"--order coactive: {stats.sample_mask.shape[1]} sampled tokens are too few; profile "
+                            "with --samples 1024 or more")
+
+
 def placed_order(stats, gpu_neurons, neighbours: int = 64, progress=None) -> tuple[np.ndarray, list[tuple[float, float]]]:
     """Each layer's placed order: its GPU share (gpu_neurons[l] neurons) the hot-first prefix as the solver
     chose it, the CPU's neurons after it in co-activation order. Returns the order [n_layer, n_ff] and per
@@ -109,13 +121,8 @@ def placed_order(stats, gpu_neurons, neighbours: int = 64, progress=None) -> tup
     tokens the order was not made from (every other one)."""
     from ..formats.stats import hot_first_order
 
-    if stats.sample_mask is None:
-        raise ArgumentError("--order coactive needs the firing masks of sampled tokens: profile with --samples N "
-                            "(e.g. 2048)")
+    check_stats(stats)
     L, F = stats.freq.shape
-    if stats.sample_mask.shape[1] < 4:
-        raise ArgumentError(f"--order coactive: {stats.sample_mask.shape[1]} sampled tokens are too few; profile "
-                            "with --samples 1024 or more")
     hot = hot_first_order(stats.freq, stats.impact)
     order = hot.copy()
     runs = []
