@@ -28,6 +28,7 @@ void bind_model(nb::module_& m);
 void bind_sparse(nb::module_& m);
 void bind_generate(nb::module_& m);
 void bind_cuda_dequant(nb::module_& m);
+void bind_cuda_timing(nb::module_& m);
 
 // The kernel table of a SIMD level by name ("" = the best available); ArgumentError when unknown
 // or unavailable (bind_kernels.cpp).

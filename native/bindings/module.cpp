@@ -21,6 +21,7 @@ NB_MODULE(_core, m) {
     bind_sparse(m);
     bind_generate(m);
     bind_cuda_dequant(m);
+    bind_cuda_timing(m);
 }
 
 namespace {

@@ -13,7 +13,9 @@ Medians of --reps runs. With --launches N (default 4; 0: off) it then decodes N 
 and of 8 and prints what each launched (Model.launches: kernels per layer and kind, bytes of weights,
 activations and KV cache), and the bandwidth column gains the share of the peak that the counted bytes
 per token at the measured tg speed come to. --unfused measures OptiML again with OPTIML_CUDA_FUSE=0 (every op
-as its own kernels, as before issue #43's fusions; the same logits) and prints both and the speedup.
+as its own kernels, as before issue #43's fusions; the same logits) and prints both and the speedup;
+--untiled likewise with OPTIML_CUDA_TILES=0 (prompts' products by the decode kernels, 8 tokens a pass,
+instead of the tensor-core tiles of matmul_tiles.cu).
 tools/checks/gpu_check.sh runs this on every model it has.
 """
 
@@ -63,6 +65,7 @@ def ours(path: str, tg: int, pp: int, reps: int, launches: int = 0) -> dict:
         plan = m.plan
         weight_bytes = plan.device_bytes["attention_weights"] + plan.device_bytes["ffn_weights"]
         prompt = [m.tokenizer.bos_id if m.tokenizer.bos_id >= 0 else 1] + [100 + i % 1000 for i in range(pp - 1)]
+        m.eval(prompt)  # (the first prompt grows the scratch buffers: not timed)
         for _ in range(reps):
             m.reset()
             t = time.perf_counter()
@@ -125,6 +128,8 @@ def main() -> int:
                     help="then count what N decode steps launch (batch 1 and 8) and print it (0: off)")
     ap.add_argument("--unfused", action="store_true",
                     help="also measure OptiML with OPTIML_CUDA_FUSE=0 (its kernels unfused) and print the speedup")
+    ap.add_argument("--untiled", action="store_true",
+                    help="also measure OptiML with OPTIML_CUDA_TILES=0 (no tensor-core tiles) and print the speedup")
     args, res = harness.parse(ap, "gpu")
     if not optiml.system_info()["cuda_devices"]:
         print("no CUDA device: nothing to measure")
@@ -151,22 +156,24 @@ def main() -> int:
                 bw += f" ({moved * o['tg'] / peak:.0%} counted, {t['kernels']:.0f} kernels/token)"
             print(f"| {name} | {label} | {o[test]:.1f} | {theirs:.1f} | {o[test] / theirs:.2f}x | {bw} |", flush=True)
             res.add(model=name, test=label, optiml=o[test], llama_cpp=theirs, ratio=o[test] / theirs, bandwidth_used=bw)
-        if args.unfused:
-            os.environ["OPTIML_CUDA_FUSE"] = "0"  # (read when the CUDA backend is made)
+        variants = [("unfused", "OPTIML_CUDA_FUSE", "fused")] if args.unfused else []
+        variants += [("untiled", "OPTIML_CUDA_TILES", "tiles")] if args.untiled else []
+        for variant, env, ours_label in variants:
+            os.environ[env] = "0"  # (read when the CUDA backend is made)
             try:
                 u = ours(path, args.tg, args.pp, args.reps, args.launches)
             finally:
-                del os.environ["OPTIML_CUDA_FUSE"]
+                del os.environ[env]
             for test, label in (("tg", f"tg{args.tg}"), ("b8", "8 seqs"), ("pp", f"pp{args.pp}")):
                 theirs = ll.get(test, float("nan"))
-                speedup = f"fused {o[test] / u[test]:.2f}x faster"
-                print(f"| {name} | {label} unfused | {u[test]:.1f} | {theirs:.1f} | {u[test] / theirs:.2f}x | {speedup} |",
+                speedup = f"{ours_label} {o[test] / u[test]:.2f}x faster"
+                print(f"| {name} | {label} {variant} | {u[test]:.1f} | {theirs:.1f} | {u[test] / theirs:.2f}x | {speedup} |",
                       flush=True)
-                res.add(model=name, test=f"{label} unfused", optiml=u[test], llama_cpp=theirs, ratio=u[test] / theirs,
-                        fused_speedup=o[test] / u[test])
+                res.add(model=name, test=f"{label} {variant}", optiml=u[test], llama_cpp=theirs, ratio=u[test] / theirs,
+                        **{f"{ours_label}_speedup": o[test] / u[test]})
             if u["launches"] and o["launches"]:
-                print(f"kernels per token, batch 1: {u['launches']['b1'].per_token()['kernels']:.0f} unfused, "
-                      f"{o['launches']['b1'].per_token()['kernels']:.0f} fused")
+                print(f"kernels per token, batch 1: {u['launches']['b1'].per_token()['kernels']:.0f} {variant}, "
+                      f"{o['launches']['b1'].per_token()['kernels']:.0f} {ours_label}")
         if o["launches"]:
             counts.append((name, o["launches"]))
             res.add(model=name, test="launches", **{k: v.to_dict() for k, v in o["launches"].items()})

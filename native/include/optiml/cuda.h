@@ -31,4 +31,18 @@ std::unique_ptr<Backend> make_cuda_backend(int index);
 // Whether the CUDA backend's products read weights of `type` (false in a CPU-only build).
 bool cuda_reads_type(int32_t type);
 
+// One product kernel timed alone on device `device` (native/src/cuda/product_timing.cu): random weights of
+// `type`, rows x cols, copied until they span span_bytes; n tokens; kernel "decode" (the decode kernels:
+// the integer one where the rows allow it, else the float one) or "tiles" (the tensor-core tiles of a
+// prompt: Q4_0, Q4_1, Q8_0). Seconds per launch over `reps` launches after one untimed.
+struct CudaProductTiming {
+    double seconds = 0;
+    int64_t weight_bytes = 0;  // of one matrix
+    const char* kernel = "";   // the kernel that ran (cuda_kernel_name)
+};
+CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int64_t cols, int32_t n,
+                                    const std::string& kernel, int reps, int64_t span_bytes);
+// Device-to-device copy bandwidth (bytes read plus written per second) over a buffer of `bytes`.
+double cuda_copy_bandwidth(int device, int64_t bytes, int reps);
+
 }  // namespace optiml

@@ -50,6 +50,9 @@ public:
         use();
         if (const char* env = std::getenv("OPTIML_CUDA_GRAPHS")) graphs_ = std::strcmp(env, "0") != 0;
         if (const char* env = std::getenv("OPTIML_CUDA_FUSE")) fuse_ = std::strcmp(env, "0") != 0;
+        cudaDeviceProp prop{};
+        mma_ = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major >= 8;
+        if (const char* env = std::getenv("OPTIML_CUDA_TILES")) mma_ = mma_ && std::strcmp(env, "0") != 0;
         cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
         events_.resize(kEvents);
         for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
@@ -653,9 +656,10 @@ private:
     void products(Input& in, const Out* o, int count) {
         for (int i = 0; i < count;) {
             const Weight& w0 = *o[i].w;
-            const bool ints = q8x(w0);
+            const bool ints = ints_for(o[i], in.n);
             int j = i + 1;
-            while (fuse_ && j < count && j - i < kCudaMaxMatrices && o[j].w->type == w0.type && q8x(*o[j].w) == ints)
+            while (fuse_ && j < count && j - i < kCudaMaxMatrices && o[j].w->type == w0.type &&
+                   ints_for(o[j], in.n) == ints)
                 j++;
             CudaMatrix m[kCudaMaxMatrices];
             for (int k = i; k < j; k++) {
@@ -680,29 +684,39 @@ private:
         }
     }
     bool q8x(const Weight& w) const { return cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data); }
+    // The integer path for n tokens: the decode kernels' (rows 16-byte aligned) or the tiles' (any row, every
+    // row of the input).
+    bool ints_for(const Weight& w, int32_t n) const { return q8x(w) || (tiles(w.type, n) && w.cols % 32 == 0); }
+    bool ints_for(const Out& o, int32_t n) const { return q8x(*o.w) || (o.n < 0 && !o.ids && ints_for(*o.w, n)); }
 
     void launch_products(Input& in, int32_t type, bool ints, CudaMatrix* m, int count) {
         const int32_t n = in.n;
         if (ints) {
-            ensure_codes(in.cols);
-            if (n <= kCodeTokens) {  // the codes of every token fit: converted once for the group
+            bool whole = true;  // every matrix over all rows of the input (not a mixture's slots or parts)
+            for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids;
+            const bool tiled = whole && tiles(type, n);
+            const int32_t slice_rows = tiled ? kTileCodeTokens : kCodeTokens;
+            ensure_codes(in.cols, n < slice_rows ? n : slice_rows);
+            auto launch = [&](const CudaMatrix* ms, int32_t rows) {
+                if (tiled) cuda_matmul_q8x_tiles(stream_, type, ms, count, in.cols, codes_, codes_meta_, rows);
+                else cuda_matmul_q8x_many(stream_, type, ms, count, in.cols, codes_, codes_meta_, rows);
+            };
+            if (n <= slice_rows) {  // the codes of every token fit: converted once for the group
                 if (!in.codes) stage(in, kCudaCodes, 0, n);
                 in.codes = true;
-                cuda_matmul_q8x_many(stream_, type, m, count, in.cols, codes_, codes_meta_, n);
+                launch(m, n);
                 return;
             }
-            for (int k = 0; k < count; k++)
-                if (m[k].n >= 0) throw Error("internal: products over parts of the input take 8-bit codes of "
-                                             "at most 16 rows");
+            if (!whole) throw Error("internal: products over parts of the input take 8-bit codes of at most 16 rows");
             CudaMatrix slice[kCudaMaxMatrices];
-            for (int32_t t0 = 0; t0 < n; t0 += kCodeTokens) {  // a prompt: kCodeTokens rows at a time
-                const int32_t rows = n - t0 < kCodeTokens ? n - t0 : kCodeTokens;
+            for (int32_t t0 = 0; t0 < n; t0 += slice_rows) {  // a long prompt: slice_rows rows at a time
+                const int32_t rows = n - t0 < slice_rows ? n - t0 : slice_rows;
                 stage(in, kCudaCodes, t0, rows);
                 for (int k = 0; k < count; k++) {
                     slice[k] = m[k];
                     slice[k].y = m[k].y + (size_t)t0 * m[k].rows;
                 }
-                cuda_matmul_q8x_many(stream_, type, slice, count, in.cols, codes_, codes_meta_, rows);
+                launch(slice, rows);
             }
             return;
         }
@@ -721,15 +735,28 @@ private:
         cuda_matmul_many(stream_, type, m, count, in.cols, x, n);
     }
 
-    // The 8-bit codes of up to kCodeTokens rows of `cols` values (a longer batch is converted a slice at a
-    // time): grown on first use (a plain step always runs before a step of its shape is recorded, so
-    // growing never happens while recording).
+    // The 8-bit codes of up to codes_rows_ rows of `cols` values (a longer batch is converted a slice at a
+    // time): kCodeTokens rows for the decode kernels, up to kTileCodeTokens for the tiled products of a
+    // prompt. Grown on first use (a plain step always runs before a step of its shape is recorded, so
+    // growing never happens while recording); the old buffers are released once the stream is done.
     static constexpr int32_t kCodeTokens = 16;
-    void ensure_codes(int64_t cols) {
-        if (cols <= codes_cols_) return;
-        codes_cols_ = cols < 16384 ? 16384 : cols;  // n_embd and n_ff of most models in one allocation
-        codes_ = (int8_t*)alloc((size_t)kCodeTokens * codes_cols_, "scratch");
-        codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * kCodeTokens * (size_t)(codes_cols_ / 32), "scratch");
+    static constexpr int32_t kTileMinTokens = 16;    // from here on, products of Q4_0/Q4_1/Q8_0 as tiles
+    static constexpr int32_t kTileCodeTokens = 512;  // the most rows one conversion makes for them
+    bool tiles(int32_t type, int32_t n) const { return mma_ && n >= kTileMinTokens && cuda_matmul_tiles_reads(type); }
+    // The rows of codes a product of n tokens converts at once.
+    int32_t code_rows(int32_t type, int32_t n) const { return tiles(type, n) ? kTileCodeTokens : kCodeTokens; }
+    void ensure_codes(int64_t cols, int32_t rows = kCodeTokens) {
+        if (rows < kCodeTokens) rows = kCodeTokens;
+        if (cols <= codes_cols_ && rows <= codes_rows_) return;
+        if (codes_) {
+            synchronize();  // (queued products may still read the old codes)
+            release(codes_);
+            release(codes_meta_);
+        }
+        codes_cols_ = std::max({codes_cols_, cols, (int64_t)16384});  // n_embd and n_ff of most models at once
+        codes_rows_ = std::max(codes_rows_, (rows + 63) / 64 * 64);
+        codes_ = (int8_t*)alloc((size_t)codes_rows_ * codes_cols_, "scratch");
+        codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * codes_rows_ * (size_t)(codes_cols_ / 32), "scratch");
     }
 
     // Gate and up of the FFN over `in` (one launch where their types agree, biases in the epilogue), and
@@ -805,11 +832,11 @@ private:
         Input out = floats(s.attn, s.attn, n, hp.n_embd_q());  // (rounded in place: nothing reads it after)
         int32_t convert = -1;
         if (next && hp.head_dim % 32 == 0) {
-            if (q8x(*next) && n <= kCodeTokens) {
-                ensure_codes(next->cols);
+            if (ints_for(*next, n) && n <= code_rows(next->type, n)) {
+                ensure_codes(next->cols, n);
                 convert = kCudaCodes;
                 out.codes = true;
-            } else if (!q8x(*next)) {
+            } else if (!ints_for(*next, n)) {
                 const int32_t t = type_traits(next->type).vec_dot_type;
                 if (t == TYPE_Q8_0 || t == TYPE_Q8_1) {
                     convert = t;
@@ -1051,9 +1078,12 @@ private:
     // OPTIML_CUDA_FUSE=0: every op as its own kernels, as before issue #43's fusions (the same bits, more
     // launches: for comparisons of the two, in the tests and on a GPU).
     bool fuse_ = true;
-    int8_t* codes_ = nullptr;  // the products' 8-bit activations: [kCodeTokens][codes_cols_]
+    // OPTIML_CUDA_TILES=0: prompts' integer products with the decode kernels (as before the tiles).
+    bool mma_ = true;  // the tiled products run here (compute capability 8.0 and later)
+    int8_t* codes_ = nullptr;  // the products' 8-bit activations: [codes_rows_][codes_cols_]
     CudaQ8Meta* codes_meta_ = nullptr;
     int64_t codes_cols_ = 0;
+    int32_t codes_rows_ = 0;
     int32_t* step_batch_ = nullptr;  // upload_batch's seq and pos
     size_t step_batch_capacity_ = 0;
     std::vector<int32_t> step_batch_host_;

@@ -46,6 +46,7 @@ enum class CudaKernel : uint8_t {
     ActRound,      // act(gate) * up and the rounding
     Matmul,        // float products (dequantized weights), of one to three matrices per launch
     MatmulQ8x,     // integer products (Q4_0, Q4_1, Q8_0 weights with 8-bit activations), likewise
+    MatmulTiles,   // the same products for 16 tokens and more, as tiles on tensor cores
     DownNeuronMajor,
     AttnPrepare,  // per-head norms, RoPE, q's scale, the new keys and values into the cache
     AttnScores,   // softmax(q.K) V over the cache (and the output's conversion for the next product)
@@ -158,6 +159,12 @@ void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t row
 // The same for up to kCudaMaxMatrices matrices sharing the codes, in one launch (as cuda_matmul_many).
 void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
+// The same products for a prompt or a batch (16 tokens and more: matmul_tiles.cu), as 64 x 64 tiles of
+// rows and tokens on the tensor cores, each weight read once per 64 tokens. Every matrix reads all n
+// rows of the codes (no experts' slots or parts of the input). Needs compute capability 8.0.
+bool cuda_matmul_tiles_reads(int32_t type);
+void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
+                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
 
 // y[t][d] = dim_scale[d] * sum_j h[t][j] * down[j][d]: a share's down product over its neuron-major Q8_0
 // rows (optiml/sparse.h's NeuronMajor: row j is neuron j's down column), for n_neurons neurons and dim

@@ -30,6 +30,7 @@ const char* cuda_kernel_name(CudaKernel k) {
         case CudaKernel::ActRound: return "act_round";
         case CudaKernel::Matmul: return "matmul";
         case CudaKernel::MatmulQ8x: return "matmul_q8x";
+        case CudaKernel::MatmulTiles: return "matmul_tiles";
         case CudaKernel::DownNeuronMajor: return "down_neuron_major";
         case CudaKernel::AttnPrepare: return "attn_prepare";
         case CudaKernel::AttnScores: return "attn_scores";

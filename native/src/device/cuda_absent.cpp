@@ -25,5 +25,10 @@ bool cuda_reads_type(int32_t) { return false; }
 
 std::unique_ptr<Backend> make_cuda_backend(int index) { throw ArgumentError(format("cuda:%d: %s", index, kNoCuda)); }
 
+CudaProductTiming cuda_time_product(int, int32_t, int64_t, int64_t, int32_t, const std::string&, int, int64_t) {
+    throw ArgumentError(kNoCuda);
+}
+double cuda_copy_bandwidth(int, int64_t, int) { throw ArgumentError(kNoCuda); }
+
 }  // namespace optiml
 #endif

@@ -32,6 +32,9 @@ void warp_barrier();
 int lane_index();
 uint64_t* shuffle_slot(int linear_thread);
 bool thread_live(int linear_thread);
+// The warp's mma.sync.m16n8k32.row.col.s32.s8.s8.s32: c[0..3] += this lane's elements of A B, with A's, B's
+// and C's fragments in the layouts of the PTX ISA (every lane of the warp takes part, as on a GPU).
+void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]);
 
 template <typename T>
 T shfl_xor(T v, int mask) {

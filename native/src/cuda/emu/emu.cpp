@@ -5,6 +5,7 @@
 // call). The scheduler runs every runnable fiber in turn; a fiber that reaches a barrier stops there
 // until all live fibers of its block (or warp) have reached it, and a barrier that can never open (a
 // kernel that diverges around __syncthreads) aborts with a message rather than hang.
+#include <array>
 #include <chrono>
 #include <cuda_runtime.h>
 
@@ -70,6 +71,7 @@ struct Fiber {
 struct Block {
     std::vector<Fiber> fibers;
     std::vector<uint64_t> slots;
+    std::vector<std::array<uint32_t, 6>> fragments;  // each thread's A and B fragments (mma_m16n8k32_s8)
     std::vector<int> warp_live, warp_arrived;
     int live = 0, block_arrived = 0, current = -1;
     const std::function<void()>* body = nullptr;
@@ -196,6 +198,7 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
     const int n = (int)(block.x * block.y * block.z);
     b.fibers.resize(n);
     b.slots.assign(n, 0);
+    b.fragments.assign(n, {});
     b.body = &body;
     for (int i = 0; i < n; i++)
         b.fibers[i].tid = dim3(i % block.x, (i / block.x) % block.y, i / (block.x * block.y));
@@ -227,6 +230,27 @@ void warp_barrier() {
 int lane_index() { return g_block->current; }
 uint64_t* shuffle_slot(int i) { return &g_block->slots[i]; }
 bool thread_live(int i) { return i < (int)g_block->fibers.size() && g_block->fibers[i].state != kDone; }
+
+void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]) {
+    Block& blk = *g_block;
+    const int me = blk.current, base = me & ~31, lane = me & 31;
+    blk.fragments[me] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    warp_barrier();
+    // A's element (row, k) is byte k % 4 of register (row >= 8) + 2 (k >= 16) of lane 4 (row % 8) + (k % 16) / 4;
+    // B's (k, col) is byte k % 4 of register k >= 16 of lane 4 col + (k % 16) / 4.
+    auto byte = [](uint32_t w, int k) { return (int)(int8_t)(w >> (8 * (k % 4))); };
+    for (int e = 0; e < 4; e++) {
+        const int row = lane / 4 + 8 * (e / 2), col = 2 * (lane % 4) + e % 2;
+        int sum = 0;
+        for (int k = 0; k < 32; k++) {
+            const auto& fa = blk.fragments[base + 4 * (row % 8) + (k % 16) / 4];
+            const auto& fb = blk.fragments[base + 4 * col + (k % 16) / 4];
+            sum += byte(fa[(row >= 8) + 2 * (k >= 16)], k) * byte(fb[4 + (k >= 16)], k);
+        }
+        c[e] += sum;
+    }
+    warp_barrier();  // nobody overwrites a fragment before the warp has read it
+}
 
 }  // namespace optiml_emu
 

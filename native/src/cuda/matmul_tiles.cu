@@ -1,0 +1,261 @@
+// Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q8_0 weights with the
+// activations' 8-bit codes, as the CPU's block dot products) for 16 tokens and more, as tiles of 64 weight
+// rows by 64 tokens. A thread block stages a stretch of 256 values of its rows (decoded to signed 8-bit
+// codes) and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of
+// the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time, and
+// scales each block's exact integer sums by the weights' and the activations' scales in float, as the CPU
+// does. The per-block values are the CPU's; only the order of the float sum over blocks differs.
+//
+// The weights are read once per 64 tokens instead of once per 8 (matmul.cu's decode kernels), and the
+// products run on the tensor cores. Needs compute capability 8.0 (mma.sync with 8-bit operands); the CPU
+// emulator runs the same code with the instruction emulated in the PTX ISA's fragment layouts.
+#include "dequant.cuh"
+#include "kernels.cuh"
+#include "optiml/common.h"
+
+namespace optiml {
+
+namespace {
+
+constexpr int kTileRows = 64;       // weight rows per thread block
+constexpr int kTileTokens = 64;     // tokens per thread block
+constexpr int kStageBlocks = 8;     // 32-value blocks staged at a time (256 values)
+constexpr int kThreads = 128;       // four warps, each a 32 x 32 corner of the tile
+constexpr int kStride = kStageBlocks * 32 + 16;  // bytes per staged row: the padding spreads a warp's
+                                                 // fragment loads over all 32 banks
+
+struct alignas(16) TileShared {
+    int8_t w[kTileRows][kStride];
+    int8_t x[kTileTokens][kStride];
+    // Per block: the weights' scale and min, the codes' scale and Q8_1's s (rows padded to 9 floats, so
+    // that a warp's eight rows fall in different banks).
+    float wd[kTileRows][kStageBlocks + 1], wm[kTileRows][kStageBlocks + 1];
+    float xd[kTileTokens][kStageBlocks + 1], xs[kTileTokens][kStageBlocks + 1];
+};
+
+struct alignas(16) Bytes16 {
+    uint32_t w[4];
+};
+
+// The matrices of one launch: grid row y belongs to the last matrix whose first_tile is at most y.
+struct TileMatrices {
+    CudaMatrix m[kCudaMaxMatrices];
+    unsigned first_tile[kCudaMaxMatrices];
+    int count;
+};
+
+// D = A B + C for one m16n8k32 tile, 8-bit signed operands, 32-bit sums (PTX ISA fragment layouts: lane
+// l = 4 g + t holds A's rows g and g + 8 at columns 4t..4t+3 and 16+4t.., B's column g at rows 4t.. and
+// 16+4t.., and C's rows g and g + 8 at columns 2t, 2t + 1).
+__device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // (the host launches this kernel only on compute capability 8.0 and later)
+#endif
+#elif !defined(__CUDACC__)
+    optiml_emu::mma_m16n8k32_s8(c, a, b);
+#endif
+}
+
+// Four nibbles 0..15 (one per byte) as the signed bytes q - 8: flipping the top bit gives q - 8 in four
+// bits, then the sign is extended into the byte (0x08 * 0x1E = 0xF0 never carries into the next byte).
+__device__ __forceinline__ uint32_t nibbles_minus_8(uint32_t q) {
+    const uint32_t x = q ^ 0x08080808u;
+    return x | ((x & 0x08080808u) * 0x1Eu);
+}
+
+__device__ __forceinline__ uint32_t load_u32_a2(const uint8_t* p) {
+    const uint16_t* h = (const uint16_t*)p;
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+
+// Block kb of staged row `row` from one quantized block (nullptr: past the matrix, zeros): its 32 codes
+// as signed bytes in x's order, its scale and its min (Q4_1).
+template <int TYPE>
+__device__ __forceinline__ void stage_weight_block(TileShared& sh, int row, int kb, const uint8_t* blk) {
+    uint32_t* out = (uint32_t*)&sh.w[row][kb * 32];
+    if (!blk) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) out[j] = 0;
+        sh.wd[row][kb] = 0.0f;
+        sh.wm[row][kb] = 0.0f;
+        return;
+    }
+    sh.wd[row][kb] = cudaq::half_to_float(cudaq::load_u16(blk));
+    if (TYPE == TYPE_Q8_0) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) out[j] = load_u32_a2(blk + 2 + 4 * j);
+        sh.wm[row][kb] = 0.0f;
+        return;
+    }
+    const int qs_at = TYPE == TYPE_Q4_1 ? 4 : 2;
+    sh.wm[row][kb] = TYPE == TYPE_Q4_1 ? cudaq::half_to_float(cudaq::load_u16(blk + 2)) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {  // low nibbles are values 0-15, high nibbles 16-31
+        const uint32_t q = load_u32_a2(blk + qs_at + 4 * j);
+        const uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+        out[j] = TYPE == TYPE_Q4_0 ? nibbles_minus_8(lo) : lo;
+        out[4 + j] = TYPE == TYPE_Q4_0 ? nibbles_minus_8(hi) : hi;
+    }
+}
+
+template <int TYPE>
+__global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
+                                    const CudaQ8Meta* __restrict__ meta, int32_t n) {
+    using Q = cudaq::QType<TYPE>;
+    __shared__ TileShared sh;
+    CudaMatrix m = ms.m[0];
+    unsigned first = 0;
+#pragma unroll
+    for (int k = 1; k < kCudaMaxMatrices; k++)
+        if (k < ms.count && blockIdx.y >= ms.first_tile[k]) {
+            m = ms.m[k];
+            first = ms.first_tile[k];
+        }
+    const int64_t row0 = (int64_t)(blockIdx.y - first) * kTileRows;
+    const int32_t tok0 = (int32_t)blockIdx.x * kTileTokens;
+    const int64_t n_blocks = cols / 32;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wrow = (warp & 1) * 32, wtok = (warp >> 1) * 32;  // this warp's corner of the tile
+
+    float acc[2][4][4] = {};
+    for (int64_t b0 = 0; b0 < n_blocks; b0 += kStageBlocks) {
+        __syncthreads();  // every warp is done with the previous stage
+        // The weights: 64 rows x 8 blocks, consecutive threads on consecutive blocks of a row.
+        for (int j = tid; j < kTileRows * kStageBlocks; j += kThreads) {
+            const int row = j / kStageBlocks, kb = j % kStageBlocks;
+            const int64_t r = row0 + row, blk = b0 + kb;
+            const bool in = r < m.rows && blk < n_blocks;
+            stage_weight_block<TYPE>(sh, row, kb, in ? m.w + (size_t)r * m.row_bytes + blk * Q::block_bytes : nullptr);
+        }
+        // The tokens' codes: 64 rows of 256 bytes as 16-byte loads, and their blocks' scales.
+        for (int j = tid; j < kTileTokens * kStageBlocks * 2; j += kThreads) {
+            const int tok = j / (kStageBlocks * 2), part = j % (kStageBlocks * 2);
+            const int64_t blk = b0 + part / 2;
+            Bytes16 v = {};
+            if (tok0 + tok < n && blk < n_blocks)
+                v = *(const Bytes16*)(codes + (size_t)(tok0 + tok) * cols + blk * 32 + (part % 2) * 16);
+            *(Bytes16*)&sh.x[tok][part * 16] = v;
+        }
+        for (int j = tid; j < kTileTokens * kStageBlocks; j += kThreads) {
+            const int tok = j / kStageBlocks, kb = j % kStageBlocks;
+            const int64_t blk = b0 + kb;
+            float d = 0.0f, s = 0.0f;
+            if (tok0 + tok < n && blk < n_blocks) {
+                const CudaQ8Meta q = meta[(size_t)(tok0 + tok) * n_blocks + blk];
+                d = q.d;
+                s = q.s;
+            }
+            sh.xd[tok][kb] = d;
+            sh.xs[tok][kb] = s;
+        }
+        __syncthreads();
+
+        const int stage_blocks = n_blocks - b0 < kStageBlocks ? (int)(n_blocks - b0) : kStageBlocks;
+        for (int kb = 0; kb < stage_blocks; kb++) {
+            uint32_t a[2][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = wrow + 16 * i + g, c = kb * 32 + 4 * t;
+                a[i][0] = *(const uint32_t*)&sh.w[r][c];
+                a[i][1] = *(const uint32_t*)&sh.w[r + 8][c];
+                a[i][2] = *(const uint32_t*)&sh.w[r][c + 16];
+                a[i][3] = *(const uint32_t*)&sh.w[r + 8][c + 16];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int tk = wtok + 8 * j + g, c = kb * 32 + 4 * t;
+                b[j][0] = *(const uint32_t*)&sh.x[tk][c];
+                b[j][1] = *(const uint32_t*)&sh.x[tk][c + 16];
+            }
+            // The scales of this lane's rows (g, g + 8 of each 16) and tokens (2t, 2t + 1 of each 8).
+            float wd[2][2], wm[2][2] = {}, xd[4][2], xs[4][2] = {};
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    wd[i][h] = sh.wd[wrow + 16 * i + g + 8 * h][kb];
+                    if (TYPE == TYPE_Q4_1) wm[i][h] = sh.wm[wrow + 16 * i + g + 8 * h][kb];
+                }
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    xd[j][h] = sh.xd[wtok + 8 * j + 2 * t + h][kb];
+                    if (TYPE == TYPE_Q4_1) xs[j][h] = sh.xs[wtok + 8 * j + 2 * t + h][kb];
+                }
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    int sum[4] = {0, 0, 0, 0};
+                    mma_s8(sum, a[i], b[j]);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {  // the CPU's scaling of one block's integer sum
+                        float v = (float)sum[e] * (wd[i][e >> 1] * xd[j][e & 1]);
+                        if (TYPE == TYPE_Q4_1) v += wm[i][e >> 1] * xs[j][e & 1];
+                        acc[i][j][e] += v;
+                    }
+                }
+        }
+    }
+
+    // The epilogue: the bias, and the add into y where the matrix accumulates (the residual stream).
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int64_t r = row0 + wrow + 16 * i + g + 8 * (e >> 1);
+                const int32_t tk = tok0 + wtok + 8 * j + 2 * t + (e & 1);
+                if (r >= m.rows || tk >= n) continue;
+                float s = acc[i][j][e];
+                if (m.bias) s += m.bias[r];
+                float* out = m.y + (size_t)tk * m.rows + r;
+                *out = m.accumulate ? *out + s : s;
+            }
+}
+
+}  // namespace
+
+bool cuda_matmul_tiles_reads(int32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0; }
+
+void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
+                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n) {
+    if (n <= 0) return;
+    if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 16 matrices per product launch");
+    TileMatrices ms{};
+    unsigned tiles = 0;
+    CudaTraffic traffic;
+    const int64_t token_tiles = (n + kTileTokens - 1) / kTileTokens;
+    for (int k = 0; k < count; k++) {
+        if (m[k].ids || m[k].n >= 0) throw Error("internal: the tiled products take every row of their input");
+        ms.m[k] = m[k];
+        ms.first_tile[k] = tiles;
+        tiles += (unsigned)((m[k].rows + kTileRows - 1) / kTileRows);
+        traffic.weights += m[k].rows * (int64_t)m[k].row_bytes * token_tiles + (m[k].bias ? 4 * m[k].rows : 0);
+        traffic.activations += (m[k].accumulate ? 8 : 4) * (int64_t)n * m[k].rows;
+    }
+    ms.count = count;
+    if (tiles == 0) return;
+    if (tiles > 65535) throw ArgumentError(format("cuda tiled product: %u row tiles is more than one launch holds", tiles));
+    const dim3 grid((unsigned)token_tiles, tiles);
+    switch (type) {
+        case TYPE_Q4_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q4_1: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_1>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q8_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q8_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        default: throw Error("internal: the tiled products read Q4_0, Q4_1 and Q8_0 weights only");
+    }
+    cuda_check(cudaSuccess, "matmul (tiles)");
+    // (the codes are read once per row tile; the L2 cache serves most of it, counted once)
+    traffic.activations += (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32));
+    cuda_count(CudaKernel::MatmulTiles, traffic);
+}
+
+}  // namespace optiml
