@@ -12,7 +12,7 @@
 #                                # a 7B Q4_0 model against llama.cpp (with the kernels and bytes a decode step
 #                                # launches, batch 1 and 8: --launches; and again unfused, OPTIML_CUDA_FUSE=0:
 #                                # --unfused, and without the prompts' tensor-core tiles, OPTIML_CUDA_TILES=0:
-#                                # --untiled), the hybrid benchmark (ReLU, 25%) and the mixture-of-experts one
+#                                # --untiled), each product kernel alone (tools/bench/gpu_kernels.py), the hybrid benchmark (ReLU, 25%) and the mixture-of-experts one
 #                                # (tools/bench/moe_gpu.py: hot experts placed by the solver against llama.cpp
 #                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape)
 #   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
@@ -157,6 +157,9 @@ verify() {
         --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench \
         --json "$out/bench.json"
     cat "$out/bench.log"
+    step kernels "$py" tools/bench/gpu_kernels.py --shapes 7b --types q4_0 q4_1 q8_0 q4_k q6_k f16 --reps 10 \
+        --json "$out/kernels.json"
+    cat "$out/kernels.log"
     step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
         --tokens 32 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --workdir build/bench-hybrid
