@@ -7,7 +7,7 @@ type and 7B/13B matrix shape, beside the device's measured copy bandwidth (issue
 For every type and shape: one token (the decode kernels: GB/s of weights read, and that over the copy
 bandwidth; a copy reads and writes, so a product that only reads can exceed 100%), 8 tokens (one pass of the
 decode kernels over the weights for all of them: effective GB/s) and a prompt of --prompt tokens (TFLOP/s,
-2 * rows * cols * tokens per launch: the tensor-core tiles for Q4_0, Q4_1 and Q8_0, and the decode
+2 * rows * cols * tokens per launch: the tensor-core tiles for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, and the decode
 kernels, 8 tokens a pass, for every type as the baseline the tiles replace). The weights are random values
 quantized on the host and copied until the copies span --span MiB, well past the GPU's L2 cache, so each
 launch streams its weights from memory (native/src/cuda/product_timing.cu). Needs a CUDA build and device;
@@ -29,7 +29,7 @@ SHAPES = {  # rows x cols of the products of one layer: q/k/v/o, gate/up, down
     "13b": [(5120, 5120), (13824, 5120), (5120, 13824)],
     "tiny": [(128, 256)],
 }
-TILE_TYPES = {"q4_0", "q4_1", "q8_0"}
+TILE_TYPES = {"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"}
 
 
 def main() -> int:

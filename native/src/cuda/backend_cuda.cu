@@ -584,7 +584,7 @@ private:
         CudaInputStage made;  // how the values are made: make, its source rows x, norm/eps or up/act
         bool keep_values = true;
         int32_t rounded = -1;
-        bool codes = false;
+        int32_t codes = 0;  // the codes buffer holds every row as kCudaCodes or kCudaCodesK (0: neither)
     };
     static Input floats(float* x, float* buf, int32_t n, int64_t cols) {
         Input in;
@@ -686,7 +686,9 @@ private:
     bool q8x(const Weight& w) const { return cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data); }
     // The integer path for n tokens: the decode kernels' (rows 16-byte aligned) or the tiles' (any row, every
     // row of the input).
-    bool ints_for(const Weight& w, int32_t n) const { return q8x(w) || (tiles(w.type, n) && w.cols % 32 == 0); }
+    bool ints_for(const Weight& w, int32_t n) const {
+        return q8x(w) || (tiles(w.type, n) && w.cols % (cuda_tile_codes(w.type) == kCudaCodesK ? 256 : 32) == 0);
+    }
     bool ints_for(const Out& o, int32_t n) const { return q8x(*o.w) || (o.n < 0 && !o.ids && ints_for(*o.w, n)); }
 
     void launch_products(Input& in, int32_t type, bool ints, CudaMatrix* m, int count) {
@@ -695,6 +697,7 @@ private:
             bool whole = true;  // every matrix over all rows of the input (not a mixture's slots or parts)
             for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids;
             const bool tiled = whole && tiles(type, n);
+            const int32_t kind = tiled ? cuda_tile_codes(type) : kCudaCodes;
             const int32_t slice_rows = tiled ? kTileCodeTokens : kCodeTokens;
             ensure_codes(in.cols, n < slice_rows ? n : slice_rows);
             auto launch = [&](const CudaMatrix* ms, int32_t rows) {
@@ -702,8 +705,8 @@ private:
                 else cuda_matmul_q8x_many(stream_, type, ms, count, in.cols, codes_, codes_meta_, rows);
             };
             if (n <= slice_rows) {  // the codes of every token fit: converted once for the group
-                if (!in.codes) stage(in, kCudaCodes, 0, n);
-                in.codes = true;
+                if (in.codes != kind) stage(in, kind, 0, n);
+                in.codes = kind;
                 launch(m, n);
                 return;
             }
@@ -711,7 +714,7 @@ private:
             CudaMatrix slice[kCudaMaxMatrices];
             for (int32_t t0 = 0; t0 < n; t0 += slice_rows) {  // a long prompt: slice_rows rows at a time
                 const int32_t rows = n - t0 < slice_rows ? n - t0 : slice_rows;
-                stage(in, kCudaCodes, t0, rows);
+                stage(in, kind, t0, rows);
                 for (int k = 0; k < count; k++) {
                     slice[k] = m[k];
                     slice[k].y = m[k].y + (size_t)t0 * m[k].rows;
@@ -740,7 +743,7 @@ private:
     // prompt. Grown on first use (a plain step always runs before a step of its shape is recorded, so
     // growing never happens while recording); the old buffers are released once the stream is done.
     static constexpr int32_t kCodeTokens = 16;
-    static constexpr int32_t kTileMinTokens = 16;    // from here on, products of Q4_0/Q4_1/Q8_0 as tiles
+    static constexpr int32_t kTileMinTokens = 16;    // from here on, products of the tiles' types as tiles
     static constexpr int32_t kTileCodeTokens = 512;  // the most rows one conversion makes for them
     bool tiles(int32_t type, int32_t n) const { return mma_ && n >= kTileMinTokens && cuda_matmul_tiles_reads(type); }
     // The rows of codes a product of n tokens converts at once.
@@ -832,10 +835,12 @@ private:
         Input out = floats(s.attn, s.attn, n, hp.n_embd_q());  // (rounded in place: nothing reads it after)
         int32_t convert = -1;
         if (next && hp.head_dim % 32 == 0) {
-            if (ints_for(*next, n) && n <= code_rows(next->type, n)) {
+            // (the K-quants' tiles read Q8_K's codes, which the attention kernel does not write)
+            const bool k_codes = tiles(next->type, n) && cuda_tile_codes(next->type) == kCudaCodesK;
+            if (ints_for(*next, n) && !k_codes && n <= code_rows(next->type, n)) {
                 ensure_codes(next->cols, n);
                 convert = kCudaCodes;
-                out.codes = true;
+                out.codes = kCudaCodes;
             } else if (!ints_for(*next, n)) {
                 const int32_t t = type_traits(next->type).vec_dot_type;
                 if (t == TYPE_Q8_0 || t == TYPE_Q8_1) {

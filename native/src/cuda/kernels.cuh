@@ -133,6 +133,10 @@ void cuda_quantize_q8x(cudaStream_t s, const float* x, int32_t n, int64_t cols, 
 // Q8_K, F16, BF16, into `rounded`), or not at all (-1). values (optional): the float values before the
 // conversion. A Norm stage cannot write its rows in place (several blocks read each row).
 constexpr int32_t kCudaCodes = -2;
+// Q8_K's codes (convert kCudaCodesK, for the K-quants' tiled products): per 256 values the CPU's
+// quantize_row_q8_K scale, stored in each of the group's 32-value blocks' meta.d, with each block's sum of
+// codes in meta.sum (Q8_K's bsums, two at a time); meta.s is 0.
+constexpr int32_t kCudaCodesK = -3;
 struct CudaInputStage {
     enum Make : int32_t { Copy = 0, Norm = 1, ActMul = 2 };
     Make make = Copy;
@@ -159,10 +163,13 @@ void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t row
 // The same for up to kCudaMaxMatrices matrices sharing the codes, in one launch (as cuda_matmul_many).
 void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
-// The same products for a prompt or a batch (16 tokens and more: matmul_tiles.cu), as 64 x 64 tiles of
+// The same products for a prompt or a batch (16 tokens and more: matmul_tiles.cu; also Q4_K, Q5_K and Q6_K
+// weights, with codes converted as kCudaCodesK), as 64 x 64 tiles of
 // rows and tokens on the tensor cores, each weight read once per 64 tokens. Every matrix reads all n
 // rows of the codes (no experts' slots or parts of the input). Needs compute capability 8.0.
 bool cuda_matmul_tiles_reads(int32_t type);
+// The codes the tiles of `type` read: kCudaCodes (32-value blocks) or kCudaCodesK (the K-quants: Q8_K's).
+int32_t cuda_tile_codes(int32_t type);
 void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                            const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
 

@@ -1,5 +1,6 @@
 // Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q8_0 weights with the
-// activations' 8-bit codes, as the CPU's block dot products) for 16 tokens and more, as tiles of 64 weight
+// activations' 8-bit codes, as the CPU's block dot products; and Q4_K, Q5_K, Q6_K with Q8_K's codes, as the
+// CPU's K-quant dot products) for 16 tokens and more, as tiles of 64 weight
 // rows by 64 tokens. A thread block stages a stretch of 256 values of its rows (decoded to signed 8-bit
 // codes) and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of
 // the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time, and
@@ -33,6 +34,19 @@ struct alignas(16) TileShared {
     float xd[kTileTokens][kStageBlocks + 1], xs[kTileTokens][kStageBlocks + 1];
 };
 
+// The same for the K-quants: a stage is one super-block of 256 values per row, whose sub-blocks (Q4_K,
+// Q5_K: 8 of 32 values, with a 6-bit scale and min; Q6_K: 16 of 16, with a signed 8-bit scale) each have
+// their scale, and the codes' Q8_K scale is one per 256 values.
+struct alignas(16) TileSharedK {
+    int8_t w[kTileRows][kStride];
+    int8_t x[kTileTokens][kStride];
+    float d[kTileRows], dmin[kTileRows];
+    int8_t sc[kTileRows][16];
+    uint8_t mn[kTileRows][kStageBlocks];
+    float xd[kTileTokens];
+    int32_t xsum[kTileTokens][kStageBlocks + 1];  // the codes' sum per 32 values
+};
+
 struct alignas(16) Bytes16 {
     uint32_t w[4];
 };
@@ -59,6 +73,23 @@ __device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], const uint
 #endif
 #elif !defined(__CUDACC__)
     optiml_emu::mma_m16n8k32_s8(c, a, b);
+#endif
+}
+
+// The same for m16n8k16 (Q6_K's sub-blocks of 16): A's rows g and g + 8 at columns 4t..4t+3 (a[0], a[1]),
+// B's column g at rows 4t.. (b).
+__device__ __forceinline__ void mma_s8_k16(int c[4], const uint32_t a[2], uint32_t b) {
+#if defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b));
+#else
+    __trap();
+#endif
+#elif !defined(__CUDACC__)
+    optiml_emu::mma_m16n8k16_s8(c, a, b);
 #endif
 }
 
@@ -104,11 +135,42 @@ __device__ __forceinline__ void stage_weight_block(TileShared& sh, int row, int 
     }
 }
 
-template <int TYPE>
-__global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
-                                    const CudaQ8Meta* __restrict__ meta, int32_t n) {
-    using Q = cudaq::QType<TYPE>;
-    __shared__ TileShared sh;
+// The tokens' codes of one stage: 64 rows of 256 bytes as 16-byte loads (zeros past n and past the row).
+__device__ __forceinline__ void stage_codes(int8_t (*x)[kStride], const int8_t* __restrict__ codes, int64_t cols,
+                                            int32_t n, int32_t tok0, int64_t b0, int tid) {
+    const int64_t n_blocks = cols / 32;
+    for (int j = tid; j < kTileTokens * kStageBlocks * 2; j += kThreads) {
+        const int tok = j / (kStageBlocks * 2), part = j % (kStageBlocks * 2);
+        const int64_t blk = b0 + part / 2;
+        Bytes16 v = {};
+        if (tok0 + tok < n && blk < n_blocks)
+            v = *(const Bytes16*)(codes + (size_t)(tok0 + tok) * cols + blk * 32 + (part % 2) * 16);
+        *(Bytes16*)&x[tok][part * 16] = v;
+    }
+}
+
+// This lane's fragments of staged block kb: A from the warp's 32 weight rows (two 16-row tiles), B from its
+// 32 tokens (four 8-token tiles), in the layouts mma_s8 takes.
+__device__ __forceinline__ void load_fragments(const int8_t (*w)[kStride], const int8_t (*x)[kStride], int kb,
+                                               int wrow, int wtok, int g, int t, uint32_t a[2][4], uint32_t b[4][2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int r = wrow + 16 * i + g, c = kb * 32 + 4 * t;
+        a[i][0] = *(const uint32_t*)&w[r][c];
+        a[i][1] = *(const uint32_t*)&w[r + 8][c];
+        a[i][2] = *(const uint32_t*)&w[r][c + 16];
+        a[i][3] = *(const uint32_t*)&w[r + 8][c + 16];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int tk = wtok + 8 * j + g, c = kb * 32 + 4 * t;
+        b[j][0] = *(const uint32_t*)&x[tk][c];
+        b[j][1] = *(const uint32_t*)&x[tk][c + 16];
+    }
+}
+
+// The matrix of grid row blockIdx.y and its first row there.
+__device__ __forceinline__ CudaMatrix tile_matrix(const TileMatrices& ms, int64_t& row0) {
     CudaMatrix m = ms.m[0];
     unsigned first = 0;
 #pragma unroll
@@ -117,7 +179,36 @@ __global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t*
             m = ms.m[k];
             first = ms.first_tile[k];
         }
-    const int64_t row0 = (int64_t)(blockIdx.y - first) * kTileRows;
+    row0 = (int64_t)(blockIdx.y - first) * kTileRows;
+    return m;
+}
+
+// The epilogue: the bias, and the add into y where the matrix accumulates (the residual stream).
+__device__ __forceinline__ void store_tile(const CudaMatrix& m, const float (&acc)[2][4][4], int64_t row0, int32_t tok0,
+                                           int wrow, int wtok, int g, int t, int32_t n) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int64_t r = row0 + wrow + 16 * i + g + 8 * (e >> 1);
+                const int32_t tk = tok0 + wtok + 8 * j + 2 * t + (e & 1);
+                if (r >= m.rows || tk >= n) continue;
+                float s = acc[i][j][e];
+                if (m.bias) s += m.bias[r];
+                float* out = m.y + (size_t)tk * m.rows + r;
+                *out = m.accumulate ? *out + s : s;
+            }
+}
+
+template <int TYPE>
+__global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
+                                    const CudaQ8Meta* __restrict__ meta, int32_t n) {
+    using Q = cudaq::QType<TYPE>;
+    __shared__ TileShared sh;
+    int64_t row0;
+    const CudaMatrix m = tile_matrix(ms, row0);
     const int32_t tok0 = (int32_t)blockIdx.x * kTileTokens;
     const int64_t n_blocks = cols / 32;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -133,15 +224,7 @@ __global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t*
             const bool in = r < m.rows && blk < n_blocks;
             stage_weight_block<TYPE>(sh, row, kb, in ? m.w + (size_t)r * m.row_bytes + blk * Q::block_bytes : nullptr);
         }
-        // The tokens' codes: 64 rows of 256 bytes as 16-byte loads, and their blocks' scales.
-        for (int j = tid; j < kTileTokens * kStageBlocks * 2; j += kThreads) {
-            const int tok = j / (kStageBlocks * 2), part = j % (kStageBlocks * 2);
-            const int64_t blk = b0 + part / 2;
-            Bytes16 v = {};
-            if (tok0 + tok < n && blk < n_blocks)
-                v = *(const Bytes16*)(codes + (size_t)(tok0 + tok) * cols + blk * 32 + (part % 2) * 16);
-            *(Bytes16*)&sh.x[tok][part * 16] = v;
-        }
+        stage_codes(sh.x, codes, cols, n, tok0, b0, tid);
         for (int j = tid; j < kTileTokens * kStageBlocks; j += kThreads) {
             const int tok = j / kStageBlocks, kb = j % kStageBlocks;
             const int64_t blk = b0 + kb;
@@ -159,20 +242,7 @@ __global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t*
         const int stage_blocks = n_blocks - b0 < kStageBlocks ? (int)(n_blocks - b0) : kStageBlocks;
         for (int kb = 0; kb < stage_blocks; kb++) {
             uint32_t a[2][4], b[4][2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int r = wrow + 16 * i + g, c = kb * 32 + 4 * t;
-                a[i][0] = *(const uint32_t*)&sh.w[r][c];
-                a[i][1] = *(const uint32_t*)&sh.w[r + 8][c];
-                a[i][2] = *(const uint32_t*)&sh.w[r][c + 16];
-                a[i][3] = *(const uint32_t*)&sh.w[r + 8][c + 16];
-            }
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int tk = wtok + 8 * j + g, c = kb * 32 + 4 * t;
-                b[j][0] = *(const uint32_t*)&sh.x[tk][c];
-                b[j][1] = *(const uint32_t*)&sh.x[tk][c + 16];
-            }
+            load_fragments(sh.w, sh.x, kb, wrow, wtok, g, t, a, b);
             // The scales of this lane's rows (g, g + 8 of each 16) and tokens (2t, 2t + 1 of each 8).
             float wd[2][2], wm[2][2] = {}, xd[4][2], xs[4][2] = {};
 #pragma unroll
@@ -205,31 +275,223 @@ __global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t*
         }
     }
 
-    // The epilogue: the bias, and the add into y where the matrix accumulates (the residual stream).
+    store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);
+}
+
+// A K-quant block's j-th 6-bit scale and min (the CPU's get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Half `half` (values 128 half .. 128 half + 127, sub-blocks 4 half ..) of a Q4_K/Q5_K super-block into
+// staged row `row` (blk nullptr: past the matrix, zeros): codes 0..31 as bytes in x's order (the CPU's
+// unpacking: value 64 j + l is the low nibble of qs[32 j + l], value 64 j + 32 + l its high nibble, and
+// Q5_K's fifth bits from qh[l]), with the sub-blocks' scales and mins and the block's d and dmin.
+template <int TYPE>
+__device__ __forceinline__ void stage_superblock(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
+    if (!blk) {
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+        for (int w = 0; w < 32; w++) out[w] = 0;
+        for (int k = 0; k < 4; k++) sh.sc[row][4 * half + k] = sh.mn[row][4 * half + k] = 0;
+        if (half == 0) sh.d[row] = sh.dmin[row] = 0.0f;
+        return;
+    }
+    if (half == 0) {
+        sh.d[row] = cudaq::half_to_float(cudaq::load_u16(blk));
+        sh.dmin[row] = cudaq::half_to_float(cudaq::load_u16(blk + 2));
+    }
+    for (int k = 0; k < 4; k++) {
+        uint8_t sc, m;
+        scale_min_k4(4 * half + k, blk + 4, sc, m);
+        sh.sc[row][4 * half + k] = (int8_t)sc;  // (at most 63)
+        sh.mn[row][4 * half + k] = m;
+    }
+    const uint8_t* qs = blk + (TYPE == TYPE_Q5_K ? 48 : 16);
+    const uint8_t* qh = blk + 16;
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+    for (int p = 0; p < 2; p++) {
+        const int jj = 2 * half + p;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int64_t r = row0 + wrow + 16 * i + g + 8 * (e >> 1);
-                const int32_t tk = tok0 + wtok + 8 * j + 2 * t + (e & 1);
-                if (r >= m.rows || tk >= n) continue;
-                float s = acc[i][j][e];
-                if (m.bias) s += m.bias[r];
-                float* out = m.y + (size_t)tk * m.rows + r;
-                *out = m.accumulate ? *out + s : s;
+        for (int w = 0; w < 8; w++) {
+            const uint32_t q = load_u32_a2(qs + 32 * jj + 4 * w);
+            uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+            if (TYPE == TYPE_Q5_K) {
+                const uint32_t h = load_u32_a2(qh + 4 * w);
+                lo |= ((h >> (2 * jj)) & 0x01010101u) << 4;
+                hi |= ((h >> (2 * jj + 1)) & 0x01010101u) << 4;
             }
+            out[16 * p + w] = lo;
+            out[16 * p + 8 + w] = hi;
+        }
+    }
+}
+
+// Four 6-bit codes 0..63 (one per byte) as the signed bytes q - 32 (no byte borrows from the next: each is
+// first raised by 128).
+__device__ __forceinline__ uint32_t codes6_minus_32(uint32_t q) { return ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
+
+// Half `half` of a Q6_K super-block (values 128 half ..) into staged row `row`, as the CPU unpacks it: value
+// 128 h + l of the four quarters from ql[64 h + l] and ql[64 h + 32 + l] (low, then high nibbles) and two bits
+// of qh[32 h + l] each, minus 32; the 8 scales of those values' sub-blocks of 16, and d.
+__device__ __forceinline__ void stage_superblock_q6(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
+    if (!blk) {
+#pragma unroll
+        for (int w = 0; w < 32; w++) out[w] = 0;
+        for (int k = 0; k < 8; k++) sh.sc[row][8 * half + k] = 0;
+        if (half == 0) sh.d[row] = 0.0f;
+        return;
+    }
+    const uint8_t* ql = blk + 64 * half;
+    const uint8_t* qh = blk + 128 + 32 * half;
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        const uint32_t l0 = load_u32_a2(ql + 4 * w), l1 = load_u32_a2(ql + 32 + 4 * w), h = load_u32_a2(qh + 4 * w);
+        out[w] = codes6_minus_32((l0 & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4));
+        out[8 + w] = codes6_minus_32((l1 & 0x0F0F0F0Fu) | (((h >> 2) & 0x03030303u) << 4));
+        out[16 + w] = codes6_minus_32(((l0 >> 4) & 0x0F0F0F0Fu) | (((h >> 4) & 0x03030303u) << 4));
+        out[24 + w] = codes6_minus_32(((l1 >> 4) & 0x0F0F0F0Fu) | (((h >> 6) & 0x03030303u) << 4));
+    }
+    for (int k = 0; k < 8; k++) sh.sc[row][8 * half + k] = (int8_t)blk[192 + 8 * half + k];
+    if (half == 0) sh.d[row] = cudaq::half_to_float(cudaq::load_u16(blk + 208));
+}
+
+// Q6_K's integer sums of one staged super-block: its 16 sub-blocks of 16 values, each multiplied by m16n8k16
+// and weighted by its scale.
+__device__ __forceinline__ void q6_sums(const TileSharedK& sh, int wrow, int wtok, int g, int t, int (&isum)[2][4][4]) {
+    for (int kb = 0; kb < 16; kb++) {
+        const int c = 16 * kb + 4 * t;
+        uint32_t a[2][2], b[4];
+        int sc[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = wrow + 16 * i + g;
+            a[i][0] = *(const uint32_t*)&sh.w[r][c];
+            a[i][1] = *(const uint32_t*)&sh.w[r + 8][c];
+            sc[i][0] = sh.sc[r][kb];
+            sc[i][1] = sh.sc[r + 8][kb];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) b[j] = *(const uint32_t*)&sh.x[wtok + 8 * j + g][c];
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int sum[4] = {0, 0, 0, 0};
+                mma_s8_k16(sum, a[i], b[j]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) isum[i][j][e] += sc[i][e >> 1] * sum[e];
+            }
+    }
+}
+
+// The tiles for Q4_K, Q5_K and Q6_K weights with Q8_K codes (kCudaCodesK): per super-block and (row, token),
+// the sub-blocks' integer sums weighted by their scales, and (Q4_K, Q5_K) their mins by the codes' sums, in
+// integers, then the CPU's (x.d * d) * isum - (x.d * dmin) * summs (vec_dot_scalar.cpp's dot_q45_K_block;
+// Q6_K: (x.d * d) * isum, its sub-blocks of 16 multiplied by m16n8k16).
+template <int TYPE>
+__global__ void matmul_tiles_k_kernel(TileMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
+                                      const CudaQ8Meta* __restrict__ meta, int32_t n) {
+    using Q = cudaq::QType<TYPE>;
+    static_assert(Q::block_size == 32 * kStageBlocks, "a stage is one super-block");
+    __shared__ TileSharedK sh;
+    int64_t row0;
+    const CudaMatrix m = tile_matrix(ms, row0);
+    const int32_t tok0 = (int32_t)blockIdx.x * kTileTokens;
+    const int64_t n_blocks = cols / 32;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wrow = (warp & 1) * 32, wtok = (warp >> 1) * 32;
+
+    float acc[2][4][4] = {};
+    for (int64_t b0 = 0; b0 < n_blocks; b0 += kStageBlocks) {
+        __syncthreads();
+        static_assert(kThreads == 2 * kTileRows, "two threads per row's super-block");
+        const int64_t r = row0 + tid / 2;
+        const uint8_t* blk = r < m.rows ? m.w + (size_t)r * m.row_bytes + (b0 / kStageBlocks) * Q::block_bytes : nullptr;
+        if (TYPE == TYPE_Q6_K) stage_superblock_q6(sh, tid / 2, tid % 2, blk);
+        else stage_superblock<TYPE>(sh, tid / 2, tid % 2, blk);
+        stage_codes(sh.x, codes, cols, n, tok0, b0, tid);
+        for (int j = tid; j < kTileTokens * kStageBlocks; j += kThreads) {
+            const int tok = j / kStageBlocks, kb = j % kStageBlocks;
+            CudaQ8Meta q{};
+            if (tok0 + tok < n) q = meta[(size_t)(tok0 + tok) * n_blocks + b0 + kb];
+            if (kb == 0) sh.xd[tok] = q.d;
+            sh.xsum[tok][kb] = q.sum;
+        }
+        __syncthreads();
+
+        int isum[2][4][4] = {}, msum[2][4][4] = {};
+        if (TYPE == TYPE_Q6_K) {
+            q6_sums(sh, wrow, wtok, g, t, isum);
+        } else {
+        for (int kb = 0; kb < kStageBlocks; kb++) {
+            uint32_t a[2][4], b[4][2];
+            load_fragments(sh.w, sh.x, kb, wrow, wtok, g, t, a, b);
+            int sc[2][2], mn[2][2], xs[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    sc[i][h] = sh.sc[wrow + 16 * i + g + 8 * h][kb];
+                    mn[i][h] = sh.mn[wrow + 16 * i + g + 8 * h][kb];
+                }
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) xs[j][h] = sh.xsum[wtok + 8 * j + 2 * t + h][kb];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    int sum[4] = {0, 0, 0, 0};
+                    mma_s8(sum, a[i], b[j]);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        isum[i][j][e] += sc[i][e >> 1] * sum[e];
+                        msum[i][j][e] += mn[i][e >> 1] * xs[j][e & 1];
+                    }
+                }
+        }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = wrow + 16 * i + g + 8 * (e >> 1), tk = wtok + 8 * j + 2 * t + (e & 1);
+                    const float xd = sh.xd[tk];
+                    if (TYPE == TYPE_Q6_K) acc[i][j][e] += (xd * sh.d[r]) * (float)isum[i][j][e];
+                    else acc[i][j][e] += (xd * sh.d[r]) * (float)isum[i][j][e] - (xd * sh.dmin[r]) * (float)msum[i][j][e];
+                }
+    }
+    store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);
 }
 
 }  // namespace
 
-bool cuda_matmul_tiles_reads(int32_t type) { return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0; }
+bool cuda_matmul_tiles_reads(int32_t type) {
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_Q4_K || type == TYPE_Q5_K ||
+           type == TYPE_Q6_K;
+}
+
+int32_t cuda_tile_codes(int32_t type) {
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? kCudaCodesK : kCudaCodes;
+}
 
 void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                            const int8_t* codes, const CudaQ8Meta* meta, int32_t n) {
     if (n <= 0) return;
     if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 16 matrices per product launch");
+    if (cols % (cuda_tile_codes(type) == kCudaCodesK ? 256 : 32) != 0)
+        throw Error("internal: the tiled products take rows of whole blocks");
     TileMatrices ms{};
     unsigned tiles = 0;
     CudaTraffic traffic;
@@ -250,7 +512,10 @@ void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, in
         case TYPE_Q4_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q4_1: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_1>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q8_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q8_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
-        default: throw Error("internal: the tiled products read Q4_0, Q4_1 and Q8_0 weights only");
+        case TYPE_Q4_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q4_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q5_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q5_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q6_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q6_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        default: throw Error("internal: the tiled products read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights only");
     }
     cuda_check(cudaSuccess, "matmul (tiles)");
     // (the codes are read once per row tile; the L2 cache serves most of it, counted once)

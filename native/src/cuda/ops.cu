@@ -190,7 +190,7 @@ __global__ void input_stage_kernel(CudaInputStage st, int64_t cols) {
         if (st.values) st.values[(size_t)row * cols + i] = v[j];
     }
     const int32_t conv = st.convert;
-    if (conv < 0 && conv != kCudaCodes) return;
+    if (conv < 0 && conv != kCudaCodes && conv != kCudaCodesK) return;
     float* out = st.rounded + (size_t)row * cols + g * G;
     if (conv == TYPE_F16 || conv == TYPE_BF16) {
 #pragma unroll
@@ -217,12 +217,25 @@ __global__ void input_stage_kernel(CudaInputStage st, int64_t cols) {
                 idx = i2;
             }
         }
+        const float iscale = best == 0.0f ? 0.0f : -127.0f / max;
+        if (conv == kCudaCodesK) {  // the codes, the group's scale in each of its 32-value blocks, their sums
+            int8_t* codes = st.codes + (size_t)row * cols + g * G;
+#pragma unroll
+            for (int j = 0; j < V; j++) {
+                const int q = best == 0.0f ? 0 : (int)fminf(127.0f, rintf(iscale * v[j]));
+                codes[lane + 32 * j] = (int8_t)q;
+                const int sum = warp_sum(q);
+                if (lane == 0)
+                    st.meta[(size_t)row * (cols / 32) + g * V + j] =
+                        CudaQ8Meta{best == 0.0f ? 0.0f : 1.0f / iscale, 0.0f, sum, 0};
+            }
+            return;
+        }
         if (best == 0.0f) {
 #pragma unroll
             for (int j = 0; j < V; j++) out[lane + 32 * j] = 0.0f;
             return;
         }
-        const float iscale = -127.0f / max;
 #pragma unroll
         for (int j = 0; j < V; j++) out[lane + 32 * j] = (1.0f / iscale) * fminf(127.0f, rintf(iscale * v[j]));
         return;
@@ -286,11 +299,11 @@ void cuda_input_stage(cudaStream_t s, const CudaInputStage& st, int32_t n, int64
     const int64_t count = (int64_t)n * cols;
     if (count <= 0) return;
     const int32_t conv = st.convert;
-    const bool codes = conv == kCudaCodes, none = conv == -1;
+    const bool codes = conv == kCudaCodes || conv == kCudaCodesK, none = conv == -1;
     if (!codes && !none && conv != TYPE_Q8_0 && conv != TYPE_Q8_1 && conv != TYPE_Q8_K && conv != TYPE_F16 &&
         conv != TYPE_BF16)
         throw UnsupportedModelError(format("the CUDA backend cannot convert activations to type %d", conv));
-    const int group = conv == TYPE_Q8_K ? 256 : 32;
+    const int group = conv == TYPE_Q8_K || conv == kCudaCodesK ? 256 : 32;
     if ((codes || conv == TYPE_Q8_0 || conv == TYPE_Q8_1 || conv == TYPE_Q8_K) && cols % group)
         throw ArgumentError(format("8-bit activations need rows of whole %d-value blocks", group));
     if (n > 65535) throw ArgumentError(format("cuda input stage: %d rows is more than one launch holds", n));

@@ -70,11 +70,11 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
                                    "positive and cols a multiple of %d", (long long)rows, (long long)cols, tt.name,
                                    n, (int)tt.block_size));
     const size_t row_bytes = row_size(type, cols), matrix_bytes = row_bytes * (size_t)rows;
-    const bool q8x_type = cuda_matmul_tiles_reads(type) && cols % 32 == 0;
     if (kernel != "decode" && kernel != "tiles")
         throw ArgumentError(format("kernel '%s': choose decode or tiles", kernel.c_str()));
-    if (kernel == "tiles" && !q8x_type)
-        throw ArgumentError(format("the tiled products read Q4_0, Q4_1 and Q8_0 weights, not %s", tt.name));
+    const bool tiles = kernel == "tiles";
+    if (tiles && !cuda_matmul_tiles_reads(type))
+        throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, not %s", tt.name));
 
     TimingScope ts(device);
     // 256 rows of random values, quantized once and repeated over the matrix (the bytes' values do not
@@ -107,7 +107,7 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     const bool aligned = cuda_matmul_q8x_reads(type, cols, row_bytes, w);
     CudaProductTiming out;
     out.weight_bytes = (int64_t)matrix_bytes;
-    if (q8x_type && (kernel == "tiles" || aligned)) {  // the integer path: the activations as 8-bit codes
+    if (tiles || aligned) {  // the integer path: the activations as 8-bit codes
         int8_t* codes = (int8_t*)ts.alloc((size_t)n * (size_t)cols);
         CudaQ8Meta* meta = (CudaQ8Meta*)ts.alloc(sizeof(CudaQ8Meta) * (size_t)n * (size_t)(cols / 32));
         float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
@@ -116,8 +116,12 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
         std::normal_distribution<float> normal(0.0f, 1.0f);
         for (float& v : xv) v = normal(rng);
         cuda_check(cudaMemcpyAsync(x, xv.data(), sizeof(float) * xv.size(), cudaMemcpyHostToDevice, ts.stream), "copying x");
-        cuda_quantize_q8x(ts.stream, x, n, cols, codes, meta);
-        const bool tiles = kernel == "tiles";
+        CudaInputStage st;
+        st.x = x;
+        st.convert = tiles ? cuda_tile_codes(type) : kCudaCodes;
+        st.codes = codes;
+        st.meta = meta;
+        cuda_input_stage(ts.stream, st, n, cols);
         out.kernel = tiles ? "matmul_tiles" : "matmul_q8x";
         out.seconds = ts.time(reps, [&](int i) {
             m.w = w + (size_t)(i % copies) * matrix_bytes;

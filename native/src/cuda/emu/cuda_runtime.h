@@ -35,6 +35,8 @@ bool thread_live(int linear_thread);
 // The warp's mma.sync.m16n8k32.row.col.s32.s8.s8.s32: c[0..3] += this lane's elements of A B, with A's, B's
 // and C's fragments in the layouts of the PTX ISA (every lane of the warp takes part, as on a GPU).
 void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]);
+// The same for mma.sync.m16n8k16 with 8-bit operands (A: 2 registers, B: 1).
+void mma_m16n8k16_s8(int c[4], const uint32_t a[2], uint32_t b);
 
 template <typename T>
 T shfl_xor(T v, int mask) {

@@ -252,6 +252,24 @@ void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]) {
     warp_barrier();  // nobody overwrites a fragment before the warp has read it
 }
 
+void mma_m16n8k16_s8(int c[4], const uint32_t a[2], uint32_t b) {
+    Block& blk = *g_block;
+    const int me = blk.current, base = me & ~31, lane = me & 31;
+    blk.fragments[me] = {a[0], a[1], 0, 0, b, 0};
+    warp_barrier();
+    // A's (row, k) is byte k % 4 of register row >= 8 of lane 4 (row % 8) + k / 4; B's (k, col) byte k % 4 of lane
+    // 4 col + k / 4.
+    auto byte = [](uint32_t w, int k) { return (int)(int8_t)(w >> (8 * (k % 4))); };
+    for (int e = 0; e < 4; e++) {
+        const int row = lane / 4 + 8 * (e / 2), col = 2 * (lane % 4) + e % 2;
+        int sum = 0;
+        for (int k = 0; k < 16; k++)
+            sum += byte(blk.fragments[base + 4 * (row % 8) + k / 4][row >= 8], k) * byte(blk.fragments[base + 4 * col + k / 4][4], k);
+        c[e] += sum;
+    }
+    warp_barrier();
+}
+
 }  // namespace optiml_emu
 
 // ---- runtime API: host memory, everything done before returning --------------------------------------
