@@ -479,7 +479,7 @@ def odd_shapes(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
 def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, kind):
-    """From 16 tokens on, Q4_0/Q4_1/Q8_0 (with 32-value codes) and Q4_K/Q5_K/Q6_K products (Q8_K's codes) run as
+    """From 32 tokens on, Q4_0/Q4_1/Q8_0 (with 32-value codes) and Q4_K/Q5_K/Q6_K products (Q8_K's codes) run as
     64 x 64 tiles on the tensor cores (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment
     layouts): a prompt of 70 tokens (two token tiles, the second partial) matches the CPU, logits of every
     position; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, rows that are not
@@ -491,7 +491,7 @@ def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, 
         monkeypatch.setenv("OPTIML_CUDA_TILES", tiles)
         with optiml.Model(odd_shapes[kind], n_ctx=128, device="cuda") as m:
             got = m.eval(ids, all_logits=True)
-            c = m.launches(1, prompt="Hello", batch=20)
+            c = m.launches(1, prompt="Hello", batch=40)
         return got, sum(v["launches"] for layer in range(c.n_layer) for k, v in c.layer(layer).items()
                         if k == "matmul_tiles")
 
@@ -502,6 +502,29 @@ def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, 
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
     assert mean_kld(ref, got) < (3e-4 if kind.endswith("_k") else 1e-4)
     assert mean_kld(plain, got) < 4e-4
+
+
+@pytest.mark.parametrize("kv, splits", [("f16", "3"), ("q4_0", "5")])
+def test_attention_split_over_positions_matches_the_cpu(tiny, monkeypatch, kv, splits):
+    """Flash-decoding: OPTIML_CUDA_ATTN_SPLITS=N runs the attention as N ranges of the visible positions (each
+    split's softmax sums, then each split's partial output from the combined sums, then their sum; on a GPU it is
+    chosen for few tokens over a long cache). A 290-token prompt (three chunks of 128 positions: splits of one
+    chunk, of two, and empty ones) and decode steps after it match the CPU, with an f16 cache and with a
+    rotated Q4_0 one (the sum turned back after the splits are added)."""
+    ids = [(37 * i + 11) % 40000 + 100 for i in range(296)]
+
+    def run(device):
+        with optiml.Model(tiny["q4_0"], n_ctx=512, device=device, kv_type=kv) as m:
+            out = [m.eval(ids[:290], all_logits=True)[-8:]] + [m.eval([t])[None] for t in ids[290:]]
+            c = m.launches(1, prompt="Hello") if device == "cuda" else None
+        return np.concatenate(out), c
+
+    ref, _ = run("cpu")
+    monkeypatch.setenv("OPTIML_CUDA_ATTN_SPLITS", splits)
+    got, c = run("cuda")
+    assert c.layer(0)["attn_split"]["launches"] == 2 and c.layer(0)["attn_scores"]["launches"] == 1
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert mean_kld(ref, got) < 1e-4
 
 
 def test_kernel_benchmark_runs_and_rejects_bad_products(tmp_path):

@@ -377,6 +377,37 @@ __device__ __forceinline__ void store_output(const float* o, int hd, size_t row0
     }
 }
 
+// Split z of `splits`: its range of the visible positions [first, last), in whole chunks of kThreads.
+__device__ __forceinline__ void split_range(int z, int splits, int64_t& first, int64_t& last) {
+    const int64_t chunks = (last - first + kThreads - 1) / kThreads, per = (chunks + splits - 1) / splits;
+    const int64_t lo = first + (int64_t)z * per * kThreads;
+    last = lo + per * kThreads < last ? lo + per * kThreads : last;
+    first = lo;
+}
+
+// The softmax's max and sum from every split's (max, sum), in split order (empty splits have sum 0).
+__device__ __forceinline__ void combine_splits(const float* part_ml, int splits, float& m, float& l) {
+    for (int k = 0; k < splits; k++) m = fmaxf(m, part_ml[2 * k]);
+    for (int k = 0; k < splits; k++)
+        if (part_ml[2 * k + 1] > 0.0f) l += part_ml[2 * k + 1] * expf(part_ml[2 * k] - m);
+}
+
+// The splits' partial outputs of one (token, head) added in split order, turned back by the values'
+// rotation (rot_v, 0: none) through `so`, and stored as the whole kernel stores its output.
+__device__ void add_splits(const float* part_o, int splits, int hd, int rot_v, float* so, size_t head, float* out,
+                           int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
+    float o[kDimsPerThread];
+#pragma unroll
+    for (int j = 0; j < kDimsPerThread; j++) {
+        const int d = threadIdx.x + j * kThreads;
+        o[j] = 0.0f;
+        if (d < hd)
+            for (int k = 0; k < splits; k++) o[j] += part_o[(size_t)k * hd + d];
+    }
+    if (rot_v) rotate_back(o, so, hd, rot_v);
+    store_output(o, hd, head * hd, out, convert, codes, meta);
+}
+
 // One block per (head, token), as the CPU computes it (attention.cpp) but for summation order: q rounded to
 // the keys' type for the dot products with them (F16, F32; Q8_0 codes for quantized keys), the softmax's
 // weights normalized and rounded to the values' type before the sum over them (F16, F32; float for
@@ -384,24 +415,37 @@ __device__ __forceinline__ void store_output(const float* o, int hd, size_t row0
 // positions (one per thread); pass 2 recomputes each chunk's scores, weights them, and each thread
 // accumulates its output dimensions.
 // kQuant as for prepare_kernel.
+//
+// Split over the KV length (flash-decoding, for few tokens over long contexts: grid z = the splits, each a
+// contiguous range of the visible positions in whole chunks), the same work runs as three launches: phase
+// 1, each split's max and sum; phase 2, each split combines every split's (max, sum) into the softmax's,
+// then weights its own positions' values into a partial output; phase 3 (one block per head and token) adds
+// the splits' partial outputs in order and stores the result as phase 0 (the whole kernel) does. part holds
+// [token][head][split] (max, sum) pairs, then [token][head][split][head_dim] partial outputs.
 template <bool kQuant>
 __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq, const int32_t* pos, float* out,
-                              int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
+                              int32_t convert, int8_t* codes, CudaQ8Meta* meta, int phase, int splits, float* part) {
     __shared__ float sq[kMaxHeadDim];
     __shared__ int32_t sqc[kMaxHeadDim / 4];  // quantized keys: q's Q8_0 codes, four to a word,
     __shared__ float sqd[kMaxBlocks];         // its blocks' scales (f16-rounded)
     __shared__ int sqs[kMaxBlocks];           // and their codes' sums (for Q4_0's offset)
     __shared__ float sp[kThreads];
     __shared__ float red[kThreads / 32];
-    const int h = blockIdx.x, t = blockIdx.y;
+    const int h = blockIdx.x, t = blockIdx.y, z = blockIdx.z;
     const int hd = a.head_dim;
     const int kvh = h / (a.n_head / a.n_head_kv);
     const bool k_quant = kQuant && kv_quantized(a.k_type), v_rows = kQuant && a.v_row != 0;
     const size_t elem_v = a.v_type == TYPE_F16 ? 2 : 4;  // a transposed value's
-    stage_query(a.k_type, k_quant, q + ((size_t)t * a.n_head + h) * hd, hd, sq, sqc, sqd, sqs);
+    const size_t head = (size_t)t * a.n_head + h;
+    float* part_ml = part + 2 * head * splits;  // (phases 1-3)
+    float* part_o = part + 2 * (size_t)gridDim.y * a.n_head * splits + head * splits * hd;
+    if (phase == 3) return add_splits(part_o, splits, hd, v_rows ? a.rot_v : 0, sq, head, out, convert, codes, meta);
+    stage_query(a.k_type, k_quant, q + head * hd, hd, sq, sqc, sqd, sqs);
 
     const int64_t n_seen = (int64_t)pos[t] + 1;
-    const int64_t first = a.n_swa > 0 && n_seen > a.n_swa ? n_seen - a.n_swa : 0;
+    int64_t first = a.n_swa > 0 && n_seen > a.n_swa ? n_seen - a.n_swa : 0;
+    int64_t last = n_seen;  // this block's positions: [first, last)
+    if (phase != 0) split_range(z, splits, first, last);
     const uint8_t* k_seq = a.k_cache + (size_t)seq[t] * a.k_seq + (size_t)kvh * kv_bytes(a.k_type, hd);
     const uint8_t* v_seq = a.v_cache + (size_t)seq[t] * a.v_seq;
     // F16 rows read 16 bytes at a time where they are aligned (a thread's key row is one contiguous run,
@@ -434,26 +478,32 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
     };
 
     float m = -INFINITY, l = 0.0f;
-    for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
-        const int64_t s = s0 + threadIdx.x;
-        const float sc = s < n_seen ? score(s) : -INFINITY;
-        const float m_new = fmaxf(m, block_reduce(sc, red, true));
-        const float chunk_sum = block_reduce(s < n_seen ? expf(sc - m_new) : 0.0f, red, false);
-        l = l * expf(m - m_new) + chunk_sum;
-        m = m_new;
+    if (phase != 2)
+        for (int64_t s0 = first; s0 < last; s0 += kThreads) {
+            const int64_t s = s0 + threadIdx.x;
+            const float sc = s < last ? score(s) : -INFINITY;
+            const float m_new = fmaxf(m, block_reduce(sc, red, true));
+            const float chunk_sum = block_reduce(s < last ? expf(sc - m_new) : 0.0f, red, false);
+            l = l * expf(m - m_new) + chunk_sum;
+            m = m_new;
+        }
+    if (phase == 1) {  // (m and l are the same in every thread)
+        if (threadIdx.x < 2) part_ml[2 * z + threadIdx.x] = threadIdx.x == 0 ? m : l;
+        return;
     }
+    if (phase == 2) combine_splits(part_ml, splits, m, l);
     const float inv = 1.0f / l;
 
     float o[kDimsPerThread];
 #pragma unroll
     for (int j = 0; j < kDimsPerThread; j++) o[j] = 0.0f;
-    for (int64_t s0 = first; s0 < n_seen; s0 += kThreads) {
+    for (int64_t s0 = first; s0 < last; s0 += kThreads) {
         const int64_t s = s0 + threadIdx.x;
-        float p = s < n_seen ? expf(score(s) - m) * inv : 0.0f;
+        float p = s < last ? expf(score(s) - m) * inv : 0.0f;
         if (a.v_type == TYPE_F16) p = __half2float(__float2half_rn(p));
         sp[threadIdx.x] = p;
         __syncthreads();
-        const int count = (int)(n_seen - s0 < kThreads ? n_seen - s0 : kThreads);
+        const int count = (int)(last - s0 < kThreads ? last - s0 : kThreads);
 #pragma unroll
         for (int j = 0; j < kDimsPerThread; j++) {
             const int d = threadIdx.x + j * kThreads;
@@ -479,10 +529,18 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         }
         __syncthreads();  // sp is rewritten by the next chunk
     }
+    if (phase == 2) {  // (phase 3 turns the sum back and stores it)
+#pragma unroll
+        for (int j = 0; j < kDimsPerThread; j++) {
+            const int d = threadIdx.x + j * kThreads;
+            if (d < hd) part_o[(size_t)z * hd + d] = o[j];
+        }
+        return;
+    }
     // The values were rotated before they were stored: the sum is turned back (through sq: q is read no
     // more, the last chunk ended with every thread at the barrier).
     if (v_rows && a.rot_v) rotate_back(o, sq, hd, a.rot_v);
-    store_output(o, hd, ((size_t)t * a.n_head + h) * hd, out, convert, codes, meta);
+    store_output(o, hd, head * hd, out, convert, codes, meta);
 }
 
 }  // namespace
@@ -530,7 +588,8 @@ void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k
 }
 
 void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
-                      int32_t n, float* out, int32_t convert, int8_t* codes, CudaQ8Meta* meta) {
+                      int32_t n, float* out, int32_t convert, int8_t* codes, CudaQ8Meta* meta, int32_t splits,
+                      float* part) {
     if (n <= 0) return;
     if (a.head_dim > kMaxHeadDim)
         throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
@@ -540,20 +599,40 @@ void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, con
     if (convert != -1 && (a.head_dim % 32 || (convert != kCudaCodes && convert != TYPE_Q8_0 && convert != TYPE_Q8_1) ||
                           (convert == kCudaCodes && (!codes || !meta))))
         throw Error("internal: the attention converts its output to codes or Q8_0/Q8_1 in whole 32-value blocks only");
-    if (kv_quantized(a.k_type) || kv_quantized(a.v_type))
-        OPTIML_LAUNCH(scores_kernel<true>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out, convert, codes, meta);
-    else
-        OPTIML_LAUNCH(scores_kernel<false>, dim3(a.n_head, n), kThreads, s, a, q, seq, pos, out, convert, codes, meta);
-    cuda_check(cudaSuccess, "attention (scores)");
-    CudaTraffic t;
+    if (splits < 1 || splits > kCudaMaxAttnSplits || (splits > 1 && !part))
+        throw Error("internal: 1 to 64 splits of the attention, the partials' buffer with more than one");
+    const bool quant = kv_quantized(a.k_type) || kv_quantized(a.v_type);
+    auto launch = [&](int phase, unsigned z) {
+        const dim3 grid(a.n_head, n, z);
+        if (quant)
+            OPTIML_LAUNCH(scores_kernel<true>, grid, kThreads, s, a, q, seq, pos, out, convert, codes, meta, phase, splits, part);
+        else
+            OPTIML_LAUNCH(scores_kernel<false>, grid, kThreads, s, a, q, seq, pos, out, convert, codes, meta, phase, splits, part);
+        cuda_check(cudaSuccess, "attention (scores)");
+    };
     const int64_t n_q = (int64_t)a.n_head * a.head_dim;
     // q read, seq, pos; the output written (as floats, or codes and their scales)
+    CudaTraffic t;
     t.activations = 4 * (int64_t)n * (n_q + 2) +
                     (convert == kCudaCodes ? (int64_t)n * (n_q + (int64_t)sizeof(CudaQ8Meta) * (n_q / 32))
                                            : 4 * (int64_t)n * n_q);
     // Each visible position's key and value heads, once per kv head (the q heads of a group share them).
     t.kv_per_position = (int64_t)a.n_head_kv * (cache_bytes(a.k_type, a.head_dim) + cache_bytes(a.v_type, a.head_dim));
     t.n_swa = a.n_swa;
+    if (splits == 1) {
+        launch(0, 1);
+        cuda_count(CudaKernel::AttnScores, t);
+        return;
+    }
+    // Split: the same bytes of the cache, and the partials written and read back (kernels.cuh).
+    const int64_t partials = 4 * (int64_t)n * a.n_head * splits * (a.head_dim + 2);
+    launch(1, (unsigned)splits);
+    launch(2, (unsigned)splits);
+    launch(3, 1);
+    CudaTraffic part_t;
+    part_t.activations = partials;
+    cuda_count(CudaKernel::AttnSplit, part_t);
+    cuda_count(CudaKernel::AttnSplit, part_t);
     cuda_count(CudaKernel::AttnScores, t);
 }
 

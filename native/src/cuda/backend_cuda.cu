@@ -52,7 +52,9 @@ public:
         if (const char* env = std::getenv("OPTIML_CUDA_FUSE")) fuse_ = std::strcmp(env, "0") != 0;
         cudaDeviceProp prop{};
         mma_ = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major >= 8;
+        sm_count_ = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
         if (const char* env = std::getenv("OPTIML_CUDA_TILES")) mma_ = mma_ && std::strcmp(env, "0") != 0;
+        if (const char* env = std::getenv("OPTIML_CUDA_ATTN_SPLITS")) attn_splits_forced_ = std::atoi(env);
         cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
         events_.resize(kEvents);
         for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");
@@ -743,7 +745,10 @@ private:
     // prompt. Grown on first use (a plain step always runs before a step of its shape is recorded, so
     // growing never happens while recording); the old buffers are released once the stream is done.
     static constexpr int32_t kCodeTokens = 16;
-    static constexpr int32_t kTileMinTokens = 16;    // from here on, products of the tiles' types as tiles
+    // From here on, products of the tiles' types as tiles. At 16 tokens the decode kernels read the weights
+    // twice and a 4096-row matrix is only 64 tiles (half the multiprocessors of an H100): from 32, where they
+    // read them four times. Unmeasured on a GPU yet (gpu_kernels.py prints both at any token count).
+    static constexpr int32_t kTileMinTokens = 32;
     static constexpr int32_t kTileCodeTokens = 512;  // the most rows one conversion makes for them
     bool tiles(int32_t type, int32_t n) const { return mma_ && n >= kTileMinTokens && cuda_matmul_tiles_reads(type); }
     // The rows of codes a product of n tokens converts at once.
@@ -849,8 +854,35 @@ private:
                 }
             }
         }
-        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn, convert, codes_, codes_meta_);
+        const int32_t splits = attn_splits(n, hp.n_head, a.n_ctx);
+        float* part = splits > 1 ? attn_partials(cuda_attn_partial_floats(n, hp.n_head, hp.head_dim, splits)) : nullptr;
+        cuda_attn_scores(stream_, a, s.q, seq, pos, n, s.attn, convert, codes_, codes_meta_, splits, part);
         return out;
+    }
+
+    // The attention split over the positions (flash-decoding) when a step's tokens and heads are too few
+    // blocks for the GPU and the cache is long: about two blocks per multiprocessor, at most one split per
+    // kSplitPositions positions of the cache. Fixed by the step's shape (a recorded step keeps it), whatever
+    // the positions; OPTIML_CUDA_ATTN_SPLITS=N forces N (tests, comparisons).
+    static constexpr int32_t kSplitPositions = 512;
+    int32_t attn_splits(int32_t n, int32_t n_head, int32_t n_ctx) const {
+        if (attn_splits_forced_ > 0) return std::min(attn_splits_forced_, kCudaMaxAttnSplits);
+        const int64_t blocks = (int64_t)n * n_head;
+        if (blocks >= sm_count_ || n_ctx < 2 * kSplitPositions) return 1;
+        const int64_t fill = (2 * sm_count_ + blocks - 1) / blocks;
+        return (int32_t)std::max<int64_t>(1, std::min<int64_t>({fill, n_ctx / kSplitPositions, kCudaMaxAttnSplits}));
+    }
+    // The split attention's partial sums: grown on first use, as the codes.
+    float* attn_partials(int64_t floats) {
+        if (floats > attn_part_floats_) {
+            if (attn_part_) {
+                synchronize();
+                release(attn_part_);
+            }
+            attn_part_floats_ = floats;
+            attn_part_ = (float*)alloc(sizeof(float) * (size_t)floats, "scratch");
+        }
+        return attn_part_;
     }
 
     // x += rms_norm(y) * w: one kernel, or (unfused) y normalized in place, then added.
@@ -1089,6 +1121,10 @@ private:
     CudaQ8Meta* codes_meta_ = nullptr;
     int64_t codes_cols_ = 0;
     int32_t codes_rows_ = 0;
+    int sm_count_ = 1;
+    int32_t attn_splits_forced_ = 0;  // OPTIML_CUDA_ATTN_SPLITS
+    float* attn_part_ = nullptr;
+    int64_t attn_part_floats_ = 0;
     int32_t* step_batch_ = nullptr;  // upload_batch's seq and pos
     size_t step_batch_capacity_ = 0;
     std::vector<int32_t> step_batch_host_;

@@ -46,10 +46,11 @@ enum class CudaKernel : uint8_t {
     ActRound,      // act(gate) * up and the rounding
     Matmul,        // float products (dequantized weights), of one to three matrices per launch
     MatmulQ8x,     // integer products (Q4_0, Q4_1, Q8_0 weights with 8-bit activations), likewise
-    MatmulTiles,   // the same products for 16 tokens and more, as tiles on tensor cores
+    MatmulTiles,   // the same products for 32 tokens and more, as tiles on tensor cores
     DownNeuronMajor,
     AttnPrepare,  // per-head norms, RoPE, q's scale, the new keys and values into the cache
     AttnScores,   // softmax(q.K) V over the cache (and the output's conversion for the next product)
+    AttnSplit,    // the same split over the positions: each split's softmax sums, then its partial output
     AddBias,
     Add,
     ActMul,
@@ -163,7 +164,7 @@ void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t row
 // The same for up to kCudaMaxMatrices matrices sharing the codes, in one launch (as cuda_matmul_many).
 void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
-// The same products for a prompt or a batch (16 tokens and more: matmul_tiles.cu; also Q4_K, Q5_K and Q6_K
+// The same products for a prompt or a batch (32 tokens and more: matmul_tiles.cu; also Q4_K, Q5_K and Q6_K
 // weights, with codes converted as kCudaCodesK), as 64 x 64 tiles of
 // rows and tokens on the tensor cores, each weight read once per 64 tokens. Every matrix reads all n
 // rows of the codes (no experts' slots or parts of the input). Needs compute capability 8.0.
@@ -239,8 +240,15 @@ void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k
 // output as the next product (the output projection) reads it, made by the same kernel (each head is
 // whole 32-value blocks: head_dim a multiple of 32): -1 as floats into out; TYPE_Q8_0 / TYPE_Q8_1 rounded
 // into out as cuda_round_activations; kCudaCodes as cuda_quantize_q8x into codes and meta (out unwritten).
+// splits > 1: the visible positions split into that many ranges, each a thread block (flash-decoding: a few
+// tokens over a long context fill the GPU), in three launches (AttnSplit twice, then AttnScores) that write
+// and read `part`: cuda_attn_partial_floats(n, n_head, head_dim, splits) floats.
+constexpr int32_t kCudaMaxAttnSplits = 64;
+inline int64_t cuda_attn_partial_floats(int32_t n, int32_t n_head, int32_t head_dim, int32_t splits) {
+    return (int64_t)n * n_head * splits * (head_dim + 2);
+}
 void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, const int32_t* seq, const int32_t* pos,
                       int32_t n, float* out, int32_t convert = -1, int8_t* codes = nullptr,
-                      CudaQ8Meta* meta = nullptr);
+                      CudaQ8Meta* meta = nullptr, int32_t splits = 1, float* part = nullptr);
 
 }  // namespace optiml

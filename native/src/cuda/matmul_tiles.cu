@@ -1,6 +1,6 @@
 // Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q8_0 weights with the
 // activations' 8-bit codes, as the CPU's block dot products; and Q4_K, Q5_K, Q6_K with Q8_K's codes, as the
-// CPU's K-quant dot products) for 16 tokens and more, as tiles of 64 weight
+// CPU's K-quant dot products) for 32 tokens and more, as tiles of 64 weight
 // rows by 64 tokens. A thread block stages a stretch of 256 values of its rows (decoded to signed 8-bit
 // codes) and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of
 // the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time, and

@@ -34,6 +34,7 @@ const char* cuda_kernel_name(CudaKernel k) {
         case CudaKernel::DownNeuronMajor: return "down_neuron_major";
         case CudaKernel::AttnPrepare: return "attn_prepare";
         case CudaKernel::AttnScores: return "attn_scores";
+        case CudaKernel::AttnSplit: return "attn_split";
         case CudaKernel::AddBias: return "add_bias";
         case CudaKernel::Add: return "add";
         case CudaKernel::ActMul: return "act_mul";
