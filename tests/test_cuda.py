@@ -463,7 +463,8 @@ def odd_shapes(tiny, tmp_path_factory):
     """Two-layer models of each type the tiled products read, shaped to hit the edges of a tile: for the
     32-value blocks rows of 320 values (a stage of 256 and a part, rows not 16-byte aligned), k and v of 160
     rows (a part of a row tile), an FFN of 864 neurons (27 blocks); for the K-quants (rows of whole 256-value
-    super-blocks) rows of 512, an FFN of 768, k and v of 128 rows."""
+    super-blocks) rows of 512, an FFN of 768, k and v of 128 rows. (The output matrix, Q8_0, reads one row of
+    a prompt: it takes the decode kernels.)"""
     out = {}
     for kind in ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"):
         shape = (["--n-embd", "512", "--n-ff", "768", "--n-head", "8"] if kind.endswith("_k") else
@@ -471,7 +472,7 @@ def odd_shapes(tiny, tmp_path_factory):
         path = tmp_path_factory.mktemp("tiles") / f"odd_{kind}.gguf"
         subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
                         "-o", str(path), "--n-layer", "2", *shape, "--n-head-kv", "2", "--type", kind,
-                        "--output-type", kind, "--std", "0.05", "--quiet", "--tokenizer-from", str(tiny["donor"])],
+                        "--output-type", "q8_0", "--std", "0.05", "--quiet", "--tokenizer-from", str(tiny["donor"])],
                        check=True)
         out[kind] = path
     return out
@@ -481,26 +482,26 @@ def odd_shapes(tiny, tmp_path_factory):
 def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, kind):
     """From 32 tokens on, Q4_0/Q4_1/Q8_0 (with 32-value codes) and Q4_K/Q5_K/Q6_K products (Q8_K's codes) run as
     64 x 64 tiles on the tensor cores (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment
-    layouts): a prompt of 70 tokens (two token tiles, the second partial) matches the CPU, logits of every
-    position; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, rows that are not
+    layouts): a prompt of 70 tokens (two token tiles, the second partial; its last position attends to both)
+    and two decode steps after it match the CPU; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, rows that are not
     16-byte aligned) and agrees as closely."""
     ids = [(37 * i + 11) % 40000 + 100 for i in range(70)]
-    ref = logits(odd_shapes[kind], ids, device="cpu")
 
-    def run(tiles):
+    def run(device, tiles="1"):  # the prompt's last logits and two decode steps' (every layer's products tiled)
         monkeypatch.setenv("OPTIML_CUDA_TILES", tiles)
-        with optiml.Model(odd_shapes[kind], n_ctx=128, device="cuda") as m:
-            got = m.eval(ids, all_logits=True)
-            c = m.launches(1, prompt="Hello", batch=40)
-        return got, sum(v["launches"] for layer in range(c.n_layer) for k, v in c.layer(layer).items()
-                        if k == "matmul_tiles")
+        with optiml.Model(odd_shapes[kind], n_ctx=128, device=device) as m:
+            out = np.stack([m.eval(ids), m.eval([500]), m.eval([501])])
+            c = m.launches(1, prompt="Hello", batch=40) if device == "cuda" else None
+        return out, c and sum(v["launches"] for layer in range(c.n_layer) for k, v in c.layer(layer).items()
+                              if k == "matmul_tiles")
 
-    got, tiled = run("1")
-    plain, untiled = run("0")
+    ref, _ = run("cpu")
+    got, tiled = run("cuda")
+    plain, untiled = run("cuda", "0")
     assert tiled == 2 * 4 and untiled == 0, (tiled, untiled)  # q/k/v, o, gate/up and down in each layer
     assert np.isfinite(got).all()
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
-    assert mean_kld(ref, got) < (3e-4 if kind.endswith("_k") else 1e-4)
+    # (a wrong fragment, scale or code gives a KLD of 0.01 and more; three rows of logits vary by a few 1e-5)
+    assert mean_kld(ref, got) < 3e-4
     assert mean_kld(plain, got) < 4e-4
 
 
@@ -509,13 +510,13 @@ def test_attention_split_over_positions_matches_the_cpu(tiny, monkeypatch, kv, s
     """Flash-decoding: OPTIML_CUDA_ATTN_SPLITS=N runs the attention as N ranges of the visible positions (each
     split's softmax sums, then each split's partial output from the combined sums, then their sum; on a GPU it is
     chosen for few tokens over a long cache). A 290-token prompt (three chunks of 128 positions: splits of one
-    chunk, of two, and empty ones) and decode steps after it match the CPU, with an f16 cache and with a
+    chunk, of two, and empty ones; its last logits) and decode steps after it match the CPU, with an f16 cache and with a
     rotated Q4_0 one (the sum turned back after the splits are added)."""
     ids = [(37 * i + 11) % 40000 + 100 for i in range(296)]
 
     def run(device):
         with optiml.Model(tiny["q4_0"], n_ctx=512, device=device, kv_type=kv) as m:
-            out = [m.eval(ids[:290], all_logits=True)[-8:]] + [m.eval([t])[None] for t in ids[290:]]
+            out = [m.eval(ids[:290])[None]] + [m.eval([t])[None] for t in ids[290:]]
             c = m.launches(1, prompt="Hello") if device == "cuda" else None
         return np.concatenate(out), c
 

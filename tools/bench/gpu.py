@@ -15,7 +15,9 @@ activations and KV cache), and the bandwidth column gains the share of the peak 
 per token at the measured tg speed come to. --unfused measures OptiML again with OPTIML_CUDA_FUSE=0 (every op
 as its own kernels, as before issue #43's fusions; the same logits) and prints both and the speedup;
 --untiled likewise with OPTIML_CUDA_TILES=0 (prompts' products by the decode kernels, 8 tokens a pass,
-instead of the tensor-core tiles of matmul_tiles.cu).
+instead of the tensor-core tiles of matmul_tiles.cu). --depth D adds decode at depth D (tg after a prompt of D
+tokens, llama-bench -d D): OptiML as it chooses (the attention split over the positions for one sequence
+over a long cache) and with OPTIML_CUDA_ATTN_SPLITS=1 (unsplit), beside llama.cpp.
 tools/checks/gpu_check.sh runs this on every model it has.
 """
 
@@ -95,6 +97,33 @@ def ours(path: str, tg: int, pp: int, reps: int, launches: int = 0) -> dict:
     return {k: statistics.median(v) for k, v in out.items()} | {"weight_bytes": weight_bytes, "launches": counted}
 
 
+def ours_at_depth(path: str, depth: int, tg: int, reps: int) -> float:
+    """Decode tokens/s of one sequence after a prompt of `depth` tokens (median of reps)."""
+    out = []
+    with optiml.Model(path, n_ctx=depth + tg + 64, device="cuda") as m:
+        prompt = [m.tokenizer.bos_id if m.tokenizer.bos_id >= 0 else 1] + [100 + i % 1000 for i in range(depth - 1)]
+        for _ in range(reps):
+            m.reset()
+            m.eval(prompt)
+            m.eval([200])  # (the first step of its shape is not timed)
+            t = time.perf_counter()
+            for i in range(tg):
+                m.eval([201 + i])
+            out.append(tg / (time.perf_counter() - t))
+    return statistics.median(out)
+
+
+def llama_at_depth(path: str, bench: str | None, depth: int, tg: int, reps: int) -> float:
+    if not bench:
+        return float("nan")
+    res = subprocess.run([bench, "-m", path, "-ngl", "99", "-p", "0", "-n", str(tg), "-d", str(depth), "-r", str(reps),
+                          "-o", "json"], capture_output=True, text=True)
+    if res.returncode != 0:
+        print(f"  llama-bench -d failed: {res.stderr[-500:]}")
+        return float("nan")
+    return json.loads(res.stdout)[0]["avg_ts"]
+
+
 def llama(path: str, bench: str | None, batched: str | None, tg: int, pp: int, reps: int) -> dict:
     r = {}
     if bench:
@@ -128,6 +157,8 @@ def main() -> int:
                     help="then count what N decode steps launch (batch 1 and 8) and print it (0: off)")
     ap.add_argument("--unfused", action="store_true",
                     help="also measure OptiML with OPTIML_CUDA_FUSE=0 (its kernels unfused) and print the speedup")
+    ap.add_argument("--depth", type=int, default=0, metavar="D",
+                    help="also decode at depth D (after a D-token prompt), split attention and unsplit (0: off)")
     ap.add_argument("--untiled", action="store_true",
                     help="also measure OptiML with OPTIML_CUDA_TILES=0 (no tensor-core tiles) and print the speedup")
     args, res = harness.parse(ap, "gpu")
@@ -174,6 +205,19 @@ def main() -> int:
             if u["launches"] and o["launches"]:
                 print(f"kernels per token, batch 1: {u['launches']['b1'].per_token()['kernels']:.0f} {variant}, "
                       f"{o['launches']['b1'].per_token()['kernels']:.0f} {ours_label}")
+        if args.depth:
+            theirs = llama_at_depth(path, args.llama_bench, args.depth, args.tg, args.reps)
+            split = ours_at_depth(path, args.depth, args.tg, args.reps)
+            os.environ["OPTIML_CUDA_ATTN_SPLITS"] = "1"  # (read when the CUDA backend is made)
+            try:
+                unsplit = ours_at_depth(path, args.depth, args.tg, args.reps)
+            finally:
+                del os.environ["OPTIML_CUDA_ATTN_SPLITS"]
+            label = f"tg{args.tg} @ {args.depth}"
+            for variant, v in (("", split), (" unsplit", unsplit)):
+                note = f"split {split / unsplit:.2f}x faster" if not variant else ""
+                print(f"| {name} | {label}{variant} | {v:.1f} | {theirs:.1f} | {v / theirs:.2f}x | {note} |", flush=True)
+                res.add(model=name, test=label + variant, optiml=v, llama_cpp=theirs, ratio=v / theirs)
         if o["launches"]:
             counts.append((name, o["launches"]))
             res.add(model=name, test="launches", **{k: v.to_dict() for k, v in o["launches"].items()})

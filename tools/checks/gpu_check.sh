@@ -12,7 +12,10 @@
 #                                # a 7B Q4_0 model against llama.cpp (with the kernels and bytes a decode step
 #                                # launches, batch 1 and 8: --launches; and again unfused, OPTIML_CUDA_FUSE=0:
 #                                # --unfused, and without the prompts' tensor-core tiles, OPTIML_CUDA_TILES=0:
-#                                # --untiled), each product kernel alone (tools/bench/gpu_kernels.py), the hybrid benchmark (ReLU, 25%) and the mixture-of-experts one
+#                                # --untiled; decode at depth 4096, with the attention split over the
+#                                # positions and without: --depth), each product kernel alone
+#                                # (tools/bench/gpu_kernels.py), the hybrid benchmark (ReLU, 25%) and the
+#                                # mixture-of-experts one
 #                                # (tools/bench/moe_gpu.py: hot experts placed by the solver against llama.cpp
 #                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape)
 #   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
@@ -153,7 +156,7 @@ verify() {
     step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
     llama_build
     wait "$maker" || failed+=(make-llama7b-q4_0)
-    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 --launches 4 --unfused --untiled \
+    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 --launches 4 --unfused --untiled --depth 4096 \
         --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench \
         --json "$out/bench.json"
     cat "$out/bench.log"

@@ -756,15 +756,26 @@ private:
     void ensure_codes(int64_t cols, int32_t rows = kCodeTokens) {
         if (rows < kCodeTokens) rows = kCodeTokens;
         if (cols <= codes_cols_ && rows <= codes_rows_) return;
-        if (codes_) {
-            synchronize();  // (queued products may still read the old codes)
+        if (codes_) {  // (queued products may still read the old codes; nothing points at them after)
+            synchronize();
             release(codes_);
             release(codes_meta_);
+            codes_ = nullptr;
+            codes_meta_ = nullptr;
         }
-        codes_cols_ = std::max({codes_cols_, cols, (int64_t)16384});  // n_embd and n_ff of most models at once
-        codes_rows_ = std::max(codes_rows_, (rows + 63) / 64 * 64);
-        codes_ = (int8_t*)alloc((size_t)codes_rows_ * codes_cols_, "scratch");
-        codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * codes_rows_ * (size_t)(codes_cols_ / 32), "scratch");
+        const int64_t new_cols = std::max({codes_cols_, cols, (int64_t)16384});  // n_embd and n_ff of most models
+        const int32_t new_rows = std::max(codes_rows_, (rows + 63) / 64 * 64);
+        codes_cols_ = codes_rows_ = 0;  // (until both allocations have succeeded)
+        int8_t* codes = (int8_t*)alloc((size_t)new_rows * new_cols, "scratch");
+        try {
+            codes_meta_ = (CudaQ8Meta*)alloc(sizeof(CudaQ8Meta) * new_rows * (size_t)(new_cols / 32), "scratch");
+        } catch (...) {
+            release(codes);
+            throw;
+        }
+        codes_ = codes;
+        codes_cols_ = new_cols;
+        codes_rows_ = new_rows;
     }
 
     // Gate and up of the FFN over `in` (one launch where their types agree, biases in the epilogue), and
@@ -878,9 +889,11 @@ private:
             if (attn_part_) {
                 synchronize();
                 release(attn_part_);
+                attn_part_ = nullptr;
+                attn_part_floats_ = 0;
             }
-            attn_part_floats_ = floats;
             attn_part_ = (float*)alloc(sizeof(float) * (size_t)floats, "scratch");
+            attn_part_floats_ = floats;
         }
         return attn_part_;
     }

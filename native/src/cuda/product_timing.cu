@@ -24,16 +24,25 @@ struct TimingScope {
     cudaEvent_t start = nullptr, stop = nullptr;
     explicit TimingScope(int device) {
         cuda_check(cudaSetDevice(device), "selecting the device");
-        cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "creating a stream");
-        cuda_check(cudaEventCreate(&start), "creating an event");
-        cuda_check(cudaEventCreate(&stop), "creating an event");
+        try {
+            cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "creating a stream");
+            cuda_check(cudaEventCreate(&start), "creating an event");
+            cuda_check(cudaEventCreate(&stop), "creating an event");
+        } catch (...) {
+            free_all();
+            throw;
+        }
     }
-    ~TimingScope() {
+    ~TimingScope() { free_all(); }
+    void free_all() {
         if (stream) cudaStreamSynchronize(stream);
         for (void* p : blocks) cudaFree(p);
         if (start) cudaEventDestroy(start);
         if (stop) cudaEventDestroy(stop);
         if (stream) cudaStreamDestroy(stream);
+        blocks.clear();
+        start = stop = nullptr;
+        stream = nullptr;
     }
     void* alloc(size_t bytes) {
         void* p = nullptr;
@@ -75,6 +84,13 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     const bool tiles = kernel == "tiles";
     if (tiles && !cuda_matmul_tiles_reads(type))
         throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, not %s", tt.name));
+    if (tiles) {
+        cudaDeviceProp prop{};
+        cuda_check(cudaGetDeviceProperties(&prop, device), "reading the device's properties");
+        if (prop.major < 8)
+            throw ArgumentError(format("the tiled products need compute capability 8.0 (mma.sync with 8-bit operands); "
+                                       "this device has %d.%d", prop.major, prop.minor));
+    }
 
     TimingScope ts(device);
     // 256 rows of random values, quantized once and repeated over the matrix (the bytes' values do not
