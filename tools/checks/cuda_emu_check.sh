@@ -26,4 +26,8 @@ ls "$pkg"/optiml/_core* > /dev/null 2>&1 || { echo "no emulator build in $build:
 (cd python/optiml && tar cf - --exclude='_core*' --exclude=__pycache__ .) | tar xf - -C "$pkg/optiml"
 [ -f "$pkg/optiml/manifest.json" ] || cp models/manifest.json "$pkg/optiml/manifest.json"
 PYTHONPATH="$pkg" "$py" -c "import optiml; d = optiml.system_info()['cuda_devices']; assert d and 'emulator' in d[0]['name'], d"
-PYTHONPATH="$pkg" "$py" -m pytest -q tests/test_cuda.py -p no:cacheprovider
+# Two workers where pytest-xdist is installed (the test extra has it): the emulator runs a kernel's threads on
+# one core, and CI's foreground tests leave the second core to this job once they are done.
+workers=()
+"$py" -c "import xdist" 2> /dev/null && workers=(-n "${OPTIML_EMU_WORKERS:-2}" --dist load)
+PYTHONPATH="$pkg" "$py" -m pytest -q tests/test_cuda.py -p no:cacheprovider ${workers[@]+"${workers[@]}"}
