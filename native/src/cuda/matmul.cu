@@ -11,6 +11,7 @@
 
 #include "dequant.cuh"
 #include "kernels.cuh"
+#include "launch_matrices.cuh"
 #include "optiml/common.h"
 #include "optiml/cuda.h"
 
@@ -21,26 +22,13 @@ namespace {
 constexpr int kTokens = 8;        // tokens one warp carries per dequantized group
 constexpr int kRowsPerBlock = 4;  // warps (rows) per thread block
 
-// The matrices of one launch (CudaMatrix), by value: block x of the grid belongs to the last matrix whose
-// first_block is at most x.
-struct Matrices {
-    CudaMatrix m[kCudaMaxMatrices];
-    unsigned first_block[kCudaMaxMatrices];
-    int count;
-};
+using Matrices = LaunchMatrices;  // (a unit: a thread block of kRowsPerBlock rows)
 
-// This warp's matrix and row (r: past the matrix's rows for the last block's spare warps). Constant
-// indices only (unrolled), so the parameters are never copied to local memory.
+// This warp's matrix and row (r: past the matrix's rows for the last block's spare warps).
 __device__ __forceinline__ CudaMatrix pick_row(const Matrices& ms, int64_t& r) {
-    CudaMatrix m = ms.m[0];
-    unsigned first = 0;
-#pragma unroll
-    for (int k = 1; k < kCudaMaxMatrices; k++)
-        if (k < ms.count && blockIdx.x >= ms.first_block[k]) {
-            m = ms.m[k];
-            first = ms.first_block[k];
-        }
-    r = (int64_t)(blockIdx.x - first) * kRowsPerBlock + threadIdx.y;
+    unsigned block_in;
+    const CudaMatrix m = pick_matrix(ms, blockIdx.x, block_in);
+    r = (int64_t)block_in * kRowsPerBlock + threadIdx.y;
     return m;
 }
 
@@ -49,20 +37,9 @@ Matrices make_matrices(const CudaMatrix* m, int count) {
     for (int k = 0; k < count; k++)
         if ((m[k].ids != nullptr) != (m[0].ids != nullptr) || (m[k].ids && m[k].n != m[0].n))
             throw Error("internal: a launch's matrices are all chosen on the GPU, over the same slots, or none");
-    Matrices ms{};
-    unsigned blocks = 0;
-    for (int k = 0; k < count; k++) {
-        ms.m[k] = m[k];
-        ms.first_block[k] = blocks;
-        blocks += (unsigned)((m[k].rows + kRowsPerBlock - 1) / kRowsPerBlock);
-    }
-    ms.count = count;
-    return ms;
+    return launch_matrices(m, count, kRowsPerBlock);
 }
-unsigned total_blocks(const Matrices& ms) {
-    const CudaMatrix& last = ms.m[ms.count - 1];
-    return ms.first_block[ms.count - 1] + (unsigned)((last.rows + kRowsPerBlock - 1) / kRowsPerBlock);
-}
+unsigned total_blocks(const Matrices& ms) { return ms.units; }
 
 // A warp's work: row r of matrix m (r >= m.rows for the last block's spare warps, which leave at once: r
 // depends on the warp only) for the matrix's tokens t0 .. t0 + nt - 1 of this grid row's slice, input rows

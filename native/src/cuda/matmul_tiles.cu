@@ -12,6 +12,7 @@
 // emulator runs the same code with the instruction emulated in the PTX ISA's fragment layouts.
 #include "dequant.cuh"
 #include "kernels.cuh"
+#include "launch_matrices.cuh"
 #include "optiml/common.h"
 
 namespace optiml {
@@ -49,13 +50,6 @@ struct alignas(16) TileSharedK {
 
 struct alignas(16) Bytes16 {
     uint32_t w[4];
-};
-
-// The matrices of one launch: grid row y belongs to the last matrix whose first_tile is at most y.
-struct TileMatrices {
-    CudaMatrix m[kCudaMaxMatrices];
-    unsigned first_tile[kCudaMaxMatrices];
-    int count;
 };
 
 // D = A B + C for one m16n8k32 tile, 8-bit signed operands, 32-bit sums (PTX ISA fragment layouts: lane
@@ -169,17 +163,11 @@ __device__ __forceinline__ void load_fragments(const int8_t (*w)[kStride], const
     }
 }
 
-// The matrix of grid row blockIdx.y and its first row there.
-__device__ __forceinline__ CudaMatrix tile_matrix(const TileMatrices& ms, int64_t& row0) {
-    CudaMatrix m = ms.m[0];
-    unsigned first = 0;
-#pragma unroll
-    for (int k = 1; k < kCudaMaxMatrices; k++)
-        if (k < ms.count && blockIdx.y >= ms.first_tile[k]) {
-            m = ms.m[k];
-            first = ms.first_tile[k];
-        }
-    row0 = (int64_t)(blockIdx.y - first) * kTileRows;
+// The matrix of grid row blockIdx.y (a unit: a tile of kTileRows rows) and its first row there.
+__device__ __forceinline__ CudaMatrix tile_matrix(const LaunchMatrices& ms, int64_t& row0) {
+    unsigned tile_in;
+    const CudaMatrix m = pick_matrix(ms, blockIdx.y, tile_in);
+    row0 = (int64_t)tile_in * kTileRows;
     return m;
 }
 
@@ -203,7 +191,7 @@ __device__ __forceinline__ void store_tile(const CudaMatrix& m, const float (&ac
 }
 
 template <int TYPE>
-__global__ void matmul_tiles_kernel(TileMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
+__global__ void matmul_tiles_kernel(LaunchMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                     const CudaQ8Meta* __restrict__ meta, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     __shared__ TileShared sh;
@@ -397,7 +385,7 @@ __device__ __forceinline__ void q6_sums(const TileSharedK& sh, int wrow, int wto
 // integers, then the CPU's (x.d * d) * isum - (x.d * dmin) * summs (vec_dot_scalar.cpp's dot_q45_K_block;
 // Q6_K: (x.d * d) * isum, its sub-blocks of 16 multiplied by m16n8k16).
 template <int TYPE>
-__global__ void matmul_tiles_k_kernel(TileMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
+__global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                       const CudaQ8Meta* __restrict__ meta, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     static_assert(Q::block_size == 32 * kStageBlocks, "a stage is one super-block");
@@ -489,22 +477,17 @@ int32_t cuda_tile_codes(int32_t type) {
 void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                            const int8_t* codes, const CudaQ8Meta* meta, int32_t n) {
     if (n <= 0) return;
-    if (count < 1 || count > kCudaMaxMatrices) throw Error("internal: 1 to 16 matrices per product launch");
     if (cols % (cuda_tile_codes(type) == kCudaCodesK ? 256 : 32) != 0)
         throw Error("internal: the tiled products take rows of whole blocks");
-    TileMatrices ms{};
-    unsigned tiles = 0;
+    const LaunchMatrices ms = launch_matrices(m, count, kTileRows);
+    const unsigned tiles = ms.units;
     CudaTraffic traffic;
     const int64_t token_tiles = (n + kTileTokens - 1) / kTileTokens;
     for (int k = 0; k < count; k++) {
         if (m[k].ids || m[k].n >= 0) throw Error("internal: the tiled products take every row of their input");
-        ms.m[k] = m[k];
-        ms.first_tile[k] = tiles;
-        tiles += (unsigned)((m[k].rows + kTileRows - 1) / kTileRows);
         traffic.weights += m[k].rows * (int64_t)m[k].row_bytes * token_tiles + (m[k].bias ? 4 * m[k].rows : 0);
         traffic.activations += (m[k].accumulate ? 8 : 4) * (int64_t)n * m[k].rows;
     }
-    ms.count = count;
     if (tiles == 0) return;
     if (tiles > 65535) throw ArgumentError(format("cuda tiled product: %u row tiles is more than one launch holds", tiles));
     const dim3 grid((unsigned)token_tiles, tiles);
