@@ -640,6 +640,21 @@ def test_moe_on_the_gpu(moe_model, where):
     assert mean_kld(ref, got) < KLD_BOUND
 
 
+def test_gpt_oss_is_refused_on_the_gpu(tmp_path, tiny):
+    """gpt-oss's attention sinks, YaRN and biased experts have no CUDA kernels yet: device='cuda' refuses the
+    model and says why and what to do, before anything runs; the CPU runs it."""
+    path = tmp_path / "oss.gguf"
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                    "-o", str(path), "--n-embd", "64", "--n-layer", "2", "--n-head", "4", "--n-head-kv", "2",
+                    "--n-ff", "128", "--experts", "4", "--n-ff-exp", "64", "--arch", "gpt-oss", "--type", "q8_0",
+                    "--quiet", "--tokenizer-from", str(tiny["donor"])], check=True)
+    for where in (dict(), dict(n_cpu_moe=True)):
+        with pytest.raises(optiml.UnsupportedModelError, match=r"attention sinks.*device='cpu'"):
+            optiml.Model(path, n_ctx=64, device="cuda", **where)
+    with optiml.Model(path, n_ctx=64, device="cpu") as m:
+        assert np.isfinite(m.eval(prompt_ids(path)[:4])).all()
+
+
 def test_moe_decode_stays_on_the_gpu(moe_model):
     """A mixture of experts whole on the GPU, decoded a token at a time: the router's top k on the GPU (no
     host sync), so the steps are recorded and replayed as CUDA graphs; the same distributions as the CPU's."""

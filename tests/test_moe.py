@@ -1,5 +1,6 @@
-"""Mixture-of-experts models (issue #46, the CPU half): qwen3moe, qwen2moe (shared expert) and llama with
-experts (Mixtral), on tiny synthetic files written by tools/make_synthetic_model.py.
+"""Mixture-of-experts models (issue #46, the CPU half): qwen3moe, qwen2moe (shared expert), llama with
+experts (Mixtral) and gpt-oss (biased router and experts, a clamped SwiGLU, attention sinks, sliding-window
+layers, YaRN), on tiny synthetic files written by tools/make_synthetic_model.py.
 
 Two oracles, both independent of OptiML: a float64 numpy forward pass written here from the models'
 definitions (router softmax, top k, renormalized or not, the shared expert's sigmoid gate), reading the
@@ -45,6 +46,9 @@ ARCHS = {
                  "--shared-expert", "96"],
     # Mixtral: llama with 4 experts of n_ff, 2 used, normal RoPE
     "mixtral": ["--arch", "llama", "--n-ff", "64", "--experts", "4", "--experts-used", "2"],
+    # gpt-oss: 8 experts of 64, 2 used; a window of 8 positions on layer 0 (the prompts are 12-40 long)
+    "gpt-oss": ["--arch", "gpt-oss", "--n-ff", "128", "--experts", "8", "--experts-used", "2", "--n-ff-exp", "64",
+                "--sliding-window", "8"],
 }
 
 
@@ -68,8 +72,11 @@ class Reference:
         self.n_layer, self.n_head, self.n_head_kv = g("block_count"), g("attention.head_count"), g("attention.head_count_kv")
         self.eps, self.base = g("attention.layer_norm_rms_epsilon"), g("rope.freq_base", 10000.0)
         self.n_expert, self.k = g("expert_count"), g("expert_used_count")
-        self.norm_w = arch != "qwen2moe"
+        self.norm_w = arch not in ("qwen2moe", "gpt-oss")
         self.neox = arch != "llama"
+        self.oss = arch == "gpt-oss"  # YaRN over the original context, sinks, a window on even layers
+        self.swa, self.factor, self.orig = g("attention.sliding_window"), g("rope.scaling.factor"), \
+            g("rope.scaling.original_context_length")
         self.t = {}
         for t in r.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy order
@@ -85,6 +92,13 @@ class Reference:
         inv = self.base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
         ang = pos[:, None, None] * inv[None, None, :]
         c, s = np.cos(ang), np.sin(ang)
+        if self.oss:  # YaRN (arXiv 2309.00071) with ggml's correction range: whole dimensions, floor and ceil
+            corr = lambda turns: hd * np.log(self.orig / (turns * 2 * np.pi)) / (2 * np.log(self.base))  # noqa: E731
+            low, high = max(0, np.floor(corr(32))), min(hd - 1, np.ceil(corr(1)))
+            ramp = 1 - np.clip((np.arange(hd // 2) - low) / max(0.001, high - low), 0, 1)
+            ang = ang / self.factor * (1 - ramp) + ang * ramp
+            m = 1 + 0.1 * np.log(self.factor)
+            c, s = np.cos(ang) * m, np.sin(ang) * m
         if self.neox:
             a, b = x[..., : hd // 2], x[..., hd // 2 :]
             return np.concatenate([a * c - b * s, a * s + b * c], -1)
@@ -95,7 +109,8 @@ class Reference:
 
     def moe(self, p, h):
         T = self.t
-        logits = h @ T[p + "ffn_gate_inp.weight"].T
+        bias = lambda name, e=slice(None): T[p + name][e] if p + name in T else 0.0  # noqa: E731 (gpt-oss)
+        logits = h @ T[p + "ffn_gate_inp.weight"].T + bias("ffn_gate_inp.bias")
         top = np.sort(logits, -1)
         self.route_gap = min(self.route_gap, float((top[:, -self.k] - top[:, -self.k - 1]).min()))
         prob = np.exp(logits - logits.max(-1, keepdims=True))
@@ -104,14 +119,19 @@ class Reference:
         for i in range(len(h)):
             top = np.argsort(-prob[i], kind="stable")[: self.k]
             w = prob[i, top]
-            if self.norm_w:
+            if self.norm_w or self.oss:  # (gpt-oss: the softmax of the chosen logits, the same thing)
                 w = w / w.sum()
             self.choices.setdefault(p, []).append((top, w, []))  # per token: experts, weights, their act*up
             for e, we in zip(top, w):
-                g = T[p + "ffn_gate_exps.weight"][e] @ h[i]
-                u = T[p + "ffn_up_exps.weight"][e] @ h[i]
-                self.choices[p][-1][2].append(g / (1 + np.exp(-g)) * u)
-                y[i] += we * (T[p + "ffn_down_exps.weight"][e] @ (g / (1 + np.exp(-g)) * u))
+                g = T[p + "ffn_gate_exps.weight"][e] @ h[i] + bias("ffn_gate_exps.bias", e)
+                u = T[p + "ffn_up_exps.weight"][e] @ h[i] + bias("ffn_up_exps.bias", e)
+                if self.oss:  # the clamped SwiGLU: alpha 1.702, limit 7
+                    g = np.minimum(g, 7.0)
+                    act = g / (1 + np.exp(-1.702 * g)) * (np.clip(u, -7.0, 7.0) + 1)
+                else:
+                    act = g / (1 + np.exp(-g)) * u
+                self.choices[p][-1][2].append(act)
+                y[i] += we * (T[p + "ffn_down_exps.weight"][e] @ act + bias("ffn_down_exps.bias", e))
         if p + "ffn_gate_shexp.weight" in T:
             g, u = h @ T[p + "ffn_gate_shexp.weight"].T, h @ T[p + "ffn_up_shexp.weight"].T
             s = (g / (1 + np.exp(-g)) * u) @ T[p + "ffn_down_shexp.weight"].T
@@ -137,11 +157,17 @@ class Reference:
             rep = self.n_head // self.n_head_kv
             k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
             s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
-            a = np.exp(s - s.max(-1, keepdims=True))
-            a /= a.sum(-1, keepdims=True)
+            if self.oss and il % 2 == 0:  # a sliding window: position i sees i - swa < j <= i
+                s = s + np.tril(np.full((n, n), -np.inf), -self.swa)
+            # a sink logit per head (gpt-oss) joins each softmax with a zero value
+            sink = T[p + "attn_sinks.weight"][:, None, None] if p + "attn_sinks.weight" in T else -np.inf
+            mx = np.maximum(s.max(-1, keepdims=True), sink)
+            a = np.exp(s - mx)
+            a /= a.sum(-1, keepdims=True) + np.exp(sink - mx)
             o = np.einsum("hqk,khd->qhd", a, v).reshape(n, -1)
-            x = x + o @ T[p + "attn_output.weight"].T
-            x = x + self.moe(p, self.rms(x, T[p + "ffn_norm.weight"]))
+            x = x + o @ T[p + "attn_output.weight"].T + T.get(p + "attn_output.bias", 0.0)
+            norm = "post_attention_norm.weight" if self.oss else "ffn_norm.weight"  # gpt-oss's name for it
+            x = x + self.moe(p, self.rms(x, T[p + norm]))
         return self.rms(x, T["output_norm.weight"]) @ T["output.weight"].T
 
 
@@ -165,7 +191,7 @@ def test_hparams(f32_model):
     name, path = f32_model
     with optiml.Model(path, n_ctx=64, n_threads=2) as m:
         h = m.hparams
-    want = {"qwen3moe": (8, 2, 64, 0), "qwen2moe": (8, 3, 32, 96), "mixtral": (4, 2, 64, 0)}[name]
+    want = {"qwen3moe": (8, 2, 64, 0), "qwen2moe": (8, 3, 32, 96), "mixtral": (4, 2, 64, 0), "gpt-oss": (8, 2, 64, 0)}[name]
     assert (h["n_expert"], h["n_expert_used"], h["n_ff_exp"], h["n_ff_shexp"]) == want
 
 
@@ -205,16 +231,19 @@ def test_long_prompt_many_tokens_per_expert(tmp_path):
     assert np.abs(ours - ref).max() < 5e-3
 
 
-# (type, seed): seeds whose router has no near-tie in the float64 pass on these tokens (checked below), for
-# a token whose k-th and (k+1)-th experts are within rounding of each other is a coin toss for any engine.
-@pytest.mark.parametrize("qtype,seed", [("q8_0", 5), ("q4_k", 7), ("q6_k", 5)])
-def test_quantized_experts(tmp_path, qtype, seed):
+# (arch, type, seed): seeds whose router has no near-tie in the float64 pass on these tokens (checked below),
+# for a token whose k-th and (k+1)-th experts are within rounding of each other is a coin toss for any engine.
+@pytest.mark.parametrize("arch,qtype,seed", [("qwen3moe", "q8_0", 5), ("qwen3moe", "q4_k", 7), ("qwen3moe", "q6_k", 5),
+                                             ("gpt-oss", "q8_0", 7), ("gpt-oss", "q4_k", 7)])
+def test_quantized_experts(tmp_path, arch, qtype, seed):
     """Quantized experts (and attention): KLD against the float64 pass on the dequantized weights within
-    10% of llama.cpp's, and teacher-forced greedy agreement with llama.cpp away from near-ties."""
-    path = synthetic(tmp_path / f"q3_{qtype}.gguf", "--n-embd", "256", "--n-layer", "2", "--n-head", "4",
-                     "--n-head-kv", "2", "--std", "0.1", "--router-std", "0.3", "--arch", "qwen3moe", "--n-ff", "512",
+    10% of llama.cpp's, and teacher-forced greedy agreement with llama.cpp away from near-ties. (gpt-oss: a
+    window of 16 positions on layer 0, so the 40-token prompt leaves it.)"""
+    extra = ["--sliding-window", "16"] if arch == "gpt-oss" else []
+    path = synthetic(tmp_path / f"{arch}_{qtype}.gguf", "--n-embd", "256", "--n-layer", "2", "--n-head", "4",
+                     "--n-head-kv", "2", "--std", "0.1", "--router-std", "0.3", "--arch", arch, "--n-ff", "512",
                      "--experts", "16", "--experts-used", "4", "--n-ff-exp", "256", "--type", qtype,
-                     "--output-type", "q8_0", "--seed", str(seed))
+                     "--output-type", "q8_0", "--seed", str(seed), *extra)
     oracle = Reference(path)
     ref = oracle.logits(IDS)
     assert oracle.route_gap > 0.02, f"the router has a near-tie (margin {oracle.route_gap:.4f}): pick another seed"
@@ -222,7 +251,7 @@ def test_quantized_experts(tmp_path, qtype, seed):
         ours = m.eval(IDS, all_logits=True)
     theirs = llama_cpp_logits(path, IDS)
     k_ours, k_theirs = kld(ref, ours), kld(ref, theirs)
-    print(f"{qtype}: KLD against float64 ours {k_ours:.3e}, llama.cpp {k_theirs:.3e}")
+    print(f"{arch} {qtype}: KLD against float64 ours {k_ours:.3e}, llama.cpp {k_theirs:.3e}")
     assert k_ours <= 1.1 * k_theirs + 1e-5, (k_ours, k_theirs)
     # Teacher-forced: the same sequence through both; where both are decided, the same argmax.
     decided = (top2_gap(ours) > TIE) & (top2_gap(theirs) > TIE)
@@ -334,6 +363,36 @@ def test_malformed_metadata_refused(q3_path, tmp_path, key, value, message):
         optiml.Model(bad, n_ctx=64)
 
 
+@pytest.fixture(scope="module")
+def oss_path(tmp_path_factory):
+    return synthetic(tmp_path_factory.mktemp("oss") / "oss.gguf", *TINY, *ARCHS["gpt-oss"], "--type", "q8_0")
+
+
+@pytest.mark.parametrize("remove,set_kv,error,message", [
+    (("gpt-oss.attention.sliding_window",), {}, optiml.GGUFError, "gpt-oss.attention.sliding_window"),
+    ((), {"gpt-oss.rope.scaling.yarn_log_multiplier": (0.1, gguf.GGUFValueType.FLOAT32)},
+     optiml.UnsupportedModelError, "yarn_log_multiplier"),
+    ((), {"gpt-oss.rope.scaling.yarn_attn_factor": (-1.0, gguf.GGUFValueType.FLOAT32)}, optiml.GGUFError, "YaRN"),
+])
+def test_malformed_gpt_oss_refused(oss_path, tmp_path, remove, set_kv, error, message):
+    bad = edited(oss_path, tmp_path / "bad.gguf", set_kv, remove)
+    with pytest.raises(error, match=message):
+        optiml.Model(bad, n_ctx=64)
+
+
+def test_gpt_oss_tensors_checked(oss_path, tmp_path):
+    """A sink vector of the wrong length and a missing expert bias's shape are refused by name."""
+    from optiml.formats.gguf_edit import rewrite_gguf
+
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(str(oss_path), str(bad), transforms={"blk.1.attn_sinks.weight": lambda t, a: (a.reshape(-1)[:8], 0, (2,))}, progress=False)
+    with pytest.raises(optiml.OptimlError, match="blk.1.attn_sinks.weight"):
+        optiml.Model(bad, n_ctx=64)
+    rewrite_gguf(str(oss_path), str(bad), transforms={"blk.0.ffn_down_exps.bias": lambda t, a: (a[:4], 0, (64, 4))}, progress=False)
+    with pytest.raises(optiml.GGUFError, match=r"blk.0.ffn_down_exps.bias is F32 \[64, 4\], expected F32 \[64, 8\]"):
+        optiml.Model(bad, n_ctx=64)
+
+
 def test_missing_expert_count_refused(q3_path, tmp_path):
     bad = edited(q3_path, tmp_path / "bad.gguf", remove=("qwen3moe.expert_count",))
     with pytest.raises(optiml.GGUFError, match="mixture-of-experts architecture.*expert_count"):
@@ -418,7 +477,7 @@ def test_hot_experts_split_give_the_cpu_bits(f32_model, lists):
     first, as the unsplit run; so the same bits, also with a shared expert (qwen2moe) and for the mixtral-shaped model's
     4 experts (lists cut to its experts)."""
     name, path = f32_model
-    n_expert = {"qwen3moe": 8, "qwen2moe": 8, "mixtral": 4}[name]
+    n_expert = {"qwen3moe": 8, "qwen2moe": 8, "mixtral": 4, "gpt-oss": 8}[name]
     lists = [[e for e in ids if e < n_expert] for ids in lists]
     ref, _, _ = device_logits(path, device="cpu")
     got, plan, alloc = device_logits(path, device="cpu:1", gpu_experts=lists)

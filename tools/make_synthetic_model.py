@@ -43,8 +43,10 @@ a time (optiml.convert.writer.write_gguf), so memory stays near the largest tens
 Mixtures of experts (--experts N), in llama.cpp's layout: 3-D ffn_{gate,up,down}_exps of N experts of
 --n-ff-exp neurons, the router ffn_gate_inp (F32, as llama.cpp's quantizer keeps it), and with
 --shared-expert S a shared expert of S neurons with its sigmoid gate ffn_gate_inp_shexp. --arch picks the
-architecture: qwen3moe (per-head q/k norms), qwen2moe (q/k/v biases, a shared expert), or llama with
-experts (Mixtral). --plant-experts ALPHA plants skewed expert popularity (as trained MoEs have): the
+architecture: qwen3moe (per-head q/k norms), qwen2moe (q/k/v biases, a shared expert), llama with
+experts (Mixtral), or gpt-oss (biases on q/k/v/o, the router and every expert; a sink logit per head;
+every other layer a sliding window of --sliding-window positions; YaRN RoPE of factor 32 over 4096
+original positions, base 150000; llama.cpp's tensor names). --plant-experts ALPHA plants skewed expert popularity (as trained MoEs have): the
 router row of the expert of popularity rank r gets a component along the embeddings' common direction u
 (as --plant-firing makes it) that falls with r, so expert use follows roughly a power law of exponent
 ALPHA (a random order per layer). Qwen3-30B-A3B's shape with 4 layers, for tools/bench_moe.py:
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
                     "(its vocab size becomes n_vocab)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
-    ap.add_argument("--arch", choices=("llama", "qwen3moe", "qwen2moe"), default="llama")
+    ap.add_argument("--arch", choices=("llama", "qwen3moe", "qwen2moe", "gpt-oss"), default="llama")
+    ap.add_argument("--sliding-window", type=int, default=128, help="gpt-oss: the window of its even layers")
     ap.add_argument("--head-dim", type=int, default=None, help="per-head size (default n_embd / n_head)")
     ap.add_argument("--experts", type=int, default=0, help="experts per layer (0: a dense FFN)")
     ap.add_argument("--experts-used", type=int, default=2, help="experts each token uses")
@@ -169,6 +172,9 @@ def main(argv=None) -> int:
     if a.arch == "llama" and moe and a.n_ff_exp not in (None, a.n_ff):
         ap.error("Mixtral's experts are --n-ff wide (llama.cpp reads no expert_feed_forward_length for llama)")
     FFX = a.n_ff_exp or a.n_ff
+    oss = a.arch == "gpt-oss"
+    if oss and a.activation != "silu":
+        ap.error("gpt-oss has its own activation (a clamped SwiGLU): no --activation")
     SH = a.shared_expert if a.shared_expert is not None else (a.n_ff if a.arch == "qwen2moe" else 0)
 
     if a.plant_firing is not None and not 0 < a.plant_firing < 0.98:
@@ -300,8 +306,14 @@ def main(argv=None) -> int:
             (p + "attn_v.weight", (kv, E), WT, rand((kv, E), s + 3)),
             (p + "attn_output.weight", (E, QD), WT,
              scaled(rand((E, QD), s + 4), 0.1) if plant else rand((E, QD), s + 4)),
-            (p + "ffn_norm.weight", (E,), F32, ones(E)),
+            (p + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), (E,), F32, ones(E)),
         ]
+        if oss:
+            tensors += [(p + "attn_q.bias", (QD,), F32, rand((QD,), s + 11)),
+                        (p + "attn_k.bias", (kv,), F32, rand((kv,), s + 12)),
+                        (p + "attn_v.bias", (kv,), F32, rand((kv,), s + 13)),
+                        (p + "attn_output.bias", (E,), F32, rand((E,), s + 17)),
+                        (p + "attn_sinks.weight", (a.n_head,), F32, scaled(rand((a.n_head,), s + 18), 1 / a.std))]
         if a.arch == "qwen3moe":
             tensors += [(p + "attn_q_norm.weight", (head_dim,), F32, ones(head_dim)),
                         (p + "attn_k_norm.weight", (head_dim,), F32, ones(head_dim))]
@@ -327,6 +339,11 @@ def main(argv=None) -> int:
             (p + "ffn_down_exps.weight", (X, E, FFX), WT,
              scaled(rand((X, E, FFX), s + 7), 0.1) if plant else rand((X, E, FFX), s + 7)),
         ]
+        if oss:
+            tensors += [(p + "ffn_gate_inp.bias", (X,), F32, rand((X,), s + 19)),
+                        (p + "ffn_gate_exps.bias", (X, FFX), F32, rand((X, FFX), s + 20)),
+                        (p + "ffn_up_exps.bias", (X, FFX), F32, rand((X, FFX), s + 21)),
+                        (p + "ffn_down_exps.bias", (X, E), F32, rand((X, E), s + 22))]
         if SH:
             tensors += [
                 (p + "ffn_gate_inp_shexp.weight", (E,), F32, rand((E,), s + 9)),
@@ -370,7 +387,12 @@ def main(argv=None) -> int:
                 w.add_expert_feed_forward_length(FFX)
             if SH:
                 w.add_expert_shared_feed_forward_length(SH)
-        w.add_rope_freq_base(10000.0)
+        if oss:
+            w.add_sliding_window(a.sliding_window)
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(32.0)
+            w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_rope_freq_base(150000.0 if oss else 10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(n_vocab)
         if wtype.name.lower() in _FTYPE:

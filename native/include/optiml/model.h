@@ -29,8 +29,13 @@ namespace optiml {
 struct Predictors;
 
 enum RopeType { ROPE_NORM = 0, ROPE_NEOX = 2 };  // pairs (2i, 2i+1) or (i, i + n_rot/2)
-// act(gate) * up; GELU is tanh-approximated; RELU2 is relu(gate) * relu(up) (dReLU).
-enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1, FFN_GELU = 2, FFN_RELU2 = 3 };
+// act(gate) * up; GELU is tanh-approximated; RELU2 is relu(gate) * relu(up) (dReLU). SWIGLU_OAI (gpt-oss's
+// experts): g = min(gate, 7), g * sigmoid(1.702 g) * (clamp(up, -7, 7) + 1).
+enum FFNActivation { FFN_SILU = 0, FFN_RELU = 1, FFN_GELU = 2, FFN_RELU2 = 3, FFN_SWIGLU_OAI = 4 };
+
+// How a mixture of experts weighs its chosen experts (llama.cpp's expert_gating_func): a softmax over
+// every expert's logit, the top k of those; or the top k logits, then a softmax over those k alone.
+enum MoEGating { MOE_GATING_SOFTMAX = 1, MOE_GATING_SOFTMAX_CHOSEN = 3 };
 
 // The name of an activation as `optiml.ffn.activation` spells it.
 const char* ffn_activation_name(FFNActivation act);
@@ -52,8 +57,16 @@ struct HParams {
     int32_t n_rot = 0;  // rotated dimensions per head (<= head_dim)
     float rms_eps = 1e-5f;
     float rope_freq_base = 10000.0f;
-    float rope_freq_scale = 1.0f;  // 1 / linear scaling factor
+    float rope_freq_scale = 1.0f;  // 1 / linear (or YaRN) scaling factor
     RopeType rope_type = ROPE_NORM;
+    // YaRN (rope.scaling.type = yarn; gpt-oss): with yarn_ext_factor > 0 each pair's angle blends the
+    // interpolated (scaled) and extrapolated ones between the correction dimensions that beta_fast and
+    // beta_slow give for n_ctx_orig_yarn, and cos/sin grow by 1 + 0.1 ln(1 / freq_scale).
+    float yarn_ext_factor = 0.0f;
+    float yarn_attn_factor = 1.0f;
+    float yarn_beta_fast = 32.0f;
+    float yarn_beta_slow = 1.0f;
+    int32_t n_ctx_orig_yarn = 0;
     FFNActivation ffn_act = FFN_SILU;
 
     // Gemma 3 (all neutral for llama): embeddings scaled by embd_scale; q scaled by attn_q_scale after
@@ -80,6 +93,7 @@ struct HParams {
     int32_t n_ff_shexp = 0;
     bool expert_weights_norm = false;
     float expert_weights_scale = 1.0f;
+    MoEGating expert_gating = MOE_GATING_SOFTMAX;
 
     bool is_swa(int il) const { return !swa_layer.empty() && swa_layer[il]; }
     bool is_moe() const { return n_expert > 0; }
@@ -141,6 +155,9 @@ struct MoEWeights {
     ExpertWeights gate, up, down;    // [n_embd -> n_ff_exp] x n_expert, down [n_ff_exp -> n_embd] x n_expert
     FFNWeights shared;               // the shared expert's gate/up/down (*_shexp), when hp.n_ff_shexp > 0
     Weight gate_inp_shexp;           // [n_embd -> 1]: the shared expert's sigmoid gate (optional)
+    // Optional F32 biases (gpt-oss): the router's [n_expert]; the experts' as one row per expert
+    // (gate_b/up_b [n_ff_exp] x n_expert, down_b [n_embd] x n_expert), added to each product's output.
+    Weight gate_inp_b, gate_b, up_b, down_b;
 
     bool present() const { return gate_inp.present(); }
 };
@@ -151,6 +168,7 @@ struct LayerWeights {
     Weight bq, bk, bv, bo;  // optional biases (Qwen2 has q/k/v; Llama's attention_bias all four), F32
     Weight q_norm, k_norm;  // optional per-head RMSNorm of q and k before RoPE, F32 [head_dim] (Gemma 3)
     Weight attn_post_norm;  // optional RMSNorm of the attention output before the residual add (Gemma 3)
+    Weight attn_sinks;      // optional F32 [n_head]: a logit per head that joins every softmax with a zero value (gpt-oss)
     FFNWeights ffn;
     MoEWeights moe;  // a mixture-of-experts layer (hp.n_expert > 0): ffn holds its norm only
 };

@@ -28,6 +28,7 @@ const ArchInfo kArchs[] = {
     {"gemma3", ROPE_NEOX},
     {"qwen3moe", ROPE_NEOX},  // mixtures of experts (moe.cpp), as is llama with experts (Mixtral)
     {"qwen2moe", ROPE_NEOX},
+    {"gpt-oss", ROPE_NEOX},  // experts with biases and a clamped SwiGLU, attention sinks, YaRN (moe.cpp)
 };
 
 const ArchInfo* find_arch(const std::string& name) {
@@ -41,6 +42,39 @@ int32_t positive_i32(const GGUFFile& f, const std::string& key, int64_t max = (i
     if (v <= 0 || v > max)
         throw GGUFError(format("%s: metadata %s = %lld is out of range", f.path().c_str(), key.c_str(), (long long)v));
     return (int32_t)v;
+}
+
+// `{arch}.rope.scaling.*`: none, linear, or YaRN with llama.cpp's defaults (ext_factor 1, beta_fast 32,
+// beta_slow 1, the training context as the original one).
+void read_rope_scaling(const GGUFFile& f, HParams& hp) {
+    const std::string p = hp.arch + ".";
+    const std::string scaling = f.get_string(p + "rope.scaling.type", "none");
+    const float factor = f.get_f32(p + "rope.scaling.factor", 0.0f);
+    if (scaling == "linear" && factor > 0) {
+        hp.rope_freq_scale = 1.0f / factor;
+    } else if (f.has(p + "rope.scale_linear")) {  // older files
+        hp.rope_freq_scale = 1.0f / f.get_f32(p + "rope.scale_linear");
+    } else if (scaling == "yarn" && factor > 0) {
+        hp.rope_freq_scale = 1.0f / factor;
+        hp.yarn_ext_factor = f.get_f32(p + "rope.scaling.yarn_ext_factor", -1.0f);
+        if (hp.yarn_ext_factor < 0) hp.yarn_ext_factor = 1.0f;  // llama.cpp: negative means not set
+        hp.yarn_attn_factor = f.get_f32(p + "rope.scaling.yarn_attn_factor", 1.0f) *
+                              f.get_f32(p + "rope.scaling.attn_factor", 1.0f);
+        hp.yarn_beta_fast = f.get_f32(p + "rope.scaling.yarn_beta_fast", 32.0f);
+        hp.yarn_beta_slow = f.get_f32(p + "rope.scaling.yarn_beta_slow", 1.0f);
+        hp.n_ctx_orig_yarn = f.has(p + "rope.scaling.original_context_length")
+                                 ? positive_i32(f, p + "rope.scaling.original_context_length")
+                                 : hp.n_ctx_train;
+        if (f.get_f32(p + "rope.scaling.yarn_log_multiplier", 0.0f) != 0.0f)
+            throw UnsupportedModelError(format("%s: YaRN with rope.scaling.yarn_log_multiplier (DeepSeek's) is not "
+                                               "supported", f.path().c_str()));
+        if (!std::isfinite(hp.yarn_ext_factor) || !(hp.yarn_attn_factor > 0) || !std::isfinite(hp.yarn_beta_fast) ||
+            !std::isfinite(hp.yarn_beta_slow))
+            throw GGUFError(format("%s: the YaRN metadata (rope.scaling.yarn_*) is out of range", f.path().c_str()));
+    } else if (scaling != "none" && scaling != "linear" && factor > 1.0f) {
+        throw UnsupportedModelError(format("%s: rope scaling '%s' is not supported (none, linear and yarn are)",
+                                           f.path().c_str(), scaling.c_str()));
+    }
 }
 
 HParams read_hparams(const GGUFFile& f) {
@@ -86,32 +120,35 @@ HParams read_hparams(const GGUFFile& f) {
     hp.rope_freq_base = f.get_f32(p + "rope.freq_base", 10000.0f);
     hp.rope_type = arch->rope;
 
-    const std::string scaling = f.get_string(p + "rope.scaling.type", "none");
-    float factor = f.get_f32(p + "rope.scaling.factor", 0.0f);
-    if (scaling == "linear" && factor > 0) {
-        hp.rope_freq_scale = 1.0f / factor;
-    } else if (f.has(p + "rope.scale_linear")) {  // older files
-        hp.rope_freq_scale = 1.0f / f.get_f32(p + "rope.scale_linear");
-    } else if (scaling != "none" && scaling != "linear" && factor > 1.0f) {
-        throw UnsupportedModelError(format("%s: rope scaling '%s' is not supported (none and linear are)",
-                                           f.path().c_str(), scaling.c_str()));
-    }
+    read_rope_scaling(f, hp);
     if (!(hp.rope_freq_base > 0) || !(hp.rope_freq_scale > 0) || !(hp.rms_eps > 0))
         throw GGUFError(format("%s: rope freq base/scale and RMS epsilon must be positive", f.path().c_str()));
 
-    const bool gemma3 = hp.arch == "gemma3";
-    const std::string act = f.get_string("optiml.ffn.activation", gemma3 ? "gelu" : "silu");
+    const bool gemma3 = hp.arch == "gemma3", gpt_oss = hp.arch == "gpt-oss";
+    const std::string act = f.get_string("optiml.ffn.activation", gemma3 ? "gelu" : gpt_oss ? "swiglu_oai" : "silu");
     if (act == "silu") hp.ffn_act = FFN_SILU;
     else if (act == "relu") hp.ffn_act = FFN_RELU;
     else if (act == "gelu") hp.ffn_act = FFN_GELU;
     else if (act == "relu2") hp.ffn_act = FFN_RELU2;
+    else if (act == "swiglu_oai") hp.ffn_act = FFN_SWIGLU_OAI;
     else
-        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu, relu2, gelu)",
+        throw UnsupportedModelError(format("%s: FFN activation '%s' is not supported (silu, relu, relu2, gelu, swiglu_oai)",
                                            f.path().c_str(), act.c_str()));
 
     read_moe_hparams(f, hp);
 
     hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
+    if (gpt_oss) {
+        // As llama.cpp builds gpt-oss: every even layer attends to a window of sliding_window positions, with
+        // the same RoPE (and YaRN) as the others.
+        hp.n_swa = positive_i32(f, p + "attention.sliding_window");
+        hp.swa_layer.resize(hp.n_layer);
+        for (int il = 0; il < hp.n_layer; il++) hp.swa_layer[il] = il % 2 == 0;
+        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", hp.rope_freq_base);
+        hp.rope_freq_scale_swa = hp.rope_freq_scale;
+        if (!(hp.rope_freq_base_swa > 0))
+            throw GGUFError(format("%s: rope.freq_base_swa must be positive", f.path().c_str()));
+    }
     if (gemma3) {
         // As llama.cpp builds Gemma 3: embeddings times sqrt(n_embd); q scaled by 1/sqrt(head_dim)
         // (1/sqrt(n_embd/n_head) for the 62-layer 27B, whose query_pre_attn_scalar says so) and the
@@ -296,7 +333,9 @@ private:
 
 }  // namespace
 
-const char* supported_architectures() { return "llama, mistral, qwen2, gemma3, qwen3moe, qwen2moe, llama with experts (Mixtral)"; }
+const char* supported_architectures() {
+    return "llama, mistral, qwen2, gemma3, qwen3moe, qwen2moe, gpt-oss, llama with experts (Mixtral)";
+}
 
 const char* ffn_activation_name(FFNActivation act) {
     switch (act) {
@@ -304,6 +343,7 @@ const char* ffn_activation_name(FFNActivation act) {
         case FFN_RELU: return "relu";
         case FFN_GELU: return "gelu";
         case FFN_RELU2: return "relu2";
+        case FFN_SWIGLU_OAI: return "swiglu_oai";
     }
     return "?";
 }
@@ -342,7 +382,10 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         L.bk = b.vector(p + "attn_k.bias", hp.n_embd_kv(), false);
         L.bv = b.vector(p + "attn_v.bias", hp.n_embd_kv(), false);
         L.bo = b.vector(p + "attn_output.bias", hp.n_embd, false);
-        L.ffn.norm = b.vector(p + "ffn_norm.weight", hp.n_embd);
+        // gpt-oss names its FFN's input norm post_attention_norm (the norm after the attention's residual add).
+        const bool gpt_oss = hp.arch == "gpt-oss";
+        L.ffn.norm = b.vector(p + (gpt_oss ? "post_attention_norm.weight" : "ffn_norm.weight"), hp.n_embd);
+        L.attn_sinks = b.vector(p + "attn_sinks.weight", hp.n_head, gpt_oss);
         if (hp.is_moe()) {
             bind_moe_layer(f, hp, i, L);
         } else {
@@ -356,7 +399,7 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         const bool gemma3 = hp.arch == "gemma3";  // these norms are part of Gemma 3, absent elsewhere
         L.q_norm = b.vector(p + "attn_q_norm.weight", hp.head_dim, gemma3);
         L.k_norm = b.vector(p + "attn_k_norm.weight", hp.head_dim, gemma3);
-        L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma3);
+        if (!gpt_oss) L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma3);
         L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
     }
     M.sparsity = read_sparsity(f, hp);

@@ -4,7 +4,9 @@
 //   qwen2moe  softmax, top k, not renormalized, plus a shared expert of expert_shared_feed_forward_length
 //             neurons scaled by sigmoid(ffn_gate_inp_shexp . x);
 //   llama     with llama.expert_count > 0 (Mixtral): softmax, top k, renormalized (the same as the top k
-//             logits' softmax, as Mixtral's paper writes it).
+//             logits' softmax, as Mixtral's paper writes it);
+//   gpt-oss   the router and every expert product with a bias; top k of the logits, then the softmax of
+//             those k; the experts' activation a clamped SwiGLU (FFN_SWIGLU_OAI).
 // `{arch}.expert_weights_norm` and `{arch}.expert_weights_scale`, where a file has them, override the
 // architecture's default. The CPU kernel that runs a layer is native/src/cpu/moe_ffn.cpp.
 #include "moe.h"
@@ -93,6 +95,23 @@ ExpertWeights experts(const GGUFFile& f, const std::string& name, int64_t cols, 
     return e;
 }
 
+// An optional F32 bias [cols] x rows (a router's, or one row per expert).
+Weight bias(const GGUFFile& f, const std::string& name, int64_t cols, int64_t rows) {
+    const GGUFTensorInfo* t = f.find_tensor(name);
+    if (!t) return Weight();
+    if (t->type != TYPE_F32 || t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != 1 || t->ne[3] != 1)
+        throw GGUFError(format("%s: tensor %s is %s %s, expected F32 [%lld, %lld]", f.path().c_str(), name.c_str(),
+                               type_traits(t->type).name, dims(*t).c_str(), (long long)cols, (long long)rows));
+    Weight w;
+    w.name = t->name.c_str();
+    w.type = TYPE_F32;
+    w.cols = cols;
+    w.rows = rows;
+    w.data = (const uint8_t*)f.tensor_data(*t);
+    w.row_bytes = sizeof(float) * cols;
+    return w;
+}
+
 int64_t positive(const GGUFFile& f, const std::string& key, int64_t max) {
     const int64_t v = f.get_i64(key);
     if (v <= 0 || v > max)
@@ -103,7 +122,7 @@ int64_t positive(const GGUFFile& f, const std::string& key, int64_t max) {
 
 }  // namespace
 
-bool is_moe_arch(const std::string& arch) { return arch == "qwen3moe" || arch == "qwen2moe"; }
+bool is_moe_arch(const std::string& arch) { return arch == "qwen3moe" || arch == "qwen2moe" || arch == "gpt-oss"; }
 
 void read_moe_hparams(const GGUFFile& f, HParams& hp) {
     const std::string p = hp.arch + ".";
@@ -151,21 +170,26 @@ void read_moe_hparams(const GGUFFile& f, HParams& hp) {
     else if (hp.arch == "qwen2moe")
         hp.n_ff_shexp = hp.n_ff;  // llama.cpp's default: the shared expert is feed_forward_length wide
 
-    if (f.has(p + "expert_gating_func")) {
+    const bool gpt_oss = hp.arch == "gpt-oss";
+    if (gpt_oss) {
+        hp.expert_gating = MOE_GATING_SOFTMAX_CHOSEN;  // as llama.cpp builds it, whatever the file says
+    } else if (f.has(p + "expert_gating_func")) {
         const int64_t g = f.get_i64(p + "expert_gating_func");
-        if (g != 1)  // llama.cpp: 1 softmax, 2 sigmoid, 3 softmax of the chosen weights
-            throw UnsupportedModelError(format("%s: %sexpert_gating_func = %lld; only softmax gating (1) is supported",
+        if (g != MOE_GATING_SOFTMAX && g != MOE_GATING_SOFTMAX_CHOSEN)  // llama.cpp's 2 is sigmoid
+            throw UnsupportedModelError(format("%s: %sexpert_gating_func = %lld; softmax gating (1) and the softmax "
+                                               "of the chosen experts' logits (3) are supported",
                                                path, p.c_str(), (long long)g));
+        hp.expert_gating = (MoEGating)g;
     }
-    hp.expert_weights_norm = f.get_bool(p + "expert_weights_norm", hp.arch != "qwen2moe");
+    hp.expert_weights_norm = !gpt_oss && f.get_bool(p + "expert_weights_norm", hp.arch != "qwen2moe");
     hp.expert_weights_scale = f.get_f32(p + "expert_weights_scale", 0.0f);
     if (hp.expert_weights_scale == 0.0f) hp.expert_weights_scale = 1.0f;  // llama.cpp: 0 means not scaled
     if (!(hp.expert_weights_scale > 0) || !std::isfinite(hp.expert_weights_scale))
         throw GGUFError(format("%s: metadata %sexpert_weights_scale = %g must be positive", path, p.c_str(),
                                hp.expert_weights_scale));
-    if (hp.ffn_act != FFN_SILU)
-        throw UnsupportedModelError(format("%s: mixture-of-experts layers run with SiLU only, not %s", path,
-                                           ffn_activation_name(hp.ffn_act)));
+    if (hp.ffn_act != FFN_SILU && hp.ffn_act != FFN_SWIGLU_OAI)
+        throw UnsupportedModelError(format("%s: mixture-of-experts layers run with SiLU or gpt-oss's SwiGLU only, not %s",
+                                           path, ffn_activation_name(hp.ffn_act)));
 }
 
 void bind_moe_layer(const GGUFFile& f, const HParams& hp, int il, LayerWeights& L) {
@@ -176,6 +200,10 @@ void bind_moe_layer(const GGUFFile& f, const HParams& hp, int il, LayerWeights& 
     m.gate = experts(f, p + "ffn_gate_exps.weight", E, F, X, "gate of the experts");
     m.up = experts(f, p + "ffn_up_exps.weight", E, F, X, "up of the experts");
     m.down = experts(f, p + "ffn_down_exps.weight", F, E, X, "down of the experts");
+    m.gate_inp_b = bias(f, p + "ffn_gate_inp.bias", X, 1);
+    m.gate_b = bias(f, p + "ffn_gate_exps.bias", F, X);
+    m.up_b = bias(f, p + "ffn_up_exps.bias", F, X);
+    m.down_b = bias(f, p + "ffn_down_exps.bias", E, X);
     if (hp.n_ff_shexp > 0) {
         const int64_t S = hp.n_ff_shexp;
         m.shared.gate = matrix(f, p + "ffn_gate_shexp.weight", E, S, "the shared expert's gate");

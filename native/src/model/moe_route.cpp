@@ -6,18 +6,29 @@
 
 namespace optiml {
 
+namespace {
+
+// p = softmax(l) over n values, in float with the sum in double, as llama.cpp's soft_max (p may be l).
+void softmax(const float* l, int32_t n, float* p) {
+    const float mx = *std::max_element(l, l + n);
+    double sum = 0;
+    for (int32_t e = 0; e < n; e++) sum += p[e] = std::exp(l[e] - mx);
+    const float inv = (float)(1.0 / sum);
+    for (int32_t e = 0; e < n; e++) p[e] *= inv;
+}
+
+}  // namespace
+
 void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chosen, float* weight) {
     const int32_t X = hp.n_expert, k = hp.n_expert_used;
     std::vector<float> p(X);
     std::vector<int32_t> idx(X);
     for (int32_t t = 0; t < n; t++) {
         const float* l = logits + (size_t)t * X;
-        // softmax over every expert (in float, the sum in double: llama.cpp's soft_max)
-        const float mx = *std::max_element(l, l + X);
-        double sum = 0;
-        for (int32_t e = 0; e < X; e++) sum += p[e] = std::exp(l[e] - mx);
-        const float inv = (float)(1.0 / sum);
-        for (int32_t e = 0; e < X; e++) p[e] *= inv;
+        // softmax over every expert (in float, the sum in double: llama.cpp's soft_max); or, gating by the
+        // chosen experts' softmax, the raw logits rank them
+        if (hp.expert_gating == MOE_GATING_SOFTMAX_CHOSEN) std::copy(l, l + X, p.begin());
+        else softmax(l, X, p.data());
         // the k most probable, best first (ties: the lower index)
         for (int32_t e = 0; e < X; e++) idx[e] = e;
         std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
@@ -28,6 +39,7 @@ void moe_route(const HParams& hp, const float* logits, int32_t n, int32_t* chose
             weight[t * k + j] = p[idx[j]];
             wsum += p[idx[j]];
         }
+        if (hp.expert_gating == MOE_GATING_SOFTMAX_CHOSEN) softmax(weight + t * k, k, weight + t * k);
         if (hp.expert_weights_norm) {  // as llama.cpp: divided by the sum, clamped away from 0
             const float d = std::max(wsum, 6.103515625e-5f);
             for (int32_t j = 0; j < k; j++) weight[t * k + j] /= d;

@@ -37,19 +37,21 @@ size_t attn_layer_bytes(const Model& m, int il) {
     const LayerWeights& L = m.layers[il];
     size_t n = 0;
     for (const Weight* w : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.bq, &L.bk, &L.bv, &L.bo, &L.q_norm, &L.k_norm,
-                            &L.attn_post_norm, &L.ffn.norm, &L.ffn.post_norm, &L.ffn.down_b})
+                            &L.attn_post_norm, &L.ffn.norm, &L.ffn.post_norm, &L.ffn.down_b, &L.attn_sinks})
         n += weight_bytes(*w);
     return n;
 }
 
+// One expert's matrices and its rows of the experts' biases (gpt-oss; row_bytes is 0 where absent).
 size_t expert_bytes(const Model& m, int il) {
     const MoEWeights& e = m.layers[il].moe;
-    return e.gate.expert_bytes + e.up.expert_bytes + e.down.expert_bytes;
+    return e.gate.expert_bytes + e.up.expert_bytes + e.down.expert_bytes + e.gate_b.row_bytes + e.up_b.row_bytes +
+           e.down_b.row_bytes;
 }
 
 size_t moe_home_bytes(const Model& m, int il) {
     const MoEWeights& e = m.layers[il].moe;
-    size_t n = weight_bytes(e.gate_inp) + weight_bytes(e.gate_inp_shexp);
+    size_t n = weight_bytes(e.gate_inp) + weight_bytes(e.gate_inp_shexp) + weight_bytes(e.gate_inp_b);
     for (const Weight* w : {&e.shared.gate, &e.shared.up, &e.shared.down}) n += weight_bytes(*w);
     return n;
 }

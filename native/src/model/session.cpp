@@ -78,6 +78,12 @@ static MoEWeights upload_moe(Backend& dev, const MoEWeights& w, const std::vecto
                                 {&w.shared.down, &d.shared.down}})
             *dst = dev.upload(*src, "ffn weights");
     }
+    if (home) d.gate_inp_b = dev.upload(w.gate_inp_b, "ffn weights");
+    // The experts' biases (gpt-oss): a row per expert, gathered like the experts.
+    for (auto [src, dst] : {std::pair{&w.gate_b, &d.gate_b}, {&w.up_b, &d.up_b}, {&w.down_b, &d.down_b}})
+        if (src->present())
+            *dst = ids ? dev.upload_rows(*src, ids->data(), (int64_t)ids->size(), "ffn weights")
+                       : dev.upload(*src, "ffn weights");
     for (auto [src, dst] : {std::pair{&w.gate, &d.gate}, {&w.up, &d.up}, {&w.down, &d.down}}) {
         *dst = *src;
         if (ids) dst->n_expert = (int64_t)ids->size();
@@ -137,12 +143,25 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
             for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo}) ws.emplace_back(w->name, w->type);
         if (lp.ffn_on_device > 0 && !L.moe.present())
             for (const Weight* w : {&L.ffn.gate, &L.ffn.up, &L.ffn.down}) ws.emplace_back(w->name, w->type);
-        if (L.moe.present() && (lp.ffn_on_device > 0 || !lp.device_experts.empty())) {
+        const bool moe_on_device = L.moe.present() && (lp.ffn_on_device > 0 || !lp.device_experts.empty());
+        if (moe_on_device) {
             for (const ExpertWeights* x : {&L.moe.gate, &L.moe.up, &L.moe.down}) ws.emplace_back(x->name, x->type);
             for (const Weight* w : {&L.moe.gate_inp, &L.moe.gate_inp_shexp, &L.moe.shared.gate, &L.moe.shared.up,
                                     &L.moe.shared.down})
                 if (w->present()) ws.emplace_back(w->name, w->type);
         }
+        // What the CUDA kernels do not compute yet (gpt-oss's attention and experts; YaRN): refused, never
+        // run without it.
+        const char* missing = nullptr;
+        if (lp.attn_on_device && L.attn_sinks.present()) missing = "attention sinks";
+        else if (lp.attn_on_device && hp.yarn_ext_factor != 0.0f) missing = "YaRN RoPE scaling";
+        else if (moe_on_device && hp.ffn_act == FFN_SWIGLU_OAI) missing = "gpt-oss's clamped SwiGLU experts";
+        else if (moe_on_device && (L.moe.gate_inp_b.present() || L.moe.gate_b.present() || L.moe.down_b.present()))
+            missing = "biased experts";
+        else if (moe_on_device && hp.expert_gating != MOE_GATING_SOFTMAX) missing = "its expert gating";
+        if (missing)
+            throw UnsupportedModelError(format("layer %d uses %s, which the CUDA backend does not compute yet; run the "
+                                               "model on the CPU (device='cpu')", il, missing));
         for (auto [name, type] : ws)
             if (!cuda_reads_type(type))
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "
@@ -185,8 +204,8 @@ void Session::bind_devices() {
             LayerWeights& D = device_layers_[il];
             for (auto [src, dst] : {std::pair{&L.attn_norm, &D.attn_norm}, {&L.wq, &D.wq}, {&L.wk, &D.wk},
                                     {&L.wv, &D.wv}, {&L.wo, &D.wo}, {&L.bq, &D.bq}, {&L.bk, &D.bk}, {&L.bv, &D.bv},
-                                    {&L.bo, &D.bo}, {&L.q_norm, &D.q_norm}, {&L.k_norm, &D.k_norm},
-                                    {&L.attn_post_norm, &D.attn_post_norm}, {&L.ffn.norm, &D.ffn.norm},
+                                    {&L.bo, &D.bo}, {&L.q_norm, &D.q_norm}, {&L.k_norm, &D.k_norm}, {&L.attn_sinks,
+                                    &D.attn_sinks}, {&L.attn_post_norm, &D.attn_post_norm}, {&L.ffn.norm, &D.ffn.norm},
                                     {&L.ffn.post_norm, &D.ffn.post_norm}, {&L.ffn.down_b, &D.ffn.down_b}})
                 *dst = dev->upload(*src, "attention weights");
             E.attn_w = &D;

@@ -59,6 +59,7 @@ void rope_and_store_kv(ThreadPool& pool, const KernelTable& kt, const HParams& h
     const bool swa = hp.is_swa(il);
     const float rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
     const float rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
+    const RopeYarn yarn{hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow, hp.n_ctx_orig_yarn};
     const float* q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
     const float* k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
     auto prepare = [&](int64_t t) {
@@ -73,7 +74,7 @@ void rope_and_store_kv(ThreadPool& pool, const KernelTable& kt, const HParams& h
             for (int h = 0; h < hp.n_head; h++) rms_norm(qt + h * hd, q_norm, qt + h * hd, hd, hp.rms_eps);
         if (k_norm)
             for (int h = 0; h < hp.n_head_kv; h++) rms_norm(kt_ + h * hd, k_norm, kt_ + h * hd, hd, hp.rms_eps);
-        rope_cos_sin(pos, hp.n_rot, rope_base, rope_scale, freq_factors, cos, sin);
+        rope_cos_sin(pos, hp.n_rot, rope_base, rope_scale, freq_factors, cos, sin, yarn);
         for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, hp.n_rot, cos, sin, neox);
         for (int h = 0; h < hp.n_head_kv; h++) rope(kt_ + h * hd, hp.n_rot, cos, sin, neox);
         if (hp.attn_q_scale != 1.0f)
@@ -133,18 +134,20 @@ struct CausalAttention {
     int group;
     float scale;
     int64_t n_swa;  // a sliding-window layer: position p sees only p - n_swa < s <= p
+    const float* sinks;  // [n_head] or null: each head's softmax also counts exp(sink) with a zero value
     // The query in the keys' vec_dot type (F16, F32; Q8_0 for quantized keys, as llama.cpp's flash
     // attention converts it), the weights in the values' (F16, F32; quantized values take float weights).
     bool k_quant;
     from_float_fn to_dot, to_dot_v;
     size_t head_bytes, head_bytes_v;
 
-    CausalAttention(const KernelTable& kt_, const HParams& hp_, int il, const KVLayerView& kv_, const BatchView& b_,
-                    const StepScratch& sc)
+    CausalAttention(const KernelTable& kt_, const HParams& hp_, int il, const LayerWeights& L, const KVLayerView& kv_,
+                    const BatchView& b_, const StepScratch& sc)
         : kt(kt_), hp(hp_), kv(kv_), b(b_), q(sc.q), attn(sc.attn), n_q(hp.n_embd_q()), hd(hp.head_dim),
           v_rows(kv.v_row != 0), kv_elem(type_traits(kv.v_type).type_size),
           rot_v(kv_rotation_block(kv.v_type, hd, true)), group(hp.n_head / hp.n_head_kv), scale(hp.attn_kq_scale),
-          n_swa(hp.is_swa(il) ? hp.n_swa : 0), k_quant(kv.type == TYPE_Q8_0 || kv.type == TYPE_Q4_0),
+          n_swa(hp.is_swa(il) ? hp.n_swa : 0), sinks(L.attn_sinks.present() ? (const float*)L.attn_sinks.data : nullptr),
+          k_quant(kv.type == TYPE_Q8_0 || kv.type == TYPE_Q4_0),
           to_dot(kt.from_float[type_traits(kv.type).vec_dot_type]),
           to_dot_v(kt.from_float[type_traits(kv.v_type).vec_dot_type]), head_bytes(row_size(kv.type, hd)),
           head_bytes_v(row_size(kv.v_type, hd)) {}
@@ -166,15 +169,18 @@ struct CausalAttention {
                 __builtin_prefetch(v + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
     }
 
-    // Raw scores in, softmax weights out (scaled, masked outside first..pos, over the whole window).
-    void softmax(int64_t t, float* scores) const {
+    // Raw scores in, softmax weights out (scaled, masked outside first..pos, over the whole window); a
+    // head's sink joins the max and the sum as ggml's soft_max counts it.
+    void softmax(int64_t t, int64_t h, float* scores) const {
         const int64_t n_seen = (int64_t)b.pos[t] + 1, nw = n_window(t), f = first(t);
         for (int64_t s = 0; s < f; s++) scores[s] = -INFINITY;
         for (int64_t s = f; s < n_seen; s++) scores[s] *= scale;
         for (int64_t s = n_seen; s < nw; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
         for (int64_t s = f; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
-        const double sum = kt.softmax_exp(nw, scores, scores, max);
+        if (sinks) max = std::max(max, sinks[h]);
+        double sum = kt.softmax_exp(nw, scores, scores, max);
+        if (sinks) sum += (double)std::exp(sinks[h] - max);
         const float inv = (float)(1.0 / sum);
         for (int64_t s = 0; s < nw; s++) scores[s] *= inv;
     }
@@ -192,7 +198,7 @@ struct CausalAttention {
                           thread_buffer<const void*>((size_t)(n_seen - f + kRowsAhead), 0));
         else
             attn_dots(kt, kv.type, hd, scores + f, k0, kv.k_row, conv, n_seen - f);
-        softmax(t, scores);
+        softmax(t, h, scores);
         float* out = attn + t * n_q + h * hd;
         if (v_rows) {  // the weighted sum of the seen positions' dequantized rows, in float
             const uint8_t* v_seq = kv.v + (size_t)b.seq[t] * kv.v_seq;
@@ -230,16 +236,16 @@ struct CausalAttention {
         const uint8_t* k0 = kv.k + (size_t)b.seq[t] * kv.k_seq + (size_t)f * kv.k_row + kvh * head_bytes;
         dots(hd, scores + f, nw, k0, kv.k_row, qc, q_row, n_seen - f, nh);
         for (int i = 0; i < nh; i++) {
-            softmax(t, scores + i * nw);
+            softmax(t, h0 + i, scores + i * nw);
             to_dot_v(scores + i * nw, wc + i * w_row, nw);
         }
         dots(nw, attn + t * n_q + h0 * hd, hd, v_head(t, kvh), kv.n_ctx * kv_elem, wc, w_row, hd, nh);
     }
 };
 
-void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const KVLayerView& kv,
-            const BatchView& b, const StepScratch& sc) {
-    const CausalAttention a(kt, hp, il, kv, b, sc);
+void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
+            const KVLayerView& kv, const BatchView& b, const StepScratch& sc) {
+    const CausalAttention a(kt, hp, il, L, kv, b, sc);
     const int32_t n = b.n;
     // With enough of them to share out, one task per (token, KV head): the query heads that share a KV
     // head run together (F16) or one after the other, so its keys and values come from memory once
@@ -270,7 +276,7 @@ void attend(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, 
 void attention_cpu_core(ThreadPool& pool, const KernelTable& kt, const HParams& hp, int il, const LayerWeights& L,
                         const Weight& rope_freqs, const KVLayerView& kv, const BatchView& b, const StepScratch& sc) {
     rope_and_store_kv(pool, kt, hp, il, L, rope_freqs, kv, b, sc);
-    attend(pool, kt, hp, il, kv, b, sc);
+    attend(pool, kt, hp, il, L, kv, b, sc);
 }
 
 void attention_cpu_out(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const LayerWeights& L, int32_t n,

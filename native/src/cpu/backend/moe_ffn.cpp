@@ -2,7 +2,8 @@
 //   1. router logits = gate_inp . xn, and each token's experts and weights (moe_route);
 //   2. the step's (token, expert) pairs grouped by expert: expert e's tokens become consecutive rows;
 //   3. gate and up of every chosen expert over its rows, in one pool dispatch (grouped_products);
-//   4. act(gate) * up, converted once for down; down of every chosen expert, one dispatch;
+//   4. act(gate) * up, converted once for down; down of every chosen expert, one dispatch (gpt-oss: each
+//      product plus its expert's bias, and the clamped SwiGLU);
 //   5. y[t] = sum over t's experts, best first, of weight * down row (llama.cpp's order of the sum);
 //   6. the shared expert, when there is one, scaled by sigmoid(gate_inp_shexp . xn) and added.
 // An expert is an ordinary 2-D matrix inside its 3-D tensor, so the products use the dense path's
@@ -123,6 +124,28 @@ const uint8_t* convert_for(ThreadPool& pool, const KernelTable& kt, int32_t wtyp
     return buf.data();
 }
 
+// y's grouped rows ([g.n_rows][cols]) each plus its expert's row of bias ([n_expert][cols]), if any.
+void add_expert_bias(ThreadPool& pool, const Weight& bias, const MoEGroups& g, float* y, int64_t cols) {
+    if (!bias.present()) return;
+    std::vector<int32_t> expert(g.n_rows);
+    for (int32_t e = 0; e < g.n_expert; e++)
+        if (g.count[e]) std::fill(expert.begin() + g.first[e], expert.begin() + g.first[e] + g.count[e], e);
+    per_token(pool, (int32_t)g.n_rows, [&](int64_t r) {
+        const float* b = (const float*)bias.data + (size_t)expert[r] * cols;
+        float* yr = y + r * cols;
+        for (int64_t i = 0; i < cols; i++) yr[i] += b[i];
+    });
+}
+
+// gpt-oss's activation, in place of gate, as ggml's swiglu_oai computes it (alpha 1.702, limit 7).
+void swiglu_oai(int64_t n, float* gate, const float* up) {
+    constexpr float alpha = 1.702f, limit = 7.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = std::min(gate[i], limit), y = std::clamp(up[i], -limit, limit);
+        gate[i] = x / (1.0f + std::exp(alpha * -x)) * (y + 1.0f);
+    }
+}
+
 }  // namespace
 
 void moe_router_cpu(ThreadPool& pool, const KernelTable& kt, const MoEWeights& w, const float* xn, int32_t n,
@@ -130,6 +153,7 @@ void moe_router_cpu(ThreadPool& pool, const KernelTable& kt, const MoEWeights& w
     const Weight* router[1] = {&w.gate_inp};
     float* out[1] = {logits};
     matmul_shared_input(pool, kt, router, out, 1, xn, n);
+    add_bias_rows(w.gate_inp_b, logits, n);
 }
 
 void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
@@ -165,9 +189,15 @@ void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
         ps.push_back({w.up.matrix(e), xu + r0 * xu_row, xu_row, g.count[e], s.u.data() + r0 * F, xae});
     }
     grouped_products(pool, kt, ps);
+    add_expert_bias(pool, w.gate_b, g, s.g.data(), F);
+    add_expert_bias(pool, w.up_b, g, s.u.data(), F);
 
     // act(gate) * up, then down of each chosen expert over its rows.
-    per_token(pool, (int32_t)nr, [&](int64_t r) { kt.silu_mul(F, s.g.data() + r * F, s.u.data() + r * F); });
+    const bool oai = hp.ffn_act == FFN_SWIGLU_OAI;
+    per_token(pool, (int32_t)nr, [&](int64_t r) {
+        if (oai) swiglu_oai(F, s.g.data() + r * F, s.u.data() + r * F);
+        else kt.silu_mul(F, s.g.data() + r * F, s.u.data() + r * F);
+    });
     if (rec)
         for (int32_t e = 0; e < g.n_expert; e++)
             if (g.count[e]) rec->record_expert_neurons(il, e, s.g.data() + (int64_t)g.first[e] * F, g.count[e]);
@@ -183,6 +213,7 @@ void moe_experts_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp,
         ps.push_back({w.down.matrix(e), hq + r0 * h_row, h_row, g.count[e], d + r0 * E, ha ? ha + r0 * ha_row : nullptr});
     }
     grouped_products(pool, kt, ps);
+    add_expert_bias(pool, w.down_b, g, d, E);
 }
 
 void moe_shared_cpu(ThreadPool& pool, const KernelTable& kt, const HParams& hp, const MoEWeights& w, const float* xn,
