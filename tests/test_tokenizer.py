@@ -18,6 +18,7 @@ import pytest
 import optiml
 from optiml import tokenizer as T
 
+from conftest import llama_cpp_module
 from conftest import shared_eval_text as scandal_text
 
 
@@ -340,6 +341,11 @@ def test_no_tokenizer(tmp_path):
 GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-4o, gpt-oss), as its tokenizer.json and llama.cpp's comment spell it.
+_O200K_WORD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _O200K_WORD +
+            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _O200K_WORD +
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the regexes llama.cpp runs one after the other (llm_tokenizer_bpe), each
 # splitting the pieces of the one before into matches and the text between them.
 PRE_CASES = {
@@ -350,6 +356,7 @@ PRE_CASES = {
     "qwen2": [LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")],
     "default": [r"[\p{P}\$\+<=>\^~\|]+", GPT2_RE, r"\p{N}+", "[0-9][0-9][0-9]"],
     "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", GPT2_RE, "[0-9][0-9][0-9]"],
+    "gpt-4o": [GPT4O_RE],
 }
 
 
@@ -374,6 +381,94 @@ def test_pre_tokenizer_splits_match_hf(tmp_path, pre):
     for text in texts:
         want = [p.encode() for p in _hf_split(PRE_CASES[pre], text)]
         assert tok.pre_tokenize(text) == want, text
+
+
+# gpt-4o: two case-aware word alternatives over letter classes that overlap (Lm, Lo and marks are
+# in both), a case-insensitive contraction ending a word, digits in threes, "/" after line breaks.
+GPT4O_TEXTS = [
+    "HELLOworld HelloWorld camelCaseWord XMLHttpRequest ABCd aBC A a I'M WE'LL don't They'RE it'S x'ſ",
+    "'s 'T 're 'Ve 'm 'LL 'd '' 'x 'ſt HELLO'S hello'sworld",
+    "1234567 12 3.14159 -42 ٣٤٥٦ ²³ Ⅻ 1a2b3",
+    "!!!\n//x ((( abc ))) ...\n\n x a/b\n/c ?\r\n/ end;\n\n// comment\n",
+    "trailing   \n  \n\t x  y   \t\n\n z  ",
+    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다.",
+    "مرحبا بالعالم שלום עולם",
+    "ΓειαΣου ДокументПродажиТоваров ÉCOLE École ǅungla ǅA Ǆ ǆ",  # Lt: U+01C5
+    "e\u0301te\u0301 \u0301A x\u0301\u0301Y a\u0308 n\u0303 \u0915\u094d\u0937 नमस्ते दुनिया",  # M
+    "aʰB ʰA ˆx ªº ー々 xー",  # Lm: U+02B0, U+02C6
+    "Emoji: 🙂😀🎉 👩‍👩‍👧‍👦 🇫🇷 ❤️ 👍🏽",
+    "non\u00a0breaking\u2003em\u3000ideographic\u200bzero-width \u2028line\u2029para\u0085nel",
+]
+# Characters of every class the alternatives tell apart, for random strings.
+GPT4O_ALPHABET = list("aZ'sStTrReEvVmMlLdD /!.19-_$\n\r\t") + [
+    "\u0301", "\u0903", "\u20dd", "\u01c5", "\u01c4", "\u01c6", "\u02b0", "東", "ا", "\u0915", "\u094d", "Σ", "σ",
+    "Д", "д", "ſ", "İ", "ı", "\u00a0", "\u3000", "\u0085", "🙂", "\u200d", "\u00ad", "²", "٣", "ª"]
+
+
+def test_gpt4o_splits_match_regex(tmp_path):
+    # Both HF tokenizers (Oniguruma) and Python's regex module run the regex itself.
+    regex = pytest.importorskip("regex")
+    import random
+
+    tok = _pre_tokenizer(tmp_path, "gpt-4o")
+    rng = random.Random(4)
+    texts = GPT4O_TEXTS + ["".join(rng.choice(GPT4O_ALPHABET) for _ in range(rng.randrange(1, 24)))
+                           for _ in range(3000)]
+    for text in texts:
+        want = [m.group().encode() for m in regex.finditer(GPT4O_RE, text)]
+        assert [p.encode() for p in _hf_split([GPT4O_RE], text)] == want, text  # the oracles agree
+        assert tok.pre_tokenize(text) == want, text
+
+
+def _llama_cpp_splits_alike(text: str) -> bool:
+    """llama.cpp runs gpt-4o's regex with "a letter but a-z" / "a letter but A-Z" for the two letter
+    classes and without the marks (std::regex knows no \\p{Lu}): the same split unless the text has
+    a mark or a cased letter outside ASCII."""
+    import unicodedata
+
+    cats = [unicodedata.category(c) for c in text]
+    return not any(c[0] == "M" or (c in ("Lu", "Ll", "Lt") and ord(ch) > 127) for c, ch in zip(cats, text))
+
+
+def test_gpt4o_gguf_matches_hf_and_llama_cpp(tmp_path):
+    # A byte-level BPE trained here on unsplit text, so that its merges cross the pieces' boundaries
+    # and any other split would change the tokens; HF then encodes with the gpt-4o split.
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    texts = [t for t in CORPUS if t] + GPT4O_TEXTS
+    trainer = trainers.BpeTrainer(vocab_size=1200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    hf.train_from_iterator(texts * 2, trainer)
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT4O_RE), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    model = json.loads(hf.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    kv = _bpe_kv(pre="gpt-4o", tokens=tokens, merges=merges, types=[1] * len(tokens))
+    path = _write_gguf(tmp_path / "o200k.gguf", kv)
+    tok = T.load(path)
+    assert tok.pre_name == "gpt-4o" and not tok.add_bos  # llama.cpp's defaults for gpt-4o: no BOS
+    texts += [scandal_text()[:3000]]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text).ids, text
+        assert tok.decode(ids) == text
+    llama_cpp = llama_cpp_module()
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    alike = [t for t in texts if _llama_cpp_splits_alike(t)]
+    assert len(alike) > len(texts) // 2
+    for text in alike:
+        assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=False, special=False), text
+    # The other names llama.cpp gives the same split.
+    for name in ("llama4", "kanana2", "talkie", "minimax-m2"):
+        kv["tokenizer.ggml.pre"] = ("string", name)
+        other = T.load(_write_gguf(tmp_path / f"{name}.gguf", kv))
+        assert other.encode(GPT4O_TEXTS[0]) == tok.encode(GPT4O_TEXTS[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Generates native/src/tokenizer/unicode_tables.cpp: Unicode general-category flags per code point.
 
-The BPE pre-tokenizers need \\p{L}, \\p{N}, \\p{P}, \\p{S}, \\p{M} and \\s. The table is a sorted list
-of ranges (first code point, flags); each range runs to the next one's first code point. Flags come
+The BPE pre-tokenizers need \\p{L}, \\p{N}, \\p{P}, \\p{S}, \\p{M} and \\s, and the case-aware ones
+(gpt-4o) the letter categories \\p{Lu}, \\p{Ll}, \\p{Lt}, \\p{Lm}, \\p{Lo} as well. The table is a sorted
+list of ranges (first code point, flags); each range runs to the next one's first code point. Flags come
 from Python's unicodedata (its Unicode version is written into the output), whitespace from the
 Unicode White_Space property, which is what \\s means in the regex engines HF tokenizers uses.
 
@@ -15,6 +16,8 @@ import unicodedata
 
 # Must match the bits in native/src/tokenizer/unicode.h.
 LETTER, NUMBER, PUNCT, SYMBOL, MARK, SEPARATOR, OTHER, WHITESPACE = (1 << i for i in range(8))
+# Letters also carry their own category (LETTER stays set on all of them).
+LETTER_CATEGORY = {"Lu": 1 << 8, "Ll": 1 << 9, "Lt": 1 << 10, "Lm": 1 << 11, "Lo": 1 << 12}
 
 # Unicode PropList.txt White_Space (stable since Unicode 6.x).
 WHITE_SPACE = set(range(0x09, 0x0E)) | {0x20, 0x85, 0xA0, 0x1680, 0x2028, 0x2029, 0x202F, 0x205F, 0x3000}
@@ -25,7 +28,7 @@ CATEGORY = {"L": LETTER, "N": NUMBER, "P": PUNCT, "S": SYMBOL, "M": MARK, "Z": S
 
 def flags(cp: int) -> int:
     cat = unicodedata.category(chr(cp))
-    f = CATEGORY.get(cat[0], 0)
+    f = CATEGORY.get(cat[0], 0) | LETTER_CATEGORY.get(cat, 0)
     if cat[0] == "C" and cat != "Cn":  # control, format, surrogate, private use; Cn = unassigned -> 0
         f = OTHER
     if cp in WHITE_SPACE:
@@ -47,7 +50,8 @@ def main() -> None:
     out.write('#include "tokenizer/unicode.h"\n\nnamespace optiml {\nnamespace unicode {\n\n')
     out.write("const CodepointRange kCategoryRanges[] = {\n")
     for i in range(0, len(ranges), 6):
-        out.write("    " + " ".join(f"{{0x{cp:05X}, 0x{f:02X}}}," for cp, f in ranges[i:i + 6]) + "\n")
+        entries = (f"{{0x{cp:05X}, 0x{f:04X}}}," for cp, f in ranges[i:i + 6])
+        out.write("    " + " ".join(entries) + "\n")
     out.write("};\n")
     out.write(f"const size_t kCategoryRangesCount = {len(ranges)};\n\n}}  // namespace unicode\n}}  // namespace optiml\n")
 

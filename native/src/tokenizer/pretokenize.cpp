@@ -2,6 +2,8 @@
 // points; a piece is a range of code point indices until the very end, where it becomes bytes.
 #include "tokenizer/pretokenize.h"
 
+#include <algorithm>
+
 #include "tokenizer/unicode.h"
 
 namespace optiml {
@@ -14,10 +16,13 @@ using Span = std::pair<uint32_t, uint32_t>;  // code point indices [first, secon
 
 struct Text {
     std::vector<uint32_t> cp;
-    std::vector<uint8_t> fl;  // flags per code point
+    std::vector<uint16_t> fl;  // flags per code point
 };
 
-constexpr uint8_t WS = FLAG_WHITESPACE, L = FLAG_LETTER, N = FLAG_NUMBER;
+constexpr uint16_t WS = FLAG_WHITESPACE, L = FLAG_LETTER, N = FLAG_NUMBER;
+// gpt-4o's two letter classes; they overlap: modifier and other letters and marks are in both.
+constexpr uint16_t UPPER = FLAG_LU | FLAG_LT | FLAG_LM | FLAG_LO | FLAG_MARK;  // [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]
+constexpr uint16_t LOWER = FLAG_LL | FLAG_LM | FLAG_LO | FLAG_MARK;            // [\p{Ll}\p{Lm}\p{Lo}\p{M}]
 
 // A run of whitespace starting at p: its length, and (for LLAMA3) the end of its last \r or \n.
 size_t whitespace_run(const Text& t, size_t p, size_t end, size_t* last_newline_end) {
@@ -30,12 +35,18 @@ size_t whitespace_run(const Text& t, size_t p, size_t end, size_t* last_newline_
     return q - p;
 }
 
-// Length of 's 't 're 've 'm 'll 'd at p (case-insensitive when `any_case`), else 0.
-size_t contraction(const Text& t, size_t p, size_t end, bool any_case) {
-    if (t.cp[p] != '\'' || p + 1 >= end) return 0;
+// How 's 't 're 've 'm 'll 'd are matched: as written (GPT-2); in either case, A-Z only (llama3, as
+// llama.cpp does); or with Unicode case folding as a regex's (?i:...) does, where U+017F (long s)
+// is an s too (gpt-4o).
+enum class Case { EXACT, ASCII, FOLD };
+
+// Length of 's 't 're 've 'm 'll 'd at p, else 0.
+size_t contraction(const Text& t, size_t p, size_t end, Case how) {
+    if (p >= end || t.cp[p] != '\'' || p + 1 >= end) return 0;
     auto low = [&](size_t i) -> uint32_t {
         uint32_t c = t.cp[i];
-        return (any_case && c >= 'A' && c <= 'Z') ? c + 32 : c;
+        if (how != Case::EXACT && c >= 'A' && c <= 'Z') return c + 32;
+        return (how == Case::FOLD && c == 0x17F) ? 's' : c;
     };
     uint32_t a = low(p + 1);
     if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
@@ -50,16 +61,16 @@ void split_gpt2(const Text& t, Span s, std::vector<Span>& out) {
     size_t p = s.first, end = s.second;
     while (p < end) {
         size_t q;
-        if ((q = contraction(t, p, end, false))) {
+        if ((q = contraction(t, p, end, Case::EXACT))) {
             out.push_back({(uint32_t)p, (uint32_t)(p + q)});
             p += q;
             continue;
         }
         // An optional leading space joins a run of letters, numbers or other symbols.
         size_t first = (t.cp[p] == ' ' && p + 1 < end) ? p + 1 : p;
-        uint8_t f = t.fl[first];
+        uint16_t f = t.fl[first];
         if (!(f & WS)) {
-            uint8_t cls = (f & L) ? L : (f & N) ? N : 0;
+            uint16_t cls = (f & L) ? L : (f & N) ? N : 0;
             q = first + 1;
             if (cls) {
                 while (q < end && (t.fl[q] & cls)) q++;
@@ -79,53 +90,107 @@ void split_gpt2(const Text& t, Span s, std::vector<Span>& out) {
     }
 }
 
+// The alternatives llama3 and gpt-4o share after their letter ones, at p: \p{N}{1,max_digits}|
+//  ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+ , with [\r\n/]* instead of [\r\n]* when `slash`.
+// Returns the end of the match.
+size_t numbers_symbols_spaces(const Text& t, size_t p, size_t end, size_t max_digits, bool slash) {
+    size_t q;
+    if (t.fl[p] & N) {
+        q = p + 1;
+        while (q < end && q - p < max_digits && (t.fl[q] & N)) q++;
+        return q;
+    }
+    size_t first = (t.cp[p] == ' ' && p + 1 < end) ? p + 1 : p;
+    if (!(t.fl[first] & (WS | L | N))) {
+        q = first + 1;
+        while (q < end && !(t.fl[q] & (WS | L | N))) q++;
+        while (q < end && (t.cp[q] == '\r' || t.cp[q] == '\n' || (slash && t.cp[q] == '/'))) q++;
+        return q;
+    }
+    size_t nl;
+    size_t n = whitespace_run(t, p, end, &nl);
+    if (nl) return nl;  // \s*[\r\n]+ : up to the last line break of the run
+    if (n > 1 && p + n < end) n--;  // \s+(?!\S)
+    return p + std::max<size_t>(n, 1);  // n == 0 is not reachable: every character matches some alternative
+}
+
 // (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,max_digits}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
 void split_llama3(const Text& t, Span s, size_t max_digits, std::vector<Span>& out) {
     size_t p = s.first, end = s.second;
     while (p < end) {
         size_t q;
         uint32_t c = t.cp[p];
-        uint8_t f = t.fl[p];
-        if ((q = contraction(t, p, end, true))) {
-            out.push_back({(uint32_t)p, (uint32_t)(p + q)});
-            p += q;
-            continue;
-        }
-        // [^\r\n\p{L}\p{N}]?\p{L}+ : one character of anything else may lead a run of letters.
-        if (!(c == '\r' || c == '\n' || (f & N)) && ((f & L) || (p + 1 < end && (t.fl[p + 1] & L)))) {
+        uint16_t f = t.fl[p];
+        if ((q = contraction(t, p, end, Case::ASCII))) {
+            q += p;
+        } else if (!(c == '\r' || c == '\n' || (f & N)) && ((f & L) || (p + 1 < end && (t.fl[p + 1] & L)))) {
+            // [^\r\n\p{L}\p{N}]?\p{L}+ : one character of anything else may lead a run of letters.
             q = p + 1;
             while (q < end && (t.fl[q] & L)) q++;
-            out.push_back({(uint32_t)p, (uint32_t)q});
-            p = q;
-            continue;
+        } else {
+            q = numbers_symbols_spaces(t, p, end, max_digits, false);
         }
-        if (f & N) {
-            q = p + 1;
-            while (q < end && q - p < max_digits && (t.fl[q] & N)) q++;
-            out.push_back({(uint32_t)p, (uint32_t)q});
-            p = q;
-            continue;
+        out.push_back({(uint32_t)p, (uint32_t)q});
+        p = q;
+    }
+}
+
+// gpt-4o's first word alternative without its leading character and contraction, from s:
+// [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+ . The end of the match; s when none.
+// The greedy UPPER* takes the whole run. When a LOWER follows, LOWER+ takes the run of those; when
+// not, UPPER* gives characters back until the one it gave back last is also a LOWER (the classes
+// overlap) and the match ends after it: "ABCd" is one match, "東京" too, "AB" none.
+size_t upper_lower(const Text& t, size_t s, size_t end) {
+    size_t e = s;
+    while (e < end && (t.fl[e] & UPPER)) e++;
+    if (e < end && (t.fl[e] & LOWER)) {
+        while (e < end && (t.fl[e] & LOWER)) e++;
+        return e;
+    }
+    while (e > s && !(t.fl[e - 1] & LOWER)) e--;
+    return e;
+}
+
+// The second one: [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]* (nothing to give back).
+size_t upper_run_lower(const Text& t, size_t s, size_t end) {
+    size_t e = s;
+    while (e < end && (t.fl[e] & UPPER)) e++;
+    if (e == s) return s;
+    while (e < end && (t.fl[e] & LOWER)) e++;
+    return e;
+}
+
+// [^\r\n\p{L}\p{N}]?<word> at p: with the leading character first, then without it (a mark is
+// both a possible leading character and part of a word). The end of the word; 0 when none.
+template <typename Word>
+size_t led_word(const Text& t, size_t p, size_t end, Word word) {
+    const uint32_t c = t.cp[p];
+    if (!(c == '\r' || c == '\n' || (t.fl[p] & (L | N)))) {
+        size_t e = word(t, p + 1, end);
+        if (e > p + 1) return e;
+    }
+    size_t e = word(t, p, end);
+    return e > p ? e : 0;
+}
+
+// GPT4O (pretokenize.h). llama.cpp runs this regex through std::regex, which has no \p{Lu}..., as
+//   [^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|...)?|...
+// where every letter but a-z counts as uppercase, every letter but A-Z as lowercase, and marks are
+// not part of words. Both split alike where no mark and no cased letter outside ASCII is involved;
+// elsewhere this follows the regex, as HF tokenizers and tiktoken do: "ΓειαΣου" -> "Γεια" "Σου"
+// (llama.cpp: one piece), "e" + U+0301 stays one word (llama.cpp: "e", then the mark).
+void split_gpt4o(const Text& t, Span s, std::vector<Span>& out) {
+    size_t p = s.first, end = s.second;
+    while (p < end) {
+        size_t q = led_word(t, p, end, upper_lower);
+        if (!q) q = led_word(t, p, end, upper_run_lower);
+        if (q) {
+            q += contraction(t, q, end, Case::FOLD);
+        } else {
+            q = numbers_symbols_spaces(t, p, end, 3, true);
         }
-        size_t first = (c == ' ' && p + 1 < end) ? p + 1 : p;
-        if (!(t.fl[first] & (WS | L | N))) {
-            q = first + 1;
-            while (q < end && !(t.fl[q] & (WS | L | N))) q++;
-            while (q < end && (t.cp[q] == '\r' || t.cp[q] == '\n')) q++;
-            out.push_back({(uint32_t)p, (uint32_t)q});
-            p = q;
-            continue;
-        }
-        size_t nl;
-        size_t n = whitespace_run(t, p, end, &nl);
-        if (nl) {
-            n = nl - p;  // \s*[\r\n]+ : up to the last line break of the run
-        } else if (n > 1 && p + n < end) {
-            n--;  // \s+(?!\S)
-        } else if (n == 0) {
-            n = 1;  // not reachable: every character matches some alternative
-        }
-        out.push_back({(uint32_t)p, (uint32_t)(p + n)});
-        p += n;
+        out.push_back({(uint32_t)p, (uint32_t)q});
+        p = q;
     }
 }
 
@@ -209,6 +274,9 @@ void pretokenize(PreTokenizer kind, std::string_view text, Pieces& out) {
             break;
         case PreTokenizer::QWEN2:
             stage(spans, tmp, [&](Span s, std::vector<Span>& o) { split_llama3(t, s, 1, o); });
+            break;
+        case PreTokenizer::GPT4O:
+            stage(spans, tmp, [&](Span s, std::vector<Span>& o) { split_gpt4o(t, s, o); });
             break;
         case PreTokenizer::DEFAULT:
             stage(spans, tmp, [&](Span s, std::vector<Span>& o) { split_class(t, s, is_default_punct<false>, false, o); });

@@ -20,6 +20,12 @@ enum class PreTokenizer {
     LLAMA3,
     // LLAMA3 with \p{N} instead of \p{N}{1,3}.
     QWEN2,
+    // OpenAI's o200k (gpt-4o, gpt-oss), llama4: words split at case changes, a contraction ends a word.
+    // [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|
+    // [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|
+    // \p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+    // As the regex says (and HF tokenizers does); llama.cpp runs an approximation (see pretokenize.cpp).
+    GPT4O,
     // llama.cpp's fallback for "default" / no pre-tokenizer: [\p{P}\$\+<=>\^~\|]+, GPT2, \p{N}+, [0-9][0-9][0-9]
     DEFAULT,
     // [\p{P}\$\+<=>\^~\|`]+, GPT2, [0-9][0-9][0-9]

@@ -11,7 +11,7 @@
 namespace optiml {
 namespace unicode {
 
-enum : uint8_t {
+enum : uint16_t {
     FLAG_LETTER = 1 << 0,      // \p{L}
     FLAG_NUMBER = 1 << 1,      // \p{N}
     FLAG_PUNCT = 1 << 2,       // \p{P}
@@ -20,11 +20,17 @@ enum : uint8_t {
     FLAG_SEPARATOR = 1 << 5,   // \p{Z}
     FLAG_OTHER = 1 << 6,       // \p{C} except unassigned
     FLAG_WHITESPACE = 1 << 7,  // \s (Unicode White_Space)
+    // The category of a letter, beside FLAG_LETTER (the case-aware pre-tokenizers need them).
+    FLAG_LU = 1 << 8,   // \p{Lu} uppercase
+    FLAG_LL = 1 << 9,   // \p{Ll} lowercase
+    FLAG_LT = 1 << 10,  // \p{Lt} titlecase
+    FLAG_LM = 1 << 11,  // \p{Lm} modifier
+    FLAG_LO = 1 << 12,  // \p{Lo} other
 };
 
 struct CodepointRange {
     uint32_t first;
-    uint8_t flags;
+    uint16_t flags;
 };
 // Generated (unicode_tables.cpp): sorted, the first starts at 0, each runs to the next's first.
 extern const CodepointRange kCategoryRanges[];
@@ -34,7 +40,7 @@ constexpr uint32_t kMaxCodepoint = 0x10FFFF;
 constexpr uint32_t kReplacement = 0xFFFD;
 
 // Flags of a code point; 0 for unassigned ones and for values past U+10FFFF.
-uint8_t flags(uint32_t cp);
+uint16_t flags(uint32_t cp);
 
 // Length of the UTF-8 sequence starting at s[0] if it is well formed (1..4), else 0: truncated,
 // overlong, a surrogate, past U+10FFFF, or a stray continuation byte.

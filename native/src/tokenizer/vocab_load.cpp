@@ -52,6 +52,13 @@ const PreEntry kPreTokenizers[] = {
     {"stablelm2", PreTokenizer::QWEN2, false, false},
     {"megrez", PreTokenizer::QWEN2, false, false},
     {"hunyuan", PreTokenizer::QWEN2, false, false},
+    // llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O (gpt-oss writes "gpt-4o"), and minimax-m2, which it
+    // splits with the same regex.
+    {"gpt-4o", PreTokenizer::GPT4O, false, false},
+    {"llama4", PreTokenizer::GPT4O, false, false},
+    {"kanana2", PreTokenizer::GPT4O, false, false},
+    {"talkie", PreTokenizer::GPT4O, false, false},
+    {"minimax-m2", PreTokenizer::GPT4O, false, false},
     {"falcon", PreTokenizer::FALCON, false, false},
 };
 
