@@ -640,19 +640,30 @@ def test_moe_on_the_gpu(moe_model, where):
     assert mean_kld(ref, got) < KLD_BOUND
 
 
-def test_gpt_oss_is_refused_on_the_gpu(tmp_path, tiny):
-    """gpt-oss's attention sinks, YaRN and biased experts have no CUDA kernels yet: device='cuda' refuses the
-    model and says why and what to do, before anything runs; the CPU runs it."""
-    path = tmp_path / "oss.gguf"
+@pytest.fixture(scope="module")
+def oss_model(tmp_path_factory, tiny):
+    """gpt-oss-shaped: biases on q/k/v/o, the router and every expert; attention sinks; a window of 16 positions
+    on layer 0; YaRN; the clamped SwiGLU; Q8_0 (integer products) and F32 biases."""
+    path = tmp_path_factory.mktemp("oss") / "oss.gguf"
     subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
-                    "-o", str(path), "--n-embd", "64", "--n-layer", "2", "--n-head", "4", "--n-head-kv", "2",
-                    "--n-ff", "128", "--experts", "4", "--n-ff-exp", "64", "--arch", "gpt-oss", "--type", "q8_0",
-                    "--quiet", "--tokenizer-from", str(tiny["donor"])], check=True)
-    for where in (dict(), dict(n_cpu_moe=True)):
-        with pytest.raises(optiml.UnsupportedModelError, match=r"attention sinks.*device='cpu'"):
-            optiml.Model(path, n_ctx=64, device="cuda", **where)
-    with optiml.Model(path, n_ctx=64, device="cpu") as m:
-        assert np.isfinite(m.eval(prompt_ids(path)[:4])).all()
+                    "-o", str(path), "--n-embd", "256", "--n-layer", "2", "--n-head", "4", "--n-head-kv", "2",
+                    "--n-ff", "512", "--experts", "8", "--experts-used", "2", "--n-ff-exp", "128", "--std", "0.05",
+                    "--arch", "gpt-oss", "--sliding-window", "16", "--type", "q8_0", "--quiet", "--tokenizer-from",
+                    str(tiny["donor"])], check=True)
+    return path
+
+
+@pytest.mark.parametrize("where", [dict(), dict(n_cpu_moe=True), dict(gpu_experts=[[1, 5], [0, 2, 7]])])
+def test_gpt_oss_on_the_gpu(oss_model, where):
+    """gpt-oss on CUDA against the CPU: a prompt past the sliding window (the host groups the experts), then
+    decode steps (the router's top k and the softmax of the chosen logits on the GPU, each pair's expert
+    biases), with the experts whole on the GPU, on the CPU, or split between them."""
+    ids = (prompt_ids(oss_model) * 3)[:40]
+    with optiml.Model(oss_model, n_ctx=128, device="cpu") as m:
+        ref = np.vstack([m.eval(ids, all_logits=True)] + [m.eval([t]) for t in ids[:3]])
+    with optiml.Model(oss_model, n_ctx=128, device="cuda", **where) as m:
+        got = np.vstack([m.eval(ids, all_logits=True)] + [m.eval([t]) for t in ids[:3]])
+    assert mean_kld(ref, got) < KLD_BOUND
 
 
 def test_moe_decode_stays_on_the_gpu(moe_model):

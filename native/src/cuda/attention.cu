@@ -14,6 +14,7 @@
 #include "kernels.cuh"
 #include "optiml/common.h"
 #include "optiml/ggml_types.h"
+#include "optiml/rope_yarn.h"
 
 namespace optiml {
 
@@ -275,9 +276,12 @@ __global__ void prepare_kernel(CudaAttnArgs a, float* q, float* k, const float* 
         // compute it: powf would be closer to the real angle and further from the CPU's.
         float theta = (float)pos[t];
         for (int j = 0; j < i; j++) theta *= theta_scale;
-        const float ang = a.freq_factors ? theta / a.freq_factors[i] * a.rope_scale : theta * a.rope_scale;
+        const float extrap = a.freq_factors ? theta / a.freq_factors[i] : theta;
+        const float ang = rope_yarn_angle(extrap, a.rope_scale, i, a.yarn_ext, a.yarn_low, a.yarn_high);
         float sn, cs;
         sincosf(ang, &sn, &cs);
+        sn *= a.rope_mscale;
+        cs *= a.rope_mscale;
         float* x0 = a.neox ? &x[i] : &x[2 * i];
         float* x1 = a.neox ? &x[i + half] : &x[2 * i + 1];
         const float v0 = *x0, v1 = *x1;
@@ -492,6 +496,11 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         return;
     }
     if (phase == 2) combine_splits(part_ml, splits, m, l);
+    if (a.sinks) {  // the head's sink joins the max and the sum (once, after the splits are combined)
+        const float sink = a.sinks[h], m_new = fmaxf(m, sink);
+        l = l * expf(m - m_new) + expf(sink - m_new);
+        m = m_new;
+    }
     const float inv = 1.0f / l;
 
     float o[kDimsPerThread];

@@ -35,6 +35,7 @@
 #include "optiml/kernels.h"
 #include "optiml/model.h"
 #include "optiml/moe_route.h"
+#include "optiml/rope_yarn.h"
 
 namespace optiml {
 
@@ -351,7 +352,12 @@ public:
         use();
         const OpSpan span(*this, SpanKind::FFN);
         Input in = floats(const_cast<float*>(xn), moe_buffer(moe_round_, (size_t)n * hp.n_embd), n, hp.n_embd);
-        products(in, {{&w.gate_inp, logits, nullptr, false}});
+        products(in, {{&w.gate_inp, logits, (const float*)w.gate_inp_b.data, false}});
+    }
+
+    // Expert e's row of an experts' bias of rows values (gpt-oss), or nullptr.
+    static const float* expert_bias(const Weight& b, int32_t e) {
+        return b.present() ? (const float*)b.data + (size_t)e * b.cols : nullptr;
     }
 
     // Each expert's rows (Backend::moe_experts): the step's rows gathered by expert once, their input
@@ -383,9 +389,9 @@ public:
             for (int32_t e = 0, i = 0; e < g.n_expert; e++) {
                 if (!g.count[e]) continue;
                 const int32_t r0 = g.first[e], c = g.count[e];
-                gu.push_back({&ws[i], ss.gate + (size_t)r0 * F, nullptr, false, r0, c});
-                gu.push_back({&ws[i + 1], ss.up + (size_t)r0 * F, nullptr, false, r0, c});
-                dn.push_back({&ws[i + 2], d + (size_t)r0 * E, nullptr, false, r0, c});
+                gu.push_back({&ws[i], ss.gate + (size_t)r0 * F, expert_bias(w.gate_b, e), false, r0, c});
+                gu.push_back({&ws[i + 1], ss.up + (size_t)r0 * F, expert_bias(w.up_b, e), false, r0, c});
+                dn.push_back({&ws[i + 2], d + (size_t)r0 * E, expert_bias(w.down_b, e), false, r0, c});
                 i += 3;
             }
             Input in = floats(xg, round, (int32_t)nr, E);
@@ -400,13 +406,15 @@ public:
             FFNWeights fw;
             fw.gate = expert(w.gate, e);
             fw.up = expert(w.up, e);
+            fw.gate_b.data = (const uint8_t*)expert_bias(w.gate_b, e);
+            fw.up_b.data = (const uint8_t*)expert_bias(w.up_b, e);
             const Weight down = expert(w.down, e);
             StepScratch se;
             se.gate = ss.gate + r0 * F;
             se.up = ss.up + r0 * F;
             Input in = floats(xg + r0 * E, round + r0 * E, g.count[e], E);
             Input h = gate_up(hp, fw, in, se);
-            products(h, {{&down, d + r0 * E, nullptr, false}});
+            products(h, {{&down, d + r0 * E, expert_bias(w.down_b, e), false}});
         }
     }
 
@@ -486,7 +494,8 @@ public:
         {
             use();
             const OpSpan span(*this, SpanKind::FFN);
-            cuda_moe_route(stream_, logits, n, X, k, hp.expert_weights_norm, hp.expert_weights_scale, chosen, route);
+            cuda_moe_route(stream_, logits, n, X, k, hp.expert_weights_norm, hp.expert_weights_scale,
+                           hp.expert_gating == MOE_GATING_SOFTMAX_CHOSEN, chosen, route);
             StepScratch ss;
             ss.gate = moe_buffer(moe_gate_, (size_t)nk * F);
             ss.up = moe_buffer(moe_up_, (size_t)nk * F);
@@ -495,9 +504,13 @@ public:
             const Out gu[2] = {{&gate, ss.gate, nullptr, false, 0, nk, chosen, w.gate.expert_bytes, k},
                                {&up, ss.up, nullptr, false, 0, nk, chosen, w.up.expert_bytes, k}};
             products(in, gu, 2);
+            // (each pair's own expert's biases: a kernel after the products, which add one bias to all rows)
+            cuda_add_expert_bias(stream_, ss.gate, (const float*)w.gate_b.data, chosen, nk, F);
+            cuda_add_expert_bias(stream_, ss.up, (const float*)w.up_b.data, chosen, nk, F);
             Input h = act_input(hp, w.gate.type, ss.gate, ss.up, nk, F);
             const Out dn[1] = {{&down, d, nullptr, false, 0, nk, chosen, w.down.expert_bytes, 1}};
             products(h, dn, 1);
+            cuda_add_expert_bias(stream_, d, (const float*)w.down_b.data, chosen, nk, E);
         }
         if (shared) moe_shared(hp, layer, w, xn, n, sy, sy + (size_t)n * E);
         use();
@@ -831,7 +844,15 @@ private:
         a.q_scale = hp.attn_q_scale;
         a.kq_scale = hp.attn_kq_scale;
         a.rms_eps = hp.rms_eps;
+        const RopeYarnRange yarn = rope_yarn_range(hp.n_rot, a.rope_base, a.rope_scale, hp.yarn_ext_factor,
+                                                   hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow,
+                                                   hp.n_ctx_orig_yarn);
+        a.yarn_ext = hp.yarn_ext_factor;
+        a.yarn_low = yarn.low;
+        a.yarn_high = yarn.high;
+        a.rope_mscale = yarn.mscale;
         a.n_swa = swa ? hp.n_swa : 0;
+        a.sinks = L.attn_sinks.present() ? (const float*)L.attn_sinks.data : nullptr;
         a.freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
         a.q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
         a.k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;

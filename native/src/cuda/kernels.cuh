@@ -200,9 +200,14 @@ void cuda_act_mul(cudaStream_t s, int act, bool gelu_f16, float* g, const float*
 
 // Mixtures of experts (native/src/cuda/moe.cu). The router's choice for n tokens from their logits
 // ([n][n_expert]), as the host's moe_route: softmax, the k most probable best first (ties: the lower index),
-// renormalized when norm, times scale: chosen[t * k + j], weight[t * k + j].
+// renormalized when norm, times scale (softmax_chosen: weighed by the softmax of the k chosen logits
+// instead): chosen[t * k + j], weight[t * k + j].
 void cuda_moe_route(cudaStream_t s, const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm,
-                    float scale, int32_t* chosen, float* weight);
+                    float scale, bool softmax_chosen, int32_t* chosen, float* weight);
+// y[r] += bias[expert[r]] for n_rows rows of cols floats (the experts' biases, gpt-oss); nothing when bias
+// is nullptr.
+void cuda_add_expert_bias(cudaStream_t s, float* y, const float* bias, const int32_t* expert, int64_t n_rows,
+                          int64_t cols);
 // x[i] = value for count values.
 void cuda_fill(cudaStream_t s, float* x, int64_t count, float value);
 // dst[r] = src[idx[r]] for n_rows rows of cols floats.
@@ -224,7 +229,10 @@ struct CudaAttnArgs {
     int32_t n_head, n_head_kv, head_dim, n_rot;
     bool neox;
     float rope_base, rope_scale, q_scale, kq_scale, rms_eps;
+    // YaRN (optiml/rope_yarn.h; yarn_ext 0: none): the pairs' ramp and the factor on cos and sin (1 without)
+    float yarn_ext = 0.0f, yarn_low = 0.0f, yarn_high = 0.0f, rope_mscale = 1.0f;
     int32_t n_swa;  // 0: attend to every earlier position
+    const float* sinks = nullptr;  // or [n_head]: a logit per head counted in its softmax, with a zero value
     const float* freq_factors;  // nullptr or [n_rot / 2]
     const float* q_norm;
     const float* k_norm;

@@ -42,10 +42,18 @@ __global__ void fill_kernel(float* x, int64_t count, float value) {
     if (i < count) x[i] = value;
 }
 
+// Row r of y ([n_rows][cols]) plus its expert's row of bias ([n_expert][cols]): one block per row.
+__global__ void expert_bias_kernel(float* y, const float* bias, const int32_t* expert, int64_t cols) {
+    const float* b = bias + (size_t)expert[blockIdx.x] * cols;
+    float* yr = y + (size_t)blockIdx.x * cols;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) yr[i] += b[i];
+}
+
 // One thread per token (a decode step's few tokens; 128 experts are a few thousand steps): the host's
-// moe_route, step for step (expf for std::exp, so a near-tie may choose differently).
+// moe_route, step for step (expf for std::exp, so a near-tie may choose differently). softmax_chosen
+// (gpt-oss): the raw logits rank the experts and the chosen ones' softmax weighs them.
 __global__ void route_kernel(const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm, float scale,
-                             int32_t* chosen, float* weight) {
+                             bool softmax_chosen, int32_t* chosen, float* weight) {
     const int32_t t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     const float* l = logits + (size_t)t * n_expert;
@@ -53,6 +61,7 @@ __global__ void route_kernel(const float* logits, int32_t n, int32_t n_expert, i
     for (int32_t e = 1; e < n_expert; e++) mx = l[e] > mx ? l[e] : mx;
     double sum = 0;
     for (int32_t e = 0; e < n_expert; e++) sum += expf(l[e] - mx);
+    // (ranking by logits is ranking by their softmax: only the weights differ)
     const float inv = (float)(1.0 / sum);
     int32_t* ct = chosen + (size_t)t * k;
     float* wt = weight + (size_t)t * k;
@@ -70,6 +79,14 @@ __global__ void route_kernel(const float* logits, int32_t n, int32_t n_expert, i
         wt[j] = bp;
         wsum += bp;
     }
+    if (softmax_chosen) {  // as the host's softmax over the k chosen logits
+        float cmx = l[ct[0]];
+        for (int32_t j = 1; j < k; j++) cmx = l[ct[j]] > cmx ? l[ct[j]] : cmx;
+        double csum = 0;
+        for (int32_t j = 0; j < k; j++) csum += wt[j] = expf(l[ct[j]] - cmx);
+        const float cinv = (float)(1.0 / csum);
+        for (int32_t j = 0; j < k; j++) wt[j] *= cinv;
+    }
     if (norm) {
         const float d = wsum > 6.103515625e-5f ? wsum : 6.103515625e-5f;
         for (int32_t j = 0; j < k; j++) wt[j] /= d;
@@ -81,11 +98,20 @@ __global__ void route_kernel(const float* logits, int32_t n, int32_t n_expert, i
 }  // namespace
 
 void cuda_moe_route(cudaStream_t s, const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm,
-                    float scale, int32_t* chosen, float* weight) {
+                    float scale, bool softmax_chosen, int32_t* chosen, float* weight) {
     if (n <= 0) return;
-    OPTIML_LAUNCH(route_kernel, (unsigned)((n + 31) / 32), 32, s, logits, n, n_expert, k, norm, scale, chosen, weight);
+    OPTIML_LAUNCH(route_kernel, (unsigned)((n + 31) / 32), 32, s, logits, n, n_expert, k, norm, scale, softmax_chosen,
+                  chosen, weight);
     cuda_check(cudaSuccess, "moe_route");
     cuda_count(CudaKernel::MoERoute, {0, 4 * (int64_t)n * n_expert + 8 * (int64_t)n * k});
+}
+
+void cuda_add_expert_bias(cudaStream_t s, float* y, const float* bias, const int32_t* expert, int64_t n_rows,
+                          int64_t cols) {
+    if (n_rows <= 0 || !bias) return;
+    OPTIML_LAUNCH(expert_bias_kernel, (unsigned)n_rows, kThreads, s, y, bias, expert, cols);
+    cuda_check(cudaSuccess, "add_expert_bias");
+    cuda_count(CudaKernel::AddBias, {0, 3 * 4 * n_rows * cols + 4 * n_rows});
 }
 
 void cuda_fill(cudaStream_t s, float* x, int64_t count, float value) {

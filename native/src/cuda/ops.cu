@@ -125,6 +125,10 @@ __device__ float act_mul(int act, float a, float b) {
         case FFN_RELU: return (a > 0 ? a : 0.0f) * b;
         case FFN_RELU2: return a > 0 && b > 0 ? a * b : 0.0f;
         case FFN_GELU: return gelu_tanh(a) * b;
+        case FFN_SWIGLU_OAI: {  // gpt-oss: the gate clamped above, up on both sides (ops as moe_ffn.cpp's)
+            const float x = fminf(a, 7.0f), y = fminf(fmaxf(b, -7.0f), 7.0f);
+            return x / (1.0f + expf(1.702f * -x)) * (y + 1.0f);
+        }
         case kGeluF16: {  // llama.cpp's f16 table (ops.cpp's gelu_mul): gelu of the f16 input, rounded to f16
             const float hx = __half2float(__float2half_rn(a));
             return a <= -10.0f ? 0.0f : a >= 10.0f ? a * b : __half2float(__float2half_rn(gelu_tanh(hx))) * b;

@@ -150,18 +150,6 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
                                     &L.moe.shared.down})
                 if (w->present()) ws.emplace_back(w->name, w->type);
         }
-        // What the CUDA kernels do not compute yet (gpt-oss's attention and experts; YaRN): refused, never
-        // run without it.
-        const char* missing = nullptr;
-        if (lp.attn_on_device && L.attn_sinks.present()) missing = "attention sinks";
-        else if (lp.attn_on_device && hp.yarn_ext_factor != 0.0f) missing = "YaRN RoPE scaling";
-        else if (moe_on_device && hp.ffn_act == FFN_SWIGLU_OAI) missing = "gpt-oss's clamped SwiGLU experts";
-        else if (moe_on_device && (L.moe.gate_inp_b.present() || L.moe.gate_b.present() || L.moe.down_b.present()))
-            missing = "biased experts";
-        else if (moe_on_device && hp.expert_gating != MOE_GATING_SOFTMAX) missing = "its expert gating";
-        if (missing)
-            throw UnsupportedModelError(format("layer %d uses %s, which the CUDA backend does not compute yet; run the "
-                                               "model on the CPU (device='cpu')", il, missing));
         for (auto [name, type] : ws)
             if (!cuda_reads_type(type))
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "

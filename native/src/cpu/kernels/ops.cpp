@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "optiml/kernels.h"
+#include "optiml/rope_yarn.h"
 
 namespace optiml {
 
@@ -19,39 +20,20 @@ void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) 
     }
 }
 
-namespace {
-
-// The dimension (of n_rot) whose rotation turns `rotations` times over the original context: below it
-// YaRN extrapolates, above the next one it interpolates (ggml_rope_yarn_corr_dim).
-float yarn_corr_dim(int64_t n_rot, int32_t n_ctx_orig, float rotations, float base) {
-    return (float)n_rot * std::log((float)n_ctx_orig / (rotations * 2 * (float)M_PI)) / (2 * std::log(base));
-}
-
-}  // namespace
-
 void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
                   float* cos, float* sin, const RopeYarn& yarn) {
     // Float, with the angle advanced by one multiplication per pair, exactly as ggml computes it:
     // activations are quantized to 8 bits downstream, so even last-bit differences here can change
     // which token wins a close call, and matching llama.cpp's text is the goal.
     const float theta_scale = std::pow(freq_base, -2.0f / (float)n_rot);
-    float low = 0, high = 0, mscale = yarn.attn_factor;
-    if (yarn.ext_factor != 0.0f) {
-        low = std::max(0.0f, std::floor(yarn_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_fast, freq_base)));
-        high = std::min((float)(n_rot - 1), std::ceil(yarn_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_slow, freq_base)));
-        mscale *= 1.0f + 0.1f * std::log(1.0f / freq_scale);
-    }
+    const RopeYarnRange r = rope_yarn_range(n_rot, freq_base, freq_scale, yarn.ext_factor, yarn.attn_factor,
+                                            yarn.beta_fast, yarn.beta_slow, yarn.n_ctx_orig);
     float theta = (float)pos;
     for (int64_t i = 0; i < n_rot / 2; i++) {
         const float extrap = freq_factors ? theta / freq_factors[i] : theta;
-        float t = extrap * freq_scale;
-        if (yarn.ext_factor != 0.0f) {
-            const float ramp = 1 - std::min(1.0f, std::max(0.0f, ((float)i - low) / std::max(0.001f, high - low)));
-            const float mix = ramp * yarn.ext_factor;
-            t = t * (1 - mix) + extrap * mix;
-        }
-        cos[i] = std::cos(t) * mscale;
-        sin[i] = std::sin(t) * mscale;
+        const float t = rope_yarn_angle(extrap, freq_scale, i, yarn.ext_factor, r.low, r.high);
+        cos[i] = std::cos(t) * r.mscale;
+        sin[i] = std::sin(t) * r.mscale;
         theta *= theta_scale;
     }
 }
