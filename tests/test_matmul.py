@@ -6,7 +6,8 @@ import pytest
 import optiml
 from optiml import quant
 
-TYPES = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+TYPES = ["f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k",
+         "q6_k"]
 
 
 def _weights(rows, cols, qtype, seed=0):
@@ -43,7 +44,7 @@ def test_matmul_equals_rowwise_dot_and_is_thread_count_independent(qtype):
         assert quant.dot(w[r], qtype, x[2]) == y1[2, r]
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_k", "q8_0", "f16"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_k", "q8_0", "mxfp4", "f16"])
 def test_matmul_close_to_float64_reference(qtype):
     rows, cols = 64, 2048
     w = _weights(rows, cols, qtype, seed=4)
@@ -68,7 +69,7 @@ def test_bad_arguments_are_clear_errors():
         quant.matmul(w, "q4_0", np.zeros(64, np.float32), n_threads=-1)
 
 
-BLOCK32 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+BLOCK32 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4"]
 
 
 @pytest.mark.parametrize("simd", [lv for lv in optiml._core.simd_levels()])
@@ -169,6 +170,8 @@ def test_rows16_layout_round_trip_and_rows(qtype):
 def test_rows16_rejects_what_it_cannot_hold():
     with pytest.raises(optiml.ArgumentError, match="no rows16 layout"):
         quant.rows16(_weights(16, 256, "q4_k"), "q4_k", 256)
+    with pytest.raises(optiml.ArgumentError, match="no rows16 layout"):
+        quant.rows16(_weights(16, 256, "mxfp4"), "mxfp4", 256)
     with pytest.raises(optiml.ArgumentError, match="no rows16 layout"):
         quant.rows16(_weights(20, 64, "q4_0"), "q4_0", 64)  # rows not a multiple of 16
     w16 = quant.rows16(_weights(16, 64, "q4_0"), "q4_0", 64)

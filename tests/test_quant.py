@@ -13,8 +13,9 @@ import optiml
 from optiml import _core
 from optiml import quant
 
-ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-GGUF_QUANTIZE_TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+             "Q6_K"]
+GGUF_QUANTIZE_TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"]
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 # Byte offsets of the fp16 scale fields in each block (d, m / dmin), from ggml_types.h.
@@ -95,7 +96,7 @@ def random_blocks(rng, name, n_blocks):
     raw = rng.integers(0, 256, (n_blocks, ti.type_size), dtype=np.uint8)
     if name in ("F16", "BF16"):
         return raw.reshape(-1)  # every bit pattern, NaN and inf included (compared NaN-safely)
-    for off in SCALE_OFFSETS[name]:
+    for off in SCALE_OFFSETS.get(name, []):  # (MXFP4's E8M0 scale byte: every value, 255's infinities too)
         s = rng.uniform(-1, 1, n_blocks) * 10.0 ** rng.uniform(-7, 2, n_blocks)
         s[::17] = 0.0
         raw[:, off:off + 2] = s.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)

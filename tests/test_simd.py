@@ -33,6 +33,7 @@ WTYPES = {
     "Q5_0": (6, 32, 22, "Q8_0", (0,)),
     "Q5_1": (7, 32, 24, "Q8_1", (0, 2)),
     "Q8_0": (8, 32, 34, "Q8_0", (0,)),
+    "MXFP4": (39, 32, 17, "Q8_0", ()),  # its E8M0 scale byte is set apart (random_weights)
     "Q2_K": (10, 256, 84, "Q8_K", (80, 82)),
     "Q3_K": (11, 256, 110, "Q8_K", (108,)),
     "Q4_K": (12, 256, 144, "Q8_K", (0, 2)),
@@ -120,6 +121,8 @@ def random_weights(name, n, rng, rows=1):
     b = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
     for off in f16:  # sane positive/negative fp16 scales
         b[:, off:off + 2] = (rng.uniform(0.5, 2.0, nb) * 1e-2 * rng.choice([-1, 1], nb)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # E8M0 scales 2^-9 .. 2^-1 (half-scales of the doubled table values)
+        b[:, 0] = rng.integers(119, 127, nb)
     return b.reshape(rows, -1)
 
 
@@ -310,7 +313,7 @@ def test_matmul_matches_scalar(level, name):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4"])
 @pytest.mark.parametrize("cols", [576, 640, 2048, 4096])
 def test_matvec_rows_equal_their_vec_dot(level, name, cols):
     # One token goes through the multi-row kernel (short Q8_0 rows one at a time, others 8 at a

@@ -122,6 +122,8 @@ std::vector<uint8_t> random_row(int32_t type, int64_t n) {
     }
     for (auto& b : row) b = (uint8_t)randint(0, 255);
     const TypeTraits& tt = type_traits(type);
+    if (type == TYPE_MXFP4)  // E8M0 scales 2^-9 .. 2^-1 (half-scales of the doubled table values)
+        for (size_t blk = 0; blk < row.size() / tt.type_size; blk++) row[blk * tt.type_size] = (uint8_t)randint(119, 126);
     for (size_t blk = 0; blk < row.size() / tt.type_size; blk++)
         for (size_t off : f16_fields(type)) {
             const fp16_t h = fp32_to_fp16(uniform(0.5f, 2.0f) * 1e-2f * (randint(0, 1) ? 1.0f : -1.0f));
@@ -161,7 +163,7 @@ double reference_dot(int32_t wtype, const uint8_t* w, const uint8_t* xq, int64_t
 }
 
 const int32_t kWeightTypes[] = {TYPE_F32,  TYPE_F16,  TYPE_BF16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1,
-                                TYPE_Q8_0, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K};
+                                TYPE_Q8_0, TYPE_MXFP4, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K};
 
 std::vector<int64_t> lengths_for(int32_t wtype) {
     const TypeTraits& wt = type_traits(wtype);
@@ -560,7 +562,7 @@ void test_neon_coverage(const KernelTable& t, const KernelTable& ref) {
     };
     for (int32_t wtype : kWeightTypes)
         need((const void*)t.vec_dot[wtype], (const void*)ref.vec_dot[wtype], type_traits(wtype).name);
-    for (int32_t wtype : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0}) {
+    for (int32_t wtype : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_MXFP4}) {
         need((const void*)t.vec_dot4[wtype], (const void*)ref.vec_dot4[wtype], "vec_dot4");
         need((const void*)t.vec_dot_rows[wtype], (const void*)ref.vec_dot_rows[wtype], "vec_dot_rows");
     }

@@ -107,6 +107,13 @@ inline fp16_t fp32_to_fp16(float f) {
 
 inline float bf16_to_fp32(bf16_t h) { return fp32_from_bits((uint32_t)h << 16); }
 
+// Half of the E8M0 scale e (2^(e - 127) / 2 = 2^(e - 128)), as ggml's GGML_E8M0_TO_FP32_HALF: the MXFP4
+// table below stores the E2M1 values doubled. e = 0 and 1 give the denormals 2^-128 and 2^-127; e = 255
+// gives 2^127 (ggml does not treat it as NaN, nor does this).
+inline float e8m0_to_fp32_half(uint8_t e) {
+    return fp32_from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
 // Round-to-nearest-even; NaN stays NaN (as ggml and gguf-py do).
 inline bf16_t fp32_to_bf16(float f) {
     uint32_t u = fp32_to_bits(f);
@@ -121,6 +128,7 @@ inline bf16_t fp32_to_bf16(float f) {
 #define OPTIML_QK5_1 32
 #define OPTIML_QK8_0 32
 #define OPTIML_QK8_1 32
+#define OPTIML_QK_MXFP4 32
 #define OPTIML_QK_K 256
 #define OPTIML_K_SCALE_SIZE 12
 
@@ -129,6 +137,11 @@ struct block_q4_1 { fp16_t d; fp16_t m; uint8_t qs[16]; };
 struct block_q5_0 { fp16_t d; uint8_t qh[4]; uint8_t qs[16]; };
 struct block_q5_1 { fp16_t d; fp16_t m; uint8_t qh[4]; uint8_t qs[16]; };
 struct block_q8_0 { fp16_t d; int8_t qs[32]; };
+// MXFP4 (OCP microscaling FP4): an E8M0 scale e and 32 E2M1 codes, element j (j < 16) in the low nibble
+// of qs[j], element j + 16 in the high one; value = kMxfp4Values[code] * e8m0_to_fp32_half(e).
+struct block_mxfp4 { uint8_t e; uint8_t qs[16]; };
+// The E2M1 values doubled (ggml's kvalues_mxfp4): codes 8..15 are the negatives of 0..7 (8 is -0).
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 // Activation format paired with Q4_1/Q5_1: s = d * sum(qs).
 struct block_q8_1 { fp16_t d; fp16_t s; int8_t qs[32]; };
 
@@ -146,6 +159,7 @@ static_assert(sizeof(block_q5_0) == 22, "block_q5_0 layout");
 static_assert(sizeof(block_q5_1) == 24, "block_q5_1 layout");
 static_assert(sizeof(block_q8_0) == 34, "block_q8_0 layout");
 static_assert(sizeof(block_q8_1) == 36, "block_q8_1 layout");
+static_assert(sizeof(block_mxfp4) == 17, "block_mxfp4 layout");
 static_assert(sizeof(block_q2_K) == 84, "block_q2_K layout");
 static_assert(sizeof(block_q3_K) == 110, "block_q3_K layout");
 static_assert(sizeof(block_q4_K) == 144, "block_q4_K layout");

@@ -1,7 +1,7 @@
 // Dot-product kernels and their run-time selection by SIMD level.
 //
 // A dot product of a weight row of type T with an activation vector works like llama.cpp's: the
-// activation is first converted to T's vec_dot_type (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1,
+// activation is first converted to T's vec_dot_type (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1,
 // Q8_K for the k-quants, F16/BF16/F32 for the float types), then an integer or float dot runs block
 // by block.
 #pragma once

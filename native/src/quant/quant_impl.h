@@ -89,6 +89,10 @@ void dequantize_row_q5_1(const void* x, float* y, int64_t n);
 void dequantize_row_q8_0(const void* x, float* y, int64_t n);
 void dequantize_row_q8_1(const void* x, float* y, int64_t n);
 
+// ---- MXFP4 (quant_mxfp4.cpp) ----------------------------------------------------------------
+void quantize_row_mxfp4(const float* x, void* y, int64_t n);
+void dequantize_row_mxfp4(const void* x, float* y, int64_t n);
+
 // ---- 256-element k-quants (quant_kquants.cpp) ----------------------------------------------
 void quantize_row_q2_K(const float* x, void* y, int64_t n);
 void quantize_row_q3_K(const float* x, void* y, int64_t n);

@@ -35,6 +35,7 @@ struct TraitsTable {
         set(TYPE_Q5_K, "Q5_K", 256, sizeof(block_q5_K), true, TYPE_Q8_K);
         set(TYPE_Q6_K, "Q6_K", 256, sizeof(block_q6_K), true, TYPE_Q8_K);
         set(TYPE_Q8_K, "Q8_K", 256, sizeof(block_q8_K), true, TYPE_Q8_K);
+        set(TYPE_MXFP4, "MXFP4", 32, sizeof(block_mxfp4), true, TYPE_Q8_0);
         // Types this library reads from files (sizes known) but has no kernels for.
         set(TYPE_IQ2_XXS, "IQ2_XXS", 256, 66, true, TYPE_Q8_K);
         set(TYPE_IQ2_XS, "IQ2_XS", 256, 74, true, TYPE_Q8_K);
@@ -47,7 +48,6 @@ struct TraitsTable {
         set(TYPE_IQ1_M, "IQ1_M", 256, 56, true, TYPE_Q8_K);
         set(TYPE_TQ1_0, "TQ1_0", 256, 54, true, TYPE_Q8_K);
         set(TYPE_TQ2_0, "TQ2_0", 256, 66, true, TYPE_Q8_K);
-        set(TYPE_MXFP4, "MXFP4", 32, 17, true, TYPE_Q8_0);
     }
 };
 

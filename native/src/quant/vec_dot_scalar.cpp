@@ -121,6 +121,23 @@ void vec_dot_q8_0_q8_0(int64_t n, float* s, const void* vw, const void* vx) {
     *s = sumf;
 }
 
+// MXFP4: table values (the doubled E2M1 values, integers) against the codes, exact per block; the block
+// scale is the E8M0 half-scale times d_x (exact: a power of two times an fp16).
+void vec_dot_mxfp4_q8_0(int64_t n, float* s, const void* vw, const void* vx) {
+    const block_mxfp4* w = (const block_mxfp4*)vw;
+    const block_q8_0* x = (const block_q8_0*)vx;
+    float sumf = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int sumi = 0;
+        for (int j = 0; j < 16; j++) {
+            sumi += kMxfp4Values[w[i].qs[j] & 0x0F] * x[i].qs[j];
+            sumi += kMxfp4Values[w[i].qs[j] >> 4] * x[i].qs[j + 16];
+        }
+        sumf += (float)sumi * (e8m0_to_fp32_half(w[i].e) * fp16_to_fp32(x[i].d));
+    }
+    *s = sumf;
+}
+
 // ---- k-quants · Q8_K ------------------------------------------------------------------------
 // Codes of one 256-block are unpacked to q[0..256) in element order, then summed against Q8_K's
 // codes per sub-block. The subtracted mins of Q2_K/Q4_K/Q5_K use Q8_K's bsums: the min term of a
@@ -256,6 +273,7 @@ void fill_kernels_scalar(KernelTable& t) {
     t.vec_dot[TYPE_Q5_0] = vec_dot_q5_0_q8_0;
     t.vec_dot[TYPE_Q5_1] = vec_dot_q5_1_q8_1;
     t.vec_dot[TYPE_Q8_0] = vec_dot_q8_0_q8_0;
+    t.vec_dot[TYPE_MXFP4] = vec_dot_mxfp4_q8_0;
     t.vec_dot[TYPE_Q2_K] = vec_dot_q2_K_q8_K;
     t.vec_dot[TYPE_Q3_K] = vec_dot_q3_K_q8_K;
     t.vec_dot[TYPE_Q4_K] = vec_dot_q4_K_q8_K;

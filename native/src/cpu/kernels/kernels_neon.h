@@ -123,6 +123,18 @@ inline Codes codes(const block_q5_1& a) {
     return Codes{vorrq_s8(c.lo, s8(h0)), vorrq_s8(c.hi, s8(h1))};
 }
 
+// MXFP4: each nibble looked up in the table of doubled E2M1 values (signed, -12..12).
+inline Codes codes(const block_mxfp4& a) {
+    const Codes c = nibbles(a.qs);
+    const int8x16_t table = vld1q_s8(kMxfp4Values);
+    return Codes{vqtbl1q_s8(table, vreinterpretq_u8_s8(c.lo)), vqtbl1q_s8(table, vreinterpretq_u8_s8(c.hi))};
+}
+
+// A weight block's scale: its fp16 d, or MXFP4's E8M0 half-scale.
+template <typename WBlock>
+inline float scale_of(const WBlock& a) { return h2f(a.d); }
+inline float scale_of(const block_mxfp4& a) { return e8m0_to_fp32_half(a.e); }
+
 // The min term of Q4_1/Q5_1 (m_w * s_x, s_x = d_x * sum(q_x) stored in Q8_1), one fma per block in
 // block order; nothing for the other formats.
 template <typename WBlock, typename XBlock>
@@ -153,7 +165,7 @@ inline void dot_tile(int64_t nb, float* s, const void* const* w, const void* con
             for (int r = 0; r < NR; r++) __builtin_prefetch((const WBlock*)ahead[r] + i, 0, 2);
         for (int r = 0; r < NR; r++) {
             const Codes q = codes(a[r][i]);
-            const float dw = h2f(a[r][i].d);
+            const float dw = scale_of(a[r][i]);
             for (int t = 0; t < NT; t++) {
                 const int32x4_t p = dot32(q.lo, q.hi, b[t][i].qs);
                 acc[r][t] = vfmaq_n_f32(acc[r][t], vcvtq_f32_s32(p), dw * h2f(b[t][i].d));
@@ -474,16 +486,19 @@ inline void fill_neon_table(KernelTable& t) {
     t.vec_dot[TYPE_Q4_1] = vec_dot_32<block_q4_1, block_q8_1>;
     t.vec_dot[TYPE_Q5_0] = vec_dot_32<block_q5_0, block_q8_0>;
     t.vec_dot[TYPE_Q5_1] = vec_dot_32<block_q5_1, block_q8_1>;
+    t.vec_dot[TYPE_MXFP4] = vec_dot_32<block_mxfp4, block_q8_0>;
     t.vec_dot4[TYPE_Q8_0] = vec_dot4_32<block_q8_0, block_q8_0>;
     t.vec_dot4[TYPE_Q4_0] = vec_dot4_32<block_q4_0, block_q8_0>;
     t.vec_dot4[TYPE_Q4_1] = vec_dot4_32<block_q4_1, block_q8_1>;
     t.vec_dot4[TYPE_Q5_0] = vec_dot4_32<block_q5_0, block_q8_0>;
     t.vec_dot4[TYPE_Q5_1] = vec_dot4_32<block_q5_1, block_q8_1>;
+    t.vec_dot4[TYPE_MXFP4] = vec_dot4_32<block_mxfp4, block_q8_0>;
     t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_32<block_q4_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1, block_q8_1>;
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1, block_q8_1>;
+    t.vec_dot_rows[TYPE_MXFP4] = vec_dot_rows_32<block_mxfp4, block_q8_0>;
 
     t.vec_dot[TYPE_Q2_K] = vec_dot_K<block_q2_K, dot_q2_K>;
     t.vec_dot[TYPE_Q3_K] = vec_dot_K<block_q3_K, dot_q3_K>;

@@ -1,4 +1,4 @@
-// The batched product (gemm) of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), with
+// The batched product (gemm) of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4), with
 // the tokens side by side in vector lanes.
 //
 // A tile of one (row, token) per vector would convert, scale and accumulate each block's integer lanes
@@ -134,6 +134,11 @@ inline void scales_of(const WBlock& a, __m256& d, __m256& m) {
     }
 }
 
+inline void scales_of(const block_mxfp4& a, __m256& d, __m256& m) {
+    d = _mm256_set1_ps(scale_of(a));
+    m = d;
+}
+
 // Two rows' scales (and mins): row a's in lanes 0-3, row b's in lanes 4-7; the same conversions of
 // the same fp16 values as scales_of.
 template <class WBlock>
@@ -146,6 +151,11 @@ inline void scales2_of(const WBlock& a, const WBlock& b, __m256& d, __m256& m) {
     m = Q32<WBlock>::has_min ? _mm256_permute_ps(f, 0x55) : d;
 }
 
+inline void scales2_of(const block_mxfp4& a, const block_mxfp4& b, __m256& d, __m256& m) {
+    d = _mm256_set_m128(_mm_set1_ps(scale_of(b)), _mm_set1_ps(scale_of(a)));
+    m = d;
+}
+
 // Where a tile reads a row's codes from, two groups at a time: pair(i, k, w0, w1) gives block i's
 // groups group0(k) and group1(k), k = 0..3, as broadcast unsigned bytes.
 //
@@ -155,11 +165,13 @@ inline void scales2_of(const WBlock& a, const WBlock& b, __m256& d, __m256& m) {
 // b & 0xF0 is 16 * code, its dots go to a second sum (high16; at most 16 * 240 * 128 per block, far
 // inside int32), and that sum, a multiple of 16, is shifted back exactly once per block: 2 logic
 // operations per pair instead of 3. vpmaddubsw's int16 pairs would overflow on 16 * code, so
-// without VNNI the nibbles are shifted.
+// without VNNI the nibbles are shifted. MXFP4's nibbles index its table (Q32<block_mxfp4>), looked up
+// after the split, so its high nibbles are always shifted down.
 template <class WBlock>
 struct NibbleRows {
     static constexpr int offset = Q32<WBlock>::offset;
-    static constexpr bool high16 = kVnni256;
+    static constexpr bool lut = std::is_same<WBlock, block_mxfp4>::value;
+    static constexpr bool high16 = kVnni256 && !lut;
     static __m256i dot(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
         return dot_groups2(acc, w0, x0, w1, x1);
     }
@@ -172,6 +184,10 @@ struct NibbleRows {
         const __m256i m = _mm256_set1_epi8(0x0F);
         w0 = _mm256_and_si256(b, m);
         w1 = high16 ? _mm256_xor_si256(b, w0) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+        if constexpr (lut) {
+            w0 = _mm256_shuffle_epi8(mxfp4_lut(), w0);
+            w1 = _mm256_shuffle_epi8(mxfp4_lut(), w1);
+        }
     }
     void pair(int64_t i, int k, __m256i& w0, __m256i& w1) const { split(bcast32(a[i].qs + 4 * k), w0, w1); }
     void scales(int64_t i, __m256& d, __m256& m) const { scales_of(a[i], d, m); }
@@ -262,7 +278,7 @@ inline void unpack_code_row(const void* row, int64_t nb, CodeBlock* out) {
     const WBlock* a = (const WBlock*)row;
     for (int64_t i = 0; i < nb; i++) {
         _mm256_storeu_si256((__m256i*)out[i].q, Q32<WBlock>::codes(a[i]));
-        out[i].d = h2f(a[i].d);
+        out[i].d = scale_of(a[i]);
         out[i].m = min_of(a[i]);
     }
 }

@@ -1,4 +1,4 @@
-// The 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against Q8_0/Q8_1 activations): vec_dot
+// The 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 against Q8_0/Q8_1 activations): vec_dot
 // (one row, one token) and the matrix-vector product (rows x 1); the batched product is in
 // simd_gemm_q32.h.
 //
@@ -57,6 +57,30 @@ template <> struct Q32<block_q8_0> {
     static constexpr bool has_min = false, is_signed = true;
     static __m256i codes(const block_q8_0& a) { return load256(a.qs); }
 };
+// MXFP4: each nibble looked up (vpshufb, 16 entries) in the table of doubled E2M1 values plus 12, so the
+// codes are unsigned (0..24) and the offset 12 comes back out as for Q4_0.
+inline __m256i mxfp4_lut() {
+    const __m128i t = _mm_loadu_si128((const __m128i*)kMxfp4Values);
+    const __m128i u = _mm_add_epi8(t, _mm_set1_epi8(12));
+    return _mm256_setr_m128i(u, u);
+}
+template <> struct Q32<block_mxfp4> {
+    typedef block_q8_0 X;
+    static constexpr int offset = 12;
+    static constexpr bool has_min = false, is_signed = false;
+    static __m256i codes(const block_mxfp4& a) { return _mm256_shuffle_epi8(mxfp4_lut(), unpack_nibbles_16(a.qs)); }
+};
+
+// A weight block's scale: its fp16 d, or MXFP4's E8M0 half-scale.
+template <class WBlock> inline float scale_of(const WBlock& a) { return h2f(a.d); }
+inline float scale_of(const block_mxfp4& a) { return e8m0_to_fp32_half(a.e); }
+// e8m0_to_fp32_half of 8 int32 lanes of E8M0 bytes.
+inline __m256 e8m0_half_ps(__m256i e) {
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, small));
+}
 
 inline float min_of(const block_q4_1& a) { return h2f(a.m); }
 inline float min_of(const block_q5_1& a) { return h2f(a.m); }
@@ -99,7 +123,7 @@ inline float dot_row_32(int64_t nb, const WBlock* a, const typename Q32<WBlock>:
     for (int64_t i = 0; i < nb; i++) {
         const __m256i xv = load256(b[i].qs);
         const int isum = hsum_epi32(block_lanes(a[i], xv, block_base<WBlock>(xv)));
-        acc = std::fma((float)isum, h2f(a[i].d) * h2f(b[i].d), acc);
+        acc = std::fma((float)isum, scale_of(a[i]) * h2f(b[i].d), acc);
         if constexpr (Q32<WBlock>::has_min) acc = std::fma(min_of(a[i]), sum_scale(b[i]), acc);
     }
     return acc;
@@ -124,6 +148,13 @@ inline void scales_rows8(const WBlock* const* a, int64_t i, __m256& d, __m256& m
     const __m128i w03 = _mm_unpacklo_epi32(u01, u23), w47 = _mm_unpacklo_epi32(u45, u67);
     d = _mm256_cvtph_ps(_mm_unpacklo_epi64(w03, w47));
     m = Q32<WBlock>::has_min ? _mm256_cvtph_ps(_mm_unpackhi_epi64(w03, w47)) : _mm256_setzero_ps();
+}
+
+// MXFP4's: the 8 rows' E8M0 bytes converted in the vector unit; no mins.
+inline void scales_rows8(const block_mxfp4* const* a, int64_t i, __m256& d, __m256& m) {
+    d = e8m0_half_ps(_mm256_setr_epi32(a[0][i].e, a[1][i].e, a[2][i].e, a[3][i].e, a[4][i].e, a[5][i].e, a[6][i].e,
+                                       a[7][i].e));
+    m = _mm256_setzero_ps();
 }
 
 // Block i's float steps for 8 rows side by side (lane r: row a[r]), isum their exact block sums with
