@@ -155,6 +155,9 @@ static void check_cuda_types(const Model& M, const Plan& plan) {
                 throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the "
                                                    "CPU (device='cpu')", name, type_traits(type).name));
     }
+    if (plan.output_on_device && !cuda_reads_type(M.output.type))
+        throw UnsupportedModelError(format("%s is %s, which the CUDA backend does not read yet; run it on the CPU "
+                                           "(device='cpu')", M.output.name, type_traits(M.output.type).name));
 }
 
 void Session::bind_devices() {

@@ -12,7 +12,7 @@ what the source computes; nothing is requantized. It takes one of two forms:
   form needs every layer's down to be a float type (F32/F16/BF16: columns move exactly), or the order to
   move whole quant blocks (each placed block holds the neurons of one stored block; inside a block the
   neurons may be reordered only for the types whose elements decode independently, Q4_0/Q4_1/Q5_0/Q5_1/
-  Q8_0/IQ4_NL, by moving their codes). No optiml.placement.neuron_order key.
+  Q8_0/IQ4_NL/MXFP4, by moving their codes). No optiml.placement.neuron_order key.
 - neuron_order (the general case, e.g. any quantized down with a neuron-level order): gate, up and down
   keep the source's bytes and order, and optiml.placement.neuron_order (int32, n_layer * n_ff values)
   says that placed neuron i of layer l is the stored neuron order[l * n_ff + i]; the engine gathers at
@@ -148,7 +148,7 @@ def _permute_rows(order: np.ndarray):
 # "i8": one byte per code; "nib": 16 bytes, element j < 16 in the low nibble of byte j, j >= 16 in the
 # high nibble of byte j - 16; "nib+qh": a 4-byte bit field (bit j: element j's fifth bit) then "nib".
 _CODE_LAYOUT = {"Q8_0": (2, "i8"), "Q4_0": (2, "nib"), "IQ4_NL": (2, "nib"), "Q4_1": (4, "nib"),
-                "Q5_0": (2, "nib+qh"), "Q5_1": (4, "nib+qh")}
+                "Q5_0": (2, "nib+qh"), "Q5_1": (4, "nib+qh"), "MXFP4": (1, "nib")}
 
 
 def _unpack_codes(blocks: np.ndarray, name: str) -> np.ndarray:
