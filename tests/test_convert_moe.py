@@ -146,6 +146,39 @@ def test_llama_cpp_runs_converted_files(tiny, tmp_path, qtype):
     assert (ours.argmax(1) == ref.argmax(1))[decided].all() and (theirs.argmax(1) == ref.argmax(1))[decided].all()
 
 
+def test_mxfp4_moe(tiny, tmp_path, tiny_tokenizer):  # noqa: F811
+    """mxfp4_moe (llama-quantize's MXFP4_MOE): the experts MXFP4, the other matrices Q8_0 (the output too),
+    routers and vectors F32; llama.cpp computes what OptiML
+    computes on the file, both as close to transformers as 4-bit experts allow, and both pick transformers'
+    top token wherever it is decided."""
+    name, model, d = tiny
+    if name == "qwen2moe":  # a shared expert of 48 does not split into Q8_0 blocks: refused, as llama-quantize does
+        with pytest.raises(ConvertError, match="row length 48 does not split into Q8_0 blocks"):
+            convert(d, tmp_path / "m48.gguf", type="mxfp4_moe")
+        model = make_model(name, seed=1, shared_expert_intermediate_size=64)  # seed 1: route_gap 0.028
+        assert route_gap(model, IDS) > 0.02
+        d = save_folder(model, tmp_path / "hf", tiny_tokenizer)
+    out = convert(d, tmp_path / "m.gguf", type="mxfp4_moe")
+    r = gguf.GGUFReader(out)
+    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    for t in r.tensors:
+        want = ("MXFP4" if len(t.shape) == 3 else
+                "F32" if len(t.shape) == 1 or t.name.endswith("ffn_gate_inp.weight") else "Q8_0")
+        assert t.tensor_type.name == want, (t.name, t.tensor_type.name)
+    ref = hf_logits(model, IDS)
+    with optiml.Model(out, n_ctx=64, n_threads=2) as m:
+        ours = m.eval(IDS, all_logits=True)
+    theirs = llama_cpp_logits(out, IDS)
+    k_ours, k_theirs = kld(ref, ours), kld(ref, theirs)
+    print(f"{name} mxfp4_moe: KLD against transformers ours {k_ours:.3e}, llama.cpp {k_theirs:.3e}, "
+          f"ours against llama.cpp {kld(theirs, ours):.3e}")
+    assert k_ours <= 1.1 * k_theirs + 1e-6, (name, k_ours, k_theirs)
+    assert kld(theirs, ours) < 1e-5, name
+    decided = (top2_gap(ref) > TIE) & (top2_gap(ours) > TIE) & (top2_gap(theirs) > TIE)
+    assert decided.sum() >= len(IDS) // 2
+    assert (ours.argmax(1) == ref.argmax(1))[decided].all() and (theirs.argmax(1) == ref.argmax(1))[decided].all()
+
+
 # ---- the file as llama.cpp's converter writes it ------------------------------------------------------
 def test_names_shapes_and_metadata_follow_llama_cpp(tiny, tmp_path):
     name, model, d = tiny
@@ -218,7 +251,7 @@ def _fused_expert(sd, j, which):
 def test_quant_mix_matches_llama_quantize(tmp_path, tiny_tokenizer):  # noqa: F811
     """Q4_K_M of an 8-expert model with a shared expert: llama-quantize's MoE rules (attn_k and attn_v
     Q8_0 and attn_output Q5_K at 8 experts, more bits for ffn_down_exps / ffn_down_shexp in the first,
-    last and every third layer, the router kept F32) on rows that split into 256-blocks."""
+    last and every third layer, the router kept F32) on rows that split into 256-blocks; and MXFP4_MOE's."""
     llama_cpp = llama_cpp_module()
     model = make_model("qwen2moe", hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
                        intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
@@ -235,6 +268,16 @@ def test_quant_mix_matches_llama_quantize(tmp_path, tiny_tokenizer):  # noqa: F8
     assert (a["blk.0.attn_k.weight"], a["blk.0.attn_output.weight"], a["blk.0.ffn_gate_inp.weight"]) == \
         ("Q8_0", "Q5_K", "F32")
     assert (a["blk.0.ffn_down_exps.weight"], a["blk.1.ffn_down_exps.weight"]) == ("Q6_K", "Q4_K")
+    assert os.path.getsize(ours) == pytest.approx(os.path.getsize(theirs), rel=0.01)
+    # MXFP4_MOE: every expert tensor MXFP4, the other matrices Q8_0 (the output too), the routers F32.
+    ours = convert(d, tmp_path / "mxfp4_moe.gguf", type="mxfp4_moe")
+    p.ftype = int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), theirs.encode(), ctypes.byref(p)) == 0
+    a = {x.name: x.tensor_type.name for x in gguf.GGUFReader(ours).tensors}
+    b = {x.name: x.tensor_type.name for x in gguf.GGUFReader(theirs).tensors}
+    assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
+    assert (a["blk.0.ffn_up_exps.weight"], a["blk.0.ffn_down_shexp.weight"], a["output.weight"]) == \
+        ("MXFP4", "Q8_0", "Q8_0")
     assert os.path.getsize(ours) == pytest.approx(os.path.getsize(theirs), rel=0.01)
 
 

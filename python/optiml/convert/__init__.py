@@ -56,7 +56,7 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.
 
 def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | None = None) -> str:
     """Converts the Hugging Face model folder `hf_dir` to the GGUF file `out` of output type `type`
-    (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k). Streams tensor by tensor;
+    (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k, mxfp4_moe). Streams tensor by tensor;
     `out` appears only when complete. Raises ConvertError for input it cannot convert. Returns `out`."""
     hf_dir, out = os.fspath(hf_dir), os.fspath(out)
     ot = quant_mix.out_type(type)

@@ -33,6 +33,8 @@ TYPES = {t.name: t for t in (
     OutType("q4_k_m", F.MOSTLY_Q4_K_M, T.Q4_K, True),
     OutType("q5_k_m", F.MOSTLY_Q5_K_M, T.Q5_K, True),
     OutType("q6_k", F.MOSTLY_Q6_K, T.Q6_K, True),
+    # llama-quantize's MXFP4_MOE (gpt-oss's layout): the 3-D expert tensors MXFP4, every other matrix Q8_0.
+    OutType("mxfp4_moe", F.MOSTLY_MXFP4_MOE, T.MXFP4, True),
 )}
 
 
@@ -71,7 +73,9 @@ def tensor_type(name: str, shape: tuple, ot: OutType, n_layer: int, has_output: 
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     kind = name.split(".")[-2] if layer >= 0 else ""
     k_m = ot.ftype in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M)
-    if name == "output.weight" or (not has_output and name == "token_embd.weight"):
+    if ot.ftype == F.MOSTLY_MXFP4_MOE:  # the output too (llama-quantize as llama-cpp-python 0.3.36 has it)
+        t = T.MXFP4 if len(shape) == 3 else T.Q8_0
+    elif name == "output.weight" or (not has_output and name == "token_embd.weight"):
         # Q6_K for the output projection (Q8_0 if its rows do not split into the base type's blocks).
         t = T.Q8_0 if nx % _block(t) else (T.Q6_K if t != T.Q8_0 else t)
     elif kind in ("attn_v", "attn_k"):
