@@ -76,7 +76,7 @@ DEFAULT_DONOR = str(models.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # ggml file types for the general.file_type key (informational: llama.cpp prints it, nothing reads it)
 _FTYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12,
-          "q4_k": 15, "q5_k": 17, "q6_k": 18, "bf16": 32}
+          "q4_k": 15, "q5_k": 17, "q6_k": 18, "bf16": 32, "mxfp4": 38}
 
 
 def donor_tokenizer(path: str) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--type", default="q4_0", help="type of the 2-D weights (any optiml.quant type; default q4_0)")
     ap.add_argument("--output-type", default=None, help="type of output.weight and token_embd.weight "
                     "(default: --type)")
+    ap.add_argument("--expert-type", default=None, help="type of the 3-D expert tensors ffn_*_exps (default: "
+                    "--type; gpt-oss files, say, hold MXFP4 experts beside Q8_0 attention)")
     ap.add_argument("--activation", choices=("silu", "relu"), default="silu")
     ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
     ap.add_argument("--seed", type=int, default=0)
@@ -191,7 +193,10 @@ def main(argv=None) -> int:
     head_dim = a.head_dim or a.n_embd // a.n_head
     wtype = quant.type_info(a.type)
     otype = quant.type_info(a.output_type or a.type)
-    for t in {wtype, otype}:
+    xtype = quant.type_info(a.expert_type or a.type)
+    if a.expert_type and not moe:
+        ap.error("--expert-type needs --experts")
+    for t in {wtype, otype, xtype}:
         for n in (a.n_embd, a.n_ff, head_dim * a.n_head) + ((FFX,) + ((SH,) if SH else ()) if moe else ()):
             if n % t.block_size:
                 ap.error(f"row length {n} is not a multiple of {t.block_size}, the block size of {t.name}")
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
     n_vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
 
     gt = gguf.GGMLQuantizationType
-    WT, OT, F32 = gt(wtype.id), gt(otype.id), gt.F32
+    WT, OT, XT, F32 = gt(wtype.id), gt(otype.id), gt(xtype.id), gt.F32
     kv = a.n_head_kv * head_dim
     QD = a.n_head * head_dim
     E, FF = a.n_embd, a.n_ff
@@ -334,9 +339,9 @@ def main(argv=None) -> int:
         tensors += [
             (p + "ffn_gate_inp.weight", (X, E), F32,
              planted_router(router, il) if a.plant_experts is not None else router),
-            (p + "ffn_gate_exps.weight", (X, FFX, E), WT, rand((X, FFX, E), s + 5)),
-            (p + "ffn_up_exps.weight", (X, FFX, E), WT, rand((X, FFX, E), s + 6)),
-            (p + "ffn_down_exps.weight", (X, E, FFX), WT,
+            (p + "ffn_gate_exps.weight", (X, FFX, E), XT, rand((X, FFX, E), s + 5)),
+            (p + "ffn_up_exps.weight", (X, FFX, E), XT, rand((X, FFX, E), s + 6)),
+            (p + "ffn_down_exps.weight", (X, E, FFX), XT,
              scaled(rand((X, E, FFX), s + 7), 0.1) if plant else rand((X, E, FFX), s + 7)),
         ]
         if oss:
@@ -395,8 +400,9 @@ def main(argv=None) -> int:
         w.add_rope_freq_base(150000.0 if oss else 10000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(n_vocab)
-        if wtype.name.lower() in _FTYPE:
-            w.add_file_type(_FTYPE[wtype.name.lower()])
+        ftype = "mxfp4" if xtype.name == "MXFP4" else wtype.name.lower()  # llama.cpp's MXFP4_MOE: MXFP4 experts
+        if ftype in _FTYPE:
+            w.add_file_type(_FTYPE[ftype])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         if a.activation != "silu":
             w.add_string("optiml.ffn.activation", a.activation)
@@ -408,7 +414,8 @@ def main(argv=None) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(a.out)
     print(f"{a.out}: {a.arch}, {size_label} parameters ({n_params:,}), {a.n_layer} layers, n_embd {E}, "
-          + (f"{a.experts} experts of {FFX} ({a.experts_used} used, shared {SH}), " if moe else f"n_ff {FF}, ") +
+          + (f"{a.experts} {xtype.name} experts of {FFX} ({a.experts_used} used, shared {SH}), " if moe
+             else f"n_ff {FF}, ") +
           f"{a.n_head}/{a.n_head_kv} heads, vocab {n_vocab}, {wtype.name} ({otype.name} embeddings/output), "
           f"activation {a.activation}; {size / 2**30:.2f} GiB written in {dt:.1f} s", file=sys.stderr)
     return 0
