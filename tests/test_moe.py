@@ -234,6 +234,7 @@ def test_long_prompt_many_tokens_per_expert(tmp_path):
 # (arch, type, seed): seeds whose router has no near-tie in the float64 pass on these tokens (checked below),
 # for a token whose k-th and (k+1)-th experts are within rounding of each other is a coin toss for any engine.
 @pytest.mark.parametrize("arch,qtype,seed", [("qwen3moe", "q8_0", 5), ("qwen3moe", "q4_k", 7), ("qwen3moe", "q6_k", 5),
+                                             ("qwen3moe", "mxfp4", 8),
                                              ("gpt-oss", "q8_0", 7), ("gpt-oss", "q4_k", 7)])
 def test_quantized_experts(tmp_path, arch, qtype, seed):
     """Quantized experts (and attention): KLD against the float64 pass on the dequantized weights within
