@@ -134,11 +134,6 @@ inline void scales_of(const WBlock& a, __m256& d, __m256& m) {
     }
 }
 
-inline void scales_of(const block_mxfp4& a, __m256& d, __m256& m) {
-    d = _mm256_set1_ps(scale_of(a));
-    m = d;
-}
-
 // Two rows' scales (and mins): row a's in lanes 0-3, row b's in lanes 4-7; the same conversions of
 // the same fp16 values as scales_of.
 template <class WBlock>
@@ -151,11 +146,6 @@ inline void scales2_of(const WBlock& a, const WBlock& b, __m256& d, __m256& m) {
     m = Q32<WBlock>::has_min ? _mm256_permute_ps(f, 0x55) : d;
 }
 
-inline void scales2_of(const block_mxfp4& a, const block_mxfp4& b, __m256& d, __m256& m) {
-    d = _mm256_set_m128(_mm_set1_ps(scale_of(b)), _mm_set1_ps(scale_of(a)));
-    m = d;
-}
-
 // Where a tile reads a row's codes from, two groups at a time: pair(i, k, w0, w1) gives block i's
 // groups group0(k) and group1(k), k = 0..3, as broadcast unsigned bytes.
 //
@@ -165,13 +155,11 @@ inline void scales2_of(const block_mxfp4& a, const block_mxfp4& b, __m256& d, __
 // b & 0xF0 is 16 * code, its dots go to a second sum (high16; at most 16 * 240 * 128 per block, far
 // inside int32), and that sum, a multiple of 16, is shifted back exactly once per block: 2 logic
 // operations per pair instead of 3. vpmaddubsw's int16 pairs would overflow on 16 * code, so
-// without VNNI the nibbles are shifted. MXFP4's nibbles index its table (Q32<block_mxfp4>), looked up
-// after the split, so its high nibbles are always shifted down.
+// without VNNI the nibbles are shifted.
 template <class WBlock>
 struct NibbleRows {
     static constexpr int offset = Q32<WBlock>::offset;
-    static constexpr bool lut = std::is_same<WBlock, block_mxfp4>::value;
-    static constexpr bool high16 = kVnni256 && !lut;
+    static constexpr bool high16 = kVnni256;
     static __m256i dot(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
         return dot_groups2(acc, w0, x0, w1, x1);
     }
@@ -184,10 +172,6 @@ struct NibbleRows {
         const __m256i m = _mm256_set1_epi8(0x0F);
         w0 = _mm256_and_si256(b, m);
         w1 = high16 ? _mm256_xor_si256(b, w0) : _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-        if constexpr (lut) {
-            w0 = _mm256_shuffle_epi8(mxfp4_lut(), w0);
-            w1 = _mm256_shuffle_epi8(mxfp4_lut(), w1);
-        }
     }
     void pair(int64_t i, int k, __m256i& w0, __m256i& w1) const { split(bcast32(a[i].qs + 4 * k), w0, w1); }
     void scales(int64_t i, __m256& d, __m256& m) const { scales_of(a[i], d, m); }
@@ -231,7 +215,9 @@ struct ByteRows {
     void scales2(const ByteRows& o, int64_t i, __m256& d, __m256& m) const { scales2_of(a[i], o.a[i], d, m); }
 };
 // Q5_0/Q5_1: the fifth bit is spread over qh, so rows are unpacked to 32 code bytes per block first
-// (once per call, shared by every token group).
+// (once per call, shared by every token group). MXFP4 too: its nibbles looked up in the table (+ 12) and its
+// E8M0 scale converted once per call instead of once per token group (measured on Zen 4, 4096 x 4096, 2
+// threads: 250 GFLOP/s at 64 tokens against 150 looking up in the tile; 110 against Q4_0's 117 at 4 tokens).
 struct CodeBlock {
     uint8_t q[32];
     float d, m;
@@ -269,10 +255,11 @@ template <class WBlock> struct PanelSource { typedef NibbleRows<WBlock> T; };
 template <> struct PanelSource<block_q8_0> { typedef ByteRows T; };
 template <> struct PanelSource<block_q5_0> { typedef CodeRows<16> T; };
 template <> struct PanelSource<block_q5_1> { typedef CodeRows<0> T; };
+template <> struct PanelSource<block_mxfp4> { typedef CodeRows<12> T; };
 template <class Src> struct IsCodeRows : std::false_type {};
 template <int O> struct IsCodeRows<CodeRows<O>> : std::true_type {};
 
-// Q5_0/Q5_1 rows as code bytes and float scales, once per call.
+// Q5_0/Q5_1/MXFP4 rows as code bytes and float scales, once per call.
 template <class WBlock>
 inline void unpack_code_row(const void* row, int64_t nb, CodeBlock* out) {
     const WBlock* a = (const WBlock*)row;
