@@ -20,10 +20,10 @@ from optiml._core import ArgumentError
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 QUANTIZED = TYPES[3:]
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
-OPTIML_QUANTIZES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+OPTIML_QUANTIZES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
 # The CPU library has no IQ4_NL/IQ4_XS decoder: only gguf-py checks those.
 CPU_DEQUANTIZES = set(TYPES) - {"IQ4_NL", "IQ4_XS"}
 
@@ -32,6 +32,7 @@ SCALE_OFFSETS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
     "IQ4_NL": [0], "IQ4_XS": [0],
+    "MXFP4": [],  # (its scale is an E8M0 byte: every value is one)
 }
 
 
@@ -124,6 +125,15 @@ def test_iq4_every_code(rng):
         for v in range(16):
             blocks[v, start:] = v | (15 - v) << 4
         check(name, blocks)
+
+
+def test_mxfp4_every_scale_and_code(rng):
+    # Every E8M0 byte (the denormal halves of e = 0 and 1, and 255) with every code in each half of a block.
+    blocks = random_blocks(rng, "MXFP4", 256)
+    blocks[:, 0] = np.arange(256)
+    for v in range(16):
+        blocks[v::16, 1:] = v | (15 - v) << 4
+    check("MXFP4", blocks)
 
 
 def test_every_half_and_bfloat16():

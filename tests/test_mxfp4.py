@@ -299,14 +299,17 @@ def test_moe_against_llama_cpp(tmp_path, which):
 
 
 @pytest.mark.skipif(not optiml.system_info()["cuda_devices"], reason="no CUDA device (and not the emulator build)")
-def test_cuda_refuses_mxfp4_with_its_name(tmp_path):
-    """The CUDA backend has no MXFP4 decoder: a plan that puts MXFP4 matrices there is refused before anything
-    is uploaded, naming the tensor; the same file runs on the CPU."""
-    path = moe_file(tmp_path, "experts", 22)
-    with pytest.raises(optiml.UnsupportedModelError, match=r"ffn_\w+_exps.weight is MXFP4, which the CUDA backend"):
-        optiml.Model(path, n_ctx=64, device="cuda")
+def test_mxfp4_on_cuda_matches_the_cpu(tmp_path):
+    """CUDA decodes MXFP4 blocks for its float products (dequant.cuh): MXFP4 experts whole on the GPU, and an
+    MXFP4 output matrix, against the CPU run of the same file (a prompt, then decode steps)."""
+    def both(path, **kw):
+        out = []
+        for device in ("cpu", "cuda"):
+            with optiml.Model(path, n_ctx=64, n_threads=2, device=device, **kw) as m:
+                out.append(np.vstack([m.eval(IDS[:20], all_logits=True)] + [m.eval([t]) for t in IDS[20:23]]))
+        return out
+    ref, got = both(moe_file(tmp_path, "experts", 22))
+    assert kld(ref, got) < 1e-4
     dense = synthetic(tmp_path / "out-mxfp4.gguf", *SHAPE, "--n-ff", "512", "--type", "q8_0", "--output-type", "mxfp4")
-    with pytest.raises(optiml.UnsupportedModelError, match="MXFP4, which the CUDA backend does not read"):
-        optiml.Model(dense, n_ctx=64, device="cuda")
-    with optiml.Model(dense, n_ctx=64, n_threads=2) as m:
-        assert np.isfinite(m.eval(IDS[:4])).all()
+    ref, got = both(dense)
+    assert kld(ref, got) < 1e-4

@@ -3,9 +3,11 @@
 thread count, in one run (issue 46, item 7, the CPU half).
 
 The model is Qwen3-30B-A3B-shaped (n_embd 2048, 32/4 heads of 128, 128 experts of 768, 8 used, Q4_K
-experts and attention, Q6_K output) with --n-layer layers instead of 48 so it fits here, random weights
-and skewed expert popularity planted (tools/make_synthetic_model.py --plant-experts): written to --model
-when missing (~0.7 GB for 2 layers, about 5 minutes on 2 busy cores).
+experts and attention, Q6_K output), or with --shape gpt-oss-20b gpt-oss-20b-shaped (n_embd 2880, 64/8
+heads of 64, 32 experts of 2880, 4 used, MXFP4 experts and Q8_0 elsewhere as OpenAI ships it), with
+--n-layer layers instead of 48 / 24 so it fits here, random weights and skewed expert popularity planted
+(tools/make_synthetic_model.py --plant-experts): written to --model when missing (~0.7 GB for 2 Qwen3
+layers, about 5 minutes on 2 busy cores; ~0.45 GB a gpt-oss layer).
 
   decode  a 16-token prompt, then --n-gen tokens fed one at a time (teacher forcing: both engines do the
           same work); tokens/s of those steps.
@@ -15,6 +17,7 @@ Goals (issue 46, 48 layers): decode >= 1.2x llama.cpp, prompt >= 1.5x; with fewe
 costs (embedding, output) weigh more than in the real model.
 
     PYTHONPATH=python python tools/bench/moe.py --threads 2
+    PYTHONPATH=python python tools/bench/moe.py --threads 2 --shape gpt-oss-20b --n-layer 4
 """
 
 from __future__ import annotations
@@ -39,11 +42,24 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_model(path: str, n_layer: int, alpha: float, tokenizer_from: str | None = None) -> None:
-    cmd = [sys.executable, os.path.join(HERE, "make_synthetic_model.py"), "-o", path, "--arch", "qwen3moe",
-           "--n-embd", "2048", "--n-layer", str(n_layer), "--n-head", "32", "--n-head-kv", "4", "--head-dim", "128",
-           "--experts", "128", "--experts-used", "8", "--n-ff-exp", "768", "--n-ff", "6144", "--type", "q4_k",
-           "--output-type", "q6_k", "--plant-experts", str(alpha), "--quiet"]
+# The model shapes a file is written in (tools/make_synthetic_model.py arguments, --n-layer apart).
+SHAPES = {
+    # Qwen3-30B-A3B: 128 experts of 768, 8 used; Q4_K experts and attention, Q6_K output (48 layers)
+    "qwen3-30b-a3b": ["--arch", "qwen3moe", "--n-embd", "2048", "--n-head", "32", "--n-head-kv", "4", "--head-dim",
+                      "128", "--experts", "128", "--experts-used", "8", "--n-ff-exp", "768", "--n-ff", "6144",
+                      "--type", "q4_k", "--output-type", "q6_k"],
+    # gpt-oss-20b as OpenAI ships it: 32 experts of 2880, 4 used, MXFP4 experts, Q8_0 elsewhere; 64/8 heads of
+    # 64, a window of 128 on even layers, YaRN (24 layers)
+    "gpt-oss-20b": ["--arch", "gpt-oss", "--n-embd", "2880", "--n-head", "64", "--n-head-kv", "8", "--head-dim", "64",
+                    "--experts", "32", "--experts-used", "4", "--n-ff-exp", "2880", "--n-ff", "2880", "--type", "q8_0",
+                    "--expert-type", "mxfp4", "--output-type", "q8_0", "--sliding-window", "128"],
+}
+
+
+def make_model(path: str, n_layer: int, alpha: float, tokenizer_from: str | None = None,
+               shape: str = "qwen3-30b-a3b") -> None:
+    cmd = [sys.executable, os.path.join(HERE, "make_synthetic_model.py"), "-o", path, *SHAPES[shape],
+           "--n-layer", str(n_layer), "--plant-experts", str(alpha), "--quiet"]
     if tokenizer_from:
         cmd += ["--tokenizer-from", tokenizer_from]
     log("writing " + path)
@@ -102,7 +118,9 @@ def prompt_tps(e, ids) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=None, help="the GGUF to run (written here in --shape when missing; default: "
+                    "a file per shape and layer count in the model cache's synthetic/)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--n-layer", type=int, default=2, help="layers of a model written here (Qwen3-30B-A3B has 48)")
     ap.add_argument("--plant-experts", type=float, default=1.0, help="popularity skew of a model written here")
     ap.add_argument("--threads", type=int, default=2)
@@ -111,8 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", choices=("decode", "prompt"), default=None)
     a = ap.parse_args(argv)
+    if a.model is None:
+        a.model = DEFAULT_MODEL if a.shape == "qwen3-30b-a3b" and a.n_layer == 2 else str(
+            harness.internal("models").cache_dir() / "synthetic" / f"{a.shape}-shape-{a.n_layer}l.gguf")
     if not os.path.exists(a.model):
-        make_model(a.model, a.n_layer, a.plant_experts)
+        make_model(a.model, a.n_layer, a.plant_experts, shape=a.shape)
 
     n_ctx = max(a.n_prompt, 16 + a.n_gen) + 16
     engines = [OptiML(a.model, n_ctx, a.threads), LlamaCpp(a.model, n_ctx, a.threads)]

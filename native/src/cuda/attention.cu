@@ -396,6 +396,13 @@ __device__ __forceinline__ void combine_splits(const float* part_ml, int splits,
         if (part_ml[2 * k + 1] > 0.0f) l += part_ml[2 * k + 1] * expf(part_ml[2 * k] - m);
 }
 
+// A head's sink logit joins the softmax's max m and sum l (gpt-oss): a position whose value is zero.
+__device__ __forceinline__ void add_sink(float sink, float& m, float& l) {
+    const float m_new = fmaxf(m, sink);
+    l = l * expf(m - m_new) + expf(sink - m_new);
+    m = m_new;
+}
+
 // The splits' partial outputs of one (token, head) added in split order, turned back by the values'
 // rotation (rot_v, 0: none) through `so`, and stored as the whole kernel stores its output.
 __device__ void add_splits(const float* part_o, int splits, int hd, int rot_v, float* so, size_t head, float* out,
@@ -496,11 +503,7 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         return;
     }
     if (phase == 2) combine_splits(part_ml, splits, m, l);
-    if (a.sinks) {  // the head's sink joins the max and the sum (once, after the splits are combined)
-        const float sink = a.sinks[h], m_new = fmaxf(m, sink);
-        l = l * expf(m - m_new) + expf(sink - m_new);
-        m = m_new;
-    }
+    if (a.sinks) add_sink(a.sinks[h], m, l);  // (once: after the splits are combined)
     const float inv = 1.0f / l;
 
     float o[kDimsPerThread];

@@ -87,6 +87,16 @@ OPTIML_HD int iq4nl_value(int i) {
     return (int8_t)(uint8_t)(((i < 8 ? lo : hi) >> (8 * (i & 7))) & 0xFF);
 }
 
+// MXFP4's doubled E2M1 values (kMxfp4Values), as iq4nl_value packs them: entries 0..7 then 8..15.
+OPTIML_HD int mxfp4_value(int i) {
+    const uint64_t lo = 0x0C08060403020100ull;
+    const uint64_t hi = 0xF4F8FAFCFDFEFF00ull;
+    return (int8_t)(uint8_t)(((i < 8 ? lo : hi) >> (8 * (i & 7))) & 0xFF);
+}
+
+// Half of an E8M0 scale (e8m0_to_fp32_half): 2^(e - 128), the denormals 2^-128 and 2^-127 for e < 2.
+OPTIML_HD float e8m0_half(uint8_t e) { return u32_as_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
+
 // 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes), as get_scale_min_k4.
 OPTIML_HD void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
     if (j < 4) {
@@ -326,6 +336,19 @@ struct QType<TYPE_IQ4_NL> {
     }
 };
 
+//   block_mxfp4 { uint8 e; uint8 qs[16]; }   17 bytes: codes index the doubled E2M1 table, nibbles as Q4_0's
+template <>
+struct QType<TYPE_MXFP4> {
+    static constexpr int block_size = 32;
+    static constexpr int block_bytes = 17;
+    OPTIML_HD static void dequant8(const uint8_t* blk, int j, float* out) {
+        const float d = e8m0_half(blk[0]);
+        const uint8_t* qs = blk + 1 + (j & 15);
+        const int shift = j < 16 ? 0 : 4;
+        for (int i = 0; i < 8; i++) out[i] = d * (float)mxfp4_value((qs[i] >> shift) & 0xF);
+    }
+};
+
 // Sub-block ib has a 6-bit scale (stored biased by 32): low 4 bits in scales_l, high 2 in scales_h.
 template <>
 struct QType<TYPE_IQ4_XS> {
@@ -364,7 +387,8 @@ struct QType<TYPE_IQ4_XS> {
     X(TYPE_Q5_K)                     \
     X(TYPE_Q6_K)                     \
     X(TYPE_IQ4_NL)                   \
-    X(TYPE_IQ4_XS)
+    X(TYPE_IQ4_XS)                   \
+    X(TYPE_MXFP4)
 
 // Elements per block (8 for F32/F16/BF16); 0 for a type without a decoder here.
 OPTIML_HD int block_size_of(int32_t type) {
