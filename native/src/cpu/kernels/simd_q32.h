@@ -150,10 +150,12 @@ inline void scales_rows8(const WBlock* const* a, int64_t i, __m256& d, __m256& m
     m = Q32<WBlock>::has_min ? _mm256_cvtph_ps(_mm_unpackhi_epi64(w03, w47)) : _mm256_setzero_ps();
 }
 
-// MXFP4's: the 8 rows' E8M0 bytes converted in the vector unit; no mins.
+// MXFP4's: the 8 rows' E8M0 bytes gathered into one word by the integer unit (the vector unit is the
+// kernel's bottleneck: inserting them lane by lane cost it a tenth), then converted; no mins.
 inline void scales_rows8(const block_mxfp4* const* a, int64_t i, __m256& d, __m256& m) {
-    d = e8m0_half_ps(_mm256_setr_epi32(a[0][i].e, a[1][i].e, a[2][i].e, a[3][i].e, a[4][i].e, a[5][i].e, a[6][i].e,
-                                       a[7][i].e));
+    uint64_t e = 0;
+    for (int r = 0; r < 8; r++) e |= (uint64_t)a[r][i].e << (8 * r);
+    d = e8m0_half_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e)));
     m = _mm256_setzero_ps();
 }
 
