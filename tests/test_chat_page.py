@@ -17,6 +17,7 @@ from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 import optiml  # noqa: E402
@@ -71,8 +72,14 @@ def open_page(browser, server):
 
 
 def wait_status(browser, pred, what, timeout=120):
-    WebDriverWait(browser, timeout).until(lambda b: pred(b.find_element(By.ID, "status").text), what)
+    until(browser, timeout, lambda b: pred(b.find_element(By.ID, "status").text), what)
     return browser.find_element(By.ID, "status").text
+
+
+def until(browser, timeout, pred, what=""):
+    """Waits for pred(browser); an element the page re-rendered while it was being read (a bubble that a
+    streamed message replaced) is a retry, not a failure."""
+    return WebDriverWait(browser, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(pred, what)
 
 
 def bubbles(browser):
@@ -92,7 +99,7 @@ def test_page_streams_the_greedy_answer_and_keeps_the_conversation(server, brows
     browser.refresh()
     set_field(browser, "api_key", KEY)
     browser.refresh()  # the key is kept: the model list is read with it
-    WebDriverWait(browser, 30).until(lambda b: "smollm2" in b.find_element(By.ID, "model").text)
+    until(browser, 30, lambda b: "smollm2" in b.find_element(By.ID, "model").text)
     set_field(browser, "system", SYSTEM)
     set_field(browser, "temperature", 0)
     set_field(browser, "max_tokens", 24)
@@ -110,7 +117,7 @@ def test_page_streams_the_greedy_answer_and_keeps_the_conversation(server, brows
     assert "Paris" in shown[1][1]
 
     browser.refresh()  # the conversation is kept in the browser
-    WebDriverWait(browser, 10).until(lambda b: len(bubbles(b)) == 2)
+    until(browser, 10, lambda b: len(bubbles(b)) == 2)
     assert bubbles(browser) == shown
 
     browser.find_element(By.ID, "clear").click()
@@ -124,7 +131,7 @@ def test_stop_ends_the_answer(server, browser):
     set_field(browser, "max_tokens", 400)
     browser.find_element(By.ID, "clear").click()
     ask(browser, "Write a long story about a lighthouse keeper.")
-    WebDriverWait(browser, 60).until(lambda b: len(bubbles(b)) == 2 and len(bubbles(b)[1][1]) > 20)
+    until(browser, 60, lambda b: len(bubbles(b)) == 2 and len(bubbles(b)[1][1]) > 20)
     browser.find_element(By.ID, "stop").click()
     wait_status(browser, lambda s: s == "stopped", "the stop")
     kept = bubbles(browser)[1][1]
@@ -138,7 +145,7 @@ def test_a_wrong_key_shows_the_servers_error(server, browser):
     set_field(browser, "api_key", "sk-wrong")
     browser.find_element(By.ID, "clear").click()
     ask(browser, "Hello")
-    WebDriverWait(browser, 30).until(lambda b: any(r == "error" for r, _ in bubbles(b)))
+    until(browser, 30, lambda b: any(r == "error" for r, _ in bubbles(b)))
     err = [t for r, t in bubbles(browser) if r == "error"][0]
     assert "key" in err.lower(), err
     assert [r for r, _ in bubbles(browser)] == ["user", "error"]
