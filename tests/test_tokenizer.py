@@ -291,6 +291,26 @@ def _bpe_kv(pre="gpt2", tokens=None, merges=None, types=None, **extra):
     return kv
 
 
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+def test_harmony_markers_render_and_end_generation(tmp_path):
+    """gpt-oss's vocabulary (harmony): <|return|> and <|call|> end generation, <|end|> only a message, and the
+    markers framing a message render as text in generated output (as llama.cpp renders them) so that the
+    reasoning and the answer can be told apart; a vocabulary without <|return|>/<|call|> is unchanged."""
+    tokens = ["a", "b", "ab", "Ġ", "Ġab", "<|endoftext|>", *HARMONY]
+    kv = _bpe_kv(tokens=tokens, types=[1] * 5 + [3] * 8, **{"tokenizer.ggml.eos_token_id": ("uint32", 10)})
+    tok = T.load(_write_gguf(tmp_path / "h.gguf", kv))
+    ids = {t: tokens.index(t) for t in HARMONY}
+    assert tok.is_eog(ids["<|return|>"]) and tok.is_eog(ids["<|call|>"]) and not tok.is_eog(ids["<|end|>"])
+    text = [ids["<|channel|>"], 2, ids["<|message|>"], 4, ids["<|end|>"], ids["<|start|>"], 0, ids["<|return|>"]]
+    assert tok.decode(text) == "<|channel|>ab<|message|> ab<|end|><|start|>a"
+    assert tok.decode([5, 2]) == "ab"  # other control tokens stay hidden
+    plain = T.load(_write_gguf(tmp_path / "p.gguf", _bpe_kv(tokens=tokens[:6] + HARMONY[:4],
+                                                              types=[1] * 5 + [3] * 5)))
+    assert plain.decode([6, 2, 7]) == "ab" and plain.is_eog(9)
+
+
 def test_crafted_bpe(tmp_path):
     tok = T.load(_write_gguf(tmp_path / "t.gguf", _bpe_kv()))
     assert tok.encode("ab ab") == [2, 4]

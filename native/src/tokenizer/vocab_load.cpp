@@ -276,7 +276,10 @@ void mark_end_of_generation(Vocab& v) {
     for (int32_t id : {fim[0], fim[1], fim[2], v.eos, v.eot, v.eom}) {
         if (id >= 0) v.eog[id] = 1;
     }
-    // gpt-oss: with <|return|> and <|call|> present, <|end|> only ends a message, not generation.
+    // gpt-oss (OpenAI's harmony format): with <|return|> and <|call|> present, <|end|> only ends a message, not
+    // generation; and the markers that frame its messages (<|start|>assistant<|channel|>final<|message|>...)
+    // are rendered like text, as llama.cpp renders them, so that what the model wrote can be split into its
+    // reasoning and its answer (optiml.engine.harmony) instead of losing the frame.
     {
         auto id_of = [&](const char* s) {
             auto it = v.text_to_id.find(s);
@@ -285,6 +288,10 @@ void mark_end_of_generation(Vocab& v) {
         int32_t ret = id_of("<|return|>"), call = id_of("<|call|>"), end = id_of("<|end|>");
         if (ret >= 0 && call >= 0 && end >= 0 && v.eog[ret] && v.eog[call] && v.eog[end] && end != v.eos) {
             v.eog[end] = 0;
+            for (const char* marker : {"<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"}) {
+                const int32_t id = id_of(marker);
+                if (id >= 0) v.type[id] = TOKEN_TYPE_USER_DEFINED;
+            }
         }
     }
 

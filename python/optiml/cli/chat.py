@@ -9,6 +9,7 @@ import sys
 from typing import Callable
 
 from ..engine.chat_template import ChatTemplateError
+from ..engine.harmony import HarmonySplitter, is_harmony
 from ..engine.sparsity import describe
 from ..util import jsonout
 from ..util.atomic import atomic_output
@@ -223,11 +224,29 @@ def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int |
         return
     pieces: list[str] = []
     gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
+    # gpt-oss (harmony): its reasoning shown dimmed on a terminal, only the answer kept for the next turn.
+    split = HarmonySplitter() if is_harmony(model.tokenizer) else None
+    dim = out.isatty() if hasattr(out, "isatty") else False
+
+    last = ["content"]
+
+    def show(parts):
+        for kind, text in parts:
+            if kind == "content":
+                if last[0] != "content":  # the answer on its own lines after the reasoning
+                    out.write("\n\n")
+                pieces.append(text)
+                out.write(text)
+            else:
+                out.write(f"\x1b[2m{text}\x1b[0m" if dim else text)
+            last[0] = kind
+        out.flush()
+
     try:
         for piece in gen:
-            pieces.append(piece)
-            out.write(piece)
-            out.flush()
+            show(split.feed(piece) if split else [("content", piece)])
+        if split:
+            show(split.flush())
     except KeyboardInterrupt:
         gen.close()
         say()

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from .._core import OptimlError
 from ..engine.chat_template import ChatTemplateError
+from ..engine.harmony import HarmonySplitter, is_harmony
 from ..engine.sampling import RANDOM_SEED, Sampler
 from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
@@ -65,6 +66,7 @@ class Server:
         self.model = model
         self.max_body = max_body
         self.tokenizer = model.tokenizer
+        self.harmony = is_harmony(self.tokenizer)  # gpt-oss: chat answers split into content and reasoning
         self.model_id = model_id or os.path.splitext(os.path.basename(model.path))[0]
         self.created = int(os.path.getmtime(model.path))
         self.api_key = api_key
@@ -227,6 +229,31 @@ async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
             return
 
 
+# Where a harmony piece goes in a chat message or delta (as llama.cpp's server puts gpt-oss's reasoning).
+_FIELD = {"content": "content", "reasoning": "reasoning_content"}
+
+
+def _assistant_message(text: str, harmony: bool) -> dict:
+    """The assistant's message for its generated text: a harmony model's final channel as the content and its
+    analysis channel as reasoning_content."""
+    if not harmony:
+        return {"role": "assistant", "content": text}
+    sp = HarmonySplitter()
+    parts = {"content": [], "reasoning": []}
+    for kind, t in sp.feed(text) + sp.flush():
+        parts[kind].append(t)
+    msg = {"role": "assistant", "content": "".join(parts["content"])}
+    if parts["reasoning"]:
+        msg["reasoning_content"] = "".join(parts["reasoning"])
+    return msg
+
+
+def _harmony_chunks(chunk, i: int, parts: list, logprobs=None) -> bytes:
+    """A chunk per harmony piece of choice i (content or reasoning_content), the logprobs with the first."""
+    return b"".join(chunk([{"index": i, "delta": {_FIELD[kind]: t}, "logprobs": logprobs if k == 0 else None,
+                            "finish_reason": None}]) for k, (kind, t) in enumerate(parts))
+
+
 async def generate(server: Server, request: Request, req: GenRequest, chat: bool):
     jobs, q = await server.submit(req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -262,7 +289,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         for j in jobs:
             i, text = j.index, "".join(texts[j.index])
             if chat:
-                c = {"index": i, "message": {"role": "assistant", "content": text},
+                c = {"index": i, "message": _assistant_message(text, server.harmony),
                      "logprobs": server.chat_logprobs(lps[i]) if req.logprobs else None}
             else:
                 c = {"index": i, "text": text,
@@ -297,6 +324,9 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         i, text = ev["index"], ev["text"]
         offset = offsets[i]
         offsets[i] += len(text)
+        if chat and server.harmony:  # reasoning and answer apart
+            lp = server.chat_logprobs(ev["logprobs"]) if req.logprobs else None
+            return _harmony_chunks(chunk, i, splitters[i].feed(text), lp)
         if not req.logprobs:
             return plain_delta(i, text)
         if chat:
@@ -309,12 +339,14 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
 
     def finish(ev) -> bytes:
         done[ev["index"]] = tag(ev)
+        rest = _harmony_chunks(chunk, ev["index"], splitters[ev["index"]].flush()) if chat and server.harmony else b""
         c = {"index": ev["index"], "finish_reason": ev["finish_reason"], "logprobs": None}
         c.update({"delta": {}} if chat else {"text": ""})
-        return chunk([c])
+        return rest + chunk([c])
 
     done = {}
     offsets = {j.index: 0 for j in jobs}
+    splitters = {j.index: HarmonySplitter() for j in jobs}
 
     async def stream():
         # Server-sent events as bytes (sse-starlette sends bytes as they are): one write per list of
