@@ -235,7 +235,7 @@ def test_long_prompt_many_tokens_per_expert(tmp_path):
 # for a token whose k-th and (k+1)-th experts are within rounding of each other is a coin toss for any engine.
 @pytest.mark.parametrize("arch,qtype,seed", [("qwen3moe", "q8_0", 5), ("qwen3moe", "q4_k", 7), ("qwen3moe", "q6_k", 5),
                                              ("qwen3moe", "mxfp4", 8),
-                                             ("gpt-oss", "q8_0", 7), ("gpt-oss", "q4_k", 7)])
+                                             ("gpt-oss", "q8_0", 7), ("gpt-oss", "q4_k", 7), ("gpt-oss", "mxfp4", 10)])
 def test_quantized_experts(tmp_path, arch, qtype, seed):
     """Quantized experts (and attention): KLD against the float64 pass on the dequantized weights within
     10% of llama.cpp's, and teacher-forced greedy agreement with llama.cpp away from near-ties. (gpt-oss: a
