@@ -249,7 +249,10 @@ def _assistant_message(text: str, harmony: bool) -> dict:
 
 
 def _harmony_chunks(chunk, i: int, parts: list, logprobs=None) -> bytes:
-    """A chunk per harmony piece of choice i (content or reasoning_content), the logprobs with the first."""
+    """A chunk per harmony piece of choice i (content or reasoning_content), the logprobs with the first (or
+    on an empty delta when the token was all frame, so that every token's logprobs arrive once)."""
+    if not parts and logprobs is not None:
+        parts = [("content", "")]
     return b"".join(chunk([{"index": i, "delta": {_FIELD[kind]: t}, "logprobs": logprobs if k == 0 else None,
                             "finish_reason": None}]) for k, (kind, t) in enumerate(parts))
 
