@@ -212,6 +212,12 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
             say(f"[error: {e}]")
 
 
+def _can_dim(out) -> bool:
+    """Whether `out` takes ANSI dimming: a terminal, not TERM=dumb, and no NO_COLOR (no-color.org)."""
+    tty = out.isatty() if hasattr(out, "isatty") else False
+    return tty and os.environ.get("TERM", "") != "dumb" and not os.environ.get("NO_COLOR")
+
+
 def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int | None, sampling: dict) -> None:
     """One turn: the conversation (its last message the user's) fitted to the context and answered,
     streaming; the answer is appended. ChatTemplateError when the template fails on the conversation."""
@@ -226,7 +232,7 @@ def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int |
     gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
     # gpt-oss (harmony): its reasoning shown dimmed on a terminal, only the answer kept for the next turn.
     split = HarmonySplitter() if is_harmony(model.tokenizer) else None
-    dim = out.isatty() if hasattr(out, "isatty") else False
+    dim = _can_dim(out)
 
     last = ["content"]
 
