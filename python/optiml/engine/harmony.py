@@ -95,3 +95,12 @@ class HarmonySplitter:
                 self._kind = "content"
         else:  # <|end|>, <|return|>, <|call|>: the message is over; stray text until the next one is dropped
             self._header, self._kind = None, None
+
+
+def split(text: str) -> tuple[str, str]:
+    """(reasoning, content) of a whole answer: what the chat route and Model.chat's callers need."""
+    sp = HarmonySplitter()
+    got = {"reasoning": "", "content": ""}
+    for kind, t in sp.feed(text) + sp.flush():
+        got[kind] += t
+    return got["reasoning"], got["content"]

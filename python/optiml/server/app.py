@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from .._core import OptimlError
 from ..engine.chat_template import ChatTemplateError
-from ..engine.harmony import HarmonySplitter, is_harmony
+from ..engine.harmony import HarmonySplitter, is_harmony, split as split_harmony
 from ..engine.sampling import RANDOM_SEED, Sampler
 from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
@@ -238,13 +238,10 @@ def _assistant_message(text: str, harmony: bool) -> dict:
     analysis channel as reasoning_content."""
     if not harmony:
         return {"role": "assistant", "content": text}
-    sp = HarmonySplitter()
-    parts = {"content": [], "reasoning": []}
-    for kind, t in sp.feed(text) + sp.flush():
-        parts[kind].append(t)
-    msg = {"role": "assistant", "content": "".join(parts["content"])}
-    if parts["reasoning"]:
-        msg["reasoning_content"] = "".join(parts["reasoning"])
+    reasoning, content = split_harmony(text)
+    msg = {"role": "assistant", "content": content}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
     return msg
 
 

@@ -1,0 +1,148 @@
+"""optiml serve with a gpt-oss (harmony) model: /v1/chat/completions splits the answer into
+message.reasoning_content (analysis channel) and message.content (final channel), as llama.cpp's server
+does; /v1/completions and other models pass the text through. The model is a stub: its pipeline replays
+a scripted generation in the chunks given, so only the server's shaping is under test (the splitter is
+tests/test_harmony.py's, the markers' rendering tests/test_tokenizer.py's)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("sse_starlette")
+httpx = pytest.importorskip("httpx")
+
+from conftest import live_server  # noqa: E402
+from optiml.engine import harmony  # noqa: E402
+from optiml.server import Server  # noqa: E402
+from optiml.server.metrics import Metrics  # noqa: E402
+
+ANALYSIS, FINAL = "The user greets. Respond.", "Hello! How can I help?"
+# The text as the detokenizer streams it, markers cut between deltas.
+CHUNKS = ["<|chan", "nel|>analysis<|message|>The user", " greets. Respond.<|end|><|start|>assistant<|",
+          "channel|>final<|message|>Hello!", " How can I help?"]
+
+
+class StubTokenizer:
+    add_bos, bos_id = False, -1
+
+    def __init__(self, is_harmony: bool):
+        self.is_harmony = is_harmony
+
+    def token_id(self, text):
+        return 7 if self.is_harmony else -1
+
+    def encode(self, text, add_special=True, parse_special=False):
+        return [1, 2, 3]
+
+    def token_to_piece(self, tok, render_special=False):
+        return b"t"
+
+
+class StubTemplate:
+    stop = []
+
+    def render(self, messages, add_generation_prompt=True):
+        return "prompt"
+
+
+class StubModel:
+    n_vocab, n_ctx = 100, 512
+    chat_template = StubTemplate()
+
+
+class StubPipeline:
+    n_parallel = 1
+
+    def submit(self, jobs):
+        for j in jobs:
+            for text in CHUNKS:
+                lps = [(5, -0.5, [])] if j.top_logprobs >= 0 else []
+                j.sink({"type": "delta", "index": j.index, "text": text, "logprobs": lps})
+            j.sink({"type": "done", "index": j.index, "finish_reason": "stop", "prompt_tokens": 3,
+                    "completion_tokens": len(CHUNKS), "cached_tokens": 0})
+
+    def cancel(self, jobs):
+        pass
+
+    def start(self):
+        pass
+
+    stop = start
+
+
+class StubServer(Server):
+    # Server.__init__ wants a loaded model and starts a real pipeline: only the fields the routes read are set.
+    def __init__(self, is_harmony: bool):
+        self.model, self.tokenizer = StubModel(), StubTokenizer(is_harmony)
+        self.model_id, self.created, self.api_key, self.max_body = "stub", 0, None, 1 << 20
+        self.metrics, self.pipeline, self._grammars = Metrics(), StubPipeline(), None
+        self.harmony = harmony.is_harmony(self.tokenizer)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["harmony", "other"])
+def server(request):
+    with live_server(StubServer(request.param)) as srv:
+        yield srv
+
+
+def post(server, path, **body):
+    return httpx.post(server.url + path, json=dict(model="stub", **body), timeout=60)
+
+
+def stream(server, path, **body):
+    """The data of each server-sent event, parsed."""
+    with httpx.stream("POST", server.url + path, json=dict(model="stub", stream=True, **body), timeout=60) as r:
+        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def test_chat(server):
+    msg = post(server, "/v1/chat/completions", messages=MSGS).json()["choices"][0]["message"]
+    if server.harmony:
+        assert msg == {"role": "assistant", "content": FINAL, "reasoning_content": ANALYSIS}
+    else:
+        assert msg == {"role": "assistant", "content": "".join(CHUNKS)}
+
+
+def test_chat_stream(server):
+    deltas = [c["choices"][0]["delta"] for c in stream(server, "/v1/chat/completions", messages=MSGS)]
+    content = "".join(d.get("content") or "" for d in deltas)
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    if server.harmony:
+        assert (reasoning, content) == (ANALYSIS, FINAL)
+        assert not any("<|" in v for d in deltas for v in d.values())  # no marker, whole or cut
+    else:
+        assert (reasoning, content) == ("", "".join(CHUNKS))
+
+
+def test_chat_stream_logprobs(server):
+    # Every token's logprob arrives once, even a delta that was all frame (an empty delta carries it).
+    chunks = stream(server, "/v1/chat/completions", messages=MSGS, logprobs=True)
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+    assert sum(len(lp["content"]) for lp in lps) == len(CHUNKS)
+
+
+def test_completions_unchanged(server):
+    assert post(server, "/v1/completions", prompt="Hi").json()["choices"][0]["text"] == "".join(CHUNKS)
+    texts = [c["choices"][0]["text"] for c in stream(server, "/v1/completions", prompt="Hi")]
+    assert "".join(texts) == "".join(CHUNKS)
+
+
+def test_official_client(server):
+    # The OpenAI client keeps fields it does not know (reasoning_content) in model_extra.
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    msg = client.chat.completions.create(model="stub", messages=MSGS).choices[0].message
+    content, reasoning = [], []
+    for c in client.chat.completions.create(model="stub", messages=MSGS, stream=True):
+        for ch in c.choices:
+            content.append(ch.delta.content or "")
+            reasoning.append((ch.delta.model_extra or {}).get("reasoning_content") or "")
+    want = (FINAL, ANALYSIS) if server.harmony else ("".join(CHUNKS), None)
+    assert (msg.content, (msg.model_extra or {}).get("reasoning_content")) == want
+    assert ("".join(content), "".join(reasoning) or None) == want
