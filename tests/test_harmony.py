@@ -29,6 +29,17 @@ def split(chunks):
                                                                   "content": ""}),
     ("No frame at all: <| and <|chan are text.", {"reasoning": "", "content": "No frame at all: <| and <|chan are text."}),
     (TOOL, {"reasoning": "Need the weather.", "content": ""}),
+    # The recipient may come in the role instead (gpt-oss's template writes tool calls that way).
+    ("<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.f<|channel|>commentary json"
+     "<|message|>{}", {"reasoning": "Call it.", "content": ""}),
+    # A commentary preamble addressed to nobody is for the user; stray text between messages is dropped.
+    ("<|channel|>commentary<|message|>Checking.<|end|> stray <|start|>assistant<|channel|>final<|message|>Done.",
+     {"reasoning": "", "content": "Checking.Done."}),
+    # Reasoning only, its message closed (the answer never came: max_tokens right after <|end|>).
+    ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>analysis<|message|>B.<|end|>",
+     {"reasoning": "A.B.", "content": ""}),
+    # A max_tokens cut inside the header: nothing of the header shows.
+    ("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>fin", {"reasoning": "Hm.", "content": ""}),
 ])
 def test_every_split_point_gives_the_same_pieces(text, want):
     whole, _ = split([text])
@@ -36,6 +47,40 @@ def test_every_split_point_gives_the_same_pieces(text, want):
     for i in range(len(text) + 1):  # a marker cut anywhere
         assert split([text[:i], text[i:]])[0] == want, i
     assert split(list(text))[0] == want  # a character at a time
+    for i in range(len(text)):  # a character on its own between two chunks
+        assert split([text[:i], text[i], text[i + 1:]])[0] == want, i
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("text,want,calls", [
+    (ANSWER + " :)", {"reasoning": "The user greets. Respond <|kindly|>.", "content": "Hello! How can I help? :)"}, []),
+    (TOOL, {"reasoning": "Need the weather.", "content": ""},
+     [("assistant commentary to=functions.get_weather  <|constrain|>json", '{"city": "Paris"}')]),
+], ids=["answer", "tool"])
+def test_random_chunks(seed, text, want, calls):
+    """A transcript cut at random places, as a detokenizer holding back incomplete UTF-8 or a possible stop
+    string might deliver it: the same pieces and tool calls. (<|return|> and <|call|> are never in the text:
+    they end generation and are not rendered.)"""
+    import random
+
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 40)))
+    got, sp = split([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    assert got == want and sp.tool_calls == calls
+
+
+def test_split_whole_answer():
+    from optiml.engine.harmony import split as split_answer
+
+    assert split_answer(ANSWER) == ("The user greets. Respond <|kindly|>.", "Hello! How can I help?")
+    assert split_answer("No frame.") == ("", "No frame.")
+
+
+def test_pieces_carry_no_frame():
+    sp = HarmonySplitter()
+    pieces = [p for c in ANSWER for p in sp.feed(c)] + sp.flush()
+    assert all(t and "<|channel|>" not in t and "<|message|>" not in t for _, t in pieces)
+    assert "analysis" not in "".join(t for _, t in pieces) and "assistant" not in "".join(t for _, t in pieces)
 
 
 def test_tool_calls_are_kept_apart():

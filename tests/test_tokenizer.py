@@ -305,6 +305,10 @@ def test_harmony_markers_render_and_end_generation(tmp_path):
     assert tok.is_eog(ids["<|return|>"]) and tok.is_eog(ids["<|call|>"]) and not tok.is_eog(ids["<|end|>"])
     text = [ids["<|channel|>"], 2, ids["<|message|>"], 4, ids["<|end|>"], ids["<|start|>"], 0, ids["<|return|>"]]
     assert tok.decode(text) == "<|channel|>ab<|message|> ab<|end|><|start|>a"
+    d = tok.detokenizer()  # what generation streams (Generator and the server's output stage use it)
+    assert [d.push(i) for i in text] + [d.flush()] == ["<|channel|>", "ab", "<|message|>", " ab", "<|end|>",
+                                                       "<|start|>", "a", "", ""]
+    assert not tok.is_control(ids["<|channel|>"]) and tok.is_control(ids["<|return|>"])
     assert tok.decode([5, 2]) == "ab"  # other control tokens stay hidden
     plain = T.load(_write_gguf(tmp_path / "p.gguf", _bpe_kv(tokens=tokens[:6] + HARMONY[:4],
                                                               types=[1] * 5 + [3] * 5)))
