@@ -21,6 +21,7 @@
 #include "optiml/matmul.h"
 #include "optiml/plan.h"
 #include "optiml/recorder.h"
+#include "optiml/rope_yarn.h"
 #include "optiml/sparse.h"
 #include "optiml/threadpool.h"
 
@@ -96,6 +97,13 @@ struct HParams {
     MoEGating expert_gating = MOE_GATING_SOFTMAX;
 
     bool is_swa(int il) const { return !swa_layer.empty() && swa_layer[il]; }
+    float rope_base(int il) const { return is_swa(il) ? rope_freq_base_swa : rope_freq_base; }
+    float rope_scale(int il) const { return is_swa(il) ? rope_freq_scale_swa : rope_freq_scale; }
+    // Layer il's YaRN ramp and cos/sin factor (no YaRN: no ramp, factor 1).
+    RopeYarnRange rope_yarn(int il) const {
+        return rope_yarn_range(n_rot, rope_base(il), rope_scale(il), yarn_ext_factor, yarn_attn_factor, yarn_beta_fast,
+                               yarn_beta_slow, n_ctx_orig_yarn);
+    }
     bool is_moe() const { return n_expert > 0; }
 
     int32_t n_embd_q() const { return n_head * head_dim; }

@@ -9,6 +9,7 @@
 namespace optiml {
 
 struct RopeYarnRange {
+    float ext_factor = 0.0f;        // 0: no YaRN (mscale may still scale cos and sin)
     float low = 0.0f, high = 0.0f;  // pairs below low extrapolate, above high interpolate, a ramp between
     float mscale = 1.0f;            // cos and sin are multiplied by it
 };
@@ -18,6 +19,7 @@ struct RopeYarnRange {
 inline RopeYarnRange rope_yarn_range(int64_t n_rot, float base, float freq_scale, float ext_factor, float attn_factor,
                                      float beta_fast, float beta_slow, int32_t n_ctx_orig) {
     RopeYarnRange r;
+    r.ext_factor = ext_factor;
     r.mscale = attn_factor;
     if (ext_factor == 0.0f) return r;
     // The dimension whose rotation turns `turns` times over the original context.

@@ -35,7 +35,6 @@
 #include "optiml/kernels.h"
 #include "optiml/model.h"
 #include "optiml/moe_route.h"
-#include "optiml/rope_yarn.h"
 
 namespace optiml {
 
@@ -839,15 +838,13 @@ private:
         a.head_dim = hp.head_dim;
         a.n_rot = hp.n_rot;
         a.neox = hp.rope_type == ROPE_NEOX;
-        a.rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
-        a.rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
+        a.rope_base = hp.rope_base(layer);
+        a.rope_scale = hp.rope_scale(layer);
         a.q_scale = hp.attn_q_scale;
         a.kq_scale = hp.attn_kq_scale;
         a.rms_eps = hp.rms_eps;
-        const RopeYarnRange yarn = rope_yarn_range(hp.n_rot, a.rope_base, a.rope_scale, hp.yarn_ext_factor,
-                                                   hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow,
-                                                   hp.n_ctx_orig_yarn);
-        a.yarn_ext = hp.yarn_ext_factor;
+        const RopeYarnRange yarn = hp.rope_yarn(layer);
+        a.yarn_ext = yarn.ext_factor;
         a.yarn_low = yarn.low;
         a.yarn_high = yarn.high;
         a.rope_mscale = yarn.mscale;

@@ -56,10 +56,8 @@ void rope_and_store_kv(ThreadPool& pool, const KernelTable& kt, const HParams& h
     const int64_t rot_k = kv_rotation_block(kv.type, hd, false), rot_v = kv_rotation_block(kv.v_type, hd, true);
     const float* freq_factors = rope_freqs.present() ? (const float*)rope_freqs.data : nullptr;
     const bool neox = hp.rope_type == ROPE_NEOX;
-    const bool swa = hp.is_swa(il);
-    const float rope_base = swa ? hp.rope_freq_base_swa : hp.rope_freq_base;
-    const float rope_scale = swa ? hp.rope_freq_scale_swa : hp.rope_freq_scale;
-    const RopeYarn yarn{hp.yarn_ext_factor, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow, hp.n_ctx_orig_yarn};
+    const float rope_base = hp.rope_base(il), rope_scale = hp.rope_scale(il);
+    const RopeYarnRange yarn = hp.rope_yarn(il);  // (once per layer, not per token)
     const float* q_norm = L.q_norm.present() ? (const float*)L.q_norm.data : nullptr;
     const float* k_norm = L.k_norm.present() ? (const float*)L.k_norm.data : nullptr;
     auto prepare = [&](int64_t t) {

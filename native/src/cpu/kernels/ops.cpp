@@ -21,19 +21,17 @@ void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) 
 }
 
 void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
-                  float* cos, float* sin, const RopeYarn& yarn) {
+                  float* cos, float* sin, const RopeYarnRange& yarn) {
     // Float, with the angle advanced by one multiplication per pair, exactly as ggml computes it:
     // activations are quantized to 8 bits downstream, so even last-bit differences here can change
     // which token wins a close call, and matching llama.cpp's text is the goal.
     const float theta_scale = std::pow(freq_base, -2.0f / (float)n_rot);
-    const RopeYarnRange r = rope_yarn_range(n_rot, freq_base, freq_scale, yarn.ext_factor, yarn.attn_factor,
-                                            yarn.beta_fast, yarn.beta_slow, yarn.n_ctx_orig);
     float theta = (float)pos;
     for (int64_t i = 0; i < n_rot / 2; i++) {
         const float extrap = freq_factors ? theta / freq_factors[i] : theta;
-        const float t = rope_yarn_angle(extrap, freq_scale, i, yarn.ext_factor, r.low, r.high);
-        cos[i] = std::cos(t) * r.mscale;
-        sin[i] = std::sin(t) * r.mscale;
+        const float t = rope_yarn_angle(extrap, freq_scale, i, yarn.ext_factor, yarn.low, yarn.high);
+        cos[i] = std::cos(t) * yarn.mscale;
+        sin[i] = std::sin(t) * yarn.mscale;
         theta *= theta_scale;
     }
 }

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "optiml/rope_yarn.h"
+
 namespace optiml {
 
 // out = x / sqrt(mean(x^2) + eps) * w (w may be null: no scale). out may alias x.
@@ -13,17 +15,11 @@ void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps);
 // (i, i + n_rot/2) (NeoX, Qwen2). cos/sin hold n_rot/2 values for this position.
 void rope(float* x, int64_t n_rot, const float* cos, const float* sin, bool neox);
 
-// YaRN's parameters (HParams::yarn_*): ext_factor 0 turns it off.
-struct RopeYarn {
-    float ext_factor = 0.0f, attn_factor = 1.0f, beta_fast = 32.0f, beta_slow = 1.0f;
-    int32_t n_ctx_orig = 0;
-};
-
-// cos/sin of pos * freq_scale * base^(-2i/n_rot) / freq_factor[i] (freq_factors may be null); with YaRN,
-// ggml's rope_yarn: each angle blended with the unscaled one by the ramp between the correction
-// dimensions, and cos/sin times attn_factor * (1 + 0.1 ln(1 / freq_scale)).
+// cos/sin of pos * freq_scale * base^(-2i/n_rot) / freq_factor[i] (freq_factors may be null); with YaRN
+// (yarn: the layer's range, HParams::rope_yarn), ggml's rope_yarn: each angle blended with the unscaled one
+// by the ramp between the correction dimensions, and cos/sin times yarn.mscale.
 void rope_cos_sin(int64_t pos, int64_t n_rot, float freq_base, float freq_scale, const float* freq_factors,
-                  float* cos, float* sin, const RopeYarn& yarn = RopeYarn());
+                  float* cos, float* sin, const RopeYarnRange& yarn = RopeYarnRange());
 
 // gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in float, as ggml_gelu_f32 writes it.
 float gelu_tanh(float x);
