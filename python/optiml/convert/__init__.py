@@ -63,7 +63,7 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"{hf_dir}: not a folder (a Hugging Face model folder is expected)")
     cfg = hf_config.load_config(hf_dir)
-    vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe"))
+    vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe", "gpt-oss"))
     if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
         vocab.setdefault("add_bos", True)
         if vocab["model"] == "llama":
@@ -72,13 +72,16 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     with Checkpoint(hf_dir) as ckpt:
         plan = hf_config.tensor_plan(cfg, set(ckpt.entries))
         for p in plan:  # everything is checked before the output is created
-            for src in p.sources:
+            for src, shape in p.expected:
                 e = ckpt.entries.get(src)
                 if e is None:
                     raise ConvertError(f"{hf_dir}: tensor {src} is missing from the checkpoint")
-                if tuple(e.shape) != tuple(p.shape):
+                if tuple(e.shape) != tuple(shape):
                     raise ConvertError(f"{e.file.path}: tensor {src} has shape {list(e.shape)}, config.json "
-                                       f"implies {list(p.shape)}")
+                                       f"implies {list(shape)}")
+                if (e.dtype == "U8") != (p.raw is not None):
+                    raise ConvertError(f"{e.file.path}: tensor {src} is {e.dtype}, "
+                                       f"{'bytes (U8)' if p.raw is not None else 'a float type'} expected")
         has_output = any(p.name == "output.weight" for p in plan)
 
         def compute(p):
@@ -88,6 +91,8 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
                     for i, src in enumerate(p.parts):
                         x[i] = ckpt.entries[src].load()
                     return x
+                if p.build:
+                    return p.build([ckpt.entries[src].load() for src in p.sources])
                 e = ckpt.entries[p.source]
                 x = e.load()
                 if p.add_one:
@@ -96,8 +101,8 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
                 return x.reshape(p.gguf_shape)
             return run
 
-        tensors = [(p.name, p.gguf_shape, quant_mix.tensor_type(p.name, p.gguf_shape, ot, cfg.n_layer, has_output,
-                                                                cfg.n_expert), compute(p))
+        tensors = [(p.name, p.gguf_shape, gguf.GGMLQuantizationType(p.raw) if p.raw is not None else
+                    quant_mix.tensor_type(p.name, p.gguf_shape, ot, cfg.n_layer, has_output, cfg.n_expert), compute(p))
                    for p in plan]
         if cfg.rope_scaling["rope_type"] == "llama3":
             factors = hf_config.llama3_rope_factors(cfg)

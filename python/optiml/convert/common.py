@@ -4,6 +4,7 @@ and the record of one output tensor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import ConvertError
 
@@ -27,7 +28,10 @@ class TensorPlan:
     (1 + w), stored as 1 + w (computed in the checkpoint's precision, as llama.cpp does).
     parts: a mixture of experts' per-expert HF tensors (each of `shape`; source is the first), stacked
     along a new first axis into one 3-D tensor as llama.cpp stacks them; out_shape: the GGUF tensor's
-    shape (numpy order) where it is not the HF one (a [1, n] gate written as [n])."""
+    shape (numpy order) where it is not the HF one (a [1, n] gate written as [n]).
+    build: computes the GGUF tensor from the loaded source and `inputs` (more HF tensors, as (name, shape)
+    pairs), in that order: gpt-oss's fused and MXFP4 experts. raw: the ggml type id of the bytes build
+    returns (copied as they are, the sources then uint8), where build does not return float32 values."""
     name: str
     source: str
     shape: tuple
@@ -35,10 +39,18 @@ class TensorPlan:
     add_one: bool = False
     parts: tuple = ()
     out_shape: tuple | None = None
+    inputs: tuple = ()
+    build: Callable | None = None
+    raw: int | None = None
 
     @property
     def sources(self) -> tuple:
-        return self.parts or (self.source,)
+        return self.parts or (self.source,) + tuple(n for n, _ in self.inputs)
+
+    @property
+    def expected(self) -> tuple:
+        """(HF name, shape) of every tensor this one is made from."""
+        return tuple((s, self.shape) for s in self.parts or (self.source,)) + tuple(self.inputs)
 
     @property
     def gguf_shape(self) -> tuple:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import moe
+from . import gpt_oss, moe
 from .common import TensorPlan
 from .common import get_value as _get
 from .errors import ConvertError
@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("llama", True),
     "Qwen2MoeForCausalLM": ("qwen2moe", False),
     "Qwen3MoeForCausalLM": ("qwen3moe", False),
+    "GptOssForCausalLM": ("gpt-oss", False),  # gpt_oss.py; NeoX rotation
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
 
@@ -50,7 +51,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     raw: dict = field(default_factory=dict)
     # Gemma 3: sliding window, its layer period (every period-th layer global), the local RoPE base,
-    # final logit soft-capping (0 = none).
+    # final logit soft-capping (0 = none). gpt-oss: the window of its even layers.
     n_swa: int = 0
     swa_period: int = 6
     rope_theta_swa: float = 10000.0
@@ -110,8 +111,6 @@ def load_config(folder: str) -> ModelConfig:
         if act not in ("silu", "swish", "relu"):
             raise ConvertError(f"{path}: hidden_act {act!r} is not supported (silu, relu)")
     n_ctx = int(cfg.get("max_position_embeddings") or 2048)
-    if hf_arch in moe.ARCHITECTURES:
-        extra = dict(moe.read_config(cfg, path, hf_arch, n_ctx), explicit_head_dim=cfg.get("head_dim") is not None)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
     # Gemma 3's rope_parameters has one entry per layer type: the global layers' is the main one.
@@ -121,9 +120,15 @@ def load_config(folder: str) -> ModelConfig:
     rope.update(cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ConvertError(f"{path}: rope scaling {rope_type!r} is not supported (default, linear, llama3)")
     rope["rope_type"] = rope_type
+    if hf_arch in moe.ARCHITECTURES:
+        extra = dict(moe.read_config(cfg, path, hf_arch, n_ctx), explicit_head_dim=cfg.get("head_dim") is not None)
+    elif hf_arch == gpt_oss.GPT_OSS:
+        extra = dict(gpt_oss.read_config(cfg, path, rope), explicit_head_dim=cfg.get("head_dim") is not None)
+        rope_type = "default"  # (checked there: YaRN)
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConvertError(f"{path}: rope scaling {rope_type!r} is not supported (default, linear, llama3; "
+                           "yarn for gpt-oss)")
 
     return ModelConfig(
         hf_arch=hf_arch, arch=arch, permute_qk=permute,
@@ -187,6 +192,8 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
         kv += [("u32", f"{a}.vocab_size", c.n_vocab), ("u32", f"{a}.rope.dimension_count", c.head_dim)]
     if c.head_dim != c.n_embd // c.n_head or a == "gemma3" or c.explicit_head_dim:
         kv += [("u32", f"{a}.attention.key_length", c.head_dim), ("u32", f"{a}.attention.value_length", c.head_dim)]
+    if c.arch == "gpt-oss":
+        kv += gpt_oss.yarn_kv(c) + [("u32", f"{a}.attention.sliding_window", c.n_swa)]
     if c.rope_scaling["rope_type"] == "linear":
         kv += [("str", f"{a}.rope.scaling.type", "linear"),
                ("f32", f"{a}.rope.scaling.factor", float(c.rope_scaling["factor"]))]
@@ -252,6 +259,11 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
         plan.append(TensorPlan(b + "attn_output.weight", p + "self_attn.o_proj.weight", (c.n_embd, q)))
         if p + "self_attn.o_proj.bias" in available:
             plan.append(TensorPlan(b + "attn_output.bias", p + "self_attn.o_proj.bias", (c.n_embd,)))
+        if c.arch == "gpt-oss":  # a sink logit per head; llama.cpp names the FFN's norm post_attention_norm
+            plan += [TensorPlan(b + "attn_sinks.weight", p + "self_attn.sinks", (c.n_head,)),
+                     TensorPlan(b + "post_attention_norm.weight", p + "post_attention_layernorm.weight", (c.n_embd,))]
+            plan += gpt_oss.ffn_plan(c, i, available)
+            continue
         plan.append(TensorPlan(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", (c.n_embd,)))
         if c.n_expert:
             plan += moe.ffn_plan(c, i, available)

@@ -23,6 +23,11 @@ LLAMA3_HF_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_HF_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# OpenAI's o200k (gpt-4o, gpt-oss): words split at case changes, a contraction ends a word, "/" after a line break.
+_O200K_WORD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_HF_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _O200K_WORD +
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _O200K_WORD +
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # ... and as llama.cpp runs them: the same, with the case-insensitive group spelled out (its regex
 # engine has no (?i:...)).
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -44,6 +49,9 @@ PRE_TOKENIZERS = (
                  "SmolLM/StarCoder (each digit alone, then GPT-2's split)"),
     PreTokenizer("llama-bpe", (("Split", LLAMA3_HF_RE), ("ByteLevel", "bytes")), (LLAMA3_RE,), "Llama 3"),
     PreTokenizer("qwen2", (("Split", QWEN2_HF_RE), ("ByteLevel", "bytes")), (QWEN2_RE,), "Qwen2"),
+    # llama.cpp runs o200k with ASCII stand-ins for the letter classes (its std::regex has no \p{Lu});
+    # OptiML's pre-tokenizer runs the classes themselves, as tokenizer.json does.
+    PreTokenizer("gpt-4o", (("Split", GPT4O_HF_RE), ("ByteLevel", "bytes")), (GPT4O_HF_RE,), "OpenAI o200k"),
 )
 BY_NAME = {p.name: p for p in PRE_TOKENIZERS}
 

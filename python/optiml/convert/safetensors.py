@@ -18,11 +18,12 @@ import numpy as np
 from .errors import ConvertError
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element). BF16 is kept as uint16
-# and widened to float32 on read.
+# and widened to float32 on read; U8 (gpt-oss's MXFP4 blocks and scales) is read as bytes.
 _DTYPES = {
     "F32": (np.dtype("<f4"), 4),
     "F16": (np.dtype("<f2"), 2),
     "BF16": (np.dtype("<u2"), 2),
+    "U8": (np.dtype("u1"), 1),
 }
 _MAX_HEADER = 100 << 20  # the reference implementation's limit
 _CHUNK = 8 << 20  # bytes copied out of the map at a time
@@ -31,14 +32,14 @@ _CHUNK = 8 << 20  # bytes copied out of the map at a time
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
-    dtype: str  # "F32" | "F16" | "BF16"
+    dtype: str  # "F32" | "F16" | "BF16" | "U8"
     shape: tuple
     begin: int  # absolute offsets in the file
     end: int
     file: "SafetensorsFile"
 
     def load(self) -> np.ndarray:
-        """The tensor as float32 (a fresh array; the map is only read)."""
+        """The tensor as float32, U8 as uint8 (a fresh array; the map is only read)."""
         return self.file.read(self)
 
 
@@ -98,7 +99,7 @@ class SafetensorsFile:
 
     def read(self, e: TensorEntry) -> np.ndarray:
         np_dtype = _DTYPES[e.dtype][0]
-        out = np.empty(e.shape, np.float32)
+        out = np.empty(e.shape, np.uint8 if e.dtype == "U8" else np.float32)
         if e.end == e.begin:
             return out
         flat = out.reshape(-1)

@@ -23,7 +23,10 @@ def tensor_nbytes(shape: tuple, t: gguf.GGMLQuantizationType) -> int:
 
 
 def encode(x: np.ndarray, t: gguf.GGMLQuantizationType) -> np.ndarray:
-    """float32 values as the bytes of type t (native, multithreaded quantizers)."""
+    """float32 values as the bytes of type t (native, multithreaded quantizers); bytes (uint8) already
+    of type t as they are."""
+    if x.dtype == np.uint8:
+        return x
     if t == gguf.GGMLQuantizationType.F32:
         return np.ascontiguousarray(x, dtype=np.float32)
     return quant.quantize(x, int(t))
