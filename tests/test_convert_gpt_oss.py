@@ -320,3 +320,23 @@ def test_mxfp4_blocks_of_a_float_type_are_refused(tmp_path, o200k_tokenizer):
     save_file(t, os.path.join(d, "model.safetensors"))
     with pytest.raises(ConvertError, match="down_proj_scales is F32, bytes \\(U8\\) expected"):
         convert(d, tmp_path / "m.gguf", type="f16")
+
+
+def test_released_config_form_converts_alike(tiny, tmp_path):
+    """The released config.json spells RoPE as transformers 4 did (rope_theta beside rope_scaling) and
+    carries a quantization_config: the same file comes out as from transformers 5's rope_parameters."""
+    _, src = tiny
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in os.listdir(src):
+        if f != "config.json":
+            os.symlink(src / f, d / f)
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    a = convert(src, tmp_path / "a.gguf", type="f16", name="x")
+    b = convert(d, tmp_path / "b.gguf", type="f16", name="x")
+    assert open(a, "rb").read() == open(b, "rb").read()
