@@ -176,6 +176,37 @@ def test_placement_with_stored_neuron_order(tiny, tmp_path):
     assert mean_kld(ref, got) < 1e-4
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_ffn_splits_give_the_cpus_bits(request, tmp_path, name):
+    """Issue #44's split fidelity: with the attention on the host and FFN neurons split (even and uneven
+    shares), the GPU's gate and up products of its neurons are the CPU's bit for bit (matmul_exact.cu: the
+    CPU's chain of block terms; these models' gate/up are Q4_1 and Q5_0) and the host finishes each layer as
+    the CPU alone would, so prompt and decode logits equal the CPU-only run's. (With the attention on the GPU
+    too, its own sums differ in the last bits: the bound of the other tests.)"""
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+    from optiml.formats.gguf_edit import rewrite_gguf
+
+    path = request.getfixturevalue(f"{name}_path")
+    with optiml.Model(path, n_ctx=32) as m:
+        n_layer = m.hparams["n_layer"]
+    ids = (prompt_ids(path) * 6)[:20]  # 18 prompt tokens (two slices of the 16-token codes), 2 decode steps
+    shares = [128 * (i % 4) for i in range(n_layer)]  # uneven, none in some layers
+    placed = tmp_path / "placed.gguf"
+    rewrite_gguf(path, placed, set_kv={"optiml.placement.gpu_neurons": (np.array(shares, np.int32), VT.ARRAY),
+                                       "optiml.placement.gpu_attention": (np.zeros(n_layer, np.int8), VT.ARRAY)},
+                 progress=False)
+    runs = []
+    for device in ("cpu", "cuda"):
+        with optiml.Model(placed, n_ctx=64, device=device) as m:
+            if device == "cuda":
+                on_device = [layer["ffn_on_device"] for layer in m.plan.layers]
+                assert not any(layer["attention"] != "cpu" for layer in m.plan.layers)
+                assert min(on_device) == 0 and max(on_device) >= 256, on_device
+            prompt = m.eval(ids[:18], all_logits=True)
+            runs.append(np.vstack([prompt] + [m.eval([t])[None] for t in ids[18:]]))
+    assert np.array_equal(runs[0], runs[1]), (name, float(np.abs(runs[0] - runs[1]).max()))
+
+
 @pytest.mark.parametrize("name", ["tiny", "smollm2"])
 def test_greedy_decoding_matches_the_cpu(request, tiny, name):
     """Decode steps (one token each, the KV cache growing) on both devices: the same tokens until the CPU's
@@ -524,7 +555,9 @@ def test_attention_split_over_positions_matches_the_cpu(tiny, monkeypatch, kv, s
     monkeypatch.setenv("OPTIML_CUDA_ATTN_SPLITS", splits)
     got, c = run("cuda")
     assert c.layer(0)["attn_split"]["launches"] == 2 and c.layer(0)["attn_scores"]["launches"] == 1
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] >= NEAR_TIE  # (AVX-512's CPU run rounds a Q4_0 cache's sums otherwise)
+    assert (got.argmax(-1) == ref.argmax(-1))[decided].all(), (got.argmax(-1), ref.argmax(-1), top2)
     assert mean_kld(ref, got) < 1e-4
 
 

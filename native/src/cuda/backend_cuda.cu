@@ -309,6 +309,12 @@ public:
         const OpSpan span(*this, SpanKind::FFN);
         const FFNWeights& w = *share.w;
         Input in = floats(const_cast<float*>(xn), s.y, n, hp.n_embd);
+        // The CPU's bits where the weights' type has an exact kernel (cuda_matmul_exact_reads): the host then
+        // finishes the layer as the CPU alone would (forward.cpp), and the split costs no fidelity.
+        struct Exact {
+            bool& on;
+            ~Exact() { on = false; }
+        } exact{exact_ = true};
         products(in, {{&w.gate, gate, (const float*)w.gate_b.data, false},
                       {&w.up, up, (const float*)w.up_b.data, false}});
         if (active) *active += (int64_t)n * w.gate.rows;
@@ -703,19 +709,24 @@ private:
     bool ints_for(const Weight& w, int32_t n) const {
         return q8x(w) || (tiles(w.type, n) && w.cols % (cuda_tile_codes(w.type) == kCudaCodesK ? 256 : 32) == 0);
     }
-    bool ints_for(const Out& o, int32_t n) const { return q8x(*o.w) || (o.n < 0 && !o.ids && ints_for(*o.w, n)); }
+    bool ints_for(const Out& o, int32_t n) const {
+        if (exact_ && cuda_matmul_exact_reads(o.w->type) && o.w->cols % 32 == 0 && o.n < 0 && !o.ids) return true;
+        return q8x(*o.w) || (o.n < 0 && !o.ids && ints_for(*o.w, n));
+    }
 
     void launch_products(Input& in, int32_t type, bool ints, CudaMatrix* m, int count) {
         const int32_t n = in.n;
         if (ints) {
             bool whole = true;  // every matrix over all rows of the input (not a mixture's slots or parts)
             for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids;
-            const bool tiled = whole && tiles(type, n);
+            const bool exact = exact_ && cuda_matmul_exact_reads(type);
+            const bool tiled = whole && tiles(type, n) && !exact;
             const int32_t kind = tiled ? cuda_tile_codes(type) : kCudaCodes;
             const int32_t slice_rows = tiled ? kTileCodeTokens : kCodeTokens;
             ensure_codes(in.cols, n < slice_rows ? n : slice_rows);
             auto launch = [&](const CudaMatrix* ms, int32_t rows) {
                 if (tiled) cuda_matmul_q8x_tiles(stream_, type, ms, count, in.cols, codes_, codes_meta_, rows);
+                else if (exact) cuda_matmul_exact_many(stream_, type, ms, count, in.cols, codes_, codes_meta_, rows);
                 else cuda_matmul_q8x_many(stream_, type, ms, count, in.cols, codes_, codes_meta_, rows);
             };
             if (n <= slice_rows) {  // the codes of every token fit: converted once for the group
@@ -1146,6 +1157,8 @@ private:
     // OPTIML_CUDA_FUSE=0: every op as its own kernels, as before issue #43's fusions (the same bits, more
     // launches: for comparisons of the two, in the tests and on a GPU).
     bool fuse_ = true;
+    // Products in the CPU's order (cuda_matmul_exact_many) while a split share's gate and up are computed.
+    bool exact_ = false;
     // OPTIML_CUDA_TILES=0: prompts' integer products with the decode kernels (as before the tiles).
     bool mma_ = true;  // the tiled products run here (compute capability 8.0 and later)
     int8_t* codes_ = nullptr;  // the products' 8-bit activations: [codes_rows_][codes_cols_]

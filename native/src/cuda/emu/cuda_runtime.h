@@ -50,6 +50,19 @@ T shfl_xor(T v, int mask) {
     warp_barrier();  // nobody overwrites a slot before its readers have read it
     return r;
 }
+// __shfl_sync: lane src_lane's value (of this thread's warp).
+template <typename T>
+T shfl(T v, int src_lane) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    const int me = lane_index();
+    std::memcpy(shuffle_slot(me), &v, sizeof(T));
+    warp_barrier();
+    const int src = (me & ~31) | (src_lane & 31);
+    T r = v;
+    if (thread_live(src)) std::memcpy(&r, shuffle_slot(src), sizeof(T));
+    warp_barrier();
+    return r;
+}
 }  // namespace optiml_emu
 
 #define __global__
@@ -60,6 +73,7 @@ T shfl_xor(T v, int mask) {
 #define __syncthreads() ::optiml_emu::syncthreads()
 #define __syncwarp(...) ::optiml_emu::warp_barrier()
 #define __shfl_xor_sync(mask, v, off) ::optiml_emu::shfl_xor((v), (off))
+#define __shfl_sync(mask, v, lane) ::optiml_emu::shfl((v), (lane))
 // Four signed bytes of a times those of b, plus c.
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
