@@ -176,21 +176,29 @@ def test_placement_with_stored_neuron_order(tiny, tmp_path):
     assert mean_kld(ref, got) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_ffn_splits_give_the_cpus_bits(request, tmp_path, name):
-    """Issue #44's split fidelity: with the attention on the host and FFN neurons split (even and uneven
-    shares), the GPU's gate and up products of its neurons are the CPU's bit for bit (matmul_exact.cu: the
-    CPU's chain of block terms; these models' gate/up are Q4_1 and Q5_0) and the host finishes each layer as
-    the CPU alone would, so prompt and decode logits equal the CPU-only run's. (With the attention on the GPU
-    too, its own sums differ in the last bits: the bound of the other tests.)"""
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "q4_k_wide"])
+def test_ffn_splits_give_the_cpus_bits(request, tiny, tmp_path, name):
+    """Issue #44's split fidelity: with the attention on the host and FFN neurons split (uneven shares, none
+    in some layers), the GPU's gate and up products of its neurons are the CPU's bit for bit (matmul_exact.cu:
+    the CPU's order of the block terms; gate/up of Q4_1 in SmolLM2, Q5_0 in Gemma 3, and Q4_K rows of five
+    super-blocks) and the host finishes each layer as the CPU alone would, so prompt and decode logits equal
+    the CPU-only run's. (A layer whose whole FFN or attention runs on the GPU differs in the last bits: its
+    other kernels sum in the GPU's order, the bound of the other tests.)"""
     from optiml.formats.gguf_edit import GGUFValueType as VT
     from optiml.formats.gguf_edit import rewrite_gguf
 
-    path = request.getfixturevalue(f"{name}_path")
+    if name == "q4_k_wide":
+        path = tmp_path / "wide.gguf"
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                        "-o", str(path), "--n-embd", "1280", "--n-layer", "2", "--n-ff", "512", "--n-head", "10",
+                        "--n-head-kv", "2", "--type", "q4_k", "--std", "0.05", "--quiet", "--tokenizer-from",
+                        str(tiny["donor"])], check=True)
+    else:
+        path = request.getfixturevalue(f"{name}_path")
     with optiml.Model(path, n_ctx=32) as m:
         n_layer = m.hparams["n_layer"]
     ids = (prompt_ids(path) * 6)[:20]  # 18 prompt tokens (two slices of the 16-token codes), 2 decode steps
-    shares = [128 * (i % 4) for i in range(n_layer)]  # uneven, none in some layers
+    shares = [(128, 256)[i % 2] if i % 5 == 1 else 0 for i in range(n_layer)]  # (the plan rounds to its blocks)
     placed = tmp_path / "placed.gguf"
     rewrite_gguf(path, placed, set_kv={"optiml.placement.gpu_neurons": (np.array(shares, np.int32), VT.ARRAY),
                                        "optiml.placement.gpu_attention": (np.zeros(n_layer, np.int8), VT.ARRAY)},
@@ -201,7 +209,7 @@ def test_ffn_splits_give_the_cpus_bits(request, tmp_path, name):
             if device == "cuda":
                 on_device = [layer["ffn_on_device"] for layer in m.plan.layers]
                 assert not any(layer["attention"] != "cpu" for layer in m.plan.layers)
-                assert min(on_device) == 0 and max(on_device) >= 256, on_device
+                assert min(on_device) == 0 and max(on_device) >= 128, on_device
             prompt = m.eval(ids[:18], all_logits=True)
             runs.append(np.vstack([prompt] + [m.eval([t])[None] for t in ids[18:]]))
     assert np.array_equal(runs[0], runs[1]), (name, float(np.abs(runs[0] - runs[1]).max()))

@@ -703,6 +703,11 @@ private:
             i = j;
         }
     }
+    // The exact products (a split share's gate and up) for this type and row length.
+    bool exact_for(int32_t type, int64_t cols) const {
+        return exact_ && cuda_matmul_exact_reads(type) &&
+               cols % (cuda_matmul_exact_codes(type) == kCudaCodesK ? 256 : 32) == 0;
+    }
     bool q8x(const Weight& w) const { return cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data); }
     // The integer path for n tokens: the decode kernels' (rows 16-byte aligned) or the tiles' (any row, every
     // row of the input).
@@ -710,7 +715,7 @@ private:
         return q8x(w) || (tiles(w.type, n) && w.cols % (cuda_tile_codes(w.type) == kCudaCodesK ? 256 : 32) == 0);
     }
     bool ints_for(const Out& o, int32_t n) const {
-        if (exact_ && cuda_matmul_exact_reads(o.w->type) && o.w->cols % 32 == 0 && o.n < 0 && !o.ids) return true;
+        if (exact_for(o.w->type, o.w->cols) && o.n < 0 && !o.ids) return true;
         return q8x(*o.w) || (o.n < 0 && !o.ids && ints_for(*o.w, n));
     }
 
@@ -719,9 +724,9 @@ private:
         if (ints) {
             bool whole = true;  // every matrix over all rows of the input (not a mixture's slots or parts)
             for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids;
-            const bool exact = exact_ && cuda_matmul_exact_reads(type);
+            const bool exact = exact_for(type, in.cols);
             const bool tiled = whole && tiles(type, n) && !exact;
-            const int32_t kind = tiled ? cuda_tile_codes(type) : kCudaCodes;
+            const int32_t kind = tiled ? cuda_tile_codes(type) : exact ? cuda_matmul_exact_codes(type) : kCudaCodes;
             const int32_t slice_rows = tiled ? kTileCodeTokens : kCodeTokens;
             ensure_codes(in.cols, n < slice_rows ? n : slice_rows);
             auto launch = [&](const CudaMatrix* ms, int32_t rows) {

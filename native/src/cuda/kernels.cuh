@@ -164,10 +164,12 @@ void cuda_matmul_q8x(cudaStream_t s, int32_t type, const uint8_t* w, int64_t row
 // The same for up to kCudaMaxMatrices matrices sharing the codes, in one launch (as cuda_matmul_many).
 void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
-// The same products with each row's value the CPU's bit for bit (matmul_exact.cu: the CPU's chain of block
-// terms in block order; any row alignment); Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, every matrix over all
-// n rows of the codes. For a split's device share, so that the split gives the CPU-only run's bits.
+// The same products with each row's value the CPU's bit for bit (matmul_exact.cu: the CPU's order of the
+// block terms; any row alignment); Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights, every matrix
+// over all n rows of codes converted as cuda_matmul_exact_codes says (kCudaCodes, or kCudaCodesK for the
+// K-quants). For a split's device share, so that the split gives the CPU-only run's bits.
 bool cuda_matmul_exact_reads(int32_t type);
+int32_t cuda_matmul_exact_codes(int32_t type);
 void cuda_matmul_exact_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                             const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
 // The same products for a prompt or a batch (32 tokens and more: matmul_tiles.cu; also Q4_K, Q5_K and Q6_K

@@ -4,6 +4,12 @@
 // isum being the block's exact integer dot of the weights' codes (minus their offset) with the activation's
 // 8-bit codes. Here a warp takes a row and a token; lane k computes block k's integer dot of each chunk of
 // 32 blocks, and every lane runs the chain over the chunk's terms passed along the warp in block order.
+// The K-quants (simd_kquants.h) keep 8 float lanes per row instead: per 256-value super-block, lane L's
+// exact integers are the scaled products of bytes 4L..4L+3 of each 32-value chunk (sumi) and its pair of
+// 16-value sums against the mins or offsets (corr), then acc_L = fma(d_x * d_w, sumi, acc_L) and
+// acc_L = fma(d_x * -dmin_w, corr, acc_L) (Q4_K, Q5_K) or acc_L = fma(d_x * d_w, sumi - corr, acc_L) (Q6_K),
+// super-block after super-block; the row is ((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7)) (hsum_ps). Here lane
+// 8g + L computes lane L's integers of super-block g of each group of 4, and lanes 0..7 run the chains.
 // The faster decode kernels (matmul.cu) add the lanes' sums at the end instead, which differs from the CPU
 // in the last bits; these run a split's device share, which is small (its hot neurons' gate and up).
 #include "dequant.cuh"
@@ -84,10 +90,102 @@ __global__ void matmul_exact_kernel(LaunchMatrices ms, int64_t cols, const int8_
     *out = m.accumulate ? *out + s : s;
 }
 
+// Element e's unsigned code in a K-quant super-block (Q6_K's value is code - 32, taken out by corr).
+template <int TYPE>
+__device__ __forceinline__ int k_code(const uint8_t* blk, int e) {
+    const int c = e / 32, l = e % 32;
+    if (TYPE == TYPE_Q6_K) {
+        const int h = e / 128, k = c % 4;
+        const int lo = (blk[offsetof(block_q6_K, ql) + 64 * h + 32 * (k & 1) + l] >> (4 * (k >> 1))) & 0xF;
+        return lo | (((blk[offsetof(block_q6_K, qh) + 32 * h + l] >> (2 * k)) & 3) << 4);
+    }
+    const size_t qs = TYPE == TYPE_Q4_K ? offsetof(block_q4_K, qs) : offsetof(block_q5_K, qs);
+    int q = (blk[qs + 32 * (c / 2) + l] >> (4 * (c & 1))) & 0xF;
+    if (TYPE == TYPE_Q5_K) q |= ((blk[offsetof(block_q5_K, qh) + l] >> c) & 1) << 4;
+    return q;
+}
+
+// Lane L's exact integers of one super-block against Q8_K codes x (256) and its float scales.
+template <int TYPE>
+__device__ __forceinline__ void k_lane(const uint8_t* blk, const int8_t* x, int L, int& sumi, int& corr, float& dw,
+                                       float& dmin) {
+    using cudaq::half_to_float;
+    using cudaq::load_u16;
+    int scale[8], coef[2];  // scale of chunk c's bytes of this lane; the corrections' coefficients
+    if (TYPE == TYPE_Q6_K) {
+        const int8_t* sc = (const int8_t*)(blk + offsetof(block_q6_K, scales));
+        for (int c = 0; c < 8; c++) scale[c] = sc[2 * c + (L >= 4)];
+        coef[0] = 32 * sc[2 * L];
+        coef[1] = 32 * sc[2 * L + 1];
+        dw = half_to_float(load_u16(blk + offsetof(block_q6_K, d)));
+        dmin = 0.0f;
+    } else {  // Q4_K and Q5_K begin alike: d, dmin, 12 bytes of scales and mins
+        int m;
+        for (int c = 0; c < 8; c++) cudaq::scale_min_k4(c, blk + 4, &scale[c], &m);
+        cudaq::scale_min_k4(L, blk + 4, &m, &coef[0]);
+        coef[1] = coef[0];
+        dw = half_to_float(load_u16(blk));
+        dmin = half_to_float(load_u16(blk + 2));
+    }
+    sumi = 0;
+    for (int c = 0; c < 8; c++)
+        for (int j = 4 * L; j < 4 * L + 4; j++) sumi += k_code<TYPE>(blk, 32 * c + j) * x[32 * c + j] * scale[c];
+    int bsum[2] = {0, 0};  // Q8_K's sums of values 32L..32L+15 and 32L+16..32L+31
+    for (int j = 0; j < 32; j++) bsum[j / 16] += x[32 * L + j];
+    corr = coef[0] * bsum[0] + coef[1] * bsum[1];
+}
+
+template <int TYPE>
+__global__ void matmul_exact_k_kernel(LaunchMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
+                                      const CudaQ8Meta* __restrict__ meta) {
+    using Q = cudaq::QType<TYPE>;
+    const int lane = threadIdx.x, L = lane % 8, g = lane / 8;
+    unsigned unit_in;
+    const CudaMatrix m = pick_matrix(ms, blockIdx.x, unit_in);
+    const int64_t r = (int64_t)unit_in * kRows + threadIdx.y;
+    if (r >= m.rows) return;
+    const int64_t t = blockIdx.y, nb = cols / 256;
+    const uint8_t* row = m.w + r * m.row_bytes;
+    const int8_t* xt = codes + t * cols;
+    const CudaQ8Meta* xm = meta + t * (cols / 32);
+    float acc = 0.0f;  // lane L's (every lane L + 8g runs lane L's chain)
+    for (int64_t i0 = 0; i0 < nb; i0 += 4) {
+        const int64_t i = i0 + g < nb ? i0 + g : nb - 1;
+        int sumi, corr;
+        float dw, dmin;
+        k_lane<TYPE>(row + i * Q::block_bytes, xt + 256 * i, L, sumi, corr, dw, dmin);
+        const float dx = xm[8 * i].d;  // (Q8_K's scale, in each of its 32-value blocks)
+        const float d = dx * dw, dm = dx * -dmin;
+        const float a = TYPE == TYPE_Q6_K ? (float)(sumi - corr) : (float)sumi, b = (float)corr;
+        const int valid = nb - i0 < 4 ? (int)(nb - i0) : 4;
+        for (int k = 0; k < valid; k++) {
+            acc = fmaf(__shfl_sync(0xffffffffu, d, 8 * k + L), __shfl_sync(0xffffffffu, a, 8 * k + L), acc);
+            const float dk = __shfl_sync(0xffffffffu, dm, 8 * k + L), bk = __shfl_sync(0xffffffffu, b, 8 * k + L);
+            if (TYPE != TYPE_Q6_K) acc = fmaf(dk, bk, acc);
+        }
+    }
+    // hsum_ps: ((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))
+    const float v4 = __shfl_sync(0xffffffffu, acc, (L + 4) % 8);
+    const float h = acc + v4;  // lane L < 4: v_L + v_{L+4}
+    const float h2 = __shfl_sync(0xffffffffu, h, (L + 2) % 8);
+    const float q = h + h2;    // lane 0: (v0+v4)+(v2+v6); lane 1: (v1+v5)+(v3+v7)
+    const float q1 = __shfl_sync(0xffffffffu, q, 1);
+    if (lane != 0) return;
+    float s = q + q1;
+    if (m.bias) s += m.bias[r];
+    float* out = m.y + t * m.rows + r;
+    *out = m.accumulate ? *out + s : s;
+}
+
 }  // namespace
 
 bool cuda_matmul_exact_reads(int32_t type) {
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 || type == TYPE_Q8_0;
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 || type == TYPE_Q8_0 ||
+           type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+}
+
+int32_t cuda_matmul_exact_codes(int32_t type) {
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? kCudaCodesK : kCudaCodes;
 }
 
 void cuda_matmul_exact_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
@@ -104,7 +202,11 @@ void cuda_matmul_exact_many(cudaStream_t s, int32_t type, const CudaMatrix* m, i
         case TYPE_Q5_0: OPTIML_LAUNCH(matmul_exact_kernel<TYPE_Q5_0>, grid, block, s, ms, cols, codes, meta); break;
         case TYPE_Q5_1: OPTIML_LAUNCH(matmul_exact_kernel<TYPE_Q5_1>, grid, block, s, ms, cols, codes, meta); break;
         case TYPE_Q8_0: OPTIML_LAUNCH(matmul_exact_kernel<TYPE_Q8_0>, grid, block, s, ms, cols, codes, meta); break;
-        default: throw Error("internal: the exact products read Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights only");
+        case TYPE_Q4_K: OPTIML_LAUNCH(matmul_exact_k_kernel<TYPE_Q4_K>, grid, block, s, ms, cols, codes, meta); break;
+        case TYPE_Q5_K: OPTIML_LAUNCH(matmul_exact_k_kernel<TYPE_Q5_K>, grid, block, s, ms, cols, codes, meta); break;
+        case TYPE_Q6_K: OPTIML_LAUNCH(matmul_exact_k_kernel<TYPE_Q6_K>, grid, block, s, ms, cols, codes, meta); break;
+        default: throw Error("internal: the exact products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K "
+                             "weights only");
     }
     CudaTraffic tr;
     for (int k = 0; k < count; k++) tr.weights += m[k].rows * (int64_t)m[k].row_bytes * n;
