@@ -25,7 +25,7 @@ from optiml.convert.pre_tokenizers import GPT4O_HF_RE  # noqa: E402
 
 from fidelity import TIE, top2_gap  # noqa: E402
 from test_convert import save_folder  # noqa: E402
-from test_convert_moe import IDS, hf_logits, kld, llama_cpp_logits  # noqa: E402
+from test_convert_moe import IDS, engines_on, hf_logits, kld, llama_cpp_logits  # noqa: E402
 from test_model_hf import rel_err  # noqa: E402
 
 E, D, F, HEADS, WINDOW = 4, 64, 32, 4, 8
@@ -122,12 +122,7 @@ def test_quantized_types_agree_with_llama_cpp(tiny, tmp_path, qtype):
     model, d = tiny
     out = convert(d, tmp_path / "m.gguf", type=qtype)
     ref = hf_logits(model, IDS)
-    with optiml.Model(out, n_ctx=64, n_threads=2) as m:
-        ours = m.eval(IDS, all_logits=True)
-    theirs = llama_cpp_logits(out, IDS)
-    k_ours, k_theirs = kld(ref, ours), kld(ref, theirs)
-    print(f"gpt-oss {qtype}: KLD against transformers ours {k_ours:.3e}, llama.cpp {k_theirs:.3e}, "
-          f"ours against llama.cpp {kld(theirs, ours):.3e}")
+    ours, theirs, k_ours, k_theirs = engines_on(out, ref, f"gpt-oss {qtype}")
     assert k_ours < KLD_MAX[qtype] and k_ours <= 1.1 * k_theirs + 1e-6, (k_ours, k_theirs)
     assert kld(theirs, ours) < 1e-5
     decided = (top2_gap(ours) > TIE) & (top2_gap(theirs) > TIE)
@@ -217,13 +212,8 @@ def test_mxfp4_checkpoint_experts_copied_bit_for_bit(mxfp4_ckpt, tmp_path, qtype
             got = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type).reshape(want.shape)
             assert np.array_equal(got, want), (il, name)
         assert t[f"blk.{il}.attn_q.weight"].tensor_type.name == qtype.upper()
-    ref = hf_logits(model, IDS)
-    with optiml.Model(out, n_ctx=64, n_threads=2) as m:  # an F16 KV cache, as llama.cpp's
-        ours = m.eval(IDS, all_logits=True)
-    theirs = llama_cpp_logits(out, IDS)
-    print(f"gpt-oss MXFP4 checkpoint, {qtype}: KLD against transformers ours {kld(ref, ours):.3e}, llama.cpp "
-          f"{kld(ref, theirs):.3e}, ours against llama.cpp {kld(theirs, ours):.3e}")
-    assert kld(ref, ours) < KLD_MAX["q8_0"] and kld(ref, ours) <= 1.1 * kld(ref, theirs) + 1e-6
+    ours, theirs, k_ours, k_theirs = engines_on(out, hf_logits(model, IDS), f"gpt-oss MXFP4 checkpoint, {qtype}")
+    assert k_ours < KLD_MAX["q8_0"] and k_ours <= 1.1 * k_theirs + 1e-6
     assert kld(theirs, ours) < 1e-5
 
 
@@ -290,19 +280,26 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("key,value,message", REFUSED, ids=[r[0] for r in REFUSED])
-def test_unsupported_configs_are_refused(tiny, tmp_path, key, value, message):
-    _, src = tiny
-    d = tmp_path / "hf"
-    d.mkdir()
+def edited_copy(src, dst, edit):
+    """A copy of the checkpoint folder src at dst (its files linked) whose config.json is edit(config)."""
+    dst.mkdir()
     for f in os.listdir(src):
         if f != "config.json":
-            os.symlink(src / f, d / f)
+            os.symlink(src / f, dst / f)
     cfg = json.loads((src / "config.json").read_text())
-    cfg[key] = value
-    if key == "rope_parameters":
-        cfg.pop("rope_scaling", None)
-    (d / "config.json").write_text(json.dumps(cfg))
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("key,value,message", REFUSED, ids=[r[0] for r in REFUSED])
+def test_unsupported_configs_are_refused(tiny, tmp_path, key, value, message):
+    def edit(cfg):
+        cfg[key] = value
+        if key == "rope_parameters":
+            cfg.pop("rope_scaling", None)
+
+    d = edited_copy(tiny[1], tmp_path / "hf", edit)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(ConvertError, match=message):
@@ -325,18 +322,14 @@ def test_mxfp4_blocks_of_a_float_type_are_refused(tmp_path, o200k_tokenizer):
 def test_released_config_form_converts_alike(tiny, tmp_path):
     """The released config.json spells RoPE as transformers 4 did (rope_theta beside rope_scaling) and
     carries a quantization_config: the same file comes out as from transformers 5's rope_parameters."""
-    _, src = tiny
-    d = tmp_path / "hf"
-    d.mkdir()
-    for f in os.listdir(src):
-        if f != "config.json":
-            os.symlink(src / f, d / f)
-    cfg = json.loads((src / "config.json").read_text())
-    rope = cfg.pop("rope_parameters")
-    cfg["rope_theta"] = rope.pop("rope_theta")
-    cfg["rope_scaling"] = rope
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (d / "config.json").write_text(json.dumps(cfg))
+    def edit(cfg):
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = rope
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+
+    src = tiny[1]
+    d = edited_copy(src, tmp_path / "hf", edit)
     a = convert(src, tmp_path / "a.gguf", type="f16", name="x")
     b = convert(d, tmp_path / "b.gguf", type="f16", name="x")
     assert open(a, "rb").read() == open(b, "rb").read()

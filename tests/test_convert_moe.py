@@ -99,6 +99,18 @@ def llama_cpp_logits(path, ids):
         llm.close()
 
 
+def engines_on(path, ref, label, **kw):
+    """OptiML's and llama.cpp's logits of IDS on the file at `path`, and their KL divergences from
+    transformers' `ref` (printed, with the two engines' from each other): ours, theirs, k_ours, k_theirs."""
+    with optiml.Model(path, n_ctx=64, n_threads=2, **kw) as m:
+        ours = m.eval(IDS, all_logits=True)
+    theirs = llama_cpp_logits(path, IDS)
+    k_ours, k_theirs = kld(ref, ours), kld(ref, theirs)
+    print(f"{label}: KLD against transformers ours {k_ours:.3e}, llama.cpp {k_theirs:.3e}, "
+          f"ours against llama.cpp {kld(theirs, ours):.3e}")
+    return ours, theirs, k_ours, k_theirs
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request, tmp_path_factory, tiny_tokenizer):  # noqa: F811
     model = make_model(request.param, seed=SEEDS[request.param])
@@ -135,10 +147,7 @@ def test_llama_cpp_runs_converted_files(tiny, tmp_path, qtype):
     name, model, d = tiny
     out = convert(d, tmp_path / "m.gguf", type=qtype)
     ref = hf_logits(model, IDS)
-    with optiml.Model(out, n_ctx=64, n_threads=2) as m:
-        ours = m.eval(IDS, all_logits=True)
-    theirs = llama_cpp_logits(out, IDS)
-    k_ours, k_theirs = kld(ref, ours), kld(ref, theirs)
+    ours, theirs, k_ours, k_theirs = engines_on(out, ref, f"{name} {qtype}")
     assert k_ours < KLD_MAX[qtype] and k_theirs < KLD_MAX[qtype], (name, qtype, k_ours, k_theirs)
     assert kld(theirs, ours) < 1e-6, (name, qtype)
     decided = (top2_gap(ref) > TIE) & (top2_gap(ours) > TIE) & (top2_gap(theirs) > TIE)
@@ -166,12 +175,7 @@ def test_mxfp4_moe(tiny, tmp_path, tiny_tokenizer):  # noqa: F811
                 "F32" if len(t.shape) == 1 or t.name.endswith("ffn_gate_inp.weight") else "Q8_0")
         assert t.tensor_type.name == want, (t.name, t.tensor_type.name)
     ref = hf_logits(model, IDS)
-    with optiml.Model(out, n_ctx=64, n_threads=2) as m:
-        ours = m.eval(IDS, all_logits=True)
-    theirs = llama_cpp_logits(out, IDS)
-    k_ours, k_theirs = kld(ref, ours), kld(ref, theirs)
-    print(f"{name} mxfp4_moe: KLD against transformers ours {k_ours:.3e}, llama.cpp {k_theirs:.3e}, "
-          f"ours against llama.cpp {kld(theirs, ours):.3e}")
+    ours, theirs, k_ours, k_theirs = engines_on(out, ref, f"{name} mxfp4_moe")
     assert k_ours <= 1.1 * k_theirs + 1e-6, (name, k_ours, k_theirs)
     assert kld(theirs, ours) < 1e-5, name
     decided = (top2_gap(ref) > TIE) & (top2_gap(ours) > TIE) & (top2_gap(theirs) > TIE)

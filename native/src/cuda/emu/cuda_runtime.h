@@ -38,30 +38,26 @@ void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]);
 // The same for mma.sync.m16n8k16 with 8-bit operands (A: 2 registers, B: 1).
 void mma_m16n8k16_s8(int c[4], const uint32_t a[2], uint32_t b);
 
-template <typename T>
-T shfl_xor(T v, int mask) {
+// The value v of lane source(my lane) of this thread's warp (a live one; else v): every shuffle.
+template <typename T, typename Source>
+T shuffle(T v, Source source) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
     const int me = lane_index();
     std::memcpy(shuffle_slot(me), &v, sizeof(T));
     warp_barrier();
-    const int src = (me & ~31) | ((me & 31) ^ mask);
+    const int src = (me & ~31) | (source(me & 31) & 31);
     T r = v;
     if (thread_live(src)) std::memcpy(&r, shuffle_slot(src), sizeof(T));
     warp_barrier();  // nobody overwrites a slot before its readers have read it
     return r;
 }
-// __shfl_sync: lane src_lane's value (of this thread's warp).
 template <typename T>
-T shfl(T v, int src_lane) {
-    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
-    const int me = lane_index();
-    std::memcpy(shuffle_slot(me), &v, sizeof(T));
-    warp_barrier();
-    const int src = (me & ~31) | (src_lane & 31);
-    T r = v;
-    if (thread_live(src)) std::memcpy(&r, shuffle_slot(src), sizeof(T));
-    warp_barrier();
-    return r;
+T shfl_xor(T v, int mask) {
+    return shuffle(v, [mask](int lane) { return lane ^ mask; });
+}
+template <typename T>
+T shfl(T v, int src_lane) {  // __shfl_sync
+    return shuffle(v, [src_lane](int) { return src_lane; });
 }
 }  // namespace optiml_emu
 
