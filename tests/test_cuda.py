@@ -581,11 +581,14 @@ def test_kernel_benchmark_runs_and_rejects_bad_products(tmp_path):
     assert rows["q4_0"]["kernel_1"] == "matmul_q8x" and rows["q5_0"]["kernel_1"] == "matmul"
     assert all(rows["q4_0"][k] > 0 for k in ("gbs_1", "gbs_8", "tflops_tiles", "tflops_decode_kernels"))
     assert rows["q5_0"]["gbs_1"] > 0 and rows["q5_0"]["tflops_tiles"] is None  # (no tiles for Q5_0)
+    assert rows["q4_0"]["gbs_exact_1"] > 0 and rows["q5_0"]["gbs_exact_1"] > 0  # a split share's exact products
     from optiml import _core, quant
     q4k = quant.type_info("q4_k").id
     with pytest.raises(optiml.OptimlError, match="tiled products read"):
         _core._cuda_time_product(0, quant.type_info("q5_0").id, 64, 256, 32, "tiles", 1, 1 << 20)
-    with pytest.raises(optiml.OptimlError, match="choose decode or tiles"):
+    with pytest.raises(optiml.OptimlError, match="exact products .* not 256 F16 values"):
+        _core._cuda_time_product(0, quant.type_info("f16").id, 64, 256, 1, "exact", 1, 1 << 20)
+    with pytest.raises(optiml.OptimlError, match="choose decode, tiles or exact"):
         _core._cuda_time_product(0, q4k, 64, 256, 32, "fast", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="multiple of 256"):
         _core._cuda_time_product(0, q4k, 64, 100, 1, "decode", 1, 1 << 20)

@@ -8,7 +8,8 @@ For every type and shape: one token (the decode kernels: GB/s of weights read, a
 bandwidth; a copy reads and writes, so a product that only reads can exceed 100%), 8 tokens (one pass of the
 decode kernels over the weights for all of them: effective GB/s) and a prompt of --prompt tokens (TFLOP/s,
 2 * rows * cols * tokens per launch: the tensor-core tiles for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, and the decode
-kernels, 8 tokens a pass, for every type as the baseline the tiles replace). The weights are random values
+kernels, 8 tokens a pass, for every type as the baseline the tiles replace). "exact 1 token": the kernels of a
+split's device share, which sum in the CPU's order (matmul_exact.cu), at one token. The weights are random values
 quantized on the host and copied until the copies span --span MiB, well past the GPU's L2 cache, so each
 launch streams its weights from memory (native/src/cuda/product_timing.cu). Needs a CUDA build and device;
 on the emulator build it runs too (slowly: use --shapes tiny).
@@ -30,6 +31,7 @@ SHAPES = {  # rows x cols of the products of one layer: q/k/v/o, gate/up, down
     "tiny": [(128, 256)],
 }
 TILE_TYPES = {"q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"}
+EXACT_TYPES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
 
 
 def main() -> int:
@@ -50,8 +52,8 @@ def main() -> int:
     print(f"{name}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)")
     span = args.span << 20
     print("| type | rows x cols | 1 token GB/s | of copy | 8 tokens GB/s | prompt TFLOP/s (tiles) | "
-          "prompt TFLOP/s (decode kernels) | tiles faster |")
-    print("|---|---|---|---|---|---|---|---|")
+          "prompt TFLOP/s (decode kernels) | tiles faster | exact 1 token GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for qtype in args.types:
         info = quant.type_info(qtype)
         for shape in args.shapes:
@@ -67,17 +69,20 @@ def main() -> int:
                 flop = 2.0 * rows * cols * args.prompt
                 base = timed(args.prompt, "decode", max(2, args.reps // 4))
                 tiles = timed(args.prompt, "tiles", max(2, args.reps // 4)) if qtype in TILE_TYPES else None
+                exact = timed(1, "exact") if qtype in EXACT_TYPES else None
                 row = res.add(type=qtype, rows=rows, cols=cols, kernel_1=one["kernel"],
                               gbs_1=one["weight_bytes"] / one["seconds"] / 1e9,
                               of_copy=one["weight_bytes"] / one["seconds"] / copy,
                               gbs_8=eight["weight_bytes"] / eight["seconds"] / 1e9,
                               tflops_tiles=flop / tiles["seconds"] / 1e12 if tiles else None,
                               tflops_decode_kernels=flop / base["seconds"] / 1e12,
-                              tiles_speedup=base["seconds"] / tiles["seconds"] if tiles else None)
+                              tiles_speedup=base["seconds"] / tiles["seconds"] if tiles else None,
+                              gbs_exact_1=exact["weight_bytes"] / exact["seconds"] / 1e9 if exact else None)
                 t = f"{row['tflops_tiles']:.1f}" if tiles else "-"
                 x = f"{row['tiles_speedup']:.1f}x" if tiles else "-"
+                e = f"{row['gbs_exact_1']:.0f}" if exact else "-"
                 print(f"| {qtype} | {rows}x{cols} | {row['gbs_1']:.0f} | {row['of_copy']:.0%} | {row['gbs_8']:.0f} | "
-                      f"{t} | {row['tflops_decode_kernels']:.2f} | {x} |", flush=True)
+                      f"{t} | {row['tflops_decode_kernels']:.2f} | {x} | {e} |", flush=True)
     res.note(f"device {name}; copy bandwidth {copy / 1e9:.0f} GB/s; span {args.span} MiB; prompt {args.prompt}")
     res.write(args.json)
     return 0

@@ -79,9 +79,12 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
                                    "positive and cols a multiple of %d", (long long)rows, (long long)cols, tt.name,
                                    n, (int)tt.block_size));
     const size_t row_bytes = row_size(type, cols), matrix_bytes = row_bytes * (size_t)rows;
-    if (kernel != "decode" && kernel != "tiles")
-        throw ArgumentError(format("kernel '%s': choose decode or tiles", kernel.c_str()));
-    const bool tiles = kernel == "tiles";
+    if (kernel != "decode" && kernel != "tiles" && kernel != "exact")
+        throw ArgumentError(format("kernel '%s': choose decode, tiles or exact", kernel.c_str()));
+    const bool tiles = kernel == "tiles", exact = kernel == "exact";
+    if (exact && (!cuda_matmul_exact_reads(type) || cols % (cuda_matmul_exact_codes(type) == kCudaCodesK ? 256 : 32)))
+        throw ArgumentError(format("the exact products (a split's share) read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
+                                   "and Q6_K rows of whole blocks, not %lld %s values", (long long)cols, tt.name));
     if (tiles && !cuda_matmul_tiles_reads(type))
         throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, not %s", tt.name));
     if (tiles) {
@@ -123,7 +126,7 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     const bool aligned = cuda_matmul_q8x_reads(type, cols, row_bytes, w);
     CudaProductTiming out;
     out.weight_bytes = (int64_t)matrix_bytes;
-    if (tiles || aligned) {  // the integer path: the activations as 8-bit codes
+    if (tiles || aligned || exact) {  // the integer path: the activations as 8-bit codes
         int8_t* codes = (int8_t*)ts.alloc((size_t)n * (size_t)cols);
         CudaQ8Meta* meta = (CudaQ8Meta*)ts.alloc(sizeof(CudaQ8Meta) * (size_t)n * (size_t)(cols / 32));
         float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
@@ -134,14 +137,15 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
         cuda_check(cudaMemcpyAsync(x, xv.data(), sizeof(float) * xv.size(), cudaMemcpyHostToDevice, ts.stream), "copying x");
         CudaInputStage st;
         st.x = x;
-        st.convert = tiles ? cuda_tile_codes(type) : kCudaCodes;
+        st.convert = tiles ? cuda_tile_codes(type) : exact ? cuda_matmul_exact_codes(type) : kCudaCodes;
         st.codes = codes;
         st.meta = meta;
         cuda_input_stage(ts.stream, st, n, cols);
-        out.kernel = tiles ? "matmul_tiles" : "matmul_q8x";
+        out.kernel = tiles ? "matmul_tiles" : exact ? "matmul_exact" : "matmul_q8x";
         out.seconds = ts.time(reps, [&](int i) {
             m.w = w + (size_t)(i % copies) * matrix_bytes;
             if (tiles) cuda_matmul_q8x_tiles(ts.stream, type, &m, 1, cols, codes, meta, n);
+            else if (exact) cuda_matmul_exact_many(ts.stream, type, &m, 1, cols, codes, meta, n);
             else cuda_matmul_q8x_many(ts.stream, type, &m, 1, cols, codes, meta, n);
         });
     } else {  // the float path (the activations as the CPU rounds them; their values do not change the time)
