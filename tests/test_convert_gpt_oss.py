@@ -273,6 +273,7 @@ REFUSED = [
     ("swiglu_alpha", 1.0, "swiglu_alpha = 1.0 is not supported"),
     ("layer_types", ["full_attention", "sliding_attention"], "layer_types is not sliding_attention on even layers"),
     ("rope_parameters", {"rope_type": "default", "rope_theta": 150000.0}, "gpt-oss needs YaRN RoPE scaling"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0}, "factor is missing"),
     ("num_experts_per_tok", 5, "num_experts_per_tok = 5 is more than the 4 experts"),
     ("attention_bias", False, "attention_bias = false is not supported"),
     ("sliding_window", None, "sliding_window is missing"),
@@ -292,7 +293,7 @@ def edited_copy(src, dst, edit):
     return dst
 
 
-@pytest.mark.parametrize("key,value,message", REFUSED, ids=[r[0] for r in REFUSED])
+@pytest.mark.parametrize("key,value,message", REFUSED, ids=[f"{r[0]}-{i}" for i, r in enumerate(REFUSED)])
 def test_unsupported_configs_are_refused(tiny, tmp_path, key, value, message):
     def edit(cfg):
         cfg[key] = value

@@ -45,6 +45,7 @@ def read_config(cfg: dict, path: str, rope: dict) -> dict:
     if rope.get("rope_type") != "yarn":
         raise ConvertError(f"{path}: gpt-oss needs YaRN RoPE scaling (rope_type 'yarn'), not "
                            f"{rope.get('rope_type')!r}")
+    get_value(rope, path, "factor", kind=float)
     for key in ("mscale", "mscale_all_dim", "attention_factor"):
         if rope.get(key) is not None:
             raise ConvertError(f"{path}: YaRN {key} is not supported for gpt-oss (llama.cpp's attention factor "
