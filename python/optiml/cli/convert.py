@@ -7,11 +7,12 @@ import sys
 import time
 
 from .._core import ArgumentError
-from ..convert import convert
+from ..convert import SUPPORTED_ARCHITECTURES, convert
 from ..convert.quant_mix import TYPES
 
 
 def add_arguments(p) -> None:
+    p.description = f"Convert a Hugging Face model folder to GGUF. Architectures: {SUPPORTED_ARCHITECTURES}."
     p.add_argument("hf_dir", help="folder with config.json, *.safetensors and the tokenizer files")
     p.add_argument("-o", "--outfile", required=True, help="GGUF file to write")
     p.add_argument("--type", default="f16", choices=list(TYPES), help="output type (default f16)")
