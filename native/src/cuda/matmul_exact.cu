@@ -194,7 +194,9 @@ void cuda_matmul_exact_many(cudaStream_t s, int32_t type, const CudaMatrix* m, i
     for (int k = 0; k < count; k++)
         if (m[k].ids || m[k].n >= 0 || m[k].x_row)
             throw Error("internal: the exact products read every row of their input (no experts' slots or parts)");
+    if (n > 65535) throw ArgumentError(format("the exact products take at most 65535 tokens a launch, not %d", n));
     const LaunchMatrices ms = launch_matrices(m, count, kRows);
+    if (ms.units == 0) return;
     const dim3 block(32, kRows), grid(ms.units, (unsigned)n);
     switch (type) {
         case TYPE_Q4_0: OPTIML_LAUNCH(matmul_exact_kernel<TYPE_Q4_0>, grid, block, s, ms, cols, codes, meta); break;
