@@ -704,10 +704,7 @@ private:
         }
     }
     // The exact products (a split share's gate and up) for this type and row length.
-    bool exact_for(int32_t type, int64_t cols) const {
-        return exact_ && cuda_matmul_exact_reads(type) &&
-               cols % (cuda_matmul_exact_codes(type) == kCudaCodesK ? 256 : 32) == 0;
-    }
+    bool exact_for(int32_t type, int64_t cols) const { return exact_ && cuda_matmul_exact_reads(type, cols); }
     bool q8x(const Weight& w) const { return cuda_matmul_q8x_reads(w.type, w.cols, w.row_bytes, w.data); }
     // The integer path for n tokens: the decode kernels' (rows 16-byte aligned) or the tiles' (any row, every
     // row of the input).

@@ -167,8 +167,9 @@ void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int
 // The same products with each row's value the CPU's bit for bit (matmul_exact.cu: the CPU's order of the
 // block terms; any row alignment); Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights, every matrix
 // over all n rows of codes converted as cuda_matmul_exact_codes says (kCudaCodes, or kCudaCodesK for the
-// K-quants). For a split's device share, so that the split gives the CPU-only run's bits.
-bool cuda_matmul_exact_reads(int32_t type);
+// K-quants). For a split's device share, so that the split gives the CPU-only run's bits. _reads: rows of
+// `cols` values of `type` (whole blocks: 32 values, 256 for the K-quants) have them.
+bool cuda_matmul_exact_reads(int32_t type, int64_t cols);
 int32_t cuda_matmul_exact_codes(int32_t type);
 void cuda_matmul_exact_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                             const int8_t* codes, const CudaQ8Meta* meta, int32_t n);

@@ -160,8 +160,8 @@ __global__ void matmul_exact_k_kernel(LaunchMatrices ms, int64_t cols, const int
         const int valid = nb - i0 < 4 ? (int)(nb - i0) : 4;
         for (int k = 0; k < valid; k++) {
             acc = fmaf(__shfl_sync(0xffffffffu, d, 8 * k + L), __shfl_sync(0xffffffffu, a, 8 * k + L), acc);
-            const float dk = __shfl_sync(0xffffffffu, dm, 8 * k + L), bk = __shfl_sync(0xffffffffu, b, 8 * k + L);
-            if (TYPE != TYPE_Q6_K) acc = fmaf(dk, bk, acc);
+            if (TYPE != TYPE_Q6_K)  // (a compile-time branch: the whole warp or none)
+                acc = fmaf(__shfl_sync(0xffffffffu, dm, 8 * k + L), __shfl_sync(0xffffffffu, b, 8 * k + L), acc);
         }
     }
     // hsum_ps: ((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))
@@ -179,9 +179,10 @@ __global__ void matmul_exact_k_kernel(LaunchMatrices ms, int64_t cols, const int
 
 }  // namespace
 
-bool cuda_matmul_exact_reads(int32_t type) {
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 || type == TYPE_Q8_0 ||
-           type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+bool cuda_matmul_exact_reads(int32_t type, int64_t cols) {
+    const bool q32 = type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 || type == TYPE_Q8_0;
+    const bool k = type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+    return (q32 && cols % 32 == 0) || (k && cols % 256 == 0);
 }
 
 int32_t cuda_matmul_exact_codes(int32_t type) {

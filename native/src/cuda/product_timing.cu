@@ -82,7 +82,7 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     if (kernel != "decode" && kernel != "tiles" && kernel != "exact")
         throw ArgumentError(format("kernel '%s': choose decode, tiles or exact", kernel.c_str()));
     const bool tiles = kernel == "tiles", exact = kernel == "exact";
-    if (exact && (!cuda_matmul_exact_reads(type) || cols % (cuda_matmul_exact_codes(type) == kCudaCodesK ? 256 : 32)))
+    if (exact && !cuda_matmul_exact_reads(type, cols))
         throw ArgumentError(format("the exact products (a split's share) read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
                                    "and Q6_K rows of whole blocks, not %lld %s values", (long long)cols, tt.name));
     if (tiles && !cuda_matmul_tiles_reads(type))

@@ -21,6 +21,8 @@ GPT_OSS = "GptOssForCausalLM"
 # The clamped SwiGLU's constants: llama.cpp (and OptiML's kernels) fix them to the released models' values.
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 MXFP4 = 39  # ggml's type id
+# gate_up's gate and up halves: the even and the odd of its 2F outputs
+HALVES = (("gate", slice(0, None, 2)), ("up", slice(1, None, 2)))
 
 
 def read_config(cfg: dict, path: str, rope: dict) -> dict:
@@ -76,16 +78,16 @@ def ffn_plan(c, i: int, available: set) -> list[TensorPlan]:
             TensorPlan(b + "ffn_gate_inp.bias", p + "router.bias", (E,))]
     x = p + "experts."
     if x + "gate_up_proj_blocks" in available:
-        for which, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+        for which, rows in HALVES:
             plan.append(_mxfp4(f"{b}ffn_{which}_exps.weight", x + "gate_up_proj", (E, 2 * F, D), rows))
         plan.append(_mxfp4(b + "ffn_down_exps.weight", x + "down_proj", (E, D, F), slice(None)))
     else:
-        for which, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+        for which, cols in HALVES:
             plan.append(TensorPlan(f"{b}ffn_{which}_exps.weight", x + "gate_up_proj", (E, D, 2 * F),
                                    out_shape=(E, F, D), build=_fused_gate_up(cols)))
         plan.append(TensorPlan(b + "ffn_down_exps.weight", x + "down_proj", (E, F, D), out_shape=(E, D, F),
                                build=lambda t: np.ascontiguousarray(t[0].transpose(0, 2, 1))))
-    for which, sl in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+    for which, sl in HALVES:
         plan.append(TensorPlan(f"{b}ffn_{which}_exps.bias", x + "gate_up_proj_bias", (E, 2 * F), out_shape=(E, F),
                                build=lambda t, sl=sl: np.ascontiguousarray(t[0][:, sl])))
     plan.append(TensorPlan(b + "ffn_down_exps.bias", x + "down_proj_bias", (E, D)))

@@ -125,8 +125,8 @@ def load_config(folder: str) -> ModelConfig:
         extra = dict(moe.read_config(cfg, path, hf_arch, n_ctx), explicit_head_dim=cfg.get("head_dim") is not None)
     elif hf_arch == gpt_oss.GPT_OSS:
         extra = dict(gpt_oss.read_config(cfg, path, rope), explicit_head_dim=cfg.get("head_dim") is not None)
-        rope_type = "default"  # (checked there: YaRN)
-    if rope_type not in ("default", "linear", "llama3"):
+    # (gpt-oss's YaRN is checked by gpt_oss.read_config)
+    if hf_arch != gpt_oss.GPT_OSS and rope_type not in ("default", "linear", "llama3"):
         raise ConvertError(f"{path}: rope scaling {rope_type!r} is not supported (default, linear, llama3; "
                            "yarn for gpt-oss)")
 
