@@ -98,6 +98,51 @@ def test_stream_concatenates_to_the_answer(client):
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_chat_stream_sends_its_role_with_the_first_token(server, ref):
+    """A chat stream's first write is the role's chunk and the first token's together (app.py called as an
+    ASGI app, every message it sends seen): a relay that sends a stream's pieces at intervals (optiml
+    serve --ray) must not hold the first token back one interval behind a role-only piece."""
+    import asyncio
+
+    from optiml.server.app import create_app
+
+    body = json.dumps({"messages": MSGS, "max_tokens": 6, "temperature": 0, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "",
+             "query_string": b"", "headers": [(b"authorization", f"Bearer {KEY}".encode()),
+                                              (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+    async def call():
+        sent, done = [], asyncio.Event()
+        given = False
+
+        async def receive():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(m):
+            sent.append(m)
+
+        await create_app(server)(scope, receive, send)
+        done.set()
+        return sent
+
+    sent = asyncio.run(call())
+    writes = [m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body")]
+    events = [[json.loads(line[6:]) for line in w.decode().splitlines() if line.startswith("data: {")]
+              for w in writes]
+    first = events[0]
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(first) >= 2 and first[1]["choices"][0]["delta"].get("content")
+    text = "".join(c["delta"].get("content") or "" for w in events for e in w for c in e["choices"])
+    assert text == ref.chat(MSGS, temperature=0, max_tokens=6)
+
+
 def test_completions_and_logprobs(client, ref):
     prompt = "The capital of France is"
     want = ref.generate(prompt, max_tokens=12, temperature=0)

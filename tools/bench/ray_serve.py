@@ -64,6 +64,24 @@ Sizing for N machines
 """
 
 
+def chat_ttft(url: str, requests: int, bias: dict, max_tokens: int = 8) -> float:
+    """One client's median time to the first token of a streamed chat answer (the role's chunk does
+    not count), one request at a time, every conversation different."""
+    import json
+
+    conn = Connection(url)
+    try:
+        times = []
+        for k in range(requests):
+            b = {"messages": [{"role": "user", "content": f"Question {k}: {PROMPT[:200]}"}], "max_tokens": max_tokens,
+                 "temperature": 0, "stream": True, "logit_bias": bias}
+            t0, arrived = conn.stream(url_path(url) + "/v1/chat/completions", json.dumps(b).encode())
+            times.append(event_times(arrived)[0] - t0)
+        return statistics.median(times)
+    finally:
+        conn.close()
+
+
 def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> dict:
     """`clients` closed-loop clients, `requests` each, every prompt different from its first token."""
     import json
@@ -288,6 +306,9 @@ def main() -> int:
         a, b = statistics.median(lone["plain"]), statistics.median(lone["ray x1"])
         print(f"\n1 client: TTFT p50 plain {a * 1e3:.1f} ms, ray x1 {b * 1e3:.1f} ms: the proxy and ingress hops "
               f"add {(b - a) * 1e3:.1f} ms")
+        a, b = (statistics.median(chat_ttft(servers[name][0], 4, body["logit_bias"]) for _ in range(3)) for name in ("plain", "ray x1"))
+        print(f"1 client, chat streams: time to the first token p50 plain {a * 1e3:.1f} ms, ray x1 {b * 1e3:.1f} ms "
+              f"(with {args.stream_interval_ms:g} ms stream pieces)")
         same, cached = affinity(servers["ray x2"][0])
         print(f"prefix affinity, 8 chats of 4 turns, 4 at a time, on ray x2: {same:.0%} of follow-up turns on the "
               f"replica of the turn before (random: 50%), {cached:.0%} of their prompt tokens from its cache")

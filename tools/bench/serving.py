@@ -121,7 +121,8 @@ class Connection:
 
 
 def event_times(arrived: list) -> list:
-    """The arrival time of each server-sent event that carries text, from a chunked HTTP response."""
+    """The arrival time of each server-sent event that carries text (a completion's or a chat delta's),
+    from a chunked HTTP response."""
     raw = b"".join(d for _, d in arrived)
     ends, n = [], 0  # raw offset where each arrival ends
     for t, d in arrived:
@@ -148,7 +149,8 @@ def event_times(arrived: list) -> list:
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         d = json.loads(line[6:])
-        if not (d.get("choices") and d["choices"][0].get("text")):
+        c = d["choices"][0] if d.get("choices") else {}
+        if not (c.get("text") or (c.get("delta") or {}).get("content")):
             continue
         while where[w][0] < m.end():
             w += 1

@@ -351,12 +351,14 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
     async def stream():
         # Server-sent events as bytes (sse-starlette sends bytes as they are): one write per list of
         # waiting events.
+        # The role's chunk goes out with the first tokens, in one write: a relay that sends a stream's pieces
+        # at intervals (optiml serve --ray) would otherwise hold the first token back for one interval.
+        role = chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None} for j in jobs]) if chat else b""
         try:
-            if chat:
-                yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for j in jobs])
             async for evs in _event_lists(q, len(jobs)):
-                out = []
+                out = [role]
+                role = b""
                 for ev in evs:
                     if ev["type"] == "error":
                         out.append(_sse(_dumps({"error": {"message": ev["message"], "type": "server_error",
