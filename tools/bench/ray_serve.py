@@ -261,15 +261,15 @@ def main() -> int:
             run_level(url, 1, 1, dict(body, max_tokens=4), "warm")
 
         rows = {name: [] for name in servers}
-        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other", "plain"], 0.0) for name in servers}
+        cpu = {name: dict.fromkeys(list(ROLES) + ["ray other", "plain", "bench"], 0.0) for name in servers}
         names = list(servers)
         print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores here: others' work shares them)")
         for r in range(args.rounds):
             for name in names[r % 3:] + names[:r % 3]:  # rotate the order: drift is shared out
                 url, clients = servers[name]
-                before = ray_cpu(plain.pid)
+                before = dict(ray_cpu(plain.pid), bench=time.process_time() * 1e3)
                 res = run_level(url, clients, args.requests, body, f"r{r}")
-                after = ray_cpu(plain.pid)
+                after = dict(ray_cpu(plain.pid), bench=time.process_time() * 1e3)
                 for role in cpu[name]:
                     cpu[name][role] += after[role] - before[role]
                 rows[name].append(res)
@@ -287,8 +287,9 @@ def main() -> int:
         print(f"ray x2 / plain:  throughput x{two['tok_s'] / pl['tok_s']:.2f}; ray x1 / plain: "
               f"x{one['tok_s'] / pl['tok_s']:.2f} (the Ray hops' CPU on a shared core)")
         print(f"load average after: {os.getloadavg()[0]:.1f}")
-        print("\nCPU per generated token (ms), all rounds: the plain server's process, Ray Serve's by role")
-        roles = ["plain"] + list(ROLES) + ["ray other"]
+        print("\nCPU per generated token (ms), all rounds: the plain server's process, Ray Serve's by role, this "
+              "benchmark's own (its clients and Ray's driver)")
+        roles = ["plain"] + list(ROLES) + ["ray other", "bench"]
         print(f"{'server':8} " + " ".join(f"{role:>10}" for role in roles))
         for name in servers:
             tokens = args.rounds * servers[name][1] * args.requests * args.gen
