@@ -17,7 +17,8 @@
 #                                # (tools/bench/gpu_kernels.py), the hybrid benchmark (ReLU, 25%) and the
 #                                # mixture-of-experts one
 #                                # (tools/bench/moe_gpu.py: hot experts placed by the solver against llama.cpp
-#                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape)
+#                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape), and last
+#                                # Nsight Compute's summary of two decode steps (tools/bench/ncu_decode.py)
 #   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
 #                                # not carried prebuilt), runs the GPU tests (with the real models when
 #                                # their parts were carried) and compute-sanitizer's memcheck, makes synthetic
@@ -115,8 +116,10 @@ prepare_llama() {
     set -e
     local src=build/llama-src
     mkdir -p "$src" && tar -xJf "$carry/llama.cpp.tar.xz" -C "$src"
+    local blas=()
+    cublas_args blas
     # shellcheck disable=SC2086
-    cmake -S "$src" -B build/llama-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON \
+    cmake -S "$src" -B build/llama-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON "${blas[@]}" \
         -DCMAKE_CUDA_ARCHITECTURES=${LLAMA_CUDA_ARCHS:-90-real} -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON \
         ${LLAMA_CPU_FLAGS:--DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
         -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=ON \
@@ -125,6 +128,34 @@ prepare_llama() {
     cmake --build build/llama-cuda -j"$(nproc)" --target llama-bench llama-batched-bench llama-server
     (cd build/llama-cuda/bin && tar -cJf "$OLDPWD/$carry/llama-bin.tar.xz" llama-bench llama-batched-bench llama-server ./*.so*)
     du -sh "$carry"
+}
+
+# cuBLAS for llama.cpp's CUDA build (it links CUDA::cublas and CUDA::cublasLt). A toolkit that is nvcc
+# without cuBLAS (this project's 2-core machines) fails at "ggml-cuda links to CUDA::cublas but the target
+# was not found": NVIDIA's cuBLAS wheel of the same CUDA release is unpacked under build/ and given to
+# CMake. Only the build uses it; the GPU machine's programs load the GPU image's own cuBLAS (llama_build).
+cublas_args() {  # cublas_args ARRAY_NAME: fills the array with CMake arguments (none when the toolkit has cuBLAS)
+    local -n args=$1
+    local root  # where CMake's FindCUDAToolkit looks (nvcc may be a wrapper script elsewhere)
+    for root in "${CUDA_HOME:-/nonexistent}" "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")" /usr/local/cuda; do
+        if find "$root"/lib64/ "$root"/targets/*/lib/ "$root"/lib/x86_64-linux-gnu/ -maxdepth 1 -name 'libcublas.so*' 2>/dev/null | grep -q .; then
+            return 0
+        fi
+    done
+    local py=${PYTHON:-python3} release wheel=build/cublas-wheel
+    release=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+    if ! find "$wheel" -name 'libcublas.so.*' 2>/dev/null | grep -q .; then
+        echo "== no cuBLAS in the CUDA toolkit: NVIDIA's cuBLAS wheel for CUDA $release"
+        rm -rf "$wheel" "$wheel.dl"
+        "$py" -m pip download --quiet --no-deps --only-binary=:all: -d "$wheel.dl" "nvidia-cublas==$release.*"
+        "$py" -m zipfile -e "$wheel.dl"/nvidia_cublas-*.whl "$wheel"
+        rm -rf "$wheel.dl"
+    fi
+    local lib; lib=$(dirname "$(find "$PWD/$wheel" -name 'libcublas.so.*' | head -n 1)")
+    local inc; inc=$(cd "$lib/../include" && pwd)
+    args=(-DCUDA_cublas_LIBRARY="$(ls "$lib"/libcublas.so.* | head -n 1)"
+          -DCUDA_cublasLt_LIBRARY="$(ls "$lib"/libcublasLt.so.* | head -n 1)"
+          -DCMAKE_CUDA_FLAGS="-I$inc" -DCMAKE_CXX_FLAGS="-I$inc" -DCMAKE_C_FLAGS="-I$inc")
 }
 
 hybrid() {
@@ -171,6 +202,11 @@ verify() {
     step moe "$py" tools/bench/moe_gpu.py --device cuda --n-layer 4 --share 0.25 --reps 2 --profile-tokens 1024 \
         --workdir "$models/moe" --llama-bench build/llama-cuda/bin/llama-bench
     tail -n 12 "$out/moe.log"
+    # Last, as the call's time may run out: Nsight Compute over two decode steps (each kernel's time, DRAM
+    # bytes and share of the peak; the report comes back in $out for the GUI).
+    step ncu timeout 240 "$py" tools/bench/ncu_decode.py -m "$models/llama7b-q4_0.gguf" --steps 2 \
+        --report "$out/ncu-decode" --json "$out/ncu.json"
+    cat "$out/ncu.log"
     echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
     [ ${#failed[@]} -eq 0 ]
 }
