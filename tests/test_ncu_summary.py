@@ -2,6 +2,7 @@
 base): launches grouped by kernel and grid, per-step counts, medians, bytes and bandwidth computed by hand
 here. The profiling itself needs a GPU and ncu (tools/checks/gpu_check.sh verify runs it)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,35 @@ def test_a_missing_ncu_is_named():
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "ncu_decode.py"), "-m", "x.gguf", "--ncu",
                         "/nonexistent/ncu"], capture_output=True, text=True)
     assert r.returncode != 0 and "no Nsight Compute: /nonexistent/ncu" in r.stderr
+
+
+def test_the_run_through_a_stand_in_ncu(tmp_path):
+    """The parent's side end to end with a stand-in for ncu: how it is called (clocks as set, profiling from
+    cuProfilerStart, the child with graphs off), the report read back, the table and the JSON."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "ncu"
+    rows = [launch(i, "matmul_q8x_kernel", "(64, 1, 1)", "2000000", "0", "40", 20000) for i in range(4)]
+    fake.write_text(f"""#!{sys.executable}
+import os, sys
+with open({str(calls)!r}, "a") as f:
+    f.write(repr((sys.argv[1:], os.environ.get("OPTIML_CUDA_GRAPHS"))) + "\\n")
+if "--import" in sys.argv:
+    print({chr(10).join([HEAD, UNITS] + rows)!r})
+else:
+    open(sys.argv[sys.argv.index("-o") + 1] + ".ncu-rep", "w").close()
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "ncu.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "ncu_decode.py"), "-m", "model.gguf", "--ncu",
+                        str(fake), "--steps", "2", "--json", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (run, graphs), (read, _) = [eval(line) for line in calls.read_text().splitlines()]
+    assert run[:run.index(sys.executable)] == ["--clock-control", "none", "--metrics", ",".join(ncu_decode.METRICS),
+                                                "-f", "-o", str(tmp_path / "ncu-decode"), "--profile-from-start", "off"]
+    assert run[run.index(sys.executable) + 2:] == ["--child", "-m", "model.gguf", "--steps", "2", "--batch", "1",
+                                                   "--warmup", "2"]
+    assert graphs == "0"
+    assert read[:2] == ["--import", str(tmp_path / "ncu-decode") + ".ncu-rep"] and "raw" in read and "base" in read
+    s = json.loads(out.read_text())
+    assert s["kernels_per_step"] == 2 and s["kernels"][0]["gb_s"] == pytest.approx(2e6 / 20e-6 / 1e9)
+    assert "a step: 2 kernels" in r.stdout

@@ -62,7 +62,7 @@ def child(a) -> int:
     import optiml
     from optiml import Batch
 
-    with optiml.Model(a.model, n_ctx=64 + a.batch * (a.warmup + a.steps), n_seq=a.batch, device="cuda") as m:
+    with optiml.Model(a.model, n_ctx=(64 + a.warmup + a.steps) * a.batch, n_seq=a.batch, device="cuda") as m:
         prompt = [m.tokenizer.bos_id if m.tokenizer.bos_id >= 0 else 1] + [100 + i for i in range(7)]
         b = Batch()
         for s in range(a.batch):
