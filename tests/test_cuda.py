@@ -293,6 +293,23 @@ def test_budget_too_small_is_refused(tiny):
         optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, vram="1MiB")
 
 
+def test_heads_larger_than_the_attention_holds_are_refused(tiny, tmp_path):
+    """Heads of 320 values, more than the attention kernels keep in shared memory (256), with either value
+    cache: refused with an error that says so (checked where the first attention kernel is launched: one writing
+    past its shared memory would leave the device unusable); the device then runs another model."""
+    path = tmp_path / "hd320.gguf"
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                    "-o", str(path), "--n-embd", "640", "--n-layer", "1", "--n-ff", "256", "--n-head", "2",
+                    "--n-head-kv", "1", "--type", "q4_0", "--std", "0.05", "--quiet", "--tokenizer-from",
+                    str(tiny["donor"])], check=True)
+    for kv in ({}, {"kv_type_v": "q8_0"}):
+        with optiml.Model(path, n_ctx=64, device="cuda", **kv) as m:
+            with pytest.raises(optiml.UnsupportedModelError, match="heads of up to 256 values, this model has 320"):
+                m.eval([1, 2, 3])
+    ids = prompt_ids(tiny["q4_0"])
+    assert mean_kld(logits(tiny["q4_0"], ids), logits(tiny["q4_0"], ids, device="cuda")) < 1e-3
+
+
 # ---- a quantized KV cache (issue #47) -------------------------------------------------------------------
 # The GPU writes the CPU's blocks (the same Walsh-Hadamard rotation, the same rounding) and reads them as the
 # CPU does (q in Q8_0 against the keys' codes, integer sums per block; values weighed in float and the output

@@ -578,9 +578,17 @@ static int64_t cache_bytes(int32_t type, int64_t n) {
     return n * (type == TYPE_F16 ? 2 : 4);
 }
 
+// Both kernels keep a head in shared memory (kMaxHeadDim values): a larger head is refused before either runs.
+static void check_head_dim(const CudaAttnArgs& a) {
+    if (a.head_dim > kMaxHeadDim)
+        throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
+                                           kMaxHeadDim, a.head_dim));
+}
+
 void cuda_attn_prepare(cudaStream_t s, const CudaAttnArgs& a, float* q, float* k, const float* v, const int32_t* seq,
                        const int32_t* pos, int32_t n) {
     if (n <= 0) return;
+    check_head_dim(a);
     check_cache(a);
     {
         const int64_t n_q = (int64_t)a.n_head * a.head_dim, n_kv = (int64_t)a.n_head_kv * a.head_dim;
@@ -603,9 +611,7 @@ void cuda_attn_scores(cudaStream_t s, const CudaAttnArgs& a, const float* q, con
                       int32_t n, float* out, int32_t convert, int8_t* codes, CudaQ8Meta* meta, int32_t splits,
                       float* part) {
     if (n <= 0) return;
-    if (a.head_dim > kMaxHeadDim)
-        throw UnsupportedModelError(format("the CUDA attention handles heads of up to %d values, this model has %d",
-                                           kMaxHeadDim, a.head_dim));
+    check_head_dim(a);
     if (n > 65535) throw ArgumentError(format("cuda attention: %d tokens is more than one launch holds", n));
     check_cache(a);
     if (convert != -1 && (a.head_dim % 32 || (convert != kCudaCodes && convert != TYPE_Q8_0 && convert != TYPE_Q8_1) ||

@@ -326,8 +326,9 @@ int32_t max_tokens(const Matrices& ms, int32_t n) {
 // The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of kTokens tokens
 // (experts chosen on the GPU: per slot).
 dim3 grid_of(const Matrices& ms, int32_t n) {
-    if (ms.m[0].ids) return dim3(total_blocks(ms), (unsigned)max_tokens(ms, n));
-    return dim3(total_blocks(ms), (unsigned)((max_tokens(ms, n) + kTokens - 1) / kTokens));
+    const int32_t most = max_tokens(ms, n), y = ms.m[0].ids ? most : (most + kTokens - 1) / kTokens;
+    if (y > 65535) throw ArgumentError(format("cuda_matmul: %d tokens is more than one launch holds", most));
+    return dim3(total_blocks(ms), (unsigned)y);
 }
 
 template <int TYPE>
@@ -442,8 +443,6 @@ void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int cou
     if (cols % 8 != 0)
         throw UnsupportedModelError(format("the CUDA backend needs rows of a multiple of 8 values, got %lld",
                                            (long long)cols));
-    if ((max_tokens(ms, n) + kTokens - 1) / kTokens > 65535)
-        throw ArgumentError(format("cuda_matmul: %d tokens is more than one launch holds", n));
     switch (type) {
 #define OPTIML_MATMUL_CASE(T)          \
     case T:                            \

@@ -2,6 +2,7 @@
 // shared expert's sigmoid gate, and each token's experts summed as the CPU sums them (moe_combine in
 // native/src/cpu/backend/moe_ffn.cpp: best first, then the shared expert).
 #include "kernels.cuh"
+#include "optiml/common.h"
 
 namespace optiml {
 
@@ -100,6 +101,8 @@ __global__ void route_kernel(const float* logits, int32_t n, int32_t n_expert, i
 void cuda_moe_route(cudaStream_t s, const float* logits, int32_t n, int32_t n_expert, int32_t k, bool norm,
                     float scale, bool softmax_chosen, int32_t* chosen, float* weight) {
     if (n <= 0) return;
+    if (k < 1 || k > n_expert)  // the kernel would leave a choice at -1 and index with it
+        throw ArgumentError(format("moe_route: %d experts a token out of %d", k, n_expert));
     OPTIML_LAUNCH(route_kernel, (unsigned)((n + 31) / 32), 32, s, logits, n, n_expert, k, norm, scale, softmax_chosen,
                   chosen, weight);
     cuda_check(cudaSuccess, "moe_route");
