@@ -153,6 +153,33 @@ def test_prompt_text_and_block_hashes():
     assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
 
 
+def test_stream_pieces_merge_and_the_end_goes_at_once():
+    """Replica.forward over a stand-in ASGI app (no cluster): the head goes with the first body at once, what
+    comes before the next piece is due goes together, and the end of the body goes as soon as it comes,
+    with an interval of an hour that would otherwise hold it (a hang here fails by the timeout)."""
+    import asyncio
+
+    from optiml.server.ray_serve import Forwarded, Head, Replica
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await asyncio.sleep(0.05)  # after the head has gone: b and c come before the next piece is due
+        await send({"type": "http.response.body", "body": b"b", "more_body": True})
+        await send({"type": "http.response.body", "body": b"c", "more_body": False})
+
+    replica = Replica.__new__(Replica)  # what forward needs of one, without Ray
+    replica.app, replica.name, replica.interval = app, "test@0", 3600.0
+
+    async def collect():
+        req = Forwarded("POST", "/v1/completions", b"", [], b"{}", None)
+        return [item async for item in replica.forward(req)]
+
+    head, *rest = asyncio.run(asyncio.wait_for(collect(), 30))
+    assert isinstance(head, Head) and (head.status, head.body, head.done) == (200, b"a", False)
+    assert rest == [b"bc"]
+
+
 def test_chat_greedy_equals_model_chat(client, ref):
     want = ref.chat(MSGS, temperature=0, max_tokens=24)
     r = client.chat.completions.create(model="smollm2", messages=MSGS, temperature=0, max_tokens=24)
