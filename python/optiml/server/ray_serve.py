@@ -244,10 +244,10 @@ class Replica:
     (optiml.models.resolve: a name not cached there yet is pulled). model_kwargs: optiml.Model's;
     n_threads None means the CPUs Ray gave the replica. server_kwargs: optiml.server.Server's.
     stream_interval_ms: a stream's pieces are sent at most this often, what came meanwhile together
-    (0: each as it comes; the first piece is never held back). Each item costs Ray Serve's proxy and the
-    ingress a message each: 2 to 4 ms of CPU per item together on this project's 2-core machine
-    (tools/bench_ray_serve.py), a third of a token's compute for a 135M model when every token is an
-    item. Ray Serve LLM batches the same way (stream_batching_interval_ms, 50 ms); at 100 ms a replica
+    (0: each as it comes); neither the first piece nor the answer's end is held back. Each item costs
+    Ray Serve's proxy and the ingress a message each: 2 to 4 ms of CPU per item together on this
+    project's 2-core machine (tools/bench/ray_serve.py), a third of a token's compute for a 135M model
+    when every token is an item. Ray Serve LLM batches the same way (stream_batching_interval_ms, 50 ms); at 100 ms a replica
     sends at most 10 items a second per stream whatever its speed."""
 
     # A replica whose scheduler has work but has not taken a step for this long is reported unhealthy
