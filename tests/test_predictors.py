@@ -212,3 +212,30 @@ def test_bad_training_arguments(relu_model, tmp_path):
         P.train_predictors(relu_model, texts=["x"], out=relu_model)
     with pytest.raises(optiml.ArgumentError, match="at least 64"):
         P.train_predictors(relu_model, texts=["a few words"], out=str(tmp_path / "p.gguf"), progress=False)
+
+
+def test_planted_firing_is_learnable_at_its_rank(smollm2_path, tmp_path):
+    """tools/make_synthetic_model.py --plant-rank R (the hybrid benchmark's model): firing planted in an
+    R-dimensional subspace is learned at rank R with nearly no extra neurons predicted, where the same
+    planted rates without it need a larger rank and predict several times the active share."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "make_synthetic_model.py"
+    text = shared_eval_text()
+    got = {}
+    for name, extra in (("flat", []), ("ranked", ["--plant-rank", "32"])):
+        path = tmp_path / f"{name}.gguf"
+        subprocess.run([sys.executable, str(tool), "-o", str(path), "--n-embd", "256", "--n-layer", "2", "--n-ff",
+                        "1024", "--n-head", "4", "--n-head-kv", "4", "--activation", "relu", "--plant-firing", "0.1",
+                        "--quiet", "--tokenizer-from", str(smollm2_path), *extra], check=True)
+        got[name] = P.train_predictors(path, texts=[text], recall=0.99, samples=1024, progress=False, n_threads=2)
+    ranked, flat = got["ranked"], got["flat"]
+    assert (ranked.recall >= 0.99).all() and (flat.recall >= 0.99).all()
+    assert (ranked.rank <= 32).all() and (flat.rank > 32).all()
+    assert (ranked.predicted < 1.5 * ranked.active).all()  # planted active share 0.1
+    assert (flat.predicted > 2 * flat.active).all()
+    bad = subprocess.run([sys.executable, str(tool), "-o", str(tmp_path / "x.gguf"), "--plant-rank", "8"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--plant-rank needs --plant-firing" in bad.stderr

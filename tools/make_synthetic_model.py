@@ -24,6 +24,12 @@ With --activation relu a neuron fires exactly when its gate is positive; with Si
 ones with large activations, which is what calibration keeps. The speed of a dense run does not depend on
 the values, so llama.cpp's side of a comparison is unaffected.
 
+--plant-rank R (with --plant-firing) makes that firing predictable from the layer's input, as activation
+predictors need: the random part of every gate row lies in one R-dimensional subspace (random, orthogonal to
+u, scaled so that each neuron's firing rate stays as planted), so whether a neuron fires is a function of
+the input's R coordinates there plus the shift along u: a predictor of rank R + 1 with a bias can learn it
+(the quantization of the gate adds a little noise that it cannot).
+
 --plant-clusters C plants co-activation: each layer's neurons fall into clusters of C (a random
 assignment, so a cluster's rows lie scattered through the file), and every gate row of cluster c is
 sqrt(--cluster-share) * std * sqrt(E) * d_c plus the rest of its random part, d_c a random unit vector of the
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plant-firing", type=float, default=None, metavar="MEAN",
                     help="plant power-law FFN firing with this mean rate per neuron (0 < MEAN < 1): see above")
+    ap.add_argument("--plant-rank", type=int, default=None, metavar="R",
+                    help="with --plant-firing: gate rows' random parts in one R-dimensional subspace (see above)")
     ap.add_argument("--plant-clusters", type=int, default=None, metavar="C",
                     help="plant co-activation: FFN neurons in clusters of C that fire together (see above)")
     ap.add_argument("--cluster-share", type=float, default=0.9,
@@ -181,6 +189,8 @@ def main(argv=None) -> int:
 
     if a.plant_firing is not None and not 0 < a.plant_firing < 0.98:
         ap.error("--plant-firing must be in (0, 0.98)")
+    if a.plant_rank is not None and (a.plant_firing is None or not 1 <= a.plant_rank < a.n_embd):
+        ap.error("--plant-rank needs --plant-firing and must be in 1..n_embd-1")
     if a.plant_clusters is not None:
         if moe or a.plant_firing is not None:
             ap.error("--plant-clusters plants a dense FFN's co-activation: not with --experts or --plant-firing")
@@ -245,6 +255,10 @@ def main(argv=None) -> int:
         # tokens: P(fire) = Phi(beta_j / std), i.e. beta_j = std * Phi^-1(p_j).
         norm = statistics.NormalDist()
         beta_of = np.array([norm.inv_cdf(float(p)) for p in firing], dtype=np.float32) * a.std
+        if a.plant_rank is not None:  # an orthonormal basis of the subspace, orthogonal to u
+            q = np.random.default_rng([a.seed, 17]).standard_normal((E, a.plant_rank)).astype(np.float32)
+            q -= u[:, None] * (u @ q)[None, :]
+            q = np.linalg.qr(q)[0].astype(np.float32)
 
     def scaled(make, factor):
         def run():
@@ -261,6 +275,8 @@ def main(argv=None) -> int:
     def planted_gate(make, layer):
         def run():
             g = make()
+            if a.plant_rank is not None:  # the same spread over tokens, from R coordinates of the input
+                g = (g @ q) @ (q.T * np.float32(np.sqrt(E / a.plant_rank)))
             beta = beta_of[np.random.default_rng([a.seed, 11, layer]).permutation(FF)]
             g += (beta - g @ u)[:, None] * u[None, :]
             return g

@@ -14,6 +14,10 @@ greedy tokens) of:
     ours on the CPU alone                      device="cpu"
     ours hybrid, per budget                    the placed file, device and vram = the budget
     ours with every layer on the device        when the model fits the device
+    ours with predictors, CPU alone and hybrid  --predictor-samples > 0: predictors trained on the model
+                                               (optiml.train_predictors, recall 0.99; the model's firing
+                                               planted learnable, make_synthetic_model.py --plant-rank),
+                                               their held-out recall and predicted share printed
     llama.cpp, per budget                      llama-bench -ngl k: the most whole layers the budget holds
                                                (with the KV cache for the context), -ngl 0, and -ngl 99
 and the ratios the issue's goals are stated in. The hybrid run's greedy tokens are compared with the CPU
@@ -110,6 +114,26 @@ def llama_layers_for(path: str, budget: int, ctx: int) -> int:
     return k
 
 
+def trained_predictors(model: str, text: str, args) -> str:
+    """Predictors for `model` (kept in the workdir with their training summary): path. Prints their rank,
+    held-out recall and the share of neurons they predict active against the share truly active."""
+    out = model[:-5] + f".pred{args.predictor_samples}.gguf"
+    summary = out[:-5] + ".json"
+    if not (os.path.exists(out) and os.path.exists(summary)):
+        t = time.perf_counter()
+        r = optiml.train_predictors(model, [text], recall=0.99, out=out, samples=args.predictor_samples,
+                                    n_threads=args.threads, progress=False)
+        with open(summary, "w") as f:
+            json.dump({"rank": r.rank.tolist(), "recall": r.recall.tolist(), "predicted": r.predicted.tolist(),
+                       "active": r.active.tolist(), "seconds": time.perf_counter() - t}, f)
+    with open(summary) as f:
+        s = json.load(f)
+    print(f"predictors ({args.predictor_samples} tokens, {s['seconds']:.0f} s to train): rank {min(s['rank'])}-"
+          f"{max(s['rank'])}, held-out recall mean {np.mean(s['recall']):.4f} (min {min(s['recall']):.4f}), "
+          f"predicted active {np.mean(s['predicted']):.3f} of the neurons where {np.mean(s['active']):.3f} fire")
+    return out
+
+
 def llama_bench(binary: str, path: str, ngl: int, n: int, reps: int, threads: int) -> float:
     out = subprocess.run([binary, "-m", path, "-p", "0", "-n", str(n), "-r", str(reps), "-ngl", str(ngl), "-t",
                           str(threads), "-o", "json"], check=True, capture_output=True, text=True).stdout
@@ -134,18 +158,23 @@ def main() -> int:
     ap.add_argument("--profile-tokens", type=int, default=4000)
     ap.add_argument("--calibrate-tokens", type=int, default=8192,
                     help="SwiGLU thresholds from this many tokens (on the CPU: 8192 took 3 minutes of a GPU call)")
+    ap.add_argument("--plant-rank", type=int, default=64,
+                    help="the planted firing predictable from this many input coordinates (0: not)")
+    ap.add_argument("--predictor-samples", type=int, default=2048,
+                    help="train predictors on this many tokens and run with them too (0: no predictors)")
     ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
                     "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
     args, res = harness.parse(ap, "hybrid")
     firing = args.firing if args.firing is not None else (0.1 if args.activation == "relu" else 0.5)
     os.makedirs(args.workdir, exist_ok=True)
     E, L, FF, H, HKV = SHAPES[args.shape]
-    tag = f"{args.shape}-{args.activation}-{args.type}-f{firing:g}"
+    tag = f"{args.shape}-{args.activation}-{args.type}-f{firing:g}" + (f"-r{args.plant_rank}" if args.plant_rank else "")
     base = os.path.join(args.workdir, f"{tag}.gguf")
     if not os.path.exists(base):
         sh([sys.executable, str(harness.ROOT / "tools" / "make_synthetic_model.py"), "-o", base, "--quiet",
             "--n-embd", E, "--n-layer", L, "--n-ff", FF, "--n-head", H, "--n-head-kv", HKV, "--type", args.type,
             "--activation", args.activation, "--plant-firing", firing,
+            *(["--plant-rank", args.plant_rank] if args.plant_rank else []),
             *(["--tokenizer-from", args.tokenizer_from] if args.tokenizer_from else [])])
     text = text_file(args.workdir)
     model = base
@@ -191,6 +220,7 @@ def main() -> int:
         print(f"  {label:36} device bytes {used / 2**20:9.1f} MiB   {rate:8.2f} tok/s", flush=True)
         return rate, toks
 
+    pred = trained_predictors(model, text, args) if args.predictor_samples > 0 else None
     cpu_rate, cpu_toks = run("ours, CPU only", model, device="cpu")
     ours = {}
     for b, (path, vram) in placed.items():
@@ -200,6 +230,12 @@ def main() -> int:
             same = next((i for i, (x, y) in enumerate(zip(toks, cpu_toks)) if x != y), min(len(toks), len(cpu_toks)))
             print(f"    greedy tokens equal to the CPU run's for the first {same} of {len(toks)}")
     full_rate, _ = run("ours, every layer on the device", model, device=args.device, n_gpu_layers=L)
+    with_pred = {}
+    if pred:
+        with_pred["cpu"], _ = run("ours, CPU only, predictors", model, device="cpu", predictors=pred)
+        for b, (path, vram) in placed.items():
+            with_pred[b], _ = run(f"ours, hybrid at {b:.0%}, predictors", path, device=args.device, vram=vram,
+                                  predictors=pred)
     theirs = {}
     if args.llama_bench:
         for b, (_, vram) in placed.items():
@@ -221,6 +257,12 @@ def main() -> int:
             print(f"  hybrid at {b:.0%} / ours CPU only: {ours[b] / cpu_rate:.2f}x")
         if ours.get(b) and full_rate:
             print(f"  hybrid at {b:.0%} / ours all on the device: {ours[b] / full_rate:.2f}x")
+        if with_pred.get(b) and ours.get(b):
+            print(f"  hybrid at {b:.0%} with predictors / without: {with_pred[b] / ours[b]:.2f}x")
+        if with_pred.get(b) and theirs.get(b):
+            print(f"  hybrid at {b:.0%} with predictors / llama.cpp at the same memory: {with_pred[b] / theirs[b]:.2f}x")
+    if with_pred.get("cpu") and cpu_rate:
+        print(f"  CPU only with predictors / without: {with_pred['cpu'] / cpu_rate:.2f}x")
     res.write(args.json)
     return 0
 

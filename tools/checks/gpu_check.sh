@@ -195,7 +195,7 @@ verify() {
         --json "$out/kernels.json"
     cat "$out/kernels.log"
     step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
-        --tokens 32 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
+        --tokens 32 --predictor-samples 1024 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --workdir build/bench-hybrid
     tail -n 25 "$out/hybrid-relu.log"
     wait "$moe_maker" || failed+=(make-moe)
