@@ -63,8 +63,10 @@ def main(argv=None) -> int:
     for mode, share in (("dense", 0.10), ("sparse-fast", 0.25), ("sparse-compact", 0.25)):
         cmd = [sys.executable, __file__, "-m", a.model, "--mode", mode, "-t", str(a.threads), "--ctx", str(a.ctx),
                "--prompt", str(a.prompt), "--tokens", str(a.tokens), "--threshold", str(a.threshold)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        r = json.loads(out)
+        child = subprocess.run(cmd, capture_output=True, text=True)
+        if child.returncode != 0:
+            raise SystemExit(f"the {mode} run failed ({child.returncode}): {' '.join(cmd)}\n{child.stderr[-3000:]}")
+        r = json.loads(child.stdout.strip().splitlines()[-1])
         base = size + r["kv_bytes"]
         over = r["peak_rss"] - base
         res.add(mode=mode, skipped=r.get("skipped"), peak_rss_gib=r["peak_rss"] / 2**30, file_kv_gib=base / 2**30,
