@@ -259,6 +259,7 @@ def main(argv=None) -> int:
             q = np.random.default_rng([a.seed, 17]).standard_normal((E, a.plant_rank)).astype(np.float32)
             q -= u[:, None] * (u @ q)[None, :]
             q = np.linalg.qr(q)[0].astype(np.float32)
+            q_spread = q.T * np.float32(np.sqrt(E / a.plant_rank))  # back to the full space, at the planted spread
 
     def scaled(make, factor):
         def run():
@@ -276,7 +277,7 @@ def main(argv=None) -> int:
         def run():
             g = make()
             if a.plant_rank is not None:  # the same spread over tokens, from R coordinates of the input
-                g = (g @ q) @ (q.T * np.float32(np.sqrt(E / a.plant_rank)))
+                g = (g @ q) @ q_spread
             beta = beta_of[np.random.default_rng([a.seed, 11, layer]).permutation(FF)]
             g += (beta - g @ u)[:, None] * u[None, :]
             return g

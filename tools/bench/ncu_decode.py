@@ -149,7 +149,7 @@ def parent(a) -> int:
     if ncu is None:
         raise SystemExit(f"no Nsight Compute: {a.ncu or 'ncu'} is not a program here (it comes with the CUDA "
                          "toolkit: /usr/local/cuda/bin/ncu, or give --ncu PATH)")
-    report = a.report or os.path.join(os.path.dirname(a.json or os.path.abspath("ncu-decode")), "ncu-decode")
+    report = a.report or os.path.join(os.path.dirname(os.path.abspath(a.json)) if a.json else ".", "ncu-decode")
     cmd = [ncu, "--clock-control", "none", "--metrics", ",".join(METRICS), "-f", "-o", report]
     if not a.from_start:
         cmd += ["--profile-from-start", "off"]

@@ -712,8 +712,7 @@ private:
         return q8x(w) || (tiles(w.type, n) && w.cols % (cuda_tile_codes(w.type) == kCudaCodesK ? 256 : 32) == 0);
     }
     bool ints_for(const Out& o, int32_t n) const {
-        if (exact_for(o.w->type, o.w->cols) && o.n < 0 && !o.ids) return true;
-        return q8x(*o.w) || (o.n < 0 && !o.ids && ints_for(*o.w, n));
+        return q8x(*o.w) || (o.n < 0 && !o.ids && (exact_for(o.w->type, o.w->cols) || ints_for(*o.w, n)));
     }
 
     void launch_products(Input& in, int32_t type, bool ints, CudaMatrix* m, int count) {

@@ -345,7 +345,8 @@ class Replica:
                         break
                 if start is None or (more and not parts):
                     continue  # nothing to send yet: the head goes with the first body
-                body, parts[:] = b"".join(parts), []
+                body = b"".join(parts)
+                parts.clear()
                 if first:
                     first = False
                     yield Head(start["status"], list(start.get("headers", [])), self.name, body, not more)
