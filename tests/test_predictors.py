@@ -239,3 +239,23 @@ def test_planted_firing_is_learnable_at_its_rank(smollm2_path, tmp_path):
     bad = subprocess.run([sys.executable, str(tool), "-o", str(tmp_path / "x.gguf"), "--plant-rank", "8"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "--plant-rank needs --plant-firing" in bad.stderr
+
+
+def test_a_gate_of_rank_between_the_stored_ranks_trains(smollm2_path, tmp_path):
+    """A gate whose samples span fewer directions than the rank chosen (planted rank 90 of n_embd 256: 104
+    directions, and rank 128 the cheapest) is stored at that rank with the missing directions zero; it used to
+    fail to quantize B's rows of 104 values into Q8_0 blocks of 32."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "make_synthetic_model.py"
+    path, out = tmp_path / "r90.gguf", tmp_path / "r90.pred.gguf"
+    subprocess.run([sys.executable, str(tool), "-o", str(path), "--n-embd", "256", "--n-layer", "2", "--n-ff", "1024",
+                    "--n-head", "4", "--n-head-kv", "4", "--activation", "relu", "--plant-firing", "0.1",
+                    "--plant-rank", "90", "--quiet", "--tokenizer-from", str(smollm2_path)], check=True)
+    r = P.train_predictors(path, texts=[shared_eval_text()], recall=0.99, samples=1024, out=out, progress=False,
+                           n_threads=2)
+    assert (r.rank % 32 == 0).all() and (r.recall >= 0.99).all() and (r.predicted < 1.5 * r.active).all()
+    with optiml.Model(path, n_ctx=64, predictors=out) as m:
+        assert m.eval(list(range(100, 108))).shape == (m.n_vocab,)

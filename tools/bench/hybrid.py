@@ -184,6 +184,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda[:N], or cpu:1 to run the pipeline without a GPU")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    ap.add_argument("--n-layer", type=int, default=None,
+                    help="layers of the shape (default: all; fewer to run a 7B-shaped layer on a small machine)")
     ap.add_argument("--activation", choices=("relu", "silu"), default="relu")
     ap.add_argument("--firing", type=float, default=None,
                     help="planted mean firing rate (default 0.1 for relu, 0.5 for silu: 90%% and 50%% sparse)")
@@ -213,7 +215,11 @@ def main() -> int:
         args.predictor_samples = 2048 if args.activation == "relu" else 0
     os.makedirs(args.workdir, exist_ok=True)
     E, L, FF, H, HKV = SHAPES[args.shape]
-    tag = f"{args.shape}-{args.activation}-{args.type}-f{firing:g}" + (f"-r{args.plant_rank}" if args.plant_rank else "")
+    if args.n_layer is not None:
+        if not 1 <= args.n_layer <= L:
+            ap.error(f"--n-layer must be in 1..{L} for the {args.shape} shape")
+        L = args.n_layer
+    tag = f"{args.shape}{'' if L == SHAPES[args.shape][1] else f'x{L}'}-{args.activation}-{args.type}-f{firing:g}" + (f"-r{args.plant_rank}" if args.plant_rank else "")
     base = os.path.join(args.workdir, f"{tag}.gguf")
     if not os.path.exists(base):
         sh([sys.executable, str(harness.ROOT / "tools" / "make_synthetic_model.py"), "-o", base, "--quiet",

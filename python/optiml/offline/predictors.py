@@ -202,8 +202,13 @@ def _train_layer(X: np.ndarray, Y: np.ndarray, W: np.ndarray, gb: np.ndarray, tr
     per_rank, neuron_bytes = costs
     F = W.shape[0]
     G = X[tr] @ W.T
-    V = _low_rank_gate(G, k, rng)  # [F, k]
+    V = _low_rank_gate(G, k, rng)  # [F, <= k]: fewer columns where G's rank is lower
     del G
+    # Stored ranks are whole multiples of `step` (Q8_0 rows of B): a gate of lower rank than k is padded with
+    # zero directions up to the next multiple, which change no score.
+    k = min(k, -(-V.shape[1] // step) * step)
+    if V.shape[1] < k:
+        V = np.concatenate([V, np.zeros((F, k - V.shape[1]), np.float32)], axis=1)
     A = (V.T @ W).astype(np.float32)  # [k, E]
     Zho = X[ho] @ A.T  # [n_ho, k]
     Yho = Y[ho]
