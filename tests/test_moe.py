@@ -585,7 +585,8 @@ def test_solve_places_the_hottest_experts(q3_path, tmp_path):
     assert p.returncode == 0, p.stderr
     st = ostats.load(st_path)
     lay = expert_layout(q3_path)
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * 64 + lay["scratch_per_token"] * 64
+    logits = 4 * 64 * lay["n_vocab"]  # the plan's rows of logits beside the output matrix
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * 64 + lay["scratch_per_token"] * 64 + logits
     budget = fixed + 5 * lay["expert_bytes"][0] + 1000
     out = tmp_path / "placed.gguf"
     hw = tmp_path / "hw.json"  # a CPU slow enough that experts this small pay for the device's costs

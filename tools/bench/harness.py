@@ -44,7 +44,7 @@ INTERNAL = {
     "stats": "optiml.formats.stats",  # profile statistics, model_fingerprint
     "plan": "optiml.plan",  # plan.make: a plan without loading weights
     "hardware": "optiml.offline.hardware",  # Hardware: the solver's machine description
-    "solve": "optiml.offline.solve",  # make_groups, solve_groups: the placement MIP
+    "solve": "optiml.offline.solve",  # make_groups, solve_groups, solve_placement: the placement MIP
     "sampling": "optiml.sampling",  # the Python sampler (Sampler, SamplingParams, find_stop)
     "quant_mix": "optiml.convert.quant_mix",  # the k-quant mixes (TYPES: name -> llama.cpp's ftype)
     "jsonout": "optiml.util.jsonout",  # JSON without NaN or Infinity (null instead): the --json files

@@ -30,6 +30,12 @@ def add_arguments(p) -> None:
                    help="neurons per group (rounded up to the quant block size; default 64)")
     p.add_argument("--batch", type=int, default=512,
                    help="most tokens per step the model will run with (its n_batch), for the device's scratch")
+    p.add_argument("--positions", type=int, default=None,
+                   help="past tokens a decode step attends to, for the time to read the KV cache (default: half of "
+                        "--ctx, the mean over a context filled from empty)")
+    p.add_argument("--predictors", default=None,
+                   help="the predictor file the model will run with (optiml train-predictors): the CPU's FFN share "
+                        "is timed as it reads with them (neurons predicted active, not every gate row)")
     p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
     p.add_argument("--order", choices=("hot", "coactive"), default="hot",
                    help="the CPU's neurons in each layer: hot (most frequent first, the default) or coactive "
@@ -49,6 +55,8 @@ def run(args) -> int:
         raise ArgumentError(f"--batch must be >= 1, not {args.batch}")
     if args.group < 1:
         raise ArgumentError(f"--group must be >= 1, not {args.group}")
+    if args.positions is not None and args.positions < 0:
+        raise ArgumentError(f"--positions must be >= 0, not {args.positions}")
     if not args.time_limit > 0:
         raise ArgumentError(f"--time-limit must be > 0, not {args.time_limit}")
     st = stats.load(args.stats)
@@ -58,11 +66,15 @@ def run(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if st.is_moe:  # whole experts (optiml.offline.solve_experts)
+            if args.predictors:
+                raise ArgumentError("--predictors: this model's layers are mixtures of experts, placed by whole "
+                                    "experts, which read every row they hold: leave --predictors out")
             placement = solve_expert_placement(model, st, vram, hw, ctx=args.ctx, time_limit=args.time_limit,
-                                               batch=args.batch)
+                                               batch=args.batch, positions=args.positions)
         else:
             placement = solve_placement(model, st, vram, hw, ctx=args.ctx, group=args.group,
-                                        time_limit=args.time_limit, batch=args.batch)
+                                        time_limit=args.time_limit, batch=args.batch, positions=args.positions,
+                                        predictors=args.predictors)
     for w in caught:
         print(f"optiml solve: warning: {w.message}", file=sys.stderr)
     print(format_report(placement))

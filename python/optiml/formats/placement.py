@@ -229,6 +229,11 @@ def _solution_kv(stats: ActivationStats, placement: Any, n_layer: int) -> dict[s
     """The keys every placement writes: where attention goes, what the solver was given and found, the stats."""
     solver = {"method": placement.method, "status": placement.status, "gap": float(placement.gap),
               "solve_s": float(placement.solve_s)}
+    if hasattr(placement, "cpu_only_parts"):  # what est_token_ms assumed (optiml.offline.time_model)
+        solver["estimate"] = {"positions": int(placement.positions), "predictors": placement.predictors,
+                              "output_on_gpu": bool(placement.output_on_gpu),
+                              "cpu_only_ms": float(placement.cpu_only_token_s) * 1000.0,
+                              "cpu_only_parts_ms": {k: v * 1000.0 for k, v in placement.cpu_only_parts.items()}}
     P = PREFIX
     return {
         P + "version": (VERSION, VT.UINT32),

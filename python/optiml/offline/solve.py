@@ -74,6 +74,7 @@ from ..formats.quant import type_info
 from ..formats.stats import hot_first_order
 from ..util.sizes import mib
 from .hardware import Hardware
+from .time_model import FixedTimes, ffn_mode, fixed_layout, fixed_times, neuron_cpu_bytes, predictor_costs
 
 __all__ = ["Placement", "GroupSolution", "make_groups", "layer_times", "solve_groups",
            "solve_placement", "format_report", "SolveWarning"]
@@ -107,6 +108,11 @@ class Placement:
     gpu_attention: list[bool] = field(default_factory=list)
     # a mixture of experts (optiml.offline.solve_experts): per layer the experts on the GPU, hottest first
     gpu_experts: list[list[int]] = field(default_factory=list)
+    output_on_gpu: bool = False  # the output matrix on the GPU (the estimate counts it there)
+    positions: int = 0           # past tokens a decode step attends to, in the estimate
+    predictors: str = ""         # the predictor file the estimate counts (its name), or none
+    # cpu_only_token_s by part, seconds: {"attention": all layers', "ffn": all layers', "output": the logits'}
+    cpu_only_parts: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -382,7 +388,8 @@ _FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 
 def _model_layout(path, group: int):
-    """From the GGUF: per-layer exact FFN bytes for groups, the fixed bytes, hyper-parameters."""
+    """From the GGUF: per-layer exact FFN bytes for groups (and per neuron: gate row, up row and down column with
+    their types), the fixed part (time_model.fixed_layout), hyper-parameters, the file's sparsity criterion."""
     with gguf.open(path) as f:
         md = f.metadata
         arch = str(md.get("general.architecture", ""))
@@ -407,7 +414,12 @@ def _model_layout(path, group: int):
             raise ArgumentError(f"layer {l}: FFN tensor sizes are not whole rows/blocks per neuron")
         col_block = down.n_bytes // (n_ff // bs)
         layers.append(dict(n_ff=n_ff, block=bs, row_bytes=row_bytes, col_block=col_block,
-                            total=sum(t.n_bytes for t in rows) + down.n_bytes, ffn_type=type_info(up.type).name))
+                           total=sum(t.n_bytes for t in rows) + down.n_bytes, ffn_type=type_info(up.type).name,
+                           gate_row=gate.n_bytes // n_ff if gate is not None else 0,
+                           gate_type=type_info(gate.type).name if gate is not None else "",
+                           up_row=up.n_bytes // n_ff, up_type=type_info(up.type).name,
+                           down=col_block / bs, down_type=type_info(down.type).name,
+                           down_row=int(down.shape[1]) * 34 / 32))  # the sparse FFN's 8-bit neuron-major copy
     if n_layer == 0 or all(v is None or v["n_ff"] == 0 for v in layers):
         raise ArgumentError(f"{os.path.basename(path)} has no FFN neurons to place (no ffn_up/ffn_down tensors)")
     missing = [l for l, v in enumerate(layers) if v is None]
@@ -419,47 +431,45 @@ def _model_layout(path, group: int):
         blk = math.lcm(blk, v["block"])
     g = max(1, -(-int(group) // blk)) * blk
     ffn_names = {f"blk.{l}.{k}.weight" for l in range(n_layer) for k in _FFN}
-    has_output = "output.weight" in tensors
-    weights_fixed = sum(t.n_bytes for n, t in tensors.items()
-                        if n not in ffn_names and not (n == "token_embd.weight" and has_output))
-    n_head = int(md.get(f"{arch}.attention.head_count", 0) or 0)
-    n_embd = int(md.get(f"{arch}.embedding_length", 0) or 0)
-    n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", n_head) or n_head)
-    head_dim = n_embd // n_head if n_head else 0
-    k_len = int(md.get(f"{arch}.attention.key_length", head_dim) or head_dim)
-    v_len = int(md.get(f"{arch}.attention.value_length", head_dim) or head_dim)
-    kv_per_token = n_layer * n_head_kv * (k_len + v_len) * 2  # f16 K and V
-    # Per layer, what goes with its attention (as the plan counts it): every tensor of the block but the FFN
+    # What goes with a layer's attention (as the plan counts it): every tensor of the block but the FFN
     # matrices and their gate/up biases.
-    attn = [0] * n_layer
-    for n, t in tensors.items():
-        parts = n.split(".")
-        if parts[0] == "blk" and n not in ffn_names and not n.endswith(("ffn_gate.bias", "ffn_up.bias")):
-            attn[int(parts[1])] += t.n_bytes
+    fixed = fixed_layout(tensors, md, arch, n_layer,
+                         lambda n: n in ffn_names or n.endswith(("ffn_gate.bias", "ffn_up.bias")))
+    fixed["weights_fixed"] += sum(t.n_bytes for n, t in tensors.items() if n.endswith(("ffn_gate.bias", "ffn_up.bias")))
     # The device's scratch per token of a batch, as the plan counts it (plan.cpp scratch_bytes): four rows of
     # n_embd, two of n_head * k_len, two of n_head_kv * k_len, two of n_ff (floats).
     n_ff = max(v["n_ff"] for v in layers)
-    scratch_per_token = 4 * (4 * n_embd + 2 * n_head * k_len + 2 * n_head_kv * k_len + 2 * n_ff)
-    return dict(n_layer=n_layer, layers=layers, group=g, weights_fixed=weights_fixed, kv_per_token=kv_per_token,
-                attn=attn, scratch_per_token=scratch_per_token)
+    scratch_per_token = 4 * (4 * fixed["n_embd"] + 2 * fixed["n_head"] * fixed["k_len"]
+                             + 2 * fixed["n_head_kv"] * fixed["k_len"] + 2 * n_ff)
+    return dict(fixed, n_layer=n_layer, layers=layers, group=g, kv_per_token=n_layer * fixed["kv_per_position"],
+                scratch_per_token=scratch_per_token, metadata={k: v for k, v in md.items() if k.startswith("optiml.sparsity.")})
+
+
+def _check_tokens(name: str, v, least: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+        raise ArgumentError(f"{name} must be a whole number of tokens >= {least}, not {v!r}")
 
 
 def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096, group: int = 64,
                     time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
-                    batch: int = 512) -> Placement:
+                    batch: int = 512, positions: int | None = None,
+                    predictors: str | os.PathLike | None = None) -> Placement:
     """Places the FFN neurons of the model at model_path on the GPU within `vram` bytes (see the module doc).
     stats: an optiml.formats.stats.ActivationStats measured on this model. batch: the most tokens per step the model
-    will run with (its n_batch), for the device's scratch. Warnings (SolveWarning) for an all-CPU placement,
-    a time limit or the greedy fallback."""
+    will run with (its n_batch), for the device's scratch. positions: the past tokens a decode step attends to,
+    for the time its KV cache takes to read (default ctx // 2: the mean over a context filled from empty).
+    predictors: the predictor file the model will run with (optiml train-predictors): the CPU's FFN share is
+    timed as it runs with them. Warnings (SolveWarning) for an all-CPU placement, a time limit or the greedy
+    fallback."""
     model_path = os.fspath(model_path)
     if isinstance(vram, bool) or not isinstance(vram, (int, np.integer)) or vram < 0:
         raise ArgumentError(f"the VRAM budget must be a whole number of bytes >= 0, not {vram!r}")
-    if isinstance(ctx, bool) or not isinstance(ctx, (int, np.integer)) or ctx < 1:
-        raise ArgumentError(f"ctx must be a whole number of tokens >= 1, not {ctx!r}")
+    _check_tokens("ctx", ctx)
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
         raise ArgumentError(f"group must be a whole number of neurons >= 1, not {group!r}")
-    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-        raise ArgumentError(f"batch must be a whole number of tokens >= 1, not {batch!r}")
+    _check_tokens("batch", batch)
+    positions = int(ctx) // 2 if positions is None else positions
+    _check_tokens("positions", positions, 0)
     if not os.path.isfile(model_path):
         raise FileNotFoundError(f"model file not found: {model_path}")
     lay = _model_layout(model_path, group)  # first: a model with no FFN is the error to report
@@ -469,43 +479,40 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
     for l, v in enumerate(lay["layers"]):
         if v["n_ff"] != stats.n_ff:
             raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
+    pred = predictor_costs(predictors, model_path, stats) if predictors is not None else None
     g = lay["group"]
+    L = lay["n_layer"]
     # The FFN groups' CPU time at the CPU's measured row-sparse rate for their type (when `optiml hw` measured
-    # it); attention and the output stay at cpu_bandwidth.
+    # it); dense reads (attention, the output, what decides who fires) at its dense rate (time_model).
     ffn_hw = hardware.for_type(lay["layers"][0]["ffn_type"])
+    times = fixed_times(lay, hardware, int(positions), min(int(batch), 64))
     scratch = lay["scratch_per_token"] * int(batch)
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + 0  # + predictors: none yet
+    logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits + 0  # + predictors: none yet
+    mode = ffn_mode(stats.activation, lay["metadata"])
     order = hot_first_order(stats.freq, stats.impact)
     sorted_freq = [np.asarray(stats.freq[l], dtype=np.float64)[order[l]] for l in range(stats.n_layer)]
     gbs, cbs = [], []
     for l, v in enumerate(lay["layers"]):
         fn = lambda n, v=v: n * v["row_bytes"] + (n // v["block"]) * v["col_block"]  # noqa: E731
-        gb, cb = make_groups(sorted_freq[l], g, fn)
+        gb, _ = make_groups(sorted_freq[l], g, fn)
         assert int(gb.sum()) == v["total"], "group bytes must add up to the layer's FFN tensors"
         gbs.append(gb)
-        cbs.append(cb)
-    cpu_only = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
-    fixed_cpu_s = lay["weights_fixed"] / hardware.cpu_bandwidth
+        cbs.append(neuron_cpu_bytes(sorted_freq[l], g, v, mode, hardware, ffn_hw, pred, l))
+    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
+    cpu_only = times.estimate(cpu_ffn, [False] * L, False)
     t0 = time.perf_counter()
-    attention = [True] * lay["n_layer"]
     if fixed > vram:
-        sol, attention, used, est = _solve_partial_attention(lay, gbs, cbs, int(vram) - scratch, hardware, ffn_hw,
-                                                             int(ctx), time_limit, mip_gap, method,
-                                                             cpu_only + fixed_cpu_s)
+        sol, attention, output, used, est = _solve_partial_attention(
+            lay, gbs, cbs, int(vram) - scratch, ffn_hw, times, int(ctx), time_limit, mip_gap, method, cpu_only)
         if isinstance(sol, str):  # why nothing goes to the GPU
-            why = sol
-            warnings.warn(f"the budget of {vram:,} bytes: {why}; everything stays on the CPU", SolveWarning,
-                          stacklevel=2)
-            sol = GroupSolution(x=[0] * len(gbs), objective_s=cpu_only, ffn_bytes=0, method="all-cpu",
-                                status=f"all-cpu: {why} (the whole fixed part takes {fixed:,} bytes)",
-                                gap=math.nan, solve_s=time.perf_counter() - t0)
-            used, est, attention = 0, cpu_only + fixed_cpu_s, [False] * lay["n_layer"]
+            sol = _all_cpu(sol, vram, fixed, L, cpu_ffn, t0)
+            used, est, attention, output = 0, cpu_only, [False] * L, False
     else:
         # Every layer's attention is on the GPU: a layer pays the transfer unless its whole FFN is there too.
-        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method,
-                           attention=["gpu"] * lay["n_layer"])
-        used = fixed + sol.ffn_bytes
-        est = sol.objective_s + lay["weights_fixed"] / hardware.gpu_bandwidth
+        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L)
+        used, attention, output = fixed + sol.ffn_bytes, [True] * L, True
+        est = times.estimate(sol.objective_s, attention, output)
     k = [min(x * g, v["n_ff"]) for x, v in zip(sol.x, lay["layers"])]
     coverage = []
     for l, kl in enumerate(k):
@@ -514,50 +521,64 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
     return Placement(gpu_neurons=k, group=g, vram_budget=int(vram), vram_used=int(used), fixed_bytes=int(fixed),
                      ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est), method=sol.method,
                      status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s, coverage=coverage,
-                     cpu_only_token_s=cpu_only + fixed_cpu_s, ffn_bytes=[v["total"] for v in lay["layers"]],
-                     gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)], gpu_attention=attention)
+                     cpu_only_token_s=cpu_only, ffn_bytes=[v["total"] for v in lay["layers"]],
+                     gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)], gpu_attention=attention,
+                     output_on_gpu=output, positions=int(positions),
+                     predictors=os.path.basename(os.fspath(predictors)) if predictors is not None else "",
+                     cpu_only_parts=times.cpu_parts(cpu_ffn))
 
 
-def _solve_partial_attention(lay, gbs, cbs, vram, hw, ffn_hw, ctx, time_limit, mip_gap, method, all_cpu_s):
-    """When the fixed part does not fit: attention and KV cache on the GPU for layers [0, m) only, FFN groups
-    anywhere. Every m whose attention fits is scored with the greedy FFN placement (each layer's split cost
-    following where its attention runs, layer_times), then the best m and its neighbours are solved exactly.
-    The output matrix and global norms stay on the CPU (the plan puts the output on the device only when the
-    last layer's attention is there and room is left). m = 0 (FFN neurons only) is a candidate too. The
-    FFN groups are timed with ffn_hw, the rest with hw. vram: the budget less the device's scratch.
-    Returns (GroupSolution, attention per layer, bytes placed, estimated s/token), or (why, None, None, None)
-    when nothing goes to the GPU."""
+def _all_cpu(why: str, vram: int, fixed: int, n_layer: int, cpu_ffn_s: float, t0: float) -> GroupSolution:
+    """The all-CPU answer, with a SolveWarning that says why."""
+    warnings.warn(f"the budget of {vram:,} bytes: {why}; everything stays on the CPU", SolveWarning, stacklevel=3)
+    return GroupSolution(x=[0] * n_layer, objective_s=cpu_ffn_s, ffn_bytes=0, method="all-cpu",
+                         status=f"all-cpu: {why} (the whole fixed part takes {fixed:,} bytes)", gap=math.nan,
+                         solve_s=time.perf_counter() - t0)
+
+
+def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx, time_limit, mip_gap, method,
+                             all_cpu_s):
+    """When the fixed part does not fit: attention and KV cache on the GPU for the last m layers only, the
+    output matrix there too when chosen (it follows the last layer's attention, as the plan places it), FFN
+    groups anywhere. Every (m, output) that fits is scored with the greedy FFN placement (each layer's split
+    cost following where its attention runs, layer_times), then the best and its neighbours are solved
+    exactly. m = 0 (FFN neurons only) is a candidate too. The FFN groups are timed with ffn_hw, the rest
+    by `times`. vram: the budget less the device's scratch. Returns (GroupSolution, attention per layer,
+    output on the GPU, bytes placed, estimated s/token), or (why, None, None, None, None) when nothing goes
+    to the GPU."""
     L = lay["n_layer"]
     kv = lay["kv_per_token"] * ctx // L
     att_b = [a + kv for a in lay["attn"]]
-    att_w = lay["attn"]
-    rest_cpu_s = (lay["weights_fixed"] - sum(att_w)) / hw.cpu_bandwidth  # output, norms, ...
 
-    def score(m, how):
-        need = sum(att_b[:m])
-        where = ["gpu"] * m + ["cpu"] * (L - m)
+    def need(m, out):
+        return sum(att_b[L - m:]) + (times.output_bytes if out else 0)
+
+    def score(m, out, how):
+        on = [l >= L - m for l in range(L)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SolveWarning)
-            sol = solve_groups(gbs, cbs, vram - need, ffn_hw, time_limit, mip_gap, how, attention=where)
-        est = sol.objective_s + sum(att_w[:m]) / hw.gpu_bandwidth + sum(att_w[m:]) / hw.cpu_bandwidth + rest_cpu_s
-        return est, sol, need
+            sol = solve_groups(gbs, cbs, vram - need(m, out), ffn_hw, time_limit, mip_gap, how,
+                               attention=["gpu" if a else "cpu" for a in on])
+        return times.estimate(sol.objective_s, on, out), sol
 
     if vram <= 0:
-        return "it does not hold the device's scratch", None, None, None
-    fits = [m for m in range(0, L + 1) if sum(att_b[:m]) <= vram]
-    greedy = {m: score(m, "greedy") for m in fits}
-    best_m = min(greedy, key=lambda m: greedy[m][0])
-    best = (best_m, *greedy[best_m])
+        return "it does not hold the device's scratch", None, None, None, None
+    fits = [(m, out) for m in range(L + 1) for out in ((False, True) if m else (False,)) if need(m, out) <= vram]
+    greedy = {c: score(*c, "greedy") for c in fits}
+    best_c = min(greedy, key=lambda c: greedy[c][0])
+    best = (best_c, *greedy[best_c])
     if method != "greedy":
-        for m in sorted({best_m - 1, best_m, best_m + 1} & set(fits)):
-            est, sol, need = score(m, method)
+        m0, out0 = best_c
+        for c in sorted({(m0 - 1, out0), (m0, out0), (m0 + 1, out0), (m0, not out0)} & set(fits)):
+            est, sol = score(*c, method)
             if est <= best[1] * (1 + 1e-12):  # the program's answer, also when it only confirms greedy's
-                best = (m, est, sol, need)
-    m, est, sol, need = best
+                best = (c, est, sol)
+    (m, out), est, sol = best
     if est >= all_cpu_s or (m == 0 and sol.ffn_bytes == 0):
-        return "nothing that fits beside the scratch pays for its transfers", None, None, None
-    sol.status += f"; attention and KV on the GPU for layers [0, {m}) (the whole fixed part does not fit)"
-    return sol, [l < m for l in range(L)], need + sol.ffn_bytes, est
+        return "nothing that fits beside the scratch pays for its transfers", None, None, None, None
+    sol.status += ((f"; attention and KV on the GPU for layers [{L - m}, {L})" if m else "; no layer's attention on the GPU")
+                   + (" and the output matrix" if out else "") + " (the whole fixed part does not fit)")
+    return sol, [l >= L - m for l in range(L)], out, need(m, out) + sol.ffn_bytes, est
 
 
 def format_report(p: Placement) -> str:
@@ -588,8 +609,11 @@ def format_report(p: Placement) -> str:
     else:
         lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
     if any(p.gpu_attention) and not all(p.gpu_attention):
-        lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers")
+        lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers, the output "
+                     f"matrix on the {'GPU' if p.output_on_gpu else 'CPU'}")
     ratio = p.cpu_only_token_s / p.est_token_s if p.est_token_s > 0 else math.nan
+    parts = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in p.cpu_only_parts.items())
     lines.append(f"estimated {p.est_token_s * 1e3:.3f} ms/token GPU+CPU vs {p.cpu_only_token_s * 1e3:.3f} ms/token "
-                 f"all-CPU ({ratio:.2f}x; memory traffic only)")
+                 f"all-CPU ({ratio:.2f}x; all-CPU by part: {parts} ms; decode steps attending to {p.positions} "
+                 f"positions{', with ' + p.predictors if p.predictors else ''})")
     return "\n".join(lines)

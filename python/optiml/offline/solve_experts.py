@@ -39,7 +39,8 @@ from .._core import ArgumentError
 from ..formats import gguf
 from ..formats.quant import type_info
 from .hardware import Hardware
-from .solve import GroupSolution, Placement, SolveWarning, _solve_partial_attention, layer_times, solve_groups
+from .solve import Placement, _all_cpu, _check_tokens, _solve_partial_attention, layer_times, solve_groups
+from .time_model import fixed_layout, fixed_times
 
 __all__ = ["expert_layout", "solve_expert_placement"]
 
@@ -69,42 +70,31 @@ def expert_layout(path) -> dict:
         expert_bytes.append(sum(t.n_bytes // n_expert for t in ts))
         types.append(type_info(ts[1].type).name)
     exps = {f"blk.{l}.{n}.weight" for l in range(n_layer) for n in _EXPS}
-    has_output = "output.weight" in tensors
-    weights_fixed = sum(t.n_bytes for n, t in tensors.items()
-                        if n not in exps and not (n == "token_embd.weight" and has_output))
-    attn = [0] * n_layer
-    for n, t in tensors.items():
-        parts = n.split(".")
-        if parts[0] == "blk" and n not in exps:
-            attn[int(parts[1])] += t.n_bytes
-    n_embd = int(md[f"{arch}.embedding_length"])
-    n_head = int(md[f"{arch}.attention.head_count"])
-    n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", n_head) or n_head)
-    head_dim = n_embd // n_head
-    k_len = int(md.get(f"{arch}.attention.key_length", head_dim) or head_dim)
-    v_len = int(md.get(f"{arch}.attention.value_length", head_dim) or head_dim)
+    fixed = fixed_layout(tensors, md, arch, n_layer, lambda n: n in exps)
+    n_embd, n_head, n_head_kv, k_len = fixed["n_embd"], fixed["n_head"], fixed["n_head_kv"], fixed["k_len"]
     n_ff = int(md.get(f"{arch}.feed_forward_length", 0) or 0) or int(md[f"{arch}.expert_feed_forward_length"])
     # plan.cpp: scratch_bytes (x, xn, y, y2; q, attn; k, v; gate, up) and moe_split_scratch_bytes.
     scratch = 4 * (4 * n_embd + 2 * n_head * k_len + 2 * n_head_kv * k_len + 2 * n_ff)
     split = 4 * (n_expert + k * n_embd + n_embd + 1 + 2 * k)
-    return dict(n_layer=n_layer, n_expert=n_expert, n_expert_used=k, expert_bytes=expert_bytes, weights_fixed=weights_fixed,
-                attn=attn, kv_per_token=n_layer * n_head_kv * (k_len + v_len) * 2,
+    return dict(fixed, n_layer=n_layer, n_expert=n_expert, n_expert_used=k, expert_bytes=expert_bytes,
+                kv_per_token=n_layer * fixed["kv_per_position"],
                 scratch_per_token=scratch + split, expert_type=max(set(types), key=types.count))  # the most layers'
 
 
 def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096,
                            time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
-                           batch: int = 512) -> Placement:
+                           batch: int = 512, positions: int | None = None) -> Placement:
     """Places whole experts of the mixture of experts at model_path on the GPU within `vram` bytes (see the
     module doc). stats: optiml profile's statistics of this model (with its experts' counts). The result's
     gpu_experts holds each layer's experts for the GPU, hottest first; gpu_neurons is all zeros and group 1
-    (one expert)."""
+    (one expert). positions: as for solve_placement."""
     model_path = os.fspath(model_path)
     if isinstance(vram, bool) or not isinstance(vram, (int, np.integer)) or vram < 0:
         raise ArgumentError(f"the VRAM budget must be a whole number of bytes >= 0, not {vram!r}")
-    for name, v in (("ctx", ctx), ("batch", batch)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ArgumentError(f"{name} must be a whole number of tokens >= 1, not {v!r}")
+    _check_tokens("ctx", ctx)
+    _check_tokens("batch", batch)
+    positions = int(ctx) // 2 if positions is None else positions
+    _check_tokens("positions", positions, 0)
     if not os.path.isfile(model_path):
         raise FileNotFoundError(f"model file not found: {model_path}")
     lay = expert_layout(model_path)
@@ -125,34 +115,31 @@ def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx
     ffn_hw = replace(hardware, cpu_bandwidth=hardware.cpu_dense.get(lay["expert_type"].lower(), hardware.cpu_bandwidth),
                      gpu_bandwidth=1e30, launch_overhead=hardware.launch_overhead + gpu_read,
                      source=f"{hardware.source}; experts: a decode step's reads")
+    times = fixed_times(lay, hardware, int(positions), min(int(batch), 64))
     scratch = lay["scratch_per_token"] * int(batch)
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch
-    cpu_only = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
-    fixed_cpu_s = lay["weights_fixed"] / hardware.cpu_bandwidth
+    logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits
+    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
+    cpu_only = times.estimate(cpu_ffn, [False] * L, False)
     t0 = time.perf_counter()
-    attention = [True] * L
     if fixed > vram:
-        sol, attention, used, est = _solve_partial_attention(lay, gbs, cbs, int(vram) - scratch, hardware, ffn_hw,
-                                                             int(ctx), time_limit, mip_gap, method,
-                                                             cpu_only + fixed_cpu_s)
+        sol, attention, output, used, est = _solve_partial_attention(
+            lay, gbs, cbs, int(vram) - scratch, ffn_hw, times, int(ctx), time_limit, mip_gap, method, cpu_only)
         if isinstance(sol, str):
-            warnings.warn(f"the budget of {vram:,} bytes: {sol}; everything stays on the CPU", SolveWarning,
-                          stacklevel=2)
-            sol = GroupSolution(x=[0] * L, objective_s=cpu_only, ffn_bytes=0, method="all-cpu",
-                                status=f"all-cpu: {sol} (the whole fixed part takes {fixed:,} bytes)",
-                                gap=math.nan, solve_s=time.perf_counter() - t0)
-            used, est, attention = 0, cpu_only + fixed_cpu_s, [False] * L
+            sol = _all_cpu(sol, vram, fixed, L, cpu_ffn, t0)
+            used, est, attention, output = 0, cpu_only, [False] * L, False
     else:
         sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L)
-        used = fixed + sol.ffn_bytes
-        est = sol.objective_s + lay["weights_fixed"] / hardware.gpu_bandwidth
+        used, attention, output = fixed + sol.ffn_bytes, [True] * L, True
+        est = times.estimate(sol.objective_s, attention, output)
     gpu_experts = [[int(e) for e in order[l][:x]] for l, x in enumerate(sol.x)]
     coverage = [float(count[l][order[l][:x]].sum() / count[l].sum()) if count[l].sum() > 0 else float(x == X)
                 for l, x in enumerate(sol.x)]
     return Placement(gpu_neurons=[0] * L, group=1, vram_budget=int(vram), vram_used=int(used),
                      fixed_bytes=int(fixed), ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est),
                      method=sol.method, status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s,
-                     coverage=coverage, cpu_only_token_s=cpu_only + fixed_cpu_s,
+                     coverage=coverage, cpu_only_token_s=cpu_only, output_on_gpu=output, positions=int(positions),
+                     cpu_only_parts=times.cpu_parts(cpu_ffn),
                      ffn_bytes=[b * X for b in lay["expert_bytes"]],
                      gpu_ffn_bytes=[b * x for b, x in zip(lay["expert_bytes"], sol.x)], gpu_attention=attention,
                      gpu_experts=gpu_experts)

@@ -1,0 +1,147 @@
+"""The solver's time model (optiml.offline.time_model) against sums written here neuron by neuron and tensor by
+tensor, and the choices it leads to: the output matrix on the GPU when it pays, followed by the plan and run on
+cpu:1."""
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml import ArgumentError, gguf
+from optiml.formats import stats as st
+from optiml.formats.quant import type_info
+from optiml.offline.hardware import Hardware
+from optiml.offline.solve import format_report, solve_placement
+from optiml.offline.time_model import neuron_cpu_bytes
+
+from conftest import fixed_predictor
+from test_solve import FAST, _synthetic_stats, check_split_run
+
+HW = Hardware(cpu_bandwidth=40e9, gpu_bandwidth=1e12, cpu_dense={"q4_1": 30e9, "q8_0": 20e9},
+              cpu_sparse={"q4_1": 25e9}, launch_overhead=6e-6, sync_cost=1e-6, transfer_latency=2e-6)
+
+
+@pytest.fixture(scope="module")
+def relu_stats(smollm2_path):
+    return _synthetic_stats(st.model_fingerprint(smollm2_path))
+
+
+def _tensors(path):
+    with gguf.open(path) as f:
+        return {t.name: (t.n_bytes, type_info(t.type).name.lower(), t.shape) for t in f.tensors}
+
+
+def _dense_s(nbytes, type_name, hw=HW):
+    return nbytes / hw.cpu_dense.get(type_name, hw.cpu_bandwidth)
+
+
+LAYER = dict(gate_row=100, gate_type="Q4_0", up_row=100, up_type="Q4_0", down=50.0, down_type="Q4_0",
+             down_row=120.0)
+
+
+@pytest.mark.parametrize("mode", ["gate", "product", "dense"])
+def test_neuron_costs_per_group_add_up_neuron_by_neuron(mode):
+    """Per neuron, as the engine reads: the rows that decide who fires for every neuron at the dense rate, the
+    rest for the firing ones at the row-sparse rate; dense mode every row at the dense rate. Bytes are at the
+    row-sparse rate, as layer_times divides them."""
+    hw = Hardware(cpu_bandwidth=50.0, cpu_dense={"q4_0": 40.0}, cpu_sparse={"q4_0": 20.0})
+    ffn_hw = hw.for_type("q4_0")
+    f = np.sort(np.random.default_rng(1).uniform(0, 1, 70))[::-1]
+    got = neuron_cpu_bytes(f, 32, LAYER, mode, hw, ffn_hw)
+    assert got.shape == (3,) and np.all(np.diff(got) <= 1e-9)
+    per_neuron = {"gate": 100 / 40.0 + f * (100 + 120) / 20.0,
+                  "product": 200 / 40.0 + f * 120 / 20.0,
+                  "dense": np.full(70, 250 / 40.0)}[mode]
+    assert got / 20.0 == pytest.approx([per_neuron[:32].sum(), per_neuron[32:64].sum(), per_neuron[64:].sum()])
+
+
+def test_neuron_costs_with_predictors():
+    """With predictors: their rows for every neuron at the dense rate; gate (and up with the product
+    criterion) for the neurons predicted active: those that fire, and a false-positive share of the others;
+    the rest for the firing ones."""
+    from optiml.offline.time_model import PredictorCosts
+
+    hw = Hardware(cpu_bandwidth=50.0, cpu_dense={"q4_0": 40.0, "q8_0": 10.0}, cpu_sparse={"q4_0": 20.0})
+    f = np.sort(np.random.default_rng(2).uniform(0, 0.5, 64))[::-1]
+    pred = PredictorCosts(row_bytes=[0.0, 30.0], row_type="Q8_0", false_positive=[0.0, 0.1])
+    got = neuron_cpu_bytes(f, 64, LAYER, "gate", hw, hw.for_type("q4_0"), pred, layer=1)
+    p = f + 0.1 * (1 - f)
+    assert got[0] / 20.0 == pytest.approx(np.sum(30 / 10.0 + p * 100 / 20.0 + f * 220 / 20.0))
+
+
+def test_cpu_only_estimate_by_part_from_the_file(smollm2_path, relu_stats):
+    """Every layer's attention at the dense rate of its types plus the KV cache of `positions` tokens at
+    the read bandwidth; the output (SmolLM2 ties it to its Q8_0 embeddings) and final norm at their rates."""
+    t = _tensors(smollm2_path)
+    with pytest.warns(UserWarning):
+        p = solve_placement(smollm2_path, relu_stats, 0, HW, ctx=256, positions=100)
+    ffn = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    attn = sum(_dense_s(b, ty) for n, (b, ty, _) in t.items() if n.startswith("blk.") and not n.endswith(ffn))
+    kv = 30 * 100 * 3 * (64 + 64) * 2 / HW.cpu_bandwidth  # 3 KV heads of 64
+    out = _dense_s(t["token_embd.weight"][0], "q8_0") + _dense_s(t["output_norm.weight"][0], "f32")
+    assert p.cpu_only_parts["attention"] == pytest.approx(attn + kv)
+    assert p.cpu_only_parts["output"] == pytest.approx(out)
+    assert p.cpu_only_token_s == pytest.approx(sum(p.cpu_only_parts.values()))
+    # The FFN: every gate row at the dense rate, up and down rows of firing neurons at the row-sparse rate.
+    gate = t["blk.0.ffn_gate.weight"][0] / 1536
+    up = t["blk.0.ffn_up.weight"][0] / 1536
+    down_row = 576 * 34 / 32
+    ffn_s = sum(1536 * gate / 30e9 + relu_stats.freq[l].astype(np.float64).sum() * (up + down_row) / 25e9
+                for l in range(30))
+    assert p.cpu_only_parts["ffn"] == pytest.approx(ffn_s)
+    assert "100 positions" in format_report(p)
+
+
+def test_predictors_make_the_cpu_share_cheaper(smollm2_path, relu_stats, tmp_path):
+    """A predictor that marks about the firing share active replaces the dense gate read: the CPU's FFN
+    costs less, by the amount worked out neuron by neuron."""
+    mean = float(relu_stats.freq.mean())
+    pred = fixed_predictor(smollm2_path, tmp_path / "p.gguf", active=0.05, recorded_share=mean + 0.02)
+    with pytest.warns(UserWarning):
+        without = solve_placement(smollm2_path, relu_stats, 0, HW, ctx=256)
+        with_ = solve_placement(smollm2_path, relu_stats, 0, HW, ctx=256, predictors=pred)
+    assert with_.cpu_only_parts["ffn"] < 0.7 * without.cpu_only_parts["ffn"]
+    assert with_.cpu_only_parts["attention"] == without.cpu_only_parts["attention"]
+    t = _tensors(pred)
+    rows = sum(b for n, (b, _, _) in t.items() if n.startswith("blk.0.ffn_pred")) / 1536
+    gate = _tensors(smollm2_path)["blk.0.ffn_gate.weight"][0] / 1536
+    total = 0.0
+    for l in range(30):
+        f = relu_stats.freq[l].astype(np.float64)
+        e = max(0.0, (mean + 0.02 - f.mean()) / (1 - f.mean()))  # a layer that fires more: no false positives
+        total += np.sum(rows / 20e9 + (f + e * (1 - f)) * gate / 25e9 + f * (gate + 576 * 34 / 32) / 25e9)
+    assert with_.cpu_only_parts["ffn"] == pytest.approx(total)
+    assert "with p.gguf" in format_report(with_)
+    other = _synthetic_stats("another model's fingerprint")
+    with pytest.raises(ArgumentError):
+        solve_placement(smollm2_path, other, 0, HW, ctx=256, predictors=pred)
+
+
+def test_output_matrix_goes_to_the_gpu_when_it_pays(smollm2_path, relu_stats, tmp_path):
+    """66 MiB do not hold SmolLM2's whole fixed part. Where the CPU reads Q8_0 slowly, the output matrix (30
+    MB of Q8_0 embeddings, tied) and the last layers' attention take the budget, and the plan on cpu:1 puts the
+    logits on the device as the solver counted; where it reads them fast, the budget goes to attention."""
+    from optiml import plan
+    from optiml.formats.placement import write_placed
+
+    vram = 66 * 2**20
+    slow = Hardware(**{**FAST.to_dict(), "source": "test", "cpu_dense": {"q8_0": 2e9}})
+    fast = Hardware(**{**FAST.to_dict(), "source": "test", "cpu_dense": {"q8_0": 1e12}})
+    p = solve_placement(smollm2_path, relu_stats, vram, slow, ctx=256)
+    assert p.fixed_bytes > vram and p.output_on_gpu and p.gpu_attention[-1] and p.vram_used <= vram
+    assert "and the output matrix" in p.status and "output matrix on the GPU" in format_report(p)
+    assert not solve_placement(smollm2_path, relu_stats, vram, fast, ctx=256).output_on_gpu
+    out = tmp_path / "placed.gguf"
+    write_placed(smollm2_path, relu_stats, p, out, progress=False)
+    pl = plan.make(out, n_ctx=256, n_batch=512, device="cpu:1", vram=vram)
+    assert pl.output_on_device and pl.device_bytes["total"] <= vram
+    assert [l["attention"] == "cpu:1" for l in pl.layers] == p.gpu_attention
+    with optiml.Model(out, n_ctx=256, device="cpu:1", vram=vram) as m:
+        assert m.plan.output_on_device
+    check_split_run(out, vram, list(range(300, 316)))
+
+
+def test_bad_positions_and_predictors(smollm2_path, relu_stats, tmp_path):
+    with pytest.raises(ArgumentError, match="positions"):
+        solve_placement(smollm2_path, relu_stats, 0, HW, positions=-1)
+    with pytest.raises(FileNotFoundError):
+        solve_placement(smollm2_path, relu_stats, 0, HW, predictors=tmp_path / "none.gguf")
