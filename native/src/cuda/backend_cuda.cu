@@ -13,10 +13,10 @@
 // one kernel. A layer of a Q4_0 llama is 9 kernels (17 before). Every kernel is counted with the bytes
 // it moves (Backend::launch_counts, `optiml bench --launches`).
 //
-// Not yet: tiled or tensor-core prompt kernels, pinned host staging (a copy to pageable host memory
-// blocks the calling thread until the stream reaches it, so a split FFN whose residual lives on the host
-// does not overlap yet), and the embedding table on the GPU (the embedding runs on the host; its rows are
-// copied over).
+// Prompts of 32 tokens and more run their products as tensor-core tiles (matmul_tiles.cu). The host's
+// scratch and the split FFN's staging are page-locked (pin_host), so their copies queue without blocking
+// the host. Not yet: the embedding table on the GPU (the embedding runs on the host; its rows are copied
+// over).
 #include <cuda_runtime.h>
 
 #include <array>
