@@ -165,7 +165,7 @@ hybrid() {
         step "hybrid-$act" "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation "$act" \
             --budgets 0.25 0.5 --calibrate-tokens 2048 --llama-bench build/llama-cuda/bin/llama-bench \
             --tokenizer-from "$carry/models/tokenizer-donor.gguf" --workdir build/bench-hybrid
-        cat "$out/hybrid-$act.log" | tail -n 25
+        tail -n 40 "$out/hybrid-$act.log"
     done
     echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
     [ ${#failed[@]} -eq 0 ]
@@ -197,7 +197,7 @@ verify() {
     step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
         --tokens 32 --predictor-samples 1024 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --workdir build/bench-hybrid
-    tail -n 25 "$out/hybrid-relu.log"
+    tail -n 40 "$out/hybrid-relu.log"
     wait "$moe_maker" || failed+=(make-moe)
     step moe "$py" tools/bench/moe_gpu.py --device cuda --n-layer 4 --share 0.25 --reps 2 --profile-tokens 1024 \
         --workdir "$models/moe" --llama-bench build/llama-cuda/bin/llama-bench
