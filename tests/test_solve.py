@@ -83,7 +83,7 @@ def test_hardware_measure_on_the_second_cpu_device(tmp_path):
     hw = Hardware.measure(device="cpu:1", types=("q4_0", "q8_0"), weight_bytes=4 << 20, n_threads=1)
     assert set(hw.cpu_dense) == set(hw.cpu_sparse) == {"q4_0", "q8_0"}
     for v in [*hw.cpu_dense.values(), *hw.cpu_sparse.values(), hw.cpu_bandwidth, hw.gpu_bandwidth,
-              hw.transfer_bandwidth, hw.transfer_latency, hw.launch_overhead]:
+              hw.transfer_bandwidth, hw.transfer_latency, hw.launch_overhead, hw.cpu_sparse_down]:
         assert 0 < v < 1e15 and math.isfinite(v)
     assert hw.sync_cost >= 0 and "cpu:1" in hw.source and "gpu_bandwidth" in hw.source
     p = tmp_path / "hw.json"

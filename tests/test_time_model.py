@@ -54,6 +54,17 @@ def test_neuron_costs_per_group_add_up_neuron_by_neuron(mode):
     assert got / 20.0 == pytest.approx([per_neuron[:32].sum(), per_neuron[32:64].sum(), per_neuron[64:].sum()])
 
 
+def test_down_rows_at_their_measured_rate():
+    """With the sparse down projection measured (Hardware.cpu_sparse_down), a firing neuron's 8-bit down row
+    costs its bytes at that rate; everything else is as before."""
+    hw = Hardware(cpu_bandwidth=50.0, cpu_dense={"q4_0": 40.0}, cpu_sparse={"q4_0": 20.0})
+    slow_down = Hardware(**{**hw.to_dict(), "cpu_sparse_down": 10.0})
+    f = np.sort(np.random.default_rng(3).uniform(0, 1, 64))[::-1]
+    base = neuron_cpu_bytes(f, 64, LAYER, "gate", hw, hw.for_type("q4_0"))
+    got = neuron_cpu_bytes(f, 64, LAYER, "gate", slow_down, slow_down.for_type("q4_0"))
+    assert (got - base)[0] / 20.0 == pytest.approx(f.sum() * 120 * (1 / 10.0 - 1 / 20.0))
+
+
 def test_neuron_costs_with_predictors():
     """With predictors: their rows for every neuron at the dense rate; gate (and up with the product
     criterion) for the neurons predicted active: those that fire, and a false-positive share of the others;

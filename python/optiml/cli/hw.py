@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .. import _core
-from ..offline.hardware import Hardware
+from ..offline.hardware import FFN_SHARE_OPS, Hardware
 from ..util.sizes import parse_size
 from . import common
 
@@ -35,11 +35,12 @@ def run(args) -> int:
     print(f"  {'type':8} {'dense GB/s':>10} {'sparse rows GB/s':>16}")
     for t in hw.cpu_dense:
         print(f"  {t:8} {hw.cpu_dense[t] / 1e9:10.1f} {hw.cpu_sparse[t] / 1e9:16.1f}")
+    print(f"  sparse down projection (8-bit neuron-major rows): {hw.cpu_sparse_down / 1e9:.1f} GB/s")
     if args.device:
         print(f"device {args.device}: memory traffic {hw.gpu_bandwidth / 1e9:.1f} GB/s, copies "
               f"{hw.transfer_bandwidth / 1e9:.1f} GB/s (pageable host memory), small copy and wait "
               f"{hw.transfer_latency * 1e6:.1f} us, event round trip {hw.sync_cost * 1e6:.1f} us, per op "
-              f"{hw.launch_overhead * 1e6:.2f} us")
+              f"{hw.launch_overhead / FFN_SHARE_OPS * 1e6:.2f} us")
     if args.output:
         print(f"wrote {args.output} (optiml solve --hardware {args.output})")
     return 0

@@ -11,6 +11,8 @@ Defaults describe a typical desktop (dual-channel DDR5 CPU, a PCIe 4 consumer GP
     transfer_bandwidth 25e9 bytes/s  large host <-> GPU copies (informational: a token's copies are small)
     cpu_sparse         {}   type -> bytes/s of the CPU's row-sparse FFN product over the rows it reads
     cpu_dense          {}   type -> bytes/s of the CPU's dense product (matrix-vector)
+    cpu_sparse_down     0   bytes/s of the sparse FFN's down projection: 8-bit neuron-major rows summed (0: not
+                            measured; the FFN type's row-sparse rate stands in)
 
 A layer that is split between the devices pays transfer_latency + sync_cost (Hardware.split_cost) per token.
 When cpu_sparse has the model's FFN type, `optiml solve` times the CPU's share with it instead of
@@ -55,6 +57,7 @@ class Hardware:
     transfer_bandwidth: float = 25e9
     cpu_sparse: dict = field(default_factory=dict)
     cpu_dense: dict = field(default_factory=dict)
+    cpu_sparse_down: float = 0.0
     source: str = "defaults"  # where the numbers came from, for the report
 
     def __post_init__(self) -> None:
@@ -130,7 +133,9 @@ class Hardware:
                 sparse = min(sparse, _timed(lambda: _core.matmul_rows(w, info.id, rows, cols, idx, x, n_threads)))
             hw.cpu_dense[info.name.lower()] = w.nbytes / dense
             hw.cpu_sparse[info.name.lower()] = n_idx * w.shape[1] / sparse
-        measured = ["cpu_bandwidth", "cpu_dense", "cpu_sparse"]
+        say("CPU sparse down projection")
+        hw.cpu_sparse_down = _sparse_down_rate(rng, weight_bytes, density, n_threads)
+        measured = ["cpu_bandwidth", "cpu_dense", "cpu_sparse", "cpu_sparse_down"]
         if device is not None:
             say(f"device {device}")
             d = _core.measure_device(device, max(weight_bytes, 1 << 20) * 2, n_threads=max(n_threads, 1))
@@ -189,6 +194,23 @@ class Hardware:
             measured.append(f"gpu_memory ({devices[0]['name']})")
         hw.source = ("measured: " + ", ".join(measured) + "; defaults: the rest") if measured else "defaults"
         return hw
+
+
+def _sparse_down_rate(rng, weight_bytes: int, density: float, n_threads: int) -> float:
+    """Bytes/s of the sparse FFN's down projection: `density` of the 8-bit (Q8_0) neuron-major rows of 4096
+    values in `weight_bytes`, each times its activation, summed (what a decode step's down reads)."""
+    q8 = type_info("q8_0")
+    dim = 4096
+    block = quantize(rng.standard_normal((256, dim)).astype(np.float32) * 0.05, "q8_0")
+    n = max(256, weight_bytes // block.shape[1] // 256 * 256)
+    rows = np.ascontiguousarray(np.tile(block, (n // 256, 1)))  # values repeat; the traffic does not
+    n_idx = max(1, int(n * density))
+    coef = rng.standard_normal(n_idx).astype(np.float32)
+    best = 1e30
+    for _ in range(5):  # other rows each time, as for the row-sparse products
+        idx = np.sort(rng.choice(n, n_idx, replace=False)).astype(np.int32)
+        best = min(best, _timed(lambda: _core.axpy_rows(rows, q8.id, n, dim, idx, coef, n_threads=n_threads)))
+    return n_idx * block.shape[1] / best
 
 
 def _timed(fn) -> float:

@@ -592,7 +592,8 @@ def format_report(p: Placement) -> str:
         f"hardware ({p.hardware.get('source', '?')}): CPU {p.hardware['cpu_bandwidth'] / 1e9:.1f} GB/s, "
         f"GPU {p.hardware['gpu_bandwidth'] / 1e9:.1f} GB/s, split cost "
         f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us"
-        + "".join(f", CPU {t.upper()} rows {v / 1e9:.1f} GB/s" for t, v in p.hardware.get("cpu_sparse", {}).items()),
+        + "".join(f", CPU {t.upper()} rows {v / 1e9:.1f} GB/s" for t, v in p.hardware.get("cpu_sparse", {}).items())
+        + (f", down rows {p.hardware['cpu_sparse_down'] / 1e9:.1f} GB/s" if p.hardware.get("cpu_sparse_down") else ""),
         f"VRAM: {mib(p.vram_used)} used of {mib(p.vram_budget)} "
         f"(fixed part {mib(p.fixed_bytes)} for ctx {p.ctx}"
         f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",

@@ -21,9 +21,12 @@ What a decode step reads, part by part, and what it costs here:
                 OUTPUT_OPS ops and the logits' copy to the host (one small copy's latency, n_vocab floats at
                 transfer_bandwidth).
 
-Not counted: the CPU's own per-op work (norms, RoPE, softmax, the thread pool's barriers), small beside the
-weights on the machines measured, and the switch of a CPU share's down projection to the dense kernel when
-most of its neurons fire (it is counted as row-sparse reads).
+Not counted: the CPU's own per-op work (norms, RoPE, softmax, the thread pool's barriers): small beside a
+7B-shaped layer's weights, it dominates layers of SmolLM2's size (tools/bench/time_model.py: 1.15-1.25x the
+estimate at 7B shapes, 1.7x at SmolLM2's on 2 threads); the switch of a CPU share's down projection to the
+dense kernel when most of its neurons fire (counted as row-sparse reads); and sparsity="auto"'s speed probe,
+which may run a small model's calibrated FFN dense on a machine where that is faster (the file's sparsity is
+timed as it is).
 """
 
 from __future__ import annotations
@@ -186,7 +189,8 @@ def neuron_cpu_bytes(sorted_freq: np.ndarray, group: int, v: dict, mode: str, hw
         gate, up = up, 0.0
     if mode == "dense":
         return sizes * (dense(gate, v["gate_type"]) + dense(up, v["up_type"]) + dense(v["down"], v["down_type"]))
-    down = v["down_row"]  # the sparse FFN sums a firing neuron's row of the neuron-major copy
+    # The sparse FFN sums a firing neuron's row of the neuron-major copy, at its own measured rate.
+    down = v["down_row"] * (sparse / hw.cpu_sparse_down if hw.cpu_sparse_down > 0 else 1.0)
     decided_first = gate if mode == "gate" else gate + up  # computed before the criterion
     after = down + (up if mode == "gate" else 0.0)         # read for the neurons the criterion keeps
     if pred is None:
