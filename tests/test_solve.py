@@ -183,6 +183,38 @@ def test_mip_equals_brute_force(split_costs):
         assert sol.objective_s == pytest.approx(sum(layer_times(gb, cb, hw)[v] for gb, cb, v in zip(gbs, cbs, sol.x)))
 
 
+def test_mip_with_split_bytes_and_a_cpu_constant_equals_brute_force():
+    """A file that keeps its order: a split share of x < G groups takes x * per + once bytes (8-bit down rows
+    and their scales), the whole layer its own; a predictor costs the CPU a constant while it keeps any neuron.
+    The program against every x vector, timed here from first principles."""
+    rng = np.random.default_rng(99)
+    for _ in range(40):
+        gbs, cbs, budget, hw = _random_instance(rng, True)
+        splits = [(int(gb[0] * rng.uniform(1.2, 1.8)), int(rng.integers(0, 3000))) for gb in gbs]
+        fixed = [float(rng.choice([0.0, 2e-6, 2e-5])) for _ in gbs]
+
+        def dev_bytes(l, v):
+            G = len(gbs[l])
+            return 0 if v == 0 else int(gbs[l].sum()) if v == G else v * splits[l][0] + splits[l][1]
+
+        best = math.inf
+        for x in itertools.product(*[range(len(gb) + 1) for gb in gbs]):
+            if sum(dev_bytes(l, v) for l, v in enumerate(x)) > budget:
+                continue
+            total = 0.0
+            for l, v in enumerate(x):
+                G = len(gbs[l])
+                gpu = dev_bytes(l, v) / hw.gpu_bandwidth + (hw.launch_overhead if v else 0.0)
+                cpu = float(np.sum(cbs[l][v:])) / hw.cpu_bandwidth + (fixed[l] if v < G else 0.0)
+                total += max(gpu, cpu) + (hw.split_cost if 0 < v < G else 0.0)
+            best = min(best, total)
+        sol = solve_groups(gbs, cbs, budget, hw, mip_gap=0.0, split_bytes=splits, cpu_fixed=fixed)
+        assert sol.method == "mip" and sol.objective_s == pytest.approx(best, rel=1e-7, abs=1e-12)
+        assert sol.ffn_bytes == sum(dev_bytes(l, v) for l, v in enumerate(sol.x)) <= budget
+        greedy = solve_groups(gbs, cbs, budget, hw, method="greedy", split_bytes=splits, cpu_fixed=fixed)
+        assert greedy.ffn_bytes <= budget and greedy.objective_s >= sol.objective_s * (1 - 1e-9)
+
+
 def test_greedy_is_feasible_and_not_better_than_mip():
     rng = np.random.default_rng(7)
     for _ in range(30):
@@ -283,7 +315,7 @@ FAST = Hardware(launch_overhead=1e-6, sync_cost=1e-6, transfer_latency=1e-6)  # 
 # Budgets include the device's scratch for 512-token steps (14 MiB for SmolLM2) and 64 rows of logits (12 MiB).
 @pytest.mark.parametrize("vram_mib,ctx,group", [(86, 256, 64), (96, 512, 32), (81, 128, 100), (116, 1024, 64),
                                                    (106, 256, 320)])  # 320: a partial last group of 256
-def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram_mib, ctx, group):
+def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram_mib, ctx, group, tmp_path):
     vram = vram_mib * 2**20
     p = solve_placement(smollm2_path, smollm2_stats, vram, FAST, ctx=ctx, group=group)
     tb, md = _tensor_bytes(smollm2_path)
@@ -295,7 +327,8 @@ def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram
     head_dim = md["llama.embedding_length"] // md["llama.attention.head_count"]
     kv = 2 * L * ctx * n_kv * head_dim * 2
     n_head = md["llama.attention.head_count"]
-    scratch = 4 * 512 * (4 * 576 + 2 * n_head * head_dim + 2 * n_kv * head_dim + 2 * F)  # plan.cpp's, n_batch 512
+    steps = min(512, ctx)  # plan.cpp's n_batch: 512, at most the context
+    scratch = 4 * steps * (4 * 576 + 2 * n_head * head_dim + 2 * n_kv * head_dim + 2 * F)  # plan.cpp's
     logits = 4 * 64 * md["llama.vocab_size"] if "llama.vocab_size" in md else 4 * 64 * 49152  # the plan's rows
     fixed = sum(v for k, v in tb.items() if k not in ffn) + kv + scratch + logits
     assert p.fixed_bytes == fixed
@@ -305,7 +338,10 @@ def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram
     assert p.ffn_bytes == per_layer
     for l, k in enumerate(p.gpu_neurons):
         assert 0 <= k <= F and (k % p.group == 0 or k == F)
-        assert p.gpu_ffn_bytes[l] * F == per_layer[l] * k  # Q4_1 rows and block columns: exactly k / F of it
+        # The placed file keeps its order (Q4_1 down, hot-first neurons): a split share holds gate and up rows
+        # and 8-bit neuron-major down rows with n_embd scales; a whole layer its own tensors.
+        split = k * (2 * 360 + 576 // 32 * 34) + 4 * 576
+        assert p.gpu_ffn_bytes[l] == (per_layer[l] if k == F else split if k else 0)
     assert p.vram_used == fixed + sum(p.gpu_ffn_bytes) <= vram
     assert p.vram_budget == vram and p.ctx == ctx and p.hardware == FAST.to_dict()
     assert sum(p.gpu_neurons) > 0 and p.est_token_s < p.cpu_only_token_s
@@ -314,6 +350,16 @@ def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram
         f = smollm2_stats.freq[l][order[l]].astype(np.float64)
         assert p.coverage[l] == pytest.approx(f[:k].sum() / f.sum())
     assert "ms/token" in format_report(p)
+    # The plan of the placed file (its own count, native) takes the same neurons, within the budget, and puts
+    # the output matrix on the device as the solver counted.
+    from optiml import plan
+    from optiml.formats.placement import write_placed
+
+    out = tmp_path / "placed.gguf"
+    write_placed(smollm2_path, smollm2_stats, p, out, progress=False)
+    pl = plan.make(out, n_ctx=ctx, n_batch=512, device="cpu:1", vram=vram)
+    assert [l["ffn_on_device"] for l in pl.layers] == p.gpu_neurons
+    assert pl.output_on_device == p.output_on_gpu and pl.device_bytes["total"] <= vram
 
 
 def test_smollm2_budget_below_fixed_part_places_attention_layer_by_layer(smollm2_path, smollm2_stats, tmp_path):

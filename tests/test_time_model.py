@@ -54,6 +54,17 @@ def test_neuron_costs_per_group_add_up_neuron_by_neuron(mode):
     assert got / 20.0 == pytest.approx([per_neuron[:32].sum(), per_neuron[32:64].sum(), per_neuron[64:].sum()])
 
 
+@pytest.mark.parametrize("activation,metadata,predictors,mode", [
+    ("relu", {}, False, "gate"), ("silu", {}, False, "dense"), ("silu", {}, True, "product"),
+    ("silu", {"optiml.sparsity.criterion": "product", "optiml.sparsity.threshold": [0.1]}, False, "product"),
+    ("silu", {"optiml.sparsity.threshold": [0.1]}, False, "gate"),  # before the criterion was recorded
+    ("relu", {"optiml.sparsity.criterion": "product"}, True, "product")])
+def test_ffn_mode_follows_the_engine(activation, metadata, predictors, mode):
+    from optiml.offline.time_model import ffn_mode
+
+    assert ffn_mode(activation, metadata, predictors) == mode
+
+
 def test_down_rows_at_their_measured_rate():
     """With the sparse down projection measured (Hardware.cpu_sparse_down), a firing neuron's 8-bit down row
     costs its bytes at that rate; everything else is as before."""
@@ -66,17 +77,19 @@ def test_down_rows_at_their_measured_rate():
 
 
 def test_neuron_costs_with_predictors():
-    """With predictors: their rows for every neuron at the dense rate; gate (and up with the product
-    criterion) for the neurons predicted active: those that fire, and a false-positive share of the others;
-    the rest for the firing ones."""
-    from optiml.offline.time_model import PredictorCosts
+    """With predictors: gate (and up with the product criterion) for the neurons predicted active (those that
+    fire, and a false-positive share of the others), the rest for the firing ones; the predictor itself once
+    per layer whose share the CPU keeps (it scores every neuron), at the dense rate of its type."""
+    from optiml.offline.time_model import PredictorCosts, predictor_seconds
 
     hw = Hardware(cpu_bandwidth=50.0, cpu_dense={"q4_0": 40.0, "q8_0": 10.0}, cpu_sparse={"q4_0": 20.0})
     f = np.sort(np.random.default_rng(2).uniform(0, 0.5, 64))[::-1]
-    pred = PredictorCosts(row_bytes=[0.0, 30.0], row_type="Q8_0", false_positive=[0.0, 0.1])
-    got = neuron_cpu_bytes(f, 64, LAYER, "gate", hw, hw.for_type("q4_0"), pred, layer=1)
+    pred = PredictorCosts(layer_bytes=[0, 3000], row_type="Q8_0", false_positive=[0.0, 0.1])
     p = f + 0.1 * (1 - f)
-    assert got[0] / 20.0 == pytest.approx(np.sum(30 / 10.0 + p * 100 / 20.0 + f * 220 / 20.0))
+    for mode, first, after in (("gate", 100, 220), ("product", 200, 120)):
+        got = neuron_cpu_bytes(f, 64, LAYER, mode, hw, hw.for_type("q4_0"), pred, layer=1)
+        assert got[0] / 20.0 == pytest.approx(np.sum(p * first / 20.0 + f * after / 20.0))
+    assert predictor_seconds(pred, 1, hw) == pytest.approx(3000 / 10.0)
 
 
 def test_cpu_only_estimate_by_part_from_the_file(smollm2_path, relu_stats):
@@ -102,7 +115,7 @@ def test_cpu_only_estimate_by_part_from_the_file(smollm2_path, relu_stats):
     assert "100 positions" in format_report(p)
 
 
-def test_predictors_make_the_cpu_share_cheaper(smollm2_path, relu_stats, tmp_path):
+def test_predictors_make_the_cpu_share_cheaper(smollm2_path, gemma3_path, relu_stats, tmp_path):
     """A predictor that marks about the firing share active replaces the dense gate read: the CPU's FFN
     costs less, by the amount worked out neuron by neuron."""
     mean = float(relu_stats.freq.mean())
@@ -113,18 +126,20 @@ def test_predictors_make_the_cpu_share_cheaper(smollm2_path, relu_stats, tmp_pat
     assert with_.cpu_only_parts["ffn"] < 0.7 * without.cpu_only_parts["ffn"]
     assert with_.cpu_only_parts["attention"] == without.cpu_only_parts["attention"]
     t = _tensors(pred)
-    rows = sum(b for n, (b, _, _) in t.items() if n.startswith("blk.0.ffn_pred")) / 1536
+    layer = sum(b for n, (b, _, _) in t.items() if n.startswith("blk.0.ffn_pred"))  # A, B and B's bias
     gate = _tensors(smollm2_path)["blk.0.ffn_gate.weight"][0] / 1536
     total = 0.0
     for l in range(30):
         f = relu_stats.freq[l].astype(np.float64)
         e = max(0.0, (mean + 0.02 - f.mean()) / (1 - f.mean()))  # a layer that fires more: no false positives
-        total += np.sum(rows / 20e9 + (f + e * (1 - f)) * gate / 25e9 + f * (gate + 576 * 34 / 32) / 25e9)
+        total += layer / 20e9 + np.sum((f + e * (1 - f)) * gate / 25e9 + f * (gate + 576 * 34 / 32) / 25e9)
     assert with_.cpu_only_parts["ffn"] == pytest.approx(total)
     assert "with p.gguf" in format_report(with_)
-    other = _synthetic_stats("another model's fingerprint")
-    with pytest.raises(ArgumentError):
-        solve_placement(smollm2_path, other, 0, HW, ctx=256, predictors=pred)
+    from optiml.formats.predictors import PredictorMismatchError
+
+    other = fixed_predictor(gemma3_path, tmp_path / "gemma.gguf", active=0.05, recorded_share=0.1)
+    with pytest.raises(PredictorMismatchError, match="another model"):
+        solve_placement(smollm2_path, relu_stats, 0, HW, ctx=256, predictors=other)
 
 
 def test_output_matrix_goes_to_the_gpu_when_it_pays(smollm2_path, relu_stats, tmp_path):

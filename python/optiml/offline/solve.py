@@ -5,17 +5,18 @@ What is placed
     every tensor of the model except the FFN gate/up/down matrices and the token embeddings (llama.cpp keeps
     those on the CPU; when the model ties its output matrix to them, they are counted once, as the output
     matrix), then the f16 KV cache for `ctx` tokens (K and V: n_layer * ctx * n_head_kv * head_dim * 2 bytes
-    each), the device's scratch for steps of `batch` tokens (as the plan counts it), then predictors (none yet:
-    0 bytes).
+    each), the device's scratch for steps of `batch` tokens (at most ctx) and the logits rows beside the
+    output matrix (as the plan counts them).
 
-    When that fixed part does not fit the budget, the attention (with its norms and KV cache) of layers [0, m)
-    goes to the GPU and the rest stays on the CPU with the output matrix; FFN groups go wherever they pay. Each
-    layer then pays the split cost where its data crosses: attention on the GPU and any FFN neuron on the CPU,
-    or attention on the CPU and any neuron on the GPU (layer_times). Every m whose attention fits is scored
-    with the greedy placement below, and the best m and its neighbours are solved by the program. The placed
-    file records the choice (optiml.placement.gpu_attention) and the plan follows it. Only when not even one
-    layer's attention fits (or nothing on the GPU pays for its transfers) does everything stay on the CPU,
-    with a warning.
+    When that fixed part does not fit the budget, the attention (with its norms and KV cache) of the last m
+    layers goes to the GPU, and the output matrix after them when chosen (the plan puts the logits on the
+    device where the last layer's attention is and the output fits); FFN groups go wherever they pay. Each
+    layer then pays the split cost where its data crosses: attention on the GPU and any FFN neuron on the
+    CPU, or attention on the CPU and any neuron on the GPU (layer_times), and the residual stream's crossings
+    are counted once each. Every (m, output) that fits is scored with the greedy placement below, and the
+    best and its neighbours are solved by the program. The placed file records the choice
+    (optiml.placement.gpu_attention) and the plan follows it. Only when not even one layer's attention fits
+    (or nothing on the GPU pays for its transfers) does everything stay on the CPU, with a warning.
 
     The FFN neurons of layer l are taken in hot-first order (optiml.formats.stats.hot_first_order) and cut into
     G_l groups of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants)
@@ -23,22 +24,29 @@ What is placed
     (bytes of one block column of ffn_down). The last group is partial when g does not divide n_ff (counted
     exactly). The GPU share of layer l is always a prefix: placed neurons [0, k_l) of the hot-first order
     (optiml.formats.placement writes that order into the file exactly: permuted weights, or the weights as
-    they are plus neuron_order).
+    they are plus neuron_order). In the second form, which a quantized down tensor needs, the plan holds a
+    split layer's device share as gate and up rows and 8-bit neuron-major down rows with one set of scales
+    (plan.cpp ffn_share_bytes), so the device bytes of x < G groups are x * that per group + the scales, and
+    of all G groups the layer's own bytes (layer_bytes).
 
 The program (per layer l; times in microseconds inside the solver)
     x_l in {0..G_l}  groups on the GPU          a_l in {0,1}: x_l >= 1  (x_l <= G_l a_l)
     b_l in {0,1}: x_l = G_l (x_l >= G_l b_l, x_l <= G_l - 1 + b_l)
     s_l >= 1 - b_l: the layer's data crosses (its attention is on the GPU and some FFN neuron on the CPU; with
                its attention on the CPU, s_l >= a_l; solve_groups without attention: s_l >= a_l - b_l)
-    bytes_l(x)  = B_l x + (B_last,l - B_l) b_l                 exact bytes of the first x groups
+    bytes_l(x)  = S_l x + A_l a_l + B_l b_l                   exact device bytes of the first x groups
+               (S_l the bytes of a group, A_l = 0, B_l = the last group's difference; or, for a file that keeps
+               its order, S_l a group's split bytes, A_l the scales, B_l what the whole layer saves)
     t_l >= bytes_l(x) / gpu_bandwidth + launch_overhead a_l   the GPU share's time
-    t_l >= cpu_l(x)                                           the CPU share's time, run concurrently
-    cpu_l(x) = sum over CPU neurons of freq * bytes per neuron / cpu_bandwidth: the expected bytes the CPU
-               reads per token. In hot-first order its slope (the next group's firing mass) only shrinks, so it
-               is convex and decreasing, and equals the largest of the lines through consecutive group points:
-               t_l >= each such line. Lines beyond the first group point where the GPU time alone already
-               exceeds cpu_l are dropped: there the GPU bound is the larger one, so the optimum is unchanged
-               and the model stays exact at every integer x (no approximation).
+    t_l >= cpu_l(x) + P_l (1 - b_l)                           the CPU share's time, run concurrently
+    cpu_l(x) = the CPU's time for its neurons as the engine reads them (optiml.offline.time_model.
+               neuron_cpu_bytes: what decides who fires at the dense rate, the rest of each firing neuron at
+               the row-sparse rate). In hot-first order its slope only shrinks, so it is convex and
+               decreasing, and equals the largest of the lines through consecutive group points: t_l >= each
+               such line. Lines beyond the first group point where the GPU time alone already exceeds the CPU's
+               are dropped: there the GPU bound is the larger one, so the optimum is unchanged and the model
+               stays exact at every integer x (no approximation). P_l: what the CPU pays whenever it keeps
+               any neuron (a predictor scores all of them).
     minimize    sum_l t_l + split_cost s_l            (split_cost = transfer latency + sync, per crossing layer)
     subject to  fixed + sum_l bytes_l(x_l) <= budget
     HiGHS solves it with a time limit and a relative gap, warm-started from the greedy solution below. The
@@ -48,12 +56,13 @@ Greedy (the fallback if HiGHS fails or has no solution in time): repeatedly give
 time saved per byte (looking ahead to any larger x of that layer, which handles the launch and split steps)
 the groups it asks for while they fit.
 
-Consequence of the time model: the GPU reads its share densely while the CPU reads only the neurons that fire,
-so past the point where a layer's GPU time exceeds its CPU time, more GPU neurons only cost time; cold tails can
-stay on the CPU even when the budget has room for them.
+Consequence of the time model: the GPU reads its share densely while the CPU reads only the neurons that fire
+(beyond what decides who fires), so past the point where a layer's GPU time exceeds its CPU time, more GPU
+neurons only cost time; cold tails can stay on the CPU even when the budget has room for them.
 
-The estimate per token is the objective plus the time to read the non-FFN weights on their device (GPU when
-the fixed part fits, else CPU); attention over the KV cache and compute are not modelled.
+The estimate per token is the objective plus each layer's attention and the output on their device, timed by
+optiml.offline.time_model (weights at the CPU's dense rate or the GPU's bandwidth, the KV cache of
+`positions` past tokens, the device's ops and the logits' copy).
 """
 
 from __future__ import annotations
@@ -74,9 +83,11 @@ from ..formats.quant import type_info
 from ..formats.stats import hot_first_order
 from ..util.sizes import mib
 from .hardware import Hardware
-from .time_model import FixedTimes, ffn_mode, fixed_layout, fixed_times, neuron_cpu_bytes, predictor_costs
+from ..formats.placement import down_permutable
+from .time_model import (FixedTimes, ffn_mode, fixed_layout, fixed_times, neuron_cpu_bytes, predictor_costs,
+                         predictor_seconds)
 
-__all__ = ["Placement", "GroupSolution", "make_groups", "layer_times", "solve_groups",
+__all__ = ["Placement", "GroupSolution", "make_groups", "layer_bytes", "layer_times", "solve_groups",
            "solve_placement", "format_report", "SolveWarning"]
 
 
@@ -150,17 +161,41 @@ def make_groups(sorted_freq: np.ndarray, group: int, bytes_of: int | Callable[[i
     return gb, cb
 
 
-def layer_times(group_bytes: np.ndarray, cpu_bytes: np.ndarray, hw: Hardware, attention: str | None = None) -> np.ndarray:
+def layer_bytes(group_bytes: np.ndarray, split: tuple | None = None) -> tuple[np.ndarray, tuple]:
+    """Device bytes of one layer for every x = 0..G groups on the GPU, and the same as the linear form the
+    program uses: bytes(x) = s x + c_a a + c_b b (a: x >= 1, b: x = G). Without `split` the groups' own bytes
+    (a file whose neurons are permuted: a share is a block of the layer's tensors). With split = (bytes per
+    group, bytes once) a share of x < G groups takes x groups of other bytes and a constant (a file that keeps
+    its order, optiml.placement.neuron_order: the plan holds a split share's down as 8-bit neuron-major rows
+    with their scales, plan.cpp ffn_share_bytes); the whole layer takes its own bytes either way."""
+    gb = np.asarray(group_bytes, dtype=np.int64)
+    G = len(gb)
+    if G == 0:
+        return np.zeros(1, dtype=np.int64), (0, 0, 0)
+    total = int(gb.sum())
+    if split is None or G == 1:
+        lin = (int(gb[0]), 0, int(gb[-1]) - int(gb[0]))
+    else:
+        per, once = int(split[0]), int(split[1])
+        lin = (per, once, total - G * per - once)
+    x = np.arange(G + 1, dtype=np.int64)
+    return lin[0] * x + lin[1] * (x > 0) + lin[2] * (x == G), lin
+
+
+def layer_times(group_bytes: np.ndarray, cpu_bytes: np.ndarray, hw: Hardware, attention: str | None = None,
+                split: tuple | None = None, cpu_fixed: float = 0.0) -> np.ndarray:
     """Seconds per token of one layer for every x = 0..G groups on the GPU: the larger of the GPU and the CPU
     share's time, plus the split cost where the layer's data crosses between the devices: when 0 < x < G
     (attention None: every layer's attention on the GPU as the fixed part, the model of the module doc);
-    with attention "gpu" when x < G (the CPU computes some of the FFN), with "cpu" when x > 0."""
-    gb = np.asarray(group_bytes, dtype=np.float64)
+    with attention "gpu" when x < G (the CPU computes some of the FFN), with "cpu" when x > 0. split: the
+    device's bytes of a split share (layer_bytes); cpu_fixed: seconds the CPU's share costs whatever its size
+    (a predictor scores every neuron of the layer)."""
     cb = np.asarray(cpu_bytes, dtype=np.float64)
-    G = len(gb)
-    gpu = np.concatenate([[0.0], np.cumsum(gb)]) / hw.gpu_bandwidth
+    G = len(cb)
+    gpu = layer_bytes(group_bytes, split)[0] / hw.gpu_bandwidth
     gpu[1:] += hw.launch_overhead
     cpu = np.concatenate([np.cumsum(cb[::-1])[::-1], [0.0]]) / hw.cpu_bandwidth
+    cpu[:G] += cpu_fixed
     t = np.maximum(gpu, cpu)
     if attention is None:
         if G > 1:
@@ -233,9 +268,10 @@ def _greedy(times: list[np.ndarray], cumb: list[np.ndarray], budget: int) -> lis
     return x
 
 
-def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
+def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None, splits=None, fixed=None):
     """Builds and solves the program of the module docstring. Returns (x or None, status, gap). att: per layer
-    where its attention runs ("gpu", "cpu"), or None for the module doc's model (see layer_times)."""
+    where its attention runs ("gpu", "cpu"), or None for the module doc's model (see layer_times); splits and
+    fixed: per layer, layer_times' split and cpu_fixed."""
     import highspy
 
     L = len(gbs)
@@ -267,7 +303,8 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
         cost[S] = hw.split_cost * US
         if G == 0:
             continue
-        Bl, Blast = float(gbs[l][0]), float(gbs[l][-1])
+        cum, (Bs, Ba, Bb) = layer_bytes(gbs[l], splits[l] if splits else None)
+        P = float(fixed[l]) * US if fixed else 0.0  # the CPU's cost whenever it keeps any neuron
         row([X, A], [1, -G], -inf, 0)               # x <= G a
         row([X, B], [1, -G], 0, inf)                # x >= G b
         row([X, B], [1, -1], -inf, G - 1)           # x = G -> b = 1
@@ -278,18 +315,19 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
             row([S, B], [1, 1], 1, inf)             # s >= 1 - b
         else:
             row([S, A], [1, -1], 0, inf)            # s >= a
-        gpu_k = Bl / hw.gpu_bandwidth * US
-        row([T, X, B, A], [1, -gpu_k, -(Blast - Bl) / hw.gpu_bandwidth * US, -hw.launch_overhead * US], 0, inf)
-        mem_ix += [X, B]
-        mem_v += [Bl / unit, (Blast - Bl) / unit]
-        # CPU: lines through consecutive group points, up to where the GPU time alone is larger
+        k = US / hw.gpu_bandwidth
+        row([T, X, A, B], [1, -Bs * k, -(Ba * k + hw.launch_overhead * US), -Bb * k], 0, inf)
+        mem_ix += [X, A, B]
+        mem_v += [Bs / unit, Ba / unit, Bb / unit]
+        # CPU: lines through consecutive group points (plus P while b = 0), up to where the GPU time alone is
+        # larger
         c = np.concatenate([np.cumsum(cbs[l][::-1])[::-1], [0.0]]) / hw.cpu_bandwidth * US
-        g0 = np.concatenate([[0.0], np.cumsum(gbs[l].astype(np.float64))]) / hw.gpu_bandwidth * US
-        m = int(np.argmax(g0 >= c))  # first point where the GPU bound dominates (c[G] = 0, so it exists)
+        g0 = cum / hw.gpu_bandwidth * US
+        m = int(np.argmax(g0 >= c + P * (np.arange(G + 1) < G)))  # (at x = G both are 0, so it exists)
         if m > 0:
             j = np.arange(m)
             slope = c[j + 1] - c[j]
-            seg_blocks.append((T, X, slope, c[j] - slope * j))
+            seg_blocks.append((T, X, B, P, slope, c[j] - slope * j))
     row(mem_ix, mem_v, -inf, budget / unit)
 
     h = highspy.Highs()
@@ -302,10 +340,11 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
     h.changeColsIntegrality(len(icols), icols, np.full(len(icols), highspy.HighsVarType.kInteger))
     h.addRows(len(rows_lo), np.array(rows_lo), np.array(rows_hi), len(idx), np.array(starts, dtype=np.int32),
               np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
-    for T, X, slope, icpt in seg_blocks:  # t - slope x >= intercept
+    for T, X, B, P, slope, icpt in seg_blocks:  # t - slope x + P b >= intercept + P
         n = len(slope)
-        h.addRows(n, icpt, np.full(n, inf), 2 * n, np.arange(0, 2 * n, 2, dtype=np.int32),
-                  np.tile(np.array([T, X], dtype=np.int32), n), np.column_stack([np.ones(n), -slope]).ravel())
+        h.addRows(n, icpt + P, np.full(n, inf), 3 * n, np.arange(0, 3 * n, 3, dtype=np.int32),
+                  np.tile(np.array([T, X, B], dtype=np.int32), n),
+                  np.column_stack([np.ones(n), -slope, np.full(n, P)]).ravel())
     if x0 is not None:
         sol = np.zeros(nv)
         for l, xl in enumerate(x0):
@@ -314,8 +353,9 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
             where = att[l] if att else None
             split = max(0.0, a - b) if where is None else (1.0 - b if where == "gpu" else a)
             sol[5 * l: 5 * l + 4] = [xl, a, b, split]
-            t_gpu = (float(np.sum(gbs[l][:xl])) / hw.gpu_bandwidth + hw.launch_overhead * a) * US
-            t_cpu = float(np.sum(cbs[l][xl:])) / hw.cpu_bandwidth * US
+            cum = layer_bytes(gbs[l], splits[l] if splits else None)[0]
+            t_gpu = (float(cum[xl]) / hw.gpu_bandwidth + hw.launch_overhead * a) * US
+            t_cpu = (float(np.sum(cbs[l][xl:])) / hw.cpu_bandwidth + (fixed[l] if fixed and xl < G else 0.0)) * US
             sol[5 * l + 4] = max(t_gpu, t_cpu) * (1 + 1e-9) + 1e-9
         hs = highspy.HighsSolution()
         hs.col_value = sol.tolist()
@@ -333,13 +373,16 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None):
 
 def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarray], budget: int,
                  hardware: Hardware, time_limit: float = 30.0, mip_gap: float = 1e-4,
-                 method: str = "auto", attention: Sequence[str] | None = None) -> GroupSolution:
+                 method: str = "auto", attention: Sequence[str] | None = None,
+                 split_bytes: Sequence[tuple | None] | None = None,
+                 cpu_fixed: Sequence[float] | None = None) -> GroupSolution:
     """The program on plain arrays, without a model file. Per layer l (hot-first order):
     group_bytes[l]: int [G_l], the exact bytes of each group (all equal but a possibly smaller last one);
     cpu_bytes[l]: float [G_l], expected bytes read per token for the group when it is on the CPU (sum of
     freq * bytes per neuron; non-increasing). budget: bytes for the FFN groups.
     method: "auto" (MIP; greedy with a SolveWarning if HiGHS has no solution), "mip" (same) or "greedy".
-    attention: per layer "gpu" or "cpu", where its attention runs (see layer_times), or None."""
+    attention: per layer "gpu" or "cpu", where its attention runs (see layer_times), or None.
+    split_bytes, cpu_fixed: per layer, layer_times' split and cpu_fixed (None: none)."""
     if method not in ("auto", "mip", "greedy"):
         raise ArgumentError(f"method must be auto, mip or greedy, not {method!r}")
     if not (time_limit > 0):
@@ -352,12 +395,17 @@ def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarr
     if attention is not None and (len(attention) != len(gbs) or any(a not in ("gpu", "cpu") for a in attention)):
         raise ArgumentError(f"attention must give 'gpu' or 'cpu' for each of the {len(gbs)} layers")
     att = list(attention) if attention is not None else [None] * len(gbs)
-    times = [layer_times(gb, cb, hardware, a) for gb, cb, a in zip(gbs, cbs, att)]
-    cumb = [np.concatenate([[0], np.cumsum(gb)]).astype(np.int64) for gb in gbs]
+    for name, v in (("split_bytes", split_bytes), ("cpu_fixed", cpu_fixed)):
+        if v is not None and len(v) != len(gbs):
+            raise ArgumentError(f"{name} must give a value for each of the {len(gbs)} layers")
+    splits = list(split_bytes) if split_bytes is not None else [None] * len(gbs)
+    fixed = [float(v) for v in cpu_fixed] if cpu_fixed is not None else [0.0] * len(gbs)
+    times = [layer_times(gb, cb, hardware, a, sp, f) for gb, cb, a, sp, f in zip(gbs, cbs, att, splits, fixed)]
+    cumb = [layer_bytes(gb, sp)[0] for gb, sp in zip(gbs, splits)]
     xg = _greedy(times, cumb, budget)
     x, how, status, gap = xg, "greedy", "greedy: asked for", math.nan
     if method != "greedy" and any(len(gb) for gb in gbs):
-        xm, st, g = _mip(gbs, cbs, budget, hardware, xg, time_limit, mip_gap, attention)
+        xm, st, g = _mip(gbs, cbs, budget, hardware, xg, time_limit, mip_gap, attention, splits, fixed)
         if xm is None:
             status = f"greedy: HiGHS found no solution ({st})"
             warnings.warn(f"HiGHS found no solution ({st}); using the greedy placement", SolveWarning, stacklevel=2)
@@ -373,8 +421,8 @@ def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarr
     x = [min(max(int(v), 0), len(gb)) for v, gb in zip(x, gbs)]
     used = sum(int(c[v]) for v, c in zip(x, cumb))
     while used > budget:  # tolerance overshoot: drop the group whose loss per byte is smallest
-        cands = [((times[l][x[l] - 1] - times[l][x[l]]) / max(1, int(cumb[l][x[l]] - cumb[l][x[l] - 1])), l)
-                 for l in range(len(x)) if x[l] > 0]
+        cands = [((times[l][x[l] - 1] - times[l][x[l]]) / int(cumb[l][x[l]] - cumb[l][x[l] - 1]), l)
+                 for l in range(len(x)) if x[l] > 0 and cumb[l][x[l]] > cumb[l][x[l] - 1]]
         _, l = min(cands)
         used -= int(cumb[l][x[l]] - cumb[l][x[l] - 1])
         x[l] -= 1
@@ -485,32 +533,44 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
     # The FFN groups' CPU time at the CPU's measured row-sparse rate for their type (when `optiml hw` measured
     # it); dense reads (attention, the output, what decides who fires) at its dense rate (time_model).
     ffn_hw = hardware.for_type(lay["layers"][0]["ffn_type"])
-    times = fixed_times(lay, hardware, int(positions), min(int(batch), 64))
-    scratch = lay["scratch_per_token"] * int(batch)
+    steps = min(int(batch), int(ctx))  # the plan's n_batch: a step holds at most the context
+    times = fixed_times(lay, hardware, int(positions), min(steps, 64))
+    scratch = lay["scratch_per_token"] * steps
     logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits + 0  # + predictors: none yet
-    mode = ffn_mode(stats.activation, lay["metadata"])
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits
+    mode = ffn_mode(stats.activation, lay["metadata"], pred is not None)
     order = hot_first_order(stats.freq, stats.impact)
     sorted_freq = [np.asarray(stats.freq[l], dtype=np.float64)[order[l]] for l in range(stats.n_layer)]
+    # The placed file keeps its order (neuron_order) unless every down tensor can be permuted exactly; then a
+    # split layer's device share holds its down as 8-bit neuron-major rows (plan.cpp ffn_share_bytes).
+    permuted = all(down_permutable(v["down_type"], v["block"], order[l]) for l, v in enumerate(lay["layers"]))
+    q8_row = -(-lay["n_embd"] // 32) * 34
     gbs, cbs = [], []
+    groups = {"split_bytes": [], "cpu_fixed": []}  # solve_groups' per-layer extras
     for l, v in enumerate(lay["layers"]):
         fn = lambda n, v=v: n * v["row_bytes"] + (n // v["block"]) * v["col_block"]  # noqa: E731
         gb, _ = make_groups(sorted_freq[l], g, fn)
         assert int(gb.sum()) == v["total"], "group bytes must add up to the layer's FFN tensors"
         gbs.append(gb)
         cbs.append(neuron_cpu_bytes(sorted_freq[l], g, v, mode, hardware, ffn_hw, pred, l))
-    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
+        groups["split_bytes"].append(None if permuted else (g * (v["row_bytes"] + q8_row), 4 * lay["n_embd"]))
+        groups["cpu_fixed"].append(predictor_seconds(pred, l, hardware) if pred is not None else 0.0)
+    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw, cpu_fixed=f)[0] for gb, cb, f in zip(gbs, cbs, groups["cpu_fixed"])))
     cpu_only = times.estimate(cpu_ffn, [False] * L, False)
     t0 = time.perf_counter()
     if fixed > vram:
         sol, attention, output, used, est = _solve_partial_attention(
-            lay, gbs, cbs, int(vram) - scratch, ffn_hw, times, int(ctx), time_limit, mip_gap, method, cpu_only)
+            lay, gbs, cbs, int(vram) - scratch, ffn_hw, times, int(ctx), time_limit, mip_gap, method, cpu_only,
+            groups)
         if isinstance(sol, str):  # why nothing goes to the GPU
             sol = _all_cpu(sol, vram, fixed, L, cpu_ffn, t0)
             used, est, attention, output = 0, cpu_only, [False] * L, False
+        else:
+            used += scratch
     else:
         # Every layer's attention is on the GPU: a layer pays the transfer unless its whole FFN is there too.
-        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L)
+        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L,
+                           **groups)
         used, attention, output = fixed + sol.ffn_bytes, [True] * L, True
         est = times.estimate(sol.objective_s, attention, output)
     k = [min(x * g, v["n_ff"]) for x, v in zip(sol.x, lay["layers"])]
@@ -522,8 +582,8 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
                      ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est), method=sol.method,
                      status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s, coverage=coverage,
                      cpu_only_token_s=cpu_only, ffn_bytes=[v["total"] for v in lay["layers"]],
-                     gpu_ffn_bytes=[int(gb[:x].sum()) for gb, x in zip(gbs, sol.x)], gpu_attention=attention,
-                     output_on_gpu=output, positions=int(positions),
+                     gpu_ffn_bytes=[int(layer_bytes(gb, sp)[0][x]) for gb, sp, x in zip(gbs, groups["split_bytes"], sol.x)],
+                     gpu_attention=attention, output_on_gpu=output, positions=int(positions),
                      predictors=os.path.basename(os.fspath(predictors)) if predictors is not None else "",
                      cpu_only_parts=times.cpu_parts(cpu_ffn))
 
@@ -537,15 +597,15 @@ def _all_cpu(why: str, vram: int, fixed: int, n_layer: int, cpu_ffn_s: float, t0
 
 
 def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx, time_limit, mip_gap, method,
-                             all_cpu_s):
+                             all_cpu_s, groups: dict | None = None):
     """When the fixed part does not fit: attention and KV cache on the GPU for the last m layers only, the
     output matrix there too when chosen (it follows the last layer's attention, as the plan places it), FFN
     groups anywhere. Every (m, output) that fits is scored with the greedy FFN placement (each layer's split
     cost following where its attention runs, layer_times), then the best and its neighbours are solved
     exactly. m = 0 (FFN neurons only) is a candidate too. The FFN groups are timed with ffn_hw, the rest
-    by `times`. vram: the budget less the device's scratch. Returns (GroupSolution, attention per layer,
-    output on the GPU, bytes placed, estimated s/token), or (why, None, None, None, None) when nothing goes
-    to the GPU."""
+    by `times`. vram: the budget less the device's scratch. groups: solve_groups' split_bytes and cpu_fixed.
+    Returns (GroupSolution, attention per layer, output on the GPU, bytes placed less the scratch, estimated
+    s/token), or (why, None, None, None, None) when nothing goes to the GPU."""
     L = lay["n_layer"]
     kv = lay["kv_per_token"] * ctx // L
     att_b = [a + kv for a in lay["attn"]]
@@ -558,8 +618,10 @@ def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SolveWarning)
             sol = solve_groups(gbs, cbs, vram - need(m, out), ffn_hw, time_limit, mip_gap, how,
-                               attention=["gpu" if a else "cpu" for a in on])
-        return times.estimate(sol.objective_s, on, out), sol
+                               attention=["gpu" if a else "cpu" for a in on], **(groups or {}))
+        # The residual crosses to the device before layer L - m, and back for the output when it stays here.
+        crossings = (0 < m < L) + (m > 0 and not out)
+        return times.estimate(sol.objective_s, on, out) + crossings * times.crossing_s, sol
 
     if vram <= 0:
         return "it does not hold the device's scratch", None, None, None, None

@@ -115,8 +115,9 @@ def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx
     ffn_hw = replace(hardware, cpu_bandwidth=hardware.cpu_dense.get(lay["expert_type"].lower(), hardware.cpu_bandwidth),
                      gpu_bandwidth=1e30, launch_overhead=hardware.launch_overhead + gpu_read,
                      source=f"{hardware.source}; experts: a decode step's reads")
-    times = fixed_times(lay, hardware, int(positions), min(int(batch), 64))
-    scratch = lay["scratch_per_token"] * int(batch)
+    steps = min(int(batch), int(ctx))  # the plan's n_batch: a step holds at most the context
+    times = fixed_times(lay, hardware, int(positions), min(steps, 64))
+    scratch = lay["scratch_per_token"] * steps
     logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
     fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits
     cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
@@ -128,6 +129,8 @@ def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx
         if isinstance(sol, str):
             sol = _all_cpu(sol, vram, fixed, L, cpu_ffn, t0)
             used, est, attention, output = 0, cpu_only, [False] * L, False
+        else:
+            used += scratch
     else:
         sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L)
         used, attention, output = fixed + sol.ffn_bytes, [True] * L, True

@@ -43,7 +43,7 @@ from ..formats.quant import type_info
 from .hardware import FFN_SHARE_OPS, Hardware
 
 __all__ = ["ATTENTION_OPS", "OUTPUT_OPS", "FixedTimes", "PredictorCosts", "dense_seconds", "ffn_mode", "fixed_layout",
-           "fixed_times", "neuron_cpu_bytes", "predictor_costs"]
+           "fixed_times", "neuron_cpu_bytes", "predictor_costs", "predictor_seconds"]
 
 # Ops a device queues for one layer's attention (norm with the 8-bit input, q/k/v, RoPE with the KV write,
 # the scores, o with the residual add) and for the logits (norm, output matrix): the CUDA backend's fused plan.
@@ -100,6 +100,7 @@ class FixedTimes:
     output_gpu_s: float      # the final norm, output matrix and logits' copy, with the output on the GPU
     output_cpu_s: float
     output_bytes: int        # what the output takes on the device (plan.cpp output_bytes: weights, logits rows)
+    crossing_s: float = 0.0  # the residual stream (n_embd floats) copied between the devices once
 
     def estimate(self, ffn_s: float, attention: list[bool], output_on_gpu: bool) -> float:
         """A token's seconds: the FFN's (the solver's objective) plus every layer's attention where it runs and
@@ -125,15 +126,22 @@ def fixed_times(lay: dict, hw: Hardware, positions: int, logits_rows: int) -> Fi
                + logits / hw.transfer_bandwidth)
     return FixedTimes(attn_gpu_s=attn_gpu, attn_cpu_s=attn_cpu, output_gpu_s=out_gpu,
                       output_cpu_s=dense_seconds(hw, lay["output_types"]),
-                      output_bytes=out_w + logits * int(logits_rows))
+                      output_bytes=out_w + logits * int(logits_rows),
+                      crossing_s=hw.transfer_latency / 2 + 4 * lay["n_embd"] / hw.transfer_bandwidth)
 
 
 @dataclass
 class PredictorCosts:
-    """What a layer's predictor adds to the CPU's FFN share: its rows per neuron and false positives."""
-    row_bytes: list[float]     # per layer: bytes of B's row and of A shared out, per neuron
+    """What a layer's predictor adds to the CPU's FFN share: its bytes, read whenever the CPU keeps any of
+    the layer's neurons (it scores all of them), and its false positives."""
+    layer_bytes: list[int]     # per layer: A, B and B's bias
     row_type: str              # their tensor type (Q8_0 or F16)
     false_positive: list[float]  # per layer: the share of non-firing (token, neuron) pairs predicted active
+
+
+def predictor_seconds(pred: PredictorCosts, layer: int, hw: Hardware) -> float:
+    """Seconds a layer's predictor takes on the CPU (its products at the dense rate for their type)."""
+    return dense_seconds(hw, {pred.row_type: pred.layer_bytes[layer]})
 
 
 def predictor_costs(path: str | os.PathLike, model_path: str, stats) -> PredictorCosts:
@@ -144,26 +152,31 @@ def predictor_costs(path: str | os.PathLike, model_path: str, stats) -> Predicto
     if predicted is None or len(predicted) != n_layer:
         raise ArgumentError(f"{path}: no held-out predicted share per layer (optiml.predictor.heldout_predicted); "
                             "train the predictors again with this version of optiml train-predictors")
-    rows, types = [0.0] * n_layer, set()
+    sizes, types = [0] * n_layer, set()
     with gguf.open(path) as f:
         for t in f.tensors:
             parts = t.name.split(".")
             if parts[0] == "blk" and parts[2] in ("ffn_pred_a", "ffn_pred_b") and int(parts[1]) < n_layer:
-                rows[int(parts[1])] += t.n_bytes / n_ff
-                types.add(type_info(t.type).name)
+                sizes[int(parts[1])] += t.n_bytes
+                if len(t.shape) > 1:
+                    types.add(type_info(t.type).name)
     active = np.asarray(stats.freq, dtype=np.float64).mean(axis=1)
     fp = [float(np.clip((p - a) / (1 - a), 0, 1)) if a < 1 else 0.0 for p, a in zip(predicted, active)]
-    return PredictorCosts(row_bytes=rows, row_type=max(types) if types else "Q8_0", false_positive=fp)
+    return PredictorCosts(layer_bytes=sizes, row_type=max(types) if types else "Q8_0", false_positive=fp)
 
 
-def ffn_mode(stats_activation: str, metadata: dict) -> str:
+def ffn_mode(stats_activation: str, metadata: dict, predictors: bool = False) -> str:
     """How the engine runs a model's FFN on the CPU by default: "gate" (act(gate) decides who fires: ReLU's
-    exact zeros, or calibrated thresholds on the gate), "product" (calibrated thresholds on act(gate) * up,
-    optiml calibrate's default) or "dense" (no thresholds and not ReLU-family: every neuron is computed)."""
+    exact zeros, or calibrated thresholds on the gate, which a file from before the criterion was recorded
+    uses), "product" (calibrated thresholds on act(gate) * up, optiml calibrate's default; also a FFN without
+    thresholds that runs with predictors: the product of the predicted neurons, none skipped after them) or
+    "dense" (no thresholds and not ReLU-family: every neuron is computed)."""
     criterion = metadata.get("optiml.sparsity.criterion")
     if criterion in ("gate", "product"):
         return str(criterion)
-    return "gate" if stats_activation in ("relu", "relu2") else "dense"
+    if "optiml.sparsity.threshold" in metadata or stats_activation in ("relu", "relu2"):
+        return "gate"
+    return "product" if predictors else "dense"
 
 
 def neuron_cpu_bytes(sorted_freq: np.ndarray, group: int, v: dict, mode: str, hw: Hardware, ffn_hw: Hardware,
@@ -195,7 +208,6 @@ def neuron_cpu_bytes(sorted_freq: np.ndarray, group: int, v: dict, mode: str, hw
     after = down + (up if mode == "gate" else 0.0)         # read for the neurons the criterion keeps
     if pred is None:
         first = sizes * (dense(gate, v["gate_type"]) + (dense(up, v["up_type"]) if mode == "product" else 0.0))
-    else:
-        e = pred.false_positive[layer]
-        first = sizes * dense(pred.row_bytes[layer], pred.row_type) + (fires + e * (sizes - fires)) * decided_first
+    else:  # (the predictor's own reads: predictor_seconds, once per layer)
+        first = (fires + pred.false_positive[layer] * (sizes - fires)) * decided_first
     return first + fires * after
