@@ -2,6 +2,8 @@
 tensor, and the choices it leads to: the output matrix on the GPU when it pays, followed by the plan and run on
 cpu:1."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,34 @@ def test_bad_positions_and_predictors(smollm2_path, relu_stats, tmp_path):
         solve_placement(smollm2_path, relu_stats, 0, HW, positions=-1)
     with pytest.raises(FileNotFoundError):
         solve_placement(smollm2_path, relu_stats, 0, HW, predictors=tmp_path / "none.gguf")
+
+
+def test_solve_times_and_hands_on_the_predictors_beside_the_model(smollm2_path, tmp_path, capsys):
+    """`optiml solve` times the CPU's share with MODEL.predictors.gguf when a Model would use it, says so,
+    and puts them beside the placed file, where a Model of it finds them; --predictors none places without
+    (SmolLM2 has no thresholds: dense on the CPU, the predicted neurons' products with predictors)."""
+    import shutil
+
+    from optiml import cli
+    from optiml.formats.predictors import default_predictor_path
+
+    model = tmp_path / "m.gguf"
+    shutil.copyfile(smollm2_path, model)
+    fixed_predictor(model, default_predictor_path(model), active=0.05, recorded_share=0.08)
+    sp = tmp_path / "s.npz"
+    st.save(_synthetic_stats(st.model_fingerprint(model), activation="silu"), sp)
+    hw = tmp_path / "hw.json"
+    hw.write_text('{"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}')
+    est = {}
+    for how in ("auto", "none"):
+        out = tmp_path / f"placed-{how}.gguf"
+        rc = cli.main(["solve", "-m", str(model), "--stats", str(sp), "--vram", "90MiB", "--hardware", str(hw),
+                       "--ctx", "256", "--predictors", how, "-o", str(out)])
+        text = capsys.readouterr()
+        assert rc == 0, text.err
+        est[how] = text.out.split("all-CPU by part: ")[1].split(";")[0]
+        assert (f"with {default_predictor_path(model).split('/')[-1]}" in text.out) == (how == "auto")
+        assert os.path.exists(default_predictor_path(out)) == (how == "auto")
+    assert est["auto"] != est["none"]  # the FFN part differs
+    with optiml.Model(tmp_path / "placed-auto.gguf", n_ctx=64) as m:
+        assert m.predictors == default_predictor_path(tmp_path / "placed-auto.gguf")

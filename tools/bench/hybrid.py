@@ -149,7 +149,7 @@ def placed_files(args, tag: str, model: str, stats: str, hw: str, size: int, pos
                                          f"{'-pred' if pred else ''}-{os.path.basename(hw)[:-5]}.gguf")
         if not os.path.exists(out):
             sh(optiml_cmd("solve", "-m", model, "--stats", stats, "--vram", str(vram), "--hardware", hw, "--ctx",
-                          args.ctx, "--positions", positions, *(["--predictors", pred] if pred else []), "-o", out))
+                          args.ctx, "--positions", positions, "--predictors", pred or "none", "-o", out))
         placed[b] = (out, vram)
     return placed
 

@@ -4,12 +4,15 @@ experts (optiml.offline.solve_experts), written into a placed copy of the model 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import warnings
 
 from .._core import ArgumentError
 from ..formats import stats
+from ..engine.sparsity import beside
 from ..formats.placement import write_expert_placement, write_placed
+from ..formats.predictors import default_predictor_path
 from ..offline.hardware import Hardware
 from ..offline.solve import format_report, solve_placement
 from ..offline.coactive import check_stats, placed_order
@@ -33,9 +36,11 @@ def add_arguments(p) -> None:
     p.add_argument("--positions", type=int, default=None,
                    help="past tokens a decode step attends to, for the time to read the KV cache (default: half of "
                         "--ctx, the mean over a context filled from empty)")
-    p.add_argument("--predictors", default=None,
+    p.add_argument("--predictors", default="auto",
                    help="the predictor file the model will run with (optiml train-predictors): the CPU's FFN share "
-                        "is timed as it reads with them (neurons predicted active, not every gate row)")
+                        "is timed as it reads with them (neurons predicted active, not every gate row), and they are "
+                        "copied beside the placed file, where a Model finds them. auto (the default): "
+                        "MODEL.predictors.gguf beside the model when a Model would use it; none: without")
     p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
     p.add_argument("--order", choices=("hot", "coactive"), default="hot",
                    help="the CPU's neurons in each layer: hot (most frequent first, the default) or coactive "
@@ -63,18 +68,19 @@ def run(args) -> int:
     if args.order == "coactive":  # before the solver's work
         check_stats(st, args.stats)
     hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
+    if st.is_moe and args.predictors not in ("auto", "none"):
+        raise ArgumentError("--predictors: this model's layers are mixtures of experts, placed by whole experts, "
+                            "which read every row they hold: leave --predictors out")
+    pred = None if st.is_moe else _predictors(args.predictors, model, st.activation)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if st.is_moe:  # whole experts (optiml.offline.solve_experts)
-            if args.predictors:
-                raise ArgumentError("--predictors: this model's layers are mixtures of experts, placed by whole "
-                                    "experts, which read every row they hold: leave --predictors out")
             placement = solve_expert_placement(model, st, vram, hw, ctx=args.ctx, time_limit=args.time_limit,
                                                batch=args.batch, positions=args.positions)
         else:
             placement = solve_placement(model, st, vram, hw, ctx=args.ctx, group=args.group,
                                         time_limit=args.time_limit, batch=args.batch, positions=args.positions,
-                                        predictors=args.predictors)
+                                        predictors=pred)
     for w in caught:
         print(f"optiml solve: warning: {w.message}", file=sys.stderr)
     print(format_report(placement))
@@ -96,7 +102,37 @@ def run(args) -> int:
         how = ("weights kept in their order (quantized down tensors cannot move a neuron's column exactly), "
                "placed order in optiml.placement.neuron_order")
     print(f"wrote {args.outfile}: {how}")
+    if pred:
+        _predictors_beside_output(pred, res["form"], args.outfile)
     return 0
+
+
+def _predictors(choice: str, model: str, activation: str) -> str | None:
+    """The predictor file to time the CPU's share with: --predictors' choice."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return choice
+    d = beside(model, activation)
+    if d["used"]:
+        print(f"predictors: {d['path']} (beside the model; --predictors none to place without them)")
+        return d["path"]
+    if d["found"]:
+        print(f"predictors: not using {d['path']}: {d['why']}")
+    return None
+
+
+def _predictors_beside_output(pred: str, form: str, out: str) -> None:
+    """The predictors the placement was timed with, beside the placed file where a Model looks for them; a
+    file that permutes its neurons needs its own."""
+    if form == "permuted":
+        print(f"optiml solve: warning: the placed file permutes its neurons, so {os.path.basename(pred)} does not "
+              f"fit it: train predictors for it (optiml train-predictors -m {out})", file=sys.stderr)
+        return
+    dest = default_predictor_path(out)
+    if os.path.abspath(dest) != os.path.abspath(pred):
+        shutil.copyfile(pred, dest)
+    print(f"predictors: {dest} beside it (a Model of the placed file uses them by itself)")
 
 
 def _check_output(out: str, inputs: list[str]) -> None:
