@@ -202,5 +202,7 @@ def test_solve_times_and_hands_on_the_predictors_beside_the_model(smollm2_path, 
         assert (f"with {default_predictor_path(model).split('/')[-1]}" in text.out) == (how == "auto")
         assert os.path.exists(default_predictor_path(out)) == (how == "auto")
     assert est["auto"] != est["none"]  # the FFN part differs
+    assert cli.main(["info", str(tmp_path / "placed-auto.gguf")]) == 0  # what the estimate assumed, recorded
+    assert "estimate: decode steps attending to 128 positions, predictors m.predictors.gguf" in capsys.readouterr().out
     with optiml.Model(tmp_path / "placed-auto.gguf", n_ctx=64) as m:
         assert m.predictors == default_predictor_path(tmp_path / "placed-auto.gguf")

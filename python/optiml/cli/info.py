@@ -170,6 +170,12 @@ def _show_placement(f) -> dict | None:
     gap = solver.get("gap")  # null where no program ran (greedy, all-cpu)
     print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {'n/a' if gap is None else format(gap, '.3g')}, "
           f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")
+    est = solver.get("estimate")
+    if est:  # what the estimate assumed (files from optiml solve since the time model)
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in est.get("cpu_only_parts_ms", {}).items())
+        print(f"  estimate: decode steps attending to {est.get('positions')} positions, predictors "
+              f"{est.get('predictors') or 'none'}, the output matrix on the {'GPU' if est.get('output_on_gpu') else 'CPU'}; "
+              f"all on the CPU {est.get('cpu_only_ms', float('nan')):.2f} ms ({parts} ms)")
     if pl.get("hardware"):
         print(f"  hardware: {json.dumps(pl['hardware'], sort_keys=True)}")
     print(f"  stats: {pl.get('stats.tokens')} tokens from {str(pl.get('stats.sources', '')).replace(chr(10), ', ')} "
