@@ -43,8 +43,8 @@ LAYER = dict(gate_row=100, gate_type="Q4_0", up_row=100, up_type="Q4_0", down=50
 @pytest.mark.parametrize("mode", ["gate", "product", "dense"])
 def test_neuron_costs_per_group_add_up_neuron_by_neuron(mode):
     """Per neuron, as the engine reads: the rows that decide who fires for every neuron at the dense rate, the
-    rest for the firing ones at the row-sparse rate; dense mode every row at the dense rate. Bytes are at the
-    row-sparse rate, as layer_times divides them."""
+    rest for the firing ones at the row-sparse rate; dense mode gate and up at the dense rate (the whole down
+    is a per-layer cost). Bytes are at the row-sparse rate, as layer_times divides them."""
     hw = Hardware(cpu_bandwidth=50.0, cpu_dense={"q4_0": 40.0}, cpu_sparse={"q4_0": 20.0})
     ffn_hw = hw.for_type("q4_0")
     f = np.sort(np.random.default_rng(1).uniform(0, 1, 70))[::-1]
@@ -52,7 +52,7 @@ def test_neuron_costs_per_group_add_up_neuron_by_neuron(mode):
     assert got.shape == (3,) and np.all(np.diff(got) <= 1e-9)
     per_neuron = {"gate": 100 / 40.0 + f * (100 + 120) / 20.0,
                   "product": 200 / 40.0 + f * 120 / 20.0,
-                  "dense": np.full(70, 250 / 40.0)}[mode]
+                  "dense": np.full(70, 200 / 40.0)}[mode]  # (down: once per layer, dense_down_seconds)
     assert got / 20.0 == pytest.approx([per_neuron[:32].sum(), per_neuron[32:64].sum(), per_neuron[64:].sum()])
 
 
@@ -115,6 +115,28 @@ def test_cpu_only_estimate_by_part_from_the_file(smollm2_path, relu_stats):
                 for l in range(30))
     assert p.cpu_only_parts["ffn"] == pytest.approx(ffn_s)
     assert "100 positions" in format_report(p)
+
+
+def test_a_dense_ffn_reads_every_row_and_its_whole_down_while_the_cpu_keeps_any_neuron(smollm2_path):
+    """SmolLM2 without thresholds runs its FFN dense: all on the CPU, every FFN byte at the dense rate; with
+    all but one group on the GPU, the CPU still computes the whole down product (a split's down runs whole on
+    the host)."""
+    from optiml.offline.solve import layer_times, make_groups
+    from optiml.offline.time_model import dense_down_seconds
+
+    silu = _synthetic_stats(st.model_fingerprint(smollm2_path), activation="silu")
+    with pytest.warns(UserWarning):
+        p = solve_placement(smollm2_path, silu, 0, HW, ctx=256)
+    t = _tensors(smollm2_path)
+    ffn = sum(b for n, (b, _, _) in t.items() if n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")))
+    assert p.cpu_only_parts["ffn"] == pytest.approx(ffn / 30e9)
+    layer = dict(LAYER, n_ff=64, down=50.0)
+    fast_gpu = Hardware(cpu_bandwidth=50.0, gpu_bandwidth=1e30, cpu_dense={"q4_0": 40.0}, launch_overhead=0.0,
+                        sync_cost=0.0, transfer_latency=0.0)
+    gb, _ = make_groups(np.ones(64), 16, 250)
+    cb = neuron_cpu_bytes(np.ones(64), 16, layer, "dense", fast_gpu, fast_gpu)
+    times = layer_times(gb, cb, fast_gpu, cpu_fixed=dense_down_seconds(layer, fast_gpu))
+    assert times[3] == pytest.approx(16 * 200 / 40.0 + 64 * 50 / 40.0) and times[4] < 1e-20
 
 
 def test_predictors_make_the_cpu_share_cheaper(smollm2_path, gemma3_path, relu_stats, tmp_path):

@@ -84,8 +84,8 @@ from ..formats.stats import hot_first_order
 from ..util.sizes import mib
 from .hardware import Hardware
 from ..formats.placement import down_permutable
-from .time_model import (FixedTimes, ffn_mode, fixed_layout, fixed_times, neuron_cpu_bytes, predictor_costs,
-                         predictor_seconds)
+from .time_model import (FixedTimes, dense_down_seconds, ffn_mode, fixed_layout, fixed_times, neuron_cpu_bytes,
+                         predictor_costs, predictor_seconds)
 
 __all__ = ["Placement", "GroupSolution", "make_groups", "layer_bytes", "layer_times", "solve_groups",
            "solve_placement", "format_report", "SolveWarning"]
@@ -554,7 +554,8 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         gbs.append(gb)
         cbs.append(neuron_cpu_bytes(sorted_freq[l], g, v, mode, hardware, ffn_hw, pred, l))
         groups["split_bytes"].append(None if permuted else (g * (v["row_bytes"] + q8_row), 4 * lay["n_embd"]))
-        groups["cpu_fixed"].append(predictor_seconds(pred, l, hardware) if pred is not None else 0.0)
+        groups["cpu_fixed"].append((predictor_seconds(pred, l, hardware) if pred is not None else 0.0)
+                                   + (dense_down_seconds(v, hardware) if mode == "dense" else 0.0))
     cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw, cpu_fixed=f)[0] for gb, cb, f in zip(gbs, cbs, groups["cpu_fixed"])))
     cpu_only = times.estimate(cpu_ffn, [False] * L, False)
     t0 = time.perf_counter()

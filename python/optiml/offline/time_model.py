@@ -43,7 +43,7 @@ from ..formats.quant import type_info
 from .hardware import FFN_SHARE_OPS, Hardware
 
 __all__ = ["ATTENTION_OPS", "OUTPUT_OPS", "FixedTimes", "PredictorCosts", "dense_seconds", "ffn_mode", "fixed_layout",
-           "fixed_times", "neuron_cpu_bytes", "predictor_costs", "predictor_seconds"]
+           "fixed_times", "neuron_cpu_bytes", "dense_down_seconds", "predictor_costs", "predictor_seconds"]
 
 # Ops a device queues for one layer's attention (norm with the 8-bit input, q/k/v, RoPE with the KV write,
 # the scores, o with the residual add) and for the logits (norm, output matrix): the CUDA backend's fused plan.
@@ -179,6 +179,13 @@ def ffn_mode(stats_activation: str, metadata: dict, predictors: bool = False) ->
     return "product" if predictors else "dense"
 
 
+def dense_down_seconds(v: dict, hw: Hardware) -> float:
+    """A dense FFN's down product on the CPU: the whole matrix whenever the CPU keeps any of the layer's
+    neurons (a split computes the device's gate and up there and the whole down product here, in the unsplit
+    order: Session::ffn_split_exact). v: the layer's FFN layout."""
+    return dense_seconds(hw, {v["down_type"]: v["down"] * v["n_ff"]})
+
+
 def neuron_cpu_bytes(sorted_freq: np.ndarray, group: int, v: dict, mode: str, hw: Hardware, ffn_hw: Hardware,
                      pred: PredictorCosts | None = None, layer: int = 0) -> np.ndarray:
     """One layer's CPU cost per group of `group` neurons in hot-first order (sorted_freq: their firing rates),
@@ -200,8 +207,8 @@ def neuron_cpu_bytes(sorted_freq: np.ndarray, group: int, v: dict, mode: str, hw
     if not gate:  # the up row decides
         v = {**v, "gate_type": v["up_type"]}
         gate, up = up, 0.0
-    if mode == "dense":
-        return sizes * (dense(gate, v["gate_type"]) + dense(up, v["up_type"]) + dense(v["down"], v["down_type"]))
+    if mode == "dense":  # (down: the whole matrix whenever the CPU keeps a neuron, dense_down_seconds)
+        return sizes * (dense(gate, v["gate_type"]) + dense(up, v["up_type"]))
     # The sparse FFN sums a firing neuron's row of the neuron-major copy, at its own measured rate.
     down = v["down_row"] * (sparse / hw.cpu_sparse_down if hw.cpu_sparse_down > 0 else 1.0)
     decided_first = gate if mode == "gate" else gate + up  # computed before the criterion
