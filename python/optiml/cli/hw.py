@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .. import _core
-from ..offline.hardware import FFN_SHARE_OPS, Hardware
+from ..offline.hardware import Hardware
 from ..util.sizes import parse_size
 from . import common
 
@@ -40,7 +40,7 @@ def run(args) -> int:
         print(f"device {args.device}: memory traffic {hw.gpu_bandwidth / 1e9:.1f} GB/s, copies "
               f"{hw.transfer_bandwidth / 1e9:.1f} GB/s (pageable host memory), small copy and wait "
               f"{hw.transfer_latency * 1e6:.1f} us, event round trip {hw.sync_cost * 1e6:.1f} us, per op "
-              f"{hw.launch_overhead / FFN_SHARE_OPS * 1e6:.2f} us")
+              f"{hw.op_cost * 1e6:.2f} us")
     if args.output:
         print(f"wrote {args.output} (optiml solve --hardware {args.output})")
     return 0

@@ -83,6 +83,11 @@ class Hardware:
         """Seconds per token added by a layer split between the CPU and the GPU."""
         return self.transfer_latency + self.sync_cost
 
+    @property
+    def op_cost(self) -> float:
+        """Seconds per op the device queues (launch_overhead holds a FFN share's FFN_SHARE_OPS of them)."""
+        return self.launch_overhead / FFN_SHARE_OPS
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -73,7 +73,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -529,15 +529,9 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
             raise ArgumentError(f"layer {l} of the model has n_ff {v['n_ff']}, the stats have {stats.n_ff} neurons")
     pred = predictor_costs(predictors, model_path, stats) if predictors is not None else None
     g = lay["group"]
-    L = lay["n_layer"]
     # The FFN groups' CPU time at the CPU's measured row-sparse rate for their type (when `optiml hw` measured
     # it); dense reads (attention, the output, what decides who fires) at its dense rate (time_model).
     ffn_hw = hardware.for_type(lay["layers"][0]["ffn_type"])
-    steps = min(int(batch), int(ctx))  # the plan's n_batch: a step holds at most the context
-    times = fixed_times(lay, hardware, int(positions), min(steps, 64))
-    scratch = lay["scratch_per_token"] * steps
-    logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits
     mode = ffn_mode(stats.activation, lay["metadata"], pred is not None)
     order = hot_first_order(stats.freq, stats.impact)
     sorted_freq = [np.asarray(stats.freq[l], dtype=np.float64)[order[l]] for l in range(stats.n_layer)]
@@ -556,7 +550,55 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
         groups["split_bytes"].append(None if permuted else (g * (v["row_bytes"] + q8_row), 4 * lay["n_embd"]))
         groups["cpu_fixed"].append((predictor_seconds(pred, l, hardware) if pred is not None else 0.0)
                                    + (dense_down_seconds(v, hardware) if mode == "dense" else 0.0))
-    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw, cpu_fixed=f)[0] for gb, cb, f in zip(gbs, cbs, groups["cpu_fixed"])))
+    r = _place(lay, gbs, cbs, vram, hardware, ffn_hw, ctx, batch, positions, time_limit, mip_gap, method, groups)
+    sol = r.sol
+    k = [min(x * g, v["n_ff"]) for x, v in zip(sol.x, lay["layers"])]
+    coverage = []
+    for l, kl in enumerate(k):
+        tot = float(sorted_freq[l].sum())
+        coverage.append(float(sorted_freq[l][:kl].sum()) / tot if tot > 0 else float(kl == len(sorted_freq[l])))
+    return Placement(gpu_neurons=k, group=g, coverage=coverage, ffn_bytes=[v["total"] for v in lay["layers"]],
+                     gpu_ffn_bytes=[int(layer_bytes(gb, sp)[0][x]) for gb, sp, x in zip(gbs, groups["split_bytes"], sol.x)],
+                     predictors=os.path.basename(os.fspath(predictors)) if predictors is not None else "",
+                     **r.fields(vram, ctx, positions, hardware))
+
+
+class _Placed(NamedTuple):
+    """_place's answer: the groups' solution and where the fixed part goes, what it takes and the estimates."""
+    sol: GroupSolution
+    attention: list[bool]
+    output: bool
+    used: int
+    est: float
+    fixed: int
+    times: FixedTimes
+    cpu_ffn: float
+
+    def fields(self, vram, ctx, positions, hardware) -> dict:
+        """The Placement fields that neurons and experts share."""
+        s = self.sol
+        return dict(vram_budget=int(vram), vram_used=int(self.used), fixed_bytes=int(self.fixed), ctx=int(ctx),
+                    hardware=hardware.to_dict(), est_token_s=float(self.est), method=s.method, status=s.status,
+                    gap=float(s.gap), solve_s=s.solve_s, gpu_attention=self.attention, output_on_gpu=self.output,
+                    positions=int(positions), cpu_only_parts=self.times.cpu_parts(self.cpu_ffn),
+                    cpu_only_token_s=self.times.estimate(self.cpu_ffn, [False] * len(self.attention), False))
+
+
+def _place(lay, gbs, cbs, vram, hardware, ffn_hw, ctx, batch, positions, time_limit, mip_gap, method,
+           groups: dict | None = None) -> _Placed:
+    """The fixed part (weights, KV cache for ctx, the scratch for steps of `batch` tokens and the logits rows,
+    as the plan counts them) and the FFN groups within vram: every layer's attention on the GPU when the fixed
+    part fits, else _solve_partial_attention's choice, else all on the CPU (a SolveWarning says why).
+    gbs, cbs, groups: solve_groups' inputs; ffn_hw times the groups, hardware the rest."""
+    L = lay["n_layer"]
+    steps = min(int(batch), int(ctx))  # the plan's n_batch: a step holds at most the context
+    times = fixed_times(lay, hardware, int(positions), min(steps, 64))
+    scratch = lay["scratch_per_token"] * steps
+    logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
+    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits
+    groups = groups or {}
+    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw, cpu_fixed=f)[0]
+                        for gb, cb, f in zip(gbs, cbs, groups.get("cpu_fixed") or [0.0] * L)))
     cpu_only = times.estimate(cpu_ffn, [False] * L, False)
     t0 = time.perf_counter()
     if fixed > vram:
@@ -564,7 +606,11 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
             lay, gbs, cbs, int(vram) - scratch, ffn_hw, times, int(ctx), time_limit, mip_gap, method, cpu_only,
             groups)
         if isinstance(sol, str):  # why nothing goes to the GPU
-            sol = _all_cpu(sol, vram, fixed, L, cpu_ffn, t0)
+            warnings.warn(f"the budget of {vram:,} bytes: {sol}; everything stays on the CPU", SolveWarning,
+                          stacklevel=3)
+            sol = GroupSolution(x=[0] * L, objective_s=cpu_ffn, ffn_bytes=0, method="all-cpu",
+                                status=f"all-cpu: {sol} (the whole fixed part takes {fixed:,} bytes)", gap=math.nan,
+                                solve_s=time.perf_counter() - t0)
             used, est, attention, output = 0, cpu_only, [False] * L, False
         else:
             used += scratch
@@ -574,27 +620,7 @@ def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int =
                            **groups)
         used, attention, output = fixed + sol.ffn_bytes, [True] * L, True
         est = times.estimate(sol.objective_s, attention, output)
-    k = [min(x * g, v["n_ff"]) for x, v in zip(sol.x, lay["layers"])]
-    coverage = []
-    for l, kl in enumerate(k):
-        tot = float(sorted_freq[l].sum())
-        coverage.append(float(sorted_freq[l][:kl].sum()) / tot if tot > 0 else float(kl == len(sorted_freq[l])))
-    return Placement(gpu_neurons=k, group=g, vram_budget=int(vram), vram_used=int(used), fixed_bytes=int(fixed),
-                     ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est), method=sol.method,
-                     status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s, coverage=coverage,
-                     cpu_only_token_s=cpu_only, ffn_bytes=[v["total"] for v in lay["layers"]],
-                     gpu_ffn_bytes=[int(layer_bytes(gb, sp)[0][x]) for gb, sp, x in zip(gbs, groups["split_bytes"], sol.x)],
-                     gpu_attention=attention, output_on_gpu=output, positions=int(positions),
-                     predictors=os.path.basename(os.fspath(predictors)) if predictors is not None else "",
-                     cpu_only_parts=times.cpu_parts(cpu_ffn))
-
-
-def _all_cpu(why: str, vram: int, fixed: int, n_layer: int, cpu_ffn_s: float, t0: float) -> GroupSolution:
-    """The all-CPU answer, with a SolveWarning that says why."""
-    warnings.warn(f"the budget of {vram:,} bytes: {why}; everything stays on the CPU", SolveWarning, stacklevel=3)
-    return GroupSolution(x=[0] * n_layer, objective_s=cpu_ffn_s, ffn_bytes=0, method="all-cpu",
-                         status=f"all-cpu: {why} (the whole fixed part takes {fixed:,} bytes)", gap=math.nan,
-                         solve_s=time.perf_counter() - t0)
+    return _Placed(sol, attention, output, used, est, fixed, times, cpu_ffn)
 
 
 def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx, time_limit, mip_gap, method,

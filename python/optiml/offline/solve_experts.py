@@ -27,10 +27,7 @@ optiml.placement.gpu_expert_count, beside gpu_attention. The weights are not mov
 
 from __future__ import annotations
 
-import math
 import os
-import time
-import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -39,8 +36,8 @@ from .._core import ArgumentError
 from ..formats import gguf
 from ..formats.quant import type_info
 from .hardware import Hardware
-from .solve import Placement, _all_cpu, _check_tokens, _solve_partial_attention, layer_times, solve_groups
-from .time_model import fixed_layout, fixed_times
+from .solve import Placement, _check_tokens, _place
+from .time_model import fixed_layout
 
 __all__ = ["expert_layout", "solve_expert_placement"]
 
@@ -115,34 +112,11 @@ def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx
     ffn_hw = replace(hardware, cpu_bandwidth=hardware.cpu_dense.get(lay["expert_type"].lower(), hardware.cpu_bandwidth),
                      gpu_bandwidth=1e30, launch_overhead=hardware.launch_overhead + gpu_read,
                      source=f"{hardware.source}; experts: a decode step's reads")
-    steps = min(int(batch), int(ctx))  # the plan's n_batch: a step holds at most the context
-    times = fixed_times(lay, hardware, int(positions), min(steps, 64))
-    scratch = lay["scratch_per_token"] * steps
-    logits = times.output_bytes - sum(lay["output_types"].values())  # the rows the plan keeps beside the output
-    fixed = lay["weights_fixed"] + lay["kv_per_token"] * int(ctx) + scratch + logits
-    cpu_ffn = float(sum(layer_times(gb, cb, ffn_hw)[0] for gb, cb in zip(gbs, cbs)))
-    cpu_only = times.estimate(cpu_ffn, [False] * L, False)
-    t0 = time.perf_counter()
-    if fixed > vram:
-        sol, attention, output, used, est = _solve_partial_attention(
-            lay, gbs, cbs, int(vram) - scratch, ffn_hw, times, int(ctx), time_limit, mip_gap, method, cpu_only)
-        if isinstance(sol, str):
-            sol = _all_cpu(sol, vram, fixed, L, cpu_ffn, t0)
-            used, est, attention, output = 0, cpu_only, [False] * L, False
-        else:
-            used += scratch
-    else:
-        sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L)
-        used, attention, output = fixed + sol.ffn_bytes, [True] * L, True
-        est = times.estimate(sol.objective_s, attention, output)
+    r = _place(lay, gbs, cbs, vram, hardware, ffn_hw, ctx, batch, positions, time_limit, mip_gap, method)
+    sol = r.sol
     gpu_experts = [[int(e) for e in order[l][:x]] for l, x in enumerate(sol.x)]
     coverage = [float(count[l][order[l][:x]].sum() / count[l].sum()) if count[l].sum() > 0 else float(x == X)
                 for l, x in enumerate(sol.x)]
-    return Placement(gpu_neurons=[0] * L, group=1, vram_budget=int(vram), vram_used=int(used),
-                     fixed_bytes=int(fixed), ctx=int(ctx), hardware=hardware.to_dict(), est_token_s=float(est),
-                     method=sol.method, status=sol.status, gap=float(sol.gap), solve_s=sol.solve_s,
-                     coverage=coverage, cpu_only_token_s=cpu_only, output_on_gpu=output, positions=int(positions),
-                     cpu_only_parts=times.cpu_parts(cpu_ffn),
-                     ffn_bytes=[b * X for b in lay["expert_bytes"]],
-                     gpu_ffn_bytes=[b * x for b, x in zip(lay["expert_bytes"], sol.x)], gpu_attention=attention,
-                     gpu_experts=gpu_experts)
+    return Placement(gpu_neurons=[0] * L, group=1, coverage=coverage, ffn_bytes=[b * X for b in lay["expert_bytes"]],
+                     gpu_ffn_bytes=[b * x for b, x in zip(lay["expert_bytes"], sol.x)], gpu_experts=gpu_experts,
+                     **r.fields(vram, ctx, positions, hardware))

@@ -40,7 +40,7 @@ from .._core import ArgumentError
 from ..formats import gguf
 from ..formats import predictors as predictor_file
 from ..formats.quant import type_info
-from .hardware import FFN_SHARE_OPS, Hardware
+from .hardware import Hardware
 
 __all__ = ["ATTENTION_OPS", "OUTPUT_OPS", "FixedTimes", "PredictorCosts", "dense_seconds", "ffn_mode", "fixed_layout",
            "fixed_times", "neuron_cpu_bytes", "dense_down_seconds", "predictor_costs", "predictor_seconds"]
@@ -54,11 +54,6 @@ OUTPUT_OPS = 2
 def dense_seconds(hw: Hardware, by_type: dict) -> float:
     """Seconds for the CPU to read weights of these types ({type name: bytes}) with its dense products."""
     return sum(b / hw.cpu_dense.get(t.lower(), hw.cpu_bandwidth) for t, b in by_type.items())
-
-
-def op_seconds(hw: Hardware) -> float:
-    """One queued device op: Hardware.launch_overhead is a FFN share's FFN_SHARE_OPS of them."""
-    return hw.launch_overhead / FFN_SHARE_OPS
 
 
 def fixed_layout(tensors: dict, md: dict, arch: str, n_layer: int, is_ffn) -> dict:
@@ -117,7 +112,7 @@ def fixed_times(lay: dict, hw: Hardware, positions: int, logits_rows: int) -> Fi
     """The fixed part's times (lay: fixed_layout's dict) for a step that attends to `positions` past tokens;
     logits_rows: the rows of logits the device holds (plan.cpp: min(n_batch, 64))."""
     kv = lay["kv_per_position"] * positions
-    op = op_seconds(hw)
+    op = hw.op_cost
     attn_gpu = [(a + kv) / hw.gpu_bandwidth + ATTENTION_OPS * op for a in lay["attn"]]
     attn_cpu = [dense_seconds(hw, types) + kv / hw.cpu_bandwidth for types in lay["attn_types"]]
     out_w = sum(lay["output_types"].values())
