@@ -3,6 +3,11 @@
 # native/src/cuda compiled as C++ against native/src/cuda/emu, each GPU thread a fiber) into
 # build/cuda-emu/pkg, next to a copy of the Python sources, and runs tests/test_cuda.py with it. This is
 # how the backend's kernels and host logic are tested on machines without a GPU (CI runs it).
+# The emulator build checks what an x86 core forgives and a GPU does not: a misaligned load of a 16-byte
+# vector type or of a 2- or 4-byte field (a GPU faults, x86 reads it), an index past a fixed array (a GPU
+# reads another thread's registers or garbage) and null pointers, with UndefinedBehaviorSanitizer
+# (OPTIML_EMU_SANITIZE, default alignment,bounds,null; empty: none); emu.cpp refuses launches no GPU
+# accepts (grid or block dimensions past CUDA's limits).
 #
 #   tools/checks/cuda_emu_check.sh [all|build|run]     (PYTHON=... picks the interpreter)
 set -euo pipefail
@@ -15,7 +20,11 @@ case "$step" in all|build|run) ;; *) echo "usage: $0 [all|build|run]" >&2; exit 
 
 if [ "$step" != run ]; then
   mkdir -p "$build"
+  checks="${OPTIML_EMU_SANITIZE-alignment,bounds,null}"
+  flags=""
+  [ -n "$checks" ] && flags="-fsanitize=$checks -fno-sanitize-recover=all"
   cmake -S . -B "$build" -G Ninja -DOPTIML_CUDA=EMU -DPython_EXECUTABLE="$(command -v "$py")" \
+    "-DCMAKE_CXX_FLAGS=$flags" \
     -DOPTIML_MODULE_DIR="$PWD/$pkg/optiml" > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
   cmake --build "$build" -j"${OPTIML_EMU_JOBS:-2}"
 fi

@@ -180,7 +180,21 @@ void run_block(Block& b) {
 thread_local std::vector<std::function<void()>>* g_capture = nullptr;
 thread_local bool g_capture_broken = false;
 
+// A launch that a GPU refuses (cudaErrorInvalidConfiguration: CUDA's limits for every compute capability
+// since 3.0) aborts here too, rather than running on the emulator and failing only on a GPU.
+void check_launch(dim3 grid, dim3 block) {
+    const uint64_t threads = (uint64_t)block.x * block.y * block.z;
+    const bool ok = grid.x >= 1 && grid.y >= 1 && grid.z >= 1 && grid.x <= 2147483647u && grid.y <= 65535 &&
+                    grid.z <= 65535 && threads >= 1 && threads <= 1024 && block.x <= 1024 && block.y <= 1024 &&
+                    block.z <= 64;
+    if (ok) return;
+    std::fprintf(stderr, "optiml CUDA emulator: a launch no GPU accepts: grid (%u,%u,%u), block (%u,%u,%u)\n", grid.x,
+                 grid.y, grid.z, block.x, block.y, block.z);
+    std::abort();
+}
+
 void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
+    check_launch(grid, block);
     if (g_capture) {
         g_capture->push_back([grid, block, body] { launch(grid, block, body); });
         return;
