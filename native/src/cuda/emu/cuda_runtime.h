@@ -32,13 +32,16 @@ void warp_barrier();
 int lane_index();
 uint64_t* shuffle_slot(int linear_thread);
 bool thread_live(int linear_thread);
+// Aborts: a shuffle read lane `src`, which has exited or does not exist (a GPU returns an undefined value).
+[[noreturn]] void shuffle_from_gone_lane(int me, int src);
 // The warp's mma.sync.m16n8k32.row.col.s32.s8.s8.s32: c[0..3] += this lane's elements of A B, with A's, B's
 // and C's fragments in the layouts of the PTX ISA (every lane of the warp takes part, as on a GPU).
 void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]);
 // The same for mma.sync.m16n8k16 with 8-bit operands (A: 2 registers, B: 1).
 void mma_m16n8k16_s8(int c[4], const uint32_t a[2], uint32_t b);
 
-// The value v of lane source(my lane) of this thread's warp (a live one; else v): every shuffle.
+// The value v of lane source(my lane) of this thread's warp: every shuffle. The source must be a live thread
+// of the block, as on a GPU, where reading an exited or missing lane gives an undefined value.
 template <typename T, typename Source>
 T shuffle(T v, Source source) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
@@ -46,8 +49,9 @@ T shuffle(T v, Source source) {
     std::memcpy(shuffle_slot(me), &v, sizeof(T));
     warp_barrier();
     const int src = (me & ~31) | (source(me & 31) & 31);
-    T r = v;
-    if (thread_live(src)) std::memcpy(&r, shuffle_slot(src), sizeof(T));
+    if (!thread_live(src)) shuffle_from_gone_lane(me, src);
+    T r;
+    std::memcpy(&r, shuffle_slot(src), sizeof(T));
     warp_barrier();  // nobody overwrites a slot before its readers have read it
     return r;
 }

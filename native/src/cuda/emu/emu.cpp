@@ -245,6 +245,12 @@ int lane_index() { return g_block->current; }
 uint64_t* shuffle_slot(int i) { return &g_block->slots[i]; }
 bool thread_live(int i) { return i < (int)g_block->fibers.size() && g_block->fibers[i].state != kDone; }
 
+void shuffle_from_gone_lane(int me, int src) {
+    std::fprintf(stderr, "optiml CUDA emulator: block (%u,%u,%u) thread %d shuffles from thread %d, which %s\n", blockIdx.x,
+                 blockIdx.y, blockIdx.z, me, src, src < (int)g_block->fibers.size() ? "has exited" : "the block lacks");
+    std::abort();
+}
+
 void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]) {
     Block& blk = *g_block;
     const int me = blk.current, base = me & ~31, lane = me & 31;
