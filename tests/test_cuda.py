@@ -288,6 +288,57 @@ def test_recorded_decode_steps_equal_plain_ones(tiny, monkeypatch, kv):
     np.testing.assert_array_equal(recorded, plain)
 
 
+@pytest.mark.parametrize("attention", ["gpu", "cpu"])
+@pytest.mark.parametrize("ffn", ["exact", "sparse"])
+def test_split_layers_recorded_in_units_equal_plain_ones(tiny, tmp_path, monkeypatch, attention, ffn):
+    """Issue #44: a decode step of a model split between the devices records the GPU's work between two
+    points where the host meets it (Session::device_segment: the attention; a split layer's norm and copy
+    out, its share with the products' copies, the host's part back and the join) and replays each as one
+    launch. The same ops in the same order as steps enqueued op by op (OPTIML_CUDA_GRAPHS=0): bit for bit,
+    over decode steps of one and two sequences, with fewer calls from the host per token. Dense layers
+    split the CPU's way (ffn_split_exact), ReLU ones with a sparse host share."""
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+    from optiml.formats.gguf_edit import rewrite_gguf
+
+    src = tiny["q4_0"]
+    if ffn == "sparse":
+        src = tmp_path / "relu.gguf"
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
+                        "-o", str(src), "--n-embd", "256", "--n-layer", "4", "--n-ff", "1024", "--n-head", "4",
+                        "--n-head-kv", "2", "--type", "q4_0", "--std", "0.05", "--activation", "relu", "--quiet",
+                        "--tokenizer-from", str(tiny["donor"])], check=True)
+    placed = tmp_path / "placed.gguf"
+    rewrite_gguf(src, placed, set_kv={
+        "optiml.placement.gpu_neurons": (np.array([512, 0, 256, 1024], np.int32), VT.ARRAY),
+        "optiml.placement.gpu_attention": (np.full(4, attention == "gpu", np.int8), VT.ARRAY)}, progress=False)
+
+    def run():
+        kw = dict(sparsity="threshold") if ffn == "sparse" else dict(sparsity="none")
+        with optiml.Model(placed, n_ctx=64, n_seq=2, device="cuda", **kw) as m:
+            assert [layer["ffn_on_device"] for layer in m.plan.layers] == [512, 0, 256, 1024]
+            assert {layer["attention"] != "cpu" for layer in m.plan.layers} == {attention == "gpu"}
+            out = [m.eval(list(range(400, 406)))]
+            for i in range(6):
+                out.append(m.eval([410 + i]))
+            pos = [12, 0]
+            for step in range(3):
+                b = Batch()
+                for s in (0, 1):
+                    b.add(420 + 2 * step + s, s, pos[s], logits=True)
+                    pos[s] += 1
+                out.append(m.decode(b))
+            calls = m.launches(2, prompt="Hello world").per_token()["host_launches"]
+            return np.concatenate([np.atleast_2d(o) for o in out]), m._session.recorded_steps, calls
+
+    monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "0")
+    plain, none, plain_calls = run()
+    monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "1")
+    recorded, launches, calls = run()
+    assert none == 0 and launches > 0
+    np.testing.assert_array_equal(recorded, plain)
+    assert calls < plain_calls, (calls, plain_calls)
+
+
 def test_budget_too_small_is_refused(tiny):
     with pytest.raises(optiml.ArgumentError, match="needs"):
         optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", n_gpu_layers=4, vram="1MiB")

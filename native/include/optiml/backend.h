@@ -192,6 +192,9 @@ public:
     // the device's. Best effort (nothing on a CPU device; a failure leaves the memory pageable); undone
     // when the backend goes, which must be before the memory is freed.
     virtual void pin_host(void* p, size_t bytes) { (void)p, (void)bytes; }
+    // Whether [p, p + bytes) lies in memory pin_host page-locked: copies there neither block the caller
+    // nor keep a recording from holding them.
+    virtual bool pinned(const void* p, size_t bytes) const { (void)p, (void)bytes; return false; }
 
     // ---- steps recorded once and launched again as one unit -------------------------------------
     // A decode step enqueues hundreds of small ops; on a GPU the host's cost of launching each one sets
@@ -202,6 +205,9 @@ public:
     //   capture_begin(key) / capture_end(ok)  otherwise, around the caller enqueuing them; capture_end
     //                    launches what was recorded and returns true, or false when the ops did not run
     //                    (recording failed, or ok was false after an exception): the caller runs them plain.
+    // Whole steps are recorded (Session::forward_recorded), and so are the units of a step split between
+    // the devices: a layer's device work between two points where the host meets it, its copies to and
+    // from pinned() host memory included (Session::device_segment; keys {-1 - layer, ...}).
     // The key names everything the ops depend on besides memory contents (token count, rows of logits);
     // a recording is dropped when the backend's memory is allocated or freed again. Devices without the
     // feature keep the defaults: replay() false, capture_begin() false (the ops run as usual), and so does

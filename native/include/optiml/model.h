@@ -370,6 +370,10 @@ private:
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
     void ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks);
+    void device_segment(const std::vector<int32_t>& key, int il, int64_t active, const std::function<void()>& enqueue);
+    // device_segment's kinds of unit, and the longest step recorded (whole, or in units).
+    enum { kSegmentAttention, kSegmentLayer, kSegmentNorm, kSegmentShare, kSegmentJoin, kSegmentGateUp };
+    static constexpr int32_t kMaxRecordedTokens = 16;  // beyond, launches are a small share of a step
     struct MoESplit;
     void moe_split(int il, int32_t n, Backend* home, int32_t r0);
     void alloc_moe_split();
@@ -405,6 +409,8 @@ private:
     std::vector<int32_t> slot_buf_;  // the step's device KV slots, read by the device's queued ops
     bool whole_on_device_ = false;   // every layer (attention, KV, whole FFN) and the logits on the device
     std::vector<int32_t> step_key_;  // forward_recorded's key of the step
+    bool segments_ = false;          // forward's step records the device's units (device_segment)
+    bool in_segment_ = false;        // device_segment is enqueuing a unit
     std::vector<int32_t> off_tok_, off_seq_, off_slot_, off_pos_, off_rows_;  // forward_offload's reordered batch
 
     SparsitySettings sparsity_;

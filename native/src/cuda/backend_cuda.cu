@@ -71,7 +71,7 @@ public:
         cudaStreamSynchronize(stream_);
         for (auto& [key, rec] : recordings_)
             if (rec.exec) cudaGraphExecDestroy(rec.exec);
-        for (void* p : pinned_) cudaHostUnregister(p);
+        for (const auto& range : pinned_) cudaHostUnregister(range.first);
         free_all();
         for (cudaEvent_t e : events_) cudaEventDestroy(e);
         drop_timed();
@@ -110,8 +110,14 @@ public:
 
     void pin_host(void* p, size_t bytes) override {
         use();
-        if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) pinned_.push_back(p);
+        if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) pinned_.push_back({p, bytes});
         else cudaGetLastError();  // stays pageable: slower copies, same results
+    }
+    bool pinned(const void* p, size_t bytes) const override {
+        const auto* b = (const uint8_t*)p;
+        for (const auto& [q, n] : pinned_)
+            if (b >= (const uint8_t*)q && b + bytes <= (const uint8_t*)q + n) return true;
+        return false;
     }
 
     void copy_from_host(void* dst, const void* src, size_t bytes) override {
@@ -1141,7 +1147,9 @@ private:
         bool failed = false;
         std::vector<Counted> counted;  // what the recorded step launches (counted again each launch)
     };
-    static constexpr size_t kMaxRecorded = 32;  // shapes kept (decode steps of 1..16 tokens, a few logits rows)
+    // Shapes kept: decode steps of 1..16 tokens and a few logits rows, or a split model's units per layer
+    // and step size (Session::device_segment: up to four a layer, each a few nodes).
+    static constexpr size_t kMaxRecorded = 4096;
     std::map<std::vector<int32_t>, Recording> recordings_;
     Recording* capturing_ = nullptr;
     uint64_t alloc_epoch_ = 0;
@@ -1173,7 +1181,7 @@ private:
     int32_t* step_batch_ = nullptr;  // upload_batch's seq and pos
     size_t step_batch_capacity_ = 0;
     std::vector<int32_t> step_batch_host_;
-    std::vector<void*> pinned_;        // host ranges page-locked by pin_host
+    std::vector<std::pair<void*, size_t>> pinned_;  // host ranges page-locked by pin_host
     MoEBuffer moe_idx_, moe_xg_, moe_round_, moe_gate_, moe_up_, moe_logits_, moe_d_, moe_sy_, moe_weight_;
     struct MoEHost {  // a whole mixture of experts' routing, on the host
         std::vector<float> logits, weight;

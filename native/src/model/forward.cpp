@@ -4,6 +4,7 @@
 // at once, each over its share of the neurons, the parts summed where the residual lives.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "layer_exec.h"
 #include "optiml/model.h"
@@ -72,14 +73,39 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
     home->embed(M.tok_embd, tokens, n, hp.embd_scale, host_s_.x);
     if (forward_recorded(kb, out_rows, n_out, logits)) return;
 
+    // A short step of a model split between the devices: the device's work between two points where the
+    // host meets it is recorded and replayed as a unit (device_segment); its attention reads the step's
+    // positions from where upload_batch puts them.
+    Backend* dev = device_.get();
+    segments_ = dev && n <= kMaxRecordedTokens && !host_->tracing() && !recorder_;
+    struct Reset {
+        bool& on;
+        ~Reset() { on = false; }
+    } reset{segments_};  // (an exception leaves no later step of another kind recording)
+    if (segments_ && std::any_of(exec_.begin(), exec_.end(), [&](const LayerExec& E) { return E.attn == dev; }))
+        dev->upload_batch(kb);
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerExec& E = exec_[il];
         trace_layer(il);
         move(home, scratch(home).x, E.attn, scratch(E.attn).x, x_floats);
         home = E.attn;
         const Weight& rope_freqs = home == host_.get() ? M.rope_freqs : device_rope_freqs_;
-        home->attention(hp, il, *E.attn_w, rope_freqs, kv_->layer(il), kb, scratch(home).x, scratch(home));
-        ffn_layer(il, n, home);
+        auto attention = [&] {
+            home->attention(hp, il, *E.attn_w, rope_freqs, kv_->layer(il), kb, scratch(home).x, scratch(home));
+        };
+        if (segments_ && home == dev && !M.layers[il].moe.present()) {
+            // The FFN too when the whole of it runs on the device: the layer is one unit then.
+            const bool whole = E.device_share.w && !E.host_share.w;
+            const int64_t rows = whole ? (int64_t)n * E.device_share.w->gate.rows : 0;
+            device_segment({-1 - il, n, 0, whole ? kSegmentLayer : kSegmentAttention}, il, rows, [&] {
+                attention();
+                if (whole) ffn_layer(il, n, home);
+            });
+            if (!whole) ffn_layer(il, n, home);
+        } else {
+            attention();
+            ffn_layer(il, n, home);
+        }
         ffn_seen_[il] += (int64_t)n * hp.n_ff;
     }
 
@@ -91,7 +117,6 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
 // step's hundreds of small ops from the host costs more than the GPU takes to run them. The same ops
 // as the plain path, in the same order. False when the step does not qualify (the caller runs it).
 bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits) {
-    constexpr int32_t kMaxRecordedTokens = 16;  // beyond, launches are a small share of a step
     const HParams& hp = model_->hp;
     Backend* dev = device_.get();
     const int32_t n = kb.n;
@@ -134,6 +159,41 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
     if (n_out > 0) dev->copy_to_host(logits, device_logits_, sizeof(float) * n_out * hp.n_vocab);
     move(dev, device_s_.x, host_.get(), host_s_.x, x_floats);
     return true;
+}
+
+// A split layer's device work between two points where the host meets the device (ffn_layer): replayed
+// in one launch from its recording when the device holds one for `key`, else enqueued op by op, and
+// recorded on the way where the device can (Backend::capture_begin), as forward_recorded does for whole
+// steps. A split layer otherwise costs the host a launch per op, on the thread that then computes the
+// host's share. Only in steps as short as forward_recorded's (segments_): beyond, launches are a small
+// share of a step. Keys: {-1 - layer, tokens, first row, kind}, apart from forward_recorded's.
+// `active`: what the unit's FFN share adds to device_active_[il] when enqueued (a replay adds it too).
+void Session::device_segment(const std::vector<int32_t>& key, int il, int64_t active,
+                             const std::function<void()>& enqueue) {
+    Backend* dev = device_.get();
+    if (!segments_ || in_segment_) {  // (a unit inside another is part of it)
+        enqueue();
+        return;
+    }
+    if (dev->replay(key)) {
+        device_active_[il] += active;
+        return;
+    }
+    const bool recording = dev->capture_begin(key);
+    in_segment_ = true;
+    try {
+        enqueue();
+    } catch (...) {
+        in_segment_ = false;
+        if (recording) dev->capture_end(false);
+        throw;
+    }
+    in_segment_ = false;
+    if (recording && !dev->capture_end(true)) {
+        in_segment_ = true;
+        enqueue();  // not recorded: the ops did not run
+        in_segment_ = false;
+    }
 }
 
 // After the last layer: the final norm and the logits of the rows asked for, and the residual stream
@@ -207,6 +267,51 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     if (on_dev && !on_host && home == dev &&
         dev->ffn_block(hp, il, E.device_share, E.attn_w->ffn, hs.x, n, hs, &device_active_[il]))
         return;
+    const size_t xn_bytes = xn_floats * sizeof(float);
+    const bool split = on_dev && on_host;
+    const StepScratch ds = split ? scratch_rows(dev, r0) : StepScratch{};
+    const StepScratch ks = split ? scratch_rows(host, r0) : StepScratch{};
+    const bool sparse_split = sp.enabled || rec;
+    if (split && home == dev && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y, xn_bytes) &&
+        (sparse_split || dev->pinned(split_gate_, 2 * (size_t)n * E.k * sizeof(float)))) {
+        // A split whose residual stream is on the device, in recorded units: the norm with its copy to the
+        // host (which the host waits for), the device's share with its products' copies (which run
+        // meanwhile), and the host's part back with the join. The same ops as below, in the same order on
+        // each device.
+        device_segment({-1 - il, n, r0, kSegmentNorm}, il, 0, [&] {
+            dev->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
+            dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
+        });
+        const Event xn_ready = dev->record();
+        const int64_t active = (int64_t)n * E.device_share.w->gate.rows;
+        if (sparse_split) {
+            device_segment({-1 - il, n, r0, kSegmentShare}, il, active, [&] {
+                dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
+            });
+            host->wait(xn_ready);
+            host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
+        } else {  // ffn_split_exact's order
+            const size_t share_bytes = (size_t)n * E.k * sizeof(float);
+            device_segment({-1 - il, n, r0, kSegmentGateUp}, il, active, [&] {
+                dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
+                dev->copy_to_host(split_gate_, ds.gate, share_bytes);
+                dev->copy_to_host(split_up_, ds.up, share_bytes);
+            });
+            const Event products = dev->record();
+            host->wait(xn_ready);
+            host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
+            host->wait(products);
+            host->ffn_finish(hp, E.host_share, split_gate_, split_up_, E.device_rows.data(), E.k, n, ks.y, ks);
+        }
+        // (the host's y is read by the device's copy: the next host write to it comes after a wait on the
+        // device, the next layer's xn_ready or the residual's move back to the host)
+        device_segment({-1 - il, n, r0, kSegmentJoin}, il, 0, [&] {
+            float* y = sparse_split ? ds.y2 : ds.y;
+            dev->copy_from_host(y, ks.y, xn_bytes);
+            dev->ffn_join(hp, E.attn_w->ffn, ds.y, sparse_split ? ds.y2 : nullptr, n, ds.x);
+        });
+        return;
+    }
     home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
 
     if (on_host != on_dev) {  // one device computes the whole FFN
@@ -222,8 +327,6 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     }
 
     // Split: the device's share is queued first, then the host computes its share while it runs.
-    const StepScratch ds = scratch_rows(dev, r0);
-    const StepScratch ks = scratch_rows(host, r0);
     if (!sp.enabled && !rec) {
         ffn_split_exact(il, n, home, ds, ks);
         return;
@@ -231,21 +334,37 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     // A sparse host share: each device sums its own neurons' down rows and the two partial sums are
     // added (a reassociation of the unsplit sum; the sparse share differs from the dense run anyway).
     if (home == host) {
-        dev->copy_from_host(ds.xn, ks.xn, xn_floats * sizeof(float));
-        dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
-        host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
-        // Queued after the host's share: a copy into pageable host memory blocks the calling thread
-        // until the device gets there, which would otherwise serialize the two shares.
-        dev->copy_to_host(ks.y2, ds.y, xn_floats * sizeof(float));
-        host->wait(dev->record());
+        auto share = [&] {
+            dev->copy_from_host(ds.xn, ks.xn, xn_bytes);
+            dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
+        };
+        Event done{};
+        if (segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y2, xn_bytes)) {
+            // The whole device part, its result's copy back included, queued (or replayed) before the host's
+            // share: a copy into page-locked memory returns at once.
+            device_segment({-1 - il, n, r0, kSegmentShare}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
+                share();
+                dev->copy_to_host(ks.y2, ds.y, xn_bytes);
+            });
+            done = dev->record();
+            host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
+        } else {
+            share();
+            host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
+            // Queued after the host's share: a copy into pageable host memory blocks the calling thread
+            // until the device gets there, which would otherwise serialize the two shares.
+            dev->copy_to_host(ks.y2, ds.y, xn_bytes);
+            done = dev->record();
+        }
+        host->wait(done);
         host->ffn_join(hp, L.ffn, ks.y, ks.y2, n, ks.x);
     } else {
-        dev->copy_to_host(ks.xn, ds.xn, xn_floats * sizeof(float));
+        dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
         const Event xn_ready = dev->record();
         dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
         host->wait(xn_ready);
         host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
-        dev->copy_from_host(ds.y2, ks.y, xn_floats * sizeof(float));
+        dev->copy_from_host(ds.y2, ks.y, xn_bytes);
         dev->ffn_join(hp, E.attn_w->ffn, ds.y, ds.y2, n, ds.x);
         // The host's y is read by the device's copy: the next host write to it comes after a wait on the
         // device (the next layer's xn_ready, or the residual's move back to the host).
@@ -264,20 +383,34 @@ void Session::ffn_split_exact(int il, int32_t n, Backend* home, const StepScratc
     Backend* dev = device_.get();
     const size_t xn_bytes = (size_t)n * hp.n_embd * sizeof(float);
     const size_t share_bytes = (size_t)n * E.k * sizeof(float);
-    Event xn_ready{};
-    if (home == host) dev->copy_from_host(ds.xn, ks.xn, xn_bytes);
-    else {
-        dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
-        xn_ready = dev->record();
+    Event xn_ready{}, done{};
+    const int32_t r0 = (int32_t)((ks.xn - host_s_.xn) / hp.n_embd);
+    if (home == host && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(split_gate_, 2 * share_bytes)) {
+        // The device part with its products' copies back, queued (or replayed) before the host's share.
+        device_segment({-1 - il, n, r0, kSegmentGateUp}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
+            dev->copy_from_host(ds.xn, ks.xn, xn_bytes);
+            dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
+            dev->copy_to_host(split_gate_, ds.gate, share_bytes);
+            dev->copy_to_host(split_up_, ds.up, share_bytes);
+        });
+        done = dev->record();
+        host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
+    } else {
+        if (home == host) dev->copy_from_host(ds.xn, ks.xn, xn_bytes);
+        else {
+            dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
+            xn_ready = dev->record();
+        }
+        dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
+        if (home != host) host->wait(xn_ready);
+        host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
+        // Queued after the host's share: a copy into pageable host memory would block this thread until
+        // the device gets there, serializing the two shares.
+        dev->copy_to_host(split_gate_, ds.gate, share_bytes);
+        dev->copy_to_host(split_up_, ds.up, share_bytes);
+        done = dev->record();
     }
-    dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
-    if (home != host) host->wait(xn_ready);
-    host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
-    // Queued after the host's share: a copy into pageable host memory would block this thread until
-    // the device gets there, serializing the two shares.
-    dev->copy_to_host(split_gate_, ds.gate, share_bytes);
-    dev->copy_to_host(split_up_, ds.up, share_bytes);
-    host->wait(dev->record());
+    host->wait(done);
     host->ffn_finish(hp, E.host_share, split_gate_, split_up_, E.device_rows.data(), E.k, n, ks.y, ks);
     if (home == host) {
         host->ffn_join(hp, model_->layers[il].ffn, ks.y, nullptr, n, ks.x);

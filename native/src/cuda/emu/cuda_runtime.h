@@ -141,9 +141,10 @@ cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 
-// Graphs: while a stream is captured, launches and device-to-device copies are kept instead of run; any
-// other call that would touch the stream or allocate breaks the capture (as CUDA's thread-local mode
-// refuses them). Launching the graph runs what was kept, in order.
+// Graphs: while a stream is captured, launches, device-to-device copies and copies to or from host memory
+// registered with cudaHostRegister are kept instead of run; any other call that would touch the stream
+// or allocate breaks the capture (as CUDA's thread-local mode refuses them). Launching the graph runs
+// what was kept, in order.
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1,
                              cudaStreamCaptureModeRelaxed = 2 };
 typedef struct optiml_emu_graph* cudaGraph_t;

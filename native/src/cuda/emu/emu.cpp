@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <map>
 #include <vector>
 
 #if !defined(__x86_64__)
@@ -395,9 +397,26 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
     std::memset(p, value, bytes);
     return cudaSuccess;
 }
+// Host ranges registered with cudaHostRegister (page-locked on a GPU).
+static std::mutex g_registered_mutex;
+static std::map<const uint8_t*, size_t> g_registered;
+
+static bool registered(const void* p, size_t bytes) {
+    const auto* b = (const uint8_t*)p;
+    std::lock_guard<std::mutex> lock(g_registered_mutex);
+    auto it = g_registered.upper_bound(b);
+    if (it == g_registered.begin()) return false;
+    --it;
+    return b + bytes <= it->first + it->second;
+}
+
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
-    if (optiml_emu::g_capture) {  // device-to-device copies are kept; host memory is not for a graph here
-        if (kind != cudaMemcpyDeviceToDevice && refused_in_capture()) return cudaErrorStreamCaptureUnsupported;
+    if (optiml_emu::g_capture) {
+        // A graph keeps device-to-device copies, and copies to or from page-locked host memory; pageable
+        // memory is refused here (a GPU copies it through a staging buffer at the call, not at each launch).
+        const void* host = kind == cudaMemcpyHostToDevice ? src : kind == cudaMemcpyDeviceToHost ? dst : nullptr;
+        if (kind != cudaMemcpyDeviceToDevice && !(host && registered(host, bytes)) && refused_in_capture())
+            return cudaErrorStreamCaptureUnsupported;
         optiml_emu::g_capture->push_back([=] { std::memmove(dst, src, bytes); });
         return cudaSuccess;
     }
@@ -405,8 +424,15 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
     return cudaSuccess;
 }
 // Host memory is host memory here: page-locking changes nothing.
-cudaError_t cudaHostRegister(void*, size_t, unsigned) { return cudaSuccess; }
-cudaError_t cudaHostUnregister(void*) { return cudaSuccess; }
+cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+    std::lock_guard<std::mutex> lock(g_registered_mutex);
+    g_registered[(const uint8_t*)p] = bytes;
+    return cudaSuccess;
+}
+cudaError_t cudaHostUnregister(void* p) {
+    std::lock_guard<std::mutex> lock(g_registered_mutex);
+    return g_registered.erase((const uint8_t*)p) ? cudaSuccess : cudaErrorInvalidValue;
+}
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
     *s = nullptr;
     return cudaSuccess;
