@@ -370,6 +370,8 @@ private:
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
     void ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks);
+    void ffn_split_units(int il, int32_t n, int32_t r0, const FFNSparsity& sp, const StepScratch& ds,
+                         const StepScratch& ks);
     void device_segment(const std::vector<int32_t>& key, int il, int64_t active, const std::function<void()>& enqueue);
     // device_segment's kinds of unit, and the longest step recorded (whole, or in units).
     enum { kSegmentAttention, kSegmentLayer, kSegmentNorm, kSegmentShare, kSegmentJoin, kSegmentGateUp };

@@ -274,42 +274,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const bool sparse_split = sp.enabled || rec;
     if (split && home == dev && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y, xn_bytes) &&
         (sparse_split || dev->pinned(split_gate_, 2 * (size_t)n * E.k * sizeof(float)))) {
-        // A split whose residual stream is on the device, in recorded units: the norm with its copy to the
-        // host (which the host waits for), the device's share with its products' copies (which run
-        // meanwhile), and the host's part back with the join. The same ops as below, in the same order on
-        // each device.
-        device_segment({-1 - il, n, r0, kSegmentNorm}, il, 0, [&] {
-            dev->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
-            dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
-        });
-        const Event xn_ready = dev->record();
-        const int64_t active = (int64_t)n * E.device_share.w->gate.rows;
-        if (sparse_split) {
-            device_segment({-1 - il, n, r0, kSegmentShare}, il, active, [&] {
-                dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
-            });
-            host->wait(xn_ready);
-            host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
-        } else {  // ffn_split_exact's order
-            const size_t share_bytes = (size_t)n * E.k * sizeof(float);
-            device_segment({-1 - il, n, r0, kSegmentGateUp}, il, active, [&] {
-                dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
-                dev->copy_to_host(split_gate_, ds.gate, share_bytes);
-                dev->copy_to_host(split_up_, ds.up, share_bytes);
-            });
-            const Event products = dev->record();
-            host->wait(xn_ready);
-            host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
-            host->wait(products);
-            host->ffn_finish(hp, E.host_share, split_gate_, split_up_, E.device_rows.data(), E.k, n, ks.y, ks);
-        }
-        // (the host's y is read by the device's copy: the next host write to it comes after a wait on the
-        // device, the next layer's xn_ready or the residual's move back to the host)
-        device_segment({-1 - il, n, r0, kSegmentJoin}, il, 0, [&] {
-            float* y = sparse_split ? ds.y2 : ds.y;
-            dev->copy_from_host(y, ks.y, xn_bytes);
-            dev->ffn_join(hp, E.attn_w->ffn, ds.y, sparse_split ? ds.y2 : nullptr, n, ds.x);
-        });
+        ffn_split_units(il, n, r0, sp, ds, ks);
         return;
     }
     home->rms_norm(hs.x, E.attn_w->ffn.norm, hs.xn, n, hp.n_embd, hp.rms_eps);
@@ -369,6 +334,54 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
         // The host's y is read by the device's copy: the next host write to it comes after a wait on the
         // device (the next layer's xn_ready, or the residual's move back to the host).
     }
+}
+
+// A split layer whose residual stream is on the device, in recorded units (ffn_layer, device_segment; a
+// step the profiler records is not recorded, so the sparse share here is the FFN's sparsity).
+void Session::ffn_split_units(int il, int32_t n, int32_t r0, const FFNSparsity& sp, const StepScratch& ds,
+                              const StepScratch& ks) {
+    const HParams& hp = model_->hp;
+    const LayerExec& E = exec_[il];
+    Backend* host = host_.get();
+    Backend* dev = device_.get();
+    const FFNSparsity dense;
+    const bool sparse_split = sp.enabled;
+    const size_t xn_bytes = (size_t)n * hp.n_embd * sizeof(float);
+    // Three units: the norm with its copy to the host (which the host waits for), the device's share with
+    // its products' copies (which run meanwhile), and the host's part back with the join. The same ops as
+    // ffn_layer's and ffn_split_exact's, in the same order on each device.
+    device_segment({-1 - il, n, r0, kSegmentNorm}, il, 0, [&] {
+        dev->rms_norm(ds.x, E.attn_w->ffn.norm, ds.xn, n, hp.n_embd, hp.rms_eps);
+        dev->copy_to_host(ks.xn, ds.xn, xn_bytes);
+    });
+    const Event xn_ready = dev->record();
+    const int64_t active = (int64_t)n * E.device_share.w->gate.rows;
+    if (sparse_split) {
+        device_segment({-1 - il, n, r0, kSegmentShare}, il, active, [&] {
+            dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
+        });
+        host->wait(xn_ready);
+        host->ffn(hp, il, E.host_ffn(sp), sp, ks.xn, n, ks.y, ks, &host_active_[il], nullptr);
+    } else {  // ffn_split_exact's order
+        const size_t share_bytes = (size_t)n * E.k * sizeof(float);
+        device_segment({-1 - il, n, r0, kSegmentGateUp}, il, active, [&] {
+            dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
+            dev->copy_to_host(split_gate_, ds.gate, share_bytes);
+            dev->copy_to_host(split_up_, ds.up, share_bytes);
+        });
+        const Event products = dev->record();
+        host->wait(xn_ready);
+        host->ffn_gate_up(hp, il, E.host_share, ks.xn, n, ks.gate, ks.up, ks, &host_active_[il]);
+        host->wait(products);
+        host->ffn_finish(hp, E.host_share, split_gate_, split_up_, E.device_rows.data(), E.k, n, ks.y, ks);
+    }
+    // (the host's y is read by the device's copy: the next host write to it comes after a wait on the
+    // device, the next layer's xn_ready or the residual's move back to the host)
+    device_segment({-1 - il, n, r0, kSegmentJoin}, il, 0, [&] {
+        float* y = sparse_split ? ds.y2 : ds.y;
+        dev->copy_from_host(y, ks.y, xn_bytes);
+        dev->ffn_join(hp, E.attn_w->ffn, ds.y, sparse_split ? ds.y2 : nullptr, n, ds.x);
+    });
 }
 
 // A dense split as one device computes the whole FFN: the device's gate and up products come to the
