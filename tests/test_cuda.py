@@ -296,7 +296,8 @@ def test_split_layers_recorded_in_units_equal_plain_ones(tiny, tmp_path, monkeyp
     out, its share with the products' copies, the host's part back and the join) and replays each as one
     launch. The same ops in the same order as steps enqueued op by op (OPTIML_CUDA_GRAPHS=0): bit for bit,
     over decode steps of one and two sequences, with fewer calls from the host per token. Dense layers
-    split the CPU's way (ffn_split_exact), ReLU ones with a sparse host share."""
+    split the CPU's way (ffn_split_exact), ReLU ones with a sparse host share; the ReLU model then turns its
+    sparsity off and on again (other units: a recording of the sparse ones must not be replayed)."""
     from optiml.formats.gguf_edit import GGUFValueType as VT
     from optiml.formats.gguf_edit import rewrite_gguf
 
@@ -327,6 +328,10 @@ def test_split_layers_recorded_in_units_equal_plain_ones(tiny, tmp_path, monkeyp
                     b.add(420 + 2 * step + s, s, pos[s], logits=True)
                     pos[s] += 1
                 out.append(m.decode(b))
+            if ffn == "sparse":
+                for mode in ("none", "threshold"):
+                    m.set_sparsity(mode)
+                    out += [m.eval([430 + i]) for i in range(3)]
             calls = m.launches(2, prompt="Hello world").per_token()["host_launches"]
             return np.concatenate([np.atleast_2d(o) for o in out]), m._session.recorded_steps, calls
 

@@ -374,7 +374,17 @@ private:
                          const StepScratch& ks);
     void device_segment(const std::vector<int32_t>& key, int il, int64_t active, const std::function<void()>& enqueue);
     // device_segment's kinds of unit, and the longest step recorded (whole, or in units).
-    enum { kSegmentAttention, kSegmentLayer, kSegmentNorm, kSegmentShare, kSegmentJoin, kSegmentGateUp };
+    enum {
+        kSegmentAttention,       // a layer's attention
+        kSegmentLayer,           // attention and FFN, both on the device
+        kSegmentNorm,            // the FFN's norm and its copy to the host (ffn_split_units)
+        kSegmentShare,           // the device's share of a sparse split
+        kSegmentGateUp,          // the device's gate and up of a dense split, with their copies to the host
+        kSegmentJoin,            // the host's FFN output to the device, joined into the residual
+        kSegmentJoinSum,         // the same, summed with the device's share first (a sparse split)
+        kSegmentShareFromHost,   // kSegmentShare with the input from the host and the output back
+        kSegmentGateUpFromHost,  // kSegmentGateUp with the input from the host
+    };
     static constexpr int32_t kMaxRecordedTokens = 16;  // beyond, launches are a small share of a step
     struct MoESplit;
     void moe_split(int il, int32_t n, Backend* home, int32_t r0);

@@ -141,6 +141,7 @@ public:
 
     // ---- recorded steps (CUDA graphs) ------------------------------------------------------------
     void upload_batch(const BatchView& b) override {
+        if (!graphs_) return;  // (nothing recorded reads it: the ops upload their own batch)
         use();
         const size_t count = 2 * (size_t)b.n;
         if (count > step_batch_capacity_) {  // once: the largest recorded step (a new allocation drops recordings)
@@ -156,6 +157,7 @@ public:
     bool replay(const std::vector<int32_t>& key) override {
         auto it = recordings_.find(key);
         if (it == recordings_.end() || !it->second.exec || it->second.epoch != alloc_epoch_) return false;
+        it->second.used = ++record_clock_;
         use();
         cuda_check(cudaGraphLaunch(it->second.exec, stream_), "launching a recorded step");
         ++launches_;
@@ -185,8 +187,9 @@ public:
 
     bool capture_begin(const std::vector<int32_t>& key) override {
         if (!graphs_ || tracing()) return false;  // (tracing: ops timed one by one)
-        if (recordings_.size() >= kMaxRecorded && !recordings_.count(key)) drop_recordings();
+        if (recordings_.size() >= kMaxRecorded && !recordings_.count(key)) drop_least_used();
         Recording& rec = recordings_[key];
+        rec.used = ++record_clock_;
         // The first step of a shape runs plain: memory the ops allocate on first use (outside a recording,
         // where allocating is not allowed) exists from then on.
         if (rec.failed || ++rec.seen < 2) return false;
@@ -220,8 +223,9 @@ public:
             if (!rec->exec) err = cudaGraphInstantiate(&rec->exec, graph, 0);
         }
         if (graph) cudaGraphDestroy(graph);
-        if (!ok) {
+        if (!ok) {  // an exception while recording: this shape's ops run plain from now on
             cudaGetLastError();
+            rec->failed = true;
             return false;
         }
         if (err != cudaSuccess || !rec->exec) {
@@ -1121,6 +1125,16 @@ private:
             if (rec.exec) cudaGraphExecDestroy(rec.exec);
         recordings_.clear();
     }
+    // Room for one more shape: the one launched least recently goes (a server's steps of many sizes over
+    // a split model's units would otherwise drop every recording each time the map fills).
+    void drop_least_used() {
+        auto oldest = recordings_.begin();
+        for (auto it = recordings_.begin(); it != recordings_.end(); ++it)
+            if (it->second.used < oldest->second.used) oldest = it;
+        if (oldest == recordings_.end()) return;
+        if (oldest->second.exec) cudaGraphExecDestroy(oldest->second.exec);
+        recordings_.erase(oldest);
+    }
 
     int device_;
     cudaStream_t stream_ = nullptr;
@@ -1145,6 +1159,7 @@ private:
         uint64_t epoch = 0;
         int seen = 0;
         bool failed = false;
+        uint64_t used = 0;             // record_clock_ when last seen or launched
         std::vector<Counted> counted;  // what the recorded step launches (counted again each launch)
     };
     // Shapes kept: decode steps of 1..16 tokens and a few logits rows, or a split model's units per layer
@@ -1152,6 +1167,7 @@ private:
     static constexpr size_t kMaxRecorded = 4096;
     std::map<std::vector<int32_t>, Recording> recordings_;
     Recording* capturing_ = nullptr;
+    uint64_t record_clock_ = 0;
     uint64_t alloc_epoch_ = 0;
     int64_t launches_ = 0;
     // Launch counts: [layer + 1][kind], the calls that enqueued work, and the positions of the batch whose

@@ -175,25 +175,28 @@ void Session::device_segment(const std::vector<int32_t>& key, int il, int64_t ac
         enqueue();
         return;
     }
+    struct Inside {
+        bool& on;
+        explicit Inside(bool& b) : on(b) { on = true; }
+        ~Inside() { on = false; }
+    } inside{in_segment_};
     if (dev->replay(key)) {
         device_active_[il] += active;
         return;
     }
-    const bool recording = dev->capture_begin(key);
-    in_segment_ = true;
-    try {
-        enqueue();
-    } catch (...) {
-        in_segment_ = false;
-        if (recording) dev->capture_end(false);
-        throw;
+    const int64_t counted = device_active_[il];
+    if (dev->capture_begin(key)) {
+        bool launched = false;
+        try {
+            enqueue();
+            launched = dev->capture_end(true);
+        } catch (...) {
+            dev->capture_end(false);  // (the key is not recorded again: its ops run plain from now on)
+        }
+        if (launched) return;
+        device_active_[il] = counted;  // the ops did not run: they are enqueued plain below
     }
-    in_segment_ = false;
-    if (recording && !dev->capture_end(true)) {
-        in_segment_ = true;
-        enqueue();  // not recorded: the ops did not run
-        in_segment_ = false;
-    }
+    enqueue();
 }
 
 // After the last layer: the final norm and the logits of the rows asked for, and the residual stream
@@ -273,7 +276,8 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const StepScratch ks = split ? scratch_rows(host, r0) : StepScratch{};
     const bool sparse_split = sp.enabled || rec;
     if (split && home == dev && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y, xn_bytes) &&
-        (sparse_split || dev->pinned(split_gate_, 2 * (size_t)n * E.k * sizeof(float)))) {
+        (sparse_split || (dev->pinned(split_gate_, (size_t)n * E.k * sizeof(float)) &&
+                          dev->pinned(split_up_, (size_t)n * E.k * sizeof(float))))) {
         ffn_split_units(il, n, r0, sp, ds, ks);
         return;
     }
@@ -307,7 +311,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
         if (segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y2, xn_bytes)) {
             // The whole device part, its result's copy back included, queued (or replayed) before the host's
             // share: a copy into page-locked memory returns at once.
-            device_segment({-1 - il, n, r0, kSegmentShare}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
+            device_segment({-1 - il, n, r0, kSegmentShareFromHost}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
                 share();
                 dev->copy_to_host(ks.y2, ds.y, xn_bytes);
             });
@@ -377,7 +381,7 @@ void Session::ffn_split_units(int il, int32_t n, int32_t r0, const FFNSparsity& 
     }
     // (the host's y is read by the device's copy: the next host write to it comes after a wait on the
     // device, the next layer's xn_ready or the residual's move back to the host)
-    device_segment({-1 - il, n, r0, kSegmentJoin}, il, 0, [&] {
+    device_segment({-1 - il, n, r0, sparse_split ? kSegmentJoinSum : kSegmentJoin}, il, 0, [&] {
         float* y = sparse_split ? ds.y2 : ds.y;
         dev->copy_from_host(y, ks.y, xn_bytes);
         dev->ffn_join(hp, E.attn_w->ffn, ds.y, sparse_split ? ds.y2 : nullptr, n, ds.x);
@@ -398,9 +402,10 @@ void Session::ffn_split_exact(int il, int32_t n, Backend* home, const StepScratc
     const size_t share_bytes = (size_t)n * E.k * sizeof(float);
     Event xn_ready{}, done{};
     const int32_t r0 = (int32_t)((ks.xn - host_s_.xn) / hp.n_embd);
-    if (home == host && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(split_gate_, 2 * share_bytes)) {
+    if (home == host && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(split_gate_, share_bytes) &&
+        dev->pinned(split_up_, share_bytes)) {
         // The device part with its products' copies back, queued (or replayed) before the host's share.
-        device_segment({-1 - il, n, r0, kSegmentGateUp}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
+        device_segment({-1 - il, n, r0, kSegmentGateUpFromHost}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
             dev->copy_from_host(ds.xn, ks.xn, xn_bytes);
             dev->ffn_gate_up(hp, il, E.device_share, ds.xn, n, ds.gate, ds.up, ds, &device_active_[il]);
             dev->copy_to_host(split_gate_, ds.gate, share_bytes);

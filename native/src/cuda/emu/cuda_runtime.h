@@ -96,6 +96,7 @@ enum cudaError_t {
     cudaErrorMemoryAllocation = 2,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorHostMemoryAlreadyRegistered = 712,
     cudaErrorStreamCaptureUnsupported = 900,
     cudaErrorStreamCaptureInvalidated = 901,
 };

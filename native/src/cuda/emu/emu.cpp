@@ -304,6 +304,7 @@ const char* error_name(cudaError_t e) {
         case cudaErrorNoDevice: return "cudaErrorNoDevice";
         case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
         case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+        case cudaErrorHostMemoryAlreadyRegistered: return "cudaErrorHostMemoryAlreadyRegistered";
         default: return "cudaErrorInvalidDevice";
     }
 }
@@ -424,8 +425,15 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
     return cudaSuccess;
 }
 // Host memory is host memory here: page-locking changes nothing.
+// As CUDA: memory of which any page is registered already is refused (a page is locked once).
 cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
+    constexpr uintptr_t kPage = 4096;
+    const uintptr_t first = (uintptr_t)p & ~(kPage - 1), end = ((uintptr_t)p + bytes + kPage - 1) & ~(kPage - 1);
     std::lock_guard<std::mutex> lock(g_registered_mutex);
+    for (const auto& [q, n] : g_registered) {
+        const uintptr_t qf = (uintptr_t)q & ~(kPage - 1), qe = ((uintptr_t)q + n + kPage - 1) & ~(kPage - 1);
+        if (first < qe && qf < end) return cudaErrorHostMemoryAlreadyRegistered;
+    }
     g_registered[(const uint8_t*)p] = bytes;
     return cudaSuccess;
 }
