@@ -258,6 +258,22 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny, kv):
             np.testing.assert_allclose(together[step][s], alone[s][step][0], rtol=1e-4, atol=1e-4)
 
 
+def decode_steps(m) -> list:
+    """A 6-token prompt, six one-token steps, then three steps of two sequences (another shape): the logits of
+    each, as 2-D arrays (a model of n_seq=2)."""
+    out = [m.eval(list(range(400, 406)))]
+    for i in range(6):
+        out.append(m.eval([410 + i]))
+    pos = [12, 0]
+    for step in range(3):
+        b = Batch()
+        for s in (0, 1):
+            b.add(420 + 2 * step + s, s, pos[s], logits=True)
+            pos[s] += 1
+        out.append(m.decode(b))
+    return [np.atleast_2d(o) for o in out]
+
+
 @pytest.mark.parametrize("kv", ["f16", "q4_0"])
 def test_recorded_decode_steps_equal_plain_ones(tiny, monkeypatch, kv):
     """Decode steps of a model wholly on the GPU are recorded once per shape (a CUDA graph) and launched
@@ -265,17 +281,7 @@ def test_recorded_decode_steps_equal_plain_ones(tiny, monkeypatch, kv):
     by op (OPTIML_CUDA_GRAPHS=0), bit for bit, across steps whose positions and KV lengths change."""
     def run():
         with optiml.Model(tiny["q4_k"], n_ctx=64, n_seq=2, device="cuda", kv_type=kv) as m:
-            out = [m.eval(list(range(400, 406)))]
-            for i in range(6):
-                out.append(m.eval([410 + i]))
-            pos = [12, 0]  # two sequences: steps of another shape, recorded on their own
-            for step in range(3):
-                b = Batch()
-                for s in (0, 1):
-                    b.add(420 + 2 * step + s, s, pos[s], logits=True)
-                    pos[s] += 1
-                out.append(m.decode(b))
-            return np.concatenate([np.atleast_2d(o) for o in out]), m._session.recorded_steps
+            return np.concatenate(decode_steps(m)), m._session.recorded_steps
 
     monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "0")
     plain, none = run()
@@ -318,22 +324,13 @@ def test_split_layers_recorded_in_units_equal_plain_ones(tiny, tmp_path, monkeyp
         with optiml.Model(placed, n_ctx=64, n_seq=2, device="cuda", **kw) as m:
             assert [layer["ffn_on_device"] for layer in m.plan.layers] == [512, 0, 256, 1024]
             assert {layer["attention"] != "cpu" for layer in m.plan.layers} == {attention == "gpu"}
-            out = [m.eval(list(range(400, 406)))]
-            for i in range(6):
-                out.append(m.eval([410 + i]))
-            pos = [12, 0]
-            for step in range(3):
-                b = Batch()
-                for s in (0, 1):
-                    b.add(420 + 2 * step + s, s, pos[s], logits=True)
-                    pos[s] += 1
-                out.append(m.decode(b))
+            out = decode_steps(m)
             if ffn == "sparse":
                 for mode in ("none", "threshold"):
                     m.set_sparsity(mode)
-                    out += [m.eval([430 + i]) for i in range(3)]
+                    out += [m.eval([430 + i])[None] for i in range(3)]
             calls = m.launches(2, prompt="Hello world").per_token()["host_launches"]
-            return np.concatenate([np.atleast_2d(o) for o in out]), m._session.recorded_steps, calls
+            return np.concatenate(out), m._session.recorded_steps, calls
 
     monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "0")
     plain, none, plain_calls = run()

@@ -146,13 +146,17 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
             if (exec_[il].device_share.w) device_active_[il] += (int64_t)n * exec_[il].device_share.w->gate.rows;
     } else {
         const bool recording = dev->capture_begin(step_key_);
+        const std::vector<int64_t> counted = device_active_;
         try {
             enqueue();
         } catch (...) {
             if (recording) dev->capture_end(false);
             throw;
         }
-        if (recording && !dev->capture_end(true)) enqueue();  // not recorded: the ops did not run
+        if (recording && !dev->capture_end(true)) {  // not recorded: the ops did not run
+            device_active_ = counted;
+            enqueue();
+        }
     }
     for (int il = 0; il < hp.n_layer; il++) ffn_seen_[il] += (int64_t)n * hp.n_ff;
 
