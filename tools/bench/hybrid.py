@@ -310,6 +310,20 @@ def main() -> int:
         if toks and cpu_toks:
             same = next((i for i, (x, y) in enumerate(zip(toks, cpu_toks)) if x != y), min(len(toks), len(cpu_toks)))
             print(f"    greedy tokens equal to the CPU run's for the first {same} of {len(toks)}")
+        if args.device.startswith("cuda") and b == next(iter(placed)):
+            # The same placement with every GPU op launched on its own (no recorded units): what replaying
+            # the device's work as CUDA graphs gains on a split step (issue #44 item 2).
+            before = os.environ.get("OPTIML_CUDA_GRAPHS")
+            os.environ["OPTIML_CUDA_GRAPHS"] = "0"  # (read when the model's device backend is made)
+            try:
+                plain, _ = run(f"ours, hybrid at {b:.0%}, op by op", path, device=args.device, vram=vram)
+            finally:
+                if before is None:
+                    os.environ.pop("OPTIML_CUDA_GRAPHS", None)
+                else:
+                    os.environ["OPTIML_CUDA_GRAPHS"] = before
+            if rate and plain:
+                print(f"    recorded units: {rate / plain:.2f}x the op-by-op step")
     full_rate, _ = run("ours, every layer on the device", model, device=args.device, n_gpu_layers=L)
     with_pred = {}
     if pred:
