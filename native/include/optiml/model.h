@@ -369,7 +369,7 @@ private:
     bool forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits);
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
-    void ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks);
+    void ffn_split_exact(int il, int32_t n, int32_t r0, Backend* home, const StepScratch& ds, const StepScratch& ks);
     void ffn_split_units(int il, int32_t n, int32_t r0, const FFNSparsity& sp, const StepScratch& ds,
                          const StepScratch& ks);
     void device_segment(const std::vector<int32_t>& key, int il, int64_t active, const std::function<void()>& enqueue);
@@ -423,6 +423,7 @@ private:
     std::vector<int32_t> step_key_;  // forward_recorded's key of the step
     bool segments_ = false;          // forward's step records the device's units (device_segment)
     bool in_segment_ = false;        // device_segment is enqueuing a unit
+    bool staging_pinned_ = false;    // the host scratch and split staging are page-locked for the device
     std::vector<int32_t> off_tok_, off_seq_, off_slot_, off_pos_, off_rows_;  // forward_offload's reordered batch
 
     SparsitySettings sparsity_;

@@ -1120,11 +1120,6 @@ private:
         ++alloc_epoch_;
         cudaFree(p);
     }
-    void drop_recordings() {
-        for (auto& [key, rec] : recordings_)
-            if (rec.exec) cudaGraphExecDestroy(rec.exec);
-        recordings_.clear();
-    }
     // Room for one more shape: the one launched least recently goes (a server's steps of many sizes over
     // a split model's units would otherwise drop every recording each time the map fills).
     void drop_least_used() {

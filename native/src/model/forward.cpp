@@ -82,8 +82,7 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
         bool& on;
         ~Reset() { on = false; }
     } reset{segments_};  // (an exception leaves no later step of another kind recording)
-    if (segments_ && std::any_of(exec_.begin(), exec_.end(), [&](const LayerExec& E) { return E.attn == dev; }))
-        dev->upload_batch(kb);
+    if (segments_ && plan_.layers_on_device() > 0) dev->upload_batch(kb);
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerExec& E = exec_[il];
         trace_layer(il);
@@ -278,10 +277,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
     const bool split = on_dev && on_host;
     const StepScratch ds = split ? scratch_rows(dev, r0) : StepScratch{};
     const StepScratch ks = split ? scratch_rows(host, r0) : StepScratch{};
-    const bool sparse_split = sp.enabled || rec;
-    if (split && home == dev && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y, xn_bytes) &&
-        (sparse_split || (dev->pinned(split_gate_, (size_t)n * E.k * sizeof(float)) &&
-                          dev->pinned(split_up_, (size_t)n * E.k * sizeof(float))))) {
+    if (split && home == dev && segments_ && staging_pinned_) {
         ffn_split_units(il, n, r0, sp, ds, ks);
         return;
     }
@@ -301,7 +297,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
 
     // Split: the device's share is queued first, then the host computes its share while it runs.
     if (!sp.enabled && !rec) {
-        ffn_split_exact(il, n, home, ds, ks);
+        ffn_split_exact(il, n, r0, home, ds, ks);
         return;
     }
     // A sparse host share: each device sums its own neurons' down rows and the two partial sums are
@@ -312,7 +308,7 @@ void Session::ffn_layer(int il, int32_t n, Backend* home, int32_t r0) {
             dev->ffn(hp, il, E.device_share, dense, ds.xn, n, ds.y, ds, &device_active_[il], nullptr);
         };
         Event done{};
-        if (segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(ks.y2, xn_bytes)) {
+        if (segments_ && staging_pinned_) {
             // The whole device part, its result's copy back included, queued (or replayed) before the host's
             // share: a copy into page-locked memory returns at once.
             device_segment({-1 - il, n, r0, kSegmentShareFromHost}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
@@ -397,7 +393,8 @@ void Session::ffn_split_units(int il, int32_t n, int32_t r0, const FFNSparsity& 
 // reads all of down's columns either way: its share's activations are zero-padded to full width). Every
 // sum runs in the order of the unsplit run, so a split gives its bits where the devices' gate and up
 // products agree bit for bit (a CPU device; see Backend::ffn_gate_up).
-void Session::ffn_split_exact(int il, int32_t n, Backend* home, const StepScratch& ds, const StepScratch& ks) {
+void Session::ffn_split_exact(int il, int32_t n, int32_t r0, Backend* home, const StepScratch& ds,
+                              const StepScratch& ks) {
     const HParams& hp = model_->hp;
     const LayerExec& E = exec_[il];
     Backend* host = host_.get();
@@ -405,9 +402,7 @@ void Session::ffn_split_exact(int il, int32_t n, Backend* home, const StepScratc
     const size_t xn_bytes = (size_t)n * hp.n_embd * sizeof(float);
     const size_t share_bytes = (size_t)n * E.k * sizeof(float);
     Event xn_ready{}, done{};
-    const int32_t r0 = (int32_t)((ks.xn - host_s_.xn) / hp.n_embd);
-    if (home == host && segments_ && dev->pinned(ks.xn, xn_bytes) && dev->pinned(split_gate_, share_bytes) &&
-        dev->pinned(split_up_, share_bytes)) {
+    if (home == host && segments_ && staging_pinned_) {
         // The device part with its products' copies back, queued (or replayed) before the host's share.
         device_segment({-1 - il, n, r0, kSegmentGateUpFromHost}, il, (int64_t)n * E.device_share.w->gate.rows, [&] {
             dev->copy_from_host(ds.xn, ks.xn, xn_bytes);

@@ -353,6 +353,10 @@ void Session::alloc_split_scratch() {
     split_gate_ = (float*)host_->alloc(2 * floats * sizeof(float), "split scratch");
     split_up_ = split_gate_ + floats;
     device_->pin_host(split_gate_, 2 * floats * sizeof(float));
+    // Split layers' copies are recorded with the device's other work (device_segment) only where all the
+    // host memory they touch is page-locked.
+    staging_pinned_ = device_->pinned(host_s_.x, scratch_bytes(model_->hp, n_batch_)) &&
+                      device_->pinned(split_gate_, 2 * floats * sizeof(float));
 }
 
 void Session::alloc_moe_split() {
