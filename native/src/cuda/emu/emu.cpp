@@ -424,8 +424,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
     std::memmove(dst, src, bytes);
     return cudaSuccess;
 }
-// Host memory is host memory here: page-locking changes nothing.
-// As CUDA: memory of which any page is registered already is refused (a page is locked once).
+// Page-locking changes nothing for a copy here; it is recorded so that captures may keep copies of such
+// memory (cudaMemcpyAsync), and memory of which any page is registered already is refused, as CUDA does.
 cudaError_t cudaHostRegister(void* p, size_t bytes, unsigned) {
     constexpr uintptr_t kPage = 4096;
     const uintptr_t first = (uintptr_t)p & ~(kPage - 1), end = ((uintptr_t)p + bytes + kPage - 1) & ~(kPage - 1);
