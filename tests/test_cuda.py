@@ -332,6 +332,12 @@ def test_split_layers_recorded_in_units_equal_plain_ones(tiny, tmp_path, monkeyp
             calls = m.launches(1, prompt="Hello world").per_token()["host_launches"]  # (a shape recorded above)
             return np.concatenate(out), m._session.recorded_steps, calls
 
+    # A large block freed makes glibc raise its mmap threshold, so the session's later host blocks come from
+    # the heap side by side: blocks that shared a page could not both be page-locked (CUDA locks a page once),
+    # and the split layers then ran op by op (seen as a flaky failure of this test before the CPU backend gave
+    # each block pages of its own).
+    big = np.ones(24 << 20, np.uint8)
+    del big
     monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "0")
     plain, none, plain_calls = run()
     monkeypatch.setenv("OPTIML_CUDA_GRAPHS", "1")

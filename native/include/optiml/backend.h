@@ -335,7 +335,7 @@ protected:
 
 private:
     virtual void* device_alloc(size_t bytes) = 0;  // zeroed memory
-    virtual void device_free(void* p) = 0;
+    virtual void device_free(void* p, size_t bytes) = 0;  // bytes: as allocated
 
 protected:
     void free_all();  // derived destructors call this while their device is still usable

@@ -21,6 +21,14 @@ namespace optiml {
 void* huge_page_calloc(size_t bytes);
 void huge_page_free(void* p, size_t bytes);
 
+// Zeroed memory that starts on a page and owns whole pages (the CPU backend's blocks). A device page-locks
+// host blocks it copies through (Backend::pin_host), and CUDA locks a page once: two blocks that shared a
+// page could not both be locked, and the second one's copies would wait for the device and stay out of
+// recorded steps. Committed on first touch. nullptr when the memory cannot be had; page_free takes the same
+// `bytes`.
+void* page_calloc(size_t bytes);
+void page_free(void* p, size_t bytes);
+
 // An allocator for std::vector over huge_page_calloc.
 template <typename T>
 struct HugePageAllocator {

@@ -1116,7 +1116,7 @@ private:
         ++alloc_epoch_;  // recorded steps may point at memory that moved
         return p;
     }
-    void device_free(void* p) override {
+    void device_free(void* p, size_t) override {
         ++alloc_epoch_;
         cudaFree(p);
     }

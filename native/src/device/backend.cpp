@@ -27,9 +27,10 @@ void Backend::release(void* p) {
     std::lock_guard<std::mutex> lock(alloc_mutex_);
     for (size_t i = 0; i < blocks_.size(); i++) {
         if (blocks_[i].ptr != p) continue;
-        allocated_ -= blocks_[i].bytes;
+        const size_t bytes = blocks_[i].bytes;
+        allocated_ -= bytes;
         blocks_.erase(blocks_.begin() + (ptrdiff_t)i);
-        device_free(p);
+        device_free(p, bytes);
         return;
     }
     throw Error("internal: releasing memory the backend did not allocate");
@@ -37,7 +38,7 @@ void Backend::release(void* p) {
 
 void Backend::free_all() {
     std::lock_guard<std::mutex> lock(alloc_mutex_);
-    for (const Allocation& a : blocks_) device_free(a.ptr);
+    for (const Allocation& a : blocks_) device_free(a.ptr, a.bytes);
     blocks_.clear();
     allocated_ = 0;
 }

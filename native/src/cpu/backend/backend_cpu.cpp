@@ -15,6 +15,7 @@
 #include "moe_ffn.h"
 #include "optiml/backend.h"
 #include "optiml/common.h"
+#include "optiml/huge_pages.h"
 #include "optiml/model.h"
 #include "optiml/predictor.h"
 #include "optiml/quant.h"
@@ -263,12 +264,13 @@ public:
     }
 
 private:
+    // Whole pages of their own (page_calloc): a device may page-lock any of these blocks.
     void* device_alloc(size_t bytes) override {
-        void* p = std::calloc(bytes, 1);
+        void* p = page_calloc(bytes);
         if (!p) throw Error(format("%s: out of memory allocating %zu bytes", name_.c_str(), bytes));
         return p;
     }
-    void device_free(void* p) override { std::free(p); }
+    void device_free(void* p, size_t bytes) override { page_free(p, bytes); }
 
     // Runs fn on this backend's stream (inline for the host), timed as a span of `kind` while tracing.
     void submit(SpanKind kind, std::function<void()> fn) {

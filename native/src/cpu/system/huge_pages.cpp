@@ -3,8 +3,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
-#if defined(__linux__)
+#if defined(_WIN32)
+#include <windows.h>
+#else
 #include <sys/mman.h>
 #endif
 
@@ -53,6 +56,43 @@ void huge_page_free(void* p, size_t bytes) {
     }
 #endif
     std::free(p);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+#define OPTIML_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define OPTIML_ASAN 1
+#endif
+#endif
+
+void* page_calloc(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+#if defined(OPTIML_ASAN)
+    // AddressSanitizer's allocator, with the exact size, so that a read past the block is still reported (its
+    // last page may be shared: no device locks pages in a sanitized CPU build).
+    void* p = nullptr;
+    if (posix_memalign(&p, 4096, bytes) != 0) return nullptr;
+    return std::memset(p, 0, bytes);
+#elif defined(_WIN32)
+    return VirtualAlloc(nullptr, bytes, MEM_COMMIT | MEM_RESERVE, PAGE_READWRITE);
+#else
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+#endif
+}
+
+void page_free(void* p, size_t bytes) {
+    if (!p) return;
+#if defined(OPTIML_ASAN)
+    (void)bytes;
+    std::free(p);
+#elif defined(_WIN32)
+    (void)bytes;
+    VirtualFree(p, 0, MEM_RELEASE);
+#else
+    munmap(p, bytes ? bytes : 1);
+#endif
 }
 
 }  // namespace optiml
