@@ -244,6 +244,10 @@ def _alive(server, ref_text=None):
     ({"messages": MSGS, "response_format": {"type": "yaml"}}, 400, "response_format"),
     ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
     ({"model": "gpt-9", "messages": MSGS}, 404, "model"),
+    ({"messages": MSGS, "stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream
+    ({"messages": MSGS, "stream": True, "stream_options": {"include_usage": "no"}}, 400, "include_usage"),
+    ({"messages": MSGS, "stream": True, "stream_options": {"usage": True}}, 400, "stream_options"),
+    ({"messages": MSGS, "n": PARALLEL + QUEUE + 1}, 400, "n"),  # could never be admitted: not a 429
 ])
 def test_bad_requests(server, body, status, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -253,6 +257,43 @@ def test_bad_requests(server, body, status, param):
     assert err["message"] and err["type"]
     assert err["param"] == param
     _alive(server)
+
+
+def test_completions_requests_name_their_own_fields(server):
+    r = http(server, "POST", "/v1/completions", json={"prompt": ["Hi", "word " * 600], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded" and "prompt 1 " in r.json()["error"]["message"]
+    r = http(server, "POST", "/v1/completions", json={"prompt": [[True, 5]], "max_tokens": 2})  # not token ids
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = http(server, "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "'max_tokens' must be >= 1, got 0"
+
+
+def test_what_clients_send_for_the_defaults_is_accepted(server, ref):
+    """Unsupported fields sent as null (clients that send every field), the model by its file's or its known
+    names in any case, the Bearer scheme in any case."""
+    want = ref.chat(MSGS, temperature=0, max_tokens=4)
+    for model in ("smollm2", "SmolLM2-135M-Instruct.Q4_1", "smollm2-135m-instruct.q4_1.gguf", "SmolLM2-135M-Instruct",
+                  ""):
+        r = http(server, "POST", "/v1/chat/completions", headers={"Authorization": f"bearer {KEY}"}, key=None,
+                 json={"model": model, "messages": MSGS, "temperature": 0, "max_tokens": 4, "tools": None,
+                       "tool_choice": None})
+        assert r.status_code == 200, (model, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == want
+        assert r.json()["model"] == "smollm2"
+
+
+def test_cors_preflight(server):
+    """Browsers' preflight: a page served from this machine may call the API; another site may not."""
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    r = http(server, "OPTIONS", "/v1/chat/completions", key=None, headers={"Origin": "http://localhost:3000", **ask})
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = http(server, "OPTIONS", "/v1/chat/completions", key=None, headers={"Origin": "https://example.com", **ask})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = http(server, "GET", "/v1/models", headers={"Origin": "http://127.0.0.1:5173"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://127.0.0.1:5173"
 
 
 def test_auth_and_routes(server):
@@ -313,10 +354,14 @@ def test_queue_full_and_disconnect_frees_slots(server):
     assert r.status_code == 429
     assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
     # Closing the streams frees both slots; the queued request then runs to completion.
+    cancelled = 'endpoint="completions",status="499"'
+    before = _metric(http(server, "GET", "/metrics").text, "optiml_requests_total", cancelled)
     for cm in ctxs:
         cm.__exit__(None, None, None)
     assert waiting.result(timeout=60).status_code == 200
     wait_for(server, lambda h: h["slots_idle"] == PARALLEL and h["queue"] == 0, "freed slots")
+    # /metrics counts the two streams as cancelled by their clients, not as answered
+    assert _metric(http(server, "GET", "/metrics").text, "optiml_requests_total", cancelled) == before + PARALLEL
     _alive(server)
 
 

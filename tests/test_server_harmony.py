@@ -76,6 +76,7 @@ class StubServer(Server):
     def __init__(self, is_harmony: bool):
         self.model, self.tokenizer = StubModel(), StubTokenizer(is_harmony)
         self.model_id, self.created, self.api_key, self.max_body = "stub", 0, None, 1 << 20
+        self.model_names, self.cors_origins = {"stub"}, None
         self.metrics, self.pipeline, self._grammars = Metrics(), StubPipeline(), None
         self.harmony = harmony.is_harmony(self.tokenizer)
 

@@ -17,6 +17,9 @@ def add_arguments(p) -> None:
     p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429")
     p.add_argument("--chunk", type=int, default=256, help="most prompt tokens run per step (across requests)")
     p.add_argument("--alias", default=None, help="model id clients use (default: the file name)")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a web page origin (https://app.example.com) allowed to call the API from a browser; "
+                        "repeat for more, '*' for any (default: pages served from this machine only)")
     p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
     common.add_device_args(p)
     p.add_argument("--kv-vram", default=None,
@@ -42,7 +45,7 @@ def run(args) -> int:
     kw = dict(host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=args.ctx, api_key=args.api_key,
               n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
               predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
-              use_mmap=common.use_mmap(args), **common.device(args))
+              use_mmap=common.use_mmap(args), cors_origins=args.cors_origin, **common.device(args))
     ray_only = [f for f, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),
                                ("--max-replicas", args.max_replicas), ("--address", args.address),
                                ("--stream-interval-ms", args.stream_interval_ms != 100)) if v]

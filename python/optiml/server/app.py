@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
 import time
 import uuid
@@ -16,19 +17,21 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.responses import JSONResponse as _StarletteJSONResponse
 from starlette.routing import Route
 
 from .._core import OptimlError
-from ..engine.chat_template import ChatTemplateError
+from ..engine.chat_template import MAX_OUTPUT_CHARS, ChatTemplateError
 from ..engine.harmony import HarmonySplitter, is_harmony, split as split_harmony
 from ..engine.sampling import RANDOM_SEED, Sampler
 from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
 from .pipeline import Pipeline
-from .scheduler import Job, QueueFull
+from .scheduler import Job, QueueFull, TooManySequences
 from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
 
 
@@ -38,6 +41,10 @@ CHAT_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "
 # A request body is read whole before it is parsed: past this size it is refused (413) instead of filling
 # memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
 MAX_BODY_BYTES = 16 << 20
+
+# Web pages that may call the API from a browser (CORS) unless --cors-origin says otherwise: those served from
+# this machine (another local web UI), not any site the user happens to visit.
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -62,12 +69,14 @@ class Server:
 
     def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
                  max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
-                 max_itl_ms: float | None = None):
+                 max_itl_ms: float | None = None, cors_origins: list | None = None):
         self.model = model
+        self.cors_origins = cors_origins  # None: pages on this machine (LOCAL_ORIGINS); ["*"]: any
         self.max_body = max_body
         self.tokenizer = model.tokenizer
         self.harmony = is_harmony(self.tokenizer)  # gpt-oss: chat answers split into content and reasoning
         self.model_id = model_id or os.path.splitext(os.path.basename(model.path))[0]
+        self.model_names = _model_names(self.model_id, model.path)
         self.created = int(os.path.getmtime(model.path))
         self.api_key = api_key
         self.metrics = Metrics()
@@ -94,18 +103,23 @@ class Server:
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {self.api_key}":
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                            type="authentication_error", code="invalid_api_key")
 
     def check_model(self, body: dict) -> None:
         name = body.get("model")
-        if name is None:
+        if name is None or name == "":
             return
         if not isinstance(name, str):
             raise bad("'model' must be a string", "model")
-        if name != self.model_id:
+        self.check_model_name(name)
+
+    def check_model_name(self, name: str) -> None:
+        """The served model answers to its id, its file's name and the known model names of that file (what
+        `optiml serve -m NAME` was given), in any case."""
+        if name.lower() not in self.model_names:
             raise APIError(404, f"the model '{name}' does not exist; this server has '{self.model_id}'",
                            param="model", code="model_not_found")
 
@@ -117,12 +131,12 @@ class Server:
             ids.insert(0, tk.bos_id)
         return ids
 
-    def check_prompt(self, ids: list) -> None:
+    def check_prompt(self, ids: list, param: str = "messages", which: str = "the prompt") -> None:
         if not ids:
-            raise bad("the prompt is empty", "prompt")
+            raise bad(f"{which} is empty", param)
         if len(ids) >= self.model.n_ctx:
-            raise bad(f"the prompt has {len(ids)} tokens; the context holds {self.model.n_ctx} (--ctx), leaving no "
-                      "room to generate", "messages", code="context_length_exceeded")
+            raise bad(f"{which} has {len(ids)} tokens; the context holds {self.model.n_ctx} (--ctx), leaving no "
+                      "room to generate", param, code="context_length_exceeded")
 
     # ---- running a request ------------------------------------------------------------------------------
     def jobs(self, req: GenRequest, sink) -> list:
@@ -151,6 +165,8 @@ class Server:
             jobs = self.jobs(req, sink)
         try:
             self.pipeline.submit(jobs)
+        except TooManySequences as e:  # (no retry can help: not a 429, which clients retry)
+            raise bad(str(e), "n", code="too_many_sequences") from None
         except QueueFull as e:
             self.metrics.rejected.inc()
             status = 503 if self.pipeline.stopping else 429
@@ -355,12 +371,14 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         # at intervals (optiml serve --ray) would otherwise hold the first token back for one interval.
         role = chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for j in jobs]) if chat else b""
+        status = "499"  # counted in /metrics when the stream ends: until its end is sent, the client went away
         try:
             async for evs in _event_lists(q, len(jobs)):
                 out = [role]
                 role = b""
                 for ev in evs:
                     if ev["type"] == "error":
+                        status = "500"
                         out.append(_sse(_dumps({"error": {"message": ev["message"], "type": "server_error",
                                                           "param": None, "code": None}})))
                         yield b"".join(out)
@@ -369,9 +387,11 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
                 yield b"".join(out)
             if req.include_usage:
                 yield chunk([], _usage(done, set()))
+            status = "200"
             yield _sse("[DONE]")
         finally:
             server.pipeline.cancel(jobs)  # the client went away (or all is done): free the slots
+            server.metrics.requests.labels("chat" if chat else "completions", status).inc()
 
     return _EventStream(stream(), ping=15)
 
@@ -424,7 +444,7 @@ def create_app(server: Server) -> Starlette:
                     if auth:
                         server.check_key(request)
                     resp = await fn(request)
-                    status = resp.status_code
+                    status = None if isinstance(resp, _EventStream) else resp.status_code  # (a stream counts its end)
                     return resp
                 except APIError as e:
                     status = e.status
@@ -437,7 +457,8 @@ def create_app(server: Server) -> Starlette:
                     status = 400
                     return JSONResponse(bad(str(e)).body(), status_code=400)
                 finally:
-                    m.requests.labels(name, str(status)).inc()
+                    if status is not None:
+                        m.requests.labels(name, str(status)).inc()
 
             return handler
 
@@ -449,7 +470,14 @@ def create_app(server: Server) -> Starlette:
         server.check_model(body)
         messages, fields = chat_request(body, server.model.n_vocab)
         tpl = server.model.chat_template  # ChatTemplateError: see template_error
-        text = tpl.render(messages, add_generation_prompt=True)
+        try:
+            text = tpl.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:  # past the template's limits because of the messages' own size: theirs
+            chars = sum(len(msg["content"]) for msg in messages)
+            if e.problem == "limit" and chars > MAX_OUTPUT_CHARS // 2:
+                raise bad(f"the messages hold {chars} characters, more than a context of {server.model.n_ctx} "
+                          "tokens can take", "messages", code="context_length_exceeded") from None
+            raise
         ids = server.chat_ids(text)
         server.check_prompt(ids)
         fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]
@@ -462,8 +490,8 @@ def create_app(server: Server) -> Starlette:
         prompts, fields = completion_request(body, server.model.n_vocab)
         ids = [server.tokenizer.encode(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
                for p in prompts]
-        for p in ids:
-            server.check_prompt(p)
+        for i, p in enumerate(ids):
+            server.check_prompt(p, "prompt", "the prompt" if len(ids) == 1 else f"prompt {i}")
         return await generate(server, request, GenRequest(prompts=ids, **fields), chat=False)
 
     @endpoint("models")
@@ -472,10 +500,7 @@ def create_app(server: Server) -> Starlette:
 
     @endpoint("model")
     async def model(request: Request):
-        name = request.path_params["name"]
-        if name != server.model_id:
-            raise APIError(404, f"the model '{name}' does not exist; this server has '{server.model_id}'",
-                           param="model", code="model_not_found")
+        server.check_model_name(request.path_params["name"])
         return JSONResponse(_model_card(server))
 
     @endpoint("health", auth=False)
@@ -519,7 +544,11 @@ def create_app(server: Server) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    cors = (dict(allow_origin_regex=LOCAL_ORIGINS) if server.cors_origins is None else
+            dict(allow_origins=list(server.cors_origins)))
+    middleware = [Middleware(CORSMiddleware, allow_methods=["GET", "POST"], allow_headers=["*"],
+                             expose_headers=["Retry-After", "x-optiml-replica"], max_age=600, **cors)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server
     return app
@@ -529,3 +558,19 @@ def _model_card(server: Server) -> dict:
     return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "optiml",
             "meta": {"n_ctx": server.model.n_ctx, "n_vocab": server.model.n_vocab,
                      "n_parallel": server.pipeline.n_parallel}}
+
+
+def _model_names(model_id: str, path: str) -> set:
+    """The names a request's "model" may give, lowercased: the id, the file's name with and without its
+    extension, and the known model names (optiml pull's manifest) whose file this is."""
+    base = os.path.basename(path)
+    names = {model_id, base, os.path.splitext(base)[0]}
+    try:
+        from ..hub.registry import manifest
+
+        for mid, e in manifest().items():
+            if e.get("file") == base:
+                names |= {mid, *e.get("aliases", [])}
+    except (OSError, ValueError):  # no manifest in this install: the file's names are enough
+        pass
+    return {n.lower() for n in names}

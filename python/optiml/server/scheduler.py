@@ -38,6 +38,11 @@ class QueueFull(Exception):
     pass
 
 
+class TooManySequences(QueueFull):
+    """A request of more sequences (prompts times n) than the slots and the queue hold together: it could
+    never be admitted, however long it waited."""
+
+
 class Job:
     """One sequence to generate. `sink(event)` is called from the pipeline's thread with dicts:
     {"type": "delta", "index", "text", "logprobs": [(tok, logprob, [(tok, logprob), ...]), ...]},
@@ -128,6 +133,11 @@ class Scheduler:
         with self.cond:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
+            most = self.max_queue + len(self.slots)
+            if len(jobs) > most:
+                raise TooManySequences(f"the request makes {len(jobs)} sequences (prompts times n); this server "
+                                       f"takes at most {most} at once (--parallel {len(self.slots)} and "
+                                       f"--queue {self.max_queue})")
             free = sum(s.job is None for s in self.slots)
             if len(self.waiting) + len(jobs) > self.max_queue + free:  # the free slots take the first ones
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting (--queue {self.max_queue})")

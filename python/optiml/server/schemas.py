@@ -81,7 +81,8 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer: bool = Fa
     if isinstance(v, float) and not math.isfinite(v):
         raise bad(f"'{name}' must be finite", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
+        bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise bad(f"'{name}' must be {bounds}, got {v}", name)
     return v
 
 
@@ -95,7 +96,9 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _check_fields(body: dict, allowed: set) -> None:
-    for k in body:
+    for k, v in body.items():
+        if k in UNSUPPORTED and v is None:  # (some clients send every field, unset ones as null, as OpenAI allows)
+            continue
         if k in UNSUPPORTED:
             raise bad(f"'{k}' is not supported by this server", k, code="unsupported_parameter")
         if k not in allowed:
@@ -145,12 +148,20 @@ def _common(body: dict, n_vocab: int, max_name: str = "max_tokens") -> dict:
         if not 0 <= tok < n_vocab or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise bad(f"'logit_bias' entry {k!r}: token id in [0, {n_vocab}) and bias in [-100, 100]", "logit_bias")
         logit_bias[tok] = float(v)
+    stream = _bool(body, "stream")
     opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        for k in opts:
+            if k != "include_usage":
+                raise bad(f"unknown field 'stream_options.{k}'", "stream_options", code="unknown_parameter")
+    include_usage = _bool(opts or {}, "include_usage")
     return dict(max_tokens=max_tokens, params=params, seed=seed, stops=_stops(body),
                 n=_number(body, "n", 1, 1, MAX_N, integer=True), logit_bias=logit_bias,
-                stream=_bool(body, "stream"), include_usage=bool((opts or {}).get("include_usage", False)))
+                stream=stream, include_usage=include_usage)
 
 
 def _content(m: dict, i: int) -> str:
@@ -226,7 +237,8 @@ def completion_request(body: dict, n_vocab: int) -> tuple:
         prompts = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         prompts = p
-    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and
+                                           all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
         prompts = p
     else:
         raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")
