@@ -94,6 +94,66 @@ def test_exit_statuses(smollm2_path, tmp_path, capfd):
     assert "error:" in capfd.readouterr().err
 
 
+def test_bad_flags_are_bad_input(smollm2_path, tmp_path, capfd):
+    """Values a command cannot honour are refused before any work (exit 2, the flag named), never run into a
+    traceback or a wrong result (bench once printed a negative speed for -n -1)."""
+    m = str(smollm2_path)
+    for args, said in ((["bench", "-m", m, "-n", "-1"], "-n/--n-gen"), (["bench", "-m", m, "-p", "0"], "-p/--n-prompt"),
+                       (["bench", "-m", m, "-r", "0"], "-r/--repetitions"), (["bench", "-m", m, "-b", "4"], "--launches"),
+                       (["bench", "-m", m, "-p", "100", "--ctx", "50"], "--ctx 50"),
+                       (["run", "-m", m, "-p", "x", "-n", str(2**70)], "at most"),
+                       (["run", "-m", m, "-p", "x", "-t", "100000"], "n_threads"),
+                       (["info", str(tmp_path)], "is a folder"),
+                       (["perplexity", "-m", m, "-f", __file__, "--ctx", "64", "--chunks", "0"], "--chunks"),
+                       (["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")], "no config.json")):
+        assert cli.main(["-q", *args]) == 2, args
+        err = capfd.readouterr().err
+        assert said in err and "Traceback" not in err, (args, err)
+
+
+def test_gpu_flags_without_a_gpu_say_so(smollm2_path, capfd):
+    """llama.cpp's -ngl on a machine whose model runs on the CPU: it runs, and a log line says why -ngl did
+    nothing; -ngl past the model's layers means all of them (llama.cpp's -ngl 99)."""
+    assert cli.main(["run", "-m", str(smollm2_path), "-p", "Hi", "-n", "1", "--temp", "0", "--device", "cpu",
+                     "-ngl", "99"]) == 0
+    assert "-ngl ignored, the model runs on the CPU" in capfd.readouterr().err
+    with optiml.Model(smollm2_path, n_ctx=64, device="cpu:1", n_gpu_layers=99) as m:
+        assert all(layer["attention"] != "cpu" for layer in m.plan.layers)
+
+
+def test_text_that_is_not_utf8_from_the_command_line(smollm2_path, tmp_path):
+    """Bytes that are not UTF-8 in argv or on stdin (Python holds them as lone surrogates) are tokenized as
+    those bytes, as llama.cpp reads them, instead of ending the command in a UnicodeEncodeError."""
+    env = dict(os.environ)
+    prompt = os.fsdecode(b"\xff\xfeHello")
+    r = subprocess.run([sys.executable, "-m", "optiml", "-q", "run", "-m", str(smollm2_path), "-p", prompt, "-n", "2",
+                        "--temp", "0"], capture_output=True, env=env)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    r = subprocess.run([sys.executable, "-m", "optiml", "-q", "run", "-m", str(smollm2_path), "-n", "2", "--temp", "0"],
+                       input=b"\xc3(\x80 Once upon a time", capture_output=True, env=env)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    tk = optiml.tokenizer.load(smollm2_path)
+    assert tk.encode(os.fsdecode(b"ab\xffcd")) == tk.encode(b"ab\xffcd")  # the original bytes
+    assert tk.encode("a\ud800b") == tk.encode("a\ufffdb")  # a surrogate from nowhere: U+FFFD
+    with pytest.raises(optiml.ArgumentError, match="str or bytes"):
+        tk.encode(None)
+    with pytest.raises(FileNotFoundError):
+        optiml.tokenizer.load(tmp_path / "none.gguf")
+
+
+def test_broken_pipe_is_not_an_error(smollm2_path):
+    env = dict(os.environ)
+    # (far more than a pipe's buffer: one line per token)
+    p = subprocess.Popen([sys.executable, "-m", "optiml", "-q", "tokenize", "-m", str(smollm2_path), "-p", TEXT * 40],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.readline()
+    p.stdout.close()  # as `| head -1` does
+    err = p.stderr.read().decode()
+    p.wait(timeout=60)
+    assert "error" not in err and "Traceback" not in err and "Exception" not in err, err
+    assert p.returncode == 141
+
+
 def test_exit_status_of_the_command(tmp_path):
     """The same through the process: `python -m optiml`, as a shell script sees it."""
     env = dict(os.environ)  # optiml as the tests import it (installed, or PYTHONPATH=python)

@@ -182,7 +182,7 @@ def test_plan_without_device_is_cpu(smollm2_path):
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(device="tpu"), "unknown device"),
-    (dict(device="cpu:1", n_gpu_layers=31), "30 layers"),
+    (dict(device="cpu:1", n_gpu_layers=99, vram="10MiB"), "n_gpu_layers=30 needs"),  # 99: all 30, as llama.cpp
     (dict(device="cpu:1", n_gpu_layers=30, vram="10MiB"), "needs"),
     (dict(device="cpu:1", gpu_neurons=[1, 2]), "2 values for 30 layers"),
     (dict(device="cpu:1", gpu_neurons=5000), "outside"),

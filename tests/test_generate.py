@@ -4,6 +4,7 @@ The oracle is the Python loop Model.stream ran before the loop went native, writ
 public pieces it used (Model.eval, Sampler, Detokenizer, find_stop): same seed, same pieces and tokens."""
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -139,6 +140,43 @@ def test_closing_the_model_mid_stream(smollm2_path):
     assert (first + rest).startswith(" Paris.")
     with pytest.raises(optiml.OptimlError, match="closed"):
         m.generate(PROMPT)
+
+
+def test_closed_model_says_so(smollm2_path):
+    m = optiml.Model(os.fsencode(smollm2_path), n_ctx=64)  # (a path as bytes, as os.fsencode gives)
+    m.close()
+    for use in (lambda: m.n_past, lambda: m.eval([1]), lambda: m.plan, lambda: m.chat([{"role": "user", "content": "Hi"}])):
+        with pytest.raises(optiml.OptimlError, match="closed"):
+            use()
+    assert "closed" in repr(m)
+
+
+@pytest.mark.parametrize("call,said", [
+    (lambda m: m.chat([{"content": "hi"}]), r"messages\[0\]\['role'\]"),
+    (lambda m: m.chat([{"role": "user", "content": None}]), r"messages\[0\]\['content'\]"),
+    (lambda m: m.chat("hello"), "must be a list"),
+    (lambda m: m.chat(["hello"]), r"messages\[0\] must be a dict"),
+    (lambda m: m.chat(None), "must be a list"),
+    (lambda m: m.chat([]), "messages is empty"),
+    (lambda m: m.generate(PROMPT, temperature="0"), "temperature must be a number"),
+    (lambda m: m.generate(PROMPT, top_p=None), "top_p must be a number"),
+    (lambda m: m.generate(PROMPT, max_tokens=2**40), "at most"),
+    (lambda m: m.tokenize(None), "str or bytes"),
+])
+def test_bad_arguments_are_argument_errors(model, call, said):
+    """Caller mistakes are ArgumentErrors that name the argument: not the chat template's failure, not a
+    nanobind signature dump, not a TypeError from deep inside."""
+    with pytest.raises(optiml.ArgumentError, match=said):
+        call(model)
+
+
+def test_bad_model_arguments(smollm2_path):
+    for kw, said in ((dict(n_ctx=2**31), "n_ctx must be at most"), (dict(n_threads=100000), "n_threads must be at most"),
+                     (dict(placed_copy="yes"), "placed_copy")):
+        with pytest.raises(optiml.ArgumentError, match=said):
+            optiml.Model(smollm2_path, **kw)
+    with pytest.raises(optiml.ArgumentError, match="a path or a model name"):
+        optiml.Model(42)
 
 
 def _generator(m, ids, n_cached=0, max_tokens=16, stops=(), **sampling):

@@ -19,6 +19,25 @@ from .offline.calibrate import calibrate
 from .offline.predictors import train_predictors
 from .offline.profile import profile
 
+
+def _check_environment() -> None:
+    """The environment settings the native core reads when it loads, and ignores when they make no sense: a
+    warning names them, rather than a silent default."""
+    import os
+    import warnings
+
+    simd = os.environ.get("OPTIML_SIMD")
+    if simd is not None and simd not in _core.simd_levels():
+        warnings.warn(f"OPTIML_SIMD={simd!r} is not a SIMD level of this CPU and build ({', '.join(_core.simd_levels())}): "
+                      "ignored", RuntimeWarning, stacklevel=3)
+    threads = os.environ.get("OPTIML_NUM_THREADS")
+    if threads is not None and not (threads.strip().isdigit() and int(threads) > 0):
+        warnings.warn(f"OPTIML_NUM_THREADS={threads!r} is not a positive number of threads: ignored", RuntimeWarning,
+                      stacklevel=3)
+
+
+_check_environment()
+
 # The documented module names (optiml.gguf, optiml.quant, ...) of modules that live in the subpackages:
 # attributes above, and `import optiml.gguf` finds them here.
 for _m in (gguf, quant, sampling, tokenizer, plan):

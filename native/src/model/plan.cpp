@@ -184,7 +184,8 @@ void choose_device(const PlanOptions& o, Plan& p) {
     }
     if (dev == "cpu" || dev == "cpu:0") {
         if (o.n_gpu_layers > 0 || !o.gpu_neurons.empty() || !o.gpu_experts.empty())
-            p.reason = "n_gpu_layers / gpu_neurons / gpu_experts ignored: the device is the CPU";
+            p.reason = (p.reason.empty() ? "" : p.reason + ": ") +
+                       "n_gpu_layers / gpu_neurons / gpu_experts ignored: the device is the CPU";
     } else if (device_index(dev, "cpu") >= 1) {
         p.device = dev;
     } else if (device_index(dev, "cuda") >= 0) {
@@ -223,9 +224,10 @@ struct Placer {
         p.device_bytes.ffn_weights += ffn_share_bytes(m, il, whole_ffn(il), true);
     }
 
-    // n_gpu_layers: the last n layers whole, or an error when they do not fit.
+    // n_gpu_layers: the last n layers whole, or an error when they do not fit. More than the model has means
+    // all of them, as llama.cpp's -ngl 99 does.
     void last_layers(int n, int64_t budget) {
-        if (n > hp.n_layer) throw ArgumentError(format("n_gpu_layers=%d: the model has %d layers", n, hp.n_layer));
+        n = std::min(n, hp.n_layer);
         for (int il = hp.n_layer - n; il < hp.n_layer; il++) whole_layer(il);
         const PlanBytes& b = p.device_bytes;
         if ((int64_t)(b.total() - b.scratch) > avail)

@@ -25,6 +25,7 @@ lists them in the order --help shows. common holds what they share.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: exit status 2, as argparse gives for a bad option.
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left (optiml info M | head): no error to report, nothing more to print
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the interpreter's own flush at exit)
+        return 141
     except (OptimlError, OSError, subprocess.CalledProcessError) as e:
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ or with --launches what a step launches on the device and the bytes it moves."""
 from __future__ import annotations
 
 from .. import _core
+from .._core import ArgumentError
 from ..engine.sparsity import describe, format_skipped
 from ..engine.timing import bench_model
 from . import common
@@ -18,7 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="instead of the speed table: time N decode steps op by op on each device and print where "
                         "the time goes per layer (busy, copies, waits, overlap of the host and the device)")
-    p.add_argument("--trace", metavar="FILE", help="with --timeline: also write the spans as a Chrome trace (JSON)")
+    p.add_argument("--trace", metavar="FILE", help="also write the timeline's spans as a Chrome trace (JSON; alone: a "
+                                                   "timeline of 8 steps)")
     p.add_argument("--launches", type=int, default=0, metavar="N",
                    help="instead of the speed table: decode N steps and print the kernels and copies the device "
                         "launched per layer and kind, and the bytes of weights, activations and KV cache they "
@@ -28,8 +30,20 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    m = common.load(args, n_ctx=max(args.n_prompt, args.n_gen, args.timeline or 0,
-                                    (args.launches or 0) * max(args.batch, 1)) + 64)
+    for flag, v in (("-p/--n-prompt", args.n_prompt), ("-n/--n-gen", args.n_gen), ("-r/--repetitions", args.repetitions),
+                    ("-b/--batch", args.batch)):
+        if v < 1:
+            raise ArgumentError(f"{flag} must be at least 1, got {v}")
+    for flag, v in (("--timeline", args.timeline), ("--launches", args.launches)):
+        if v < 0:
+            raise ArgumentError(f"{flag} must be a number of steps (at least 1), got {v}")
+    if args.batch != 1 and not args.launches:
+        raise ArgumentError("-b/--batch sets the tokens per step of --launches; give --launches N too")
+    need = max(args.n_prompt, args.n_gen, args.timeline or 0, (args.launches or 0) * args.batch) + 64
+    if args.ctx is not None and args.ctx < need:
+        raise ArgumentError(f"--ctx {args.ctx} is too small for this benchmark: it needs {need} positions "
+                            "(the longest run and 64 more)")
+    m = common.load(args, n_ctx=args.ctx or need)
     if args.launches:
         c = m.launches(args.launches, batch=args.batch)
         if args.json:

@@ -32,6 +32,8 @@ def model_arg(name: str) -> str:
     if not os.path.exists(path):
         raise ArgumentError(f"no such model file: {name} (give a GGUF file, a known model name: optiml pull "
                             "--list, or a Hugging Face reference: org/repo:QUANT or org/repo/FILE.gguf)")
+    if os.path.isdir(path):
+        raise ArgumentError(f"{name} is a folder: give a GGUF file (convert a Hugging Face folder with optiml convert)")
     return path
 
 
@@ -93,15 +95,30 @@ def load(args, n_ctx: int | None = None) -> Model:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PredictorWarning)
-            return Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx,
-                         n_threads=args.threads, sparsity=getattr(args, "sparsity", "auto"),
-                         predictors=predictors(args), use_mmap=use_mmap(args), **device(args))
+            m = Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx,
+                      n_threads=args.threads, sparsity=getattr(args, "sparsity", "auto"),
+                      predictors=predictors(args), use_mmap=use_mmap(args), **device(args))
+            _say_what_the_cpu_ignores(args, m)
+            return m
     finally:
         for w in caught:
             if issubclass(w.category, PredictorWarning):
                 log(f"optiml: {w.message}")
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _say_what_the_cpu_ignores(args, m) -> None:
+    """A log line when options that place work on a GPU had none to place it on (llama.cpp's -ngl on a machine
+    without one): the run goes on, on the CPU, but the user hears why it is not on the GPU."""
+    if m.plan.device not in ("cpu", "cpu:0"):
+        return
+    given = [flag for flag, attr in (("-ngl", "n_gpu_layers"), ("--gpu-neurons", "gpu_neurons"), ("--vram", "vram"),
+                                     ("--cpu-moe", "cpu_moe"), ("-ncmoe", "n_cpu_moe"))
+             if getattr(args, attr, None) not in (None, False)]
+    if given:
+        why = m.plan.reason.split(": n_gpu_layers / ")[0]  # (the plan's own reason goes on to say they were ignored)
+        log(f"optiml: {', '.join(given)} ignored, the model runs on the CPU ({why or 'the device is the CPU'})")
 
 
 def use_mmap(args):

@@ -22,6 +22,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if not os.path.isdir(args.hf_dir):  # bad input (exit status 2), before any work
         raise ArgumentError(f"{args.hf_dir}: not a folder (a Hugging Face model folder is expected)")
+    if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
+        raise ArgumentError(f"{args.hf_dir}: no config.json (a Hugging Face model folder is expected)")
     t0 = time.perf_counter()
     convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet)
     if not args.quiet:

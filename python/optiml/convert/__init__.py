@@ -17,6 +17,7 @@ from . import hf_config, quant_mix, tokenizer, writer
 from .errors import ConvertError
 from .hf_config import SUPPORTED as SUPPORTED_ARCHITECTURES
 from .quant_mix import TYPES
+from ..util.atomic import check_output_path
 from .safetensors import Checkpoint
 
 __all__ = ["ConvertError", "SUPPORTED_ARCHITECTURES", "TYPES", "convert"]
@@ -62,6 +63,7 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     ot = quant_mix.out_type(type)
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"{hf_dir}: not a folder (a Hugging Face model folder is expected)")
+    check_output_path(out)  # (a folder, or a missing one: said now, not after the conversion)
     cfg = hf_config.load_config(hf_dir)
     vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe", "gpt-oss"))
     if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix

@@ -35,9 +35,9 @@ import time
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
-from typing import Sequence
+from collections.abc import Mapping, Sequence
 
-from .._core import OptimlError
+from .._core import ArgumentError, OptimlError
 from ..formats import gguf
 from .tokenizer import Tokenizer
 
@@ -57,6 +57,21 @@ class ChatTemplateError(OptimlError):
         super().__init__(message)
         self.template = template
         self.problem = problem
+
+
+def check_messages(messages) -> list:
+    """Copies of the messages a template renders; ArgumentError unless they are a list of
+    {"role": str, "content": str} (more keys are the template's to read)."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise ArgumentError('messages must be a list of {"role": ..., "content": ...} dicts, got '
+                            f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ArgumentError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ArgumentError(f"messages[{i}]['{key}'] must be a str, got {m.get(key)!r:.60}")
+    return [dict(m) for m in messages]
 
 
 class TemplateLimitError(ChatTemplateError):
@@ -313,7 +328,7 @@ class ChatTemplate:
         Any failure of the template raises ChatTemplateError (see the module doc)."""
         ctx = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
         ctx.update(kwargs)
-        ctx.update(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt)
+        ctx.update(messages=check_messages(messages), add_generation_prompt=add_generation_prompt)
         try:
             return self._render_limited(ctx, self.max_output_chars, self.max_render_seconds)
         except ChatTemplateError as e:  # the limits: named after this template

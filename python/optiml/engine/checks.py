@@ -10,15 +10,23 @@ from .._core import ArgumentError
 __all__ = ["non_negative_int", "positive_int", "token_array"]
 
 
-def positive_int(name: str, v) -> int:
+# The native side counts tokens, positions and sequences in 32-bit integers.
+INT_MAX = 2**31 - 1
+
+
+def positive_int(name: str, v, most: int = INT_MAX) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ArgumentError(f"{name} must be a positive integer, got {v!r}")
+    if v > most:
+        raise ArgumentError(f"{name} must be at most {most}, got {v}")
     return int(v)
 
 
-def non_negative_int(name: str, v) -> int:
+def non_negative_int(name: str, v, most: int = INT_MAX) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
         raise ArgumentError(f"{name} must be a non-negative integer, got {v!r}")
+    if v > most:
+        raise ArgumentError(f"{name} must be at most {most}, got {v}")
     return int(v)
 
 

@@ -17,6 +17,10 @@ __all__ = ["auto_in_memory", "model_file", "open_weights"]
 def model_file(path: str | os.PathLike) -> str:
     """The GGUF file a model argument names: a path, or a known model name or Hugging Face reference
     (pulled into its cache on first use). FileNotFoundError or IsADirectoryError when it is not a file."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"the model must be a path or a model name, not {type(path).__name__}")
     path = resolve(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model file not found: {path}")

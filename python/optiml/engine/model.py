@@ -41,6 +41,9 @@ from .launches import Launches, count_steps
 from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
 
+# More threads than any machine this runs on has cores (llama.cpp's limit too): a typo, not a setting.
+MAX_THREADS = 512
+
 __all__ = ["Model"]
 
 
@@ -132,13 +135,15 @@ class Model(Sequences):
         placed_copy: bool = True,
     ):
         predictor_group = positive_int("predictor_group", predictor_group)
+        if not isinstance(placed_copy, bool):
+            raise ArgumentError(f"placed_copy must be True or False, got {placed_copy!r}")
         self.path = loading.model_file(path)
         self._model = loading.open_weights(self.path, use_mmap)
         self.hparams: dict = self._model.hparams
         if n_ctx is None:
             n_ctx = min(self.hparams["n_ctx_train"], 4096)
         n_ctx = positive_int("n_ctx", n_ctx)
-        n_threads = 0 if n_threads is None else non_negative_int("n_threads", n_threads)
+        n_threads = 0 if n_threads is None else non_negative_int("n_threads", n_threads, MAX_THREADS)
         self._n_threads = n_threads
         n_batch = positive_int("n_batch", n_batch)
         self.tokenizer = Tokenizer.from_file(self.path)
@@ -429,7 +434,7 @@ class Model(Sequences):
 
     def _prepare(self, prompt, max_tokens=128, stop=None, **sampling):
         """Checks stream()'s arguments: (ids, max_tokens, sampler, stops)."""
-        if self._session is None:
+        if not self._session:
             raise OptimlError(f"{self.path}: the model is closed")
         max_tokens = non_negative_int("max_tokens", max_tokens)
         stops = stop_strings(stop)
@@ -498,6 +503,8 @@ class Model(Sequences):
         appended as an assistant message, then a new user message) reuses the context's cached tokens: only
         the new tokens are run (see :attr:`last_stats`).
         """
+        if isinstance(messages, Sequence) and not isinstance(messages, str) and not messages:
+            raise ArgumentError("messages is empty: give at least one message to answer")
         tpl = self.chat_template
         text = tpl.render(messages, add_generation_prompt=True)
         ids = self._chat.ids_for(text, self.tokenizer)
@@ -525,7 +532,7 @@ class Model(Sequences):
     # ---- lifetime -------------------------------------------------------------------------------
     @contextmanager
     def _exclusive(self):
-        if self._session is None:
+        if not self._session:
             raise OptimlError(f"{self.path}: the model is closed")
         if not self._busy.acquire(blocking=False):
             raise OptimlError("this Model is in use by another thread (or an unfinished stream); use one Model per thread")
@@ -535,9 +542,10 @@ class Model(Sequences):
             self._busy.release()
 
     def close(self) -> None:
-        """Frees the context and unmaps the model (the object is unusable afterwards)."""
-        self._session = None
-        self._model = None
+        """Frees the context and unmaps the model (the object is unusable afterwards: any use raises
+        OptimlError)."""
+        self._session = _Closed(self.path)
+        self._model = _Closed(self.path)
 
     def __enter__(self) -> Model:
         return self
@@ -552,3 +560,15 @@ class Model(Sequences):
             f"n_embd {hp['n_embd']}, n_ctx {self.n_ctx if self._session else 'closed'}>"
         )
 
+
+class _Closed:
+    """Stands in for the native session and weights after close(): any use says the model is closed."""
+
+    def __init__(self, path: str):
+        self._path = path
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        raise OptimlError(f"{self._path}: the model is closed")

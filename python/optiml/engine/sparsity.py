@@ -72,7 +72,7 @@ def choose_mode(mode: str, thresholds, criterion: str | None, cfg: dict, hparams
     elif mode == "threshold":
         raise ArgumentError(
             f"{os.path.basename(path)} carries no sparsity thresholds and its FFN ({hparams['ffn_act']}) "
-            "is not ReLU-family: run `optiml calibrate` on it, or pass thresholds=")
+            "is not ReLU-family: run `optiml calibrate` on it (or give Model its thresholds=)")
     else:
         chosen, thr = "none", None
     return chosen, thr, (criterion or "gate") == "product", scale

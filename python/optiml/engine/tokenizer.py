@@ -42,6 +42,8 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         p = os.fspath(path)
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"no such file: {p}")
         return cls(_core.Tokenizer(os.fsencode(p)), p)
 
     @classmethod
@@ -51,8 +53,15 @@ class Tokenizer:
 
     def encode(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``. add_special: BOS/EOS as the file asks (tokenizer.ggml.add_bos_token,
-        add_eos_token). parse_special: text like "<|im_start|>" becomes that control token."""
-        return self._t.encode(text, add_special, parse_special)
+        add_eos_token). parse_special: text like "<|im_start|>" becomes that control token. A str with lone
+        surrogates (bytes that were not UTF-8, as Python decodes a command line or stdin) is tokenized as the
+        original bytes."""
+        if not isinstance(text, (str, bytes)):
+            raise ArgumentError(f"the text to tokenize must be a str or bytes, not {type(text).__name__}")
+        try:
+            return self._t.encode(text, add_special, parse_special)
+        except UnicodeEncodeError:
+            return self._t.encode(_undecoded(text), add_special, parse_special)
 
     def pre_tokenize(self, text: str) -> list[bytes]:
         """The pieces the pre-tokenizer splits ``text`` into before BPE (for debugging)."""
@@ -134,3 +143,12 @@ class Detokenizer:
 def load(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer of the GGUF file at ``path``."""
     return Tokenizer.from_file(path)
+
+
+def _undecoded(text: str) -> bytes:
+    """The bytes of a str that holds lone surrogates: the original bytes where they came from surrogateescape
+    (sys.argv, stdin, os.fsdecode), U+FFFD for any other."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")

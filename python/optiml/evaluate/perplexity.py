@@ -58,11 +58,13 @@ def windows(model, text: str, n_ctx: int, n_chunks: int = -1) -> list[list[int]]
     when the model adds BOS)."""
     if n_ctx < 4:
         raise ArgumentError(f"n_ctx={n_ctx} is too small for perplexity (use at least 4)")
+    if n_chunks == 0 or n_chunks < -1:
+        raise ArgumentError(f"the number of windows (--chunks) must be at least 1, or -1 for all; got {n_chunks}")
     tokens = model.tokenize(text, add_bos=True)
     n_max = len(tokens) // n_ctx
     n = n_max if n_chunks < 0 else min(n_chunks, n_max)
     if n == 0:
-        raise OptimlError(f"the text has {len(tokens)} tokens, fewer than one window of {n_ctx} (use a smaller --ctx)")
+        raise ArgumentError(f"the text has {len(tokens)} tokens, fewer than one window of {n_ctx} (use a smaller --ctx)")
     out = []
     for i in range(n):
         w = tokens[i * n_ctx : (i + 1) * n_ctx]

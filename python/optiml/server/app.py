@@ -270,6 +270,41 @@ def _harmony_chunks(chunk, i: int, parts: list, logprobs=None) -> bytes:
                             "finish_reason": None}]) for k, (kind, t) in enumerate(parts))
 
 
+async def _answer(server: Server, request: Request, req: GenRequest, jobs: list, q, chat: bool, tag, head: dict):
+    """A request's whole answer as one JSON object (no stream): head's id, object, created and model, then
+    each choice's text (or message), logprobs and finish_reason, and the usage."""
+    texts = {j.index: [] for j in jobs}
+    lps = {j.index: [] for j in jobs}
+    done = {}
+    watcher = asyncio.ensure_future(_watch_disconnect(request, q))
+    try:
+        async for ev in _events(q, len(jobs)):
+            if ev["type"] == "error":
+                raise APIError(500, ev["message"], type="server_error")
+            if ev["type"] == "delta":
+                texts[ev["index"]].append(ev["text"])
+                lps[ev["index"]].extend(ev["logprobs"])
+            else:
+                done[ev["index"]] = tag(ev)
+    except ConnectionError:
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+        server.pipeline.cancel(jobs)  # frees the slots of unfinished jobs
+    choices = []
+    for j in jobs:
+        i, text = j.index, "".join(texts[j.index])
+        if chat:
+            c = {"index": i, "message": _assistant_message(text, server.harmony),
+                 "logprobs": server.chat_logprobs(lps[i]) if req.logprobs else None}
+        else:
+            c = {"index": i, "text": text,
+                 "logprobs": server.completion_logprobs(lps[i], 0) if req.logprobs else None}
+        c["finish_reason"] = done[i]["finish_reason"]
+        choices.append(c)
+    return JSONResponse({**head, "choices": choices, "usage": _usage(done, set())})
+
+
 async def generate(server: Server, request: Request, req: GenRequest, chat: bool):
     jobs, q = await server.submit(req)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -283,37 +318,8 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         return ev
 
     if not req.stream:
-        texts = {j.index: [] for j in jobs}
-        lps = {j.index: [] for j in jobs}
-        done = {}
-        watcher = asyncio.ensure_future(_watch_disconnect(request, q))
-        try:
-            async for ev in _events(q, len(jobs)):
-                if ev["type"] == "error":
-                    raise APIError(500, ev["message"], type="server_error")
-                if ev["type"] == "delta":
-                    texts[ev["index"]].append(ev["text"])
-                    lps[ev["index"]].extend(ev["logprobs"])
-                else:
-                    done[ev["index"]] = tag(ev)
-        except ConnectionError:
-            return Response(status_code=499)
-        finally:
-            watcher.cancel()
-            server.pipeline.cancel(jobs)  # frees the slots of unfinished jobs
-        choices = []
-        for j in jobs:
-            i, text = j.index, "".join(texts[j.index])
-            if chat:
-                c = {"index": i, "message": _assistant_message(text, server.harmony),
-                     "logprobs": server.chat_logprobs(lps[i]) if req.logprobs else None}
-            else:
-                c = {"index": i, "text": text,
-                     "logprobs": server.completion_logprobs(lps[i], 0) if req.logprobs else None}
-            c["finish_reason"] = done[i]["finish_reason"]
-            choices.append(c)
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": server.model_id,
-                             "choices": choices, "usage": _usage(done, set())})
+        return await _answer(server, request, req, jobs, q, chat, tag,
+                             {"id": rid, "object": obj, "created": created, "model": server.model_id})
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 

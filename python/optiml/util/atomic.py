@@ -61,12 +61,24 @@ def remove_stale_temporaries(path: str | os.PathLike, suffix: str = ".tmp") -> l
     return removed
 
 
+def check_output_path(path: str | os.PathLike) -> None:
+    """Refuses a path that cannot be written as a file: a folder, or one in a folder that does not exist (an
+    error that names the user's path; callers with long work ahead check before it)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder: give a file name to write")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{path}: the folder {folder} does not exist")
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
     """Yields a temporary path in path's folder; when the block succeeds the file is renamed over
     `path` (with the permissions a plain open() would give), when it fails it is removed. `suffix`
     keeps writers that choose a format by extension (numpy, matplotlib) happy."""
     path = os.fspath(path)
+    check_output_path(path)
     remove_stale_temporaries(path, suffix)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
                                prefix=f"{os.path.basename(path)}.pid{os.getpid()}.", suffix=suffix)
