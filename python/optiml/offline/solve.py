@@ -137,6 +137,13 @@ class GroupSolution:
     solve_s: float
 
 
+# How far from the optimum HiGHS may stop: half a percent of a token's estimated time, far inside the time
+# model's own error (tools/bench/time_model.py: measured steps 1.15-1.25x the estimate). The last fractions of
+# a percent are what HiGHS closes slowly: at 1e-4, SmolLM2's placements took 23-30 s (the time limit) for
+# estimates within 0.1% of what 5e-3 gives in 0.1 s.
+MIP_GAP = 5e-3
+
+
 # ---- the per-layer model --------------------------------------------------------------------------
 def make_groups(sorted_freq: np.ndarray, group: int, bytes_of: int | Callable[[int], int]):
     """One layer's solver input from its hot-first firing frequencies: (group_bytes int64 [G], cpu_bytes f64 [G]).
@@ -372,7 +379,7 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None, splits=None, f
 
 
 def solve_groups(group_bytes: Sequence[np.ndarray], cpu_bytes: Sequence[np.ndarray], budget: int,
-                 hardware: Hardware, time_limit: float = 30.0, mip_gap: float = 1e-4,
+                 hardware: Hardware, time_limit: float = 30.0, mip_gap: float = MIP_GAP,
                  method: str = "auto", attention: Sequence[str] | None = None,
                  split_bytes: Sequence[tuple | None] | None = None,
                  cpu_fixed: Sequence[float] | None = None) -> GroupSolution:
@@ -499,7 +506,7 @@ def _check_tokens(name: str, v, least: int = 1) -> None:
 
 
 def solve_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096, group: int = 64,
-                    time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
+                    time_limit: float = 30.0, mip_gap: float = MIP_GAP, method: str = "auto",
                     batch: int = 512, positions: int | None = None,
                     predictors: str | os.PathLike | None = None) -> Placement:
     """Places the FFN neurons of the model at model_path on the GPU within `vram` bytes (see the module doc).

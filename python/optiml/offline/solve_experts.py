@@ -36,7 +36,7 @@ from .._core import ArgumentError
 from ..formats import gguf
 from ..formats.quant import type_info
 from .hardware import Hardware
-from .solve import Placement, _check_tokens, _place
+from .solve import MIP_GAP, Placement, _check_tokens, _place
 from .time_model import fixed_layout
 
 __all__ = ["expert_layout", "solve_expert_placement"]
@@ -79,7 +79,7 @@ def expert_layout(path) -> dict:
 
 
 def solve_expert_placement(model_path, stats, vram: int, hardware: Hardware, ctx: int = 4096,
-                           time_limit: float = 30.0, mip_gap: float = 1e-4, method: str = "auto",
+                           time_limit: float = 30.0, mip_gap: float = MIP_GAP, method: str = "auto",
                            batch: int = 512, positions: int | None = None) -> Placement:
     """Places whole experts of the mixture of experts at model_path on the GPU within `vram` bytes (see the
     module doc). stats: optiml profile's statistics of this model (with its experts' counts). The result's
