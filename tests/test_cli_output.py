@@ -105,7 +105,8 @@ def test_bad_flags_are_bad_input(smollm2_path, tmp_path, capfd):
                        (["run", "-m", m, "-p", "x", "-t", "100000"], "n_threads"),
                        (["info", str(tmp_path)], "is a folder"),
                        (["perplexity", "-m", m, "-f", __file__, "--ctx", "64", "--chunks", "0"], "--chunks"),
-                       (["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")], "no config.json")):
+                       (["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")], "no config.json"),
+                       (["hw", "--device", "cuda:7"], "no such CUDA device")):  # (before a minute of CPU timings)
         assert cli.main(["-q", *args]) == 2, args
         err = capfd.readouterr().err
         assert said in err and "Traceback" not in err, (args, err)

@@ -117,6 +117,12 @@ class Hardware:
         say = progress or (lambda msg: None)
         if not 0 < density <= 1:
             raise ArgumentError(f"density must be in (0, 1], not {density!r}")
+        if device is not None and device.startswith("cuda"):  # said now, not after a minute of CPU timings
+            info = _core.system_info()
+            index = device.partition(":")[2]
+            if not index.isdigit() and index != "" or int(index or 0) >= len(info["cuda_devices"]):
+                raise ArgumentError(f"device '{device}': no such CUDA device here ({info['cuda_note'] or 'none found'}); "
+                                    "leave out --device to measure the CPU alone")
         hw = cls()
         say("CPU read bandwidth")
         hw.cpu_bandwidth = float(_core.measure_read_bandwidth(max(weight_bytes, 1 << 20) * 4, 3, n_threads))
