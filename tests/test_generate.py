@@ -153,7 +153,7 @@ def test_closed_model_says_so(smollm2_path):
 
 @pytest.mark.parametrize("call,said", [
     (lambda m: m.chat([{"content": "hi"}]), r"messages\[0\]\['role'\]"),
-    (lambda m: m.chat([{"role": "user", "content": None}]), r"messages\[0\]\['content'\]"),
+    (lambda m: m.chat([{"role": "user", "content": 5}]), r"messages\[0\]\['content'\]"),
     (lambda m: m.chat("hello"), "must be a list"),
     (lambda m: m.chat(["hello"]), r"messages\[0\] must be a dict"),
     (lambda m: m.chat(None), "must be a list"),
@@ -168,6 +168,19 @@ def test_bad_arguments_are_argument_errors(model, call, said):
     nanobind signature dump, not a TypeError from deep inside."""
     with pytest.raises(optiml.ArgumentError, match=said):
         call(model)
+
+
+def test_messages_as_templates_take_them(model):
+    """What transformers' apply_chat_template takes is still taken: an iterable of messages, content as a list
+    of parts (for templates that read them) or None (an assistant's tool call)."""
+    from optiml.engine.chat_template import ChatTemplate
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert model.chat_template.render(iter(msgs)) == model.chat_template.render(msgs)
+    parts = ChatTemplate("{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+                         "{% elif m.content %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %};{% endfor %}")
+    assert parts.render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                         {"role": "assistant", "content": None}], add_generation_prompt=False) == "user:Hi;assistant:;"
 
 
 def test_bad_model_arguments(smollm2_path):

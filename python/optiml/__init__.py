@@ -24,14 +24,16 @@ def _check_environment() -> None:
     """The environment settings the native core reads when it loads, and ignores when they make no sense: a
     warning names them, rather than a silent default."""
     import os
+    import re
     import warnings
 
     simd = os.environ.get("OPTIML_SIMD")
-    if simd is not None and simd not in _core.simd_levels():
-        warnings.warn(f"OPTIML_SIMD={simd!r} is not a SIMD level of this CPU and build ({', '.join(_core.simd_levels())}): "
-                      "ignored", RuntimeWarning, stacklevel=3)
+    if simd is not None and simd not in ("scalar", "avx2", "avx512", "neon"):  # (a level above the CPU's: a cap)
+        warnings.warn(f"OPTIML_SIMD={simd!r} is not a SIMD level (scalar, avx2, avx512, neon): ignored",
+                      RuntimeWarning, stacklevel=3)
     threads = os.environ.get("OPTIML_NUM_THREADS")
-    if threads is not None and not (threads.strip().isdigit() and int(threads) > 0):
+    lead = re.match(r"\s*[+-]?[0-9]+", threads or "", re.ASCII)  # what the native side's atoi reads
+    if threads is not None and not (lead and int(lead.group()) > 0):
         warnings.warn(f"OPTIML_NUM_THREADS={threads!r} is not a positive number of threads: ignored", RuntimeWarning,
                       stacklevel=3)
 

@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # stdout's reader left (optiml info M | head): no error to report, nothing more to print
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the interpreter's own flush at exit)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the interpreter's own flush at exit)
+        except (OSError, ValueError):  # stdout is not a file here (a caller that captured it)
+            pass
         return 141
     except (OptimlError, OSError, subprocess.CalledProcessError) as e:
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)

@@ -194,9 +194,13 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                     say("usage: /save FILE")
                     continue
                 try:
-                    with atomic_output(os.path.expanduser(arg), suffix=".json") as tmp, \
-                            open(tmp, "w", encoding="utf-8") as f:
-                        jsonout.dump({"model": model.path, "messages": conv.messages}, f, indent=2, ensure_ascii=False)
+                    doc = {"model": model.path, "messages": conv.messages}
+                    try:
+                        data = jsonout.dumps(doc, indent=2, ensure_ascii=False).encode("utf-8")
+                    except UnicodeEncodeError:  # typed bytes that were not UTF-8: escaped, so the file stays JSON
+                        data = jsonout.dumps(doc, indent=2, ensure_ascii=True).encode("ascii")
+                    with atomic_output(os.path.expanduser(arg), suffix=".json") as tmp, open(tmp, "wb") as f:
+                        f.write(data)
                     say(f"Saved {len(conv.messages)} messages to {arg}.")
                 except OSError as e:
                     say(f"cannot save: {e}")

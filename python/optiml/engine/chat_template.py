@@ -35,7 +35,7 @@ import time
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from .._core import ArgumentError, OptimlError
 from ..formats import gguf
@@ -60,18 +60,23 @@ class ChatTemplateError(OptimlError):
 
 
 def check_messages(messages) -> list:
-    """Copies of the messages a template renders; ArgumentError unless they are a list of
-    {"role": str, "content": str} (more keys are the template's to read)."""
-    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+    """Copies of the messages a template renders; ArgumentError unless they are an iterable of dicts with a
+    str "role" and a "content" that is a str, None (an assistant's tool call) or a list of parts (more keys are
+    the template's to read, as transformers' apply_chat_template lets them be)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise ArgumentError('messages must be a list of {"role": ..., "content": ...} dicts, got '
                             f"{type(messages).__name__}")
+    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ArgumentError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise ArgumentError(f"messages[{i}]['{key}'] must be a str, got {m.get(key)!r:.60}")
-    return [dict(m) for m in messages]
+        if not isinstance(m.get("role"), str):
+            raise ArgumentError(f"messages[{i}]['role'] must be a str, got {m.get('role')!r:.60}")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            raise ArgumentError(f"messages[{i}]['content'] must be a str (or a list of parts), got "
+                                f"{m.get('content')!r:.60}")
+        out.append(dict(m))
+    return out
 
 
 class TemplateLimitError(ChatTemplateError):

@@ -571,4 +571,6 @@ class _Closed:
         return False
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # (copy, pickle and hasattr ask for these: plain Python answers)
+            raise AttributeError(name)
         raise OptimlError(f"{self._path}: the model is closed")

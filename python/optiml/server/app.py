@@ -42,8 +42,9 @@ CHAT_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "
 # memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
 MAX_BODY_BYTES = 16 << 20
 
-# Web pages that may call the API from a browser (CORS) unless --cors-origin says otherwise: those served from
-# this machine (another local web UI), not any site the user happens to visit.
+# Web pages that may call the API from a browser (CORS) unless --cors-origin says otherwise: pages the browser
+# loaded from its own machine (a local web UI), not any site its user happens to visit. (The chat page at / is
+# the server's own origin: it needs no CORS.)
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
@@ -71,7 +72,9 @@ class Server:
                  max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
                  max_itl_ms: float | None = None, cors_origins: list | None = None):
         self.model = model
-        self.cors_origins = cors_origins  # None: pages on this machine (LOCAL_ORIGINS); ["*"]: any
+        if isinstance(cors_origins, str):
+            cors_origins = [cors_origins]
+        self.cors_origins = cors_origins  # None: the browser's local pages (LOCAL_ORIGINS); ["*"]: any
         self.max_body = max_body
         self.tokenizer = model.tokenizer
         self.harmony = is_harmony(self.tokenizer)  # gpt-oss: chat answers split into content and reasoning
@@ -166,7 +169,7 @@ class Server:
         try:
             self.pipeline.submit(jobs)
         except TooManySequences as e:  # (no retry can help: not a 429, which clients retry)
-            raise bad(str(e), "n", code="too_many_sequences") from None
+            raise bad(str(e), "n" if req.n > 1 else "prompt", code="too_many_sequences") from None
         except QueueFull as e:
             self.metrics.rejected.inc()
             status = 503 if self.pipeline.stopping else 429
@@ -395,6 +398,9 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
                 yield chunk([], _usage(done, set()))
             status = "200"
             yield _sse("[DONE]")
+        except Exception:
+            status = "500"
+            raise
         finally:
             server.pipeline.cancel(jobs)  # the client went away (or all is done): free the slots
             server.metrics.requests.labels("chat" if chat else "completions", status).inc()
@@ -481,8 +487,8 @@ def create_app(server: Server) -> Starlette:
         except ChatTemplateError as e:  # past the template's limits because of the messages' own size: theirs
             chars = sum(len(msg["content"]) for msg in messages)
             if e.problem == "limit" and chars > MAX_OUTPUT_CHARS // 2:
-                raise bad(f"the messages hold {chars} characters, more than a context of {server.model.n_ctx} "
-                          "tokens can take", "messages", code="context_length_exceeded") from None
+                raise bad(f"the messages hold {chars} characters, more than this server renders into a prompt "
+                          f"({MAX_OUTPUT_CHARS} characters)", "messages", code="context_length_exceeded") from None
             raise
         ids = server.chat_ids(text)
         server.check_prompt(ids)

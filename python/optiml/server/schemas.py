@@ -156,9 +156,12 @@ def _common(body: dict, n_vocab: int, max_name: str = "max_tokens") -> dict:
         if not stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         for k in opts:
-            if k != "include_usage":
+            if k not in ("include_usage", "include_obfuscation"):  # (obfuscation: OpenAI's padding; none here)
                 raise bad(f"unknown field 'stream_options.{k}'", "stream_options", code="unknown_parameter")
-    include_usage = _bool(opts or {}, "include_usage")
+        for k in ("include_usage", "include_obfuscation"):
+            if opts.get(k) is not None and not isinstance(opts[k], bool):
+                raise bad(f"'stream_options.{k}' must be a boolean, not {json.dumps(opts[k])}", f"stream_options.{k}")
+    include_usage = bool((opts or {}).get("include_usage"))
     return dict(max_tokens=max_tokens, params=params, seed=seed, stops=_stops(body),
                 n=_number(body, "n", 1, 1, MAX_N, integer=True), logit_bias=logit_bias,
                 stream=stream, include_usage=include_usage)
