@@ -83,17 +83,29 @@ def tiny(tmp_path_factory, request):
     from SmolLM2, or from $OPTIML_TOKENIZER_DONOR (a GGUF with SmolLM2's tokenizer: the GPU machine, where the
     real model may be missing, gets tools/checks/gpu_check.sh's small donor)."""
     donor = os.environ.get("OPTIML_TOKENIZER_DONOR") or request.getfixturevalue("smollm2_path")
-    out = {}
+    return _TinyModels(tmp_path_factory, donor)
+
+
+class _TinyModels(dict):
+    """tiny's models by name, each made when a test first asks for it (a worker of the suite makes only the
+    ones its own tests read); "donor": the tokenizer's file."""
+
     # hd96: heads of 96 values (three 32-value blocks: a quantized KV cache without rotation, blocks read alone)
-    for name, kind, extra in (("q4_0", "q4_0", []), ("q4_k", "q4_k", []), ("hd96", "q4_0", ["--head-dim", "96"])):
-        path = tmp_path_factory.mktemp("cuda") / f"tiny_{name}.gguf"
+    KINDS = {"q4_0": ("q4_0", []), "q4_k": ("q4_k", []), "hd96": ("q4_0", ["--head-dim", "96"])}
+
+    def __init__(self, tmp_path_factory, donor):
+        super().__init__(donor=donor)
+        self.tmp = tmp_path_factory
+
+    def __missing__(self, name):
+        kind, extra = self.KINDS[name]
+        path = self.tmp.mktemp("cuda") / f"tiny_{name}.gguf"
         subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
                         "-o", str(path), "--n-embd", "256", "--n-layer", "4", "--n-ff", "1024", "--n-head", "4",
-                        "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from", str(donor),
-                        *extra], check=True)
-        out[name] = path
-    out["donor"] = donor
-    return out
+                        "--n-head-kv", "2", "--type", kind, "--std", "0.05", "--quiet", "--tokenizer-from",
+                        str(self["donor"]), *extra], check=True)
+        self[name] = path
+        return path
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
@@ -579,18 +591,24 @@ def odd_shapes(tiny, tmp_path_factory):
     32-value blocks rows of 320 values (a stage of 256 and a part, rows not 16-byte aligned), k and v of 160
     rows (a part of a row tile), an FFN of 864 neurons (27 blocks); for the K-quants (rows of whole 256-value
     super-blocks) rows of 512, an FFN of 768, k and v of 128 rows. (The output matrix, Q8_0, reads one row of
-    a prompt: it takes the decode kernels.)"""
-    out = {}
-    for kind in ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"):
-        shape = (["--n-embd", "512", "--n-ff", "768", "--n-head", "8"] if kind.endswith("_k") else
-                 ["--n-embd", "320", "--n-ff", "864", "--n-head", "4"])
-        path = tmp_path_factory.mktemp("tiles") / f"odd_{kind}.gguf"
-        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "make_synthetic_model.py"),
-                        "-o", str(path), "--n-layer", "2", *shape, "--n-head-kv", "2", "--type", kind,
-                        "--output-type", "q8_0", "--std", "0.05", "--quiet", "--tokenizer-from", str(tiny["donor"])],
-                       check=True)
-        out[kind] = path
-    return out
+    a prompt: it takes the decode kernels.) Each is made when a test first asks for it: a worker of the suite
+    makes only its own tests' models."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            shape = (["--n-embd", "512", "--n-ff", "768", "--n-head", "8"] if kind.endswith("_k") else
+                     ["--n-embd", "320", "--n-ff", "864", "--n-head", "4"])
+            path = tmp_path_factory.mktemp("tiles") / f"odd_{kind}.gguf"
+            subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                         "make_synthetic_model.py"),
+                            "-o", str(path), "--n-layer", "2", *shape, "--n-head-kv", "2", "--type", kind,
+                            "--output-type", "q8_0", "--std", "0.05", "--quiet", "--tokenizer-from", str(tiny["donor"])],
+                           check=True)
+            made[kind] = path
+        return made[kind]
+
+    return get
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
@@ -604,7 +622,7 @@ def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, 
 
     def run(device, tiles="1"):  # the prompt's last logits and two decode steps' (every layer's products tiled)
         monkeypatch.setenv("OPTIML_CUDA_TILES", tiles)
-        with optiml.Model(odd_shapes[kind], n_ctx=128, device=device) as m:
+        with optiml.Model(odd_shapes(kind), n_ctx=128, device=device) as m:
             out = np.stack([m.eval(ids), m.eval([500]), m.eval([501])])
             c = m.launches(1, prompt="Hello", batch=40) if device == "cuda" else None
         return out, c and sum(v["launches"] for layer in range(c.n_layer) for k, v in c.layer(layer).items()

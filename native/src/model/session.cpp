@@ -373,8 +373,7 @@ void Session::alloc_moe_split() {
     m.dev_weight = m.dev_sgate + nb;
     m.dev_slot = (int32_t*)(m.dev_weight + rows);
     // What the device copies to and from host memory, in one block pinned once, so the copies queue without
-    // blocking this thread (small blocks of their own could share a page, which CUDA pins only once: the
-    // second would stay pageable, and its copies would wait for the device).
+    // blocking this thread.
     const size_t floats = nb * hp.n_expert + 2 * rows * hp.n_embd + nb * hp.n_embd + nb + 2 * rows;
     float* h = (float*)host_->alloc(floats * sizeof(float), "moe split scratch");
     m.logits = h;
