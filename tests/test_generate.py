@@ -183,6 +183,13 @@ def test_messages_as_templates_take_them(model):
                          {"role": "assistant", "content": None}], add_generation_prompt=False) == "user:Hi;assistant:;"
 
 
+def test_unknown_settings_are_named(model):
+    with pytest.raises(TypeError, match="stream.* unexpected keyword argument 'foo'"):  # (generate: "as stream")
+        model.generate(PROMPT, foo=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'foo'; the sampling settings are .*temperature"):
+        model.chat([{"role": "user", "content": "Hi"}], foo=1)
+
+
 def test_bad_model_arguments(smollm2_path):
     for kw, said in ((dict(n_ctx=2**31), "n_ctx must be at most"), (dict(n_threads=100000), "n_threads must be at most"),
                      (dict(placed_copy="yes"), "placed_copy")):

@@ -288,6 +288,19 @@ def test_what_clients_send_for_the_defaults_is_accepted(server, ref):
     assert r.status_code == 200 and '"usage":{' in r.text
 
 
+def test_text_offsets_count_characters(server):
+    """Completions' text_offset: where each token starts in the answer's text, in characters, also when a
+    character's bytes span tokens (each piece decoded alone would count one U+FFFD per fragment)."""
+    text = "Tokyo 東京, Zürich and 😀 ok"
+    ids = server.tokenizer.encode(text, add_special=False)
+    pieces = [server.piece(t) for t in ids]
+    assert b"".join(pieces).decode() == text
+    assert any(p and p.decode("utf-8", "replace") != p.decode("utf-8", "ignore") for p in pieces)  # split characters
+    got = server.completion_logprobs([(t, -1.0, []) for t in ids], 5)["text_offset"]
+    want = [5 + len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert got == want
+
+
 def test_cors_preflight(server):
     """Browsers' preflight: a page served from this machine may call the API; another site may not."""
     ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}

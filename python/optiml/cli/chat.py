@@ -9,6 +9,8 @@ import sys
 from typing import Callable
 
 from ..engine.chat_template import ChatTemplateError
+from ..engine.checks import non_negative_int
+from ..engine.generation import make_sampler
 from ..engine.harmony import HarmonySplitter, is_harmony
 from ..engine.sparsity import describe
 from ..util import jsonout
@@ -45,9 +47,13 @@ def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
 def run(args) -> int:
     if args.model_opt:
         args.model = args.model_opt
-    m = common.load(args)
     sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repeat_penalty=args.repeat_penalty, seed=args.seed)
+    # Bad settings are said before the model loads, not at the first turn.
+    make_sampler(1 << 20, **sampling)
+    if args.n_predict is not None:
+        non_negative_int("-n/--n-predict", args.n_predict)
+    m = common.load(args)
     return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
 
 

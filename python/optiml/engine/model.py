@@ -19,6 +19,7 @@ Model from two threads at once raises OptimlError instead of corrupting the cont
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from contextlib import contextmanager
@@ -40,6 +41,9 @@ from .sparsity import SkipMeter, choose_mode, compact_down, predictors_beside, s
 from .launches import Launches, count_steps
 from .timeline import Timeline, record_steps
 from .tokenizer import Tokenizer
+
+# What generate, stream and chat take besides the prompt, max_tokens and stop (make_sampler's parameters).
+SAMPLING_SETTINGS = frozenset(inspect.signature(make_sampler).parameters) - {"n_vocab"}
 
 # More threads than any machine this runs on has cores (llama.cpp's limit too): a typo, not a setting.
 MAX_THREADS = 512
@@ -438,6 +442,10 @@ class Model(Sequences):
             raise OptimlError(f"{self.path}: the model is closed")
         max_tokens = non_negative_int("max_tokens", max_tokens)
         stops = stop_strings(stop)
+        unknown = sorted(set(sampling) - SAMPLING_SETTINGS)
+        if unknown:  # (make_sampler's own TypeError would name it, not the method the caller called)
+            raise TypeError(f"unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
+                            f"the sampling settings are {', '.join(sorted(SAMPLING_SETTINGS))}")
         sampler = make_sampler(self.n_vocab, **sampling)  # checks the parameters before any work
         ids = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, self.n_ctx)

@@ -7,6 +7,7 @@ come back (through an asyncio queue) into a JSON answer or server-sent events.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import hmac
 import os
@@ -189,14 +190,18 @@ class Server:
         return {"content": [dict(one(t, lp), top_logprobs=[one(u, v) for u, v in top]) for t, lp, top in entries]}
 
     def completion_logprobs(self, entries: list, offset: int) -> dict:
+        """Completions' logprobs of `entries` (token, logprob, top), whose text starts at character `offset`:
+        each token's text_offset is where it starts in the answer's text, counted in the characters the
+        tokens' bytes decode to (a token that starts inside a multibyte character: that character's index)."""
         tokens, lps, tops, offsets = [], [], [], []
+        text = codecs.getincrementaldecoder("utf-8")("replace")
         for t, lp, top in entries:
-            s = self.piece(t).decode("utf-8", "replace")
-            tokens.append(s)
+            b = self.piece(t)
+            tokens.append(b.decode("utf-8", "replace"))
             lps.append(lp)
             tops.append({self.piece(u).decode("utf-8", "replace"): v for u, v in top})
             offsets.append(offset)
-            offset += len(s)
+            offset += len(text.decode(b))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
