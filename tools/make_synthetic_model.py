@@ -78,7 +78,8 @@ from optiml.hub import registry as models
 from optiml.convert import writer
 
 # tools/fetch_models.py smollm2-135m-instruct-q4_1 puts it there (the cache honours OPTIML_HOME / OPTIML_MODEL_CACHE)
-DEFAULT_DONOR = str(models.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
+# $OPTIML_TOKENIZER_DONOR where set (tools/checks/gpu_check.sh's small donor: the GPU machine has no model cache)
+DEFAULT_DONOR = os.environ.get("OPTIML_TOKENIZER_DONOR") or str(models.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # ggml file types for the general.file_type key (informational: llama.cpp prints it, nothing reads it)
 _FTYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12,
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster-share", type=float, default=0.9,
                     help="share of a clustered gate/up row's variance that its cluster's direction holds")
     ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
-                    "(its vocab size becomes n_vocab)")
+                    "(its vocab size becomes n_vocab; default: $OPTIML_TOKENIZER_DONOR, else SmolLM2's in the cache)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     ap.add_argument("--arch", choices=("llama", "qwen3moe", "qwen2moe", "gpt-oss"), default="llama")
     ap.add_argument("--sliding-window", type=int, default=128, help="gpt-oss: the window of its even layers")

@@ -333,10 +333,17 @@ def main() -> int:
             with_pred[b], _ = run(f"ours, hybrid at {b:.0%}, predictors", path, device=args.device, vram=vram,
                                   predictors=pred)
             versus_estimate(f"hybrid at {b:.0%}, predictors", with_pred[b], path)
-    theirs = llama_runs(args, base, placed, res) if args.llama_bench else {}
+    theirs, peer_failed = {}, None
+    if args.llama_bench:
+        try:
+            theirs = llama_runs(args, base, placed, res)
+        except SystemExit as e:  # our rows, the ratios we have and the JSON still stand; the run fails with why
+            peer_failed = str(e)
+            print(peer_failed, file=sys.stderr)
+            res.note(f"llama.cpp failed: {peer_failed.splitlines()[0]}")
     print_ratios(placed, ours, theirs, with_pred, cpu_rate, full_rate)
     res.write(args.json)
-    return 0
+    return 1 if peer_failed else 0
 
 
 if __name__ == "__main__":

@@ -146,19 +146,26 @@ def main() -> int:
     run("ours, placed", placed, device=args.device, vram=budget)
     run(f"ours, -ncmoe {n_cpu_moe}", model, device=args.device, n_cpu_moe=n_cpu_moe)
     run("ours, CPU only", model, device="cpu")
-    theirs = {}
+    theirs, peer_failed = {}, None
     if args.llama_bench:
-        for label, ngl, nc in ((f"llama.cpp -ngl 99 -ncmoe {n_cpu_moe}", 99, n_cpu_moe), ("llama.cpp -ngl 0", 0, 0)):
-            tg, pp = llama_bench(args.llama_bench, model, nc, ngl, args.tokens, args.prompt, args.reps, args.threads)
-            theirs[label] = (tg, pp)
-            res.add(run=label, decode_tok_s=tg, prompt_tok_s=pp)
-            print(f"  {label:28} {'':36}decode {tg:8.2f} tok/s  prompt {pp:8.1f} tok/s", flush=True)
-        peer = theirs[f"llama.cpp -ngl 99 -ncmoe {n_cpu_moe}"]
+        try:
+            for label, ngl, nc in ((f"llama.cpp -ngl 99 -ncmoe {n_cpu_moe}", 99, n_cpu_moe), ("llama.cpp -ngl 0", 0, 0)):
+                tg, pp = llama_bench(args.llama_bench, model, nc, ngl, args.tokens, args.prompt, args.reps,
+                                     args.threads)
+                theirs[label] = (tg, pp)
+                res.add(run=label, decode_tok_s=tg, prompt_tok_s=pp)
+                print(f"  {label:28} {'':36}decode {tg:8.2f} tok/s  prompt {pp:8.1f} tok/s", flush=True)
+        except SystemExit as e:  # our rows and the JSON still stand; the run fails with why
+            peer_failed = str(e)
+            print(peer_failed, file=sys.stderr)
+            res.note(f"llama.cpp failed: {peer_failed.splitlines()[0]}")
+        peer = theirs.get(f"llama.cpp -ngl 99 -ncmoe {n_cpu_moe}")
         mine = ours["ours, placed"]
-        print(f"\nours placed / llama.cpp -ncmoe {n_cpu_moe} at the same memory: decode {mine[0] / peer[0]:.2f}x "
-              f"(goal {GOAL}x), prompt {mine[1] / peer[1]:.2f}x")
+        if peer:
+            print(f"\nours placed / llama.cpp -ncmoe {n_cpu_moe} at the same memory: decode {mine[0] / peer[0]:.2f}x "
+                  f"(goal {GOAL}x), prompt {mine[1] / peer[1]:.2f}x")
     res.write(args.json)
-    return 0
+    return 1 if peer_failed else 0
 
 
 if __name__ == "__main__":

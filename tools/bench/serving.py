@@ -171,12 +171,16 @@ def one_request(conn: Connection, body: dict, out: list) -> None:
 
 def run_level(url: str, clients: int, requests: int, body: dict) -> dict:
     results: list = []
+    errors: list = []
 
     def client():
-        conn = Connection(url)
-        for _ in range(requests):
-            one_request(conn, body, results)
-        conn.close()
+        try:
+            conn = Connection(url)
+            for _ in range(requests):
+                one_request(conn, body, results)
+            conn.close()
+        except BaseException as e:  # (a thread's exception would be printed and forgotten: the figures were wrong)
+            errors.append(e)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -185,6 +189,11 @@ def run_level(url: str, clients: int, requests: int, body: dict) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"{len(errors)} of {clients} clients of {url} failed; the first: "
+                         f"{type(errors[0]).__name__}: {errors[0]}")
+    if len(results) != clients * requests:
+        raise SystemExit(f"{url}: {len(results)} of {clients * requests} requests completed")
     # A streamed piece may carry more than one token (held back by UTF-8): count tokens, not pieces.
     tokens = clients * requests * body["max_tokens"]
     ttft = sorted(ts[0] - start for start, ts in results if ts)

@@ -181,7 +181,7 @@ verify() {
         --quiet --type q4_0 > "$out/make-llama7b-q4_0.log" 2>&1 &
     local maker=$!
     mkdir -p "$models/moe"  # issue #46's mixture of experts, 4 of Qwen3-30B-A3B's layers (1.5 GB)
-    PYTHONPATH=tools/bench "$py" -c "from moe import make_model; make_model('$models/moe/qwen3moe-30b-a3b-shape-4l-q4_k.gguf', 4, 1.0, '$OPTIML_TOKENIZER_DONOR')" \
+    PYTHONPATH="tools/bench:$PYTHONPATH" "$py" -c "from moe import make_model; make_model('$models/moe/qwen3moe-30b-a3b-shape-4l-q4_k.gguf', 4, 1.0, '$OPTIML_TOKENIZER_DONOR')" \
         > "$out/make-moe.log" 2>&1 &
     local moe_maker=$!
     step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
@@ -200,7 +200,7 @@ verify() {
     tail -n 40 "$out/hybrid-relu.log"
     wait "$moe_maker" || failed+=(make-moe)
     step moe "$py" tools/bench/moe_gpu.py --device cuda --n-layer 4 --share 0.25 --reps 2 --profile-tokens 1024 \
-        --workdir "$models/moe" --llama-bench build/llama-cuda/bin/llama-bench
+        --workdir "$models/moe" --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR"
     tail -n 12 "$out/moe.log"
     # Last, as the call's time may run out: Nsight Compute over two decode steps (each kernel's time, DRAM
     # bytes and share of the peak; the report comes back in $out for the GUI).

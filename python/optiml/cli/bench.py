@@ -37,6 +37,8 @@ def run(args) -> int:
     for flag, v in (("--timeline", args.timeline), ("--launches", args.launches)):
         if v < 0:
             raise ArgumentError(f"{flag} must be a number of steps (at least 1), got {v}")
+    if args.launches and (args.timeline or args.trace):
+        raise ArgumentError("--launches and --timeline/--trace are two reports of their own: give one")
     if args.batch != 1 and not args.launches:
         raise ArgumentError("-b/--batch sets the tokens per step of --launches; give --launches N too")
     need = max(args.n_prompt, args.n_gen, args.timeline or 0, (args.launches or 0) * args.batch) + 64
