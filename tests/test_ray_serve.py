@@ -246,9 +246,11 @@ def test_bad_requests_answered_as_the_single_node_server(cluster, single):
         assert want.status_code >= 400, (path, body)
         assert (got.status_code, got.json()) == (want.status_code, want.json()), (method, path, body)
     too_big = b"x" * (16 << 20 | 1)  # app.py's body limit, refused by the ingress before any replica
-    got = http(cluster["url"], "POST", "/v1/completions", content=too_big)
-    want = http(single.url, "POST", "/v1/completions", content=too_big)
+    page = {"Origin": "http://localhost:3000"}  # a local page reads the ingress's own answers as a replica's
+    got = http(cluster["url"], "POST", "/v1/completions", content=too_big, headers=page)
+    want = http(single.url, "POST", "/v1/completions", content=too_big, headers=page)
     assert (got.status_code, got.json()) == (want.status_code, want.json()) and got.status_code == 413
+    assert got.headers["access-control-allow-origin"] == want.headers["access-control-allow-origin"] == page["Origin"]
 
 
 def test_prefix_affinity(cluster):

@@ -11,6 +11,7 @@ import codecs
 import contextlib
 import hmac
 import os
+import re
 import time
 import uuid
 
@@ -64,6 +65,16 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large()
         parts.append(part)
     return b"".join(parts)
+
+
+def cors_allows(origin: str | None, cors_origins) -> bool:
+    """Whether a page of `origin` may read the API's answers (create_app's CORS policy, for answers made
+    outside the app: the Ray Serve ingress's own errors)."""
+    if not origin:
+        return False
+    if cors_origins is None:
+        return re.fullmatch(LOCAL_ORIGINS, origin) is not None
+    return "*" in cors_origins or origin in cors_origins
 
 
 class Server:

@@ -59,7 +59,7 @@ except ImportError as e:  # the single-node server never imports this module
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .app import MAX_BODY_BYTES, read_body
+from .app import MAX_BODY_BYTES, cors_allows, read_body
 from .schemas import APIError
 
 logger = logging.getLogger("optiml.ray_serve")
@@ -403,15 +403,20 @@ FAILED = "the replica serving this request failed ({}); retry the request"
 class Ingress:
     """Reads each HTTP request, forwards it to a replica and relays the answer (see the module doc)."""
 
-    def __init__(self, replicas, max_body: int = MAX_BODY_BYTES):
+    def __init__(self, replicas, max_body: int = MAX_BODY_BYTES, cors_origins=None):
         self.replicas = replicas.options(stream=True, method_name="forward")
         self.max_body = max_body
+        self.cors_origins = [cors_origins] if isinstance(cors_origins, str) else cors_origins
 
     async def __call__(self, request: Request) -> Response:
+        # The answers made here, not by a replica, carry the replicas' CORS headers too: a page would read
+        # an opaque network error instead of the 413, 429 or 503.
+        origin = request.headers.get("origin")
+        cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if cors_allows(origin, self.cors_origins) else {}
         try:
             body = await read_body(request, self.max_body)
         except APIError as e:  # 413, as app.py answers it
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **cors})
         path = _unprefixed(request.scope)["path"]
         req = Forwarded(request.method, path, request.scope.get("query_string", b""),
                         list(request.scope.get("headers", [])), body,
@@ -423,7 +428,7 @@ class Ingress:
             gen.cancel()  # the client went away while its answer was computed
             raise
         except Exception as e:
-            return self._failed(e)
+            return self._failed(e, cors)
         headers = [(k, v) for k, v in head.headers if k.lower() not in (b"connection", b"transfer-encoding")]
         headers.append((REPLICA_HEADER.encode(), head.replica.encode()))
         if head.done:
@@ -455,14 +460,14 @@ class Ingress:
         return resp
 
     @staticmethod
-    def _failed(e: Exception) -> Response:
+    def _failed(e: Exception, cors: dict) -> Response:
         from ray.serve.exceptions import BackPressureError
 
         if isinstance(e, BackPressureError):  # every replica busy and the router's queue full: as app.py's 429
             return _error(429, f"the server is busy: {str(e).rstrip('.')}; retry later", type="server_busy",
-                          code="queue_full", headers={"Retry-After": "1"})
+                          code="queue_full", headers={"Retry-After": "1", **cors})
         logger.warning("request failed before its answer started: %r", e)
-        return _error(503, FAILED.format(_why(e)), code="replica_failed", headers={"Retry-After": "1"})
+        return _error(503, FAILED.format(_why(e)), code="replica_failed", headers={"Retry-After": "1", **cors})
 
 
 def _why(e: Exception) -> str:
@@ -509,7 +514,8 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
         **scaling)
     ingress = serve.deployment(Ingress, name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
                                logging_config=logging_config)
-    return ingress.bind(replica.bind(model, dict(model_kwargs or {}), server_kwargs, stream_interval_ms))
+    return ingress.bind(replica.bind(model, dict(model_kwargs or {}), server_kwargs, stream_interval_ms),
+                        MAX_BODY_BYTES, server_kwargs.get("cors_origins"))
 
 
 def _router_config(router: dict | None):
