@@ -106,7 +106,10 @@ def test_bad_flags_are_bad_input(smollm2_path, tmp_path, capfd):
                        (["info", str(tmp_path)], "is a folder"),
                        (["perplexity", "-m", m, "-f", __file__, "--ctx", "64", "--chunks", "0"], "--chunks"),
                        (["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")], "no config.json"),
-                       (["hw", "--device", "cuda:7"], "no such CUDA device")):  # (before a minute of CPU timings)
+                       (["hw", "--device", "cuda:7"], "no such CUDA device"),  # (before a minute of CPU timings)
+                       (["chat", m, "-m", str(tmp_path / "other.gguf")], "two models given"),
+                       (["chat", m, "-n", "-1"], "-n/--n-predict"),  # (before the model loads)
+                       (["bench", "-m", m, "--launches", "2", "--timeline", "4"], "two reports")):
         assert cli.main(["-q", *args]) == 2, args
         err = capfd.readouterr().err
         assert said in err and "Traceback" not in err, (args, err)

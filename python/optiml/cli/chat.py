@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Callable
 
+from .._core import ArgumentError
 from ..engine.chat_template import ChatTemplateError
 from ..engine.checks import non_negative_int
 from ..engine.generation import make_sampler
@@ -22,7 +23,7 @@ __all__ = ["Conversation", "history_path", "repl"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", default="smollm2-135m-instruct",
+    p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or known model name (default: smollm2-135m-instruct)")
     p.add_argument("-m", "--model", dest="model_opt", default=None, help=common.MODEL_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
@@ -45,8 +46,9 @@ def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
 
 
 def run(args) -> int:
-    if args.model_opt:
-        args.model = args.model_opt
+    if args.model and args.model_opt and args.model != args.model_opt:
+        raise ArgumentError(f"two models given ({args.model} and -m {args.model_opt}): give one")
+    args.model = args.model_opt or args.model or "smollm2-135m-instruct"
     sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repeat_penalty=args.repeat_penalty, seed=args.seed)
     # Bad settings are said before the model loads, not at the first turn.
