@@ -314,6 +314,21 @@ def test_cors_preflight(server):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://127.0.0.1:5173"
 
 
+def test_a_bug_is_a_500_a_page_can_read(server, monkeypatch):
+    """An exception no route expects: a 500 in OpenAI's shape, with the CORS headers a page needs to read it,
+    counted in /metrics; the server goes on."""
+    def broken(body):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "check_model", broken)
+    r = http(server, "POST", "/v1/chat/completions", json={"messages": MSGS}, headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError: a bug"
+    assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert _metric(http(server, "GET", "/metrics").text, "optiml_requests_total", 'endpoint="chat",status="500"') >= 1
+    monkeypatch.undo()
+    _alive(server)
+
+
 def test_auth_and_routes(server):
     r = http(server, "POST", "/v1/chat/completions", key=None, json={"messages": MSGS})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -10,6 +10,7 @@ import asyncio
 import codecs
 import contextlib
 import hmac
+import logging
 import os
 import re
 import time
@@ -39,6 +40,8 @@ from .schemas import APIError, GenRequest, bad, chat_request, completion_request
 
 # The chat page at / (one static file shipped in the package; it talks to the API below from the browser).
 CHAT_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "chat.html")
+
+log = logging.getLogger("optiml.server")
 
 # A request body is read whole before it is parsed: past this size it is refused (413) instead of filling
 # memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
@@ -436,6 +439,11 @@ class _EventStream(EventSourceResponse):
             await super()._send_with_timeout(send, message)
 
 
+def server_error_response(exc: Exception) -> JSONResponse:
+    e = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    return JSONResponse(e.body(), status_code=500)
+
+
 def template_error(e: ChatTemplateError) -> APIError:
     """A chat template's failure as an answer: 400 when the template refuses the messages (its own
     raise_exception), else 500: the model's template is broken or hostile, whatever the request."""
@@ -461,36 +469,47 @@ def _sse(data: str) -> bytes:
     return b"data: " + data.encode() + b"\r\n\r\n"
 
 
+def _endpoint(server: Server, name: str, auth: bool = True):
+    """A route's handler around `fn`: the key checked, errors answered in OpenAI's shape, /metrics counted."""
+    m = server.metrics
+
+    def deco(fn):
+        async def handler(request: Request):
+            status = 500
+            try:
+                if auth:
+                    server.check_key(request)
+                resp = await fn(request)
+                status = None if isinstance(resp, _EventStream) else resp.status_code  # (a stream counts its end)
+                return resp
+            except APIError as e:
+                status = e.status
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            except ChatTemplateError as e:
+                err = template_error(e)
+                status = err.status
+                return JSONResponse(err.body(), status_code=err.status)
+            except OptimlError as e:  # a request the engine refuses (e.g. a bad sampling setting)
+                status = 400
+                return JSONResponse(bad(str(e)).body(), status_code=400)
+            except Exception as e:  # a bug: answered here, inside the CORS middleware (Starlette's last
+                # resort answers outside it, and a browser page would read an opaque network error)
+                log.exception("%s %s failed", request.method, request.url.path)
+                return server_error_response(e)
+            finally:
+                if status is not None:
+                    m.requests.labels(name, str(status)).inc()
+
+        return handler
+
+    return deco
+
+
 def create_app(server: Server) -> Starlette:
     m = server.metrics
 
     def endpoint(name: str, auth: bool = True):
-        def deco(fn):
-            async def handler(request: Request):
-                status = 500
-                try:
-                    if auth:
-                        server.check_key(request)
-                    resp = await fn(request)
-                    status = None if isinstance(resp, _EventStream) else resp.status_code  # (a stream counts its end)
-                    return resp
-                except APIError as e:
-                    status = e.status
-                    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-                except ChatTemplateError as e:
-                    err = template_error(e)
-                    status = err.status
-                    return JSONResponse(err.body(), status_code=err.status)
-                except OptimlError as e:  # a request the engine refuses (e.g. a bad sampling setting)
-                    status = 400
-                    return JSONResponse(bad(str(e)).body(), status_code=400)
-                finally:
-                    if status is not None:
-                        m.requests.labels(name, str(status)).inc()
-
-            return handler
-
-        return deco
+        return _endpoint(server, name, auth)
 
     @endpoint("chat")
     async def chat(request: Request):
@@ -552,8 +571,7 @@ def create_app(server: Server) -> Starlette:
         return JSONResponse(e.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def server_error(request: Request, exc: Exception):
-        e = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-        return JSONResponse(e.body(), status_code=500)
+        return server_error_response(exc)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
