@@ -51,8 +51,8 @@ def run(args) -> int:
     args.model = args.model_opt or args.model or "smollm2-135m-instruct"
     sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repeat_penalty=args.repeat_penalty, seed=args.seed)
-    # Bad settings are said before the model loads, not at the first turn.
-    make_sampler(1 << 20, **sampling)
+    # Bad settings are said before the model loads, not at the first turn (no check reads the vocabulary's size).
+    make_sampler(1, **sampling)
     if args.n_predict is not None:
         non_negative_int("-n/--n-predict", args.n_predict)
     m = common.load(args)

@@ -22,10 +22,6 @@ def make_sampler(n_vocab: int, temperature: float = 0.8, top_k: int = 40, top_p:
             presence_penalty: float = 0.0, seed: int | None = None) -> Sampler:
     """A sampler with llama.cpp's parameters (see optiml.sampling); seed None is random. Bad values raise
     ArgumentError here, before any work."""
-    for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p), ("repeat_penalty", repeat_penalty),
-                    ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-            raise ArgumentError(f"{name} must be a number, got {v!r}")
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,

@@ -65,6 +65,10 @@ class Sampler:
         fields.update(kwargs)
         for name in ("top_k", "repeat_last_n", "seed"):
             fields[name] = _as_int(name, fields[name])
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+            v = fields[name]
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise ArgumentError(f"{name} must be a number, got {v!r}")
         if not 0 <= fields["seed"] < 2**64:
             raise ArgumentError(f"seed must be in [0, 2**64), got {fields['seed']}")
         for name in ("top_k", "repeat_last_n"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -70,6 +71,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def cors_origin_list(value) -> list | None:
+    """--cors-origin's value as the server keeps it: None (LOCAL_ORIGINS), or a list of origins ("*": any),
+    from a list or a comma-separated string (a Ray Serve config's `cors_origins=a,b`)."""
+    if isinstance(value, str):
+        return [o.strip() for o in value.split(",") if o.strip()]
+    return None if value is None else list(value)
+
+
 def cors_allows(origin: str | None, cors_origins) -> bool:
     """Whether a page of `origin` may read the API's answers (create_app's CORS policy, for answers made
     outside the app: the Ray Serve ingress's own errors)."""
@@ -87,9 +96,7 @@ class Server:
                  max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
                  max_itl_ms: float | None = None, cors_origins: list | None = None):
         self.model = model
-        if isinstance(cors_origins, str):
-            cors_origins = [cors_origins]
-        self.cors_origins = cors_origins  # None: the browser's local pages (LOCAL_ORIGINS); ["*"]: any
+        self.cors_origins = cors_origin_list(cors_origins)  # None: the browser's local pages; ["*"]: any
         self.max_body = max_body
         self.tokenizer = model.tokenizer
         self.harmony = is_harmony(self.tokenizer)  # gpt-oss: chat answers split into content and reasoning
@@ -508,8 +515,7 @@ def _endpoint(server: Server, name: str, auth: bool = True):
 def create_app(server: Server) -> Starlette:
     m = server.metrics
 
-    def endpoint(name: str, auth: bool = True):
-        return _endpoint(server, name, auth)
+    endpoint = functools.partial(_endpoint, server)
 
     @endpoint("chat")
     async def chat(request: Request):

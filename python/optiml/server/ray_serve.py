@@ -59,7 +59,7 @@ except ImportError as e:  # the single-node server never imports this module
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .app import MAX_BODY_BYTES, cors_allows, read_body
+from .app import MAX_BODY_BYTES, cors_allows, cors_origin_list, read_body
 from .schemas import APIError
 
 logger = logging.getLogger("optiml.ray_serve")
@@ -406,7 +406,7 @@ class Ingress:
     def __init__(self, replicas, max_body: int = MAX_BODY_BYTES, cors_origins=None):
         self.replicas = replicas.options(stream=True, method_name="forward")
         self.max_body = max_body
-        self.cors_origins = [cors_origins] if isinstance(cors_origins, str) else cors_origins
+        self.cors_origins = cors_origin_list(cors_origins)
 
     async def __call__(self, request: Request) -> Response:
         # The answers made here, not by a replica, carry the replicas' CORS headers too: a page would read
@@ -556,11 +556,8 @@ def build_app(args: dict):
                     "n_cpu_moe": True if str(a["n_cpu_moe"]).lower() == "true" else num(a["n_cpu_moe"])}
     if model_kwargs["predictors"] in ("none", None):
         model_kwargs["predictors"] = None
-    cors = a["cors_origins"]
-    if isinstance(cors, str):  # `serve run ... cors_origins=a,b` gives a string
-        cors = [o.strip() for o in cors.split(",") if o.strip()]
     server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]) or 256,
-                     "max_itl_ms": num(a["max_itl_ms"], float), "cors_origins": cors}
+                     "max_itl_ms": num(a["max_itl_ms"], float), "cors_origins": cors_origin_list(a["cors_origins"])}
     return build(str(a["model"]), replicas=num(a["replicas"]), min_replicas=num(a["min_replicas"]),
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
                  n_parallel=num(a["parallel"]), max_queue=num(a["queue"]), max_ongoing=num(a["max_ongoing"]),
