@@ -90,8 +90,10 @@ class _TinyModels(dict):
     """tiny's models by name, each made when a test first asks for it (a worker of the suite makes only the
     ones its own tests read); "donor": the tokenizer's file."""
 
-    # hd96: heads of 96 values (three 32-value blocks: a quantized KV cache without rotation, blocks read alone)
-    KINDS = {"q4_0": ("q4_0", []), "q4_k": ("q4_k", []), "hd96": ("q4_0", ["--head-dim", "96"])}
+    # hd96: heads of 96 values (three 32-value blocks: a quantized KV cache without rotation, blocks read alone);
+    # wide_*: FFNs of 2560 neurons (down's rows are two and a half of the decode kernels' 1024-value chunks)
+    KINDS = {"q4_0": ("q4_0", []), "q4_k": ("q4_k", []), "hd96": ("q4_0", ["--head-dim", "96"]),
+             "wide_q4_0": ("q4_0", ["--n-ff", "2560"]), "wide_q4_k": ("q4_k", ["--n-ff", "2560"])}
 
     def __init__(self, tmp_path_factory, donor):
         super().__init__(donor=donor)
@@ -585,6 +587,24 @@ def test_fused_kernels_equal_the_unfused_ones(request, tiny, monkeypatch, name):
     assert plain_per_layer >= 17 and per_layer <= plain_per_layer - 7, (plain_per_layer, per_layer)
 
 
+@pytest.mark.parametrize("name", ["wide_q4_0", "wide_q4_k", "smollm2"])
+def test_one_token_kernels_equal_the_batch_kernels(request, tiny, monkeypatch, name):
+    """Batch-1 decode takes the product kernels built for one token (fewer registers, two chunks of a row
+    read ahead); with OPTIML_CUDA_ONE_TOKEN=0 it takes those built for batches, as before. They sum in the
+    same order: the same logits bit for bit over a prompt and decode steps (Q4_0: the integer path; Q4_K:
+    the staged float path; down's rows of two and a half chunks; SmolLM2's Q4_1 rows of 360 bytes: the
+    unstaged kernel, and its Q8_0 output)."""
+    path = request.getfixturevalue(f"{name}_path") if name == "smollm2" else tiny[name]
+    ids = list(range(260, 266))
+
+    def run(one_token):
+        monkeypatch.setenv("OPTIML_CUDA_ONE_TOKEN", one_token)
+        with optiml.Model(path, n_ctx=64, device="cuda") as m:
+            return np.concatenate([m.eval(ids)[None]] + [m.eval([270 + i])[None] for i in range(3)])
+
+    np.testing.assert_array_equal(run("1"), run("0"))
+
+
 @pytest.fixture(scope="module")
 def odd_shapes(tiny, tmp_path_factory):
     """Two-layer models of each type the tiled products read, shaped to hit the edges of a tile: for the
@@ -676,13 +696,14 @@ def test_kernel_benchmark_runs_and_rejects_bad_products(tmp_path):
     assert all(rows["q4_0"][k] > 0 for k in ("gbs_1", "gbs_8", "tflops_tiles", "tflops_decode_kernels"))
     assert rows["q5_0"]["gbs_1"] > 0 and rows["q5_0"]["tflops_tiles"] is None  # (no tiles for Q5_0)
     assert rows["q4_0"]["gbs_exact_1"] > 0 and rows["q5_0"]["gbs_exact_1"] > 0  # a split share's exact products
+    assert rows["q4_0"]["gbs_1_batch_kernels"] > 0 and rows["q5_0"]["gbs_1_batch_kernels"] > 0
     from optiml import _core, quant
     q4k = quant.type_info("q4_k").id
     with pytest.raises(optiml.OptimlError, match="tiled products read"):
         _core._cuda_time_product(0, quant.type_info("q5_0").id, 64, 256, 32, "tiles", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="exact products .* not 256 F16 values"):
         _core._cuda_time_product(0, quant.type_info("f16").id, 64, 256, 1, "exact", 1, 1 << 20)
-    with pytest.raises(optiml.OptimlError, match="choose decode, tiles or exact"):
+    with pytest.raises(optiml.OptimlError, match="choose decode, decode-batch, tiles or exact"):
         _core._cuda_time_product(0, q4k, 64, 256, 32, "fast", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="multiple of 256"):
         _core._cuda_time_product(0, q4k, 64, 100, 1, "decode", 1, 1 << 20)
@@ -816,3 +837,16 @@ def test_moe_decode_stays_on_the_gpu(moe_model):
         recorded = m._session.recorded_steps
     assert recorded >= len(ids) - 6  # (a shape runs plain once, then is recorded)
     assert mean_kld(ref, np.vstack(got)) < KLD_BOUND
+
+
+def test_moe_decode_one_token_kernels(moe_model, monkeypatch):
+    """The experts chosen on the GPU run one (token, expert) pair per slot, with the product kernels built
+    for one token; those built for batches (OPTIML_CUDA_ONE_TOKEN=0) give the same logits bit for bit."""
+    ids = prompt_ids(moe_model)[:8]
+
+    def run(one_token):
+        monkeypatch.setenv("OPTIML_CUDA_ONE_TOKEN", one_token)
+        with optiml.Model(moe_model, n_ctx=64, device="cuda") as m:
+            return np.vstack([m.eval(ids[:4], all_logits=True)] + [m.eval([t], all_logits=True) for t in ids[4:]])
+
+    np.testing.assert_array_equal(run("1"), run("0"))

@@ -15,7 +15,8 @@ activations and KV cache), and the bandwidth column gains the share of the peak 
 per token at the measured tg speed come to. --unfused measures OptiML again with OPTIML_CUDA_FUSE=0 (every op
 as its own kernels, as before issue #43's fusions; the same logits) and prints both and the speedup;
 --untiled likewise with OPTIML_CUDA_TILES=0 (prompts' products by the decode kernels, 8 tokens a pass,
-instead of the tensor-core tiles of matmul_tiles.cu). --depth D adds decode at depth D (tg after a prompt of D
+instead of the tensor-core tiles of matmul_tiles.cu); --batch-kernels with OPTIML_CUDA_ONE_TOKEN=0 (batch-1
+decode by the kernels built for batches, as before the one-token kernels). --depth D adds decode at depth D (tg after a prompt of D
 tokens, llama-bench -d D): OptiML as it chooses (the attention split over the positions for one sequence
 over a long cache) and with OPTIML_CUDA_ATTN_SPLITS=1 (unsplit), beside llama.cpp.
 tools/checks/gpu_check.sh runs this on every model it has.
@@ -161,6 +162,9 @@ def main() -> int:
                     help="also decode at depth D (after a D-token prompt), split attention and unsplit (0: off)")
     ap.add_argument("--untiled", action="store_true",
                     help="also measure OptiML with OPTIML_CUDA_TILES=0 (no tensor-core tiles) and print the speedup")
+    ap.add_argument("--batch-kernels", action="store_true",
+                    help="also measure OptiML with OPTIML_CUDA_ONE_TOKEN=0 (batch-1 decode by the kernels built for "
+                         "batches) and print the speedup")
     args, res = harness.parse(ap, "gpu")
     if not optiml.system_info()["cuda_devices"]:
         print("no CUDA device: nothing to measure")
@@ -189,6 +193,7 @@ def main() -> int:
             res.add(model=name, test=label, optiml=o[test], llama_cpp=theirs, ratio=o[test] / theirs, bandwidth_used=bw)
         variants = [("unfused", "OPTIML_CUDA_FUSE", "fused")] if args.unfused else []
         variants += [("untiled", "OPTIML_CUDA_TILES", "tiles")] if args.untiled else []
+        variants += [("batch kernels", "OPTIML_CUDA_ONE_TOKEN", "one-token kernels")] if args.batch_kernels else []
         for variant, env, ours_label in variants:
             os.environ[env] = "0"  # (read when the CUDA backend is made)
             try:

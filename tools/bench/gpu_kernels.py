@@ -4,8 +4,9 @@ type and 7B/13B matrix shape, beside the device's measured copy bandwidth (issue
 
     python tools/bench/gpu_kernels.py [--types q4_0 q4_k ...] [--shapes 7b 13b] [--prompt 512] [--span 1024]
 
-For every type and shape: one token (the decode kernels: GB/s of weights read, and that over the copy
-bandwidth; a copy reads and writes, so a product that only reads can exceed 100%), 8 tokens (one pass of the
+For every type and shape: one token (the decode kernels built for one token: GB/s of weights read, and that
+over the copy bandwidth; a copy reads and writes, so a product that only reads can exceed 100%; and the
+kernels built for batches at one token, as decode ran before the one-token kernels), 8 tokens (one pass of the
 decode kernels over the weights for all of them: effective GB/s) and a prompt of --prompt tokens (TFLOP/s,
 2 * rows * cols * tokens per launch: the tensor-core tiles for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, and the decode
 kernels, 8 tokens a pass, for every type as the baseline the tiles replace). "exact 1 token": the kernels of a
@@ -51,9 +52,9 @@ def main() -> int:
     copy = _core._cuda_copy_bandwidth(args.device, 1 << 30 if "emulator" not in name else 1 << 20, 10)
     print(f"{name}: device-to-device copy {copy / 1e9:.0f} GB/s (read + written)")
     span = args.span << 20
-    print("| type | rows x cols | 1 token GB/s | of copy | 8 tokens GB/s | prompt TFLOP/s (tiles) | "
-          "prompt TFLOP/s (decode kernels) | tiles faster | exact 1 token GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| type | rows x cols | 1 token GB/s | of copy | 1 token, batch kernels GB/s | 8 tokens GB/s | "
+          "prompt TFLOP/s (tiles) | prompt TFLOP/s (decode kernels) | tiles faster | exact 1 token GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for qtype in args.types:
         info = quant.type_info(qtype)
         for shape in args.shapes:
@@ -65,6 +66,7 @@ def main() -> int:
                     return _core._cuda_time_product(args.device, info.id, rows, cols, n, kernel, reps, span)
 
                 one = timed(1, "decode")
+                one_batch = timed(1, "decode-batch")
                 eight = timed(8, "decode")
                 flop = 2.0 * rows * cols * args.prompt
                 base = timed(args.prompt, "decode", max(2, args.reps // 4))
@@ -73,6 +75,7 @@ def main() -> int:
                 row = res.add(type=qtype, rows=rows, cols=cols, kernel_1=one["kernel"],
                               gbs_1=one["weight_bytes"] / one["seconds"] / 1e9,
                               of_copy=one["weight_bytes"] / one["seconds"] / copy,
+                              gbs_1_batch_kernels=one_batch["weight_bytes"] / one_batch["seconds"] / 1e9,
                               gbs_8=eight["weight_bytes"] / eight["seconds"] / 1e9,
                               tflops_tiles=flop / tiles["seconds"] / 1e12 if tiles else None,
                               tflops_decode_kernels=flop / base["seconds"] / 1e12,
@@ -81,7 +84,8 @@ def main() -> int:
                 t = f"{row['tflops_tiles']:.1f}" if tiles else "-"
                 x = f"{row['tiles_speedup']:.1f}x" if tiles else "-"
                 e = f"{row['gbs_exact_1']:.0f}" if exact else "-"
-                print(f"| {qtype} | {rows}x{cols} | {row['gbs_1']:.0f} | {row['of_copy']:.0%} | {row['gbs_8']:.0f} | "
+                print(f"| {qtype} | {rows}x{cols} | {row['gbs_1']:.0f} | {row['of_copy']:.0%} | "
+                      f"{row['gbs_1_batch_kernels']:.0f} | {row['gbs_8']:.0f} | "
                       f"{t} | {row['tflops_decode_kernels']:.2f} | {x} | {e} |", flush=True)
     res.note(f"device {name}; copy bandwidth {copy / 1e9:.0f} GB/s; span {args.span} MiB; prompt {args.prompt}")
     res.write(args.json)

@@ -12,7 +12,8 @@
 #                                # a 7B Q4_0 model against llama.cpp (with the kernels and bytes a decode step
 #                                # launches, batch 1 and 8: --launches; and again unfused, OPTIML_CUDA_FUSE=0:
 #                                # --unfused, and without the prompts' tensor-core tiles, OPTIML_CUDA_TILES=0:
-#                                # --untiled; decode at depth 4096, with the attention split over the
+#                                # --untiled, and batch-1 decode by the kernels built for batches,
+#                                # OPTIML_CUDA_ONE_TOKEN=0: --batch-kernels; decode at depth 4096, with the attention split over the
 #                                # positions and without: --depth), each product kernel alone
 #                                # (tools/bench/gpu_kernels.py), the hybrid benchmark (ReLU, 25%) and the
 #                                # mixture-of-experts one
@@ -187,7 +188,7 @@ verify() {
     step tests "$py" -m pytest -q -rfE --timeout 300 tests/test_cuda.py -p no:cacheprovider
     llama_build
     wait "$maker" || failed+=(make-llama7b-q4_0)
-    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 --launches 4 --unfused --untiled --depth 4096 \
+    step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 --launches 4 --unfused --untiled --batch-kernels --depth 4096 \
         --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench \
         --json "$out/bench.json"
     cat "$out/bench.log"

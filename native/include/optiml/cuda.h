@@ -33,8 +33,9 @@ bool cuda_reads_type(int32_t type);
 
 // One product kernel timed alone on device `device` (native/src/cuda/product_timing.cu): random weights of
 // `type`, rows x cols, copied until they span span_bytes; n tokens; kernel "decode" (the decode kernels:
-// the integer one where the rows allow it, else the float one) or "tiles" (the tensor-core tiles of a
-// prompt: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K). Seconds per launch over `reps` launches after one untimed.
+// the integer one where the rows allow it, else the float one), "decode-batch" (the same built for
+// batches, at any n), "exact" (a split share's) or "tiles" (the tensor-core tiles of a prompt: Q4_0, Q4_1,
+// Q8_0, Q4_K, Q5_K, Q6_K). Seconds per launch over `reps` launches after one untimed.
 struct CudaProductTiming {
     double seconds = 0;
     int64_t weight_bytes = 0;  // of one matrix

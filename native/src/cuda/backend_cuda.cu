@@ -55,6 +55,8 @@ public:
         sm_count_ = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
         if (const char* env = std::getenv("OPTIML_CUDA_TILES")) mma_ = mma_ && std::strcmp(env, "0") != 0;
         if (const char* env = std::getenv("OPTIML_CUDA_ATTN_SPLITS")) attn_splits_forced_ = std::atoi(env);
+        const char* one_token = std::getenv("OPTIML_CUDA_ONE_TOKEN");  // (process-wide: set by each backend made)
+        cuda_use_one_token_kernels(!one_token || std::strcmp(one_token, "0") != 0);
         cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "creating a stream");
         events_.resize(kEvents);
         for (cudaEvent_t& e : events_) cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "creating an event");

@@ -2,12 +2,18 @@
 // dequantized group of eight values (dequant.cuh, the same arithmetic as the CPU's dequantization) to up
 // to kTokens tokens, then the lanes' sums added through shared memory. A prompt runs as kTokens-token
 // slices of the grid, each reading the weights again: correct at any batch size, fast only for decode.
+// A launch of one token a matrix (batch-1 decode, experts chosen on the GPU) takes the kernels built for
+// one token: eight tokens' accumulators and unrolled loops cost registers, so fewer warps, and fewer
+// bytes in flight, fit on a multiprocessor (ptxas, sm_90: Q4_K 126 -> 76 registers, Q6_K 246 -> 168,
+// the integer path 60 -> 47), and those kernels read the next two chunks of a row ahead instead of one.
+// Both sum a token's products in the same order, so they give the same bits.
 //
 // Rows whose bytes are 16-byte aligned (every common shape) take the staged kernel: the warp reads its
 // row a chunk at a time with coalesced 16-byte loads into shared memory, the next chunk's loads in flight
 // while the lanes decode the current one from there (a block is only 2-byte aligned, so decoding straight
 // from global memory means byte loads, few bytes in flight, and a bandwidth far under the memory's).
 #include <algorithm>
+#include <atomic>
 
 #include "dequant.cuh"
 #include "kernels.cuh"
@@ -19,7 +25,7 @@ namespace optiml {
 
 namespace {
 
-constexpr int kTokens = 8;        // tokens one warp carries per dequantized group
+constexpr int kTokens = 8;        // tokens one warp carries per dequantized group (batches)
 constexpr int kRowsPerBlock = 4;  // warps (rows) per thread block
 
 using Matrices = LaunchMatrices;  // (a unit: a thread block of kRowsPerBlock rows)
@@ -51,6 +57,7 @@ struct RowTask {
     int nt;
     int32_t x0;
 };
+template <int NT>
 __device__ __forceinline__ RowTask row_task(const Matrices& ms, int32_t n) {
     RowTask k;
     k.m = pick_row(ms, k.r);
@@ -64,19 +71,20 @@ __device__ __forceinline__ RowTask row_task(const Matrices& ms, int32_t n) {
         return k;
     }
     const int32_t nm = k.m.n < 0 ? n : k.m.n;
-    k.t0 = (int32_t)blockIdx.y * kTokens;
-    k.nt = nm - k.t0 < kTokens ? nm - k.t0 : kTokens;
+    k.t0 = (int32_t)blockIdx.y * NT;
+    k.nt = nm - k.t0 < NT ? nm - k.t0 : NT;
     k.x0 = k.m.x_row;
     return k;
 }
 
-// The warp's 32 partial sums of each token through shared memory (`partial`: the warp's [kTokens][33]),
+// The warp's 32 partial sums of each token through shared memory (`partial`: the warp's [NT][33]),
 // lane t adding token t's: one exchange for all tokens instead of a five-shuffle tree per token. Then
 // the matrix's epilogue: its bias, and the add into y (the residual stream) when it accumulates.
+template <int NT>
 __device__ __forceinline__ void write_row(float (*partial)[33], const float* acc, int nt, int lane,
                                           const CudaMatrix& m, int64_t r, int32_t t0) {
 #pragma unroll
-    for (int t = 0; t < kTokens; t++)
+    for (int t = 0; t < NT; t++)
         if (t < nt) partial[t][lane] = acc[t];
     __syncwarp();
     if (lane < nt) {
@@ -88,20 +96,20 @@ __device__ __forceinline__ void write_row(float (*partial)[33], const float* acc
     }
 }
 
-template <int TYPE>
+template <int TYPE, int NT>
 __global__ void matmul_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     const int lane = threadIdx.x;
-    const auto [m, r, t0, nt, x0] = row_task(ms, n);
+    const auto [m, r, t0, nt, x0] = row_task<NT>(ms, n);
     if (r >= m.rows || nt <= 0) return;
     const uint8_t* row = m.w + (size_t)r * m.row_bytes;
 
-    float acc[kTokens] = {};
+    float acc[NT] = {};
     for (int64_t c = (int64_t)lane * 8; c < cols; c += 32 * 8) {
         float v[8];
         Q::dequant8(row + (size_t)(c / Q::block_size) * Q::block_bytes, (int)(c % Q::block_size), v);
 #pragma unroll
-        for (int t = 0; t < kTokens; t++) {
+        for (int t = 0; t < NT; t++) {
             if (t >= nt) break;
             const float* xt = x + (size_t)(x0 + t0 + t) * cols + c;
             float s = 0.0f;
@@ -110,8 +118,8 @@ __global__ void matmul_kernel(Matrices ms, int64_t cols, const float* __restrict
             acc[t] += s;
         }
     }
-    __shared__ float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
-    write_row(partial[threadIdx.y], acc, nt, lane, m, r, t0);
+    __shared__ float partial[kRowsPerBlock][NT][33];  // (33: lanes hit different banks)
+    write_row<NT>(partial[threadIdx.y], acc, nt, lane, m, r, t0);
 }
 
 struct alignas(16) Bytes16 {
@@ -138,29 +146,33 @@ struct Chunk {
     static constexpr int kGroups = kValues / 8;             // groups of eight values (a multiple of 32)
 };
 
-// A warp's row, a chunk at a time through the warp's shared memory `stage`: construction starts the
-// 16-byte loads of the first chunk into registers (bytes past the row: none); advance(c0) stores chunk c0
-// into `stage` once every lane is done with the previous chunk, then starts the next chunk's loads.
-template <int TYPE>
+// A warp's row, a chunk at a time through the warp's shared memory `stage`, with the loads of the next
+// DEPTH chunks in flight in registers: construction starts the 16-byte loads of the first DEPTH chunks
+// (bytes past the row: none); advance(c0) stores chunk c0 into `stage` once every lane is done with the
+// previous chunk, then starts the loads of chunk c0 + DEPTH chunks. (The chunks in flight move down one
+// slot per chunk: a register array indexed at run time would live in local memory.)
+template <int TYPE, int DEPTH>
 struct RowStager {
     using C = Chunk<TYPE>;
     const Bytes16* row;
     int64_t row_units, cols;
     int lane;
     Bytes16* stage;
-    Bytes16 next[C::kLoads] = {};
+    Bytes16 next[DEPTH][C::kLoads] = {};
 
     __device__ __forceinline__ RowStager(const CudaMatrix& m, int64_t r, int64_t cols_, int lane_, Bytes16* stage_)
         : row((const Bytes16*)(m.w + (size_t)r * m.row_bytes)), row_units((int64_t)(m.row_bytes / 16)),
           cols(cols_), lane(lane_), stage(stage_) {
-        fetch(0);
+#pragma unroll
+        for (int d = 0; d < DEPTH; d++)
+            if ((int64_t)d * C::kValues < cols) fetch(next[d], (int64_t)d * C::kValues);
     }
-    __device__ __forceinline__ void fetch(int64_t c0) {
+    __device__ __forceinline__ void fetch(Bytes16 (&into)[C::kLoads], int64_t c0) {
         const int64_t u0 = c0 / cudaq::QType<TYPE>::block_size * cudaq::QType<TYPE>::block_bytes / 16;
 #pragma unroll
         for (int i = 0; i < C::kLoads; i++) {
             const int u = lane + 32 * i;
-            if (u < C::kBytes / 16 && u0 + u < row_units) next[i] = row[u0 + u];
+            if (u < C::kBytes / 16 && u0 + u < row_units) into[i] = row[u0 + u];
         }
     }
     __device__ __forceinline__ void advance(int64_t c0) {
@@ -168,32 +180,41 @@ struct RowStager {
 #pragma unroll
         for (int i = 0; i < C::kLoads; i++) {
             const int u = lane + 32 * i;
-            if (u < C::kBytes / 16) stage[u] = next[i];
+            if (u < C::kBytes / 16) stage[u] = next[0][i];
         }
         __syncwarp();
-        if (c0 + C::kValues < cols) fetch(c0 + C::kValues);
+#pragma unroll
+        for (int d = 1; d < DEPTH; d++)
+#pragma unroll
+            for (int i = 0; i < C::kLoads; i++) next[d - 1][i] = next[d][i];
+        const int64_t ahead = c0 + (int64_t)DEPTH * C::kValues;
+        if (ahead < cols) fetch(next[DEPTH - 1], ahead);
     }
 };
 
+// Chunks a warp reads ahead of the one it computes: the one-token kernels have the registers for two.
+template <int NT>
+constexpr int kReadAhead = NT == 1 ? 2 : 1;
+
 // A thread block's shared memory in the staged kernels: each warp's chunk of its row and its partial sums.
-template <int TYPE>
+template <int TYPE, int NT>
 struct StagedShared {
     Bytes16 stage[kRowsPerBlock][Chunk<TYPE>::kBytes / 16];
-    float partial[kRowsPerBlock][kTokens][33];  // (33: lanes hit different banks)
+    float partial[kRowsPerBlock][NT][33];  // (33: lanes hit different banks)
 };
 
-template <int TYPE>
+template <int TYPE, int NT>
 __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     using C = Chunk<TYPE>;
-    __shared__ StagedShared<TYPE> sh;
+    __shared__ StagedShared<TYPE, NT> sh;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const auto [m, r, t0, nt, x0] = row_task(ms, n);
+    const auto [m, r, t0, nt, x0] = row_task<NT>(ms, n);
     if (r >= m.rows || nt <= 0) return;
-    RowStager<TYPE> rs(m, r, cols, lane, sh.stage[warp]);
+    RowStager<TYPE, kReadAhead<NT>> rs(m, r, cols, lane, sh.stage[warp]);
     const uint8_t* chunk = (const uint8_t*)sh.stage[warp];
 
-    float acc[kTokens] = {};
+    float acc[NT] = {};
     for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
         rs.advance(c0);
         const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
@@ -208,7 +229,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
                 Q::dequant8(chunk + (v0 / Q::block_size) * Q::block_bytes, v0 % Q::block_size, v[k]);
             }
 #pragma unroll
-            for (int t = 0; t < kTokens; t++) {
+            for (int t = 0; t < NT; t++) {
                 if (t >= nt) break;
                 const float* xt = x + (size_t)(x0 + t0 + t) * cols + c0;
                 Floats4 xa[G][2];
@@ -235,7 +256,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
             float v[8];
             Q::dequant8(chunk + (v0 / Q::block_size) * Q::block_bytes, v0 % Q::block_size, v);
 #pragma unroll
-            for (int t = 0; t < kTokens; t++) {
+            for (int t = 0; t < NT; t++) {
                 if (t >= nt) break;
                 const Floats4* xt = (const Floats4*)(x + (size_t)(x0 + t0 + t) * cols + c0 + v0);
                 const Floats4 a = xt[0], b = xt[1];
@@ -248,7 +269,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
             }
         }
     }
-    write_row(sh.partial[warp], acc, nt, lane, m, r, t0);
+    write_row<NT>(sh.partial[warp], acc, nt, lane, m, r, t0);
 }
 
 // Four bytes of shared memory at a 2-byte aligned address (blocks hold 16-bit fields first).
@@ -260,21 +281,23 @@ __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
 // The integer path: one warp per row, one block of 32 weights per lane and chunk (Chunk<T> holds 32 blocks
 // of these types), staged through shared memory as the float kernel does; per block the integer dot
 // product of the weights' codes with x's (dp4a) and the CPU's scaling (vec_dot_scalar.cpp).
-template <int TYPE>
-__global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __restrict__ codes,
+// (One token: at most 64 registers, so that eight blocks, 32 warps, fit on a multiprocessor with their two
+// chunks each in flight: 60 registers without the bound, no spills with it; ptxas, sm_90.)
+template <int TYPE, int NT>
+__global__ void __launch_bounds__(32 * kRowsPerBlock, NT == 1 ? 8 : 0) matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                   const CudaQ8Meta* __restrict__ meta, int32_t n) {
     using Q = cudaq::QType<TYPE>;
     using C = Chunk<TYPE>;
     static_assert(C::kBlocks == 32 && Q::block_size == 32, "one 32-value block per lane");
-    __shared__ StagedShared<TYPE> sh;
+    __shared__ StagedShared<TYPE, NT> sh;
     const int lane = threadIdx.x, warp = threadIdx.y;
-    const auto [m, r, t0, nt, x0] = row_task(ms, n);
+    const auto [m, r, t0, nt, x0] = row_task<NT>(ms, n);
     if (r >= m.rows || nt <= 0) return;
-    RowStager<TYPE> rs(m, r, cols, lane, sh.stage[warp]);
+    RowStager<TYPE, kReadAhead<NT>> rs(m, r, cols, lane, sh.stage[warp]);
     const int64_t n_blocks = cols / 32;
     const uint8_t* wb = (const uint8_t*)sh.stage[warp] + lane * Q::block_bytes;
 
-    float acc[kTokens] = {};
+    float acc[NT] = {};
     for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
         rs.advance(c0);
         const int64_t blk = c0 / 32 + lane;
@@ -298,7 +321,7 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
             }
         }
 #pragma unroll
-        for (int t = 0; t < kTokens; t++) {
+        for (int t = 0; t < NT; t++) {
             if (t >= nt) break;
             const Bytes16* xq = (const Bytes16*)(codes + (size_t)(x0 + t0 + t) * cols + 32 * blk);
             const Bytes16 a = xq[0], b = xq[1];
@@ -314,8 +337,10 @@ __global__ void matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __res
             acc[t] += v;
         }
     }
-    write_row(sh.partial[warp], acc, nt, lane, m, r, t0);
+    write_row<NT>(sh.partial[warp], acc, nt, lane, m, r, t0);
 }
+
+std::atomic<bool> one_token_kernels{true};  // cuda_use_one_token_kernels
 
 // The most tokens a matrix of the launch has.
 int32_t max_tokens(const Matrices& ms, int32_t n) {
@@ -323,46 +348,64 @@ int32_t max_tokens(const Matrices& ms, int32_t n) {
     for (int k = 0; k < ms.count; k++) most = std::max(most, ms.m[k].n < 0 ? n : ms.m[k].n);
     return most;
 }
-// The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of kTokens tokens
+// Tokens a warp carries in this launch: one where no matrix has more (experts chosen on the GPU: one per
+// slot), else kTokens.
+int tokens_per_warp(const Matrices& ms, int32_t n) {
+    const bool one = ms.m[0].ids || max_tokens(ms, n) == 1;
+    return one && one_token_kernels.load(std::memory_order_relaxed) ? 1 : kTokens;
+}
+// The grid of a launch: a block per kRowsPerBlock rows (a warp each) by a block per slice of `nt` tokens
 // (experts chosen on the GPU: per slot).
-dim3 grid_of(const Matrices& ms, int32_t n) {
-    const int32_t most = max_tokens(ms, n), y = ms.m[0].ids ? most : (most + kTokens - 1) / kTokens;
+dim3 grid_of(const Matrices& ms, int32_t n, int nt) {
+    const int32_t most = max_tokens(ms, n), y = ms.m[0].ids ? most : (most + nt - 1) / nt;
     if (y > 65535) throw ArgumentError(format("cuda_matmul: %d tokens is more than one launch holds", most));
     return dim3(total_blocks(ms), (unsigned)y);
 }
 
-template <int TYPE>
+template <int TYPE, int NT>
 void launch(cudaStream_t s, const Matrices& ms, int64_t cols, const float* x, int32_t n) {
-    const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n);
+    const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n, NT);
     // The staged kernel reads rows as 16-byte units and the activations as 4 floats at a time.
     bool staged = (uintptr_t)x % 16 == 0;
     for (int k = 0; k < ms.count; k++)
         staged = staged && ms.m[k].row_bytes % 16 == 0 && (uintptr_t)ms.m[k].w % 16 == 0 && ms.m[k].id_stride % 16 == 0;
     if (staged)
-        OPTIML_LAUNCH(matmul_staged_kernel<TYPE>, grid, block, s, ms, cols, x, n);
+        OPTIML_LAUNCH((matmul_staged_kernel<TYPE, NT>), grid, block, s, ms, cols, x, n);
     else
-        OPTIML_LAUNCH(matmul_kernel<TYPE>, grid, block, s, ms, cols, x, n);
+        OPTIML_LAUNCH((matmul_kernel<TYPE, NT>), grid, block, s, ms, cols, x, n);
 }
 
-// The weight bytes a launch reads: every matrix once per slice of kTokens of its tokens.
-int64_t matrices_bytes(const Matrices& ms, int32_t n) {
+template <int NT>
+void launch_q8x(cudaStream_t s, int32_t type, const Matrices& ms, int64_t cols, const int8_t* codes,
+                const CudaQ8Meta* meta, int32_t n) {
+    const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n, NT);
+    switch (type) {
+        case TYPE_Q4_0: OPTIML_LAUNCH((matmul_q8x_kernel<TYPE_Q4_0, NT>), grid, block, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q4_1: OPTIML_LAUNCH((matmul_q8x_kernel<TYPE_Q4_1, NT>), grid, block, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q8_0: OPTIML_LAUNCH((matmul_q8x_kernel<TYPE_Q8_0, NT>), grid, block, s, ms, cols, codes, meta, n); break;
+        default: throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
+    }
+}
+
+// The weight bytes a launch reads: every matrix once per slice of `nt` of its tokens.
+int64_t matrices_bytes(const Matrices& ms, int32_t n, int nt) {
     int64_t b = 0;
     for (int k = 0; k < ms.count; k++) {
         const int32_t nm = ms.m[k].n < 0 ? n : ms.m[k].n;
-        b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes * (ms.m[k].ids ? nm : (nm + kTokens - 1) / kTokens);
+        b += ms.m[k].rows * (int64_t)ms.m[k].row_bytes * (ms.m[k].ids ? nm : (nm + nt - 1) / nt);
     }
     return b;
 }
 // After a launch: its error check and its traffic, the weights (matrices_bytes), the outputs' bytes (read
 // too where they accumulate), the biases' and `inputs` bytes of activations.
-void count_launch(const Matrices& ms, int32_t n, int64_t inputs, CudaKernel kernel, const char* what) {
+void count_launch(const Matrices& ms, int32_t n, int nt, int64_t inputs, CudaKernel kernel, const char* what) {
     cuda_check(cudaSuccess, what);
     CudaTraffic t;
     for (int k = 0; k < ms.count; k++) {
         t.activations += (ms.m[k].accumulate ? 8 : 4) * (int64_t)(ms.m[k].n < 0 ? n : ms.m[k].n) * ms.m[k].rows;
         if (ms.m[k].bias) t.weights += 4 * ms.m[k].rows;
     }
-    t.weights += matrices_bytes(ms, n);
+    t.weights += matrices_bytes(ms, n, nt);
     t.activations += inputs;
     cuda_count(kernel, t);
 }
@@ -400,6 +443,9 @@ void cuda_down_neuron_major_q8(cudaStream_t s, const uint8_t* rows, size_t row_b
                                              4 * (int64_t)n * (n_neurons + dim)});
 }
 
+void cuda_use_one_token_kernels(bool on) { one_token_kernels.store(on, std::memory_order_relaxed); }
+bool cuda_one_token_kernels() { return one_token_kernels.load(std::memory_order_relaxed); }
+
 bool cuda_reads_type(int32_t type) { return cudaq::block_size_of(type) > 0; }
 
 bool cuda_matmul_q8x_reads(int32_t type, int64_t cols, size_t row_bytes, const void* w) {
@@ -411,15 +457,13 @@ void cuda_matmul_q8x_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int
                           const int8_t* codes, const CudaQ8Meta* meta, int32_t n) {
     if (n <= 0) return;
     const Matrices ms = make_matrices(m, count);
-    const dim3 block(32, kRowsPerBlock), grid = grid_of(ms, n);
-    if (grid.x == 0) return;
-    switch (type) {
-        case TYPE_Q4_0: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_0>, grid, block, s, ms, cols, codes, meta, n); break;
-        case TYPE_Q4_1: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q4_1>, grid, block, s, ms, cols, codes, meta, n); break;
-        case TYPE_Q8_0: OPTIML_LAUNCH(matmul_q8x_kernel<TYPE_Q8_0>, grid, block, s, ms, cols, codes, meta, n); break;
-        default: throw Error("internal: cuda_matmul_q8x reads Q4_0, Q4_1 and Q8_0 weights only");
-    }
-    count_launch(ms, n, (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32)), CudaKernel::MatmulQ8x,
+    if (total_blocks(ms) == 0) return;
+    const int nt = tokens_per_warp(ms, n);
+    if (nt == 1)
+        launch_q8x<1>(s, type, ms, cols, codes, meta, n);
+    else
+        launch_q8x<kTokens>(s, type, ms, cols, codes, meta, n);
+    count_launch(ms, n, nt, (int64_t)n * (cols + (int64_t)sizeof(CudaQ8Meta) * (cols / 32)), CudaKernel::MatmulQ8x,
                  "matmul (integer)");
 }
 
@@ -443,10 +487,14 @@ void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int cou
     if (cols % 8 != 0)
         throw UnsupportedModelError(format("the CUDA backend needs rows of a multiple of 8 values, got %lld",
                                            (long long)cols));
+    const int nt = tokens_per_warp(ms, n);
     switch (type) {
-#define OPTIML_MATMUL_CASE(T)          \
-    case T:                            \
-        launch<T>(s, ms, cols, x, n);  \
+#define OPTIML_MATMUL_CASE(T)                          \
+    case T:                                            \
+        if (nt == 1)                                   \
+            launch<T, 1>(s, ms, cols, x, n);           \
+        else                                           \
+            launch<T, kTokens>(s, ms, cols, x, n);     \
         break;
         OPTIML_CUDA_FOR_EACH_TYPE(OPTIML_MATMUL_CASE)
 #undef OPTIML_MATMUL_CASE
@@ -454,7 +502,7 @@ void cuda_matmul_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int cou
             throw UnsupportedModelError(format("the CUDA backend does not read %s weights yet",
                                                type_traits(type).name ? type_traits(type).name : "these"));
     }
-    count_launch(ms, n, 4 * (int64_t)n * cols, CudaKernel::Matmul, "matmul");
+    count_launch(ms, n, nt, 4 * (int64_t)n * cols, CudaKernel::Matmul, "matmul");
 }
 
 }  // namespace optiml

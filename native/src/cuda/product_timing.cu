@@ -79,9 +79,16 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
                                    "positive and cols a multiple of %d", (long long)rows, (long long)cols, tt.name,
                                    n, (int)tt.block_size));
     const size_t row_bytes = row_size(type, cols), matrix_bytes = row_bytes * (size_t)rows;
-    if (kernel != "decode" && kernel != "tiles" && kernel != "exact")
-        throw ArgumentError(format("kernel '%s': choose decode, tiles or exact", kernel.c_str()));
+    if (kernel != "decode" && kernel != "decode-batch" && kernel != "tiles" && kernel != "exact")
+        throw ArgumentError(format("kernel '%s': choose decode, decode-batch, tiles or exact", kernel.c_str()));
     const bool tiles = kernel == "tiles", exact = kernel == "exact";
+    // decode-batch: the decode kernels built for batches even at one token (as before the one-token ones),
+    // for the comparison; the switch is process-wide, so it is put back on every path out.
+    struct OneTokenKernels {
+        bool was = cuda_one_token_kernels();
+        explicit OneTokenKernels(bool on) { cuda_use_one_token_kernels(on); }
+        ~OneTokenKernels() { cuda_use_one_token_kernels(was); }
+    } one_token(kernel != "decode-batch" && cuda_one_token_kernels());
     if (exact && !cuda_matmul_exact_reads(type, cols))
         throw ArgumentError(format("the exact products (a split's share) read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
                                    "and Q6_K rows of whole blocks, not %lld %s values", (long long)cols, tt.name));

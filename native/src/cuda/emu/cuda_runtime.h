@@ -69,6 +69,7 @@ T shfl(T v, int src_lane) {  // __shfl_sync
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static thread_local
 #define __syncthreads() ::optiml_emu::syncthreads()
 #define __syncwarp(...) ::optiml_emu::warp_barrier()
