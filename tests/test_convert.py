@@ -533,6 +533,32 @@ def _break(kind, d):
         cfg = json.loads((d / "config.json").read_text())
         cfg["hidden_act"] = "gelu"
         (d / "config.json").write_text(json.dumps(cfg))
+    elif kind in CONFIG_VALUES:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(CONFIG_VALUES[kind])
+        (d / "config.json").write_text(json.dumps(cfg))
+    elif kind in TOKENIZER_EDITS:
+        tj = json.loads((d / "tokenizer.json").read_text())
+        TOKENIZER_EDITS[kind](tj)
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+
+
+CONFIG_VALUES = {  # config.json fields of the wrong type or shape
+    "ctx-string": {"max_position_embeddings": "x"},
+    "rope-no-factor": {"rope_scaling": {"rope_type": "linear"}},
+    "rope-list": {"rope_parameters": [1, 2]},
+    "rope-string": {"rope_scaling": "linear"},
+    "window": {"sliding_window": "big"},
+}
+TOKENIZER_EDITS = {  # tokenizer.json entries of the wrong type or shape
+    "added-no-content": lambda tj: tj["added_tokens"][0].pop("content"),
+    "added-string-id": lambda tj: tj["added_tokens"][0].update(id="0"),
+    "added-dict": lambda tj: tj.update(added_tokens={"a": 1}),
+    "vocab-string-id": lambda tj: tj["model"]["vocab"].update({"zz": "5"}),
+    "merges-not-pairs": lambda tj: tj["model"].update(merges=[1, 2]),
+    "merges-empty": lambda tj: tj["model"].update(merges=[]),
+    "processor-junk": lambda tj: tj.update(post_processor={"type": "TemplateProcessing", "single": [{"SpecialToken": 5}]}),
+}
 
 
 BAD = {
@@ -547,6 +573,18 @@ BAD = {
     "shape": r"mlp.gate_proj.weight has shape \[160, 64\], config.json implies \[128, 64\]",
     "arch": "GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
     "activation": "hidden_act 'gelu' is not supported",
+    "ctx-string": "max_position_embeddings = 'x' is not a positive integer",
+    "rope-no-factor": "factor is missing",
+    "rope-list": r"rope_parameters = \[1, 2\] is not an object",
+    "rope-string": "rope_scaling = 'linear' is not an object",
+    "window": "sliding_window = 'big' is not a positive integer or null",
+    "added-no-content": "added_tokens is not a list of",
+    "added-string-id": "added_tokens is not a list of",
+    "added-dict": "added_tokens is not a list of",
+    "vocab-string-id": "model.vocab gives token 'zz' the id '5'",
+    "merges-not-pairs": "model.merges is not a list of merges",
+    "merges-empty": "model.merges is missing or empty",
+    "processor-junk": "the tokenizer files: a value of an unexpected type or shape",
 }
 
 
@@ -581,6 +619,61 @@ def test_failure_while_writing_leaves_nothing(good, tmp_path, monkeypatch):
     assert os.listdir(out.parent) == ["m.gguf"] and out.read_bytes() == b"old"
 
 
+def test_an_output_among_the_checkpoints_files_is_refused(good, tmp_path):
+    """The output may sit in the checkpoint's folder, but it may replace only a GGUF file there (an earlier
+    conversion), never one of the files being converted."""
+    weights = good / "model.safetensors"
+    before = weights.read_bytes()
+    with pytest.raises(ConvertError, match="a file of the checkpoint being converted"):
+        convert(good, weights, type="q8_0")
+    assert weights.read_bytes() == before
+    assert cli.main(["convert", str(good), "-o", str(good / "config.json"), "-q"]) == 1
+    out = good / "m.gguf"
+    convert(good, out, type="q8_0")
+    convert(good, out, type="q4_0")  # an earlier output is replaced
+    assert gguf.GGUFReader(out).fields["general.file_type"].parts[-1][0] == 2
+
+
+def test_conversion_warnings(tmp_path, tiny_tokenizer):
+    """What converts but deserves a word: a Mistral window shorter than the context (the file's context is
+    the window, where full attention is what transformers computes), a ReLU llama (llama.cpp would run it
+    with SiLU), tensors config.json's model does not use, f16 overflow; and BOS/EOS from config.json when the
+    tokenizer files name none (llama.cpp would take GPT-2's 11)."""
+    d = save_folder(make_model("mistral-gqa", sliding_window=8), tmp_path / "mistral", tiny_tokenizer)
+    with pytest.warns(UserWarning, match="sliding_window = 8 is shorter than max_position_embeddings = 256"):
+        convert(d, tmp_path / "m.gguf")
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["llama.context_length"].parts[-1][0] == 8
+
+    model = make_model("llama-relu")
+    d = save_folder(model, tmp_path / "relu", tiny_tokenizer)
+    with pytest.warns(UserWarning, match="llama.cpp runs this file with SiLU"):
+        convert(d, tmp_path / "r.gguf")
+
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    t["model.layers.9.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"]
+    t["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(bos_token_id=3, eos_token_id=4)
+    (d / "config.json").write_text(json.dumps(cfg))
+    os.remove(d / "tokenizer_config.json")
+    with pytest.warns(UserWarning) as caught:
+        convert(d, tmp_path / "u.gguf")
+    said = " ".join(str(w.message) for w in caught)
+    assert "1 tensors of the checkpoint are not in config.json's model" in said and "layers.9.mlp.up_proj" in said
+    assert "blk.0.ffn_down.weight has values beyond f16's range" in said
+    f = gguf.GGUFReader(tmp_path / "u.gguf").fields
+    assert (f["tokenizer.ggml.bos_token_id"].parts[-1][0], f["tokenizer.ggml.eos_token_id"].parts[-1][0]) == (3, 4)
+
+
+def test_qwen2_window_is_refused(tmp_path, tiny_tokenizer):
+    d = save_folder(make_model("qwen2-bias", use_sliding_window=True, sliding_window=8), tmp_path / "q", tiny_tokenizer)
+    with pytest.raises(ConvertError, match="use_sliding_window = true is not supported"):
+        convert(d, tmp_path / "q.gguf")
+
+
 def test_unknown_type(good, tmp_path):
     with pytest.raises(ConvertError, match="q3_k.*supported: f32, f16, bf16, q8_0"):
         convert(good, tmp_path / "m.gguf", type="q3_k")
@@ -588,7 +681,7 @@ def test_unknown_type(good, tmp_path):
 
 def test_cli_convert(good, tmp_path, capsys):
     out = tmp_path / "m.gguf"
-    assert cli.main(["convert", str(good), "-o", str(out), "--type", "q4_1"]) == 0
+    assert cli.main(["convert", str(good), "-o", str(out), "--type", "Q4_1"]) == 0  # (types in any case)
     assert "wrote" in capsys.readouterr().err
     with optiml.Model(out, n_threads=1) as m:
         assert m.hparams["arch"] == "llama"

@@ -305,7 +305,6 @@ REFUSED = [
     ("qwen2moe", "decoder_sparse_step", 2, "decoder_sparse_step = 2 is not supported"),
     ("qwen3moe", "mlp_only_layers", [1], r"mlp_only_layers = \[1\] is not supported"),
     ("qwen2moe", "use_sliding_window", True, "use_sliding_window = true is not supported"),
-    ("mixtral", "sliding_window", 64, "sliding_window = 64 is not supported for Mixtral"),
     ("qwen3moe", "num_experts_per_tok", 9, "num_experts_per_tok = 9 is more than the 8 experts"),
     ("mixtral", "num_local_experts", 0, "num_local_experts = 0 is not a positive integer"),
     ("mixtral", "hidden_act", "relu", "hidden_act 'relu' is not supported for a mixture of experts"),

@@ -15,7 +15,8 @@ def add_arguments(p) -> None:
     p.description = f"Convert a Hugging Face model folder to GGUF. Architectures: {SUPPORTED_ARCHITECTURES}."
     p.add_argument("hf_dir", help="folder with config.json, *.safetensors and the tokenizer files")
     p.add_argument("-o", "--outfile", required=True, help="GGUF file to write")
-    p.add_argument("--type", default="f16", choices=list(TYPES), help="output type (default f16)")
+    p.add_argument("--type", default="f16", type=str.lower, choices=list(TYPES),
+                   help="output type (default f16; any case)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
 
 

@@ -9,6 +9,7 @@ permutation, tokenizer fields and the per-tensor quantization mix.
 from __future__ import annotations
 
 import os
+import warnings
 
 import gguf
 import numpy as np
@@ -38,7 +39,7 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.
     if "scores" in vocab:
         w.add_token_scores(vocab["scores"])
     w.add_token_types(vocab["types"])
-    if vocab.get("merges"):
+    if "merges" in vocab:
         w.add_token_merges(vocab["merges"])
     ids = vocab["ids"]
     for typ, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
@@ -55,6 +56,37 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.
         w.add_chat_template(vocab["chat_template"])
 
 
+def _check_not_an_input(hf_dir: str, out: str) -> None:
+    """Refuses an output that would replace a file of the checkpoint: inside its folder only GGUF files
+    (an earlier conversion's) may be replaced."""
+    real = os.path.realpath(out)
+    if not os.path.isfile(real) or os.path.commonpath([real, os.path.realpath(hf_dir)]) != os.path.realpath(hf_dir):
+        return
+    with open(real, "rb") as f:
+        if f.read(4) == b"GGUF":
+            return
+    raise ConvertError(f"{out}: a file of the checkpoint being converted; the output must be a new file or a "
+                       "GGUF file")
+
+
+def _checked(what: str, load):
+    """load(), with a config or tokenizer file of unexpected shape (a wrong type where a checked field has
+    none) said as a ConvertError naming the files instead of a Python error from deep inside."""
+    try:
+        return load()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ConvertError(f"{what}: a value of an unexpected type or shape ({e.__class__.__name__}: {e})") from e
+
+
+def _special_ids_from_config(vocab: dict, cfg: hf_config.ModelConfig) -> None:
+    """BOS, EOS and PAD ids from config.json where the tokenizer files name none (as gguf-py's SpecialVocab
+    falls back): without them llama.cpp takes its defaults for the tokenizer model (GPT-2's 11)."""
+    for typ in ("bos", "eos", "pad"):
+        i = cfg.raw.get(f"{typ}_token_id")
+        if typ not in vocab["ids"] and isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.n_vocab:
+            vocab["ids"][typ] = i
+
+
 def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | None = None) -> str:
     """Converts the Hugging Face model folder `hf_dir` to the GGUF file `out` of output type `type`
     (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k, mxfp4_moe). Streams tensor by tensor;
@@ -64,15 +96,28 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"{hf_dir}: not a folder (a Hugging Face model folder is expected)")
     check_output_path(out)  # (a folder, or a missing one: said now, not after the conversion)
-    cfg = hf_config.load_config(hf_dir)
-    vocab = tokenizer.load_vocab(hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe", "gpt-oss"))
+    _check_not_an_input(hf_dir, out)
+    cfg = _checked(os.path.join(hf_dir, "config.json"), lambda: hf_config.load_config(hf_dir))
+    vocab = _checked(f"{hf_dir}: the tokenizer files", lambda: tokenizer.load_vocab(
+        hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe", "gpt-oss")))
+    _special_ids_from_config(vocab, cfg)
     if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
         vocab.setdefault("add_bos", True)
         if vocab["model"] == "llama":
             vocab["add_space_prefix"] = False
+    if cfg.activation == "relu" and cfg.arch == "llama":
+        warnings.warn(f"{hf_dir}: hidden_act relu is written as optiml.ffn.activation, which llama.cpp does not "
+                      "read: llama.cpp runs this file with SiLU, a different model; OptiML runs it as trained",
+                      stacklevel=2)
 
     with Checkpoint(hf_dir) as ckpt:
         plan = hf_config.tensor_plan(cfg, set(ckpt.entries))
+        used = {src for p in plan for src, _ in p.expected}
+        unused = sorted(n for n in ckpt.entries if n not in used and not n.endswith("rotary_emb.inv_freq")
+                        and not (cfg.tie_embeddings and n == "lm_head.weight"))
+        if unused:
+            warnings.warn(f"{hf_dir}: {len(unused)} tensors of the checkpoint are not in config.json's model and "
+                          f"are left out: {', '.join(unused[:6])}{', ...' if len(unused) > 6 else ''}", stacklevel=2)
         for p in plan:  # everything is checked before the output is created
             for src, shape in p.expected:
                 e = ckpt.entries.get(src)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,19 +111,23 @@ def load_config(folder: str) -> ModelConfig:
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish", "relu"):
             raise ConvertError(f"{path}: hidden_act {act!r} is not supported (silu, relu)")
-    n_ctx = int(cfg.get("max_position_embeddings") or 2048)
+    n_ctx = _get(cfg, path, "max_position_embeddings", 2048, kind=int)
+    if arch in ("llama", "qwen2"):
+        n_ctx = _full_attention_context(cfg, path, hf_arch, n_ctx)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
     # Gemma 3's rope_parameters has one entry per layer type: the global layers' is the main one.
-    rope = dict(cfg.get("rope_parameters") or {})
+    rope = _dict_or_none(cfg, path, "rope_parameters")
     if "full_attention" in rope:
-        rope = dict(rope["full_attention"] or {})
-    rope.update(cfg.get("rope_scaling") or {})
+        rope = _dict_or_none(rope, path, "full_attention", "rope_parameters.")
+    rope.update(_dict_or_none(cfg, path, "rope_scaling"))
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope["rope_type"] = rope_type
+    if rope_type == "linear":
+        _get(rope, path, "factor", kind=float)
     if hf_arch in moe.ARCHITECTURES:
-        extra = dict(moe.read_config(cfg, path, hf_arch, n_ctx), explicit_head_dim=cfg.get("head_dim") is not None)
+        extra = dict(moe.read_config(cfg, path, hf_arch), explicit_head_dim=cfg.get("head_dim") is not None)
     elif hf_arch == gpt_oss.GPT_OSS:
         extra = dict(gpt_oss.read_config(cfg, path, rope), explicit_head_dim=cfg.get("head_dim") is not None)
     # (gpt-oss's YaRN is checked by gpt_oss.read_config)
@@ -139,6 +144,39 @@ def load_config(folder: str) -> ModelConfig:
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),
         rope_scaling=rope, activation=act if act in ("relu", "gelu") else "silu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")), raw=cfg, **extra)
+
+
+def _dict_or_none(cfg: dict, path: str, key: str, prefix: str = "") -> dict:
+    """cfg[key] as a new dict ({} when missing or null), refused when it is something else."""
+    v = cfg.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConvertError(f"{path}: {prefix}{key} = {v!r} is not an object")
+    return dict(v)
+
+
+def _full_attention_context(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> int:
+    """The context a llama or qwen2 file says. llama.cpp's graphs for them (which OptiML's engine follows)
+    attend to every position, as transformers does within a sliding window's length. A Mistral or Mixtral
+    window shorter than max_position_embeddings (Mistral-7B-v0.1: 4096 of 32768) becomes the file's
+    context_length, so that both engines compute what transformers does up to their trained context;
+    Qwen2's use_sliding_window (a window on some layers only) is refused."""
+    if hf_arch == "Qwen2ForCausalLM":
+        if cfg.get("use_sliding_window"):
+            raise ConvertError(f"{path}: use_sliding_window = true is not supported (full attention)")
+        return n_ctx
+    window = cfg.get("sliding_window")
+    if window is None:
+        return n_ctx
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConvertError(f"{path}: sliding_window = {window!r} is not a positive integer or null")
+    if window >= n_ctx:
+        return n_ctx
+    warnings.warn(f"{path}: sliding_window = {window} is shorter than max_position_embeddings = {n_ctx}; "
+                  f"llama.cpp and OptiML attend to every position, which equals the window up to {window} "
+                  f"positions, so the file's context_length is {window}", stacklevel=2)
+    return window
 
 
 def _gemma3_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int) -> dict:

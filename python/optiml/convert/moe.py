@@ -14,7 +14,7 @@ MIXTRAL, QWEN2MOE, QWEN3MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen
 ARCHITECTURES = {MIXTRAL: "llama", QWEN2MOE: "qwen2moe", QWEN3MOE: "qwen3moe"}
 
 
-def read_config(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> dict:
+def read_config(cfg: dict, path: str, hf_arch: str) -> dict:
     """The experts' ModelConfig fields: n_expert, n_expert_used, n_ff_exp, n_ff_shexp, qk_norm."""
     count_key = "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts"
     n_expert = get_value(cfg, path, count_key, kind=int)
@@ -26,13 +26,7 @@ def read_config(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> dict:
     if act not in ("silu", "swish"):
         raise ConvertError(f"{path}: hidden_act {act!r} is not supported for a mixture of experts (silu)")
     out = {"n_expert": n_expert, "n_expert_used": used}
-    if hf_arch == MIXTRAL:
-        # llama.cpp runs Mixtral (as llama) with full attention: a window the context can exceed would
-        # make every later position differ from transformers'.
-        window = cfg.get("sliding_window")
-        if window and window < n_ctx:
-            raise ConvertError(f"{path}: sliding_window = {window} is not supported for Mixtral (full "
-                               f"attention over max_position_embeddings = {n_ctx}; null is)")
+    if hf_arch == MIXTRAL:  # (its sliding_window: hf_config._full_attention_context)
         out["n_ff_exp"] = get_value(cfg, path, "intermediate_size", kind=int)
         return out
     _check_qwen_layers(cfg, path, hf_arch)

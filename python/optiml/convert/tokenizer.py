@@ -50,22 +50,36 @@ def _bpe_vocab(tj: dict, n_vocab: int, path: str) -> dict:
     vocab = model.get("vocab")
     if not isinstance(vocab, dict):
         raise ConvertError(f"{path}: model.vocab is missing")
+    bad = next((t for t, i in vocab.items() if type(i) is not int or i < 0), None)
+    if bad is not None:
+        raise ConvertError(f"{path}: model.vocab gives token {bad!r} the id {vocab[bad]!r}, not a token id")
+    added = tj.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(a, dict) and isinstance(a.get("content"), str)
+                                              and type(a.get("id")) is int and a["id"] >= 0 for a in added):
+        raise ConvertError(f"{path}: added_tokens is not a list of {{\"id\": token id, \"content\": text}} entries")
     tokens = [None] * n_vocab
     types = [NORMAL] * n_vocab
     for text, i in vocab.items():
-        if 0 <= i < n_vocab:
+        if i < n_vocab:
             tokens[i] = text
-    for a in tj.get("added_tokens") or []:
-        i = a.get("id")
-        if isinstance(i, int) and 0 <= i < n_vocab:
+    for a in added:
+        i = a["id"]
+        if i < n_vocab:
             tokens[i] = a["content"]
             types[i] = CONTROL if a.get("special") or _looks_special(a["content"]) else USER_DEFINED
-    if max(list(vocab.values()) + [a.get("id", 0) for a in tj.get("added_tokens") or []]) >= n_vocab:
+    if max(list(vocab.values()) + [a["id"] for a in added]) >= n_vocab:
         raise ConvertError(f"{path}: the tokenizer has ids past config.json's vocab_size {n_vocab}")
     for i, t in enumerate(tokens):
         if t is None:  # config.json's vocab_size pads past the tokenizer (llama.cpp's [PADn])
             tokens[i], types[i] = f"[PAD{i}]", UNUSED
-    merges = model.get("merges") or []
+    merges = model.get("merges")
+    if not merges:  # (gguf-py writes no empty array, and llama.cpp refuses a gpt2 vocabulary without the key)
+        raise ConvertError(f"{path}: model.merges is missing or empty; a byte-level BPE tokenizer without merges "
+                           "cannot be written to GGUF")
+    if not isinstance(merges, list) or not all(
+            isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m))
+            for m in merges):
+        raise ConvertError(f"{path}: model.merges is not a list of merges (\"a b\" strings or [a, b] pairs)")
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     return {"model": "gpt2", "pre": _pre_tokenizer_name(tj.get("pre_tokenizer"), path),
             "tokens": tokens, "types": types, "merges": merges}
@@ -149,11 +163,12 @@ def load_vocab(folder: str, n_vocab: int, prefer_bpe: bool = False) -> dict:
 def _post_processor_flags(pp, v: dict, index: dict) -> None:
     """add_bos/add_eos from a TemplateProcessing post-processor (Llama 3 says it only there)."""
     if isinstance(pp, dict) and pp.get("type") == "Sequence":
-        pp = next((p for p in pp.get("processors", []) if p.get("type") == "TemplateProcessing"), None)
+        pp = next((p for p in pp.get("processors") or [] if isinstance(p, dict) and p.get("type") == "TemplateProcessing"),
+                  None)
     if not isinstance(pp, dict) or pp.get("type") != "TemplateProcessing":
         return
     single = pp.get("single") or []
-    if not single:
+    if not isinstance(single, list) or not single or not all(isinstance(x, dict) for x in single):
         return
     first, last = single[0], single[-1]
     if "SpecialToken" in first:

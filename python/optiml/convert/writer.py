@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import gguf
 import numpy as np
@@ -14,6 +15,9 @@ import numpy as np
 from ..formats import quant
 from ..util.atomic import atomic_output
 from .errors import ConvertError
+
+
+F16_MAX = 65504.0
 
 
 def tensor_nbytes(shape: tuple, t: gguf.GGMLQuantizationType) -> int:
@@ -68,7 +72,13 @@ def write_gguf(out: str, arch: str, add_metadata, tensors: list, progress: bool 
             w.write_ti_data_to_file()
             bar = Progress(len(tensors), progress)
             for i, (name, shape, t, compute) in enumerate(tensors, 1):
-                data = encode(compute(), t)
+                values = compute()
+                if t == gguf.GGMLQuantizationType.F16 and values.dtype == np.float32 and values.size and \
+                        max(values.max(), -values.min()) > F16_MAX:
+                    warnings.warn(f"{name} has values beyond f16's range (+-{F16_MAX:.0f}), written as inf: "
+                                  "convert with --type bf16 or f32 to keep them", stacklevel=2)
+                data = encode(values, t)
+                del values
                 w.write_tensor_data(data)
                 del data
                 bar.step(i, name, t)

@@ -80,8 +80,11 @@ def atomic_output(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str
     path = os.fspath(path)
     check_output_path(path)
     remove_stale_temporaries(path, suffix)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f"{os.path.basename(path)}.pid{os.getpid()}.", suffix=suffix)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{os.path.basename(path)}.pid{os.getpid()}.", suffix=suffix)
+    except OSError as e:  # (its message would name the temporary file, not the user's)
+        raise OSError(e.errno, f"{path}: cannot create a file in {folder}: {e.strerror}") from None
     os.close(fd)
     try:
         yield tmp
