@@ -181,11 +181,14 @@ def test_auto_leaves_predictors_unused_where_they_would_slow_decoding(relu_model
         assert m.predictors is None and rec[0].filename == __file__  # points at the caller
         assert optiml.Model(str(copy), n_ctx=64, predictors=beside).predictors == beside
     # The command line says it in a log line (not a Python warning), and -q silences it.
-    for quiet, expect in ((False, f"optiml: not using {beside}"), (True, "")):
+    from optiml import cli
+
+    for quiet, expect in ((False, f"optiml run: not using {beside}"), (True, "")):
         common.quiet = quiet
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("error")
+                warnings.simplefilter("always")
+                warnings.showwarning = cli._warning_line("run")  # (main's hook; catch_warnings puts it back)
                 m = common.load(argparse.Namespace(model=str(copy), ctx=64, threads=None))
         finally:
             common.quiet = False

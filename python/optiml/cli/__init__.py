@@ -28,9 +28,11 @@ import argparse
 import os
 import subprocess
 import sys
+import warnings
 
 from .._core import ArgumentError, OptimlError
 from .._version import __version__
+from ..engine.sparsity import PredictorWarning
 from . import (bench, calibrate, chat, common, convert, hw, info, perplexity, profile, pull, run, serve, solve, system,
                tokenize, train_predictors)
 
@@ -71,9 +73,22 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _warning_line(command: str):
+    """warnings.showwarning for a command: a warning as one line naming the command (not Python's file, line
+    and source); a PredictorWarning (predictors found and left unused) as a log line, which -q silences."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, PredictorWarning):
+            common.log(f"optiml {command}: {message}")
+        else:
+            print(f"optiml {command}: warning: {message}", file=sys.stderr)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     common.quiet = args.quiet = args.quiet_all or getattr(args, "quiet", False)
+    shown = warnings.showwarning
+    warnings.showwarning = _warning_line(args.command)
     try:
         return args.func(args)
     except (ArgumentError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
@@ -91,3 +106,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        warnings.showwarning = shown

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from .._core import ArgumentError
 from ..engine.model import Model
-from ..engine.sparsity import PredictorWarning
 from ..hub.registry import resolve
 from ..util import jsonout
 
@@ -89,23 +87,13 @@ def add_device_args(p: argparse.ArgumentParser, loads_weights: bool = True) -> N
 
 
 def load(args, n_ctx: int | None = None) -> Model:
-    """The Model the options ask for. A PredictorWarning (predictors found and left unused) becomes a log
-    line, not a Python warning with its source line."""
-    caught = []
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", PredictorWarning)
-            m = Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx,
-                      n_threads=args.threads, sparsity=getattr(args, "sparsity", "auto"),
-                      predictors=predictors(args), use_mmap=use_mmap(args), **device(args))
-            _say_what_the_cpu_ignores(args, m)
-            return m
-    finally:
-        for w in caught:
-            if issubclass(w.category, PredictorWarning):
-                log(f"optiml: {w.message}")
-            else:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    """The Model the options ask for (a PredictorWarning, predictors found and left unused, is a log line:
+    main's warning hook)."""
+    m = Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
+              sparsity=getattr(args, "sparsity", "auto"), predictors=predictors(args), use_mmap=use_mmap(args),
+              **device(args))
+    _say_what_the_cpu_ignores(args, m)
+    return m
 
 
 def _say_what_the_cpu_ignores(args, m) -> None:
