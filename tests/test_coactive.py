@@ -229,3 +229,24 @@ def test_the_benchmark_runs_and_finds_the_clusters(tmp_path):
     assert rows["co-active"]["mean_run"] > 4 * rows["file order"]["mean_run"]
     assert rows["co-active"]["placed_copy_bytes"] > 0 and rows["file order"]["placed_copy_bytes"] == 0
     assert 0.3 < rows["co-active"]["computed"] < 0.7
+
+
+def test_info_says_the_cpu_reads_the_order_with_predictors(tiny, placed, tmp_path):
+    """optiml info (engine.companions) on a kept-order file with a co-activation order: on the CPU the order is
+    read only with predictors, from a copy of the gate and up rows made at load, as the loaded model holds."""
+    import shutil
+
+    from optiml.engine.companions import companions
+
+    path = str(tmp_path / "placed.gguf")
+    shutil.copyfile(placed, path)
+    pl = companions(path)["placement"]
+    assert pl["in_file"] and not pl["used"] and "only with predictors" in pl["why"], pl
+    fixed_predictor(tiny, tmp_path / "placed.predictors.gguf", active=0.3, recorded_share=0.3)
+    c = companions(path)
+    assert c["predictors"]["used"], c["predictors"]
+    pl = c["placement"]
+    assert pl["used"] and "coactive order" in pl["why"], pl
+    with optiml.Model(path, n_ctx=64) as m:
+        held = m.placed_copy_info()
+    assert held["layers"] == [0, 1] and 0 < pl["copy_bytes"] <= held["bytes"]

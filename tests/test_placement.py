@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import optiml
+import optiml.cli
 from optiml import gguf, quant
 from optiml.formats import stats as S
 from optiml._core import ArgumentError, GGUFError
@@ -413,7 +414,7 @@ def test_bad_neuron_order_is_refused(work, tmp_path):
 
 
 # ---- (d) errors ---------------------------------------------------------------------------------
-def test_errors(work, tmp_path):
+def test_errors(work, tmp_path, capsys):
     st, pl, src = work["stats"], work["placement"], work["src"]
     other = dataclasses.replace(st, fingerprint="0" * 32, model="another-model.gguf")
     with pytest.raises(ArgumentError, match="measured on"):
@@ -430,6 +431,11 @@ def test_errors(work, tmp_path):
     # a file that keeps its order is placed from the original (the same stats fit both)
     with pytest.raises(ArgumentError, match="place the original file"):
         write_placed(work["placed"], st, pl, tmp_path / "x.gguf", progress=False)
+    saved = work["dir"] / "stats.npz"  # optiml solve says so before it solves
+    S.save(st, saved)
+    assert optiml.cli.main(["-q", "solve", "-m", str(work["placed"]), "--stats", str(saved), "--vram", "10MiB",
+                     "--hardware", "auto", "--predictors", "none", "-o", str(tmp_path / "x.gguf")]) == 2
+    assert "place the original file" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
     # a failing transform mid-file: nothing left behind, an existing output untouched

@@ -123,3 +123,37 @@ def test_cli_profile_writes_stats(smollm2_path, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "top 10%" in text and "wrote" in text
     assert stats_mod.load(out).n_tokens == 300
+
+
+def test_offline_commands_refuse_an_input_as_their_output(smollm2_path, tmp_path, capsys):
+    """profile, calibrate and train-predictors refuse to write over the model, the text or the stats they
+    read (they overwrote them and said "wrote"), and a folder as the output, before any work; each input is
+    left as it was."""
+    from optiml.cli import main
+
+    data = tmp_path / "d.txt"
+    data.write_text(shared_eval_text()[:2000])
+    model = tmp_path / "m.gguf"
+    model.symlink_to(smollm2_path)
+    stats = tmp_path / "s.npz"
+    stats.write_bytes(b"not yet")
+    before = {p: p.read_bytes() for p in (data, stats)}
+    cases = [
+        ["profile", "-m", str(model), "--data", str(data), "-o", str(model)],
+        ["profile", "-m", str(model), "--data", str(data), "-o", str(data)],
+        ["calibrate", "-m", str(model), "--data", str(data), "-o", str(data)],
+        ["calibrate", "-m", str(model), "--stats", str(stats), "-o", str(stats)],
+        ["train-predictors", "-m", str(model), "--data", str(data), "-o", str(data)],
+    ]
+    for argv in cases:
+        assert main(["-q", *argv]) == 2, argv
+        assert "is an input file" in capsys.readouterr().err, argv
+    assert main(["-q", "train-predictors", "-m", str(model), "--data", str(data), "-o", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (data, stats)} == before and model.resolve() == smollm2_path.resolve()
+    # calibrate takes its tokens from --stats or from --data, not both; profile's chunks are at least a token
+    assert main(["-q", "calibrate", "-m", str(model), "--stats", str(stats), "--data", str(data), "-o",
+                 str(tmp_path / "c.gguf")]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["-q", "profile", "-m", str(model), "--data", str(data), "--ctx", "0", "-o", str(tmp_path / "p.npz")]) == 2
+    assert "n_ctx must be a positive integer" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 import math
 import warnings
 
@@ -52,7 +53,7 @@ def test_hardware_defaults_and_json(tmp_path):
     ({"gpu_bandwidth": 0}, "gpu_bandwidth"),
     ({"sync_cost": "fast"}, "sync_cost"),
     ({"launch_overhead": True}, "launch_overhead"),
-    ({"source": "x"}, "source"),
+    ({"source": "x", "gpu_bandwidth": 0}, "gpu_bandwidth"),
     ([1, 2], "object"),
 ])
 def test_hardware_json_bad(tmp_path, content, word):
@@ -60,6 +61,15 @@ def test_hardware_json_bad(tmp_path, content, word):
     p.write_text(json.dumps(content))
     with pytest.raises(ArgumentError, match=word):
         Hardware.from_json(p)
+
+
+def test_hardware_json_from_a_placed_file(tmp_path):
+    """The hardware a placed file records (its source included) is read back as it is."""
+    hw = Hardware(cpu_bandwidth=40e9, source="measured (CPU only): cpu_bandwidth")
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(hw.to_dict()))
+    back = Hardware.from_json(p)
+    assert back.cpu_bandwidth == 40e9 and back.source == "file hw.json (measured (CPU only): cpu_bandwidth)"
 
 
 def test_hardware_json_not_json(tmp_path):
@@ -514,6 +524,35 @@ def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monke
     assert not (tmp_path / "o.gguf").exists()
 
 
+def test_cli_checks_the_inputs_before_solving(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
+    """What solve can tell from its inputs it says before the solver's work: stats of another model (not a
+    complaint about the predictors beside the model), a group larger than a layer, positions past the
+    context, a stats file that is not one (a file already placed: test_placement.py's test_errors)."""
+    from optiml.cli import solve as solve_command
+
+    def never(*a, **k):
+        raise AssertionError("solved")
+
+    monkeypatch.setattr(solve_command, "solve_placement", never)
+    model = tmp_path / "m.gguf"
+    model.symlink_to(smollm2_path)
+    (tmp_path / "m.predictors.gguf").write_bytes(b"beside the model")  # (read only after the stats' check)
+    other = tmp_path / "other.npz"
+    st.save(_synthetic_stats("another model's fingerprint", activation="gelu"), other)
+    sp = tmp_path / "s.npz"
+    st.save(smollm2_stats, sp)
+    text = tmp_path / "t.txt"
+    text.write_text("some words")
+    base = ["solve", "-m", str(model), "--vram", "40MiB", "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]
+    for extra, said in [(["--stats", str(other)], "measured on"),
+                        (["--stats", str(text)], re.escape("is not an activation stats file (.npz from `optiml profile`)") + "$"),
+                        (["--stats", str(sp), "--group", "5000"], "--group 5000 is more than the 1536 neurons"),
+                        (["--stats", str(sp), "--positions", "9000"], "--positions 9000 is more than --ctx 4096")]:
+        assert cli.main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert re.search(said, err) and "predictors" not in err, err
+
+
 def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
     from optiml.cli import solve as solve_command
 
@@ -522,7 +561,7 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
     hw = tmp_path / "hw.json"
     hw.write_text(json.dumps({"launch_overhead": 1e-6, "sync_cost": 1e-6, "transfer_latency": 1e-6}))
     seen = {}
-    def write_placed(model, stats, placement, out, order=None, order_name="custom"):
+    def write_placed(model, stats, placement, out, order=None, order_name="custom", progress=True):
         seen.update(model=model, placement=placement, out=out, order=order)
         return {"form": "neuron_order", "down_types": {"Q4_1": 30}}
 

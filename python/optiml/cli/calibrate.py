@@ -3,6 +3,7 @@ of the model (optiml.offline.calibrate)."""
 
 from __future__ import annotations
 
+from .._core import ArgumentError
 from ..formats import stats
 from ..offline.calibrate import calibrate
 from . import common
@@ -18,7 +19,7 @@ def add_arguments(p) -> None:
                         "passes), or by |act(gate)| (gate). Default product")
     p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
                    help="every layer the target (uniform), or spread to minimize estimated error (greedy)")
-    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
+    p.add_argument("--tokens", type=int, default=None, help="calibration tokens of --data (default 8192)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (512)")
     p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -26,8 +27,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    cal = calibrate(common.model_arg(args.model), args.data, target=args.target, out=args.output, n_tokens=args.tokens,
-                    criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx or 512,
+    if args.stats is not None and (args.data or args.tokens is not None):
+        raise ArgumentError("--stats holds its calibration tokens already: give --stats, or --data (and --tokens), "
+                            "not both")
+    common.check_output(args.output, [args.stats, *(args.data or [])])  # (before a known model name is pulled)
+    model = common.model_arg(args.model)
+    common.check_output(args.output, [model])
+    cal = calibrate(model, args.data, target=args.target, out=args.output, n_tokens=args.tokens or 8192,
+                    criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx,
                     n_threads=args.threads, progress=not args.quiet, field=args.field,
                     stats=None if args.stats is None else stats.load(args.stats))
     print(f"criterion {cal.criterion}, allocation {cal.allocation}, target {cal.target:.0%} of FFN neurons skipped "

@@ -35,6 +35,19 @@ def model_arg(name: str) -> str:
     return path
 
 
+def check_output(out: str, inputs: list) -> None:
+    """Errors about a command's output path, before any work: its folder must exist, it must not be a folder,
+    and it must not be one of the command's input files (None: an input not given)."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ArgumentError(f"the output folder does not exist: {folder}")
+    if os.path.isdir(out):
+        raise ArgumentError(f"the output is a folder, not a file: {out}")
+    for i in inputs:
+        if i is not None and os.path.exists(i) and os.path.exists(out) and os.path.samefile(out, i):
+            raise ArgumentError(f"the output {out} is an input file ({i}); choose another name")
+
+
 def print_json(obj) -> None:
     """--json: one object on stdout (numpy values as plain numbers and lists; NaN and Infinity as null)."""
     print(jsonout.dumps(obj))

@@ -21,7 +21,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    st = profile(common.model_arg(args.model), args.data, n_tokens=args.tokens, out=args.output, n_ctx=args.ctx or 512,
+    common.check_output(args.output, args.data)  # (before a known model name could be pulled)
+    model = common.model_arg(args.model)
+    common.check_output(args.output, [model])
+    st = profile(model, args.data, n_tokens=args.tokens, out=args.output, n_ctx=args.ctx,
                  threshold=args.threshold, active_share=args.active_share, samples=args.samples, field=args.field,
                  n_threads=args.threads, progress=not args.quiet)
     print(f"profiled {st.n_tokens} tokens of {st.model} ({st.activation}); a neuron fires when "

@@ -11,7 +11,7 @@ import warnings
 from .._core import ArgumentError
 from ..formats import stats
 from ..engine.sparsity import beside
-from ..formats.placement import write_expert_placement, write_placed
+from ..formats.placement import check_placeable, write_expert_placement, write_placed
 from ..formats.predictors import default_predictor_path
 from ..offline.hardware import Hardware
 from ..offline.solve import format_report, solve_placement
@@ -50,9 +50,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    _check_output(args.outfile, [args.stats])  # before a known model name could be pulled
+    common.check_output(args.outfile, [args.stats])  # before a known model name could be pulled
     model = common.model_arg(args.model)
-    _check_output(args.outfile, [model])
+    common.check_output(args.outfile, [model])
     vram = parse_size(args.vram)
     if args.ctx < 1:
         raise ArgumentError(f"--ctx must be >= 1, not {args.ctx}")
@@ -65,15 +65,24 @@ def run(args) -> int:
     if not args.time_limit > 0:
         raise ArgumentError(f"--time-limit must be > 0, not {args.time_limit}")
     st = stats.load(args.stats)
+    st.check_model(model)  # (before anything that reads the stats' activation or shape)
+    if not st.is_moe:
+        check_placeable(model)
+        n_ff = st.freq.shape[1]
+        if args.group > n_ff:
+            raise ArgumentError(f"--group {args.group} is more than the {n_ff} neurons of a layer")
+    if args.positions is not None and args.positions > args.ctx:
+        raise ArgumentError(f"--positions {args.positions} is more than --ctx {args.ctx}")
     if args.order == "coactive":  # before the solver's work
-        check_stats(st, args.stats)
+        check_stats(st, args.stats, warn=False)  # (placed_order warns about few samples)
     hw = Hardware.auto() if args.hardware == "auto" else Hardware.from_json(args.hardware)
     if st.is_moe and args.predictors not in ("auto", "none"):
         raise ArgumentError("--predictors: this model's layers are mixtures of experts, placed by whole experts, "
                             "which read every row they hold: leave --predictors out")
     pred = None if st.is_moe else _predictors(args.predictors, model, st.activation)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        if vram == 0:  # (the CPU-only mode: that nothing fits on a device is what was asked for)
+            warnings.filterwarnings("ignore", message="the budget of 0 bytes")
         if st.is_moe:  # whole experts (optiml.offline.solve_experts)
             placement = solve_expert_placement(model, st, vram, hw, ctx=args.ctx, time_limit=args.time_limit,
                                                batch=args.batch, positions=args.positions)
@@ -81,11 +90,9 @@ def run(args) -> int:
             placement = solve_placement(model, st, vram, hw, ctx=args.ctx, group=args.group,
                                         time_limit=args.time_limit, batch=args.batch, positions=args.positions,
                                         predictors=pred)
-    for w in caught:
-        print(f"optiml solve: warning: {w.message}", file=sys.stderr)
     print(format_report(placement))
     if st.is_moe:
-        write_expert_placement(model, st, placement, args.outfile)
+        write_expert_placement(model, st, placement, args.outfile, progress=not args.quiet)
         print(f"wrote {args.outfile}: weights unchanged, each layer's GPU experts in optiml.placement.gpu_experts")
         return 0
     order = None
@@ -95,7 +102,7 @@ def run(args) -> int:
         after = sum(r[1] for r in runs) / len(runs)
         print(f"co-activation order: a step's active CPU rows come in runs of {before:.2f} rows hot-first, "
               f"{after:.2f} in this order (mean over layers, on sampled tokens held out from the ordering)")
-    res = write_placed(model, st, placement, args.outfile, order=order, order_name="coactive")
+    res = write_placed(model, st, placement, args.outfile, order=order, order_name="coactive", progress=not args.quiet)
     if res["form"] == "permuted":
         how = f"FFN neurons permuted {'hot-first' if order is None else 'in the co-activation order'} in the file"
     else:
@@ -115,10 +122,10 @@ def _predictors(choice: str, model: str, activation: str) -> str | None:
         return choice
     d = beside(model, activation)
     if d["used"]:
-        print(f"predictors: {d['path']} (beside the model; --predictors none to place without them)")
+        common.log(f"predictors: {d['path']} (beside the model; --predictors none to place without them)")
         return d["path"]
     if d["found"]:
-        print(f"predictors: not using {d['path']}: {d['why']}")
+        common.log(f"predictors: not using {d['path']}: {d['why']}")
     return None
 
 
@@ -133,15 +140,3 @@ def _predictors_beside_output(pred: str, form: str, out: str) -> None:
     if os.path.abspath(dest) != os.path.abspath(pred):
         shutil.copyfile(pred, dest)
     print(f"predictors: {dest} beside it (a Model of the placed file uses them by itself)")
-
-
-def _check_output(out: str, inputs: list[str]) -> None:
-    """Errors about the output path, before any work: its folder must exist, and it must not be an input."""
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        raise ArgumentError(f"the output folder does not exist: {folder}")
-    if os.path.isdir(out):
-        raise ArgumentError(f"the output is a folder, not a file: {out}")
-    for i in inputs:
-        if os.path.realpath(out) == os.path.realpath(i) or (os.path.exists(out) and os.path.samefile(out, i)):
-            raise ArgumentError(f"the output {out} is an input file; choose another name")

@@ -26,8 +26,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.output is not None:
+        common.check_output(args.output, args.data)  # (before a known model name could be pulled)
     model = common.model_arg(args.model)
     out = args.output or default_predictor_path(model)
+    common.check_output(out, [model, *args.data])
     res = train_predictors(model, args.data, recall=args.recall, out=out, samples=args.samples,
                            label_sparsity=args.label_sparsity, max_rank=args.max_rank, qtype=args.type,
                            seed=args.seed, n_ctx=args.ctx, n_threads=args.threads, progress=not args.quiet,

@@ -18,6 +18,7 @@ import os
 
 from .. import _core
 from .._core import OptimlError
+from .. import gguf as _gguf
 from ..formats.placement import read_placement
 from . import plan, speed_probe
 from .sparsity import beside, choose_mode
@@ -53,8 +54,10 @@ def _predictors(path: str, activation: str) -> dict:
     return d
 
 
-def _placement(path: str) -> dict:
-    """Whether the file has a placement (optiml solve) and whether the default device uses it."""
+def _placement(path: str, predictors_used: bool) -> dict:
+    """Whether the file has a placement (optiml solve) and whether the default device uses it; on the CPU,
+    whether its neuron order is read there (a kept-order file with an order other than hot-first, with
+    predictors: Session::reads_placed_copies)."""
     pl = read_placement(path)
     if pl is None:
         return {"in_file": False, "used": False, "why": "no placement in the file (optiml solve writes one)"}
@@ -62,6 +65,19 @@ def _placement(path: str) -> dict:
         p = plan.make(path)
     except OptimlError as e:
         return {"in_file": True, "used": False, "why": f"the default plan cannot be made: {e}"}
+    if p.device == "cpu" and pl["form"] == "neuron_order" and pl.get("order", "hot-first") != "hot-first":
+        if not predictors_used:
+            why = (f"the default device runs every layer on the CPU, which reads the file's {pl['order']} neuron "
+                   "order only with predictors (none are used)")
+            return {"in_file": True, "used": False, "why": why, "gpu_neurons": sum(pl["gpu_neurons"])}
+        with _gguf.open(path) as f:
+            copy = sum(t.n_bytes for t in f.tensors if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")))
+        why = (f"the default device runs every layer on the CPU, and with the predictors a step reads the FFN's "
+               f"rows in the file's {pl['order']} order: its gate and up rows from a copy made at load "
+               f"({copy / 2**20:.1f} MiB), down's rows neuron-major in that order (Model.placed_copy_info() "
+               "says what a loaded model holds)")
+        return {"in_file": True, "used": True, "why": why, "gpu_neurons": sum(pl["gpu_neurons"]),
+                "copy_bytes": copy}
     if p.device == "cpu":
         why = (f"the default device runs every layer on the CPU ({p.reason}); the placement is used with "
                "--device cuda (device='cuda') within --vram")
@@ -86,8 +102,9 @@ def companions(path: str | os.PathLike) -> dict:
     when the engine cannot run the file."""
     path = os.fspath(path)
     native = _core.Model(os.fsencode(path))
-    out = {"sparsity": _sparsity(native, path), "predictors": _predictors(path, native.hparams["ffn_act"]),
-           "placement": _placement(path), "files": []}
+    out = {"sparsity": _sparsity(native, path), "predictors": _predictors(path, native.hparams["ffn_act"])}
+    out["placement"] = _placement(path, bool(out["predictors"]["used"]))
+    out["files"] = []
     pred = out["predictors"]
     if pred["found"]:
         out["files"].append({"path": pred["path"], "kind": "activation predictors (optiml train-predictors)",

@@ -305,6 +305,16 @@ def write_expert_placement(model_path: str | os.PathLike, stats: ActivationStats
     return {"form": "experts"}
 
 
+def check_placeable(model_path: str | os.PathLike) -> None:
+    """ArgumentError for a file already placed with its weights in the original order (neuron_order): its
+    weights are the original's (same fingerprint), so stats measured on either fit, but in which neuron
+    order is ambiguous; placing the original says it plainly."""
+    with _gguf.open(os.fspath(model_path)) as f:
+        if PREFIX + "neuron_order" in f.metadata:
+            raise ArgumentError(f"{model_path} is already placed with its weights in the original order "
+                                f"({PREFIX}neuron_order); place the original file instead (the same stats fit it)")
+
+
 def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placement: Any,
                  out_path: str | os.PathLike, progress: bool = True, order: np.ndarray | None = None,
                  order_name: str = "custom") -> dict:
@@ -324,13 +334,9 @@ def write_placed(model_path: str | os.PathLike, stats: ActivationStats, placemen
     check_output(model_path, out_path)
     stats.check_model(model_path)
 
+    check_placeable(model_path)
     with _gguf.open(model_path) as f:
         n_layer, n_ff, layers = ffn_layout(f)
-        if PREFIX + "neuron_order" in f.metadata:
-            # Its weights are the original's (same fingerprint), so stats measured on either fit, but in
-            # which neuron order is ambiguous: placing the original says it plainly.
-            raise ArgumentError(f"{model_path} is already placed with its weights in the original order "
-                                f"({PREFIX}neuron_order); place the original file instead (the same stats fit it)")
     if tuple(stats.freq.shape) != (n_layer, n_ff):
         raise ArgumentError(f"the stats are {stats.freq.shape[0]} layers x {stats.freq.shape[1]} neurons, "
                             f"the model {n_layer} x {n_ff}")

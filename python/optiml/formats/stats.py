@@ -168,8 +168,9 @@ def load(path: str | os.PathLike) -> ActivationStats:
         raise FileNotFoundError(f"stats file not found: {path}")
     try:
         z = np.load(path, allow_pickle=False)
-    except Exception as e:
-        raise ArgumentError(f"{path} is not an activation stats file (.npz from `optiml profile`): {e}") from None
+    except Exception as e:  # (numpy's own message about pickles is no help here)
+        why = f": {e}" if isinstance(e, OSError) else ""
+        raise ArgumentError(f"{path} is not an activation stats file (.npz from `optiml profile`){why}") from None
     with z:
         missing = [k for k in _REQUIRED if k not in z.files]
         if missing:

@@ -20,6 +20,8 @@ it buys: the mean length of the runs of consecutive active rows a step reads.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .._core import ArgumentError
@@ -102,16 +104,21 @@ def run_lengths(masks: np.ndarray, order: np.ndarray) -> float:
     return active / starts
 
 
-def check_stats(stats, where: str = "the stats") -> None:
-    """ArgumentError unless the stats can order neurons: a dense FFN's, with enough sampled firing masks."""
+def check_stats(stats, where: str = "the stats", warn: bool = True) -> None:
+    """ArgumentError unless the stats can order neurons: a dense FFN's, with enough sampled firing masks;
+    a warning (with warn) when they are fewer than an order needs to pay."""
     if stats.is_moe:
         raise ArgumentError("--order coactive orders FFN neurons; a mixture of experts is placed by whole experts")
     if stats.sample_mask is None:
         raise ArgumentError(f"--order coactive needs the firing masks of sampled tokens, which {where} does not "
                             "hold: profile with --samples N (e.g. 2048)")
-    if stats.sample_mask.shape[1] < 4:
-        raise ArgumentError(f"--order coactive: {stats.sample_mask.shape[1]} sampled tokens are too few; profile "
-                            "with --samples 1024 or more")
+    n = stats.sample_mask.shape[1]
+    if n < 4:
+        raise ArgumentError(f"--order coactive: {n} sampled tokens are too few; profile with --samples 1024 or more")
+    if n < 1024 and warn:
+        warnings.warn(f"--order coactive on {n} sampled tokens (half to order by, half to measure the order on): "
+                      "with fewer than 1024 the order can read shorter runs than hot-first; profile with --samples "
+                      "1024 or more", stacklevel=2)
 
 
 def placed_order(stats, gpu_neurons, neighbours: int = 64, progress=None) -> tuple[np.ndarray, list[tuple[float, float]]]:

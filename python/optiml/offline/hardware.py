@@ -167,7 +167,8 @@ class Hardware:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Hardware:
-        """Reads a JSON object with any of the fields above; unknown keys and bad values: ArgumentError."""
+        """Reads a JSON object with any of the fields above; unknown keys and bad values: ArgumentError. A
+        `source` key (what a placed file records) is kept in the new source's words."""
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ArgumentError(f"hardware file not found: {path}")
@@ -179,11 +180,13 @@ class Hardware:
         if not isinstance(d, dict):
             raise ArgumentError(f"{path}: expected a JSON object of hardware fields, not {type(d).__name__}")
         known = {f.name for f in fields(cls)} - {"source"}
+        d = dict(d)
+        was = d.pop("source", None)
         for k in d:
             if k not in known:
                 raise ArgumentError(f"{path}: unknown hardware key {k!r}; known: {', '.join(sorted(known))}")
         try:
-            return cls(**d, source=f"file {os.path.basename(path)}")
+            return cls(**d, source=f"file {os.path.basename(path)}" + (f" ({was})" if isinstance(was, str) else ""))
         except ArgumentError as e:
             raise ArgumentError(f"{path}: {e}") from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -147,6 +148,8 @@ def profile(
         raise ArgumentError(f"n_tokens must be a positive integer, got {n_tokens!r}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
         raise ArgumentError(f"samples must be a non-negative integer, got {samples!r}")
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
+        raise ArgumentError(f"n_ctx must be a positive integer, got {n_ctx!r}")
     if threshold is not None and not (np.isfinite(threshold) and threshold >= 0):
         raise ArgumentError(f"threshold must be finite and >= 0, got {threshold}")
     if active_share is not None and not 0 < active_share <= 1:
@@ -211,6 +214,9 @@ def profile(
         if samples:
             stats.sample_x = np.ascontiguousarray(r["sample_x"].view(np.float16).transpose(1, 0, 2))
             stats.sample_mask = np.ascontiguousarray(r["sample_mask"].transpose(1, 0, 2))
+            if stats.sample_mask.shape[1] < samples:
+                warnings.warn(f"kept {stats.sample_mask.shape[1]} of the {samples} samples asked for: the data gave "
+                              f"{total} tokens (raise n_tokens, or give more text)", stacklevel=2)
         if moe:
             stats.expert_count = r["expert_count"]
             stats.expert_weight = r["expert_weight"]

@@ -67,9 +67,11 @@ optiml.offline.time_model (weights at the CPU's dense rate or the GPU's bandwidt
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -337,8 +339,7 @@ def _mip(gbs, cbs, budget, hw, x0, time_limit, mip_gap, att=None, splits=None, f
             seg_blocks.append((T, X, B, P, slope, c[j] - slope * j))
     row(mem_ix, mem_v, -inf, budget / unit)
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _silent_highs(highspy)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.addVars(nv, lb, ub)
@@ -714,3 +715,30 @@ def format_report(p: Placement) -> str:
                  f"all-CPU ({ratio:.2f}x; all-CPU by part: {parts} ms; decode steps attending to {p.positions} "
                  f"positions{', with ' + p.predictors if p.predictors else ''})")
     return "\n".join(lines)
+
+
+def _silent_highs(highspy):
+    """A Highs with its output off. Making one prints HiGHS's banner on the process's stdout from C++, before
+    any option can turn it off, where it would land among optiml solve's report: stdout points at /dev/null
+    while it is made (the C library's buffer flushed before it is put back)."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # (no stdout to hide it from)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        return h
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+        try:
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError):  # (no C library to flush by name: Windows)
+            pass
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    h.setOptionValue("output_flag", False)
+    return h
