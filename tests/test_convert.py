@@ -548,7 +548,6 @@ CONFIG_VALUES = {  # config.json fields of the wrong type or shape
     "rope-no-factor": {"rope_scaling": {"rope_type": "linear"}},
     "rope-list": {"rope_parameters": [1, 2]},
     "rope-string": {"rope_scaling": "linear"},
-    "window": {"sliding_window": "big"},
 }
 TOKENIZER_EDITS = {  # tokenizer.json entries of the wrong type or shape
     "added-no-content": lambda tj: tj["added_tokens"][0].pop("content"),
@@ -577,7 +576,6 @@ BAD = {
     "rope-no-factor": "factor is missing",
     "rope-list": r"rope_parameters = \[1, 2\] is not an object",
     "rope-string": "rope_scaling = 'linear' is not an object",
-    "window": "sliding_window = 'big' is not a positive integer or null",
     "added-no-content": "added_tokens is not a list of",
     "added-string-id": "added_tokens is not a list of",
     "added-dict": "added_tokens is not a list of",
@@ -628,6 +626,14 @@ def test_an_output_among_the_checkpoints_files_is_refused(good, tmp_path):
         convert(good, weights, type="q8_0")
     assert weights.read_bytes() == before
     assert cli.main(["convert", str(good), "-o", str(good / "config.json"), "-q"]) == 1
+    # a Hugging Face cache's snapshot: its files are links into the blobs, and renaming over one replaces it
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    os.replace(good / "config.json", blobs / "cfg")
+    (good / "config.json").symlink_to(blobs / "cfg")
+    with pytest.raises(ConvertError, match="a file of the checkpoint being converted"):
+        convert(good, good / "config.json", type="q8_0")
+    assert (good / "config.json").is_symlink()
     out = good / "m.gguf"
     convert(good, out, type="q8_0")
     convert(good, out, type="q4_0")  # an earlier output is replaced
@@ -669,9 +675,15 @@ def test_conversion_warnings(tmp_path, tiny_tokenizer):
 
 
 def test_qwen2_window_is_refused(tmp_path, tiny_tokenizer):
-    d = save_folder(make_model("qwen2-bias", use_sliding_window=True, sliding_window=8), tmp_path / "q", tiny_tokenizer)
-    with pytest.raises(ConvertError, match="use_sliding_window = true is not supported"):
+    """Qwen2 windows its layers from max_window_layers on: refused where a layer is windowed, converted where
+    none is (transformers then attends to every position too)."""
+    d = save_folder(make_model("qwen2-bias", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                    tmp_path / "q", tiny_tokenizer)
+    with pytest.raises(ConvertError, match="use_sliding_window = true with a window of 8 positions is not supported"):
         convert(d, tmp_path / "q.gguf")
+    d = save_folder(make_model("qwen2-bias", use_sliding_window=True, sliding_window=8, max_window_layers=3),
+                    tmp_path / "none", tiny_tokenizer)
+    convert(d, tmp_path / "q.gguf")
 
 
 def test_unknown_type(good, tmp_path):

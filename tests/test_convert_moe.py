@@ -342,6 +342,23 @@ def test_unsupported_configs_are_refused(folders, tmp_path, name, key, value, me
     assert os.listdir(out) == []
 
 
+def test_mixtral_window_sets_the_context(folders, tmp_path):
+    """A Mixtral sliding_window shorter than the context: both engines attend to every position, which is
+    transformers' window up to its length, so the file's context is the window (with a warning)."""
+    import gguf
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in os.listdir(folders["mixtral"]):
+        if f != "config.json":
+            os.symlink(folders["mixtral"] / f, d / f)
+    cfg = json.loads((folders["mixtral"] / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 64}))
+    with pytest.warns(UserWarning, match="sliding_window = 64 is shorter than max_position_embeddings"):
+        convert(d, tmp_path / "m.gguf", type="f16")
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["llama.context_length"].parts[-1][0] == 64
+
+
 def test_fused_expert_tensors_are_refused(tmp_path):
     from optiml.convert import hf_config, moe
 

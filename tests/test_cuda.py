@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import optiml
+from optiml import _core
 from conftest import check_prefix_copy_and_truncate
 from optiml.engine.batch import Batch
 
@@ -600,6 +601,7 @@ def test_one_token_kernels_equal_the_batch_kernels(request, tiny, monkeypatch, n
     def run(one_token):
         monkeypatch.setenv("OPTIML_CUDA_ONE_TOKEN", one_token)
         with optiml.Model(path, n_ctx=64, device="cuda") as m:
+            assert _core._cuda_one_token_kernels() == (one_token == "1")  # (read as the backend was made)
             return np.concatenate([m.eval(ids)[None]] + [m.eval([270 + i])[None] for i in range(3)])
 
     np.testing.assert_array_equal(run("1"), run("0"))

@@ -526,8 +526,8 @@ def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monke
 
 def test_cli_checks_the_inputs_before_solving(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
     """What solve can tell from its inputs it says before the solver's work: stats of another model (not a
-    complaint about the predictors beside the model), a group larger than a layer, positions past the
-    context, a stats file that is not one (a file already placed: test_placement.py's test_errors)."""
+    complaint about the predictors beside the model), positions past the context, a stats file that is not
+    one (a file already placed: test_placement.py's test_errors)."""
     from optiml.cli import solve as solve_command
 
     def never(*a, **k):
@@ -546,7 +546,6 @@ def test_cli_checks_the_inputs_before_solving(smollm2_path, smollm2_stats, tmp_p
     base = ["solve", "-m", str(model), "--vram", "40MiB", "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]
     for extra, said in [(["--stats", str(other)], "measured on"),
                         (["--stats", str(text)], re.escape("is not an activation stats file (.npz from `optiml profile`)") + "$"),
-                        (["--stats", str(sp), "--group", "5000"], "--group 5000 is more than the 1536 neurons"),
                         (["--stats", str(sp), "--positions", "9000"], "--positions 9000 is more than --ctx 4096")]:
         assert cli.main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip()

@@ -34,6 +34,8 @@ void bind_cuda_timing(nb::module_& m) {
     m.def("_cuda_time_product", &time_product_py, nb::arg("device"), nb::arg("type"), nb::arg("rows"), nb::arg("cols"),
           nb::arg("n"), nb::arg("kernel"), nb::arg("reps"), nb::arg("span_bytes"),
           "Seconds per launch of one CUDA product kernel over random weights (tools/bench/gpu_kernels.py).");
+    m.def("_cuda_one_token_kernels", &cuda_one_token_kernels,
+          "Whether batch-1 decode takes the CUDA product kernels built for one token (OPTIML_CUDA_ONE_TOKEN).");
     m.def("_cuda_copy_bandwidth", &copy_bandwidth_py, nb::arg("device"), nb::arg("bytes"), nb::arg("reps"),
           "Device-to-device copy bandwidth of CUDA device `device`, bytes read plus written per second.");
 }

@@ -30,6 +30,12 @@ std::vector<CudaDevice> cuda_devices(std::string* why_none = nullptr);
 std::unique_ptr<Backend> make_cuda_backend(int index);
 // Whether the CUDA backend's products read weights of `type` (false in a CPU-only build).
 bool cuda_reads_type(int32_t type);
+// Whether launches of one token a matrix take the decode kernels built for one token (the default), or those
+// built for batches (the same bits; OPTIML_CUDA_ONE_TOKEN=0, read by each CUDA backend as it is made, for
+// comparisons on a GPU). Process-wide: the last backend made sets it, and cuda_time_product's "decode"
+// follows it. False in a CPU-only build.
+void cuda_use_one_token_kernels(bool on);
+bool cuda_one_token_kernels();
 
 // One product kernel timed alone on device `device` (native/src/cuda/product_timing.cu): random weights of
 // `type`, rows x cols, copied until they span span_bytes; n tokens; kernel "decode" (the decode kernels:

@@ -156,11 +156,6 @@ void cuda_input_stage(cudaStream_t s, const CudaInputStage& st, int32_t n, int64
 // The activation code cuda_act_mul and ActMul stages take for an FFNActivation (GELU through f16 when
 // gelu_f16, as the CPU's table).
 int32_t cuda_act_code(int act, bool gelu_f16);
-// Whether launches of one token a matrix take the decode kernels built for one token (the default), or those
-// for batches (the same bits; OPTIML_CUDA_ONE_TOKEN=0 when a backend is made, for comparisons on a GPU).
-// Process-wide.
-void cuda_use_one_token_kernels(bool on);
-bool cuda_one_token_kernels();
 // True when cuda_matmul_q8x handles these weights: Q4_0, Q4_1 or Q8_0 rows, 16-byte aligned.
 bool cuda_matmul_q8x_reads(int32_t type, int64_t cols, size_t row_bytes, const void* w);
 // y[t][r] (+)= the CPU's block dot products of W's row r with x's codes (integer sums per block, scaled).

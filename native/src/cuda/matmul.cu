@@ -3,10 +3,10 @@
 // to kTokens tokens, then the lanes' sums added through shared memory. A prompt runs as kTokens-token
 // slices of the grid, each reading the weights again: correct at any batch size, fast only for decode.
 // A launch of one token a matrix (batch-1 decode, experts chosen on the GPU) takes the kernels built for
-// one token: eight tokens' accumulators and unrolled loops cost registers, so fewer warps, and fewer
-// bytes in flight, fit on a multiprocessor (ptxas, sm_90: Q4_K 126 -> 76 registers, Q6_K 246 -> 168,
-// the integer path 60 -> 47), and those kernels read the next two chunks of a row ahead instead of one.
-// Both sum a token's products in the same order, so they give the same bits.
+// one token: the registers that eight tokens' accumulators and unrolled loops take in the batch kernels
+// hold a second chunk of the row in flight instead (two chunks read ahead, not one, for about the same
+// registers: ptxas, sm_90, the integer path 61-64 either way, Q4_K 100 -> 102, Q8_0's float path
+// 128 -> 99, Q6_K 236 -> 244). Both sum a token's products in the same order, so they give the same bits.
 //
 // Rows whose bytes are 16-byte aligned (every common shape) take the staged kernel: the warp reads its
 // row a chunk at a time with coalesced 16-byte loads into shared memory, the next chunk's loads in flight
@@ -147,10 +147,12 @@ struct Chunk {
 };
 
 // A warp's row, a chunk at a time through the warp's shared memory `stage`, with the loads of the next
-// DEPTH chunks in flight in registers: construction starts the 16-byte loads of the first DEPTH chunks
-// (bytes past the row: none); advance(c0) stores chunk c0 into `stage` once every lane is done with the
-// previous chunk, then starts the loads of chunk c0 + DEPTH chunks. (The chunks in flight move down one
-// slot per chunk: a register array indexed at run time would live in local memory.)
+// DEPTH chunks in flight in registers, slot s holding the chunks whose index is s modulo DEPTH: construction
+// starts the 16-byte loads of the first DEPTH chunks (bytes past the row: none); advance(s, c0) stores
+// chunk c0, held in slot s, into `stage` once every lane is done with the previous chunk, then starts the
+// loads of chunk c0 + DEPTH chunks into the same slot. The kernels walk a row's chunks DEPTH at a time with
+// the inner loop unrolled, so that s is a constant in each copy: a register array indexed at run time
+// would live in local memory, and moving a chunk from one slot to another would wait for its loads.
 template <int TYPE, int DEPTH>
 struct RowStager {
     using C = Chunk<TYPE>;
@@ -175,20 +177,16 @@ struct RowStager {
             if (u < C::kBytes / 16 && u0 + u < row_units) into[i] = row[u0 + u];
         }
     }
-    __device__ __forceinline__ void advance(int64_t c0) {
+    __device__ __forceinline__ void advance(int s, int64_t c0) {
         __syncwarp();
 #pragma unroll
         for (int i = 0; i < C::kLoads; i++) {
             const int u = lane + 32 * i;
-            if (u < C::kBytes / 16) stage[u] = next[0][i];
+            if (u < C::kBytes / 16) stage[u] = next[s][i];
         }
         __syncwarp();
-#pragma unroll
-        for (int d = 1; d < DEPTH; d++)
-#pragma unroll
-            for (int i = 0; i < C::kLoads; i++) next[d - 1][i] = next[d][i];
         const int64_t ahead = c0 + (int64_t)DEPTH * C::kValues;
-        if (ahead < cols) fetch(next[DEPTH - 1], ahead);
+        if (ahead < cols) fetch(next[s], ahead);
     }
 };
 
@@ -214,9 +212,14 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
     RowStager<TYPE, kReadAhead<NT>> rs(m, r, cols, lane, sh.stage[warp]);
     const uint8_t* chunk = (const uint8_t*)sh.stage[warp];
 
+    constexpr int D = kReadAhead<NT>;
     float acc[NT] = {};
-    for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
-        rs.advance(c0);
+    for (int64_t c = 0; c < cols; c += D * C::kValues)
+#pragma unroll
+    for (int s = 0; s < D; s++) {  // (s: the chunk's RowStager slot, a constant in each unrolled copy)
+        const int64_t c0 = c + s * C::kValues;
+        if (c0 >= cols) break;
+        rs.advance(s, c0);
         const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
         if (valid == C::kValues) {
             // A whole chunk: each lane's groups decoded, then their activations loaded together, so the
@@ -282,7 +285,7 @@ __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
 // of these types), staged through shared memory as the float kernel does; per block the integer dot
 // product of the weights' codes with x's (dp4a) and the CPU's scaling (vec_dot_scalar.cpp).
 // (One token: at most 64 registers, so that eight blocks, 32 warps, fit on a multiprocessor with their two
-// chunks each in flight: 60 registers without the bound, no spills with it; ptxas, sm_90.)
+// chunks each in flight: 61-64 registers with the bound, no spills; ptxas, sm_90.)
 template <int TYPE, int NT>
 __global__ void __launch_bounds__(32 * kRowsPerBlock, NT == 1 ? 8 : 0) matmul_q8x_kernel(Matrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                   const CudaQ8Meta* __restrict__ meta, int32_t n) {
@@ -297,9 +300,14 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock, NT == 1 ? 8 : 0) matmul_q8
     const int64_t n_blocks = cols / 32;
     const uint8_t* wb = (const uint8_t*)sh.stage[warp] + lane * Q::block_bytes;
 
+    constexpr int D = kReadAhead<NT>;
     float acc[NT] = {};
-    for (int64_t c0 = 0; c0 < cols; c0 += C::kValues) {
-        rs.advance(c0);
+    for (int64_t c = 0; c < cols; c += D * C::kValues)
+#pragma unroll
+    for (int s = 0; s < D; s++) {  // (as in matmul_staged_kernel)
+        const int64_t c0 = c + s * C::kValues;
+        if (c0 >= cols) break;
+        rs.advance(s, c0);
         const int64_t blk = c0 / 32 + lane;
         if (blk >= n_blocks) continue;
         // The weights' codes as 8 words of four bytes: for Q4_0/Q4_1 words 0-3 hold values 0-15 (low

@@ -22,6 +22,8 @@ std::vector<CudaDevice> cuda_devices(std::string* why_none) {
 }
 
 bool cuda_reads_type(int32_t) { return false; }
+void cuda_use_one_token_kernels(bool) {}
+bool cuda_one_token_kernels() { return false; }
 
 std::unique_ptr<Backend> make_cuda_backend(int index) { throw ArgumentError(format("cuda:%d: %s", index, kNoCuda)); }
 

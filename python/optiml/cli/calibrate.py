@@ -33,7 +33,7 @@ def run(args) -> int:
     common.check_output(args.output, [args.stats, *(args.data or [])])  # (before a known model name is pulled)
     model = common.model_arg(args.model)
     common.check_output(args.output, [model])
-    cal = calibrate(model, args.data, target=args.target, out=args.output, n_tokens=args.tokens or 8192,
+    cal = calibrate(model, args.data, target=args.target, out=args.output, n_tokens=8192 if args.tokens is None else args.tokens,
                     criterion=args.criterion, allocation=args.allocation, n_ctx=args.ctx,
                     n_threads=args.threads, progress=not args.quiet, field=args.field,
                     stats=None if args.stats is None else stats.load(args.stats))

@@ -50,7 +50,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    common.check_output(args.outfile, [args.stats])  # before a known model name could be pulled
+    hardware = None if args.hardware == "auto" else args.hardware
+    predictors = None if args.predictors in ("auto", "none") else args.predictors
+    common.check_output(args.outfile, [args.stats, hardware, predictors])  # before a known model name is pulled
     model = common.model_arg(args.model)
     common.check_output(args.outfile, [model])
     vram = parse_size(args.vram)
@@ -68,9 +70,6 @@ def run(args) -> int:
     st.check_model(model)  # (before anything that reads the stats' activation or shape)
     if not st.is_moe:
         check_placeable(model)
-        n_ff = st.freq.shape[1]
-        if args.group > n_ff:
-            raise ArgumentError(f"--group {args.group} is more than the {n_ff} neurons of a layer")
     if args.positions is not None and args.positions > args.ctx:
         raise ArgumentError(f"--positions {args.positions} is more than --ctx {args.ctx}")
     if args.order == "coactive":  # before the solver's work

@@ -58,13 +58,19 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.
 
 def _check_not_an_input(hf_dir: str, out: str) -> None:
     """Refuses an output that would replace a file of the checkpoint: inside its folder only GGUF files
-    (an earlier conversion's) may be replaced."""
-    real = os.path.realpath(out)
-    if not os.path.isfile(real) or os.path.commonpath([real, os.path.realpath(hf_dir)]) != os.path.realpath(hf_dir):
+    (an earlier conversion's) may be replaced. The output's own name decides where it is, not what a link
+    there points to: the output is renamed over that name (a Hugging Face cache's snapshot holds links into
+    its blobs)."""
+    root = os.path.realpath(hf_dir)
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(out)))
+    if not os.path.lexists(out) or os.path.commonpath([folder, root]) != root:
         return
-    with open(real, "rb") as f:
-        if f.read(4) == b"GGUF":
-            return
+    try:
+        with open(out, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return
+    except OSError:  # (a dangling link, an unreadable file: a file of the folder all the same)
+        pass
     raise ConvertError(f"{out}: a file of the checkpoint being converted; the output must be a new file or a "
                        "GGUF file")
 

@@ -111,8 +111,11 @@ def load_config(folder: str) -> ModelConfig:
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish", "relu"):
             raise ConvertError(f"{path}: hidden_act {act!r} is not supported (silu, relu)")
-    n_ctx = _get(cfg, path, "max_position_embeddings", 2048, kind=int)
-    if arch in ("llama", "qwen2"):
+    n_ctx = cfg.get("max_position_embeddings") or 2048
+    if isinstance(n_ctx, float) and n_ctx.is_integer():
+        n_ctx = int(n_ctx)
+    n_ctx = _get({"max_position_embeddings": n_ctx}, path, "max_position_embeddings", kind=int)
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"):
         n_ctx = _full_attention_context(cfg, path, hf_arch, n_ctx)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
@@ -157,14 +160,21 @@ def _dict_or_none(cfg: dict, path: str, key: str, prefix: str = "") -> dict:
 
 
 def _full_attention_context(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> int:
-    """The context a llama or qwen2 file says. llama.cpp's graphs for them (which OptiML's engine follows)
-    attend to every position, as transformers does within a sliding window's length. A Mistral or Mixtral
-    window shorter than max_position_embeddings (Mistral-7B-v0.1: 4096 of 32768) becomes the file's
-    context_length, so that both engines compute what transformers does up to their trained context;
-    Qwen2's use_sliding_window (a window on some layers only) is refused."""
+    """The context a Mistral, Mixtral or Qwen2 file says. llama.cpp's graphs for them (llama, qwen2: which
+    OptiML's engine follows) attend to every position, as transformers does within a sliding window's
+    length. A Mistral or Mixtral window shorter than max_position_embeddings (Mistral-7B-v0.1: 4096 of 32768)
+    becomes the file's context_length, so that both engines compute what transformers does up to their
+    trained context. Qwen2's use_sliding_window windows the layers from max_window_layers on (or those
+    layer_types names): refused where that changes anything."""
     if hf_arch == "Qwen2ForCausalLM":
-        if cfg.get("use_sliding_window"):
-            raise ConvertError(f"{path}: use_sliding_window = true is not supported (full attention)")
+        if cfg.get("use_sliding_window") and (cfg.get("sliding_window") or n_ctx) < n_ctx:
+            types = cfg.get("layer_types")
+            n_layer = cfg.get("num_hidden_layers") or 0
+            windowed = ("sliding_attention" in types if isinstance(types, list) else
+                        (cfg.get("max_window_layers") if cfg.get("max_window_layers") is not None else 0) < n_layer)
+            if windowed:
+                raise ConvertError(f"{path}: use_sliding_window = true with a window of {cfg['sliding_window']} "
+                                   f"positions is not supported (full attention)")
         return n_ctx
     window = cfg.get("sliding_window")
     if window is None:

@@ -18,7 +18,7 @@ import os
 
 from .. import _core
 from .._core import OptimlError
-from .. import gguf as _gguf
+from ..formats import gguf as _gguf
 from ..formats.placement import read_placement
 from . import plan, speed_probe
 from .sparsity import beside, choose_mode

@@ -720,25 +720,33 @@ def format_report(p: Placement) -> str:
 def _silent_highs(highspy):
     """A Highs with its output off. Making one prints HiGHS's banner on the process's stdout from C++, before
     any option can turn it off, where it would land among optiml solve's report: stdout points at /dev/null
-    while it is made (the C library's buffer flushed before it is put back)."""
+    while it is made (the C library's buffer flushed before it is put back). Process-wide: another thread's
+    output in that moment would be lost too."""
+    def flush_c_stdio():
+        try:
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError, TypeError):  # (no C library to flush by name: Windows)
+            pass
+
     sys.stdout.flush()
+    flush_c_stdio()  # (what the C side printed before goes where it was meant to)
     try:
         saved = os.dup(1)
     except OSError:  # (no stdout to hide it from)
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        return h
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        h = highspy.Highs()
+        saved = None
+    if saved is not None:
         try:
-            ctypes.CDLL(None).fflush(None)
-        except (OSError, AttributeError):  # (no C library to flush by name: Windows)
-            pass
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(null)
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, 1)
+                h = highspy.Highs()
+                flush_c_stdio()
+            finally:
+                os.dup2(saved, 1)
+                os.close(null)
+        finally:
+            os.close(saved)
+    else:
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     return h
