@@ -92,9 +92,11 @@ class _TinyModels(dict):
     ones its own tests read); "donor": the tokenizer's file."""
 
     # hd96: heads of 96 values (three 32-value blocks: a quantized KV cache without rotation, blocks read alone);
-    # wide_*: FFNs of 2560 neurons (down's rows are two and a half of the decode kernels' 1024-value chunks)
+    # wide_*: FFNs of 2560 neurons (down's rows are two and a half of the decode kernels' 1024-value chunks);
+    # for Q6_K (rows 16-byte aligned from 2048 values, chunks of 2048) one layer of 2048 x 6144
     KINDS = {"q4_0": ("q4_0", []), "q4_k": ("q4_k", []), "hd96": ("q4_0", ["--head-dim", "96"]),
-             "wide_q4_0": ("q4_0", ["--n-ff", "2560"]), "wide_q4_k": ("q4_k", ["--n-ff", "2560"])}
+             "wide_q4_0": ("q4_0", ["--n-ff", "2560"]), "wide_q4_k": ("q4_k", ["--n-ff", "2560"]),
+             "wide_q6_k": ("q6_k", ["--n-embd", "2048", "--n-ff", "6144", "--n-layer", "1", "--n-head", "16"])}
 
     def __init__(self, tmp_path_factory, donor):
         super().__init__(donor=donor)
@@ -588,13 +590,13 @@ def test_fused_kernels_equal_the_unfused_ones(request, tiny, monkeypatch, name):
     assert plain_per_layer >= 17 and per_layer <= plain_per_layer - 7, (plain_per_layer, per_layer)
 
 
-@pytest.mark.parametrize("name", ["wide_q4_0", "wide_q4_k", "smollm2"])
+@pytest.mark.parametrize("name", ["wide_q4_0", "wide_q4_k", "wide_q6_k", "smollm2"])
 def test_one_token_kernels_equal_the_batch_kernels(request, tiny, monkeypatch, name):
     """Batch-1 decode takes the product kernels built for one token (fewer registers, two chunks of a row
     read ahead); with OPTIML_CUDA_ONE_TOKEN=0 it takes those built for batches, as before. They sum in the
     same order: the same logits bit for bit over a prompt and decode steps (Q4_0: the integer path; Q4_K:
-    the staged float path; down's rows of two and a half chunks; SmolLM2's Q4_1 rows of 360 bytes: the
-    unstaged kernel, and its Q8_0 output)."""
+    the staged float path; Q6_K: the staged path a group at a time; down's rows of two and a half chunks;
+    SmolLM2's Q4_1 rows of 360 bytes: the unstaged kernel, and its Q8_0 output)."""
     path = request.getfixturevalue(f"{name}_path") if name == "smollm2" else tiny[name]
     ids = list(range(260, 266))
 

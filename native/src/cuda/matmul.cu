@@ -194,6 +194,14 @@ struct RowStager {
 template <int NT>
 constexpr int kReadAhead = NT == 1 ? 2 : 1;
 
+// Whether the staged kernel decodes a whole chunk's groups before it loads their activations (the loads of
+// every group in flight at once), or decodes and applies one group at a time. One at a time for one token
+// of the types whose decoding takes the most registers: Q6_K's and Q3_K's whole chunk took 244 registers a
+// thread, 8 warps a multiprocessor; a group at a time takes 80 and 56 (ptxas, sm_90), with the activations
+// (a token's few KB) from the cache. Both add in the same order: the same bits.
+template <int TYPE, int NT>
+constexpr bool kWholeChunks = !(NT == 1 && (TYPE == TYPE_Q6_K || TYPE == TYPE_Q3_K));
+
 // A thread block's shared memory in the staged kernels: each warp's chunk of its row and its partial sums.
 template <int TYPE, int NT>
 struct StagedShared {
@@ -221,7 +229,7 @@ __global__ void matmul_staged_kernel(Matrices ms, int64_t cols, const float* __r
         if (c0 >= cols) break;
         rs.advance(s, c0);
         const int64_t valid = cols - c0 < C::kValues ? cols - c0 : C::kValues;
-        if (valid == C::kValues) {
+        if (kWholeChunks<TYPE, NT> && valid == C::kValues) {
             // A whole chunk: each lane's groups decoded, then their activations loaded together, so the
             // loads of every group are in flight at once rather than one group's at a time.
             constexpr int G = C::kGroups / 32;
