@@ -93,10 +93,10 @@ class _TinyModels(dict):
 
     # hd96: heads of 96 values (three 32-value blocks: a quantized KV cache without rotation, blocks read alone);
     # wide_*: FFNs of 2560 neurons (down's rows are two and a half of the decode kernels' 1024-value chunks);
-    # for Q6_K (rows 16-byte aligned from 2048 values, chunks of 2048) one layer of 2048 x 6144
+    # for Q6_K (rows 16-byte aligned in multiples of 2048 values, chunks of 2048) down's rows of 6144
     KINDS = {"q4_0": ("q4_0", []), "q4_k": ("q4_k", []), "hd96": ("q4_0", ["--head-dim", "96"]),
              "wide_q4_0": ("q4_0", ["--n-ff", "2560"]), "wide_q4_k": ("q4_k", ["--n-ff", "2560"]),
-             "wide_q6_k": ("q6_k", ["--n-embd", "2048", "--n-ff", "6144", "--n-layer", "1", "--n-head", "16"])}
+             "wide_q6_k": ("q6_k", ["--n-ff", "6144", "--n-layer", "2"])}
 
     def __init__(self, tmp_path_factory, donor):
         super().__init__(donor=donor)
