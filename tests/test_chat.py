@@ -310,6 +310,19 @@ def test_repl_scripted(smollm2_path, tmp_path):
     assert saved["messages"][-1]["role"] == "assistant"
 
 
+def test_repl_keeps_the_conversation_when_a_message_cannot_fit(smollm2_path, tmp_path):
+    """A message too long for the context even alone is refused, and no earlier turn is dropped for it."""
+    lines = iter(["My name is Ada.", "x " * 400, "/save " + str(tmp_path / "c.json"), "/exit"])
+    out = io.StringIO()
+    with optiml.Model(smollm2_path, n_ctx=192, n_threads=2) as m:
+        assert repl(m, system="Be brief.", max_tokens=8, sampling={"temperature": 0}, out=out,
+                    read=lambda prompt: next(lines)) == 0
+    text = out.getvalue()
+    assert "[the message does not fit in the context" in text and "dropped" not in text
+    saved = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["role"] for m in saved] == ["system", "user", "assistant"] and saved[1]["content"] == "My name is Ada."
+
+
 # ---- the REPL in a pseudo-terminal ----------------------------------------------------------------
 pexpect = pytest.importorskip("pexpect")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

@@ -145,7 +145,9 @@ def test_closing_the_model_mid_stream(smollm2_path):
 def test_closed_model_says_so(smollm2_path):
     m = optiml.Model(os.fsencode(smollm2_path), n_ctx=64)  # (a path as bytes, as os.fsencode gives)
     m.close()
-    for use in (lambda: m.n_past, lambda: m.eval([1]), lambda: m.plan, lambda: m.chat([{"role": "user", "content": "Hi"}])):
+    for use in (lambda: m.n_past, lambda: m.eval([1]), lambda: m.plan, lambda: m.chat([{"role": "user", "content": "Hi"}]),
+                lambda: m.tokenize("Hello"), lambda: m.detokenize([19556]),
+                lambda: m.chat_prompt([{"role": "user", "content": "Hi"}])):
         with pytest.raises(optiml.OptimlError, match="closed"):
             use()
     assert "closed" in repr(m)
@@ -154,6 +156,7 @@ def test_closed_model_says_so(smollm2_path):
 @pytest.mark.parametrize("call,said", [
     (lambda m: m.chat([{"content": "hi"}]), r"messages\[0\]\['role'\]"),
     (lambda m: m.chat([{"role": "user", "content": 5}]), r"messages\[0\]\['content'\]"),
+    (lambda m: m.chat([{"role": "user"}]), r"messages\[0\] has no 'content'"),
     (lambda m: m.chat("hello"), "must be a list"),
     (lambda m: m.chat(["hello"]), r"messages\[0\] must be a dict"),
     (lambda m: m.chat(None), "must be a list"),
@@ -168,6 +171,16 @@ def test_bad_arguments_are_argument_errors(model, call, said):
     nanobind signature dump, not a TypeError from deep inside."""
     with pytest.raises(optiml.ArgumentError, match=said):
         call(model)
+
+
+def test_a_bytes_prompt_is_text(model):
+    """A bytes prompt to generate is tokenized as text, as tokenize takes it (it was taken as token ids, one
+    per byte); the context then holds the prompt and the generated tokens but the last, as documented."""
+    out = model.generate(PROMPT.encode(), max_tokens=4, temperature=0)
+    assert out == model.generate(PROMPT, max_tokens=4, temperature=0)
+    held = model.tokens
+    assert held[:len(PROMPT_IDS)] == PROMPT_IDS and len(held) == len(PROMPT_IDS) + 3 == model.n_past
+    assert (PROMPT + out).startswith(model.detokenize(held))
 
 
 def test_messages_as_templates_take_them(model):

@@ -80,8 +80,14 @@ class Conversation:
         self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
         self.model.reset()
 
-    def prompt_tokens(self) -> int:
-        return len(self.model.chat_prompt(self.messages))
+    def prompt_tokens(self, messages: list[dict] | None = None) -> int:
+        return len(self.model.chat_prompt(self.messages if messages is None else messages))
+
+    def last_fits(self) -> bool:
+        """Whether the last message fits the context with the system message alone (what fit() can keep at
+        least): if not, no turn is dropped for it."""
+        system = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
+        return self.prompt_tokens(system + self.messages[-1:]) < self.model.n_ctx
 
     def fit(self, reserve: int) -> int:
         """Drops the oldest user/assistant turns until the prompt leaves ``reserve`` tokens free. Returns
@@ -233,13 +239,13 @@ def _can_dim(out) -> bool:
 def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int | None, sampling: dict) -> None:
     """One turn: the conversation (its last message the user's) fitted to the context and answered,
     streaming; the answer is appended. ChatTemplateError when the template fails on the conversation."""
+    if not conv.last_fits():  # (before fit(): the turns it would drop could not make room)
+        say("[the message does not fit in the context; a shorter message, or a larger --ctx]")
+        conv.messages.pop()
+        return
     dropped = conv.fit(reserve)
     if dropped:
         say(f"[context full: dropped the {dropped} oldest messages]")
-    if conv.prompt_tokens() >= model.n_ctx:
-        say("[the message does not fit in the context; /reset or a shorter message]")
-        conv.messages.pop()
-        return
     pieces: list[str] = []
     gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
     # gpt-oss (harmony): its reasoning shown dimmed on a terminal, only the answer kept for the next turn.

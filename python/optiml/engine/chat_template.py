@@ -72,6 +72,8 @@ def check_messages(messages) -> list:
             raise ArgumentError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
         if not isinstance(m.get("role"), str):
             raise ArgumentError(f"messages[{i}]['role'] must be a str, got {m.get('role')!r:.60}")
+        if "content" not in m:
+            raise ArgumentError(f"messages[{i}] has no 'content' (a str, or None for an assistant's tool call)")
         if not isinstance(m.get("content"), (str, list, type(None))):
             raise ArgumentError(f"messages[{i}]['content'] must be a str (or a list of parts), got "
                                 f"{m.get('content')!r:.60}")

@@ -207,7 +207,8 @@ class Model(Sequences):
 
     @property
     def tokens(self) -> list[int]:
-        """The token ids in the context, oldest first."""
+        """The token ids in the context (what its KV cache holds), oldest first. After generation: the prompt
+        and the generated tokens but the last, which was sampled and not run (as llama.cpp leaves it)."""
         return list(self._tokens)
 
     @property
@@ -351,7 +352,8 @@ class Model(Sequences):
     # ---- the context ----------------------------------------------------------------------------
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Appends ``tokens`` to the context and runs them. Returns the logits (float32) of the last
-        token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab)."""
+        token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab). (After generation the
+        context lacks the last generated token: see :meth:`stream`.)"""
         ids = token_array(tokens, self.n_vocab)
         with self._exclusive():
             logits = self._session.eval(ids, bool(all_logits))
@@ -427,8 +429,11 @@ class Model(Sequences):
 
         Generation ends at an end-of-generation token, at the first stop string (not included in the
         output), after max_tokens tokens, or when the context is full. The context is replaced by
-        the prompt and the generated tokens; a prompt that starts like the current context reuses
-        its cached part. temperature <= 0 is greedy; seed (None = random) makes sampling repeatable.
+        the prompt and the generated tokens but the last, which was sampled and not run (as llama.cpp
+        leaves it; :attr:`tokens` lists what the context holds): to go on, give the prompt and the output
+        to generate or stream again (the cached part is reused, only the last token runs anew), or
+        :meth:`eval` that token first. A prompt that starts like the current context reuses its cached
+        part. temperature <= 0 is greedy; seed (None = random) makes sampling repeatable.
         Sampling parameters are llama.cpp's (see optiml.sampling).
         """
         return self._stream(*self._prepare(
@@ -447,7 +452,7 @@ class Model(Sequences):
             raise TypeError(f"unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
                             f"the sampling settings are {', '.join(sorted(SAMPLING_SETTINGS))}")
         sampler = make_sampler(self.n_vocab, **sampling)  # checks the parameters before any work
-        ids = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, (str, bytes)) else list(prompt)
         check_prompt(ids, self.n_ctx)
         return ids, max_tokens, sampler, stops
 
@@ -554,6 +559,8 @@ class Model(Sequences):
         OptimlError)."""
         self._session = _Closed(self.path)
         self._model = _Closed(self.path)
+        self.tokenizer = _Closed(self.path)
+        self._chat_template = _Closed(self.path)
 
     def __enter__(self) -> Model:
         return self
