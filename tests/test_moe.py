@@ -435,8 +435,9 @@ def test_experts_on_a_device_give_the_cpu_bits(f32_model, where):
 
 
 def test_moe_placement_arguments_refused(q3_path):
-    with pytest.raises(optiml.ArgumentError, match="n_cpu_moe=3: the model has 2 layers"):
-        optiml.Model(q3_path, n_ctx=64, device="cpu:1", n_cpu_moe=3)
+    # n_cpu_moe past the layers means all of them, as llama.cpp's --n-cpu-moe takes it (and -ngl here)
+    past = optiml.plan.make(q3_path, n_ctx=64, device="cpu:1", n_cpu_moe=3)
+    assert str(past) == str(optiml.plan.make(q3_path, n_ctx=64, device="cpu:1", n_cpu_moe=True))
     with pytest.raises(optiml.ArgumentError, match="non-negative integer"):
         optiml.Model(q3_path, n_ctx=64, device="cpu:1", n_cpu_moe=-1)
     with pytest.raises(optiml.ArgumentError, match="gpu_neurons: this model's layers are mixtures of experts"):
@@ -458,7 +459,7 @@ def test_cli_cpu_moe(q3_path):
     rc, out = plan("--cpu-moe")
     assert rc == 0 and "every layer's experts on the CPU" in out, out
     rc, out = plan("-ncmoe", "1")
-    assert rc == 0 and "the experts of layers 0-0 on the CPU" in out, out
+    assert rc == 0 and "the experts of layer 0 on the CPU" in out and "8 of 16 experts" in out, out
     rc, out = plan("--cpu-moe", "-ncmoe", "1")
     assert rc == 2 and "not allowed with argument" in out, out
 
@@ -514,10 +515,14 @@ def test_split_experts_with_the_attention_on_the_cpu(q3_path, tmp_path):
     assert alloc == plan.device_bytes["total"]
     assert all(l["device_experts"] == ids[:len(l["device_experts"])] for l, ids in zip(plan.layers, [[6, 2], [1, 0, 4]]))
     assert sum(len(l["device_experts"]) for l in plan.layers) < 5
-    # n_cpu_moe (llama.cpp's flags) says where experts go instead of the file's expert placement
-    _, plan, alloc = device_logits(placed, device="cpu:1", n_cpu_moe=True)
-    assert alloc == plan.device_bytes["total"]
-    assert [l["device_experts"] for l in plan.layers] == [[], []] and plan.device_bytes["ffn_weights"] == 0
+    # n_cpu_moe (llama.cpp's flag) keeps the experts of its first layers on the CPU, the file's placement the
+    # others' (0: none, as if not given; it dropped the whole placement)
+    for n, lists in ((True, [[], []]), (1, [[], [1, 0, 4]]), (0, [[6, 2], [1, 0, 4]])):
+        got, plan, alloc = device_logits(placed, device="cpu:1", n_cpu_moe=n)
+        assert alloc == plan.device_bytes["total"] and np.array_equal(got, ref)
+        assert [l["device_experts"] for l in plan.layers] == lists, (n, plan)
+        assert "the file's expert placement" in plan.reason
+    assert plan.device_bytes["ffn_weights"] > 0 and "5 of 16 experts" in str(plan)
 
 
 def test_whole_lists_that_do_not_fit_split(q3_path):
@@ -609,3 +614,16 @@ def test_solve_places_the_hottest_experts(q3_path, tmp_path):
     assert np.array_equal(got, ref), plan
     assert [l["device_experts"] for l in plan.layers] == lists
     assert alloc <= budget
+
+
+def test_dense_expert_runs_skip_nothing_and_predictors_refuse_early(q3_path, tmp_path):
+    """The FFN meter counts a mixture of experts as computed (its experts run whole: it read 100% skipped),
+    and train-predictors refuses one before its sampling pass."""
+    with optiml.Model(q3_path, n_ctx=64, n_threads=1) as m:
+        m.eval(list(range(300, 305)))
+        active, seen = m._session.sparsity_counts()
+        assert seen.sum() > 0 and (active == seen).all()
+    from optiml.offline.predictors import train_predictors
+
+    with pytest.raises(optiml.ArgumentError, match="a mixture of experts; activation predictors do not handle"):
+        train_predictors(q3_path, None, texts=["some text"], out=str(tmp_path / "p.gguf"))

@@ -325,7 +325,8 @@ public:
     // a sparsity criterion is set (predictors use them too); made now when either is in use.
     void set_compact_down(bool compact);
     const SparsitySettings& sparsity() const { return sparsity_; }
-    // Per layer: FFN neurons computed and neuron slots seen (tokens x n_ff) since the last reset.
+    // Per layer: FFN neurons computed and neuron slots seen (tokens x n_ff) since the last reset (a mixture
+    // of experts: every slot counted computed, its experts run whole).
     std::vector<int64_t> ffn_active() const;
     const std::vector<int64_t>& ffn_seen() const { return ffn_seen_; }
     void reset_sparsity_counts();

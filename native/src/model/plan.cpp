@@ -132,10 +132,19 @@ std::string Plan::summary(const Model& m) const {
                     mib(device_bytes.attn_weights).c_str(), mib(device_bytes.ffn_weights).c_str(),
                     mib(device_bytes.kv).c_str(), mib(device_bytes.scratch).c_str(), mib(device_bytes.output).c_str(),
                     output_on_device ? " (the logits on the device)" : "");
-        s += format("  %d of %d layers' attention on the device; %lld of %lld FFN neurons (%.1f%%)%s\n",
-                    layers_on_device(), hp.n_layer, (long long)neurons_on_device(),
-                    (long long)hp.n_layer * hp.n_ff, 100.0 * neurons_on_device() / ((double)hp.n_layer * hp.n_ff),
-                    neuron_order.empty() ? "" : "; neurons gathered by the file's stored order");
+        if (hp.is_moe()) {  // (a layer's experts: all on the device (ffn_on_device n_ff), some, or none)
+            int64_t on = 0;
+            for (const LayerPlan& l : layers)
+                on += l.ffn_on_device == hp.n_ff ? hp.n_expert : (int64_t)l.device_experts.size();
+            s += format("  %d of %d layers' attention on the device; %lld of %lld experts (%.1f%%)\n",
+                        layers_on_device(), hp.n_layer, (long long)on, (long long)hp.n_layer * hp.n_expert,
+                        100.0 * on / ((double)hp.n_layer * hp.n_expert));
+        } else {
+            s += format("  %d of %d layers' attention on the device; %lld of %lld FFN neurons (%.1f%%)%s\n",
+                        layers_on_device(), hp.n_layer, (long long)neurons_on_device(),
+                        (long long)hp.n_layer * hp.n_ff, 100.0 * neurons_on_device() / ((double)hp.n_layer * hp.n_ff),
+                        neuron_order.empty() ? "" : "; neurons gathered by the file's stored order");
+        }
         if (splits_experts()) {
             int64_t n = 0, split = 0;
             for (const LayerPlan& l : layers) n += (int64_t)l.device_experts.size(), split += !l.device_experts.empty();
@@ -154,9 +163,9 @@ std::string Plan::summary(const Model& m) const {
         s += "layer  attention  FFN on device\n";
         for (size_t il = 0; il < layers.size(); il++) {
             const LayerPlan& l = layers[il];
-            if (!l.device_experts.empty())
-                s += format("%5zu  %-9s  %5zu / %d experts\n", il, l.attn_on_device ? device.c_str() : "cpu",
-                            l.device_experts.size(), hp.n_expert);
+            if (hp.is_moe())
+                s += format("%5zu  %-9s  %5d / %d experts\n", il, l.attn_on_device ? device.c_str() : "cpu",
+                            l.ffn_on_device == hp.n_ff ? hp.n_expert : (int)l.device_experts.size(), hp.n_expert);
             else
                 s += format("%5zu  %-9s  %5d / %d\n", il, l.attn_on_device ? device.c_str() : "cpu", l.ffn_on_device,
                             hp.n_ff);
@@ -268,7 +277,7 @@ struct Placer {
         for (int il = 0; il < hp.n_layer; il++) {
             if (!chosen && !attention(il)) break;
             const std::vector<int32_t>& ids = want[il];
-            if (ids.empty()) continue;
+            if (ids.empty() || il < cpu_moe_layers) continue;  // (n_cpu_moe: these layers' experts on the host)
             const size_t whole = ffn_share_bytes(m, il, hp.n_ff, true);
             if ((int32_t)ids.size() == hp.n_expert && (int64_t)whole <= avail) {
                 p.layers[il].ffn_on_device = hp.n_ff;
@@ -364,9 +373,7 @@ int32_t cpu_moe_layers(const Model& m, const PlanOptions& o) {
                                 "model has no experts: leave it out");
         return 0;
     }
-    if (o.n_cpu_moe > hp.n_layer)
-        throw ArgumentError(format("n_cpu_moe=%d: the model has %d layers", o.n_cpu_moe, hp.n_layer));
-    return std::max(o.n_cpu_moe, 0);
+    return std::clamp(o.n_cpu_moe, 0, hp.n_layer);  // (past the layers: all of them, as llama.cpp takes it)
 }
 
 // The device's share of the model within the budget (p.device set): its scratch, layers and neurons,
@@ -383,15 +390,16 @@ void place_on_device(const Model& m, const PlanOptions& o, Plan& p, size_t kv) {
         p.device.clear();
     } else if (o.n_gpu_layers >= 0) {
         at.last_layers(o.n_gpu_layers, budget);
-    } else if (hp.is_moe() && (!o.gpu_experts.empty() || (!m.placement_gpu_experts.empty() && o.n_cpu_moe < 0))) {
-        // (n_cpu_moe says where experts go instead of the file's expert placement)
+    } else if (hp.is_moe() && (!o.gpu_experts.empty() || !m.placement_gpu_experts.empty())) {
+        // (with n_cpu_moe, the file's expert placement for the layers after the first n_cpu_moe)
         place_experts(o, at, budget);
     } else {
         place_neurons(o, at, budget);
     }
     if (p.uses_device() && at.cpu_moe_layers > 0)
         p.reason += at.cpu_moe_layers == hp.n_layer ? "; every layer's experts on the CPU"
-                                                    : format("; the experts of layers 0-%d on the CPU", at.cpu_moe_layers - 1);
+                    : at.cpu_moe_layers == 1 ? "; the experts of layer 0 on the CPU"
+                                             : format("; the experts of layers 0-%d on the CPU", at.cpu_moe_layers - 1);
     if (p.uses_device() && p.layers[hp.n_layer - 1].attn_on_device) {
         const int32_t rows = std::min(p.n_batch, 64);
         const size_t ob = output_bytes(m, rows);

@@ -549,7 +549,8 @@ void Session::reset_sparsity_counts() {
 
 std::vector<int64_t> Session::ffn_active() const {
     std::vector<int64_t> a(host_active_.size());
-    for (size_t i = 0; i < a.size(); i++) a[i] = host_active_[i] + device_active_[i];
+    for (size_t i = 0; i < a.size(); i++)  // (a mixture of experts computes every neuron of the chosen experts)
+        a[i] = model_->layers[i].moe.present() ? ffn_seen_[i] : host_active_[i] + device_active_[i];
     return a;
 }
 

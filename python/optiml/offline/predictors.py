@@ -255,6 +255,11 @@ def train_predictors(
     qtype: "q8_0" (default when n_embd is a multiple of 32) or "f16"."""
     _check_training(recall, samples, held_out, qtype, max_rank)
     path = os.fspath(model)
+    with gguf.open(path) as f:  # (before the sampling pass, not after it)
+        arch = f.metadata.get("general.architecture")
+        if f.metadata.get(f"{arch}.expert_count", 0):
+            raise ArgumentError(f"{path}: a mixture of experts; activation predictors do not handle experts yet "
+                                "(each token's experts run whole)")
     if out is not None:
         out = check_new_output(out, path)
     docs = texts if texts is not None else read_texts(data, field)
