@@ -185,7 +185,7 @@ def test_a_bytes_prompt_is_text(model):
 
 def test_messages_as_templates_take_them(model):
     """What transformers' apply_chat_template takes is still taken: an iterable of messages, content as a list
-    of parts (for templates that read them) or None (an assistant's tool call)."""
+    of parts (for templates that read them), None or left out with tool_calls (an assistant's tool call)."""
     from optiml.engine.chat_template import ChatTemplate
 
     msgs = [{"role": "user", "content": "Hi"}]
@@ -194,6 +194,9 @@ def test_messages_as_templates_take_them(model):
                          "{% elif m.content %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %};{% endfor %}")
     assert parts.render([{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
                          {"role": "assistant", "content": None}], add_generation_prompt=False) == "user:Hi;assistant:;"
+    # an assistant's tool call written without content, as transformers' tool-use examples write it
+    assert parts.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [{"type": "function"}]}],
+                        add_generation_prompt=False) == "user:Hi;assistant:;"
 
 
 def test_unknown_settings_are_named(model):

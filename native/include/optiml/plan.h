@@ -35,7 +35,8 @@ struct PlanOptions {
     int64_t kv_vram = -1;
     // Mixtures of experts: the experts (router, experts, shared expert) of layers [0, n_cpu_moe) stay on the
     // CPU while the rest of those layers may go to the device (llama.cpp's --n-cpu-moe; n_layer: --cpu-moe).
-    // -1: where whole layers go. The rest of a layer's experts go with its attention.
+    // -1: where whole layers go. The other layers' experts go with their attention, or as the file's expert
+    // placement says.
     int32_t n_cpu_moe = -1;
     // Mixtures of experts: per layer, the experts meant for the device, hottest first ([n_layer] lists of
     // expert ids), overriding the file's placement (`optiml solve`); empty: the file's. As many of each

@@ -61,8 +61,9 @@ class ChatTemplateError(OptimlError):
 
 def check_messages(messages) -> list:
     """Copies of the messages a template renders; ArgumentError unless they are an iterable of dicts with a
-    str "role" and a "content" that is a str, None (an assistant's tool call) or a list of parts (more keys are
-    the template's to read, as transformers' apply_chat_template lets them be)."""
+    str "role" and a "content" that is a str, None or a list of parts, or left out beside "tool_calls" (an
+    assistant's tool call; more keys are the template's to read, as transformers' apply_chat_template lets
+    them be)."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise ArgumentError('messages must be a list of {"role": ..., "content": ...} dicts, got '
                             f"{type(messages).__name__}")
@@ -72,8 +73,8 @@ def check_messages(messages) -> list:
             raise ArgumentError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
         if not isinstance(m.get("role"), str):
             raise ArgumentError(f"messages[{i}]['role'] must be a str, got {m.get('role')!r:.60}")
-        if "content" not in m:
-            raise ArgumentError(f"messages[{i}] has no 'content' (a str, or None for an assistant's tool call)")
+        if "content" not in m and "tool_calls" not in m:  # (an assistant's tool call may go without content)
+            raise ArgumentError(f"messages[{i}] has no 'content'")
         if not isinstance(m.get("content"), (str, list, type(None))):
             raise ArgumentError(f"messages[{i}]['content'] must be a str (or a list of parts), got "
                                 f"{m.get('content')!r:.60}")

@@ -86,7 +86,8 @@ class Model(Sequences):
     their attention runs on the CPU (CPU attention offload, see :meth:`kv_place`); it needs every layer's
     attention on the device. n_cpu_moe (mixtures of experts): the experts of the first N layers stay on the
     CPU while the rest of those layers may go to the device (llama.cpp's --n-cpu-moe; True: every layer's,
-    --cpu-moe); without it a layer's experts go where its attention goes. gpu_experts: per layer a list
+    --cpu-moe; past the layers: all of them); the other layers' experts go where their attention goes, or
+    as the file's expert placement says. gpu_experts: per layer a list
     of expert ids for the device, hottest first (overrides the file's expert placement, `optiml solve`): as
     many as the budget holds go there, the layer's other experts stay on the CPU, and both sides compute
     at once.
@@ -428,12 +429,11 @@ class Model(Sequences):
         """Yields the generated text piece by piece as tokens decode (always whole UTF-8 characters).
 
         Generation ends at an end-of-generation token, at the first stop string (not included in the
-        output), after max_tokens tokens, or when the context is full. The context is replaced by
-        the prompt and the generated tokens but the last, which was sampled and not run (as llama.cpp
-        leaves it; :attr:`tokens` lists what the context holds): to go on, give the prompt and the output
-        to generate or stream again (the cached part is reused, only the last token runs anew), or
-        :meth:`eval` that token first. A prompt that starts like the current context reuses its cached
-        part. temperature <= 0 is greedy; seed (None = random) makes sampling repeatable.
+        output), after max_tokens tokens, or when the context is full. The context is then replaced by what
+        was run: the prompt and the output, less the last token sampled, which is not run (as llama.cpp
+        leaves it): after max_tokens or a full context, the output's last token; after a stop string, the
+        token that completed it. :attr:`tokens` lists what the context holds; a later prompt (text, bytes or
+        ids) that starts like it reuses that part and runs only the rest. temperature <= 0 is greedy; seed (None = random) makes sampling repeatable.
         Sampling parameters are llama.cpp's (see optiml.sampling).
         """
         return self._stream(*self._prepare(
@@ -452,6 +452,8 @@ class Model(Sequences):
             raise TypeError(f"unexpected keyword argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
                             f"the sampling settings are {', '.join(sorted(SAMPLING_SETTINGS))}")
         sampler = make_sampler(self.n_vocab, **sampling)  # checks the parameters before any work
+        if isinstance(prompt, (bytearray, memoryview)):
+            prompt = bytes(prompt)
         ids = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, (str, bytes)) else list(prompt)
         check_prompt(ids, self.n_ctx)
         return ids, max_tokens, sampler, stops

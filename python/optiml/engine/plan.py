@@ -93,7 +93,7 @@ def plan_args(n_layer: int, device: str = "auto", vram=None, n_gpu_layers=None, 
     elif n_cpu_moe is not None and n_cpu_moe is not False:
         if isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int) or n_cpu_moe < 0:
             raise ArgumentError(f"n_cpu_moe must be a non-negative integer (or True: every layer), not {n_cpu_moe!r}")
-        args["n_cpu_moe"] = n_cpu_moe
+        args["n_cpu_moe"] = min(n_cpu_moe, n_layer)  # (past the layers: all of them)
     if n_gpu_layers is not None:
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < 0:
             raise ArgumentError(f"n_gpu_layers must be a non-negative integer, not {n_gpu_layers!r}")

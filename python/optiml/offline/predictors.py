@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import _core
 from .._core import ArgumentError
+from ..engine.loading import model_file
 from ..engine.model import Model
 from ..formats import gguf, quant
 from ..formats.predictors import check_predictors
@@ -254,7 +255,7 @@ def train_predictors(
     given. Deterministic for a seed. max_rank: the largest rank tried (default min(n_embd, 1024)).
     qtype: "q8_0" (default when n_embd is a multiple of 32) or "f16"."""
     _check_training(recall, samples, held_out, qtype, max_rank)
-    path = os.fspath(model)
+    path = model_file(model)  # (a known name or a Hugging Face reference, as Model resolves it)
     with gguf.open(path) as f:  # (before the sampling pass, not after it)
         arch = f.metadata.get("general.architecture")
         if f.metadata.get(f"{arch}.expert_count", 0):
