@@ -121,6 +121,10 @@ static std::string mib(size_t b) { return format("%.1f MiB", b / 1048576.0); }
 
 std::string Plan::summary(const Model& m) const {
     const HParams& hp = m.hp;
+    // A mixture of experts' layer: all its experts on the device (ffn_on_device n_ff), some, or none.
+    auto experts_on_device = [&](const LayerPlan& l) {
+        return l.ffn_on_device == hp.n_ff ? hp.n_expert : (int32_t)l.device_experts.size();
+    };
     std::string s;
     if (!uses_device()) {
         s += format("device: none (everything on the CPU)%s%s\n", reason.empty() ? "" : ": ", reason.c_str());
@@ -132,10 +136,9 @@ std::string Plan::summary(const Model& m) const {
                     mib(device_bytes.attn_weights).c_str(), mib(device_bytes.ffn_weights).c_str(),
                     mib(device_bytes.kv).c_str(), mib(device_bytes.scratch).c_str(), mib(device_bytes.output).c_str(),
                     output_on_device ? " (the logits on the device)" : "");
-        if (hp.is_moe()) {  // (a layer's experts: all on the device (ffn_on_device n_ff), some, or none)
+        if (hp.is_moe()) {
             int64_t on = 0;
-            for (const LayerPlan& l : layers)
-                on += l.ffn_on_device == hp.n_ff ? hp.n_expert : (int64_t)l.device_experts.size();
+            for (const LayerPlan& l : layers) on += experts_on_device(l);
             s += format("  %d of %d layers' attention on the device; %lld of %lld experts (%.1f%%)\n",
                         layers_on_device(), hp.n_layer, (long long)on, (long long)hp.n_layer * hp.n_expert,
                         100.0 * on / ((double)hp.n_layer * hp.n_expert));
@@ -165,7 +168,7 @@ std::string Plan::summary(const Model& m) const {
             const LayerPlan& l = layers[il];
             if (hp.is_moe())
                 s += format("%5zu  %-9s  %5d / %d experts\n", il, l.attn_on_device ? device.c_str() : "cpu",
-                            l.ffn_on_device == hp.n_ff ? hp.n_expert : (int)l.device_experts.size(), hp.n_expert);
+                            experts_on_device(l), hp.n_expert);
             else
                 s += format("%5zu  %-9s  %5d / %d\n", il, l.attn_on_device ? device.c_str() : "cpu", l.ffn_on_device,
                             hp.n_ff);
