@@ -121,6 +121,9 @@ def test_gpu_flags_without_a_gpu_say_so(smollm2_path, capfd):
     assert cli.main(["run", "-m", str(smollm2_path), "-p", "Hi", "-n", "1", "--temp", "0", "--device", "cpu",
                      "-ngl", "99"]) == 0
     assert "-ngl ignored, the model runs on the CPU" in capfd.readouterr().err
+    assert cli.main(["info", "--plan", "--device", "cpu", "--cpu-moe", str(smollm2_path)]) == 0  # (no weights read)
+    out = capfd.readouterr()
+    assert "--cpu-moe ignored, the model runs on the CPU" in out.err and out.out.startswith("device: none")
     with optiml.Model(smollm2_path, n_ctx=64, device="cpu:1", n_gpu_layers=99) as m:
         assert all(layer["attention"] != "cpu" for layer in m.plan.layers)
 

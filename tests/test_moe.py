@@ -523,6 +523,14 @@ def test_split_experts_with_the_attention_on_the_cpu(q3_path, tmp_path):
         assert [l["device_experts"] for l in plan.layers] == lists, (n, plan)
         assert "the file's expert placement" in plan.reason
     assert plan.device_bytes["ffn_weights"] > 0 and "5 of 16 experts" in str(plan)
+    # a placement with no attention on the device and n_cpu_moe for all its experts: the reason says that
+    # n_cpu_moe left the device nothing, not that nothing fits the budget
+    bare = edited(q3_path, tmp_path / "bare.gguf", {
+        "optiml.placement.gpu_attention": i32([0, 0]), "optiml.placement.gpu_expert_count": i32([2, 3]),
+        "optiml.placement.gpu_experts": i32([6, 2, 1, 0, 4])})
+    plan = optiml.plan.make(bare, n_ctx=64, device="cpu:1", n_cpu_moe=True)
+    assert plan.device_bytes["total"] == 0 and "nothing is left for the device" in plan.reason, plan.reason
+    assert "budget" in optiml.plan.make(bare, n_ctx=64, device="cpu:1", vram="1KiB").reason
 
 
 def test_whole_lists_that_do_not_fit_split(q3_path):

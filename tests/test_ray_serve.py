@@ -153,6 +153,33 @@ def test_prompt_text_and_block_hashes():
     assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
 
 
+def test_router_wakes_a_waiting_round_when_a_request_completes():
+    """With every slot busy, Ray Serve's router sleeps between rounds; a finished request wakes the
+    longest-waiting round at once instead (no cluster: the router alone, its sleep set to an hour, so a
+    round that is not woken fails by the timeout). Without a completion the sleep still ends."""
+    import asyncio
+
+    from optiml.server.ray_serve import PrefixAffinityRouter
+
+    r = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # what _backoff needs of one, without Ray
+    r.initial_backoff_s, r.backoff_multiplier, r.max_backoff_s = 3600.0, 2, 3600.0
+    r.initialize_state()
+
+    async def woken():
+        first, second = asyncio.ensure_future(r._backoff(0)), asyncio.ensure_future(r._backoff(0))
+        await asyncio.sleep(0.01)
+        r.on_request_completed("replica-a", "request-1")
+        await asyncio.wait_for(first, 30)  # the longest-waiting round first
+        assert not second.done()
+        r.on_request_completed("replica-b", "request-2")
+        await asyncio.wait_for(second, 30)
+
+    asyncio.run(woken())
+    r.initial_backoff_s = r.max_backoff_s = 0.001
+    asyncio.run(asyncio.wait_for(r._backoff(3), 30))
+    assert not r._asleep  # a sleep that ran out leaves nothing behind
+
+
 def test_stream_pieces_merge_and_the_end_goes_at_once():
     """Replica.forward over a stand-in ASGI app (no cluster): the head goes with the first body at once, what
     comes before the next piece is due goes together, and the end of the body goes as soon as it comes,

@@ -16,7 +16,14 @@ Clients stream /v1/completions one after another (`--requests` each), every prom
 first token on (no shared prefix: the router balances by load alone), exactly `--gen` generated tokens
 (end of generation biased away). The client is tools/bench_serve.py's: raw sockets, timestamps only while
 the answer arrives. A round runs every server once (in rotating order); the figures are the medians of
-`--rounds` rounds, as the machine is shared and noisy. Then, at 1 client, the cost of the Ray hops
+`--rounds` rounds, as the machine is shared and noisy. These closed-loop clients start together and,
+their answers being equally long, keep arriving together: every replica reads its clients' prompts in
+one step, the worst case for the time to the first token, and the p99 of 16 or 32 requests is their
+maximum.
+
+Then open-loop arrivals (`--rate`, Poisson, as users arrive): ray x1 at R requests a second and ray x2 at
+2R, `--open-requests` and twice as many, so that a p99 is a percentile; times to the first token count
+from when a request was due, waits for a free slot included. Then, at 1 client, the cost of the Ray hops
 (time to first token against the plain server), and the router's own work per request.
 
 Sizing for N machines (what scales, what the router costs): see SIZING below, printed at the end.
@@ -121,6 +128,54 @@ def run_level(url: str, clients: int, requests: int, body: dict, tag: str) -> di
             "ttft_p99": pct(ttft, 0.99)}
 
 
+def open_loop(url: str, rate: float, n: int, body: dict, tag: str, seed: int) -> dict:
+    """`n` requests at Poisson arrivals of `rate` a second (a pool of senders, each on its own kept-alive
+    connection); times to the first token from when each request was due."""
+    import json
+    import queue
+    import random
+
+    rnd = random.Random(seed)
+    todo: queue.Queue = queue.Queue()
+    results: list = []
+    failed: list = []
+    lock = threading.Lock()
+
+    def sender():
+        conn = Connection(url)
+        try:
+            while (item := todo.get()) is not None:
+                k, due = item
+                while (wait := due - time.perf_counter()) > 0:
+                    time.sleep(wait)
+                _, arrived = conn.stream(url_path(url) + "/v1/completions",
+                                         json.dumps(dict(body, prompt=f"{tag} {k}: {PROMPT}")).encode())
+                with lock:
+                    results.append((due, event_times(arrived)[0], arrived[-1][0]))
+        except BaseException as e:  # SystemExit too: the server's bad answer
+            failed.append(e)
+        finally:
+            conn.close()
+
+    senders = [threading.Thread(target=sender) for _ in range(32)]
+    for t in senders:
+        t.start()
+    due = time.perf_counter() + 0.1
+    for k in range(n):
+        due += rnd.expovariate(rate)
+        todo.put((k, due))
+    for _ in senders:
+        todo.put(None)
+    for t in senders:
+        t.join()
+    if failed:
+        raise SystemExit(f"{url}: {failed[0]}")
+    ttft = sorted(first - due for due, first, _ in results)
+    wall = max(end for *_, end in results) - min(due for due, *_ in results)
+    return {"tok_s": n * body["max_tokens"] / wall, "ttft_p50": ttft[len(ttft) // 2],
+            "ttft_p90": ttft[int(0.9 * len(ttft))], "ttft_p99": ttft[int(0.99 * len(ttft))]}
+
+
 ROLES = {"proxy": b"ProxyActor", "ingress": b"OptimlIngress", "replicas": b"OptimlReplica"}
 
 
@@ -218,6 +273,11 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--ctx", type=int, default=512, help="context per slot")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=None,
+                    help="open-loop requests a second for ray x1 (x2 gets twice as many); default: 40%% of ray "
+                         "x1's closed-loop requests a second in this run; 0 skips the open-loop part")
+    ap.add_argument("--open-requests", type=int, default=150,
+                    help="open-loop requests per round for ray x1 (x2: twice as many)")
     ap.add_argument("--stream-interval-ms", type=float, default=100,
                     help="the replicas' stream batching (optiml serve --ray's; 0: every piece as it comes)")
     args = ap.parse_args()
@@ -298,6 +358,26 @@ def main() -> int:
         per_token = x1["replicas"] + x1["proxy"] + x1["ingress"] + x1["ray other"]
         print(f"2 replicas on 2 idle cores, from these costs: x{2 * x1['replicas'] / per_token:.2f} one replica's "
               "throughput (one replica has a core to itself, the hops and Ray's background on the other)")
+
+        # Open loop: users who arrive independently, at a rate well below what one replica serves.
+        rate = args.rate if args.rate is not None else 0.4 * one["tok_s"] / args.gen
+        if rate > 0:
+            print(f"\nopen loop: Poisson arrivals, ray x1 at {rate:.2f} requests/s ({args.open_requests} a round), "
+                  f"ray x2 at {2 * rate:.2f} ({2 * args.open_requests}); time to first token from when a request "
+                  "was due")
+            orows = {"ray x1": [], "ray x2": []}
+            for r in range(args.rounds):
+                for name, k in (("ray x1", 1), ("ray x2", 2))[::1 if r % 2 == 0 else -1]:
+                    res = open_loop(servers[name][0], k * rate, k * args.open_requests, body, f"o{r}", 100 * r + k)
+                    orows[name].append(res)
+                    print(f"  round {r + 1} {name:7} {k * rate:5.2f}/s {res['tok_s']:7.1f} tok/s  TTFT p50 "
+                          f"{res['ttft_p50'] * 1e3:6.0f} ms  p90 {res['ttft_p90'] * 1e3:6.0f} ms  p99 "
+                          f"{res['ttft_p99'] * 1e3:6.0f} ms", flush=True)
+            omed = {name: {k: statistics.median(x[k] for x in v) for k in v[0]} for name, v in orows.items()}
+            o1, o2 = omed["ray x1"], omed["ray x2"]
+            print(f"medians of {args.rounds} rounds: p99 TTFT ray x1 {o1['ttft_p99'] * 1e3:.0f} ms, ray x2 at twice the "
+                  f"rate {o2['ttft_p99'] * 1e3:.0f} ms: x{o2['ttft_p99'] / o1['ttft_p99']:.2f} (goal <= 1); p50 "
+                  f"x{o2['ttft_p50'] / o1['ttft_p50']:.2f}")
 
         # The hops at no load: time to first token of one client, one short request at a time.
         lone = {name: [] for name in ("plain", "ray x1")}

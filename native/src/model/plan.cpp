@@ -334,7 +334,15 @@ void place_experts(const PlanOptions& o, Placer& at, int64_t budget) {
     at.experts(given ? o.gpu_experts : m.placement_gpu_experts,
                !given && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention : nullptr);
     if (p.layers_on_device() == 0 && p.neurons_on_device() == 0 && !p.splits_experts()) {
-        p.reason += format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str());
+        // Nothing placed: the budget, or n_cpu_moe keeping every expert the placement lists on the host
+        // of a placement that puts no attention on the device.
+        const std::vector<std::vector<int32_t>>& lists = given ? o.gpu_experts : m.placement_gpu_experts;
+        bool asked = given || m.placement_gpu_attention.empty();  // (attention then goes as the budget holds)
+        for (int32_t a : m.placement_gpu_attention) asked |= a != 0;
+        for (int il = at.cpu_moe_layers; il < (int)lists.size() && !asked; il++) asked = !lists[il].empty();
+        p.reason += asked ? format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str())
+                          : std::string("; n_cpu_moe keeps every expert it lists on the CPU and it puts no attention on "
+                                        "the device, so nothing is left for the device");
         p.device_bytes = PlanBytes{};
         p.device.clear();
     }

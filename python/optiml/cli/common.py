@@ -105,20 +105,20 @@ def load(args, n_ctx: int | None = None) -> Model:
     m = Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
               sparsity=getattr(args, "sparsity", "auto"), predictors=predictors(args), use_mmap=use_mmap(args),
               **device(args))
-    _say_what_the_cpu_ignores(args, m)
+    say_what_the_cpu_ignores(args, m.plan)
     return m
 
 
-def _say_what_the_cpu_ignores(args, m) -> None:
+def say_what_the_cpu_ignores(args, plan) -> None:
     """A log line when options that place work on a GPU had none to place it on (llama.cpp's -ngl on a machine
     without one): the run goes on, on the CPU, but the user hears why it is not on the GPU."""
-    if m.plan.device not in ("cpu", "cpu:0"):
+    if plan.device not in ("cpu", "cpu:0"):
         return
     given = [flag for flag, attr in (("-ngl", "n_gpu_layers"), ("--gpu-neurons", "gpu_neurons"), ("--vram", "vram"),
                                      ("--cpu-moe", "cpu_moe"), ("-ncmoe", "n_cpu_moe"))
              if getattr(args, attr, None) not in (None, False)]
     if given:
-        why = m.plan.reason.split(": n_gpu_layers / ")[0]  # (the plan's own reason goes on to say they were ignored)
+        why = plan.reason.split(": n_gpu_layers / ")[0]  # (the plan's own reason goes on to say they were ignored)
         log(f"optiml: {', '.join(given)} ignored, the model runs on the CPU ({why or 'the device is the CPU'})")
 
 

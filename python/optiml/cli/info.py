@@ -45,8 +45,9 @@ def run(args) -> int:
         common.print_json(_info_json(args.model, args.tensors))
         return 0
     if args.plan:  # where each layer would run, without loading the weights
-        print(plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, kv_vram=args.kv_vram, **common.device(args)),
-              end="")
+        p = plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, kv_vram=args.kv_vram, **common.device(args))
+        common.say_what_the_cpu_ignores(args, p)
+        print(p, end="")
         return 0
     with gguf.open(args.model) as f:
         print(f.summary())

@@ -154,6 +154,11 @@ class PrefixAffinityRouter(RequestRouter):
     replicas, the least busy first (Ray Serve's queue-length cache and probes; a replica at
     max_ongoing_requests refuses and the next is tried).
 
+    When every replica is at max_ongoing_requests (all slots busy), Ray Serve's router sleeps between
+    rounds (25 ms, doubling up to max_backoff_s) and asks again, so a slot that frees meanwhile stays idle
+    until the sleep ends. Here a finished request wakes the longest-waiting round at once; the sleep stays
+    the bound (a slot freed by another ingress's request wakes no one here).
+
     Its state is per router: each ingress replica routes by what it sent itself (one ingress, the
     default, sees everything)."""
 
@@ -163,6 +168,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._imbalance = imbalance
         self._capacity = capacity
         self._seen: dict = {}  # ReplicaID -> OrderedDict of block hashes (most recent last)
+        self._asleep: collections.deque = collections.deque()  # futures of rounds waiting for a free slot
+        self._loop = None  # the routing loop (they sleep in it)
 
     def _load(self, r: RunningReplica) -> float:
         n = self._replica_queue_len_cache.get(r.replica_id)
@@ -214,6 +221,32 @@ class PrefixAffinityRouter(RequestRouter):
             seen.move_to_end(h)
         while len(seen) > self._capacity:
             seen.popitem(last=False)
+
+    # _backoff and _compute_backoff_s are RequestRouter's own (Ray Serve 2.50-2.60): where a version lacks
+    # them this override is never called and Ray Serve's plain sleep applies.
+    async def _backoff(self, attempt: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        waiter = self._loop.create_future()
+        self._asleep.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, self._compute_backoff_s(attempt))
+        except asyncio.TimeoutError:
+            pass
+        while self._asleep and self._asleep[0].done():  # rounds whose sleep ran out
+            self._asleep.popleft()
+
+    def _wake_one(self) -> None:
+        while self._asleep:
+            waiter = self._asleep.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        # Queued after Ray Serve's own callbacks of this completion: its queue-length cache counts the free slot.
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake_one)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
