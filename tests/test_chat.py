@@ -310,6 +310,34 @@ def test_repl_scripted(smollm2_path, tmp_path):
     assert saved["messages"][-1]["role"] == "assistant"
 
 
+def test_repl_load_goes_on_with_a_saved_conversation(smollm2_path, tmp_path):
+    """/load replaces the conversation with one /save wrote (the next answer sees it: the prompt is the
+    loaded messages' and the new one's); a file that is not one is refused and the conversation kept."""
+    saved = {"model": "any.gguf", "messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "My name is Ada."},
+                                               {"role": "assistant", "content": "Hello Ada."}]}
+    (tmp_path / "in.json").write_text(json.dumps(saved))
+    (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "wizard", "content": "x"}]}))
+    (tmp_path / "text.json").write_text("not json")
+    lines = iter(["Hi.", "/load " + str(tmp_path / "missing.json"), "/load " + str(tmp_path / "bad.json"),
+                  "/load " + str(tmp_path / "text.json"), "/load", "/save " + str(tmp_path / "kept.json"),
+                  "/load " + str(tmp_path / "in.json"), "What is my name?", "/save " + str(tmp_path / "out.json"),
+                  "/exit"])
+    out = io.StringIO()
+    with optiml.Model(smollm2_path, n_ctx=256, n_threads=2) as m:
+        assert repl(m, max_tokens=4, sampling={"temperature": 0}, out=out, read=lambda prompt: next(lines)) == 0
+        prompt = m.chat_prompt(saved["messages"] + [{"role": "user", "content": "What is my name?"}])
+        assert m.last_stats["prompt_tokens"] == len(prompt)
+    text = out.getvalue()
+    assert text.count("cannot load:") == 3 and "message 0 is not a" in text and "is not JSON" in text
+    assert "usage: /load FILE" in text and "Loaded 3 messages from" in text
+    kept = json.loads((tmp_path / "kept.json").read_text())["messages"]
+    assert [m["role"] for m in kept] == ["user", "assistant"] and kept[0]["content"] == "Hi."
+    got = json.loads((tmp_path / "out.json").read_text())["messages"]
+    assert got[:4] == saved["messages"] + [{"role": "user", "content": "What is my name?"}]
+    assert [m["role"] for m in got] == ["system", "user", "assistant", "user", "assistant"]
+
+
 def test_repl_keeps_the_conversation_when_a_message_cannot_fit(smollm2_path, tmp_path):
     """A message too long for the context even alone is refused, and no earlier turn is dropped for it."""
     lines = iter(["My name is Ada.", "x " * 400, "/save " + str(tmp_path / "c.json"), "/exit"])

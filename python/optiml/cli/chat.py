@@ -4,6 +4,7 @@ history, /commands)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Callable
@@ -113,6 +114,7 @@ Commands:
   /system TEXT     set the system message
   /stats           speed of the last answer and context use
   /save FILE       write the conversation to FILE (JSON)
+  /load FILE       go on with a conversation /save wrote (it replaces this one)
   /exit            leave (also /bye, /quit, Ctrl-D)
 Ctrl-C stops an answer; Ctrl-D at the prompt leaves. Up/Down browse the input history."""
 
@@ -140,6 +142,26 @@ def _reader(history_file: str | None) -> Callable[[str], str]:
     except ImportError:
         pass
     return input
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_conversation(path: str) -> list[dict]:
+    """The messages of a conversation /save wrote (or a JSON list of {"role", "content"} messages).
+    OSError or ValueError, saying what is wrong, for anything else."""
+    with open(path, "rb") as f:
+        try:
+            doc = json.loads(f.read())
+        except ValueError as e:
+            raise ValueError(f"{path} is not JSON ({e})") from None
+    msgs = doc.get("messages") if isinstance(doc, dict) else doc
+    if not isinstance(msgs, list):
+        raise ValueError(f"{path} holds no conversation: a JSON object with \"messages\" (what /save writes) or a list")
+    for i, m in enumerate(msgs):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ValueError(f"{path}: message {i} is not a {{\"role\": {'/'.join(ROLES)}, \"content\": text}} object")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
 def history_path() -> str:
@@ -218,6 +240,16 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
                     say(f"Saved {len(conv.messages)} messages to {arg}.")
                 except OSError as e:
                     say(f"cannot save: {e}")
+            elif cmd == "/load":
+                if not arg:
+                    say("usage: /load FILE")
+                    continue
+                try:
+                    conv.messages = read_conversation(os.path.expanduser(arg))
+                except (OSError, ValueError) as e:
+                    say(f"cannot load: {e}")
+                    continue
+                say(f"Loaded {len(conv.messages)} messages from {arg}; the next answer goes on from them.")
             else:
                 say(f"unknown command {cmd}; /help lists them")
             continue
