@@ -190,6 +190,8 @@ def test_top_p_keeps_the_token_that_crosses_the_threshold():
     assert ids.tolist() == [0, 1]  # 0.5 < 0.6 <= 0.8
     ids, _ = Sampler(4, **dict(PLAIN, top_p=0.85)).probs(logits)
     assert ids.tolist() == [0, 1, 2]
+    ids, _ = Sampler(4, **dict(PLAIN, top_p=0)).probs(logits)  # (OpenAI's and llama.cpp's: the likeliest alone)
+    assert ids.tolist() == [0]
 
 
 def test_top_p_and_min_p_see_temperature_one():
@@ -421,7 +423,6 @@ def test_greedy_fast_path_is_numpy_argmax():
     [
         (0, {}, "n_vocab"),
         (-3, {}, "n_vocab"),
-        (10, dict(top_p=0.0), "top_p"),
         (10, dict(top_p=-0.5), "top_p"),
         (10, dict(top_p=float("nan")), "top_p"),
         (10, dict(min_p=1.5), "min_p"),

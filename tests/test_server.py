@@ -7,6 +7,7 @@ model's logits; JSON-schema answers are validated with jsonschema.
 
 import concurrent.futures
 import json
+import math
 import socket
 import threading
 import time
@@ -194,6 +195,20 @@ def test_n_choices_with_seed(client):
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
 
 
+def test_every_seed_a_client_sends_is_reproducible(server):
+    """4294967295 is the engine's "draw a random seed" (llama.cpp's); a client's seed is never taken for it,
+    nor is seed + k for the k-th of n choices; top_p 0 (OpenAI's and llama.cpp's) keeps the likeliest token."""
+    for seed, n in ((4294967295, 1), (4294967294, 2)):
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.5, "seed": seed, "n": n}
+        a, b = (http(server, "POST", "/v1/completions", json=body).json() for _ in range(2))
+        assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]], seed
+    greedy = http(server, "POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                            "temperature": 0}).json()["choices"][0]["text"]
+    r = http(server, "POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                       "temperature": 1.5, "top_p": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy
+
+
 def test_json_schema_response_validates(client):
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")
@@ -206,6 +221,15 @@ def test_json_schema_response_validates(client):
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    # top logprobs under a grammar: only tokens it allows (fewer than asked where it allows fewer), never a
+    # token without a probability
+    r = client.chat.completions.create(
+        model="smollm2", max_tokens=12, temperature=0, logprobs=True, top_logprobs=5,
+        messages=[{"role": "user", "content": "Give me a person as JSON with a name and an age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    tops = [e.top_logprobs for e in r.choices[0].logprobs.content]
+    assert all(t.logprob is not None and t.logprob > -math.inf for ts in tops for t in ts)
+    assert min(len(ts) for ts in tops) < 5  # (the first token, "{", is the only one allowed)
     r = client.chat.completions.create(model="smollm2", max_tokens=60, temperature=0, messages=MSGS,
                                        response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
@@ -249,9 +273,14 @@ def _alive(server, ref_text=None):
      "stream_options.include_usage"),
     ({"messages": MSGS, "stream": True, "stream_options": {"usage": True}}, 400, "stream_options"),
     ({"messages": MSGS, "n": PARALLEL + QUEUE + 1}, 400, "n"),  # could never be admitted: not a 429
+    (b"[" * 100000 + b"]" * 100000, 400, None),  # nested past Python's recursion limit
+    ({"messages": MSGS, "\ud800": 1}, 400, "\ud800"),  # a lone surrogate, echoed in the message as a JSON escape
+    ({"model": "\ud800", "messages": MSGS}, 404, "model"),
+    ({"messages": MSGS, "repeat_penalty": 0}, 400, "repeat_penalty"),
+    ({"messages": [{"role": "user", "content": "word " * 40000}]}, 400, "messages"),  # prepared off the event loop
 ])
 def test_bad_requests(server, body, status, param):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body if isinstance(body, bytes) else json.dumps(body).encode()}  # (ASCII: surrogates escaped)
     r = http(server, "POST", "/v1/chat/completions", **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]

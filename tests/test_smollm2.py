@@ -140,7 +140,7 @@ def test_context_overflow_and_bad_arguments(smollm2_path):
         with pytest.raises(optiml.ArgumentError):
             m.eval([])
         with pytest.raises(optiml.ArgumentError):
-            m.generate(PROMPT, top_p=0)
+            m.generate(PROMPT, top_p=-0.1)
         with pytest.raises(optiml.ArgumentError):
             m.generate(PROMPT, max_tokens=-1)
         with pytest.raises(optiml.ArgumentError):

@@ -52,7 +52,7 @@ constexpr uint64_t SAMPLING_RANDOM_SEED = 0xFFFFFFFFull;
 struct SamplingParams {
     float temperature = 0.8f;        // <= 0: greedy (argmax, ties -> lowest id). NaN/inf: error
     int32_t top_k = 40;              // <= 0: off
-    float top_p = 0.95f;             // >= 1: off; must be > 0
+    float top_p = 0.95f;             // >= 1: off; 0: the likeliest token alone
     float min_p = 0.05f;             // <= 0: off; must be <= 1
     float repeat_penalty = 1.0f;     // 1: off; must be > 0 and finite
     int32_t repeat_last_n = 64;      // window of recent tokens for all penalties (0: off, -1: whole history)

@@ -38,8 +38,9 @@ void validate_sampling_params(const SamplingParams& p, int32_t n_vocab) {
     if (n_vocab <= 0) throw ArgumentError(format("n_vocab must be > 0, got %d", n_vocab));
     if (!finite(p.temperature))
         throw ArgumentError(format("temperature must be a finite number (<= 0 for greedy), got %g", p.temperature));
-    if (!(p.top_p > 0.0f) || std::isnan(p.top_p))
-        throw ArgumentError(format("top_p must be > 0 (>= 1 turns it off), got %g", p.top_p));
+    if (!(p.top_p >= 0.0f) || std::isnan(p.top_p))
+        throw ArgumentError(format("top_p must be >= 0 (0 keeps the likeliest token alone, >= 1 turns it off), got %g",
+                                   p.top_p));
     if (!(p.min_p <= 1.0f) || std::isnan(p.min_p))
         throw ArgumentError(format("min_p must be <= 1 (<= 0 turns it off), got %g", p.min_p));
     if (!finite(p.repeat_penalty) || !(p.repeat_penalty > 0.0f))

@@ -35,7 +35,7 @@ class SamplingParams:
 
     temperature: float = 0.8  # <= 0: greedy
     top_k: int = 40  # <= 0: off
-    top_p: float = 0.95  # >= 1: off; must be > 0
+    top_p: float = 0.95  # >= 1: off; 0: the likeliest token alone
     min_p: float = 0.05  # <= 0: off; must be <= 1
     repeat_penalty: float = 1.0  # 1: off; > 0. logit > 0 ? logit / penalty : logit * penalty
     repeat_last_n: int = 64  # window of accepted tokens the penalties see (0: off, -1: all)

@@ -47,6 +47,9 @@ log = logging.getLogger("optiml.server")
 # A request body is read whole before it is parsed: past this size it is refused (413) instead of filling
 # memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
 MAX_BODY_BYTES = 16 << 20
+# A body larger than this is parsed, rendered and tokenized on a worker thread (see create_app's prepared):
+# below it that takes well under a millisecond, less than the hop to a thread.
+PREPARE_INLINE_BYTES = 64 << 10
 
 # Web pages that may call the API from a browser (CORS) unless --cors-origin says otherwise: pages the browser
 # loaded from its own machine (a local web UI), not any site its user happens to visit. (The chat page at / is
@@ -170,6 +173,8 @@ class Server:
         for p, prompt in enumerate(req.prompts):
             for k in range(req.n):
                 seed = RANDOM_SEED if req.seed is None else (req.seed + k) % 2**64
+                if req.seed is not None and seed == RANDOM_SEED:  # (the engine's "draw one"; a client's seed is kept)
+                    seed = 2**64 - 1  # (no client seed reaches it: seeds end at 2**63 - 1)
                 sampler = Sampler(self.model.n_vocab, req.params, seed=seed)
                 constraint = self.grammars.matcher(grammar) if grammar else None
                 jobs.append(Job(p * req.n + k, prompt, req.max_tokens, sampler, req.stops, sink,
@@ -208,7 +213,8 @@ class Server:
             b = self.piece(tok)
             return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
 
-        return {"content": [dict(one(t, lp), top_logprobs=[one(u, v) for u, v in top]) for t, lp, top in entries]}
+        return {"content": [dict(one(t, lp), top_logprobs=[one(u, v) for u, v in top if _likely(v)])
+                            for t, lp, top in entries]}
 
     def completion_logprobs(self, entries: list, offset: int) -> dict:
         """Completions' logprobs of `entries` (token, logprob, top), whose text starts at character `offset`:
@@ -220,10 +226,16 @@ class Server:
             b = self.piece(t)
             tokens.append(b.decode("utf-8", "replace"))
             lps.append(lp)
-            tops.append({self.piece(u).decode("utf-8", "replace"): v for u, v in top})
+            tops.append({self.piece(u).decode("utf-8", "replace"): v for u, v in top if _likely(v)})
             offsets.append(offset)
             offset += len(text.decode(b))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _likely(logprob) -> bool:
+    """Whether a top-logprobs candidate has any probability: a grammar (response_format) leaves the tokens
+    it forbids at -inf, and fewer candidates than asked is what OpenAI answers then."""
+    return logprob is not None and logprob > float("-inf")
 
 
 def _usage(done: dict, n_prompts_counted: set) -> dict:
@@ -468,7 +480,11 @@ class JSONResponse(_StarletteJSONResponse):
     not measured yet) instead of failing the request."""
 
     def render(self, content) -> bytes:
-        return _dumps(content).encode("utf-8")
+        text = _dumps(content)
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates (a request's own, echoed in an error): as JSON escapes
+            return jsonout.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def _sse(data: str) -> bytes:
@@ -517,9 +533,18 @@ def create_app(server: Server) -> Starlette:
 
     endpoint = functools.partial(_endpoint, server)
 
+    async def prepared(request: Request, prepare) -> GenRequest:
+        """prepare(raw body) -> GenRequest, off the event loop for a large body: parsing, rendering and
+        tokenizing megabytes takes seconds, which would stall every other client's stream."""
+        raw = await read_body(request, server.max_body)
+        return await run_in_threadpool(prepare, raw) if len(raw) > PREPARE_INLINE_BYTES else prepare(raw)
+
     @endpoint("chat")
     async def chat(request: Request):
-        body = parse_json(await read_body(request, server.max_body))
+        return await generate(server, request, await prepared(request, chat_prepare), chat=True)
+
+    def chat_prepare(raw: bytes) -> GenRequest:
+        body = parse_json(raw)
         server.check_model(body)
         messages, fields = chat_request(body, server.model.n_vocab)
         tpl = server.model.chat_template  # ChatTemplateError: see template_error
@@ -534,18 +559,21 @@ def create_app(server: Server) -> Starlette:
         ids = server.chat_ids(text)
         server.check_prompt(ids)
         fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]
-        return await generate(server, request, GenRequest(prompts=[ids], **fields), chat=True)
+        return GenRequest(prompts=[ids], **fields)
 
     @endpoint("completions")
     async def completions(request: Request):
-        body = parse_json(await read_body(request, server.max_body))
+        return await generate(server, request, await prepared(request, completions_prepare), chat=False)
+
+    def completions_prepare(raw: bytes) -> GenRequest:
+        body = parse_json(raw)
         server.check_model(body)
         prompts, fields = completion_request(body, server.model.n_vocab)
         ids = [server.tokenizer.encode(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
                for p in prompts]
         for i, p in enumerate(ids):
             server.check_prompt(p, "prompt", "the prompt" if len(ids) == 1 else f"prompt {i}")
-        return await generate(server, request, GenRequest(prompts=ids, **fields), chat=False)
+        return GenRequest(prompts=ids, **fields)
 
     @endpoint("models")
     async def models(request: Request):

@@ -140,7 +140,8 @@ class Scheduler:
                                        f"--queue {self.max_queue})")
             free = sum(s.job is None for s in self.slots)
             if len(self.waiting) + len(jobs) > self.max_queue + free:  # the free slots take the first ones
-                raise QueueFull(f"{len(self.waiting)} sequences are already waiting (--queue {self.max_queue})")
+                raise QueueFull(f"{len(self.waiting)} sequences are already waiting for {free} free slots and "
+                                f"--queue {self.max_queue}")
             self.waiting.extend(jobs)
             self.gauges()
             self.cond.notify()

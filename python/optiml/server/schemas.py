@@ -67,6 +67,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("the request body nests its JSON too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
@@ -131,10 +133,8 @@ def _common(body: dict, n_vocab: int, max_name: str = "max_tokens") -> dict:
         repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.0, 10.0)),
         repeat_last_n=d.repeat_last_n,
     )
-    if params.top_p <= 0:
-        raise bad("'top_p' must be > 0", "top_p")
-    if params.repeat_penalty <= 0:
-        raise bad("'repeat_penalty' must be > 0", "repeat_penalty")
+    if params.repeat_penalty <= 0:  # (it divides the logits)
+        raise bad(f"'repeat_penalty' must be in (0, 10], got {params.repeat_penalty:g}", "repeat_penalty")
     seed = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
