@@ -130,7 +130,7 @@ def test_gpu_flags_without_a_gpu_say_so(smollm2_path, capfd):
 
 def test_text_that_is_not_utf8_from_the_command_line(smollm2_path, tmp_path):
     """Bytes that are not UTF-8 in argv or on stdin (Python holds them as lone surrogates) are tokenized as
-    those bytes, as llama.cpp reads them, instead of ending the command in a UnicodeEncodeError."""
+    those bytes are, as llama.cpp reads them, instead of ending the command in a UnicodeEncodeError."""
     env = dict(os.environ)
     prompt = os.fsdecode(b"\xff\xfeHello")
     r = subprocess.run([sys.executable, "-m", "optiml", "-q", "run", "-m", str(smollm2_path), "-p", prompt, "-n", "2",
@@ -140,7 +140,7 @@ def test_text_that_is_not_utf8_from_the_command_line(smollm2_path, tmp_path):
                        input=b"\xc3(\x80 Once upon a time", capture_output=True, env=env)
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     tk = optiml.tokenizer.load(smollm2_path)
-    assert tk.encode(os.fsdecode(b"ab\xffcd")) == tk.encode(b"ab\xffcd")  # the original bytes
+    assert tk.encode(os.fsdecode(b"ab\xffcd")) == tk.encode(b"ab\xffcd")  # as the original bytes
     assert tk.encode("a\ud800b") == tk.encode("a\ufffdb")  # a surrogate from nowhere: U+FFFD
     with pytest.raises(optiml.ArgumentError, match="str or bytes"):
         tk.encode(None)

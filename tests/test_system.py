@@ -1,5 +1,9 @@
 """system_info(), thread settings and the persistent thread pool."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 import optiml
@@ -67,6 +71,18 @@ def test_negative_thread_count_is_rejected():
         optiml.set_num_threads(-1)
     assert issubclass(optiml.ArgumentError, optiml.OptimlError)
     assert issubclass(optiml.GGUFError, optiml.OptimlError)
+    # a mistyped count is refused, not run until the process has no threads left
+    with pytest.raises(optiml.ArgumentError, match="at most 512"):
+        optiml.set_num_threads(10**6)
+    with pytest.raises(optiml.ArgumentError, match="threads"):
+        optiml.set_num_threads(2**40)
+
+
+def test_too_many_threads_from_the_environment_are_capped():
+    r = subprocess.run([sys.executable, "-c", "import optiml; print(optiml.get_num_threads())"], capture_output=True,
+                       text=True, env=dict(os.environ, OPTIML_NUM_THREADS="100000"), timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "512", r.stderr
+    assert "more than 512 threads: 512 are used" in r.stderr
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 8])

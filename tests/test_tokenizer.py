@@ -222,15 +222,36 @@ def test_streaming_special_tokens(smol):
 
 
 def test_invalid_utf8_bytes(smol):
+    """Bytes that are not UTF-8 are read as llama.cpp reads them before a byte-level BPE vocabulary: each
+    byte that starts no complete sequence is U+FFFD (one token for SmolLM2), nothing is dropped."""
+    fffd = smol.encode("\ufffd", add_special=False)
+    assert len(fffd) == 1
+    assert smol.encode(b"\xff", add_special=False) == fffd  # (SmolLM2 has no token for the byte 0xFF)
+    assert smol.encode(b"a\xffb", add_special=False) == smol.encode("a\ufffdb", add_special=False)
     raw = b"ok \x80\xe2 \xe2\x82 end \xf0\x9f"
     ids = smol.encode(raw)
-    assert smol.decode_bytes(ids) == raw  # byte-level BPE keeps any bytes it has tokens for
-    assert smol.decode(ids) == raw.decode("utf-8", "replace")
+    assert smol.decode(ids) == "ok \ufffd\ufffd \ufffd\ufffd end \ufffd\ufffd"  # (one per byte; Python's
+    # "replace" gives one for a truncated sequence)
     d = smol.detokenizer()
-    assert "".join(d.push(i) for i in ids) + d.flush() == raw.decode("utf-8", "replace")
-    # SmolLM2's vocabulary has no token for some bytes never seen in training (0xFF can't occur in
-    # UTF-8): they are dropped, as HF tokenizers and llama.cpp drop them (still splitting the merge).
-    assert smol.encode(b"a\xffb") == smol.encode("a") + smol.encode("b")
+    assert "".join(d.push(i) for i in ids) + d.flush() == smol.decode(ids)
+
+
+def test_invalid_utf8_bytes_match_llama_cpp(smol, smollm2_path):
+    """The same bytes, fixed and random, tokenized by llama-cpp-python: the same ids. (Not 0xF4-0xF7 leads:
+    llama.cpp aborts the process on a sequence past U+10FFFF.)"""
+    import random
+
+    llama_cpp = llama_cpp_module()
+    ref = llama_cpp.Llama(model_path=str(smollm2_path), vocab_only=True, verbose=False)
+    rng = random.Random(7)
+    pool = [b for b in range(256) if not 0xF4 <= b <= 0xF7]
+    texts = [b"a\xff\xfe b", b"caf\xe9 x", b"\xc3", b"x\xc3\xa9\xed\xa0\x80y", b"\xc0\x80z", b"<|im_start|>\xff"]
+    texts += [bytes(rng.choice(b" ab\xc3\xa9\xe2\x82\xac\xf0\x9f\x99\x82'0") if rng.random() < 0.6 else rng.choice(pool)
+                    for _ in range(rng.randrange(14))) for _ in range(400)]
+    for raw in texts:
+        for special in (False, True):
+            want = ref.tokenize(raw, add_bos=False, special=special)
+            assert smol.encode(raw, add_special=False, parse_special=special) == want, (raw, special)
 
 
 def test_bad_ids(smol):

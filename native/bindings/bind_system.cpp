@@ -145,6 +145,7 @@ void bind_system(nb::module_& m) {
         },
         nb::arg("n"), "Size of the default CPU thread pool (0 = physical cores).");
     m.def("get_num_threads", [] { return optiml::default_pool()->size(); });
+    m.attr("MAX_THREADS") = optiml::kMaxThreads;
     m.def("physical_core_count", &optiml::physical_core_count);
     m.def("_threadpool_selftest", &threadpool_selftest, nb::arg("n_threads"), nb::arg("n_jobs"));
 }

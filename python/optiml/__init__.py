@@ -36,6 +36,9 @@ def _check_environment() -> None:
     if threads is not None and not (lead and int(lead.group()) > 0):
         warnings.warn(f"OPTIML_NUM_THREADS={threads!r} is not a positive number of threads: ignored", RuntimeWarning,
                       stacklevel=3)
+    elif lead and int(lead.group()) > _core.MAX_THREADS:
+        warnings.warn(f"OPTIML_NUM_THREADS={threads!r} is more than {_core.MAX_THREADS} threads: "
+                      f"{_core.MAX_THREADS} are used", RuntimeWarning, stacklevel=3)
 
 
 _check_environment()
@@ -86,8 +89,10 @@ def system_info() -> dict:
 
 
 def set_num_threads(n: int) -> None:
-    """Sets the size of the default CPU thread pool (0 = the number of physical cores)."""
-    _core.set_num_threads(int(n))
+    """Sets the size of the default CPU thread pool (0 = the number of physical cores, at most 512)."""
+    from .engine.checks import non_negative_int
+
+    _core.set_num_threads(non_negative_int("the number of threads", n, _core.MAX_THREADS))
 
 
 def get_num_threads() -> int:

@@ -60,9 +60,13 @@ private:
 // Physical cores of this machine (logical CPUs when the topology cannot be read).
 int physical_core_count();
 
+// The most threads a pool takes: more than any machine's cores, and few enough that a mistyped count
+// (10**6) is refused instead of starting threads until the process runs out of them.
+constexpr int kMaxThreads = 512;
+
 // The process-wide pool, created on first use with physical_core_count() threads
-// (OPTIML_NUM_THREADS overrides). set_default_threads() replaces it; holders of the old pool keep
-// it alive until they finish.
+// (OPTIML_NUM_THREADS overrides, at most kMaxThreads). set_default_threads() replaces it (ArgumentError
+// past kMaxThreads); holders of the old pool keep it alive until they finish.
 std::shared_ptr<ThreadPool> default_pool();
 void set_default_threads(int n_threads);
 

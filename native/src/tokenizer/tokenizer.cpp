@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "tokenizer/tokenizer_impl.h"
+#include "tokenizer/unicode.h"
 
 namespace optiml {
 
@@ -28,7 +29,8 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, 
     auto plain = [&](std::string_view s) {
         if (s.empty()) return;
         if (v.model == Impl::Model::BPE) {
-            v.encode_bpe(s, out);
+            std::string fixed;  // (bytes that are not UTF-8 read as llama.cpp reads them)
+            v.encode_bpe(unicode::bpe_input_text(s, fixed) ? std::string_view(fixed) : s, out);
         } else if (v.add_space_prefix && after_special) {
             v.encode_spm(std::string(" ").append(s), out);
         } else {
@@ -72,6 +74,8 @@ std::vector<std::string> Tokenizer::pre_tokenize(std::string_view text) const {
         if (!text.empty()) out.emplace_back(text);
         return out;
     }
+    std::string fixed;
+    if (unicode::bpe_input_text(text, fixed)) text = fixed;
     Pieces pieces;
     pretokenize(impl_->pre, text, pieces);
     for (const auto& p : pieces) out.emplace_back(text.substr(p.first, p.second - p.first));

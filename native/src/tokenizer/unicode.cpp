@@ -102,6 +102,57 @@ void append_utf8(std::string& out, uint32_t cp) {
     }
 }
 
+namespace {
+// The code point of the sequence at p[0] as llama.cpp's unicode_cpt_from_utf8 reads it (lead and
+// continuation bits only), and its length; 0 where it throws.
+size_t lenient_utf8(const uint8_t* p, size_t n, uint32_t& cp) {
+    const uint8_t b = p[0];
+    size_t len;
+    if (b < 0x80) { cp = b; return 1; }
+    if (!(b & 0x40)) return 0;
+    if (!(b & 0x20)) { len = 2; cp = b & 0x1F; }
+    else if (!(b & 0x10)) { len = 3; cp = b & 0x0F; }
+    else if (!(b & 0x08)) { len = 4; cp = b & 0x07; }
+    else return 0;
+    if (n < len) return 0;
+    for (size_t i = 1; i < len; i++) {
+        if ((p[i] & 0xC0) != 0x80) return 0;
+        cp = (cp << 6) | (p[i] & 0x3F);
+    }
+    return cp <= kMaxCodepoint ? len : 0;
+}
+}  // namespace
+
+bool bpe_input_text(std::string_view text, std::string& out) {
+    const uint8_t* p = (const uint8_t*)text.data();
+    const size_t n = text.size();
+    size_t i = 0, copied = 0;  // text[copied, i) is still to be copied as it is
+    bool changed = false;
+    while (i < n) {
+        if (p[i] < 0x80) {
+            i++;
+            continue;
+        }
+        uint32_t cp;
+        const size_t len = lenient_utf8(p + i, n - i, cp);
+        if (len > 0 && valid_utf8_len(text.data() + i, n - i) == len) {
+            i += len;  // well formed: unchanged
+            continue;
+        }
+        if (!changed) {
+            out.clear();
+            out.reserve(n + 8);
+            changed = true;
+        }
+        out.append(text.data() + copied, i - copied);
+        append_utf8(out, len > 0 ? cp : kReplacement);
+        i += len > 0 ? len : 1;
+        copied = i;
+    }
+    if (changed) out.append(text.data() + copied, n - copied);
+    return changed;
+}
+
 void decode_all(std::string_view text, std::vector<uint32_t>& cpts, std::vector<uint32_t>& offsets) {
     cpts.clear();
     offsets.clear();

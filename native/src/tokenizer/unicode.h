@@ -52,6 +52,13 @@ uint32_t decode_utf8(const char* s, size_t n, size_t* len);
 
 void append_utf8(std::string& out, uint32_t cp);
 
+// Text as llama.cpp reads it before a byte-level BPE vocabulary tokenizes it: each byte that does not
+// start a sequence its next bytes complete (a stray continuation byte, a truncated sequence, 0xF8-0xFF,
+// past U+10FFFF) is U+FFFD, and a complete sequence is its code point written in the shortest form
+// (llama.cpp takes overlong forms and surrogates as code points). False when that is `text` itself;
+// else true, with the text in `out`.
+bool bpe_input_text(std::string_view text, std::string& out);
+
 // Code points of `text` and, for each, the byte offset where it starts (plus one final entry: the
 // text's size).
 void decode_all(std::string_view text, std::vector<uint32_t>& cpts, std::vector<uint32_t>& offsets);

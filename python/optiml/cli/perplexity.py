@@ -63,7 +63,7 @@ def run(args) -> int:
     if not args.file:
         raise ArgumentError("give the text with -f FILE")
     m = common.load(args, n_ctx=512 if args.ctx is None else args.ctx)
-    with open(args.file, encoding="utf-8", errors="replace") as f:
+    with open(args.file, encoding="utf-8", errors="surrogateescape") as f:
         text = f.read()
     progress, meter = _metered(m)
     if args.kl_divergence_base:
@@ -93,7 +93,7 @@ def _compare(args) -> int:
         raise ArgumentError(f"the base was written with --ctx {base.n_ctx}; leave --ctx out or give {base.n_ctx}")
     m = common.load(args, n_ctx=base.n_ctx)
     if args.file:
-        with open(args.file, encoding="utf-8", errors="replace") as f:
+        with open(args.file, encoding="utf-8", errors="surrogateescape") as f:
             ws = px.windows(m, f.read(), base.n_ctx, base.n_chunks)
         if len(ws) < base.n_chunks or any(w != base.window(i) for i, w in enumerate(ws)):
             raise ArgumentError(f"{args.file} does not tokenize to the base's tokens with this model "

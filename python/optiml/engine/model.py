@@ -46,7 +46,7 @@ from .tokenizer import Tokenizer
 SAMPLING_SETTINGS = frozenset(inspect.signature(make_sampler).parameters) - {"n_vocab"}
 
 # More threads than any machine this runs on has cores (llama.cpp's limit too): a typo, not a setting.
-MAX_THREADS = 512
+MAX_THREADS = _core.MAX_THREADS  # (the thread pool's own bound)
 
 __all__ = ["Model"]
 

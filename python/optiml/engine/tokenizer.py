@@ -55,7 +55,8 @@ class Tokenizer:
         """Token ids of ``text``. add_special: BOS/EOS as the file asks (tokenizer.ggml.add_bos_token,
         add_eos_token). parse_special: text like "<|im_start|>" becomes that control token. A str with lone
         surrogates (bytes that were not UTF-8, as Python decodes a command line or stdin) is tokenized as the
-        original bytes."""
+        original bytes are. Bytes that are not UTF-8 are read as llama.cpp reads them: for a byte-level BPE
+        vocabulary each byte that starts no complete sequence is U+FFFD, for SentencePiece one byte token each."""
         if not isinstance(text, (str, bytes)):
             raise ArgumentError(f"the text to tokenize must be a str or bytes, not {type(text).__name__}")
         try:

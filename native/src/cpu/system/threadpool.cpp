@@ -1,11 +1,14 @@
 #include "optiml/threadpool.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <set>
 #include <string>
 #include <utility>
+
+#include "optiml/common.h"
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #include <immintrin.h>
@@ -150,7 +153,7 @@ std::shared_ptr<ThreadPool> g_pool;
 int threads_from_env() {
     if (const char* env = std::getenv("OPTIML_NUM_THREADS")) {
         int n = std::atoi(env);
-        if (n > 0) return n;
+        if (n > 0) return std::min(n, kMaxThreads);
     }
     return physical_core_count();
 }
@@ -163,6 +166,8 @@ std::shared_ptr<ThreadPool> default_pool() {
 }
 
 void set_default_threads(int n_threads) {
+    if (n_threads > kMaxThreads)
+        throw ArgumentError(format("number of threads must be at most %d, got %d", kMaxThreads, n_threads));
     std::lock_guard<std::mutex> lk(g_pool_mutex);
     g_pool = std::make_shared<ThreadPool>(n_threads > 0 ? n_threads : threads_from_env());
 }
