@@ -142,6 +142,28 @@ def test_closing_the_model_mid_stream(smollm2_path):
         m.generate(PROMPT)
 
 
+def test_ctrl_c_stops_generate(smollm2_path):
+    """Ctrl-C during generate() (which drains the stream in C: "".join) raises KeyboardInterrupt at the next
+    token, and the context holds what ran, instead of waiting for the whole answer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import optiml, os, signal, threading, sys\n"
+        f"m = optiml.Model({str(smollm2_path)!r}, n_ctx=4096, n_threads=1)\n"
+        "m.generate('Hi', max_tokens=1)\n"  # (warm: the first step repacks)
+        "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    m.generate('1, 2, 3, 4, 5, 6,', max_tokens=3000, temperature=0)\n"  # (counts on: no early end)
+        "    print('finished', m.n_past)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', m.n_past, len(m.tokens))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    said, n_past, n_tokens = r.stdout.split()
+    assert said == "interrupted" and 5 < int(n_past) < 2000 and int(n_tokens) == int(n_past), r.stdout
+
+
 def test_closed_model_says_so(smollm2_path):
     m = optiml.Model(os.fsencode(smollm2_path), n_ctx=64)  # (a path as bytes, as os.fsencode gives)
     m.close()

@@ -78,6 +78,9 @@ nb::str next_piece(PyGenerator& g) {
         nb::gil_scoped_release release;
         more = g.gen->next(piece);
     }
+    // Ctrl-C between tokens: a caller that drains the stream in C ("".join, list(), `yield from`) runs
+    // no bytecode that would let Python's handler raise KeyboardInterrupt until the whole answer is done.
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
     if (!more) throw nb::stop_iteration();
     return nb::str(piece.data(), piece.size());
 }
