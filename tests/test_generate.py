@@ -187,12 +187,36 @@ def test_closed_model_says_so(smollm2_path):
     (lambda m: m.generate(PROMPT, top_p=None), "top_p must be a number"),
     (lambda m: m.generate(PROMPT, max_tokens=2**40), "at most"),
     (lambda m: m.tokenize(None), "str or bytes"),
+    (lambda m: m.generate([19556.9, 905.5]), "token ids must be integers"),  # (not run as 19556, 905)
+    (lambda m: m.generate([True, 905]), "token ids must be integers"),
+    (lambda m: m.generate([905, 10**9]), "outside the vocabulary"),
+    (lambda m: m.generate(None), "text .str or bytes. or a sequence of token ids"),
+    (lambda m: m.generate(PROMPT, stop=5), "stop must be a string or a list"),
+    (lambda m: m.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "only text parts"),
 ])
 def test_bad_arguments_are_argument_errors(model, call, said):
     """Caller mistakes are ArgumentErrors that name the argument: not the chat template's failure, not a
     nanobind signature dump, not a TypeError from deep inside."""
     with pytest.raises(optiml.ArgumentError, match=said):
         call(model)
+
+
+def test_message_content_as_the_server_takes_it(model):
+    """OpenAI's text parts are their text, and a None content is empty, as optiml serve takes them (the
+    model's template, which concatenates strings, failed on them and the error blamed the model file); a
+    template the caller set that fails says to fix that template, not the model file."""
+    text = [{"role": "user", "content": "Name a color."}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}]
+    assert model.chat_prompt(parts) == model.chat_prompt(text)
+    assert model.chat_prompt([{"role": "system", "content": None}] + text) == \
+        model.chat_prompt([{"role": "system", "content": ""}] + text)
+    try:
+        model.chat_template = "{{ messages[0]['content'] + 1 }}"
+        with pytest.raises(optiml.ChatTemplateError, match="fix the template given to Model.chat_template") as e:
+            model.chat_prompt(text)
+        assert "broken or hostile" not in str(e.value)
+    finally:
+        model.chat_template = None
 
 
 def test_a_bytes_prompt_is_text(model):

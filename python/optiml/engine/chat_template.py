@@ -61,9 +61,10 @@ class ChatTemplateError(OptimlError):
 
 def check_messages(messages) -> list:
     """Copies of the messages a template renders; ArgumentError unless they are an iterable of dicts with a
-    str "role" and a "content" that is a str, None or a list of parts, or left out beside "tool_calls" (an
-    assistant's tool call; more keys are the template's to read, as transformers' apply_chat_template lets
-    them be)."""
+    str "role" and a "content" that is a str, None or a list of text parts, or left out beside "tool_calls"
+    (an assistant's tool call; more keys are the template's to read, as transformers' apply_chat_template
+    lets them be). As optiml serve takes them: text parts ({"type": "text", "text": ...}, OpenAI's) become
+    their text joined, and None "" (kept beside "tool_calls")."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise ArgumentError('messages must be a list of {"role": ..., "content": ...} dicts, got '
                             f"{type(messages).__name__}")
@@ -75,10 +76,19 @@ def check_messages(messages) -> list:
             raise ArgumentError(f"messages[{i}]['role'] must be a str, got {m.get('role')!r:.60}")
         if "content" not in m and "tool_calls" not in m:  # (an assistant's tool call may go without content)
             raise ArgumentError(f"messages[{i}] has no 'content'")
-        if not isinstance(m.get("content"), (str, list, type(None))):
-            raise ArgumentError(f"messages[{i}]['content'] must be a str (or a list of parts), got "
-                                f"{m.get('content')!r:.60}")
-        out.append(dict(m))
+        c = m.get("content")
+        if not isinstance(c, (str, list, type(None))):
+            raise ArgumentError(f"messages[{i}]['content'] must be a str (or a list of text parts), got {c!r:.60}")
+        m = dict(m)
+        if isinstance(c, list):
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in c):
+                raise ArgumentError(f"messages[{i}]['content']: only text parts ({{'type': 'text', 'text': str}}) "
+                                    "are supported")
+            m["content"] = "".join(p["text"] for p in c)
+        elif c is None and "content" in m and "tool_calls" not in m:
+            m["content"] = ""
+        out.append(m)
     return out
 
 
@@ -100,6 +110,7 @@ _FIX = {
                "optional system message): change the messages",
     "other": "the template in the model file is broken or hostile: use another model file, or give a template of "
              "your own (Model.chat_template = TEMPLATE_TEXT)",
+    "given": "fix the template given to Model.chat_template, or set it to None for the model file's",
 }
 
 
@@ -288,8 +299,9 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", stop: Sequence[str] = (),
-                 fallback: bool = False, name: str | None = None):
+                 fallback: bool = False, name: str | None = None, given: bool = False):
         self.source = source
+        self.given = given  # the user's (Model.chat_template = ...), not the model file's: errors say so
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.stop = list(stop)
@@ -301,8 +313,12 @@ class ChatTemplate:
             raise TemplateLimitError(f"{self.what} nests too deeply to compile; it is broken or hostile",
                                      self.what) from None
         except Exception as e:  # jinja2.TemplateSyntaxError, and whatever else its parser may raise
-            raise ChatTemplateError(f"{self.what} does not compile ({_why(e)}); {_FIX['other']}", self.what,
+            raise ChatTemplateError(f"{self.what} does not compile ({_why(e)}); {self._fix}", self.what,
                                     "syntax") from None
+
+    @property
+    def _fix(self) -> str:
+        return _FIX["given" if self.given else "other"]
 
     @property
     def what(self) -> str:
@@ -314,15 +330,15 @@ class ChatTemplate:
         return f"the chat template of {self.name}" if self.name else "the chat template"
 
     @classmethod
-    def for_tokenizer(cls, template: str | None, tokenizer, name: str | None = None) -> ChatTemplate:
-        """The template (None: the fallback) with the tokenizer's BOS/EOS text; name: see the class."""
+    def for_tokenizer(cls, template: str | None, tokenizer, name: str | None = None, given: bool = False) -> ChatTemplate:
+        """The template (None: the fallback) with the tokenizer's BOS/EOS text; name, given: see the class."""
 
         def text(i):
             return tokenizer.token_to_piece(i, True).decode("utf-8", "replace") if i is not None and i >= 0 else ""
 
         bos, eos = text(tokenizer.bos_id), text(tokenizer.eos_id)
         if template:
-            return cls(template, bos, eos, name=name)
+            return cls(template, bos, eos, name=name, given=given)
         if tokenizer.token_id("<|im_start|>") >= 0 and tokenizer.token_id("<|im_end|>") >= 0:
             return cls(CHATML_TEMPLATE, bos, eos, fallback=True, name=name)
         return cls(PLAIN_TEMPLATE, bos, eos, stop=["\nUser:"], fallback=True, name=name)
@@ -355,8 +371,8 @@ class ChatTemplate:
             if isinstance(e, SecurityError):
                 why = str(e).rstrip(".")
                 raise ChatTemplateError(f"{self.what} was blocked by the sandbox ({why}): it reaches for Python "
-                                        f"internals; {_FIX['other']}", self.what, "blocked") from None
-            raise ChatTemplateError(f"{self.what} failed while rendering ({_why(e)}); {_FIX['other']}", self.what,
+                                        f"internals; {self._fix}", self.what, "blocked") from None
+            raise ChatTemplateError(f"{self.what} failed while rendering ({_why(e)}); {self._fix}", self.what,
                                     "render") from None
 
     # Class-level so a caller (or a test) can tighten them per template.

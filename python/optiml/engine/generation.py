@@ -38,10 +38,27 @@ def make_sampler(n_vocab: int, temperature: float = 0.8, top_k: int = 40, top_p:
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """stop as a list of non-empty strings (one string, several, or None for none)."""
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise ArgumentError(f"stop must be a string or a list of strings, not {type(stop).__name__}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not isinstance(s, str) or not s for s in stops):
         raise ArgumentError("stop strings must be non-empty str")
     return stops
+
+
+def prompt_ids(prompt, n_vocab: int) -> list[int]:
+    """A prompt given as token ids, checked as eval checks them (integers in the vocabulary: 3.7 or True is
+    not a token id)."""
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise ArgumentError(f"the prompt must be text (str or bytes) or a sequence of token ids, not "
+                            f"{type(prompt).__name__}")
+    ids = list(prompt)
+    for t in ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ArgumentError(f"token ids must be integers, got {t!r}")
+        if not 0 <= t < n_vocab:
+            raise ArgumentError(f"token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+    return [int(t) for t in ids]
 
 
 def check_prompt(ids: list[int], n_ctx: int) -> None:

@@ -33,7 +33,7 @@ from ..formats.predictors import check_predictors, predicted_share
 from . import loading, speed_probe
 from .chat_template import ChatTemplate, read_template
 from .checks import non_negative_int, positive_int, token_array
-from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, stop_strings
+from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, prompt_ids, stop_strings
 from .plan import Plan, kv_types, plan_args
 from .sampling import Sampler
 from .sequences import Sequences
@@ -454,7 +454,8 @@ class Model(Sequences):
         sampler = make_sampler(self.n_vocab, **sampling)  # checks the parameters before any work
         if isinstance(prompt, (bytearray, memoryview)):
             prompt = bytes(prompt)
-        ids = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, (str, bytes)) else list(prompt)
+        ids = (self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, (str, bytes))
+               else prompt_ids(prompt, self.n_vocab))
         check_prompt(ids, self.n_ctx)
         return ids, max_tokens, sampler, stops
 
@@ -496,7 +497,7 @@ class Model(Sequences):
             tpl = template
         elif isinstance(template, str) and template:
             name = f"{os.path.basename(self.path)} (set by Model.chat_template)"
-            tpl = ChatTemplate.for_tokenizer(template, self.tokenizer, name)
+            tpl = ChatTemplate.for_tokenizer(template, self.tokenizer, name, given=True)
         else:
             raise ArgumentError(f"chat_template: give the template's text, a ChatTemplate or None, not {template!r}")
         self._chat_template = tpl
