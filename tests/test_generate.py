@@ -201,6 +201,14 @@ def test_bad_arguments_are_argument_errors(model, call, said):
         call(model)
 
 
+def test_max_tokens_none_is_no_limit(smollm2_path):
+    """max_tokens=None generates until the end of generation or a full context, as chat() and
+    llama-cpp-python take it."""
+    with optiml.Model(smollm2_path, n_ctx=48, n_threads=2) as m:
+        want = m.generate("1, 2, 3,", max_tokens=48, temperature=0)
+        assert m.generate("1, 2, 3,", max_tokens=None, temperature=0) == want and m.n_past == m.n_ctx
+
+
 def test_message_content_as_the_server_takes_it(model):
     """OpenAI's text parts are their text, and a None content is empty, as optiml serve takes them (the
     model's template, which concatenates strings, failed on them and the error blamed the model file); a

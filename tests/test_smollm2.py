@@ -147,6 +147,8 @@ def test_context_overflow_and_bad_arguments(smollm2_path):
             m.generate(PROMPT, stop=[""])
     with pytest.raises(optiml.ArgumentError):
         optiml.Model(smollm2_path, n_ctx=0)
+    with pytest.raises(optiml.ArgumentError, match="more than this machine's .* GiB of memory"):  # (23 TiB)
+        optiml.Model(smollm2_path, n_ctx=2**30)
     with pytest.raises(optiml.OptimlError, match="closed"):
         m.eval([1])
 

@@ -51,6 +51,20 @@ MAX_THREADS = _core.MAX_THREADS  # (the thread pool's own bound)
 __all__ = ["Model"]
 
 
+def _check_host_memory(plan: dict, n_ctx: int, n_seq: int, n_ctx_train: int) -> None:
+    """Refuses a KV cache larger than this machine's memory before it is made: it is allocated as it fills,
+    so the process would otherwise be killed once the context grows past what fits."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # (no such sysconf here: nothing to check against)
+        return
+    kv = plan["host_kv_bytes"]
+    if total > 0 and kv > total:
+        raise ArgumentError(f"n_ctx={n_ctx} x {n_seq} sequence(s) needs a KV cache of {kv / 2**30:.1f} GiB on the "
+                            f"host, more than this machine's {total / 2**30:.1f} GiB of memory: give a smaller n_ctx "
+                            f"(the model was trained on {n_ctx_train} positions), or kv_type q8_0 or q4_0")
+
+
 class Model(Sequences):
     """A llama-family GGUF model (llama, mistral, qwen2) with one context.
 
@@ -78,7 +92,7 @@ class Model(Sequences):
 
     n_seq: sequence slots of the KV cache (each holds n_ctx positions) for :meth:`decode`; generation and
     chat use sequence 0. device, vram, n_gpu_layers, gpu_neurons: where layers run (see optiml.plan):
-    device "auto" (the default: the CPU unless this build can run the GPU), "cpu", "cpu:N" (a second CPU
+    device "auto" (the default: the CPU, until the CUDA backend is verified on a GPU), "cpu", "cpu:N" (a second CPU
     instance treated as an accelerator, for testing split execution), "cuda[:N]"; vram a budget such as
     "6GiB"; n_gpu_layers the last N layers whole on the device; gpu_neurons FFN neurons per layer on the
     device (overrides the file's placement). The result is :attr:`plan`. kv_vram (such as "2GiB") limits
@@ -156,8 +170,9 @@ class Model(Sequences):
         where = plan_args(self.hparams["n_layer"], device, vram, n_gpu_layers, gpu_neurons, kv_vram, n_cpu_moe,
                           gpu_experts)
         kv_type, where["kv_type_v"] = kv_types(kv_type, kv_type_k, kv_type_v)
-        if use_mmap == "auto" and loading.auto_in_memory(
-                self.path, lambda: _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)):
+        plan = _core.make_plan(self._model, n_ctx, n_seq, n_batch, kv_type, **where)
+        _check_host_memory(plan, n_ctx, n_seq, self.hparams["n_ctx_train"])
+        if use_mmap == "auto" and loading.auto_in_memory(self.path, lambda: plan):
             self._model = _core.Model(os.fsencode(self.path), in_memory=True)
         self._session = _core.Session(self._model, n_ctx, n_threads, kv_type, n_batch, n_seq, **where)
         if not placed_copy:  # before any predictors: their copies are made as they attach
@@ -407,14 +422,14 @@ class Model(Sequences):
             self._chat.forget()
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs) -> str:
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, **kwargs) -> str:
         """The text generated after ``prompt`` (a string, or token ids). Keywords as :meth:`stream`."""
         return "".join(self.stream(prompt, max_tokens=max_tokens, **kwargs))
 
     def stream(
         self,
         prompt: str | Sequence[int],
-        max_tokens: int = 128,
+        max_tokens: int | None = 128,
         temperature: float = 0.8,
         top_k: int = 40,
         top_p: float = 0.95,
@@ -429,7 +444,7 @@ class Model(Sequences):
         """Yields the generated text piece by piece as tokens decode (always whole UTF-8 characters).
 
         Generation ends at an end-of-generation token, at the first stop string (not included in the
-        output), after max_tokens tokens, or when the context is full. The context is then replaced by what
+        output), after max_tokens tokens (None: no limit), or when the context is full. The context is then replaced by what
         was run: the prompt and the output, less the last token sampled, which is not run (as llama.cpp
         leaves it): after max_tokens or a full context, the output's last token; after a stop string, the
         token that completed it. :attr:`tokens` lists what the context holds; a later prompt (text, bytes or
@@ -445,7 +460,8 @@ class Model(Sequences):
         """Checks stream()'s arguments: (ids, max_tokens, sampler, stops)."""
         if not self._session:
             raise OptimlError(f"{self.path}: the model is closed")
-        max_tokens = non_negative_int("max_tokens", max_tokens)
+        # None: until the end of generation or a full context (llama-cpp-python's, and chat()'s)
+        max_tokens = self.n_ctx if max_tokens is None else non_negative_int("max_tokens", max_tokens)
         stops = stop_strings(stop)
         unknown = sorted(set(sampling) - SAMPLING_SETTINGS)
         if unknown:  # (make_sampler's own TypeError would name it, not the method the caller called)

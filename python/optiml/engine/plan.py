@@ -4,7 +4,7 @@
     optiml.plan.make(path, device="cpu:1", vram="20MiB")      # the plan it would get, without loading it
     print(plan)                                               # a readable table
 
-device: "auto" (a GPU when this build can run one, else the CPU), "cpu", "cpu:N" (a second CPU instance
+device: "auto" (the CPU, until the CUDA backend is verified on a GPU; give "cuda" for the GPU), "cpu", "cpu:N" (a second CPU instance
 that the plan treats as an accelerator, for testing split execution on any machine) or "cuda[:N]".
 vram: the device's memory budget (bytes, or a size such as "6GiB"); n_gpu_layers: the last N layers whole
 on the device, as llama.cpp's -ngl; gpu_neurons: per-layer FFN neurons on the device (one value for all
