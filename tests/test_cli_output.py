@@ -108,11 +108,28 @@ def test_bad_flags_are_bad_input(smollm2_path, tmp_path, capfd):
                        (["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")], "no config.json"),
                        (["hw", "--device", "cuda:7"], "no such CUDA device"),  # (before a minute of CPU timings)
                        (["chat", m, "-m", str(tmp_path / "other.gguf")], "two models given"),
-                       (["chat", m, "-n", "-1"], "-n/--n-predict"),  # (before the model loads)
+                       (["chat", m, "-n", "-2"], "-n/--n-predict"),  # (before the model loads; -1 is no limit)
                        (["bench", "-m", m, "--launches", "2", "--timeline", "4"], "two reports")):
         assert cli.main(["-q", *args]) == 2, args
         err = capfd.readouterr().err
         assert said in err and "Traceback" not in err, (args, err)
+
+
+def test_llama_cpp_flags(smollm2_path, capfd):
+    """llama.cpp's spellings mean what they mean there (-c/--ctx-size, --predict, -s, -n -1, --seed -1), and a
+    flag of llama.cpp's that is ours by its first letters is refused, not taken for ours (--predict used to
+    be --predictors, by argparse's abbreviations)."""
+    m = str(smollm2_path)
+    base = ["-q", "run", "-m", m, "-p", "1, 2, 3,", "--temp", "0"]
+    assert cli.main(base + ["-c", "32", "-n", "-1", "-s", "-1"]) == 0
+    want = capfd.readouterr().out
+    assert cli.main(base + ["--ctx-size", "32", "--predict", "100"]) == 0
+    assert capfd.readouterr().out == want  # (both end at the full context of 32)
+    assert cli.main(base + ["--ctx", "32", "-n", "100", "--seed", "7"]) == 0
+    assert capfd.readouterr().out == want
+    with pytest.raises(SystemExit) as e:
+        cli.main(base + ["--predictor", "x"])
+    assert e.value.code == 2 and "unrecognized arguments: --predictor" in capfd.readouterr().err
 
 
 def test_gpu_flags_without_a_gpu_say_so(smollm2_path, capfd):

@@ -61,13 +61,16 @@ COMMANDS = (
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.")
+    # No abbreviated options (allow_abbrev): llama.cpp's flags typed here must not pass for others of ours by
+    # their first letters (--predict for --predictors).
+    ap = argparse.ArgumentParser(prog="optiml", description="Run large language models fast on one machine.",
+                                 allow_abbrev=False)
     ap.add_argument("--version", action="version", version=f"optiml {__version__}")
     ap.add_argument("-q", "--quiet", dest="quiet_all", action="store_true",
                     help="no progress or log lines on stderr (errors still go there)")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, module, summary in COMMANDS:
-        p = sub.add_parser(name, help=summary)
+        p = sub.add_parser(name, help=summary, allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     return ap

@@ -11,7 +11,6 @@ from typing import Callable
 
 from .._core import ArgumentError
 from ..engine.chat_template import ChatTemplateError
-from ..engine.checks import non_negative_int
 from ..engine.generation import make_sampler
 from ..engine.harmony import HarmonySplitter, is_harmony
 from ..engine.sparsity import describe
@@ -28,10 +27,12 @@ def add_arguments(p) -> None:
                    help="GGUF file or known model name (default: smollm2-135m-instruct)")
     p.add_argument("-m", "--model", dest="model_opt", default=None, help=common.MODEL_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help=common.THREADS_HELP)
-    p.add_argument("--ctx", type=int, default=None, help="context length in tokens (default: the model's, at most 4096)")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=None,
+                   help="context length in tokens (default: the model's, at most 4096)")
     p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=common.SPARSITY_HELP)
     p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
-    p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per answer (default: until done)")
+    p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None,
+                   help="most tokens per answer (default, or -1: until done)")
     p.add_argument("-s", "--system", default=None, help="system message")
     common.add_device_args(p)
     _sampling_args(p)
@@ -43,7 +44,7 @@ def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default, or -1: random)")
 
 
 def run(args) -> int:
@@ -51,13 +52,12 @@ def run(args) -> int:
         raise ArgumentError(f"two models given ({args.model} and -m {args.model_opt}): give one")
     args.model = args.model_opt or args.model or "smollm2-135m-instruct"
     sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    repeat_penalty=args.repeat_penalty, seed=args.seed)
+                    repeat_penalty=args.repeat_penalty, seed=common.seed(args.seed))
     # Bad settings are said before the model loads, not at the first turn (no check reads the vocabulary's size).
     make_sampler(1, **sampling)
-    if args.n_predict is not None:
-        non_negative_int("-n/--n-predict", args.n_predict)
+    max_tokens = common.n_predict(args.n_predict)
     m = common.load(args)
-    return repl(m, system=args.system, max_tokens=args.n_predict, sampling=sampling)
+    return repl(m, system=args.system, max_tokens=max_tokens, sampling=sampling)
 
 
 # ---- the conversation, fitted to the context --------------------------------------------------------

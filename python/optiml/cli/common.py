@@ -62,7 +62,8 @@ def log(*parts) -> None:
 def add_model_args(p: argparse.ArgumentParser, ctx_default: int | None = None, required: bool = True) -> None:
     p.add_argument("-m", "--model", required=required, help=MODEL_HELP)
     p.add_argument("-t", "--threads", type=int, default=None, help=THREADS_HELP)
-    p.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=int, default=ctx_default,
+                   help="context length in tokens")
     p.add_argument("--sparsity", choices=("auto", "threshold", "none"), default="auto", help=SPARSITY_HELP)
     p.add_argument("--predictors", default="auto", help=PREDICTORS_HELP)
 
@@ -120,6 +121,20 @@ def say_what_the_cpu_ignores(args, plan) -> None:
     if given:
         why = plan.reason.split(": n_gpu_layers / ")[0]  # (the plan's own reason goes on to say they were ignored)
         log(f"optiml: {', '.join(given)} ignored, the model runs on the CPU ({why or 'the device is the CPU'})")
+
+
+def n_predict(n: int | None) -> int | None:
+    """-n/--n-predict as llama.cpp takes it: -1 (or None) is until the end of generation or a full context."""
+    if n is None or n == -1:
+        return None
+    if n < 0:
+        raise ArgumentError(f"-n/--n-predict must be >= 0, or -1 for no limit; got {n}")
+    return n
+
+
+def seed(s: int | None) -> int | None:
+    """--seed as llama.cpp takes it: -1 (or None) draws a random one."""
+    return None if s is None or s == -1 else s
 
 
 def use_mmap(args):

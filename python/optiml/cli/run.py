@@ -12,32 +12,34 @@ from . import common
 def add_arguments(p) -> None:
     common.add_model_args(p)
     p.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=128,
+                   help="tokens to generate (default 128; -1: until the end of generation or a full context)")
     common.add_device_args(p)
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default, or -1: random)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
 def run(args) -> int:
+    common.n_predict(args.n_predict)  # (before the model loads)
     m = common.load(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     t0 = time.perf_counter()
     prompt_meter, gen_meter = m.sparsity_meter(), None
     for piece in m.stream(
         prompt,
-        max_tokens=args.n_predict,
+        max_tokens=common.n_predict(args.n_predict),
         temperature=args.temp,
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
         repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
+        seed=common.seed(args.seed),
         stop=args.stop,
     ):
         # The first piece comes once the prompt ran; each later one after a decode step (or a few, when a
