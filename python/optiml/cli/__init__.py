@@ -30,7 +30,7 @@ import subprocess
 import sys
 import warnings
 
-from .._core import ArgumentError, OptimlError
+from .._core import ArgumentError, ContextOverflowError, OptimlError
 from .._version import __version__
 from ..engine.sparsity import PredictorWarning
 from . import (bench, calibrate, chat, common, convert, hw, info, perplexity, profile, pull, run, serve, solve, system,
@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     for name, module, summary in COMMANDS:
         p = sub.add_parser(name, help=summary, allow_abbrev=False)
         module.add_arguments(p)
+        if "-q" not in p._option_string_actions:  # (-q after the command too, where the command has no -q of its own)
+            p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
         p.set_defaults(func=module.run)
     return ap
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _warning_line(args.command)
     try:
         return args.func(args)
-    except (ArgumentError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+    except (ArgumentError, ContextOverflowError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
         # Bad input: exit status 2, as argparse gives for a bad option.
         print(f"optiml {args.command}: error: {e}", file=sys.stderr)
         return 2

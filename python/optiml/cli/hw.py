@@ -23,6 +23,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.output:
+        common.check_output(args.output, [])  # (before a minute of timings)
     say = None if args.quiet or args.json else (lambda msg: print(f"measuring {msg} ...", file=sys.stderr, flush=True))
     hw = Hardware.measure(device=args.device, types=args.types, weight_bytes=parse_size(args.size),
                           n_threads=args.threads or 0, progress=say)

@@ -53,6 +53,11 @@ def run(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    wanted = common.n_predict(args.n_predict)
+    made = m.last_stats["gen_tokens"]
+    if m.n_past >= m.n_ctx - 1 and (wanted is None or made < wanted):
+        common.log(f"[context full: {made} tokens generated{'' if wanted is None else f' of {wanted}'}; "
+                   f"a larger --ctx ({m.n_ctx} now) for more]")
     common.log(sparsity_line(m, prompt_meter.summary(), gen_meter.summary() if gen_meter else None))
     if args.verbose:
         dt = time.perf_counter() - t0

@@ -13,7 +13,13 @@ def add_arguments(p) -> None:
     p.add_argument("-p", "--prompt", help="text (default: read stdin)")
     p.add_argument("--ids", action="store_true", help="print only the list of ids")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS/EOS the model asks for")
-    p.add_argument("--special", action="store_true", help="parse special-token text such as <|im_start|>")
+    # Special-token text is parsed by default, as llama-tokenize and optiml run do.
+    special = p.add_mutually_exclusive_group()
+    special.add_argument("--no-parse-special", dest="special", action="store_false",
+                         help="take special-token text such as <|im_start|> as plain text (default: that token)")
+    special.add_argument("--special", dest="special", action="store_true",
+                         help="parse special-token text (the default; kept for scripts)")
+    p.set_defaults(special=True)
 
 
 def run(args) -> int:
@@ -23,6 +29,6 @@ def run(args) -> int:
     if args.ids:
         print(ids)
     else:
-        for i in ids:
-            print(f"{i:6d} -> {tok.token_to_piece(i)!r}")
+        for i in ids:  # the piece as text, as llama-tokenize prints it (a byte of a character: \xNN)
+            print(f"{i:6d} -> '{tok.token_to_piece(i).decode('utf-8', 'backslashreplace')}'")
     return 0

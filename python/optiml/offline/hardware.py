@@ -123,14 +123,14 @@ class Hardware:
             if not index.isdigit() and index != "" or int(index or 0) >= len(info["cuda_devices"]):
                 raise ArgumentError(f"device '{device}': no such CUDA device here ({info['cuda_note'] or 'none found'}); "
                                     "leave out --device to measure the CPU alone")
+        infos = [(t, type_info(t)) for t in types]  # an unknown type said now, not after the bandwidth's timing
         hw = cls()
         say("CPU read bandwidth")
         hw.cpu_bandwidth = float(_core.measure_read_bandwidth(max(weight_bytes, 1 << 20) * 4, 3, n_threads))
         rng = np.random.default_rng(0)
         cols = 4096
         x = rng.standard_normal((1, cols)).astype(np.float32)
-        for t in types:
-            info = type_info(t)
+        for t, info in infos:
             say(f"CPU {info.name} products")
             block = quantize(rng.standard_normal((256, cols)).astype(np.float32) * 0.05, t)
             rows = max(256, weight_bytes // block.shape[1] // 256 * 256)
