@@ -195,6 +195,60 @@ def test_n_choices_with_seed(client):
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
 
 
+def test_stopping_the_server_drains_streams(smollm2_path):
+    """SIGTERM (optiml serve under a process manager): a stream that ends within the drain time ends as
+    usual, one still running then gets an error event and a proper end (it was cut mid-chunk, which clients
+    read as "incomplete chunked read"), and the server exits."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "optiml", "serve", "-m", str(smollm2_path), "--port", str(port),
+                             "-t", "1", "--parallel", "2", "--ctx", "4096"], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(240):
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        got = {}
+
+        def read(name, max_tokens, started):
+            body = {"prompt": "1, 2, 3,", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+                got[name] = lines
+
+        started = [threading.Event(), threading.Event()]
+        readers = [threading.Thread(target=read, args=("long", 3000, started[0])),
+                   threading.Thread(target=read, args=("short", 40, started[1]))]
+        for t in readers:
+            t.start()
+        for e in started:
+            assert e.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        for t in readers:
+            t.join(120)
+        assert got["short"][-1] == "[DONE]"
+        err = json.loads(got["long"][-1])["error"]
+        assert err["code"] == "server_shutting_down" and len(got["long"]) < 3000
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_every_seed_a_client_sends_is_reproducible(server):
     """4294967295 is the engine's "draw a random seed" (llama.cpp's); a client's seed is never taken for it,
     nor is seed + k for the k-th of n choices; top_p 0 (OpenAI's and llama.cpp's) keeps the likeliest token."""

@@ -17,6 +17,8 @@ import re
 import time
 import uuid
 
+import anyio
+
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -47,6 +49,10 @@ log = logging.getLogger("optiml.server")
 # A request body is read whole before it is parsed: past this size it is refused (413) instead of filling
 # memory. 16 MiB is far more than any prompt a context can hold (128k tokens are ~0.5 MB of text).
 MAX_BODY_BYTES = 16 << 20
+# When the server is told to stop, a stream still running this long after gets an error event and ends (the
+# others have finished by then; the pipeline runs until the last stream is done).
+SHUTDOWN_DRAIN_S = 5.0
+
 # A body larger than this is parsed, rendered and tokenized on a worker thread (see create_app's prepared):
 # below it that takes well under a millisecond, less than the hop to a thread.
 PREPARE_INLINE_BYTES = 64 << 10
@@ -411,6 +417,15 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
     offsets = {j.index: 0 for j in jobs}
     splitters = {j.index: HarmonySplitter() for j in jobs}
 
+    shutdown = anyio.Event()  # set by sse-starlette when the server is told to stop (SIGTERM, Ctrl-C)
+
+    async def drain():
+        # A stream that has not ended SHUTDOWN_DRAIN_S after the server was told to stop ends with an error
+        # event the client can read (it was cut mid-chunk, "incomplete chunked read", with nothing said).
+        await shutdown.wait()
+        await asyncio.sleep(SHUTDOWN_DRAIN_S)
+        q.put_nowait({"type": "shutdown"})
+
     async def stream():
         # Server-sent events as bytes (sse-starlette sends bytes as they are): one write per list of
         # waiting events.
@@ -419,15 +434,18 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         role = chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None} for j in jobs]) if chat else b""
         status = "499"  # counted in /metrics when the stream ends: until its end is sent, the client went away
+        drainer = asyncio.ensure_future(drain())
         try:
             async for evs in _event_lists(q, len(jobs)):
                 out = [role]
                 role = b""
                 for ev in evs:
-                    if ev["type"] == "error":
-                        status = "500"
-                        out.append(_sse(_dumps({"error": {"message": ev["message"], "type": "server_error",
-                                                          "param": None, "code": None}})))
+                    if ev["type"] in ("error", "shutdown"):
+                        status = "503" if ev["type"] == "shutdown" else "500"
+                        message = ("the server is shutting down; retry the request" if ev["type"] == "shutdown"
+                                   else ev["message"])
+                        out.append(_sse(_dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                                          "code": "server_shutting_down" if status == "503" else None}})))
                         yield b"".join(out)
                         return
                     out.append(delta(ev) if ev["type"] == "delta" else finish(ev))
@@ -440,10 +458,11 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
             status = "500"
             raise
         finally:
+            drainer.cancel()
             server.pipeline.cancel(jobs)  # the client went away (or all is done): free the slots
             server.metrics.requests.labels("chat" if chat else "completions", status).inc()
 
-    return _EventStream(stream(), ping=15)
+    return _EventStream(stream(), ping=15, shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_DRAIN_S + 2)
 
 
 class _EventStream(EventSourceResponse):
