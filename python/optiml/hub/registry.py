@@ -240,7 +240,15 @@ def resolve(model: str | os.PathLike, quiet: bool = False) -> str:
     if hit is None:
         from . import huggingface as hub  # here: it needs the native module (see the module doc)
 
-        return hub.resolve(s, quiet=quiet) if hub.parse(s) is not None else s
+        if hub.parse(s) is None:
+            return s
+        try:
+            return hub.resolve(s, quiet=quiet)
+        except hub.OptimlError as e:
+            if not s.endswith(".gguf"):
+                raise
+            # (org/repo/FILE.gguf is also how a mistyped local path looks: say both)
+            raise type(e)(f"there is no file {s} here, and as a Hugging Face reference: {e}") from None
     mid, entry = hit
     p = cache_dir() / entry["file"]
     if not (p.is_file() and p.stat().st_size == entry["size"]):
