@@ -76,6 +76,14 @@ def test_a_local_folder_is_never_a_reference(tmp_path, monkeypatch):
     assert hub.parse("org/repo/m.gguf") is None and hub.parse("org/repo") is None
 
 
+def test_a_mistyped_path_that_reads_as_a_reference_says_both(hf_cache):
+    """mymodels/llama/m.gguf is a Hugging Face reference too (when ./mymodels does not exist): the error
+    says that there is no such file here, not only that the Hub does not have it."""
+    with pytest.raises(optiml.OptimlError, match=r"there is no file mymodels/llama/m\.gguf here, and as a Hugging "
+                                                 r"Face reference: .*not in the Hugging Face cache"):
+        optiml.Model("mymodels/llama/m.gguf")
+
+
 FILES = ["README.md", "m-Q4_K_M.gguf", "m-Q4_K_M_L.gguf", "m-Q4_K.gguf", "m.Q8_0.gguf", "mmproj-m-f16.gguf",
          "big/m-Q6_K-00001-of-00003.gguf", "big/m-Q6_K-00002-of-00003.gguf", "big/m-Q6_K-00003-of-00003.gguf"]
 
