@@ -531,6 +531,10 @@ def test_split_experts_with_the_attention_on_the_cpu(q3_path, tmp_path):
     plan = optiml.plan.make(bare, n_ctx=64, device="cpu:1", n_cpu_moe=True)
     assert plan.device_bytes["total"] == 0 and "nothing is left for the device" in plan.reason, plan.reason
     assert "budget" in optiml.plan.make(bare, n_ctx=64, device="cpu:1", vram="1KiB").reason
+    nothing = edited(q3_path, tmp_path / "nothing.gguf", {  # (a placement that itself puts nothing on the device)
+        "optiml.placement.gpu_attention": i32([0, 0]), "optiml.placement.gpu_expert_count": i32([0, 0]),
+        "optiml.placement.gpu_experts": i32([])})
+    assert "n_cpu_moe" not in optiml.plan.make(nothing, n_ctx=64, device="cpu:1").reason
 
 
 def test_whole_lists_that_do_not_fit_split(q3_path):

@@ -337,7 +337,8 @@ void place_experts(const PlanOptions& o, Placer& at, int64_t budget) {
         // Nothing placed: the budget, or n_cpu_moe keeping every expert the placement lists on the host
         // of a placement that puts no attention on the device.
         const std::vector<std::vector<int32_t>>& lists = given ? o.gpu_experts : m.placement_gpu_experts;
-        bool asked = given || m.placement_gpu_attention.empty();  // (attention then goes as the budget holds)
+        bool asked = given || at.cpu_moe_layers == 0 || m.placement_gpu_attention.empty();  // (empty: attention
+                                                                               // goes as the budget holds)
         for (int32_t a : m.placement_gpu_attention) asked |= a != 0;
         for (int il = at.cpu_moe_layers; il < (int)lists.size() && !asked; il++) asked = !lists[il].empty();
         p.reason += asked ? format("; nothing fits in the budget of %s beside the scratch", mib((size_t)budget).c_str())

@@ -162,6 +162,13 @@ void decode_all(std::string_view text, std::vector<uint32_t>& cpts, std::vector<
     while (i < text.size()) {
         size_t len;
         uint32_t cp = decode_utf8(text.data() + i, text.size() - i, &len);
+        const uint8_t* p = (const uint8_t*)text.data() + i;
+        if (len == 1 && cp == kReplacement && text.size() - i >= 3 && p[0] == 0xED && (p[1] & 0xE0) == 0xA0 &&
+            (p[2] & 0xC0) == 0x80) {
+            // A surrogate written as UTF-8: one code point, as llama.cpp reads it (bpe_input_text keeps them)
+            cp = 0xD000 | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu);
+            len = 3;
+        }
         cpts.push_back(cp);
         offsets.push_back((uint32_t)i);
         i += len;

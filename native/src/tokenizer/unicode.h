@@ -60,7 +60,8 @@ void append_utf8(std::string& out, uint32_t cp);
 bool bpe_input_text(std::string_view text, std::string& out);
 
 // Code points of `text` and, for each, the byte offset where it starts (plus one final entry: the
-// text's size).
+// text's size). Malformed bytes are U+FFFD each, as decode_utf8 reads them, but for a surrogate written
+// as UTF-8, which is one code point here as in llama.cpp (bpe_input_text leaves them in the text).
 void decode_all(std::string_view text, std::vector<uint32_t>& cpts, std::vector<uint32_t>& offsets);
 
 }  // namespace unicode

@@ -153,7 +153,7 @@ def read_conversation(path: str) -> list[dict]:
     with open(path, "rb") as f:
         try:
             doc = json.loads(f.read())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # (RecursionError: nested past Python's limit)
             raise ValueError(f"{path} is not JSON ({e})") from None
     msgs = doc.get("messages") if isinstance(doc, dict) else doc
     if not isinstance(msgs, list):

@@ -46,6 +46,8 @@ def run(args) -> int:
               n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
               predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
               use_mmap=common.use_mmap(args), cors_origins=args.cors_origin, **common.device(args))
+    if args.quiet:  # (-q: the access log and uvicorn's lines go; warnings and errors stay)
+        kw["log_level"] = "warning"
     ray_only = [f for f, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),
                                ("--max-replicas", args.max_replicas), ("--address", args.address),
                                ("--stream-interval-ms", args.stream_interval_ms != 100)) if v]

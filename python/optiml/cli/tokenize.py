@@ -29,6 +29,8 @@ def run(args) -> int:
     if args.ids:
         print(ids)
     else:
-        for i in ids:  # the piece as text, as llama-tokenize prints it (a byte of a character: \xNN)
-            print(f"{i:6d} -> '{tok.token_to_piece(i).decode('utf-8', 'backslashreplace')}'")
+        for i in ids:  # the piece as text, as llama-tokenize prints it; a byte of a character as \xNN, and
+            # control characters (a newline piece) escaped, so that each token stays one line
+            text = tok.token_to_piece(i).decode("utf-8", "backslashreplace")
+            print(f"{i:6d} -> '{''.join(c if c.isprintable() or c == ' ' else repr(c)[1:-1] for c in text)}'")
     return 0

@@ -283,11 +283,20 @@ def pull(ref: HubRef | str, force: bool = False, quiet: bool = False, revision: 
     return out[0]
 
 
+class NotCached(OptimlError):
+    """A reference the Hub could not be asked about and the cache does not hold."""
+
+
+def not_found(e: Exception) -> bool:
+    """Whether `e` says a reference was found nowhere (rather than that finding or reading it failed)."""
+    return isinstance(e, NotCached)
+
+
 def _from_cache(ref: HubRef, revision: str, quiet: bool, verify: bool) -> Path:
     got = cached_files(ref.repo, revision)
     if got is None:
         why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
-        raise OptimlError(f"{ref} is not in the Hugging Face cache ({cache_dir()}) and {why}: pull it while online")
+        raise NotCached(f"{ref} is not in the Hugging Face cache ({cache_dir()}) and {why}: pull it while online")
     snap, files = got
     paths = match_files(ref, files)
     if verify:

@@ -245,7 +245,7 @@ def resolve(model: str | os.PathLike, quiet: bool = False) -> str:
         try:
             return hub.resolve(s, quiet=quiet)
         except hub.OptimlError as e:
-            if not s.endswith(".gguf"):
+            if not s.endswith(".gguf") or not hub.not_found(e):
                 raise
             # (org/repo/FILE.gguf is also how a mistyped local path looks: say both)
             raise type(e)(f"there is no file {s} here, and as a Hugging Face reference: {e}") from None

@@ -152,8 +152,8 @@ std::shared_ptr<ThreadPool> g_pool;
 
 int threads_from_env() {
     if (const char* env = std::getenv("OPTIML_NUM_THREADS")) {
-        int n = std::atoi(env);
-        if (n > 0) return std::min(n, kMaxThreads);
+        const long n = std::strtol(env, nullptr, 10);  // (saturates where atoi's overflow is undefined)
+        if (n > 0) return (int)std::min<long>(n, kMaxThreads);
     }
     return physical_core_count();
 }
