@@ -130,6 +130,11 @@ def test_llama_cpp_flags(smollm2_path, capfd):
     with pytest.raises(SystemExit) as e:
         cli.main(base + ["--predictor", "x"])
     assert e.value.code == 2 and "unrecognized arguments: --predictor" in capfd.readouterr().err
+    # llama.cpp's -mli and -no-cnv are not ours: refused, not read as -m "li" or -n "o-cnv"
+    for word in ("-mli", "-no-cnv"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["-q", "run", word, "-m", m, "-p", "Hi"])
+        assert e.value.code == 2 and f"unrecognized argument: {word}" in capfd.readouterr().err
 
 
 def test_gpu_flags_without_a_gpu_say_so(smollm2_path, capfd):

@@ -60,6 +60,40 @@ COMMANDS = (
 )
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser that refuses a single-dash word it does not know but that begins with one of its
+    short options: llama.cpp's -mli or -no-cnv would otherwise be read as -m "li" (silently) or as -n with
+    the value "o-cnv". (A value that starts with "-", given after its option, is a value.)"""
+
+    def parse_known_args(self, args=None, namespace=None):
+        words = list(sys.argv[1:] if args is None else args)
+        takes_value = False
+        for w in words:
+            if w == "--":
+                break
+            if takes_value:  # the previous word's value, whatever it looks like
+                takes_value = False
+                continue
+            name = w.split("=", 1)[0]
+            action = self._option_string_actions.get(name)
+            if action is not None:
+                takes_value = action.nargs != 0 and "=" not in w
+                continue
+            if (w.startswith("-") and not w.startswith("--") and len(w) > 2 and not _is_number(w)
+                    and w[:2] in self._option_string_actions):
+                self.error(f"unrecognized argument: {w} (no such option here; {w[:2]} takes its value as the next "
+                           f"argument: {w[:2]} VALUE)")
+        return super().parse_known_args(args, namespace)
+
+
+def _is_number(w: str) -> bool:
+    try:
+        float(w)
+        return True
+    except ValueError:
+        return False
+
+
 def parser() -> argparse.ArgumentParser:
     # No abbreviated options (allow_abbrev): llama.cpp's flags typed here must not pass for others of ours by
     # their first letters (--predict for --predictors).
@@ -68,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"optiml {__version__}")
     ap.add_argument("-q", "--quiet", dest="quiet_all", action="store_true",
                     help="no progress or log lines on stderr (errors still go there)")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     for name, module, summary in COMMANDS:
         p = sub.add_parser(name, help=summary, allow_abbrev=False)
         module.add_arguments(p)
