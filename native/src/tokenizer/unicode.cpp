@@ -135,8 +135,8 @@ bool bpe_input_text(std::string_view text, std::string& out) {
         }
         uint32_t cp;
         const size_t len = lenient_utf8(p + i, n - i, cp);
-        if (len > 0 && valid_utf8_len(text.data() + i, n - i) == len) {
-            i += len;  // well formed: unchanged
+        if (len > 0 && (valid_utf8_len(text.data() + i, n - i) == len || (cp >= 0xD800 && cp <= 0xDFFF))) {
+            i += len;  // well formed, or a surrogate (a 3-byte form is its shortest): written back as it is
             continue;
         }
         if (!changed) {

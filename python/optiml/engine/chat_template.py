@@ -59,6 +59,14 @@ class ChatTemplateError(OptimlError):
         self.problem = problem
 
 
+def join_text_parts(parts: list) -> str | None:
+    """OpenAI's content parts as their text joined; None when one is not a text part
+    ({"type": "text", "text": str}): images and audio are not supported."""
+    if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return None
+    return "".join(p["text"] for p in parts)
+
+
 def check_messages(messages) -> list:
     """Copies of the messages a template renders; ArgumentError unless they are an iterable of dicts with a
     str "role" and a "content" that is a str, None or a list of text parts, or left out beside "tool_calls"
@@ -81,11 +89,10 @@ def check_messages(messages) -> list:
             raise ArgumentError(f"messages[{i}]['content'] must be a str (or a list of text parts), got {c!r:.60}")
         m = dict(m)
         if isinstance(c, list):
-            if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in c):
+            m["content"] = join_text_parts(c)
+            if m["content"] is None:
                 raise ArgumentError(f"messages[{i}]['content']: only text parts ({{'type': 'text', 'text': str}}) "
                                     "are supported")
-            m["content"] = "".join(p["text"] for p in c)
         elif c is None and "content" in m and "tool_calls" not in m:
             m["content"] = ""
         out.append(m)

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..engine.chat_template import join_text_parts
 from ..engine.sampling import RANDOM_SEED, SamplingParams
 
 
@@ -174,12 +175,10 @@ def _content(m: dict, i: int) -> str:
     if isinstance(c, str):
         return c
     if isinstance(c, list):
-        parts = []
-        for p in c:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            parts.append(p["text"])
-        return "".join(parts)
+        text = join_text_parts(c)
+        if text is None:
+            raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+        return text
     raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
