@@ -140,12 +140,86 @@ def test_stop_ends_the_answer(server, browser):
     assert browser.find_element(By.ID, "send").is_enabled()
 
 
-def test_a_wrong_key_shows_the_servers_error(server, browser):
+def test_a_failed_turn_is_taken_back_and_the_right_key_works_without_a_reload(server, browser):
+    """A request the server refuses leaves nothing in the conversation (the message returns to the box, so the
+    next send is not refused for it again), and a page opened with a wrong key works once the key is right."""
     open_page(browser, server)
     set_field(browser, "api_key", "sk-wrong")
+    browser.refresh()  # (opened with the wrong key: the model list was refused)
+    until(browser, 30, lambda b: "not connected" in b.find_element(By.ID, "model").text)
     browser.find_element(By.ID, "clear").click()
+    set_field(browser, "temperature", 0)
+    set_field(browser, "max_tokens", 8)
     ask(browser, "Hello")
     until(browser, 30, lambda b: any(r == "error" for r, _ in bubbles(b)))
     err = [t for r, t in bubbles(browser) if r == "error"][0]
     assert "key" in err.lower(), err
-    assert [r for r, _ in bubbles(browser)] == ["user", "error"]
+    assert [r for r, _ in bubbles(browser)] == ["error"]
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "Hello"
+    assert browser.execute_script("return localStorage.getItem('optiml.messages')") == "[]"
+
+    set_field(browser, "api_key", KEY)
+    until(browser, 30, lambda b: "smollm2" in b.find_element(By.ID, "model").text)
+    browser.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+    wait_status(browser, lambda s: "pieces" in s, "the answer")
+    assert [r for r, _ in bubbles(browser)] == ["user", "assistant"]
+    assert bubbles(browser)[0][1] == "Hello"
+
+
+def test_turns_that_outgrow_the_context_are_left_out(server, browser):
+    """Two messages of ~300 tokens each do not fit a context of 512 together: the server refuses the second
+    request (context_length_exceeded), and the page asks again without the oldest turn, greyed on the page."""
+    open_page(browser, server)
+    set_field(browser, "api_key", KEY)
+    browser.find_element(By.ID, "clear").click()
+    set_field(browser, "temperature", 0)
+    set_field(browser, "max_tokens", 4)
+    long_text = "word " * 300
+    for i in range(2):
+        browser.execute_script("document.getElementById('prompt').value = arguments[0]", f"{i}: {long_text}")
+        browser.find_element(By.ID, "send").click()
+        until(browser, 120, lambda b: len(bubbles(b)) == 2 * (i + 1) and "pieces" in b.find_element(By.ID, "status").text)
+    status = browser.find_element(By.ID, "status").text
+    assert "no longer fit the context" in status, status
+    classes = [e.get_attribute("class") for e in browser.find_elements(By.CSS_SELECTOR, "#log .msg")]
+    assert ["dropped" in c for c in classes] == [True, True, False, False], classes
+    assert browser.execute_script("return localStorage.getItem('optiml.first')") == "2"
+
+
+def test_a_new_conversation_stops_the_running_answer(server, browser):
+    open_page(browser, server)
+    set_field(browser, "api_key", KEY)
+    browser.find_element(By.ID, "clear").click()
+    set_field(browser, "temperature", 0.8)
+    set_field(browser, "max_tokens", 400)
+    ask(browser, "Write a long story about a lighthouse keeper.")
+    until(browser, 60, lambda b: len(bubbles(b)) == 2 and len(bubbles(b)[1][1]) > 20)
+    browser.find_element(By.ID, "clear").click()
+    assert bubbles(browser) == []
+    assert browser.find_element(By.ID, "send").is_enabled()
+    time.sleep(1.0)
+    assert bubbles(browser) == []  # nothing of the old answer arrives in the new conversation
+    assert browser.execute_script("return localStorage.getItem('optiml.messages')") == "[]"
+
+
+def test_saved_conversations_render_safely(server, browser):
+    """What the browser kept is checked (a broken value is a new conversation, not a broken page), and an
+    answer's code blocks are shown as code while its HTML stays text."""
+    open_page(browser, server)
+    browser.execute_script("localStorage.setItem('optiml.messages', '{broken')")
+    browser.refresh()
+    assert bubbles(browser) == []
+    until(browser, 30, lambda b: "not connected" in b.find_element(By.ID, "model").text
+          or "smollm2" in b.find_element(By.ID, "model").text)
+
+    answer = "Run this:\n```python\nprint('<b>hi</b>')\n```\nand **done** <img src=x onerror=alert(1)>"
+    browser.execute_script("localStorage.setItem('optiml.messages', JSON.stringify(arguments[0]))",
+                           [{"role": "user", "content": "<i>code?</i>"}, {"role": "assistant", "content": answer}])
+    browser.refresh()
+    until(browser, 10, lambda b: len(bubbles(b)) == 2)
+    assert bubbles(browser)[0][1] == "<i>code?</i>"
+    code = browser.find_elements(By.CSS_SELECTOR, "#log .assistant pre code")
+    assert [c.text for c in code] == ["print('<b>hi</b>')"]
+    assert browser.find_elements(By.CSS_SELECTOR, "#log img, #log b, #log i") == []
+    assert browser.find_element(By.CSS_SELECTOR, "#log .assistant strong").text == "done"
+    browser.execute_script("localStorage.clear()")
