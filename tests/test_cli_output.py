@@ -1,6 +1,8 @@
 """Output people can script: --json on info, bench and perplexity (one object on stdout, strict JSON: no NaN
 or Infinity), --quiet (nothing on stderr), and exit statuses (2 bad input, 1 a failure while running)."""
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -37,13 +39,26 @@ def test_info_json_matches_gguf_py(smollm2_path, capfd):
 
 
 def test_bench_json(smollm2_path, capfd):
-    assert cli.main(["-q", "bench", "--json", "-m", str(smollm2_path), "-p", "8", "-n", "4", "-r", "2", "-t", "2"]) == 0
+    """-o json (--json): llama-bench's list of tests, each with its runs' speeds, their mean and deviation."""
+    args = ["-q", "bench", "--json", "-m", str(smollm2_path), "-p", "8,16", "-n", "4", "-pg", "8,2", "-r", "2", "-t", "2"]
+    assert cli.main(args) == 0
     out, err = capfd.readouterr()
-    r = json.loads(out)
+    rows = json.loads(out)
     assert err == ""
-    assert r["n_prompt"] == 8 and r["n_gen"] == 4 and len(r["pp_runs"]) == len(r["tg_runs"]) == 2
-    assert r["pp_tokens_per_s"] > 0 and r["tg_tokens_per_s"] > 0 and r["arch"] == "llama"
-    assert min(r["tg_runs"]) <= r["tg_tokens_per_s"] <= max(r["tg_runs"])
+    assert [(r["test"], r["n_prompt"], r["n_gen"]) for r in rows] == [("pp8", 8, 0), ("pp16", 16, 0), ("tg4", 0, 4),
+                                                                      ("pp8+tg2", 8, 2)]
+    for r in rows:
+        ts = r["samples_ts"]
+        assert len(ts) == 2 and min(ts) > 0 and r["avg_ts"] == pytest.approx(sum(ts) / 2)
+        assert r["stddev_ts"] == pytest.approx(abs(ts[0] - ts[1]) / 2 ** 0.5)
+        assert r["model_type"] == "llama 135M Q4_1" and r["backends"] == "CPU" and r["n_threads"] == 2
+    f = gguf.GGUFReader(str(smollm2_path))  # (gguf-py's count of the file's parameters and bytes)
+    assert rows[0]["model_n_params"] == sum(int(t.n_elements) for t in f.tensors)
+    assert rows[0]["model_size"] == sum(int(t.n_bytes) for t in f.tensors)
+
+    assert cli.main(["-q", "bench", "-o", "csv", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "2"]) == 0
+    table = list(csv.DictReader(io.StringIO(capfd.readouterr().out)))
+    assert [r["test"] for r in table] == ["tg2"] and len(table[0]["samples_ts"].split(",")) == 2
 
 
 def test_perplexity_json_and_quiet(smollm2_path, tmp_path, capfd):
@@ -98,7 +113,8 @@ def test_bad_flags_are_bad_input(smollm2_path, tmp_path, capfd):
     """Values a command cannot honour are refused before any work (exit 2, the flag named), never run into a
     traceback or a wrong result (bench once printed a negative speed for -n -1)."""
     m = str(smollm2_path)
-    for args, said in ((["bench", "-m", m, "-n", "-1"], "-n/--n-gen"), (["bench", "-m", m, "-p", "0"], "-p/--n-prompt"),
+    for args, said in ((["bench", "-m", m, "-n", "-1"], "-n/--n-gen"), (["bench", "-m", m, "-p", "-3"], "-p/--n-prompt"),
+                       (["bench", "-m", m, "-p", "0", "-n", "0"], "no test to run"), (["bench", "-m", m, "-pg", "8"], "-pg"),
                        (["bench", "-m", m, "-r", "0"], "-r/--repetitions"), (["bench", "-m", m, "-b", "4"], "--launches"),
                        (["bench", "-m", m, "-p", "100", "--ctx", "50"], "--ctx 50"),
                        (["run", "-m", m, "-p", "x", "-n", str(2**70)], "at most"),

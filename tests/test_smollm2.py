@@ -181,7 +181,7 @@ def test_cli_run_tokenize_info_bench(smollm2_path, greedy, capsys):
     assert "llama.block_count" in out and "272 tensors" in out and "n_layer=30" in out
     assert cli.main(["bench", "-m", str(smollm2_path), "-p", "16", "-n", "8", "-r", "1", "-t", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| pp16" in out and "| tg8" in out
+    assert " pp16 | " in out and " tg8 | " in out
 
 
 def test_cli_errors_are_messages_not_tracebacks(tmp_path, capsys):

@@ -8,36 +8,44 @@ import time
 
 import numpy as np
 
-__all__ = ["bench_model", "time_pp_tg"]
+__all__ = ["bench_model", "bench_tests", "time_pp_tg", "time_test"]
+
+
+def time_test(engine, prompt: list[int], n_prompt: int, n_gen: int, after_pp=None, after_step=None) -> float:
+    """Seconds of one llama-bench test from an empty context: the first n_prompt tokens of `prompt` as one batch,
+    then n_gen single-token steps (pp: n_gen 0; tg: n_prompt 0; pg: both). Works on anything with reset() and
+    eval(ids) (optiml.Model, llama_cpp.Llama). after_pp, after_step: called after the prompt and after each
+    step, outside the time (e.g. to meter the sparsity of a warm-up run)."""
+    engine.reset()
+    spent = 0.0
+    if n_prompt:
+        t0 = time.perf_counter()
+        engine.eval(prompt[:n_prompt])
+        spent += time.perf_counter() - t0
+        if after_pp is not None:
+            after_pp()
+    for _ in range(n_gen):
+        t0 = time.perf_counter()
+        engine.eval(prompt[:1])
+        spent += time.perf_counter() - t0
+        if after_step is not None:
+            after_step()
+    return spent
 
 
 def time_pp_tg(engine, prompt: list[int], n_gen: int, after_pp=None, after_step=None) -> tuple[float, float]:
-    """One llama-bench style run, in tokens/s: pp = the prompt as one batch from an empty context,
-    tg = n_gen single-token steps from an empty context. Works on anything with reset() and eval(ids)
-    (optiml.Model, llama_cpp.Llama), so one function times both engines. after_pp, after_step: called
-    after the prompt and after each generation step (tg's time includes them), e.g. to measure the
-    sparsity of a warm-up run."""
-    engine.reset()
-    t0 = time.perf_counter()
-    engine.eval(prompt)
-    t1 = time.perf_counter()
-    if after_pp is not None:
-        after_pp()
-    engine.reset()
-    t2 = time.perf_counter()
-    for _ in range(n_gen):
-        engine.eval(prompt[:1])
-        if after_step is not None:
-            after_step()
-    t3 = time.perf_counter()
-    return len(prompt) / (t1 - t0), n_gen / (t3 - t2)
+    """One run of pp (the prompt as one batch) and tg (n_gen single-token steps), each from an empty context,
+    in tokens/s."""
+    pp = time_test(engine, prompt, len(prompt), 0, after_pp)
+    tg = time_test(engine, prompt, 0, n_gen, None, after_step)
+    return len(prompt) / pp, n_gen / tg
 
 
 def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
     """Median pp and tg tokens/s of `repeats` runs of time_pp_tg (after one warm-up run), and "pp_sparsity"
     and "tg_sparsity": the FFN neurons skipped in the warm-up's prompt and generation steps (SkipMeter
     summaries; the timed runs are not metered)."""
-    prompt = np.random.default_rng(0).integers(0, model.n_vocab, n_prompt).tolist()
+    prompt = random_prompt(model, n_prompt)
     pp_meter, tg_meter = model.sparsity_meter(), None
 
     def after_pp():
@@ -51,3 +59,36 @@ def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
     pp, tg = [r[0] for r in runs], [r[1] for r in runs]
     return {"pp": statistics.median(pp), "tg": statistics.median(tg), "pp_runs": pp, "tg_runs": tg,
             "pp_sparsity": pp_meter.summary(), "tg_sparsity": tg_meter.summary()}
+
+
+def random_prompt(model, n: int) -> list[int]:
+    """llama-bench's prompt: random token ids (the same ones every run)."""
+    return np.random.default_rng(0).integers(0, model.n_vocab, max(n, 1)).tolist()
+
+
+def bench_tests(model, tests: list[tuple[int, int]], repeats: int, warmup: bool = True) -> list[dict]:
+    """llama-bench's table: for each (n_prompt, n_gen) test, `repeats` timed runs (after one warm-up run of
+    each test unless warmup is False). Each row: "test" (pp512, tg128, pp512+tg128), "samples_ts" (tokens/s of
+    each run), "avg_ts" and "stddev_ts" (their mean and sample standard deviation, as llama-bench reports), and
+    "sparsity": the FFN neurons skipped in the warm-up's prompt and steps (SkipMeter summaries; None without a
+    warm-up)."""
+    prompt = random_prompt(model, max(p for p, _ in tests))
+    rows = []
+    for n_prompt, n_gen in tests:
+        sparsity = None
+        if warmup:
+            meters = {"pp": model.sparsity_meter(), "tg": model.sparsity_meter()}
+
+            def after_pp():
+                meters["pp"].step()
+                meters["tg"] = model.sparsity_meter()  # (the steps' meter starts after the prompt)
+
+            time_test(model, prompt, n_prompt, n_gen, after_pp, lambda: meters["tg"].step())
+            sparsity = {k: meters[k].summary() for k, n in (("pp", n_prompt), ("tg", n_gen)) if n}
+        ts = [(n_prompt + n_gen) / time_test(model, prompt, n_prompt, n_gen) for _ in range(repeats)]
+        model.reset()
+        name = "+".join(x for x in (f"pp{n_prompt}" if n_prompt else "", f"tg{n_gen}" if n_gen else "") if x)
+        rows.append({"test": name, "n_prompt": n_prompt, "n_gen": n_gen, "samples_ts": ts,
+                     "avg_ts": statistics.fmean(ts), "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0,
+                     "sparsity": sparsity})
+    return rows
