@@ -17,10 +17,12 @@
 
 struct dim3 {
     unsigned x, y, z;
-    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
-extern thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+// Kernels read these in every loop: inline variables whose constant initializer every file sees, so that a
+// read is no call to a thread-local initializer.
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace optiml_emu {
 // Runs body() once per thread of every block of the grid, as the threads of a kernel.
@@ -28,10 +30,13 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body);
 void syncthreads();
 // Suspends until the other live threads of this warp arrive here too.
 void warp_barrier();
-// This thread's index in the block, and the 8-byte slot the warp shuffles exchange values through.
+// This thread's index in the block.
 int lane_index();
-uint64_t* shuffle_slot(int linear_thread);
-bool thread_live(int linear_thread);
+// The 8-byte slot where this thread leaves its value for its next shuffle, and the slot where thread `src` left
+// its value for the shuffle this thread is in (nullptr: src has exited before it, or the block has no such
+// thread). Each thread has two slots, used in turn.
+uint64_t* shuffle_put(int me);
+const uint64_t* shuffle_get(int me, int src);
 // Aborts: a shuffle read lane `src`, which has exited or does not exist (a GPU returns an undefined value).
 [[noreturn]] void shuffle_from_gone_lane(int me, int src);
 // The warp's mma.sync.m16n8k32.row.col.s32.s8.s8.s32: c[0..3] += this lane's elements of A B, with A's, B's
@@ -46,13 +51,16 @@ template <typename T, typename Source>
 T shuffle(T v, Source source) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
     const int me = lane_index();
-    std::memcpy(shuffle_slot(me), &v, sizeof(T));
+    std::memcpy(shuffle_put(me), &v, sizeof(T));
     warp_barrier();
     const int src = (me & ~31) | (source(me & 31) & 31);
-    if (!thread_live(src)) shuffle_from_gone_lane(me, src);
+    const uint64_t* slot = shuffle_get(me, src);
+    if (!slot) shuffle_from_gone_lane(me, src);
     T r;
-    std::memcpy(&r, shuffle_slot(src), sizeof(T));
-    warp_barrier();  // nobody overwrites a slot before its readers have read it
+    std::memcpy(&r, slot, sizeof(T));
+    // No second barrier: a thread writes this slot again two shuffles later, past the next shuffle's barrier,
+    // which opens only when every thread of the warp has read this one's values. (A barrier is a fiber switch
+    // for each thread: shuffles were most of the emulator's switches.)
     return r;
 }
 template <typename T>

@@ -21,8 +21,6 @@
 #include <ucontext.h>
 #endif
 
-thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
-
 namespace optiml_emu {
 
 namespace {
@@ -72,7 +70,9 @@ struct Fiber {
 
 struct Block {
     std::vector<Fiber> fibers;
-    std::vector<uint64_t> slots;
+    std::vector<uint64_t> slots;         // two per thread (shuffle_put)
+    std::vector<uint32_t> slot_shuffle;  // which shuffle of its thread (counted from 1) wrote each slot
+    std::vector<uint32_t> shuffles;      // each thread's shuffles so far
     std::vector<std::array<uint32_t, 6>> fragments;  // each thread's A and B fragments (mma_m16n8k32_s8)
     std::vector<int> warp_live, warp_arrived;
     int live = 0, block_arrived = 0, current = -1;
@@ -137,6 +137,8 @@ void resume(Block& b, int i) {
 void run_block(Block& b) {
     const int n = (int)b.fibers.size();
     for (int i = 0; i < n; i++) start_fiber(b, i);
+    b.slot_shuffle.assign(2 * n, 0);
+    b.shuffles.assign(n, 0);
     b.live = n;
     b.block_arrived = 0;
     const int n_warps = (n + 31) / 32;
@@ -213,7 +215,7 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
     g_block = &b;
     const int n = (int)(block.x * block.y * block.z);
     b.fibers.resize(n);
-    b.slots.assign(n, 0);
+    b.slots.assign(2 * n, 0);
     b.fragments.assign(n, {});
     b.body = &body;
     for (int i = 0; i < n; i++)
@@ -244,8 +246,20 @@ void warp_barrier() {
 }
 
 int lane_index() { return g_block->current; }
-uint64_t* shuffle_slot(int i) { return &g_block->slots[i]; }
-bool thread_live(int i) { return i < (int)g_block->fibers.size() && g_block->fibers[i].state != kDone; }
+uint64_t* shuffle_put(int me) {
+    Block& b = *g_block;
+    const uint32_t k = ++b.shuffles[me];
+    const int slot = 2 * me + (int)(k & 1);
+    b.slot_shuffle[slot] = k;
+    return &b.slots[slot];
+}
+const uint64_t* shuffle_get(int me, int src) {
+    Block& b = *g_block;
+    const uint32_t k = b.shuffles[me];
+    if (src >= (int)b.fibers.size()) return nullptr;
+    const int slot = 2 * src + (int)(k & 1);
+    return b.slot_shuffle[slot] == k ? &b.slots[slot] : nullptr;  // (an older count: src exited before this one)
+}
 
 void shuffle_from_gone_lane(int me, int src) {
     std::fprintf(stderr, "optiml CUDA emulator: block (%u,%u,%u) thread %d shuffles from thread %d, which %s\n", blockIdx.x,
