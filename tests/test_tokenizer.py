@@ -236,16 +236,22 @@ def test_invalid_utf8_bytes(smol):
     assert "".join(d.push(i) for i in ids) + d.flush() == smol.decode(ids)
 
 
-def test_invalid_utf8_bytes_match_llama_cpp(smol, smollm2_path):
-    """The same bytes, fixed and random, tokenized by llama-cpp-python: the same ids. (Not 0xF4-0xF7 leads:
-    llama.cpp aborts the process on a sequence past U+10FFFF.)"""
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_invalid_utf8_bytes_match_llama_cpp(request, name):
+    """The same bytes, fixed and random, tokenized by llama-cpp-python: the same ids, for byte-level BPE
+    (SmolLM2) and SentencePiece with byte fallback (Gemma 3: a lead byte takes the bytes after it into its
+    symbol, as in llama.cpp). (Not 0xF4-0xF7 leads: llama.cpp aborts the process on a sequence past U+10FFFF.)"""
     import random
 
+    path = request.getfixturevalue(f"{name}_path")
+    with optiml.gguf.open(path) as f:
+        smol = T.Tokenizer.from_gguf(f)
     llama_cpp = llama_cpp_module()
-    ref = llama_cpp.Llama(model_path=str(smollm2_path), vocab_only=True, verbose=False)
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     rng = random.Random(7)
     pool = [b for b in range(256) if not 0xF4 <= b <= 0xF7]
-    texts = [b"a\xff\xfe b", b"caf\xe9 x", b"\xc3", b"x\xc3\xa9\xed\xa0\x80y", b"\xc0\x80z", b"<|im_start|>\xff"]
+    texts = [b"a\xff\xfe b", b"caf\xe9 x", b"caf\xe9 na\xef", b"\xc3", b"x\xc3\xa9\xed\xa0\x80y", b"\xc0\x80z",
+             b"<|im_start|>\xff", b"\xe2\x96 \xf0 "]
     texts += [bytes(rng.choice(b" ab\xc3\xa9\xe2\x82\xac\xf0\x9f\x99\x82'0") if rng.random() < 0.6 else rng.choice(pool)
                     for _ in range(rng.randrange(14))) for _ in range(400)]
     for raw in texts:

@@ -2,6 +2,7 @@
 // become U+2581, then adjacent symbols (UTF-8 characters at first) merge whenever their
 // concatenation is a token, highest score first, leftmost on ties. A character that never became a
 // token falls back to its bytes (<0xXX> tokens), or to the unknown token without them.
+#include <algorithm>
 #include <queue>
 
 #include "tokenizer/tokenizer_impl.h"
@@ -43,8 +44,11 @@ void Tokenizer::Impl::encode_spm(std::string_view fragment, std::vector<int32_t>
     std::vector<Symbol> sym;
     sym.reserve(text.size());
     for (size_t off = 0; off < text.size();) {
-        size_t n = unicode::valid_utf8_len(text.data() + off, text.size() - off);
-        if (n == 0) n = 1;  // a stray byte is a symbol of its own; byte fallback will encode it
+        // A character's length as its first byte says, whatever follows (llama.cpp's unicode_len_utf8): text
+        // that is not UTF-8 splits into the same symbols as there, and a symbol no token spells becomes its
+        // bytes. (A stray continuation byte is one byte; a lead byte takes the next bytes with it.)
+        static constexpr uint8_t kLenByHighBits[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+        const size_t n = std::min<size_t>(kLenByHighBits[(uint8_t)text[off] >> 4], text.size() - off);
         sym.push_back({(uint32_t)off, (uint32_t)n, (int32_t)sym.size() - 1, -1});
         off += n;
     }
