@@ -76,7 +76,7 @@ def test_perplexity_json_and_quiet(smollm2_path, tmp_path, capfd):
     # Without --quiet the progress goes to stderr, never into the result on stdout.
     assert cli.main(args) == 0
     out, err = capfd.readouterr()
-    assert out == f"PPL = {ppl:.4f} +/- {ppl_err:.4f}\n" and "tokens scored" in err and "[1]" in err
+    assert out == f"Final estimate: PPL = {ppl:.4f} +/- {ppl_err:.5f}\n" and "tokens scored" in err and "[1]" in err
     # The KL divergence comparison as JSON: the summary of compare().
     base = str(tmp_path / "base.kld")
     assert cli.main([*args, "-q", "--kl-divergence-base", base]) == 0
