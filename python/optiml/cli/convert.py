@@ -17,6 +17,8 @@ def add_arguments(p) -> None:
     p.add_argument("-o", "--outfile", required=True, help="GGUF file to write")
     p.add_argument("--type", default="f16", type=str.lower, choices=list(TYPES),
                    help="output type (default f16; any case)")
+    p.add_argument("--name", help="the model's name in the file (general.name; default: the folder's name, or "
+                                  "for a Hugging Face cache's snapshot, models--ORG--NAME/snapshots/COMMIT, NAME)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
 
 
@@ -26,7 +28,7 @@ def run(args) -> int:
     if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
         raise ArgumentError(f"{args.hf_dir}: no config.json (a Hugging Face model folder is expected)")
     t0 = time.perf_counter()
-    convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet)
+    convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet, name=args.name)
     if not args.quiet:
         size = os.path.getsize(args.outfile)
         print(f"wrote {args.outfile} ({args.type}, {size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s",

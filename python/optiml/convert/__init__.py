@@ -9,6 +9,7 @@ permutation, tokenizer fields and the per-tensor quantization mix.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import gguf
@@ -22,6 +23,9 @@ from ..util.atomic import check_output_path
 from .safetensors import Checkpoint
 
 __all__ = ["ConvertError", "SUPPORTED_ARCHITECTURES", "TYPES", "convert"]
+
+_LAYER_PREFIX = "model.layers."
+_LAYER = re.compile(re.escape(_LAYER_PREFIX) + r"([0-9]+)\.")  # (every architecture here names its layers so)
 
 
 def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.OutType, vocab: dict, name: str):
@@ -54,6 +58,13 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: hf_config.ModelConfig, ot: quant_mix.
         w.add_add_space_prefix(vocab["add_space_prefix"])
     if "chat_template" in vocab:
         w.add_chat_template(vocab["chat_template"])
+    # The named templates as gguf-py's add_chat_template writes a list of them (llama.cpp's converter),
+    # in the files' order where gguf-py's set would make the file differ from run to run.
+    named = vocab.get("chat_templates") or {}
+    for tname, template in named.items():
+        w.add_string(gguf.Keys.Tokenizer.CHAT_TEMPLATE_N.format(name=tname), template)
+    if named:
+        w.add_array(gguf.Keys.Tokenizer.CHAT_TEMPLATES, list(named))
 
 
 def _check_not_an_input(hf_dir: str, out: str) -> None:
@@ -93,10 +104,45 @@ def _special_ids_from_config(vocab: dict, cfg: hf_config.ModelConfig) -> None:
             vocab["ids"][typ] = i
 
 
+def _check_sizes(hf_dir: str, cfg: hf_config.ModelConfig, ckpt: Checkpoint) -> None:
+    """config.json's layer count and vocabulary size against the checkpoint's tensors, cheaply: the plan
+    and the tokenizer's tables are built for them, so a corrupt value must not get that far."""
+    layers = {int(m.group(1)) for n in ckpt.entries if (m := _LAYER.match(n))}
+    have = max(layers) + 1 if layers else 0
+    if not have:
+        raise ConvertError(f"{hf_dir}: the checkpoint has no {_LAYER_PREFIX}N tensors (no layers)")
+    if cfg.n_layer > have:
+        raise ConvertError(f"{os.path.join(hf_dir, 'config.json')}: num_hidden_layers = {cfg.n_layer}, but the "
+                           f"checkpoint has tensors for {have} layers ({_LAYER_PREFIX}0 to {have - 1})")
+    src = "model.embed_tokens.weight"
+    e = ckpt.entries.get(src)
+    if e is None:
+        raise ConvertError(f"{hf_dir}: tensor {src} is missing from the checkpoint")
+    if tuple(e.shape) != (cfg.n_vocab, cfg.n_embd):
+        raise ConvertError(f"{e.file.path}: tensor {src} has shape {list(e.shape)}, config.json implies "
+                           f"{[cfg.n_vocab, cfg.n_embd]}")
+
+
+def _model_name(hf_dir: str) -> str:
+    """general.name when none is given: the folder's name, or for a Hugging Face cache's snapshot
+    (models--Org--Name/snapshots/<commit>) the repository's, Name (llama.cpp's converter finds it in
+    config.json's _name_or_path or the model card): the commit's hash names no model."""
+    path = os.path.abspath(hf_dir)
+    parent, leaf = os.path.split(path)
+    cache_entry, snapshots = os.path.split(parent)
+    repo = os.path.basename(cache_entry)
+    # (the cache writes "models--" + the repo id with "/" as "--"; the Hub allows no "--" in an id)
+    if snapshots == "snapshots" and repo.startswith("models--") and len(repo) > len("models--"):
+        return repo.split("--")[-1]
+    return leaf
+
+
 def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | None = None) -> str:
     """Converts the Hugging Face model folder `hf_dir` to the GGUF file `out` of output type `type`
     (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k, mxfp4_moe). Streams tensor by tensor;
-    `out` appears only when complete. Raises ConvertError for input it cannot convert. Returns `out`."""
+    `out` appears only when complete. `name` is general.name (by default the folder's name, or for a Hugging
+    Face cache's snapshot its repository's). Raises ConvertError for input it cannot convert
+    or an output it cannot write. Returns `out`."""
     hf_dir, out = os.fspath(hf_dir), os.fspath(out)
     ot = quant_mix.out_type(type)
     if not os.path.isdir(hf_dir):
@@ -104,19 +150,21 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
     check_output_path(out)  # (a folder, or a missing one: said now, not after the conversion)
     _check_not_an_input(hf_dir, out)
     cfg = _checked(os.path.join(hf_dir, "config.json"), lambda: hf_config.load_config(hf_dir))
-    vocab = _checked(f"{hf_dir}: the tokenizer files", lambda: tokenizer.load_vocab(
-        hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe", "gpt-oss")))
-    _special_ids_from_config(vocab, cfg)
-    if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
-        vocab.setdefault("add_bos", True)
-        if vocab["model"] == "llama":
-            vocab["add_space_prefix"] = False
-    if cfg.activation == "relu" and cfg.arch == "llama":
-        warnings.warn(f"{hf_dir}: hidden_act relu is written as optiml.ffn.activation, which llama.cpp does not "
-                      "read: llama.cpp runs this file with SiLU, a different model; OptiML runs it as trained",
-                      stacklevel=2)
 
     with Checkpoint(hf_dir) as ckpt:
+        _check_sizes(hf_dir, cfg, ckpt)  # (before the tokenizer and the plan, whose cost grows with them)
+        vocab = _checked(f"{hf_dir}: the tokenizer files", lambda: tokenizer.load_vocab(
+            hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen2moe", "qwen3moe", "gpt-oss")))
+        _special_ids_from_config(vocab, cfg)
+        if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
+            vocab.setdefault("add_bos", True)
+            if vocab["model"] == "llama":
+                vocab["add_space_prefix"] = False
+        if cfg.activation == "relu" and cfg.arch == "llama":
+            warnings.warn(f"{hf_dir}: hidden_act relu is written as optiml.ffn.activation, which llama.cpp does "
+                          "not read: llama.cpp runs this file with SiLU, a different model; OptiML runs it as "
+                          "trained", stacklevel=2)
+
         plan = hf_config.tensor_plan(cfg, set(ckpt.entries))
         used = {src for p in plan for src, _ in p.expected}
         unused = sorted(n for n in ckpt.entries if n not in used and not n.endswith("rotary_emb.inv_freq")
@@ -161,6 +209,6 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
             factors = hf_config.llama3_rope_factors(cfg)
             tensors.insert(0, ("rope_freqs.weight", factors.shape, gguf.GGMLQuantizationType.F32, lambda: factors))
 
-        label = name or os.path.basename(os.path.normpath(hf_dir))
+        label = name or _model_name(hf_dir)
         writer.write_gguf(out, cfg.arch, lambda w: _add_metadata(w, cfg, ot, vocab, label), tensors, progress)
     return out

@@ -5,5 +5,5 @@ from .._core import OptimlError
 
 class ConvertError(OptimlError):
     """A Hugging Face checkpoint that cannot be converted: missing or malformed files, shapes that
-    disagree with config.json, an unsupported architecture, dtype or tokenizer. The message names
-    the file and the problem."""
+    disagree with config.json, an unsupported architecture, dtype or tokenizer; or an output that
+    cannot be written (a full disk). The message names the file and the problem."""

@@ -30,6 +30,10 @@ ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt-oss", False),  # gpt_oss.py; NeoX rotation
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
+# Bounds on config.json's sizes, far above any model's: the layers OptiML's loader accepts (block_count; llama.cpp
+# takes 512), and a vocabulary of 2**30 tokens (the largest tokenizers have about 2**18; token ids are 32-bit).
+MAX_LAYERS = 4096
+MAX_VOCAB = 1 << 30
 
 
 @dataclass
@@ -82,6 +86,8 @@ def load_config(folder: str) -> ModelConfig:
         raise ConvertError(f"{path}: missing (is {folder} a Hugging Face model folder?)") from None
     except (OSError, ValueError) as e:
         raise ConvertError(f"{path}: cannot read: {e}") from None
+    except RecursionError:  # (json recurses once per level: "[" * 100000 is a corrupt file, not a crash)
+        raise ConvertError(f"{path}: cannot read: JSON nested too deeply (a corrupt file? download it again)") from None
     if not isinstance(cfg, dict):
         raise ConvertError(f"{path}: not a JSON object")
     archs = cfg.get("architectures") or []
@@ -92,6 +98,16 @@ def load_config(folder: str) -> ModelConfig:
         raise ConvertError(f"{path}: architecture {', '.join(map(str, archs)) or '(none given)'} is not "
                            f"supported; supported: {SUPPORTED}")
     arch, permute = ARCHITECTURES[hf_arch]
+    # The sizes everything else is built from, bounded before any of it is (a corrupt 2000000 layers would
+    # otherwise cost minutes before the checkpoint disagrees); convert() then checks them against the tensors.
+    n_layer = _get(cfg, path, "num_hidden_layers", kind=int)
+    if n_layer > MAX_LAYERS:
+        raise ConvertError(f"{path}: num_hidden_layers = {n_layer} is more than the {MAX_LAYERS} layers OptiML "
+                           "loads (a corrupt config.json?)")
+    n_vocab = _get(cfg, path, "vocab_size", kind=int)
+    if n_vocab > MAX_VOCAB:
+        raise ConvertError(f"{path}: vocab_size = {n_vocab} is more than {MAX_VOCAB} tokens (a corrupt "
+                           "config.json?)")
 
     n_embd = _get(cfg, path, "hidden_size", kind=int)
     n_head = _get(cfg, path, "num_attention_heads", kind=int)
@@ -140,8 +156,8 @@ def load_config(folder: str) -> ModelConfig:
 
     return ModelConfig(
         hf_arch=hf_arch, arch=arch, permute_qk=permute,
-        n_vocab=_get(cfg, path, "vocab_size", kind=int), n_embd=n_embd,
-        n_ff=_get(cfg, path, "intermediate_size", kind=int), n_layer=_get(cfg, path, "num_hidden_layers", kind=int),
+        n_vocab=n_vocab, n_embd=n_embd,
+        n_ff=_get(cfg, path, "intermediate_size", kind=int), n_layer=n_layer,
         n_head=n_head, n_head_kv=n_head_kv, head_dim=int(head_dim),
         n_ctx=n_ctx, rms_eps=float(_get(cfg, path, "rms_norm_eps", 1e-6, kind=float)),
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),

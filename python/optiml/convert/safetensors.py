@@ -72,6 +72,8 @@ class SafetensorsFile:
             header = json.loads(self._f.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             self._fail(f"malformed JSON header: {e}")
+        except RecursionError:  # (json recurses once per level)
+            self._fail("malformed JSON header: nested too deeply (a corrupt file? download it again)")
         if not isinstance(header, dict):
             self._fail("malformed header: not a JSON object")
         base = 8 + n
@@ -166,6 +168,9 @@ class Checkpoint:
                 shards = sorted(set(weight_map.values()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConvertError(f"{index}: cannot read the shard index: {e}") from None
+            except RecursionError:  # (json recurses once per level)
+                raise ConvertError(f"{index}: cannot read the shard index: JSON nested too deeply (a corrupt "
+                                   "file? download it again)") from None
             paths = [os.path.join(self.folder, s) for s in shards]
             missing = [p for p in paths if not os.path.isfile(p)]
             if missing:

@@ -21,9 +21,19 @@ def _read_json(path: str) -> dict:
             v = json.load(f)
     except (OSError, ValueError) as e:
         raise ConvertError(f"{path}: cannot read: {e}") from None
+    except RecursionError:  # (json recurses once per level: "[" * 100000 is a corrupt file, not a crash)
+        raise ConvertError(f"{path}: cannot read: JSON nested too deeply (a corrupt file? download it again)") from None
     if not isinstance(v, dict):
         raise ConvertError(f"{path}: not a JSON object")
     return v
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read: {e}") from None
 
 
 def _pre_tokenizer_name(pre, path: str) -> str:
@@ -111,20 +121,47 @@ def _spm_vocab(folder: str, n_vocab: int, tc: dict) -> dict:
             "ids": {"bos": m.bos_id, "eos": m.eos_id, "unk": m.unk_id, "pad": m.pad_id}}
 
 
-def _chat_template(folder: str, tc: dict):
-    jinja = os.path.join(folder, "chat_template.jinja")  # where transformers 5 saves it
+def _safe_name(name: str) -> str:
+    """A template's name as gguf-py writes it into a key (tokenizer.chat_template.<name>): letters and
+    digits kept, anything else "_"."""
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in name)
+
+
+def _chat_templates(folder: str, tc: dict) -> dict:
+    """The chat templates by name, "default" the main one, in the order the files give them. As
+    transformers loads them: the files chat_template.jinja (the default) and additional_chat_templates/
+    NAME.jinja (where transformers 5 saves them) when there are any, else tokenizer_config.json's
+    chat_template, one template or a list of {"name", "template"} (the older form). A name given twice
+    keeps its first template."""
+    templates = {}
+
+    def add(name: str, template: str) -> None:
+        if _safe_name(name):  # (gguf-py skips a template without a name)
+            templates.setdefault(_safe_name(name), template)
+
+    jinja = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read()
+        add("default", _read_text(jinja))
+    extra = os.path.join(folder, "additional_chat_templates")
+    if os.path.isdir(extra):
+        for fn in sorted(os.listdir(extra)):
+            if fn.endswith(".jinja") and os.path.isfile(os.path.join(extra, fn)):
+                add(fn[:-len(".jinja")], _read_text(os.path.join(extra, fn)))
+    if templates:
+        return templates
     t = tc.get("chat_template")
-    if isinstance(t, list):  # [{"name": ..., "template": ...}]: llama.cpp keeps the default one
-        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
-    return t if isinstance(t, str) else None
+    if isinstance(t, str):
+        add("default", t)
+    for x in t if isinstance(t, list) else []:
+        if isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("template"), str):
+            add(x["name"], x["template"])
+    return templates
 
 
 def load_vocab(folder: str, n_vocab: int, prefer_bpe: bool = False) -> dict:
     """Tokenizer metadata: model, pre, tokens, scores, types, merges, special ids, add_bos/eos,
-    add_space_prefix, chat_template (keys absent when the files do not say)."""
+    add_space_prefix, chat_template (the default one) and chat_templates (the named others: {name:
+    template}); keys absent when the files do not say."""
     tj_path = os.path.join(folder, "tokenizer.json")
     tc_path = os.path.join(folder, "tokenizer_config.json")
     tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
@@ -154,9 +191,12 @@ def load_vocab(folder: str, n_vocab: int, prefer_bpe: bool = False) -> dict:
         if isinstance(tc.get(f"add_{typ}_token"), bool):
             v[f"add_{typ}"] = tc[f"add_{typ}_token"]
     v["ids"] = {k: i for k, i in v["ids"].items() if isinstance(i, int) and 0 <= i < n_vocab}
-    ct = _chat_template(folder, tc)
-    if ct:
-        v["chat_template"] = ct
+    templates = _chat_templates(folder, tc)
+    default = templates.pop("default", None)
+    if default:
+        v["chat_template"] = default
+    if templates:  # the named ones: tokenizer.chat_template.<name> each, and tokenizer.chat_templates
+        v["chat_templates"] = templates
     return v
 
 

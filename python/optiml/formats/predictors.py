@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from .._core import ArgumentError
+from ..util.atomic import atomic_output
 from . import gguf, quant
 from .stats import model_fingerprint
 
@@ -71,38 +72,34 @@ def predicted_share(meta: dict) -> float | None:
 
 
 def write(out: str, layers, res, model_path: str, fingerprint: str, hp: dict) -> None:
-    """The companion GGUF, written to a temporary file and renamed. layers: per layer (A, B, bias); res: what
-    training found (optiml.offline.predictors.PredictorTraining); hp: the model's hyperparameters."""
+    """The companion GGUF, written to a temporary file and renamed (util.atomic). layers: per layer (A, B,
+    bias); res: what training found (optiml.offline.predictors.PredictorTraining); hp: the model's
+    hyperparameters."""
     import gguf as gg  # gguf-py's writer: about 0.1 s to import, which a program that only reads files skips
 
-    tmp = out + ".tmp"
-    w = gg.GGUFWriter(tmp, ARCH)
-    try:
-        w.add_string("optiml.predictor.model_fingerprint", fingerprint)
-        w.add_string("optiml.predictor.model", os.path.basename(model_path))
-        w.add_string("optiml.predictor.activation", hp["ffn_act"])
-        w.add_array("optiml.predictor.threshold", [float(x) for x in res.threshold])
-        w.add_array("optiml.predictor.rank", [int(x) for x in res.rank])
-        w.add_array("optiml.predictor.label_threshold", [float(x) for x in res.label_threshold])
-        w.add_array("optiml.predictor.heldout_recall", [float(x) for x in res.recall])
-        w.add_array("optiml.predictor.heldout_predicted", [float(x) for x in res.predicted])
-        w.add_float32("optiml.predictor.recall_target", float(res.recall_target))
-        w.add_uint32("optiml.predictor.samples", int(res.n_samples))
-        for l, (A, B, bias) in enumerate(layers):
-            for name, m in (("a", A), ("b", B)):
-                if res.qtype == "q8_0":
-                    w.add_tensor(f"blk.{l}.ffn_pred_{name}.weight", quant.quantize(m, "Q8_0"),
-                                 raw_dtype=gg.GGMLQuantizationType.Q8_0)
-                else:
-                    w.add_tensor(f"blk.{l}.ffn_pred_{name}.weight", m.astype(np.float16))
-            w.add_tensor(f"blk.{l}.ffn_pred_b.bias", bias.astype(np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_output(out) as tmp:  # (the file appears whole or not at all, as every file OptiML writes)
+        w = gg.GGUFWriter(tmp, ARCH)
+        try:
+            w.add_string("optiml.predictor.model_fingerprint", fingerprint)
+            w.add_string("optiml.predictor.model", os.path.basename(model_path))
+            w.add_string("optiml.predictor.activation", hp["ffn_act"])
+            w.add_array("optiml.predictor.threshold", [float(x) for x in res.threshold])
+            w.add_array("optiml.predictor.rank", [int(x) for x in res.rank])
+            w.add_array("optiml.predictor.label_threshold", [float(x) for x in res.label_threshold])
+            w.add_array("optiml.predictor.heldout_recall", [float(x) for x in res.recall])
+            w.add_array("optiml.predictor.heldout_predicted", [float(x) for x in res.predicted])
+            w.add_float32("optiml.predictor.recall_target", float(res.recall_target))
+            w.add_uint32("optiml.predictor.samples", int(res.n_samples))
+            for l, (A, B, bias) in enumerate(layers):
+                for name, m in (("a", A), ("b", B)):
+                    if res.qtype == "q8_0":
+                        w.add_tensor(f"blk.{l}.ffn_pred_{name}.weight", quant.quantize(m, "Q8_0"),
+                                     raw_dtype=gg.GGMLQuantizationType.Q8_0)
+                    else:
+                        w.add_tensor(f"blk.{l}.ffn_pred_{name}.weight", m.astype(np.float16))
+                w.add_tensor(f"blk.{l}.ffn_pred_b.bias", bias.astype(np.float32))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
