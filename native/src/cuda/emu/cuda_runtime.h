@@ -3,8 +3,8 @@
 // The CUDA sources (native/src/cuda/*.cu) are compiled as C++ with this header in place of the real
 // cuda_runtime.h. Each thread of a block is a fiber on the calling thread; __syncthreads() and warp
 // shuffles suspend a fiber until every live thread of its block (or warp) has arrived, so kernels run
-// with CUDA's semantics for everything they synchronize on. Blocks run one after another, which makes
-// __shared__ (a static per calling thread here) each block's own. Memory is host memory, every stream
+// with CUDA's semantics for everything they synchronize on. Blocks run one after another and launches one at
+// a time, which makes __shared__ (a static here) each block's own. Memory is host memory, every stream
 // call completes before it returns, and there is one device ("OptiML CUDA emulator"). Slow (a fiber
 // switch per thread per barrier), correct for tests; never a way to run models.
 #pragma once
@@ -20,9 +20,10 @@ struct dim3 {
     constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
-// Kernels read these in every loop: inline variables whose constant initializer every file sees, so that a
-// read is no call to a thread-local initializer.
-inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+// Launches run one at a time in the process (emu.cpp's launch holds a lock), so a kernel's indices and its
+// __shared__ arrays are plain globals: kernels read them in every loop, and thread-locals in a module Python
+// loads cost a call each (__tls_get_addr, or a TLS descriptor), a fifth of the emulator's time.
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace optiml_emu {
 // Runs body() once per thread of every block of the grid, as the threads of a kernel.
@@ -78,7 +79,7 @@ T shfl(T v, int src_lane) {  // __shfl_sync
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static thread_local
+#define __shared__ static
 #define __syncthreads() ::optiml_emu::syncthreads()
 #define __syncwarp(...) ::optiml_emu::warp_barrier()
 #define __shfl_xor_sync(mask, v, off) ::optiml_emu::shfl_xor((v), (off))

@@ -84,7 +84,7 @@ struct Block {
 #endif
 };
 
-thread_local Block* g_block = nullptr;
+Block* g_block = nullptr;  // the block being run (launches hold g_launch_lock)
 
 void to_scheduler() {
     Block& b = *g_block;
@@ -210,7 +210,11 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
         return e && *e && std::strcmp(e, "0") != 0;
     }();
     if (count_only) return;
-    thread_local Block b;  // fibers and their stacks are kept for the next launch
+    // One launch at a time in the process, whichever thread makes it (as a GPU's single stream would run
+    // them): the kernels' indices and __shared__ arrays are plain globals (cuda_runtime.h).
+    static std::recursive_mutex g_launch_lock;
+    std::lock_guard<std::recursive_mutex> lock(g_launch_lock);
+    static Block b;  // fibers and their stacks are kept for the next launch
     Block* outer = g_block;
     g_block = &b;
     const int n = (int)(block.x * block.y * block.z);
