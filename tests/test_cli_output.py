@@ -268,3 +268,23 @@ def test_server_json_is_strict():
 
     assert JSONResponse({"logprob": float("-inf"), "x": [float("nan"), 1.0]}).body == b'{"logprob":null,"x":[null,1.0]}'
     assert strict_json(_dumps({"top_logprobs": {"a": float("-inf")}})) == {"top_logprobs": {"a": None}}
+
+
+def test_a_partial_serve_install_is_named_before_any_work(monkeypatch):
+    """uvicorn alone is not the serve extra: every package the server imports is checked, and the message names
+    the missing ones and the extra (not an ImportError from inside the server, after the model loaded)."""
+    import importlib.util
+
+    from optiml import server
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "anyio" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"anyio missing.*optiml\[serve\]"):
+        server.check_server_packages()
+
+
+def test_info_plot_checks_its_inputs_before_the_report(smollm2_path, tmp_path, capfd):
+    assert cli.main(["info", str(smollm2_path), "--plot", str(tmp_path / "p.png"), "--stats",
+                     str(tmp_path / "missing.npz")]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and "missing.npz" in err

@@ -7,7 +7,7 @@ import sys
 import time
 
 from .._core import ArgumentError
-from ..convert import SUPPORTED_ARCHITECTURES, convert
+from ..convert import SUPPORTED_ARCHITECTURES, ConvertError, _check_not_an_input, convert
 from ..convert.quant_mix import TYPES
 
 
@@ -27,6 +27,10 @@ def run(args) -> int:
         raise ArgumentError(f"{args.hf_dir}: not a folder (a Hugging Face model folder is expected)")
     if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
         raise ArgumentError(f"{args.hf_dir}: no config.json (a Hugging Face model folder is expected)")
+    try:  # an output that is a file of the checkpoint: bad input (exit status 2), as the other commands say it
+        _check_not_an_input(args.hf_dir, args.outfile)
+    except ConvertError as e:
+        raise ArgumentError(str(e)) from None
     t0 = time.perf_counter()
     convert(args.hf_dir, args.outfile, type=args.type, progress=not args.quiet, name=args.name)
     if not args.quiet:

@@ -14,6 +14,7 @@ from ..engine import plan
 from ..engine.companions import companions
 from ..formats import gguf, stats
 from ..formats.placement import coverage_curve, curve_ranks, ffn_layout, layer_bytes, read_placement
+from ..offline import coverage
 from ..offline.coverage import plot
 from ..util.sizes import mib
 from . import common
@@ -44,6 +45,10 @@ def run(args) -> int:
             raise ArgumentError("--json prints the file's facts; leave out --plan and --plot")
         common.print_json(_info_json(args.model, args.tensors))
         return 0
+    if args.plot:  # (what the plot needs, before the report: not a report and then an error)
+        coverage._pyplot()
+        if args.stats and not os.path.isfile(args.stats):
+            raise FileNotFoundError(f"--stats {args.stats}: no such file")
     if args.plan:  # where each layer would run, without loading the weights
         p = plan.make(args.model, n_ctx=args.ctx, n_seq=args.parallel, kv_vram=args.kv_vram, **common.device(args))
         common.say_what_the_cpu_ignores(args, p)

@@ -23,7 +23,8 @@ def model_file(path: str | os.PathLike) -> str:
         raise ArgumentError(f"the model must be a path or a model name, not {type(path).__name__}")
     path = resolve(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model file not found: {path}")
+        raise FileNotFoundError(f"model file not found: {path} (give a GGUF file's path, a known model name "
+                                "(optiml pull --list) or a Hugging Face reference org/repo[:QUANT])")
     if os.path.isdir(path):
         raise IsADirectoryError(f"expected a GGUF file, got a directory: {path}")
     return path

@@ -66,9 +66,11 @@ def _check_host_memory(plan: dict, n_ctx: int, n_seq: int, n_ctx_train: int) -> 
 
 
 class Model(Sequences):
-    """A llama-family GGUF model (llama, mistral, qwen2) with one context.
+    """A GGUF model (llama, mistral, qwen2, gemma3; the mixture-of-experts qwen2moe, qwen3moe, Mixtral and
+    gpt-oss) with one context.
 
-    path: the GGUF file, or a known model name (pulled on first use). n_ctx: context length in tokens (default: the model's training context,
+    path: the GGUF file, a known model name or a Hugging Face reference org/repo[:QUANT] (pulled on first use;
+    docs/models.md). n_ctx: context length in tokens (default: the model's training context,
     at most 4096). n_threads: CPU threads (default: the physical cores). n_batch: tokens per forward
     pass while reading a prompt. kv_type: the KV cache's type, "f16" (as llama.cpp), "f32" (exact, twice
     the bytes), "q8_0" (half of f16's bytes) or "q4_0" (a quarter and a bit), by llama.cpp's names

@@ -21,7 +21,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ArgumentError("plots need matplotlib: pip install optiml[plot]  (or: pip install matplotlib)") from None
+        raise ArgumentError('plots need matplotlib: pip install "optiml[plot]" (or: pip install matplotlib)') from None
     return plt
 
 

@@ -27,6 +27,17 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
+def check_server_packages() -> None:
+    """SystemExit naming the serve extra when any package the server imports is missing (a partial install:
+    uvicorn alone, say), before a model is fetched or loaded."""
+    import importlib.util
+
+    missing = [m for m in ("uvicorn", "anyio", "starlette", "sse_starlette") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"optiml serve needs the server packages ({', '.join(missing)} missing): "
+                         'pip install "optiml[serve]" (in a checkout: pip install ".[serve]")')
+
+
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel: int = 4, n_ctx: int | None = None,
           api_key: str | None = None, n_threads: int | None = None, max_queue: int = 64, chunk: int = 256,
           model_id: str | None = None, log_level: str = "info", predictors="auto", device: str = "auto", vram=None,
@@ -38,10 +49,9 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     fewer sequences than n_parallel, the others' attention runs on the CPU when the offload policy finds
     it pays (server/offload.py), within max_itl_ms per step when given. cors_origins: the web pages' origins
     that may call the API from a browser (["*"]: any; None: pages served from this machine)."""
-    try:
-        import uvicorn
-    except ImportError:
-        raise SystemExit('optiml serve needs the server packages: pip install "optiml[serve]"') from None
+    check_server_packages()
+    import uvicorn
+
     from .app import Server, create_app
 
     model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors, device=device,
