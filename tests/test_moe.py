@@ -309,7 +309,7 @@ def test_profiler_records_the_routing(f32_model):
     assert r["expert_next"].sum() == L * (24 - 1 + 16 - 1) * k * k
 
 
-def test_profile_cli_on_experts(q3_path, tmp_path):
+def test_profile_cli_on_experts(q3_path, tmp_path, monkeypatch):
     """`optiml profile` on a mixture of experts: the stats file holds the experts' arrays (they load back),
     the summary names the experts' skew; `optiml calibrate` refuses the model with a reason. (`optiml solve`
     on them: test_solve_places_the_hottest_experts.)"""
@@ -331,6 +331,16 @@ def test_profile_cli_on_experts(q3_path, tmp_path):
         optiml.calibrate(str(q3_path), None, texts=[text.read_text()], target=0.5, progress=False)
     with pytest.raises(optiml.OptimlError, match="samples"):
         optiml.profile(str(q3_path), None, texts=[text.read_text()], n_tokens=100, samples=8, progress=False)
+
+    # `optiml info --stats --plot`: the experts' curves (routings per expert), not the dense FFN's empty ones
+    from optiml import cli
+    from optiml.cli import info as info_cli
+
+    drawn = {}
+    monkeypatch.setattr(info_cli, "plot", lambda png, ranks, freq, cov, n, **kw: drawn.update(freq=freq, n=n, **kw))
+    assert cli.main(["-q", "info", str(q3_path), "--stats", str(out), "--plot", str(tmp_path / "q3.png")]) == 0
+    assert drawn["unit"] == "expert" and drawn["n"] == 8
+    np.testing.assert_allclose(drawn["freq"][:, 0], st.expert_count.max(axis=1) / st.n_tokens)
 
 
 # ---- malformed metadata and what is not supported -------------------------------------------------
@@ -626,6 +636,14 @@ def test_solve_places_the_hottest_experts(q3_path, tmp_path):
     assert np.array_equal(got, ref), plan
     assert [l["device_experts"] for l in plan.layers] == lists
     assert alloc <= budget
+    # A budget that holds fewer experts than the file lists (as steps of more tokens than the solver counted
+    # would leave, their scratch being larger): the plan says how many of them it kept, and why.
+    if sum(len(ids) for ids in lists) > 1:
+        short = plan.device_bytes["total"] - plan.device_bytes["output"] - 1  # (the output matrix goes last)
+        _, plan, _ = device_logits(out, device="cpu:1", n_batch=64, vram=short)
+        kept = sum(len(l["device_experts"]) for l in plan.layers)
+        assert f"{kept} of the {sum(len(ids) for ids in lists)} experts it lists fit in the budget at n_batch 64" \
+            in plan.reason, plan.reason
 
 
 def test_dense_expert_runs_skip_nothing_and_predictors_refuse_early(q3_path, tmp_path):

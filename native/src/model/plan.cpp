@@ -333,6 +333,19 @@ void place_experts(const PlanOptions& o, Placer& at, int64_t budget) {
     p.reason = given ? "gpu_experts given" : "the file's expert placement";
     at.experts(given ? o.gpu_experts : m.placement_gpu_experts,
                !given && !m.placement_gpu_attention.empty() ? &m.placement_gpu_attention : nullptr);
+    {  // Said when the budget held fewer experts than listed (a placement solved for fewer tokens a step, whose
+       // scratch is smaller, or for a larger budget): the plan runs the hottest ones that fit.
+        const std::vector<std::vector<int32_t>>& lists = given ? o.gpu_experts : m.placement_gpu_experts;
+        size_t listed = 0, placed = 0;
+        for (int il = std::max(at.cpu_moe_layers, 0); il < (int)lists.size() && il < at.hp.n_layer; il++) {
+            listed += lists[il].size();
+            placed += p.layers[il].ffn_on_device == at.hp.n_ff ? lists[il].size() : p.layers[il].device_experts.size();
+        }
+        if (placed > 0 && placed < listed)
+            p.reason += format("; %zu of the %zu experts it lists fit in the budget at n_batch %d (the device's "
+                               "scratch grows with n_batch: optiml solve --batch sets the one it counts)",
+                               placed, listed, p.n_batch);
+    }
     if (p.layers_on_device() == 0 && p.neurons_on_device() == 0 && !p.splits_experts()) {
         // Nothing placed: the budget, or n_cpu_moe keeping every expert the placement lists on the host
         // of a placement that puts no attention on the device.

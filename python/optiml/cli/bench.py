@@ -145,7 +145,7 @@ def _about(m, args) -> dict:
         ftype_name = "?"
     label = f"{n_params / 1e9:.0f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
     return {"model_filename": m.path, "model_type": f"{m.hparams['arch']} {label} {ftype_name}",
-            "model_size": size, "model_n_params": n_params, "backends": "CUDA" if m.plan.device != "cpu" else "CPU",
+            "model_size": size, "model_n_params": n_params, "backends": "CUDA" if m.plan.device.startswith("cuda") else "CPU",  # (cpu:1 emulates one)
             "n_threads": args.threads or _core.get_num_threads(), "simd": _core.system_info()["simd"]}
 
 

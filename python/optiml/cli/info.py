@@ -192,15 +192,22 @@ def _show_placement(f) -> dict | None:
 def _plot_info(args, placed: dict | None) -> None:
     """optiml info --plot: curves from --stats when given, else from the file's placement metadata."""
     name = os.path.basename(args.model)
-    k = placed["gpu_neurons"] if placed else None
+    k = placed["gpu_neurons"] if placed and placed["form"] != "experts" else None
+    unit = "neuron"
     if args.stats:
         st = stats.load(args.stats)
         if placed is None:
             st.check_model(args.model)
-        n_ff = st.n_ff
+        # A mixture of experts' stats count routings per expert (its neurons' firings are not recorded): the
+        # curves of its experts, and the experts each layer of an expert placement holds on the device.
+        use = st.expert_count / max(1, st.n_tokens) if st.is_moe else st.freq
+        unit = "expert" if st.is_moe else "neuron"
+        if st.is_moe and placed is not None and placed["form"] == "experts":
+            k = [len(e) for e in placed["gpu_experts"]]
+        n_ff = use.shape[1]
         ranks = curve_ranks(n_ff)
-        freq = -np.sort(-st.freq, axis=1)[:, ranks - 1]
-        cov = coverage_curve(st.freq)[:, ranks - 1]
+        freq = -np.sort(-use, axis=1)[:, ranks - 1]
+        cov = coverage_curve(use)[:, ranks - 1]
         src = f"stats: {st.n_tokens} tokens"
     elif placed is not None and placed["form"] == "experts":
         raise OptimlError(f"{args.model}: an expert placement keeps no neuron curves to plot; give the activation "
@@ -212,5 +219,5 @@ def _plot_info(args, placed: dict | None) -> None:
         src = f"placement metadata: {placed.get('stats.tokens')} tokens"
     else:
         raise OptimlError(f"{args.model} has no placement to plot; give the activation stats: --stats STATS.npz")
-    plot(args.plot, ranks, freq, cov, n_ff, gpu_neurons=k, title=f"{name} ({src})")
+    plot(args.plot, ranks, freq, cov, n_ff, gpu_neurons=k, title=f"{name} ({src})", unit=unit)
     print(f"\n  wrote {args.plot}")

@@ -26,10 +26,12 @@ def _pyplot():
 
 
 def plot(png: str | os.PathLike, ranks: np.ndarray, freq: np.ndarray, coverage: np.ndarray, n_ff: int,
-         gpu_neurons=None, title: str = "") -> None:
+         gpu_neurons=None, title: str = "", unit: str = "neuron") -> None:
     """Two panels: firing frequency vs neuron rank (log-log; a few layers and the mean) and the share of
     firings covered vs the share of neurons on the GPU (each layer's k_l marked when given).
-    ranks: 1-based ranks [P]; freq, coverage: [L, P] at those ranks."""
+    ranks: 1-based ranks [P]; freq, coverage: [L, P] at those ranks. unit "expert": a mixture of experts'
+    routings (freq: the share of tokens routed to each expert)."""
+    fires = "fires" if unit == "neuron" else "is routed"
     plt = _pyplot()
     ranks = np.asarray(ranks)
     freq, coverage = np.asarray(freq, dtype=np.float64), np.asarray(coverage, dtype=np.float64)
@@ -41,8 +43,8 @@ def plot(png: str | os.PathLike, ranks: np.ndarray, freq: np.ndarray, coverage: 
     for l in shown:
         a.loglog(ranks, np.maximum(freq[l], 1e-6), color=cmap(l / max(L - 1, 1)), lw=1.2, label=f"layer {l}")
     a.loglog(ranks, np.maximum(freq.mean(axis=0), 1e-6), color="crimson", lw=2.4, ls="--", label="mean of all layers")
-    a.set_xlabel("neuron rank (most frequent first)")
-    a.set_ylabel("share of tokens on which it fires")
+    a.set_xlabel(f"{unit} rank (most frequent first)")
+    a.set_ylabel(f"share of tokens on which it {fires}")
     a.set_title("activation frequency (power law)")
     a.grid(True, which="both", alpha=0.3)
     a.legend(fontsize=8)
@@ -59,8 +61,8 @@ def plot(png: str | os.PathLike, ranks: np.ndarray, freq: np.ndarray, coverage: 
                   linewidths=0.5, zorder=3, label="k_l: each layer's GPU share")
     b.set_xlim(0, 1)
     b.set_ylim(0, 1.02)
-    b.set_xlabel("share of the layer's neurons on the GPU (hot first)")
-    b.set_ylabel("share of firings they cover")
+    b.set_xlabel(f"share of the layer's {unit}s on the GPU (hot first)")
+    b.set_ylabel("share of firings they cover" if unit == "neuron" else "share of routings they cover")
     b.set_title("coverage (color: layer, dark = first)")
     b.grid(True, alpha=0.3)
     b.legend(fontsize=8, loc="lower right")
