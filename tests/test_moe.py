@@ -408,6 +408,13 @@ def test_missing_expert_count_refused(q3_path, tmp_path):
     bad = edited(q3_path, tmp_path / "bad.gguf", remove=("qwen3moe.expert_count",))
     with pytest.raises(optiml.GGUFError, match="mixture-of-experts architecture.*expert_count"):
         optiml.Model(bad, n_ctx=64)
+    # A Mixtral (llama) file, where no expert count means a dense FFN: its expert tensors are named, not a dense
+    # FFN tensor it never had (llama.cpp aborts on these files).
+    mixtral = synthetic(tmp_path / "mixtral.gguf", *TINY, *ARCHS["mixtral"], "--type", "f32")
+    for how in (dict(remove=("llama.expert_count",)), dict(set_kv={"llama.expert_count": (0, U32)})):
+        bad = edited(mixtral, tmp_path / "bad-mixtral.gguf", **how)
+        with pytest.raises(optiml.GGUFError, match="has expert tensors .*expert_count"):
+            optiml.Model(bad, n_ctx=64)
 
 
 # ---- experts on a second device (cpu:1), or kept on the CPU (n_cpu_moe) ----------------------------------

@@ -128,14 +128,26 @@ void read_moe_hparams(const GGUFFile& f, HParams& hp) {
     const std::string p = hp.arch + ".";
     const char* path = f.path().c_str();
     const bool moe_arch = is_moe_arch(hp.arch);
+    // A llama file with Mixtral's expert tensors but no expert count would otherwise be read as dense and fail
+    // on a missing FFN tensor: the expert tensors are named instead.
+    auto dense_with_experts = [&](const char* why) {
+        if (f.find_tensor("blk.0.ffn_gate_exps.weight") || f.find_tensor("blk.0.ffn_up_exps.weight"))
+            throw GGUFError(format("%s: the file has expert tensors (blk.0.ffn_up_exps.weight), but %s: a mixture of "
+                                   "experts needs %sexpert_count and %sexpert_used_count (a damaged or "
+                                   "incomplete conversion)", path, why, p.c_str(), p.c_str()));
+    };
     if (!f.has(p + "expert_count")) {
         if (moe_arch)
             throw GGUFError(format("%s: %s is a mixture-of-experts architecture, but the metadata has no %sexpert_count",
                                    path, hp.arch.c_str(), p.c_str()));
+        dense_with_experts(format("the metadata has no %sexpert_count", p.c_str()).c_str());
         return;
     }
     const int64_t count = f.get_i64(p + "expert_count");
-    if (count == 0 && !moe_arch) return;  // some converters write expert_count = 0 into dense llama files
+    if (count == 0 && !moe_arch) {  // some converters write expert_count = 0 into dense llama files
+        dense_with_experts(format("%sexpert_count is 0", p.c_str()).c_str());
+        return;
+    }
     if (count <= 0 || count > kMaxExperts)
         throw GGUFError(format("%s: metadata %sexpert_count = %lld; a mixture of experts needs 1..%lld experts", path,
                                p.c_str(), (long long)count, (long long)kMaxExperts));
