@@ -223,3 +223,28 @@ def test_saved_conversations_render_safely(server, browser):
     assert browser.find_elements(By.CSS_SELECTOR, "#log img, #log b, #log i") == []
     assert browser.find_element(By.CSS_SELECTOR, "#log .assistant strong").text == "done"
     browser.execute_script("localStorage.clear()")
+
+
+def test_a_failed_regenerate_or_oversized_turn_keeps_the_conversation(server, browser):
+    """A regenerate that fails puts back the answer it was to replace; a message that fits the context with
+    no earlier turn at all is taken back without leaving the earlier turns out of later requests."""
+    kept = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}]
+    open_page(browser, server)
+    browser.execute_script("localStorage.clear(); localStorage.setItem('optiml.messages', JSON.stringify(arguments[0]))",
+                           kept)
+    browser.refresh()
+    set_field(browser, "api_key", "sk-wrong")
+    until(browser, 10, lambda b: len(bubbles(b)) == 2)
+    browser.find_element(By.XPATH, "//button[text()='regenerate']").click()
+    until(browser, 30, lambda b: any(r == "error" for r, _ in bubbles(b)))
+    assert [(r, t) for r, t in bubbles(browser) if r != "error"] == [("user", "Hi"), ("assistant", kept[1]["content"])]
+    assert "previous answer is kept" in [t for r, t in bubbles(browser) if r == "error"][0]
+
+    set_field(browser, "api_key", KEY)
+    browser.execute_script("document.getElementById('prompt').value = arguments[0]", "word " * 700)
+    browser.find_element(By.ID, "send").click()
+    until(browser, 60, lambda b: any(r == "error" for r, _ in bubbles(b)))
+    assert [r for r, _ in bubbles(browser) if r != "error"] == ["user", "assistant"]
+    assert browser.execute_script("return localStorage.getItem('optiml.first')") == "0"
+    assert browser.execute_script("return JSON.parse(localStorage.getItem('optiml.messages'))") == kept
+    browser.execute_script("localStorage.clear()")
