@@ -79,6 +79,19 @@ def test_one_chat_template_writes_no_list(good, tmp_path):
     assert not [k for k in f if k.startswith("tokenizer.chat_template") and k != "tokenizer.chat_template"]
 
 
+def test_named_jinja_files_keep_the_configs_default(good, tmp_path):
+    """Named templates in additional_chat_templates/ beside a default kept in tokenizer_config.json (no
+    chat_template.jinja): the default is the config's, the named ones the files'."""
+    cfg = json.loads((good / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATES["default"]
+    (good / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (good / "additional_chat_templates").mkdir()
+    (good / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATES["tool_use"])
+    f = fields(convert(good, tmp_path / "m.gguf", type="q8_0"))
+    assert f["tokenizer.chat_template"] == TEMPLATES["default"]
+    assert f["tokenizer.chat_template.tool_use"] == TEMPLATES["tool_use"] and f["tokenizer.chat_templates"] == ["tool_use"]
+
+
 # ---- JSON nested too deeply -----------------------------------------------------------------------
 DEEP = "[" * 100000 + "]" * 100000  # json.load recurses once per level: RecursionError, not a decoding error
 

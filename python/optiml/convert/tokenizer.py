@@ -130,7 +130,7 @@ def _safe_name(name: str) -> str:
 def _chat_templates(folder: str, tc: dict) -> dict:
     """The chat templates by name, "default" the main one, in the order the files give them. As
     transformers loads them: the files chat_template.jinja (the default) and additional_chat_templates/
-    NAME.jinja (where transformers 5 saves them) when there are any, else tokenizer_config.json's
+    NAME.jinja (where transformers 5 saves them), then, without a default file, tokenizer_config.json's
     chat_template, one template or a list of {"name", "template"} (the older form). A name given twice
     keeps its first template."""
     templates = {}
@@ -147,9 +147,9 @@ def _chat_templates(folder: str, tc: dict) -> dict:
         for fn in sorted(os.listdir(extra)):
             if fn.endswith(".jinja") and os.path.isfile(os.path.join(extra, fn)):
                 add(fn[:-len(".jinja")], _read_text(os.path.join(extra, fn)))
-    if templates:
+    if "default" in templates:
         return templates
-    t = tc.get("chat_template")
+    t = tc.get("chat_template")  # (named .jinja files without a default one keep the config's as the default)
     if isinstance(t, str):
         add("default", t)
     for x in t if isinstance(t, list) else []:
