@@ -131,10 +131,11 @@ void read_moe_hparams(const GGUFFile& f, HParams& hp) {
     // A llama file with Mixtral's expert tensors but no expert count would otherwise be read as dense and fail
     // on a missing FFN tensor: the expert tensors are named instead.
     auto dense_with_experts = [&](const char* why) {
-        if (f.find_tensor("blk.0.ffn_gate_exps.weight") || f.find_tensor("blk.0.ffn_up_exps.weight"))
-            throw GGUFError(format("%s: the file has expert tensors (blk.0.ffn_up_exps.weight), but %s: a mixture of "
-                                   "experts needs %sexpert_count and %sexpert_used_count (a damaged or "
-                                   "incomplete conversion)", path, why, p.c_str(), p.c_str()));
+        for (const char* name : {"blk.0.ffn_up_exps.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight"})
+            if (f.find_tensor(name))
+                throw GGUFError(format("%s: the file has expert tensors (%s), but %s: a mixture of experts needs "
+                                       "%sexpert_count and %sexpert_used_count (a damaged or incomplete conversion)",
+                                       path, name, why, p.c_str(), p.c_str()));
     };
     if (!f.has(p + "expert_count")) {
         if (moe_arch)

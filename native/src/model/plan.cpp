@@ -341,10 +341,10 @@ void place_experts(const PlanOptions& o, Placer& at, int64_t budget) {
             listed += lists[il].size();
             placed += p.layers[il].ffn_on_device == at.hp.n_ff ? lists[il].size() : p.layers[il].device_experts.size();
         }
-        if (placed > 0 && placed < listed)
-            p.reason += format("; %zu of the %zu experts it lists fit in the budget at n_batch %d (the device's "
+        if (placed < listed && (placed > 0 || p.layers_on_device() > 0))  // (else: the note below, nothing fits)
+            p.reason += format("; %s of the %zu experts it lists fit in the budget at n_batch %d (the device's "
                                "scratch grows with n_batch: optiml solve --batch sets the one it counts)",
-                               placed, listed, p.n_batch);
+                               placed ? std::to_string(placed).c_str() : "none", listed, p.n_batch);
     }
     if (p.layers_on_device() == 0 && p.neurons_on_device() == 0 && !p.splits_experts()) {
         // Nothing placed: the budget, or n_cpu_moe keeping every expert the placement lists on the host

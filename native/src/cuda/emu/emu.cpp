@@ -212,10 +212,17 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
     if (count_only) return;
     // One launch at a time in the process, whichever thread makes it (as a GPU's single stream would run
     // them): the kernels' indices and __shared__ arrays are plain globals (cuda_runtime.h).
-    static std::recursive_mutex g_launch_lock;
-    std::lock_guard<std::recursive_mutex> lock(g_launch_lock);
-    static Block b;  // fibers and their stacks are kept for the next launch
-    Block* outer = g_block;
+    thread_local bool in_launch = false;
+    if (in_launch) {  // (the lock below would wait for itself; the block's fibers would be overwritten anyway)
+        std::fprintf(stderr, "optiml CUDA emulator: a launch from inside a kernel, which the emulator does not run\n");
+        std::abort();
+    }
+    static std::mutex g_launch_lock;
+    std::lock_guard<std::mutex> lock(g_launch_lock);
+    in_launch = true;
+    // Fibers and their stacks are kept for the next launch, and never freed: a thread still in a launch while
+    // the process exits must not run on stacks that static destructors freed.
+    static Block& b = *new Block;
     g_block = &b;
     const int n = (int)(block.x * block.y * block.z);
     b.fibers.resize(n);
@@ -232,7 +239,8 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
                 blockIdx = dim3(x, y, z);
                 run_block(b);
             }
-    g_block = outer;
+    g_block = nullptr;
+    in_launch = false;
 }
 
 void syncthreads() {
