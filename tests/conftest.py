@@ -102,6 +102,34 @@ def live_server(srv):
 
 
 # Children import the same optiml this process did (the installed package under CI, the source tree in a dev loop).
+def stream_long_and_short(url: str):
+    """Two streamed completions through `url` in threads, a long one (3000 tokens) and a short one (40): returns
+    (got, readers) once both have their first piece; got[name] is each stream's "data: " payloads when it ends
+    (for tests of what a server's shutdown does to running answers)."""
+    import httpx
+
+    got = {}
+
+    def read(name, max_tokens, started):
+        body = {"prompt": "1, 2, 3,", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    started.set()
+            got[name] = lines
+
+    started = [threading.Event(), threading.Event()]
+    readers = [threading.Thread(target=read, args=("long", 3000, started[0])),
+               threading.Thread(target=read, args=("short", 40, started[1]))]
+    for t in readers:
+        t.start()
+    for e in started:
+        assert e.wait(120)
+    return got, readers
+
+
 def child_env() -> dict:
     import optiml
 

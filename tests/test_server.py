@@ -9,7 +9,6 @@ import concurrent.futures
 import json
 import math
 import socket
-import threading
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import optiml  # noqa: E402
-from conftest import live_server  # noqa: E402
+from conftest import live_server, stream_long_and_short  # noqa: E402
 
 KEY = "sk-test-key"
 PARALLEL = 2
@@ -218,25 +217,7 @@ def test_stopping_the_server_drains_streams(smollm2_path):
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        got = {}
-
-        def read(name, max_tokens, started):
-            body = {"prompt": "1, 2, 3,", "max_tokens": max_tokens, "temperature": 0, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                lines = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line[6:])
-                        started.set()
-                got[name] = lines
-
-        started = [threading.Event(), threading.Event()]
-        readers = [threading.Thread(target=read, args=("long", 3000, started[0])),
-                   threading.Thread(target=read, args=("short", 40, started[1]))]
-        for t in readers:
-            t.start()
-        for e in started:
-            assert e.wait(120)
+        got, readers = stream_long_and_short(url)
         proc.send_signal(signal.SIGTERM)
         for t in readers:
             t.join(120)
@@ -247,6 +228,37 @@ def test_stopping_the_server_drains_streams(smollm2_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_announces_its_address_once_it_listens(smollm2_path):
+    """optiml serve prints its address (and the chat page's) once it listens there: on a port in use it says
+    nothing of the kind and exits with uvicorn's status 3; on a free one the address answers when printed.
+    (The model's line comes before, whatever happens: tests/test_visible_sparsity.py.)"""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "optiml", "serve", "-m", str(smollm2_path), "-t", "1", "--ctx", "256", "--port"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(cmd + [str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "http://" not in r.stdout and "address already in use" in r.stderr
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen(cmd + [str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        line = proc.stdout.readline()
+        assert line.startswith("optiml serve: SmolLM2-135M-Instruct.Q4_1: ") and "FFN: " in line, line
+        line = proc.stdout.readline()
+        assert line == f"optiml serve: SmolLM2-135M-Instruct.Q4_1 on {url}/v1; chat page at {url}/\n", line
+        assert httpx.get(url + "/", timeout=30).status_code == 200  # listening when announced
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_every_seed_a_client_sends_is_reproducible(server):

@@ -12,6 +12,8 @@ only by serve_ray).
 
 from __future__ import annotations
 
+import sys
+
 from ..engine.chat_template import ChatTemplateError
 from ..engine.model import Model
 from ..engine.sparsity import describe
@@ -32,7 +34,8 @@ def check_server_packages() -> None:
     uvicorn alone, say), before a model is fetched or loaded."""
     import importlib.util
 
-    missing = [m for m in ("uvicorn", "anyio", "starlette", "sse_starlette") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("uvicorn", "anyio", "starlette", "sse_starlette", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
     if missing:
         raise SystemExit(f"optiml serve needs the server packages ({', '.join(missing)} missing): "
                          'pip install "optiml[serve]" (in a checkout: pip install ".[serve]")')
@@ -61,14 +64,27 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
                     chunk=chunk, max_itl_ms=max_itl_ms, cors_origins=cors_origins)
     offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"
                if model.plan.n_seq_device < n_parallel else "")
-    print(f"optiml serve: {server.model_id} on http://{host}:{port}/v1 ({n_parallel} slots of {model.n_ctx} "
-          f"tokens, queue {max_queue}{offload}); FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}", flush=True)
+    print(f"optiml serve: {server.model_id}: {n_parallel} slots of {model.n_ctx} tokens, queue {max_queue}{offload}; "
+          f"FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}", flush=True)
     try:
         model.chat_template  # compiled now: a broken one is reported before the first request
     except ChatTemplateError as e:
         print(f"optiml serve: warning: {e}. /v1/chat/completions answers 500 (code chat_template_error); "
               "/v1/completions works", flush=True)
-    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    class Announcing(uvicorn.Server):
+        # The address is announced once the server listens on it: before, a port in use was announced and
+        # then failed (uvicorn's own error line says so, exit status 3).
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"optiml serve: {server.model_id} on {url}/v1; chat page at {url}/", flush=True)
+
+    uv = Announcing(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level))
+    uv.run()
+    if not uv.started:  # as uvicorn.run ends when the server did not start
+        sys.exit(3)
 
 
 def serve_ray(model: str, **kwargs) -> None:

@@ -11,7 +11,8 @@ and the Starlette routes of app.py, called in-process. Two deployments make one 
   OptimlIngress  reads the request body, takes the prompt's text from it (messages or prompt) and
                  forwards the whole request to a replica through a deployment handle; it relays the
                  replica's response (JSON or server-sent events) and turns a replica's failure into an
-                 error the client sees (503 before the answer starts, an SSE error event after).
+                 error the client sees (503 before the answer starts, an SSE error event after). Told to
+                 stop (Ingress.drain), it drains the answers as the single-node server does.
   OptimlReplica  runs app.py's routes on the forwarded request and yields the response as it comes.
   PrefixAffinityRouter (Ray Serve's custom request router API) sends a request to the replica that
                  served the longest prefix of its text recently (so its prefix cache pays), unless that
@@ -41,6 +42,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -59,7 +61,7 @@ except ImportError as e:  # the single-node server never imports this module
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .app import MAX_BODY_BYTES, cors_allows, cors_origin_list, read_body
+from .app import MAX_BODY_BYTES, SHUTDOWN_DRAIN_S, cors_allows, cors_origin_list, read_body
 from .schemas import APIError
 
 logger = logging.getLogger("optiml.ray_serve")
@@ -431,66 +433,140 @@ def _sse_error(message: str, code: str) -> bytes:
 
 # Replica failures: the message a client reads.
 FAILED = "the replica serving this request failed ({}); retry the request"
+# A shutdown's: app.py's words and code, so a client reads the same from either server.
+SHUTTING_DOWN = "the server is shutting down; retry the request"
+_CUT = object()  # what Ingress._next returns once the shutdown's drain time has run out
+
+
+def _drop(task: asyncio.Future) -> None:
+    """Cancels a wait for a replica's next item that nobody reads any more. Ray ends it with an error
+    (RequestCancelledError) rather than as cancelled: retrieved here, not logged as "never retrieved"."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 class Ingress:
-    """Reads each HTTP request, forwards it to a replica and relays the answer (see the module doc)."""
+    """Reads each HTTP request, forwards it to a replica and relays the answer (see the module doc).
+
+    Told to stop (drain(), which serve_ray calls on every ingress replica before Ray Serve stops), it does
+    what the single-node server does: new requests get a 503, running answers get SHUTDOWN_DRAIN_S to
+    finish, then a stream still running ends with an error event and an answer not begun gets the 503
+    (code server_shutting_down both)."""
 
     def __init__(self, replicas, max_body: int = MAX_BODY_BYTES, cors_origins=None):
         self.replicas = replicas.options(stream=True, method_name="forward")
         self.max_body = max_body
         self.cors_origins = cors_origin_list(cors_origins)
+        self.stopping = False
+        self.ongoing = 0  # requests between their arrival and the end of their answer
+        self._cut_at = None  # the future drain() resolves when the drain time is over (made in the serving loop)
+
+    def _cut(self) -> asyncio.Future:
+        if self._cut_at is None:
+            self._cut_at = asyncio.get_running_loop().create_future()
+        return self._cut_at
+
+    async def _next(self, it):
+        """The next item of a replica's answer (StopAsyncIteration at its end), or _CUT once the shutdown's
+        drain time is over. (A task per item: some 10 us, against the 1-2 ms each item costs the ingress.)"""
+        item = asyncio.ensure_future(it.__anext__())
+        try:
+            await asyncio.wait((item, self._cut()), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client went away
+            _drop(item)
+            raise
+        if not item.done():
+            _drop(item)
+            return _CUT
+        return item.result()
+
+    async def drain(self) -> int:
+        """The shutdown (see the class doc). Returns once every answer has ended: the number still running
+        5 s after the drain time (none, unless a relay hangs)."""
+        loop = asyncio.get_running_loop()
+        self.stopping = True
+        end = loop.time() + SHUTDOWN_DRAIN_S
+        while self.ongoing and loop.time() < end:
+            await asyncio.sleep(0.05)
+        if not self._cut().done():
+            self._cut().set_result(None)  # what still runs is ended now
+        end = loop.time() + 5.0
+        while self.ongoing and loop.time() < end:  # the relays send the ends
+            await asyncio.sleep(0.05)
+        return self.ongoing
 
     async def __call__(self, request: Request) -> Response:
         # The answers made here, not by a replica, carry the replicas' CORS headers too: a page would read
         # an opaque network error instead of the 413, 429 or 503.
         origin = request.headers.get("origin")
         cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if cors_allows(origin, self.cors_origins) else {}
+        if self.stopping:
+            return _error(503, SHUTTING_DOWN, code="server_shutting_down", headers={"Retry-After": "1", **cors})
+        self.ongoing += 1
+        relayed = False  # the count is rest()'s to take down once it relays the answer
         try:
-            body = await read_body(request, self.max_body)
-        except APIError as e:  # 413, as app.py answers it
-            return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **cors})
-        path = _unprefixed(request.scope)["path"]
-        req = Forwarded(request.method, path, request.scope.get("query_string", b""),
-                        list(request.scope.get("headers", [])), body,
-                        tuple(request.client) if request.client else None, prompt_text(path, body))
-        gen = self.replicas.remote(req)
-        try:
-            head = await gen.__anext__()
-        except asyncio.CancelledError:
-            gen.cancel()  # the client went away while its answer was computed
-            raise
-        except Exception as e:
-            return self._failed(e, cors)
-        headers = [(k, v) for k, v in head.headers if k.lower() not in (b"connection", b"transfer-encoding")]
-        headers.append((REPLICA_HEADER.encode(), head.replica.encode()))
-        if head.done:
-            resp = Response(head.body, status_code=head.status)
-            resp.raw_headers = headers
-            return resp
-        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-
-        async def rest():
-            finished = False
             try:
-                if head.body:
-                    yield head.body
-                async for part in gen:
-                    yield part
-                finished = True
+                body = await read_body(request, self.max_body)
+            except APIError as e:  # 413, as app.py answers it
+                return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **cors})
+            path = _unprefixed(request.scope)["path"]
+            req = Forwarded(request.method, path, request.scope.get("query_string", b""),
+                            list(request.scope.get("headers", [])), body,
+                            tuple(request.client) if request.client else None, prompt_text(path, body))
+            gen = self.replicas.remote(req)
+            it = gen.__aiter__()
+            try:
+                head = await self._next(it)
             except asyncio.CancelledError:
+                gen.cancel()  # the client went away while its answer was computed
                 raise
-            except Exception as e:  # the replica died mid-answer: say so in the stream and end it
-                logger.warning("replica %s failed mid-stream: %s", head.replica, e)
-                if sse:
-                    yield _sse_error(FAILED.format(_why(e)), "replica_failed")
-            finally:
-                if not finished:
-                    gen.cancel()
+            except Exception as e:
+                return self._failed(e, cors)
+            if head is _CUT:
+                gen.cancel()
+                return _error(503, SHUTTING_DOWN, code="server_shutting_down", headers={"Retry-After": "1", **cors})
+            headers = [(k, v) for k, v in head.headers if k.lower() not in (b"connection", b"transfer-encoding")]
+            headers.append((REPLICA_HEADER.encode(), head.replica.encode()))
+            if head.done:
+                resp = Response(head.body, status_code=head.status)
+                resp.raw_headers = headers
+                return resp
+            sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
-        resp = StreamingResponse(rest(), status_code=head.status)
-        resp.raw_headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-        return resp
+            async def rest():
+                finished = False
+                try:
+                    if head.body:
+                        yield head.body
+                    while True:
+                        try:
+                            part = await self._next(it)
+                        except StopAsyncIteration:
+                            break
+                        if part is _CUT:  # the drain time is over: say so and end the stream properly
+                            if sse:
+                                yield _sse_error(SHUTTING_DOWN, "server_shutting_down")
+                            return
+                        yield part
+                    finished = True
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the replica died mid-answer: say so in the stream and end it
+                    logger.warning("replica %s failed mid-stream: %s", head.replica, e)
+                    if sse:
+                        yield _sse_error(FAILED.format(_why(e)), "replica_failed")
+                finally:
+                    self.ongoing -= 1
+                    if not finished:
+                        gen.cancel()
+
+            resp = StreamingResponse(rest(), status_code=head.status)
+            resp.raw_headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+            relayed = True
+            return resp
+        finally:
+            if not relayed:
+                self.ongoing -= 1
 
     @staticmethod
     def _failed(e: Exception, cors: dict) -> Response:
@@ -539,14 +615,16 @@ def build(model: str, *, replicas: int = 1, min_replicas: int | None = None, max
     if gpus:
         actor["num_gpus"] = gpus
     logging_config = {"enable_access_log": access_log}
+    # A stopping replica checks for running requests every graceful_shutdown_wait_loop_s (2 s by default),
+    # the first time after one wait: at 0.2 s, removing the application after Ingress.drain takes a moment.
     replica = serve.deployment(
         Replica, name=REPLICA, ray_actor_options=actor, max_ongoing_requests=max_ongoing,
         max_queued_requests=max_queue, health_check_period_s=10, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=10, logging_config=logging_config,
+        graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.2, logging_config=logging_config,
         request_router_config=_router_config(router),
         **scaling)
     ingress = serve.deployment(Ingress, name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
-                               logging_config=logging_config)
+                               graceful_shutdown_wait_loop_s=0.2, logging_config=logging_config)
     return ingress.bind(replica.bind(model, dict(model_kwargs or {}), server_kwargs, stream_interval_ms),
                         MAX_BODY_BYTES, server_kwargs.get("cors_origins"))
 
@@ -611,8 +689,13 @@ def start_local_cluster(num_cpus: int, num_gpus: int | None = None, temp_dir: st
         os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
     # Every socket of the cluster on loopback, none reachable from other machines: Ray's switch for
     # single-machine clusters (named for Windows and macOS, where it is the default); without it Ray's
-    # processes listen on all interfaces even when given 127.0.0.1.
+    # processes listen on all interfaces even when given 127.0.0.1. Ray reads it when it is imported: the
+    # environment for the processes this one starts, the constant for this one, which imported Ray already
+    # (Ray 2.60 has no ray.init option for it).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
     # Ray Serve's controller checks its deployments 10 times a second: 4% of a core on an idle 2-core
     # machine, with the GCS it asks. Twice a second is quick enough to replace a dead replica.
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
@@ -666,28 +749,41 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
     local = address is None
     if local:
         model = _resolve_here(model)
+        _check_port(host, port)
     count = max_replicas if max_replicas is not None else max(replicas, min_replicas or 0)
     gpu = str(device).startswith("cuda")
-    if local:
-        cpus = n_threads or _default_cpus(count, True)
-        start_local_cluster(num_cpus=cpus * count, num_gpus=None, temp_dir=temp_dir)
-    else:
-        _check_reachable(address)
-        try:
-            ray.init(address=address, namespace="optiml", configure_logging=False)
-        except Exception as e:  # ConnectionError, an authentication error, a bad address
-            raise SystemExit(f"optiml serve --ray: could not join the Ray cluster at {address}: {_why(e)}\n(is it "
-                             "running (ray start --head), and this machine one of its nodes for a HEAD:6379 address, "
-                             "or its client port open for ray://HEAD:10001? With token authentication, the cluster's "
-                             "token must be here too: see Ray's token-auth docs)") from None
-        cpus = n_threads or _default_cpus(count, False)
     stopping = stop or threading.Event()
-    old = None
-    if threading.current_thread() is threading.main_thread():  # SIGTERM stops it as Ctrl-C does
-        old = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signals = _Signals(stopping)
+    signals.install()  # before anything starts: a Ctrl-C in Ray's first seconds must stop what it started
+    started = deployed = False  # Ray Serve, the application
     try:
-        serve.start(http_options={"host": host, "port": port},
-                    logging_config={"log_level": log_level.upper(), "enable_access_log": log_level == "debug"})
+        if local:
+            cpus = n_threads or _default_cpus(count, True)
+            start_local_cluster(num_cpus=cpus * count, num_gpus=None, temp_dir=temp_dir)
+        else:
+            _check_reachable(address)
+            try:
+                ray.init(address=address, namespace="optiml", configure_logging=False)
+            except Exception as e:  # ConnectionError, an authentication error, a bad address
+                raise SystemExit(f"optiml serve --ray: could not join the Ray cluster at {address}: {_why(e)}\n(is "
+                                 "it running (ray start --head), and this machine one of its nodes for a HEAD:6379 "
+                                 "address, or its client port open for ray://HEAD:10001? A cluster with token "
+                                 "authentication, Ray's default, needs RAY_AUTH_MODE=token here and its token in "
+                                 "~/.ray/auth_token or RAY_AUTH_TOKEN: see docs/serve.md)") from None
+            cpus = n_threads or _default_cpus(count, False)
+        signals.install()  # again: ray.init put its own SIGTERM handler in place
+        if stopping.is_set():
+            return
+        signals.interrupt = True  # starting Ray Serve and loading the models can take minutes: Ctrl-C ends the wait
+        try:
+            serve.start(http_options={"host": host, "port": port},
+                        logging_config={"log_level": log_level.upper(), "enable_access_log": log_level == "debug"})
+        except Exception as e:
+            if "bind" in str(e).lower():  # taken since _check_port looked (or on the cluster's nodes)
+                print(f"optiml serve --ray: cannot listen on {host}:{port}: {_why(e)}", file=sys.stderr)
+                raise SystemExit(3) from None
+            raise SystemExit(f"optiml serve --ray: Ray Serve did not start: {_why(e)}") from None
+        started = True
         app = build(model, replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas, cpus=cpus,
                     gpus=1 if gpu else 0, n_parallel=n_parallel, max_queue=max_queue,
                     model_kwargs={"n_ctx": n_ctx, "n_threads": n_threads or cpus, "predictors": predictors,
@@ -700,8 +796,12 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
         try:
             serve.run(app, name=name, route_prefix=route_prefix)
         except Exception as e:
-            raise SystemExit(f"optiml serve --ray: the replicas did not start: {_why(e)}\n(the replicas' own "
-                             "errors are in the log above)") from None
+            why = _deploy_error(name) or _why(e)
+            raise SystemExit(f"optiml serve --ray: the replicas did not start: {why}") from None
+        deployed = True
+        signals.interrupt = False
+        if stopping.is_set():
+            return
         url = _url(host, port, route_prefix)
         scale = (f"{min_replicas or 1}..{max_replicas} replicas (autoscaling)" if max_replicas
                  else f"{replicas} replica{'s' * (replicas != 1)}")
@@ -709,7 +809,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
                  f"the Ray cluster at {address}; if Ray Serve ran there already, at its own HTTP address")
         print(f"optiml serve --ray: {model_id or os.path.splitext(os.path.basename(model))[0]} on {url}/v1 "
               f"({scale} of {n_parallel} slots, {cpus} CPU{'s' * (cpus != 1)}{' and 1 GPU' if gpu else ''} each, "
-              f"on {where})", flush=True)
+              f"on {where}); chat page at {url}/", flush=True)
         if ready is not None:
             ready(url)
         while not stopping.wait(0.5):
@@ -717,16 +817,108 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
     except KeyboardInterrupt:
         pass
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        signals.interrupt = False
         try:
-            if local:
-                serve.shutdown()
-            elif ray.is_initialized():
+            if deployed:
+                _drain(name, signals.hurry)
+            # Removing the application lets the replicas stop as Ray Serve stops them (the models freed, the
+            # ends of the answers relayed). Not serve.shutdown(): it kills the proxy at once (what cut the
+            # streams) and ends with Ray's "Task ServeController.graceful_shutdown failed" as the controller
+            # kills itself. A cluster of others' keeps running: the application goes whatever happened.
+            if started and (not local or (deployed and not signals.hurry.is_set())):
                 serve.delete(name)
         except Exception as e:  # stopping anyway: the cluster goes below
             print(f"optiml serve --ray: while stopping Ray Serve: {_why(e)}", file=sys.stderr)
         stop_cluster()
+        signals.restore()
+
+
+class _Signals:
+    """What Ctrl-C and SIGTERM do while serve_ray runs, installed before the cluster starts:
+
+    - while ray.init starts Ray's processes, nothing at once: `stopping` is set and serve_ray stops the
+      cluster once ray.init returns (interrupted inside it, it left Ray's agents running). ray.init puts its
+      own SIGTERM handler in place meanwhile, which stops those processes itself;
+    - while Ray Serve starts and the replicas load (`interrupt`): KeyboardInterrupt, which ends the wait;
+    - while serving: `stopping`, then the drain (_drain);
+    - a second one: `hurry`, stop without waiting for the answers (as the single-node server does).
+
+    Outside the main thread (a test, a caller's thread) nothing is installed: `stop` ends serve_ray."""
+
+    def __init__(self, stopping: threading.Event):
+        self.stopping, self.hurry = stopping, threading.Event()
+        self.interrupt = False
+        self.old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = self.old.setdefault(sig, signal.getsignal(sig))
+            if old is not signal.SIG_IGN:  # (a shell starts a background job with Ctrl-C ignored: keep it so)
+                signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        if self.stopping.is_set():
+            self.hurry.set()
+            return
+        self.stopping.set()
+        if self.interrupt:
+            raise KeyboardInterrupt
+
+
+def _drain(name: str, hurry: threading.Event) -> None:
+    """The single-node server's shutdown, before Ray Serve stops (Ingress.drain on every ingress replica):
+    new requests get a 503, running answers SHUTDOWN_DRAIN_S to finish, then an error event
+    (server_shutting_down). Waits for that, unless `hurry` is set meanwhile (a second Ctrl-C)."""
+    done, failed = threading.Event(), []
+
+    def run():
+        try:
+            serve.get_deployment_handle(INGRESS, name).broadcast("drain").results(timeout_s=SHUTDOWN_DRAIN_S + 30)
+        except Exception as e:
+            failed.append(e)
+        finally:
+            done.set()
+
+    # In a thread: the main thread keeps taking signals (a second Ctrl-C) while it waits.
+    threading.Thread(target=run, name="optiml-drain", daemon=True).start()
+    while not done.wait(0.2) and not hurry.is_set():
+        pass
+    if failed:
+        print(f"optiml serve --ray: running answers were not drained: {_why(failed[0])}", file=sys.stderr)
+
+
+def _deploy_error(name: str) -> str | None:
+    """Why the application's deployments failed, in their own words: the last line of the replica's
+    traceback that Ray Serve keeps in its status (the log has it whole, 50 lines per attempt)."""
+    try:
+        app = serve.status().applications.get(name)
+    except Exception:
+        return None
+    for d in (app.deployments.values() if app else ()):
+        if str(d.status).endswith(("DEPLOY_FAILED", "UNHEALTHY")) and d.message:
+            lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", d.message).splitlines() if ln.strip()]
+            # "optiml._core.GGUFError: bad.gguf: ..." -> "GGUFError: bad.gguf: ..."
+            return re.sub(r"^(?:\w+\.)+(?=\w+: )", "", lines[-1]) if lines else None
+    return None
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fails at once, before Ray starts, when the HTTP port is taken: Ray Serve's proxy would fail after some
+    9 s with 70 lines of traceback. One line and exit status 3, as the single-node server (uvicorn)."""
+    import socket
+
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as e:
+        why = os.strerror(e.errno).lower() if e.errno and e.errno > 0 else str(e)
+        print(f"optiml serve --ray: cannot listen on {host}:{port}: {why}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 def _check_reachable(address: str) -> None:
