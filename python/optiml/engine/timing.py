@@ -1,5 +1,5 @@
-"""Speed as llama-bench measures it: `optiml bench`, and the benchmarks in tools/ that time OptiML and
-llama.cpp side by side with the same code."""
+"""Speed as llama-bench measures it, for `optiml bench` (tools/bench/harness.py times OptiML and llama.cpp side
+by side in the benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-__all__ = ["bench_model", "bench_tests", "time_pp_tg", "time_test"]
+__all__ = ["bench_tests", "time_test"]
 
 
 def time_test(engine, prompt: list[int], n_prompt: int, n_gen: int, after_pp=None, after_step=None) -> float:
@@ -31,34 +31,6 @@ def time_test(engine, prompt: list[int], n_prompt: int, n_gen: int, after_pp=Non
         if after_step is not None:
             after_step()
     return spent
-
-
-def time_pp_tg(engine, prompt: list[int], n_gen: int, after_pp=None, after_step=None) -> tuple[float, float]:
-    """One run of pp (the prompt as one batch) and tg (n_gen single-token steps), each from an empty context,
-    in tokens/s."""
-    pp = time_test(engine, prompt, len(prompt), 0, after_pp)
-    tg = time_test(engine, prompt, 0, n_gen, None, after_step)
-    return len(prompt) / pp, n_gen / tg
-
-
-def bench_model(model, n_prompt: int, n_gen: int, repeats: int) -> dict:
-    """Median pp and tg tokens/s of `repeats` runs of time_pp_tg (after one warm-up run), and "pp_sparsity"
-    and "tg_sparsity": the FFN neurons skipped in the warm-up's prompt and generation steps (SkipMeter
-    summaries; the timed runs are not metered)."""
-    prompt = random_prompt(model, n_prompt)
-    pp_meter, tg_meter = model.sparsity_meter(), None
-
-    def after_pp():
-        nonlocal tg_meter
-        pp_meter.step()
-        tg_meter = model.sparsity_meter()
-
-    time_pp_tg(model, prompt, n_gen, after_pp, lambda: tg_meter.step())  # also warms caches and page mappings
-    runs = [time_pp_tg(model, prompt, n_gen) for _ in range(repeats)]
-    model.reset()
-    pp, tg = [r[0] for r in runs], [r[1] for r in runs]
-    return {"pp": statistics.median(pp), "tg": statistics.median(tg), "pp_runs": pp, "tg_runs": tg,
-            "pp_sparsity": pp_meter.summary(), "tg_sparsity": tg_meter.summary()}
 
 
 def random_prompt(model, n: int) -> list[int]:

@@ -22,7 +22,7 @@ struct dim3 {
 
 // Launches run one at a time in the process (emu.cpp's launch holds a lock), so a kernel's indices and its
 // __shared__ arrays are plain globals: kernels read them in every loop, and thread-locals in a module Python
-// loads cost a call each (__tls_get_addr, or a TLS descriptor), a fifth of the emulator's time.
+// loads cost a call each (__tls_get_addr, or a TLS descriptor), a seventh of the emulator's time.
 inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace optiml_emu {
