@@ -85,6 +85,11 @@ def test_perplexity_json_and_quiet(smollm2_path, tmp_path, capfd):
                      "--kl-divergence", "--json"]) == 0
     r = json.loads(capfd.readouterr().out)
     assert r["kld_mean"] == pytest.approx(0, abs=1e-6) and r["same_top"] == 1.0 and r["n_ctx"] == 64
+    # -b/--batch-size (llama.cpp's -ub too): the window read in steps of 16 tokens scores as one step of 64
+    assert cli.main(["perplexity", "-m", str(smollm2_path), "-t", "2", "--kl-divergence-base", base,
+                     "--kl-divergence", "--json", "-b", "16"]) == 0
+    r = json.loads(capfd.readouterr().out)
+    assert r["kld_mean"] < 1e-6 and r["same_top"] == 1.0
 
 
 def test_exit_statuses(smollm2_path, tmp_path, capfd):
@@ -119,6 +124,7 @@ def test_bad_flags_are_bad_input(smollm2_path, tmp_path, capfd):
                        (["bench", "-m", m, "-p", "100", "--ctx", "50"], "--ctx 50"),
                        (["run", "-m", m, "-p", "x", "-n", str(2**70)], "at most"),
                        (["run", "-m", m, "-p", "x", "-t", "100000"], "n_threads"),
+                       (["run", "-m", m, "-p", "x", "-b", "0"], "-b/--batch-size"),
                        (["info", str(tmp_path)], "is a folder"),
                        (["perplexity", "-m", m, "-f", __file__, "--ctx", "64", "--chunks", "0"], "--chunks"),
                        (["convert", str(tmp_path), "-o", str(tmp_path / "x.gguf")], "no config.json"),

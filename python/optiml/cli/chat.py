@@ -35,6 +35,7 @@ def add_arguments(p) -> None:
                    help="most tokens per answer (default, or -1: until done)")
     p.add_argument("-s", "--system", default=None, help="system message")
     common.add_device_args(p)
+    common.add_batch_arg(p)
     _sampling_args(p)
 
 

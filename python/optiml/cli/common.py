@@ -100,12 +100,18 @@ def add_device_args(p: argparse.ArgumentParser, loads_weights: bool = True) -> N
     p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="the same for values")
 
 
+def add_batch_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--batch-size", "-ub", "--ubatch-size", dest="batch_size", type=int, default=None,
+                   metavar="N", help="most prompt tokens per forward step (default 512; llama.cpp's -ub, which its "
+                   "-b also caps): smaller needs less scratch memory (the --batch a placement was solved for)")
+
+
 def load(args, n_ctx: int | None = None) -> Model:
     """The Model the options ask for (a PredictorWarning, predictors found and left unused, is a log line:
     main's warning hook)."""
     m = Model(model_arg(args.model), n_ctx=n_ctx if n_ctx is not None else args.ctx, n_threads=args.threads,
               sparsity=getattr(args, "sparsity", "auto"), predictors=predictors(args), use_mmap=use_mmap(args),
-              **device(args))
+              **batch_size(args), **device(args))
     say_what_the_cpu_ignores(args, m.plan)
     return m
 
@@ -135,6 +141,16 @@ def n_predict(n: int | None) -> int | None:
 def seed(s: int | None) -> int | None:
     """--seed as llama.cpp takes it: -1 (or None) draws a random one."""
     return None if s is None or s == -1 else s
+
+
+def batch_size(args) -> dict:
+    """Model's n_batch from -b/--batch-size, when the command has it and it was given."""
+    n = getattr(args, "batch_size", None)
+    if n is None:
+        return {}
+    if n < 1:
+        raise ArgumentError(f"-b/--batch-size must be >= 1, not {n}")
+    return {"n_batch": n}
 
 
 def use_mmap(args):

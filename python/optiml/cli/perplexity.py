@@ -16,6 +16,7 @@ def add_arguments(p) -> None:
     common.add_model_args(p)
     p.add_argument("-f", "--file", help="text file (needed except with --kl-divergence, which reads the base's tokens)")
     common.add_device_args(p)
+    common.add_batch_arg(p)
     p.add_argument("--chunks", type=int, default=-1, help="windows to score (default -1: all, as llama.cpp's)")
     p.add_argument("--kl-divergence-base", metavar="FILE",
                    help="without --kl-divergence: save this model's log-probs of the scored tokens to FILE; "

@@ -15,6 +15,7 @@ def add_arguments(p) -> None:
     p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=128,
                    help="tokens to generate (default 128; -1: until the end of generation or a full context)")
     common.add_device_args(p)
+    common.add_batch_arg(p)
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
