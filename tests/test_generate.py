@@ -164,6 +164,78 @@ def test_ctrl_c_stops_generate(smollm2_path):
     assert said == "interrupted" and 5 < int(n_past) < 2000 and int(n_tokens) == int(n_past), r.stdout
 
 
+def test_ctrl_c_stops_a_long_prompt(smollm2_path):
+    """Ctrl-C while a long prompt runs (eval, or generate's first step) stops after the n_batch-token piece
+    that is running, not after the whole prompt; the context keeps the pieces that ran, and what the Model
+    believes it holds is what it holds (a stale belief made the next generate reuse text that was not there)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import optiml, os, signal, threading, time\n"
+        f"m = optiml.Model({str(smollm2_path)!r}, n_ctx=4096, n_threads=1, n_batch=8)\n"
+        "ids = m.tokenize('the quick brown fox jumps ' * 800)[:4000]\n"
+        "want = m.generate('The capital of France is', max_tokens=8, temperature=0)\n"
+        "def ctrl_c_once_running(n0):\n"
+        "    while m.n_past <= n0: time.sleep(0.001)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "for how in ('eval', 'generate'):\n"
+        "    m.reset(); m.eval(ids[:3])\n"
+        "    threading.Thread(target=ctrl_c_once_running, args=(3,)).start()\n"
+        "    try:\n"
+        "        m.eval(ids) if how == 'eval' else m.generate(ids[:3] + ids, max_tokens=1)\n"
+        "        print(how, 'finished')\n"
+        "    except KeyboardInterrupt:\n"
+        "        n = m.n_past\n"
+        "        print(how, 'interrupted', n, (n - 3) % 8 == 0, m.tokens == ids[:3] + ids[:n - 3],\n"
+        "              m.generate('The capital of France is', max_tokens=8, temperature=0) == want)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    for line in r.stdout.splitlines():
+        how, said, n_past, whole_pieces, known, same = line.split()
+        assert said == "interrupted" and int(n_past) < 3000, line
+        assert whole_pieces == known == same == "True", line
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_fork_while_another_thread_generates(smollm2_path):
+    """A process forked while another thread runs a model (its thread pool mid-job, its lock held by a
+    thread the child does not have) can load and run models in the child: the pools made before the fork
+    run inline there, and the default pool is made anew (the child used to spin forever on it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import optiml, os, signal, sys, threading, time, warnings\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"  # (Python 3.12's note on fork with threads)
+        f"M = {str(smollm2_path)!r}\n"
+        "for n_threads in (0, 2):\n"
+        "    m = optiml.Model(M, n_threads=n_threads, n_ctx=512)\n"
+        "    stop = False\n"
+        "    def loop():\n"
+        "        while not stop:\n"
+        "            m.generate('Once upon a time', max_tokens=16, temperature=0)\n"
+        "    t = threading.Thread(target=loop); t.start(); time.sleep(0.3)\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        signal.alarm(120)\n"
+        "        c = optiml.Model(M, n_threads=n_threads, n_ctx=128)\n"
+        "        sys.stdout.write(repr(c.generate('The capital of France is', max_tokens=4, temperature=0)) + '\\n')\n"
+        "        sys.stdout.flush(); os._exit(0)\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "    stop = True; t.join()\n"
+        "    print(n_threads, os.waitstatus_to_exitcode(status),\n"
+        "          repr(m.generate('The capital of France is', max_tokens=4, temperature=0)), flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OPTIML_NUM_THREADS": "2"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4, r.stdout
+    for child, parent in (lines[0:2], lines[2:4]):  # the child's answer, then the parent's line
+        n_threads, status, want = parent.split(" ", 2)
+        assert status == "0" and child == want, (child, parent)
+
+
 def test_closed_model_says_so(smollm2_path):
     m = optiml.Model(os.fsencode(smollm2_path), n_ctx=64)  # (a path as bytes, as os.fsencode gives)
     m.close()

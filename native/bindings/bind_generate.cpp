@@ -75,6 +75,7 @@ nb::str next_piece(PyGenerator& g) {
     bool more;
     {
         RunGuard guard(g.running);
+        InterruptScope interruptible(native_session(g.session_owner));
         nb::gil_scoped_release release;
         more = g.gen->next(piece);
     }
@@ -91,6 +92,7 @@ nb::str run_to_end(PyGenerator& g) {
     std::string all, piece;
     {
         RunGuard guard(g.running);
+        InterruptScope interruptible(native_session(g.session_owner));
         nb::gil_scoped_release release;
         while (g.gen->next(piece)) all += piece;
     }

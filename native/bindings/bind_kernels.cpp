@@ -194,7 +194,7 @@ std::shared_ptr<optiml::ThreadPool> pool_for(int n_threads) {
     static std::map<int, std::shared_ptr<ThreadPool>> pools;
     std::lock_guard<std::mutex> lk(mu);
     auto& p = pools[n_threads];
-    if (!p) p = std::make_shared<ThreadPool>(n_threads);
+    if (!p || p->stale()) p = std::make_shared<ThreadPool>(n_threads);  // (stale: made before a fork)
     return p;
 }
 

@@ -15,6 +15,20 @@
 #include "optiml/model.h"
 #include "optiml/predictor.h"
 
+InterruptScope::InterruptScope(optiml::Session& session) {
+    const nb::object main = nb::module_::import_("threading").attr("main_thread")();
+    if (nb::cast<unsigned long>(main.attr("ident")) != PyThread_get_thread_ident()) return;
+    session_ = &session;
+    session.set_interrupt_check([] {
+        nb::gil_scoped_acquire gil;
+        if (PyErr_CheckSignals() != 0) throw nb::python_error();
+    });
+}
+
+InterruptScope::~InterruptScope() {
+    if (session_) session_->set_interrupt_check(nullptr);
+}
+
 namespace {
 
 using namespace optiml;
@@ -241,6 +255,7 @@ nb::ndarray<nb::numpy, float> decode(PySession& s, Tokens1D tokens, Ints1D seq, 
     const size_t n_vocab = (size_t)s.session->model().hp.n_vocab;
     auto out = new_array<float>({n_out, n_vocab});
     {
+        InterruptScope interruptible(*s.session);
         nb::gil_scoped_release release;
         s.session->decode(tokens.data(), seq.data(), pos.data(), want.data(), (int32_t)n, out.data());
     }
@@ -253,6 +268,7 @@ nb::ndarray<nb::numpy, float> eval(PySession& s, Tokens1D tokens, bool all_logit
     if (n == 0) throw ArgumentError("eval needs at least one token");
     auto out = all_logits ? new_array<float>({(size_t)n, n_vocab}) : new_array<float>({n_vocab});
     {
+        InterruptScope interruptible(*s.session);
         nb::gil_scoped_release release;
         s.session->eval(tokens.data(), n, all_logits, out.data());
     }

@@ -48,6 +48,21 @@ optiml::Session& native_session(nb::handle session);
 std::shared_ptr<const optiml::Tokenizer> native_tokenizer(nb::handle tokenizer);
 optiml::Detokenizer& native_detokenizer(nb::handle detokenizer);
 
+// While alive (made with the GIL held), a decode on `session` checks Python's signals between its
+// n_batch-token pieces and raises what a handler raises (Ctrl-C: KeyboardInterrupt), so a long prompt
+// stops within a piece instead of after the whole of it. Only on the main thread, where Python runs
+// signal handlers: elsewhere (the server's threads) it does nothing and costs nothing (bind_model.cpp).
+class InterruptScope {
+public:
+    explicit InterruptScope(optiml::Session& session);
+    ~InterruptScope();
+    InterruptScope(const InterruptScope&) = delete;
+    InterruptScope& operator=(const InterruptScope&) = delete;
+
+private:
+    optiml::Session* session_ = nullptr;
+};
+
 // A new C-contiguous numpy array of T that owns its memory (freed when numpy drops it).
 template <typename T>
 nb::ndarray<nb::numpy, T> new_array(std::initializer_list<size_t> shape) {

@@ -349,6 +349,11 @@ public:
     std::vector<int32_t> placed_copy_layers() const;
     size_t placed_copy_bytes() const;
 
+    // Called between the n_batch-token pieces of a decode that has more pieces to run; it may throw to
+    // stop there, the pieces run so far kept in the KV cache (the bindings raise Ctrl-C's KeyboardInterrupt
+    // this way, so a long prompt stops within a piece). Empty: never called.
+    void set_interrupt_check(std::function<void()> check) { interrupt_check_ = std::move(check); }
+
     // While a recorder is attached, every evaluated token's FFN activations go to it (the FFN runs
     // dense, on the host: ArgumentError when the plan puts any layer on a device). nullptr detaches.
     void set_recorder(std::shared_ptr<ActivationRecorder> rec);
@@ -430,6 +435,7 @@ private:
     SparsitySettings sparsity_;
     std::vector<int64_t> host_active_, device_active_, ffn_seen_;
     std::shared_ptr<ActivationRecorder> recorder_;
+    std::function<void()> interrupt_check_;
     std::shared_ptr<const Predictors> predictors_;
     int32_t predictor_group_ = 1;
     bool placed_copies_ = true;

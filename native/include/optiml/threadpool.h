@@ -24,6 +24,12 @@ public:
 
     int size() const { return n_threads_; }
 
+    // Made before this process was forked: its workers are the parent's and do not exist here, and its
+    // locks may be held by a parent thread that is gone. run() then runs every job inline on the
+    // caller (one thread, nothing locked) and the destructor leaves the workers alone; default_pool()
+    // makes a new pool in its place.
+    bool stale() const;
+
     // Runs fn(ith, nth) once for every share ith = 0..nth-1 (nth = size()) and returns when all have
     // finished. Shares are claimed by whichever threads come first: the caller runs share 0 and then
     // any share no worker has picked up yet, so a worker the OS has descheduled (another process, the
@@ -40,6 +46,7 @@ private:
     void run_claimed_shares();
 
     int n_threads_;
+    uint64_t fork_epoch_;  // forks of this process seen when the pool was made
     std::vector<std::thread> workers_;
     std::mutex run_mutex_;  // one job at a time
 

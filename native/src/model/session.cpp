@@ -624,6 +624,7 @@ int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t
         for (int32_t t = 0; t < m; t++) kv_->set_seq_len(seq[done + t], pos[done + t] + 1);
         if (logits) logits += rows.size() * (size_t)hp.n_vocab;
         done += m;
+        if (done < n && interrupt_check_) interrupt_check_();
     }
     return n_out;
 }

@@ -374,8 +374,15 @@ class Model(Sequences):
         context lacks the last generated token: see :meth:`stream`.)"""
         ids = token_array(tokens, self.n_vocab)
         with self._exclusive():
-            logits = self._session.eval(ids, bool(all_logits))
-            self._tokens.extend(int(t) for t in ids)
+            n_past = self._session.n_past
+            known = len(self._tokens) == n_past  # (not after a batch's decode on sequence 0)
+            try:
+                logits = self._session.eval(ids, bool(all_logits))
+            finally:  # also when Ctrl-C stopped it part way: the context holds what ran
+                if known:
+                    self._tokens.extend(int(t) for t in ids[:self._session.n_past - n_past])
+                else:
+                    self._tokens.clear()
         return logits
 
     def _greedy_steps(self, prompt: str, n_tokens, batch, run):

@@ -62,10 +62,11 @@ class Sequences:
     def kv_truncate(self, seq: int, n: int) -> None:
         """Keeps the first ``n`` positions of sequence ``seq``."""
         with self._exclusive():
-            self._session.kv_truncate(non_negative_int("seq", seq), non_negative_int("n", n))
-            if seq == 0:
+            seq, n = non_negative_int("seq", seq), non_negative_int("n", n)
+            if seq == 0:  # first: a Ctrl-C between the two leaves fewer ids known, never stale ones
                 del self._tokens[n:]
                 self._chat.forget()
+            self._session.kv_truncate(seq, n)
 
     def kv_copy(self, src: int, dst: int, n: int | None = None) -> None:
         """Sequence ``dst`` becomes the first ``n`` positions of ``src`` (all of them when None): a shared

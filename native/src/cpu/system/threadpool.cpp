@@ -3,12 +3,17 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <new>
 #include <memory>
 #include <set>
 #include <string>
 #include <utility>
 
 #include "optiml/common.h"
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #include <immintrin.h>
@@ -42,14 +47,25 @@ inline void spin_until(Done done) {
     }
 }
 thread_local bool tls_in_job = false;     // this thread is running a share of a job
+
+// How many times this process is a fork's child (see ThreadPool::stale).
+std::atomic<uint64_t> g_fork_epoch{0};
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+ThreadPool::ThreadPool(int n_threads)
+    : n_threads_(n_threads < 1 ? 1 : n_threads), fork_epoch_(g_fork_epoch.load()) {
     workers_.reserve(n_threads_ - 1);
     for (int i = 1; i < n_threads_; i++) workers_.emplace_back([this] { worker_main(); });
 }
 
+bool ThreadPool::stale() const { return fork_epoch_ != g_fork_epoch.load(std::memory_order_relaxed); }
+
 ThreadPool::~ThreadPool() {
+    if (stale()) {
+        // The parent's workers: joining them here would fail. Their handles are dropped unjoined.
+        (void)new std::vector<std::thread>(std::move(workers_));
+        return;
+    }
     stop_.store(true);
     {
         std::lock_guard<std::mutex> lk(sleep_mutex_);
@@ -105,8 +121,9 @@ void ThreadPool::worker_main() {
 }
 
 void ThreadPool::run(const std::function<void(int, int)>& fn) {
-    if (tls_in_job || n_threads_ == 1) {
-        // Nested call from inside a job, or nothing to share: run inline as a single thread.
+    if (tls_in_job || n_threads_ == 1 || stale()) {
+        // Nested call from inside a job, nothing to share, or no workers (a fork's child): run inline
+        // as a single thread.
         fn(0, 1);
         return;
     }
@@ -157,11 +174,22 @@ int threads_from_env() {
     }
     return physical_core_count();
 }
+
+// In a fork's child: pools made before are stale, and the pool's lock may have been held by a parent
+// thread that does not exist here (only async-signal-safe work in this handler).
+void after_fork_in_child() {
+    g_fork_epoch.fetch_add(1);
+    new (&g_pool_mutex) std::mutex();
+}
+
+#if defined(__unix__) || defined(__APPLE__)
+const int g_atfork_registered = pthread_atfork(nullptr, nullptr, after_fork_in_child);
+#endif
 }  // namespace
 
 std::shared_ptr<ThreadPool> default_pool() {
     std::lock_guard<std::mutex> lk(g_pool_mutex);
-    if (!g_pool) g_pool = std::make_shared<ThreadPool>(threads_from_env());
+    if (!g_pool || g_pool->stale()) g_pool = std::make_shared<ThreadPool>(threads_from_env());
     return g_pool;
 }
 
