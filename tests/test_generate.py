@@ -197,6 +197,18 @@ def test_ctrl_c_stops_a_long_prompt(smollm2_path):
         assert whole_pieces == known == same == "True", line
 
 
+def test_eval_after_a_batch_on_sequence_0_is_not_taken_for_the_prompt(smollm2_path):
+    """eval appends after what a batch put in sequence 0; the tokens it ran sit after those, so a prompt
+    that starts with them must not reuse them as its own first positions."""
+    with optiml.Model(smollm2_path, n_ctx=128, n_threads=1) as m:
+        want = m.generate(PROMPT, max_tokens=8, temperature=0)
+        m.reset()
+        m.decode(optiml.Batch().add_sequence(m.tokenize("Once upon a time there"), seq=0, logits="none"))
+        ids = m.tokenize(PROMPT)
+        m.eval(ids[:3])
+        assert m.generate(ids, max_tokens=8, temperature=0) == want
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
 def test_fork_while_another_thread_generates(smollm2_path):
     """A process forked while another thread runs a model (its thread pool mid-job, its lock held by a
