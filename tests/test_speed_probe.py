@@ -125,3 +125,24 @@ def test_a_tiny_context_is_timed_within_it(relu_model, monkeypatch, tmp_path):
         assert m.sparsity in ("exact", "none") and "ms" in m.sparsity_note
         assert m.n_past == 0
         m.eval([5, 6, 7, 8])  # the whole context is free again
+
+
+def test_rounds_that_disagree_give_dense_and_are_timed_again(relu_model, probe_on, monkeypatch):
+    """A busy machine slows one phase and not the next: sparse must win nearly every round to be kept, and
+    a verdict the rounds disagree on is not cached (the next load times it again)."""
+    times, seen = probe_on
+    clock = iter([0.5, 3.0] * 50)  # sparse's steps alternate fast and slow; dense's take 1 ms
+
+    def phase(model, ids, steps):
+        seen.append(model.sparsity)
+        return (1.0 if model.sparsity == "none" else next(clock)) / 1e3
+
+    monkeypatch.setattr(speed_probe, "_phase", phase)
+    with optiml.Model(relu_model, n_ctx=64, n_threads=2) as m:
+        assert m.sparsity == "none" and "timed again" in m.sparsity_note
+    assert not os.path.exists(speed_probe.cache_path())
+    n = len(seen)
+    clock = iter([0.5] * 100)  # a quiet machine: sparse wins every round, and that is kept
+    with optiml.Model(relu_model, n_ctx=64, n_threads=2) as m:
+        assert m.sparsity == "exact" and len(seen) > n
+    assert os.path.isfile(speed_probe.cache_path())

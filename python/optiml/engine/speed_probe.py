@@ -4,11 +4,14 @@ Skipping neurons only pays when the rows it skips cost more than the work of cho
 model (7B shapes: 2-4 KB rows) it nearly always does; on a small one (SmolLM2: 360-byte rows, 0.2 ms an
 FFN) the dense kernels over their interleaved copies can outrun the sparse path at 50% sparsity. Which one
 wins depends on the machine's memory, its cores and the thread count, so it is measured, not guessed: a
-few single-token steps of a fixed text with the sparse FFN and with the dense one, alternated, the faster
-median kept. The verdict is cached per machine, model file, settings and thread count in
+few single-token steps of a fixed text with the sparse FFN and with the dense one, in rounds that alternate
+which goes first. Sparse is kept only when it wins nearly every round by the margin: a machine busy with
+other work can slow one phase and not the next, and a verdict taken from such a moment would keep a slower
+path. A clear verdict is cached per machine, model file, settings and thread count in
 $OPTIML_HOME/sparsity-speed.json, so a model is timed once per machine and later loads decide the same way
-(outputs do not change from one run to the next). OPTIML_SPARSITY_PROBE=off skips the measurement: the
-file's sparsity is then used as it is.
+(outputs do not change from one run to the next); rounds that disagree give the dense FFN for this load and
+are timed again at the next. OPTIML_SPARSITY_PROBE=off skips the measurement: the file's sparsity is then
+used as it is.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ __all__ = ["Verdict", "sparse_pays", "cache_path"]
 # Sparse must be this much faster to be kept: within it the two are a tie, and a tie goes to the dense
 # FFN, which costs no accuracy.
 MARGIN = 1.03
-# Seconds of single-token steps per phase (six phases: dense, sparse, three times), at least one step.
-PHASE_BUDGET_S = 0.15
-ROUNDS = 3
+# Seconds of single-token steps per phase (ten phases: dense and sparse, five rounds), at least one step.
+PHASE_BUDGET_S = 0.1
+ROUNDS = 5
+# Rounds sparse must win (by MARGIN) to be kept; a verdict is cached when at least this many rounds agree
+# on the winner (else the machine was too noisy to tell, and the next load times it again).
+WINS_NEEDED = 4
 MAX_STEPS = 16
 PROBE_TEXT = ("It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, "
               "when it was checked by a violent gust of wind which swept up the streets.")
@@ -117,16 +123,24 @@ def sparse_pays(model, config: str, use_dense, use_sparse) -> Verdict:
     first = _phase(model, ids, 3)  # also pages the sparse path's weights in
     steps = max(1, min(MAX_STEPS, len(ids) - 1, int(PHASE_BUDGET_S / max(first, 1e-6))))
     dense, sparse = [], []
-    for _ in range(ROUNDS):
-        use_dense()
-        dense.append(_phase(model, ids, steps))
-        use_sparse()
-        sparse.append(_phase(model, ids, steps))
-    d, s = min(dense) * 1e3, min(sparse) * 1e3
-    pays = s * MARGIN < d
-    how = f"a step took {s:.2f} ms sparse and {d:.2f} ms dense on this machine ({steps} steps, timed once; " \
-          f"cached in {cache_path()})"
+    for r in range(ROUNDS):  # which one goes first alternates, so a drifting machine favours neither
+        for mode in (("dense", "sparse") if r % 2 == 0 else ("sparse", "dense")):
+            if mode == "dense":
+                use_dense()
+                dense.append(_phase(model, ids, steps))
+            else:
+                use_sparse()
+                sparse.append(_phase(model, ids, steps))
+    use_sparse()
+    wins = sum(sp * MARGIN < de for sp, de in zip(sparse, dense))
+    pays = wins >= WINS_NEEDED
+    clear = pays or ROUNDS - wins >= WINS_NEEDED
+    d, s = statistics.median(dense) * 1e3, statistics.median(sparse) * 1e3
+    how = f"a step took {s:.2f} ms sparse and {d:.2f} ms dense on this machine (medians of {ROUNDS} rounds of " \
+          f"{steps} steps; sparse {MARGIN - 1:.0%} or more faster in {wins} of them)"
+    how += f"; cached in {cache_path()}" if clear else "; the rounds disagree (a busy machine?): timed again next load"
     note = ("the sparse FFN is used: " if pays else "the sparse FFN is not used, the dense one is faster or as fast: ") + how
     v = Verdict(pays, d, s, note)
-    _write_cache(key, v)
+    if clear:
+        _write_cache(key, v)
     return v
