@@ -346,16 +346,43 @@ def test_repl_keeps_the_conversation_when_a_message_cannot_fit(smollm2_path, tmp
         assert repl(m, system="Be brief.", max_tokens=8, sampling={"temperature": 0}, out=out,
                     read=lambda prompt: next(lines)) == 0
     text = out.getvalue()
-    assert "[the message does not fit in the context" in text and "dropped" not in text
+    assert re.search(r"\[the message does not fit in the context: \d+ tokens .* holds 192;", text)
+    assert "dropped" not in text
     saved = json.loads((tmp_path / "c.json").read_text())["messages"]
     assert [m["role"] for m in saved] == ["system", "user", "assistant"] and saved[1]["content"] == "My name is Ada."
+
+
+def test_chat_from_a_pipe_prints_the_answers_only(smollm2_path, tmp_path):
+    """stdin from a pipe: stdout holds what the model and the commands say, no greeting or prompts (they
+    went to stderr, or nowhere); llama.cpp's -sys and --chat-template-file are taken; -s with a number is
+    the system message, and a log line says llama.cpp's -s would be the seed."""
+    import subprocess
+
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{{ '<|im_start|>assistant\\n' }}")  # (Jinja drops a template's own last newline, as transformers')
+    here = str(Path(optiml.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""), OPTIML_HOME=str(tmp_path))
+    base = [sys.executable, "-m", "optiml", "chat", str(smollm2_path), "--temp", "0", "-t", "1", "-n", "8"]
+    r = subprocess.run([*base, "-sys", "Be brief.", "--chat-template-file", str(tpl)], input="Hi!\n/reset\n",
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert ">>>" not in r.stdout and "optiml chat:" not in r.stdout and "optiml chat:" in r.stderr
+    with optiml.Model(smollm2_path, n_ctx=4096, n_threads=1) as m:
+        want = m.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+                      max_tokens=8, temperature=0)
+    assert r.stdout.startswith(want) and r.stdout.rstrip().endswith("Conversation cleared."), r.stdout
+    r = subprocess.run([*base, "-s", "42"], input="", capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "-s 42 is the system message here" in r.stderr and r.stdout.strip() == ""
+    r = subprocess.run([*base, "--chat-template", "chatml"], input="", capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "Jinja text" in r.stderr
 
 
 # ---- the REPL in a pseudo-terminal ----------------------------------------------------------------
 pexpect = pytest.importorskip("pexpect")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 PROMPT_AFTER_ANSWER = r"\r\n\r\n(?:\x1b\[[0-9;?]*[A-Za-z])*>>>"
-STATS = (r"prompt: (\d+) tokens, (\d+) new, ([\d.]+) tokens/s \| answer: (\d+) tokens, ([\d.]+) tokens/s \| "
+STATS = (r"prompt: (\d+) tokens, (\d+) new, ([\d.]+) tokens/s \| answer: (\d+) tokens, ([\d.]+|-) tokens/s \| "
          r"context: (\d+)/(\d+) tokens")
 
 
@@ -411,7 +438,7 @@ def test_repl_pty_ctrl_c_stops_the_answer_not_the_program(smollm2_path, tmp_path
         time.sleep(1.5)
         t0 = time.monotonic()
         c.sendintr()
-        c.expect_exact("[stopped]")
+        c.expect_exact("[stopped: this exchange is left out of the conversation]")
         assert time.monotonic() - t0 < 30
         c.expect(">>>")
         c.sendline("/stats")

@@ -93,7 +93,7 @@ def test_reasoning_plain_without_colour(monkeypatch, env):
 def test_interrupted_reasoning_leaves_no_dim_and_is_forgotten():
     m = StubModel(True, interrupt_first=True)
     text = run(m, Terminal())
-    assert "[stopped]" in text and text.count(DIM) == text.count(UNDIM)
+    assert "[stopped" in text and text.count(DIM) == text.count(UNDIM)
     assert m.seen[1] == [{"role": "user", "content": "Again"}]  # the stopped exchange is not in the prompt
 
 

@@ -3,7 +3,6 @@ history, /commands)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,32 +32,60 @@ def add_arguments(p) -> None:
     p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
     p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None,
                    help="most tokens per answer (default, or -1: until done)")
-    p.add_argument("-s", "--system", default=None, help="system message")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("-s", "-sys", "--system", "--system-prompt", dest="system", default=None,
+                        help="system message (llama.cpp's -sys; its -s, the seed, is --seed here)")
+    system.add_argument("-sysf", "--system-prompt-file", dest="system_file", default=None, metavar="FILE",
+                        help="the system message from a text file")
+    template = p.add_mutually_exclusive_group()
+    template.add_argument("--chat-template", default=None, metavar="JINJA",
+                          help="a chat template's Jinja text instead of the model's (llama.cpp's built-in names "
+                               "such as chatml are not known here)")
+    template.add_argument("--chat-template-file", default=None, metavar="FILE",
+                          help="a chat template (Jinja) from a file instead of the model's")
+    p.add_argument("--stop", action="append", default=None, help="stop string besides the template's (repeatable)")
     common.add_device_args(p)
     common.add_batch_arg(p)
-    _sampling_args(p)
-
-
-def _sampling_args(p: argparse.ArgumentParser, temp: float = 0.8) -> None:
-    p.add_argument("--temp", type=float, default=temp, help=f"temperature (0 = greedy; default {temp})")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="random seed (default, or -1: random)")
+    common.add_sampling_args(p)
 
 
 def run(args) -> int:
     if args.model and args.model_opt and args.model != args.model_opt:
         raise ArgumentError(f"two models given ({args.model} and -m {args.model_opt}): give one")
     args.model = args.model_opt or args.model or "smollm2-135m-instruct"
-    sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    repeat_penalty=args.repeat_penalty, seed=common.seed(args.seed))
+    sampling = common.sampling(args)
     # Bad settings are said before the model loads, not at the first turn (no check reads the vocabulary's size).
-    make_sampler(1, **sampling)
+    make_sampler(1, **{k: v for k, v in sampling.items() if k != "stop"})
     max_tokens = common.n_predict(args.n_predict)
+    system = args.system
+    if system is not None and system.lstrip("-").isdigit():
+        common.log(f"optiml chat: -s {system} is the system message here (llama.cpp's -s is its seed: --seed)")
+    if args.system_file is not None:
+        system = _read_text(args.system_file, "--system-prompt-file")
+    template = args.chat_template
+    if template is not None and "{{" not in template and "{%" not in template:
+        raise ArgumentError(f"--chat-template takes a template's Jinja text, not {template!r} (llama.cpp's "
+                            "built-in template names are not known here); or --chat-template-file FILE")
+    if args.chat_template_file is not None:
+        template = _read_text(args.chat_template_file, "--chat-template-file")
     m = common.load(args)
-    return repl(m, system=args.system, max_tokens=max_tokens, sampling=sampling)
+    if template is not None:
+        m.chat_template = template  # (ChatTemplateError, naming it, when it does not compile)
+    interactive = sys.stdin.isatty()
+    return repl(m, system=system, max_tokens=max_tokens, sampling=sampling, interactive=interactive,
+                read=None if interactive else (lambda _prompt: input()))
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ArgumentError(f"{flag}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ArgumentError(f"{flag}: {path} is a folder: give a text file") from None
+    except UnicodeDecodeError:
+        raise ArgumentError(f"{flag}: {path} is not UTF-8 text") from None
 
 
 # ---- the conversation, fitted to the context --------------------------------------------------------
@@ -85,11 +112,12 @@ class Conversation:
     def prompt_tokens(self, messages: list[dict] | None = None) -> int:
         return len(self.model.chat_prompt(self.messages if messages is None else messages))
 
-    def last_fits(self) -> bool:
-        """Whether the last message fits the context with the system message alone (what fit() can keep at
-        least): if not, no turn is dropped for it."""
+    def last_needs(self) -> int:
+        """The prompt tokens of the last message with the system message alone (what fit() can keep at
+        least): when they fill the context, no turn is dropped for it."""
         system = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
-        return self.prompt_tokens(system + self.messages[-1:]) < self.model.n_ctx
+        return self.prompt_tokens(system + self.messages[-1:])
+
 
     def fit(self, reserve: int) -> int:
         """Drops the oldest user/assistant turns until the prompt leaves ``reserve`` tokens free. Returns
@@ -171,10 +199,11 @@ def history_path() -> str:
 
 
 def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
-         out=None, read: Callable[[str], str] | None = None, reserve: int = 256) -> int:
+         out=None, read: Callable[[str], str] | None = None, reserve: int = 256, interactive: bool = True) -> int:
     """Runs the interactive chat on ``model`` until /exit or end of input. A chat template that fails on a
     turn is reported and the turn dropped; one that does not compile raises ChatTemplateError (optiml
-    chat then exits with status 1 and the message)."""
+    chat then exits with status 1 and the message). interactive False (input from a pipe): the greeting
+    goes to stderr as a log line, so `out` carries the answers and what commands print."""
     out = out or sys.stdout
     sampling = dict(sampling or {})
     read = read or _reader(history_path())
@@ -186,8 +215,12 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
         out.flush()
 
     tpl = model.chat_template
-    say(f"optiml chat: {os.path.basename(model.path)} (context {model.n_ctx} tokens"
-        f"{', fallback chat template' if tpl.fallback else ''}). /help for commands, /exit to leave.")
+    greeting = (f"optiml chat: {os.path.basename(model.path)} (context {model.n_ctx} tokens"
+                f"{', fallback chat template' if tpl.fallback else ''}). /help for commands, /exit to leave.")
+    if interactive:
+        say(greeting)
+    else:
+        common.log(greeting)
     while True:
         try:
             line = read(">>> ")
@@ -219,9 +252,11 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
             elif cmd == "/stats":
                 s = model.last_stats
                 pp = s["prompt_evaluated"] / s["prompt_s"] if s["prompt_s"] > 0 else 0.0
-                tg = s["gen_tokens"] / s["gen_s"] if s["gen_s"] > 0 else 0.0
+                # The first token comes from the prompt's step: n tokens took n - 1 steps (llama.cpp's eval time).
+                steps = s["gen_tokens"] - 1
+                tg = f"{steps / s['gen_s']:.1f} tokens/s" if steps > 0 and s["gen_s"] > 0 else "- tokens/s"
                 say(f"prompt: {s['prompt_tokens']} tokens, {s['prompt_evaluated']} new, {pp:.1f} tokens/s | "
-                    f"answer: {s['gen_tokens']} tokens, {tg:.1f} tokens/s | "
+                    f"answer: {s['gen_tokens']} tokens, {tg} | "
                     f"context: {model.n_past}/{model.n_ctx} tokens")
                 sp = model.sparsity_stats()
                 say(f"FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}; {sp['skipped']:.1%} of the neurons skipped "
@@ -261,6 +296,11 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
         except ChatTemplateError as e:  # the template refused or failed on this conversation: say so, go on
             conv.messages.pop()
             say(f"[error: {e}]")
+        except KeyboardInterrupt:  # before the answer began (the prompt being rendered): the turn is taken back
+            if conv.messages and conv.messages[-1]["role"] == "user":
+                conv.messages.pop()
+            say()
+            say("[stopped: the message was not sent]")
 
 
 def _can_dim(out) -> bool:
@@ -272,8 +312,10 @@ def _can_dim(out) -> bool:
 def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int | None, sampling: dict) -> None:
     """One turn: the conversation (its last message the user's) fitted to the context and answered,
     streaming; the answer is appended. ChatTemplateError when the template fails on the conversation."""
-    if not conv.last_fits():  # (before fit(): the turns it would drop could not make room)
-        say("[the message does not fit in the context; a shorter message, or a larger --ctx]")
+    need = conv.last_needs()
+    if need >= model.n_ctx:  # (before fit(): the turns it would drop could not make room)
+        say(f"[the message does not fit in the context: {need} tokens with the template and the system message, "
+            f"the context holds {model.n_ctx}; a shorter message, or a larger --ctx]")
         conv.messages.pop()
         return
     dropped = conv.fit(reserve)
@@ -307,8 +349,8 @@ def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int |
     except KeyboardInterrupt:
         gen.close()
         say()
-        say("[stopped]")
-        conv.messages.pop()  # the interrupted exchange is forgotten
+        say("[stopped: this exchange is left out of the conversation]")
+        conv.messages.pop()
         return
     reply = "".join(pieces)
     conv.messages.append({"role": "assistant", "content": reply.strip() if model.chat_template.fallback else reply})

@@ -106,6 +106,27 @@ def add_batch_arg(p: argparse.ArgumentParser) -> None:
                    "-b also caps): smaller needs less scratch memory (the --batch a placement was solved for)")
 
 
+def add_sampling_args(p: argparse.ArgumentParser, seed_flags: tuple = ("--seed",)) -> None:
+    """run's and chat's sampling options, with llama.cpp's names and defaults."""
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy; default 0.8)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on repeated tokens (1.0: none)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back on (default 64)")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument(*seed_flags, dest="seed", type=int, default=None, help="random seed (default, or -1: random)")
+
+
+def sampling(args) -> dict:
+    """Model.stream's sampling keywords from add_sampling_args' options (and --stop, where the command has it)."""
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=seed(args.seed), stop=getattr(args, "stop", None))
+
+
 def load(args, n_ctx: int | None = None) -> Model:
     """The Model the options ask for (a PredictorWarning, predictors found and left unused, is a log line:
     main's warning hook)."""
@@ -113,6 +134,10 @@ def load(args, n_ctx: int | None = None) -> Model:
               sparsity=getattr(args, "sparsity", "auto"), predictors=predictors(args), use_mmap=use_mmap(args),
               **batch_size(args), **device(args))
     say_what_the_cpu_ignores(args, m.plan)
+    n_train = int(m.hparams.get("n_ctx_train") or 0)
+    if n_train and m.n_ctx > n_train and getattr(args, "command", "") != "perplexity":  # (perplexity says it its own way)
+        log(f"optiml: warning: the context ({m.n_ctx} tokens) is longer than the model was trained on ({n_train}): "
+            "past that, expect poor text (llama.cpp's \"possible training context overflow\")")
     return m
 
 

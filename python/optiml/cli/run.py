@@ -16,12 +16,7 @@ def add_arguments(p) -> None:
                    help="tokens to generate (default 128; -1: until the end of generation or a full context)")
     common.add_device_args(p)
     common.add_batch_arg(p)
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("-s", "--seed", type=int, default=None, help="random seed (default, or -1: random)")
+    common.add_sampling_args(p, seed_flags=("-s", "--seed"))
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -32,17 +27,7 @@ def run(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     t0 = time.perf_counter()
     prompt_meter, gen_meter = m.sparsity_meter(), None
-    for piece in m.stream(
-        prompt,
-        max_tokens=common.n_predict(args.n_predict),
-        temperature=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=common.seed(args.seed),
-        stop=args.stop,
-    ):
+    for piece in m.stream(prompt, max_tokens=common.n_predict(args.n_predict), **common.sampling(args)):
         # The first piece comes once the prompt ran; each later one after a decode step (or a few, when a
         # stop string held pieces back).
         if gen_meter is None:
