@@ -338,7 +338,7 @@ def test_messages_as_templates_take_them(model):
 
 
 def test_unknown_settings_are_named(model):
-    with pytest.raises(TypeError, match="stream.* unexpected keyword argument 'foo'"):  # (generate: "as stream")
+    with pytest.raises(TypeError, match="generate.* unexpected keyword argument 'foo'"):
         model.generate(PROMPT, foo=1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'foo'; the sampling settings are .*temperature"):
         model.chat([{"role": "user", "content": "Hi"}], foo=1)

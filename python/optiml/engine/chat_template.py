@@ -336,6 +336,10 @@ class ChatTemplate:
             return f"the {kind} fallback chat template" + (f" ({self.name} has none)" if self.name else "")
         return f"the chat template of {self.name}" if self.name else "the chat template"
 
+    def __repr__(self) -> str:
+        stop = f", stop strings {self.stop!r}" if self.stop else ""
+        return f"<optiml ChatTemplate: {self.what}, {len(self.source)} characters{stop}>"
+
     @classmethod
     def for_tokenizer(cls, template: str | None, tokenizer, name: str | None = None, given: bool = False) -> ChatTemplate:
         """The template (None: the fallback) with the tokenizer's BOS/EOS text; name, given: see the class."""

@@ -7,7 +7,7 @@ import numpy as np
 
 from .._core import ArgumentError
 
-__all__ = ["non_negative_int", "positive_int", "token_array"]
+__all__ = ["boolean", "non_negative_int", "positive_int", "token_array", "token_id"]
 
 
 # The native side counts tokens, positions and sequences in 32-bit integers.
@@ -27,6 +27,22 @@ def non_negative_int(name: str, v, most: int = INT_MAX) -> int:
         raise ArgumentError(f"{name} must be a non-negative integer, got {v!r}")
     if v > most:
         raise ArgumentError(f"{name} must be at most {most}, got {v}")
+    return int(v)
+
+
+def boolean(name: str, v) -> bool:
+    """A flag: True or False (numpy's bools too). A string such as "no" is truthy, so it is refused rather than
+    read as True."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be True or False, got {v!r}")
+    return bool(v)
+
+
+def token_id(v) -> int:
+    """One token id as a Python int: an integer (numpy's too), not a float or a bool, which int() would
+    silently turn into some other token. Its range is the caller's to check."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ArgumentError(f"token ids must be integers, got {v!r}")
     return int(v)
 
 

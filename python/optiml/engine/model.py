@@ -32,7 +32,7 @@ from .._core import ArgumentError, OptimlError
 from ..formats.predictors import check_predictors, predicted_share
 from . import loading, speed_probe
 from .chat_template import ChatTemplate, read_template
-from .checks import non_negative_int, positive_int, token_array
+from .checks import boolean, non_negative_int, positive_int, token_array
 from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, prompt_ids, stop_strings
 from .plan import Plan, kv_types, plan_args
 from .sampling import Sampler
@@ -51,18 +51,37 @@ MAX_THREADS = _core.MAX_THREADS  # (the thread pool's own bound)
 __all__ = ["Model"]
 
 
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (free memory plus the page cache the kernel can drop); None where
+    it cannot be read (not Linux). Not util.memory.memory_available: its other sources would refuse caches
+    that fit (free pages alone leave out the page cache; a cgroup's usage counts it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _check_host_memory(plan: dict, n_ctx: int, n_seq: int, n_ctx_train: int) -> None:
-    """Refuses a KV cache larger than this machine's memory before it is made: it is allocated as it fills,
-    so the process would otherwise be killed once the context grows past what fits."""
+    """Refuses a KV cache larger than this machine's memory, or than the memory available now, before it is
+    made: it is allocated as it fills, so the process would otherwise be killed once the context grows past
+    what fits."""
+    kv = plan["host_kv_bytes"]
+    needs = f"n_ctx={n_ctx} x {n_seq} sequence(s) needs a KV cache of {kv / 2**30:.1f} GiB on the host"
+    fix = f"give a smaller n_ctx (the model was trained on {n_ctx_train} positions), or kv_type q8_0 or q4_0"
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # (no such sysconf here: nothing to check against)
-        return
-    kv = plan["host_kv_bytes"]
+        total = 0
     if total > 0 and kv > total:
-        raise ArgumentError(f"n_ctx={n_ctx} x {n_seq} sequence(s) needs a KV cache of {kv / 2**30:.1f} GiB on the "
-                            f"host, more than this machine's {total / 2**30:.1f} GiB of memory: give a smaller n_ctx "
-                            f"(the model was trained on {n_ctx_train} positions), or kv_type q8_0 or q4_0")
+        raise ArgumentError(f"{needs}, more than this machine's {total / 2**30:.1f} GiB of memory: {fix}")
+    available = _mem_available()
+    if available is not None and kv > available:
+        raise ArgumentError(f"{needs}, more than the {available / 2**30:.1f} GiB of memory available now "
+                            f"(MemAvailable): {fix}, or free memory")
 
 
 class Model(Sequences):
@@ -156,9 +175,12 @@ class Model(Sequences):
         placed_copy: bool = True,
     ):
         predictor_group = positive_int("predictor_group", predictor_group)
-        if not isinstance(placed_copy, bool):
-            raise ArgumentError(f"placed_copy must be True or False, got {placed_copy!r}")
-        self.path = loading.model_file(path)
+        placed_copy = boolean("placed_copy", placed_copy)
+        try:
+            self.path = loading.model_file(path)
+        except IsADirectoryError:  # (not among the documented errors: a bad argument, as the CLI says)
+            raise ArgumentError(f"{os.fsdecode(path)} is a folder: give a GGUF file (convert a Hugging Face folder "
+                                "with optiml convert)") from None
         self._model = loading.open_weights(self.path, use_mmap)
         self.hparams: dict = self._model.hparams
         if n_ctx is None:
@@ -333,6 +355,7 @@ class Model(Sequences):
         """Neurons skipped since the model was made (or the last reset=True, set_sparsity or set_predictors):
         per layer ("layers") and overall ("skipped") shares of the (token, FFN neuron) pairs not computed,
         "tokens", the mode ("mode") and the predictor file in use ("predictors", or None)."""
+        reset = boolean("reset", reset)
         active, seen = self._session.sparsity_counts()
         if reset:
             self._session.reset_sparsity_counts()
@@ -343,6 +366,8 @@ class Model(Sequences):
         call its step() after each eval or decode (or each piece a stream yields), then summary() for the
         mean, the spread over the steps (the last `history` of them; None: all), the mode and the
         predictors. Call step() from the thread that runs the model."""
+        if history is not None:
+            history = positive_int("history", history)
         return SkipMeter(self._session.sparsity_counts, lambda: (self.sparsity, self.predictors), self.hparams,
                          history)
 
@@ -362,9 +387,12 @@ class Model(Sequences):
     def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text``. add_bos: add the BOS/EOS tokens the model's tokenizer asks for
         (none for SmolLM2). special: text such as "<|im_start|>" becomes that control token."""
+        add_bos, special = boolean("add_bos", add_bos), boolean("special", special)
         return self.tokenizer.encode(text, add_special=add_bos, parse_special=special)
 
     def detokenize(self, ids: Iterable[int]) -> str:
+        """The text of token ids (integers; control tokens such as <|im_end|> are left out). Bytes that do not
+        complete a UTF-8 character come out as U+FFFD; see optiml.tokenizer for the streaming Detokenizer."""
         return self.tokenizer.decode(ids)
 
     # ---- the context ----------------------------------------------------------------------------
@@ -373,11 +401,12 @@ class Model(Sequences):
         token, shape (n_vocab,), or of every token, shape (len(tokens), n_vocab). (After generation the
         context lacks the last generated token: see :meth:`stream`.)"""
         ids = token_array(tokens, self.n_vocab)
+        all_logits = boolean("all_logits", all_logits)
         with self._exclusive():
             n_past = self._session.n_past
             known = len(self._tokens) == n_past  # (not after a batch's decode on sequence 0)
             try:
-                logits = self._session.eval(ids, bool(all_logits))
+                logits = self._session.eval(ids, all_logits)
             finally:  # also when Ctrl-C stopped it part way: the context holds what ran
                 if known:
                     self._tokens.extend(int(t) for t in ids[:self._session.n_past - n_past])
@@ -431,13 +460,31 @@ class Model(Sequences):
             self._chat.forget()
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, **kwargs) -> str:
-        """The text generated after ``prompt`` (a string, or token ids). Keywords as :meth:`stream`."""
-        return "".join(self.stream(prompt, max_tokens=max_tokens, **kwargs))
+    def generate(
+        self,
+        prompt: str | bytes | Sequence[int],
+        max_tokens: int | None = 128,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> str:
+        """The text generated after ``prompt`` (text, or token ids): :meth:`stream`'s pieces joined; the
+        parameters are stream's."""
+        return "".join(self.stream(
+            prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, seed=seed, stop=stop))
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | bytes | Sequence[int],
         max_tokens: int | None = 128,
         temperature: float = 0.8,
         top_k: int = 40,
@@ -467,8 +514,7 @@ class Model(Sequences):
 
     def _prepare(self, prompt, max_tokens=128, stop=None, **sampling):
         """Checks stream()'s arguments: (ids, max_tokens, sampler, stops)."""
-        if not self._session:
-            raise OptimlError(f"{self.path}: the model is closed")
+        self._check_open()
         # None: until the end of generation or a full context (llama-cpp-python's, and chat()'s)
         max_tokens = self.n_ctx if max_tokens is None else non_negative_int("max_tokens", max_tokens)
         stops = stop_strings(stop)
@@ -511,6 +557,7 @@ class Model(Sequences):
         ``tokenizer.chat_template``, or the documented fallback when the file has none. ChatTemplateError
         (naming the file) when it does not compile. Assign a template's text (or a ChatTemplate) to chat
         with another one, None to return to the file's."""
+        self._check_open()
         if self._chat_template is None:
             self._chat_template = ChatTemplate.for_tokenizer(read_template(self.path), self.tokenizer,
                                                              os.path.basename(self.path))
@@ -518,6 +565,7 @@ class Model(Sequences):
 
     @chat_template.setter
     def chat_template(self, template) -> None:
+        self._check_open()
         if template is None or isinstance(template, ChatTemplate):
             tpl = template
         elif isinstance(template, str) and template:
@@ -532,10 +580,12 @@ class Model(Sequences):
         """The token ids of ``messages`` rendered with the chat template. When the text begins with the last
         chat prompt and answer, those keep the ids the model saw and generated (only the rest is tokenized),
         so the context's cached prefix is reused exactly; otherwise the whole text is tokenized."""
+        add_generation_prompt = boolean("add_generation_prompt", add_generation_prompt)
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
         return self._chat.ids_for(text, self.tokenizer)
 
-    def chat(self, messages: Sequence[dict], stream: bool = False, max_tokens: int | None = None, **sampling):
+    def chat(self, messages: Sequence[dict], stream: bool = False, max_tokens: int | None = None,
+             **sampling) -> str | Iterator[str]:
         """The assistant's answer to ``messages`` ([{"role": "system"|"user"|"assistant", "content": str}, ...])
         rendered with the model's chat template: a str, or with stream=True an iterator of text pieces.
 
@@ -546,6 +596,7 @@ class Model(Sequences):
         """
         if isinstance(messages, Sequence) and not isinstance(messages, str) and not messages:
             raise ArgumentError("messages is empty: give at least one message to answer")
+        stream = boolean("stream", stream)
         tpl = self.chat_template
         text = tpl.render(messages, add_generation_prompt=True)
         ids = self._chat.ids_for(text, self.tokenizer)
@@ -571,12 +622,17 @@ class Model(Sequences):
             self._chat.forget()
 
     # ---- lifetime -------------------------------------------------------------------------------
-    @contextmanager
-    def _exclusive(self):
+    def _check_open(self) -> None:
         if not self._session:
             raise OptimlError(f"{self.path}: the model is closed")
+
+    @contextmanager
+    def _exclusive(self):
+        self._check_open()
         if not self._busy.acquire(blocking=False):
-            raise OptimlError("this Model is in use by another thread (or an unfinished stream); use one Model per thread")
+            raise OptimlError("this Model is in use by another thread (or an unfinished stream: finish it or call its "
+                              "close(); one kept alive by a saved exception or traceback still holds the Model); use "
+                              "one Model per thread")
         try:
             yield
         finally:
@@ -588,9 +644,11 @@ class Model(Sequences):
         self._session = _Closed(self.path)
         self._model = _Closed(self.path)
         self.tokenizer = _Closed(self.path)
-        self._chat_template = _Closed(self.path)
+        self._chat_template = None  # (the property says the model is closed)
+        self._chat.forget()
 
     def __enter__(self) -> Model:
+        self._check_open()  # (a closed model would otherwise enter silently and fail at its first use)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _core
 from .._core import ArgumentError
+from .batch import Batch
 from .checks import non_negative_int
 
 __all__ = ["Sequences"]
@@ -30,6 +31,9 @@ class Sequences:
         """Runs one step over ``batch`` (optiml.Batch): every sequence in it advances, sharing each weight
         read. Returns float32 logits [tokens that want them, n_vocab] in batch order. Decoding into
         sequence 0 forgets the cached prompt that generate/chat would reuse."""
+        if not isinstance(batch, Batch):
+            raise TypeError(f"decode takes an optiml.Batch (tokens with their sequences and positions), not "
+                            f"{type(batch).__name__}; to run token ids in the context use eval")
         tokens, seq, pos, want = batch.arrays()
         if tokens.min() < 0 or tokens.max() >= self.n_vocab:
             raise ArgumentError(f"token ids must be in [0, {self.n_vocab}), got {int(tokens.min())}..{int(tokens.max())}")
@@ -50,7 +54,7 @@ class Sequences:
 
     def seq_len(self, seq: int) -> int:
         """Positions held by sequence ``seq``."""
-        return self._session.seq_len(seq)
+        return self._session.seq_len(non_negative_int("seq", seq))
 
     def kv_clear(self, seq: int | None = None) -> None:
         """Forgets sequence ``seq`` (every sequence when None)."""

@@ -18,18 +18,24 @@ from typing import Iterable
 
 from .. import _core
 from .._core import ArgumentError
+from .checks import boolean, token_id
 
 __all__ = ["Detokenizer", "Tokenizer", "load"]
 
 _INT32 = (-(2**31), 2**31 - 1)
 
 
+def _id(i) -> int:
+    """A token id as the native side takes it (an int32); a float or a bool is refused, as eval and prompts
+    refuse them, rather than truncated into another token."""
+    i = token_id(i)
+    if not _INT32[0] <= i <= _INT32[1]:
+        raise ArgumentError(f"token id {i} is outside the vocabulary")
+    return i
+
+
 def _ids(ids: Iterable[int]) -> list[int]:
-    out = [int(i) for i in ids]
-    for i in out:
-        if not _INT32[0] <= i <= _INT32[1]:
-            raise ArgumentError(f"token id {i} is outside the vocabulary")
-    return out
+    return [_id(i) for i in ids]
 
 
 class Tokenizer:
@@ -44,6 +50,9 @@ class Tokenizer:
         p = os.fspath(path)
         if not os.path.exists(p):
             raise FileNotFoundError(f"no such file: {p}")
+        if os.path.isdir(p):  # (the native reader would say only "Is a directory", as a RuntimeError)
+            raise ArgumentError(f"{p} is a folder: give a GGUF file (convert a Hugging Face folder with "
+                                "optiml convert)")
         return cls(_core.Tokenizer(os.fsencode(p)), p)
 
     @classmethod
@@ -59,6 +68,7 @@ class Tokenizer:
         vocabulary each byte that starts no complete sequence is U+FFFD, for SentencePiece one byte token each."""
         if not isinstance(text, (str, bytes)):
             raise ArgumentError(f"the text to tokenize must be a str or bytes, not {type(text).__name__}")
+        add_special, parse_special = boolean("add_special", add_special), boolean("parse_special", parse_special)
         try:
             return self._t.encode(text, add_special, parse_special)
         except UnicodeEncodeError:
@@ -70,18 +80,18 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], render_special: bool = False, errors: str = "replace") -> str:
         """Text of the ids; control tokens (BOS, <|im_end|>, ...) are left out unless render_special."""
-        return self._t.decode(_ids(ids), render_special).decode("utf-8", errors)
+        return self._t.decode(_ids(ids), boolean("render_special", render_special)).decode("utf-8", errors)
 
     def decode_bytes(self, ids: Iterable[int], render_special: bool = False) -> bytes:
-        return self._t.decode(_ids(ids), render_special)
+        return self._t.decode(_ids(ids), boolean("render_special", render_special))
 
     def token_to_piece(self, id: int, render_special: bool = True) -> bytes:
         """The bytes one token stands for (possibly part of a UTF-8 character)."""
-        return self._t.token_to_piece(_ids([id])[0], render_special)
+        return self._t.token_to_piece(_id(id), boolean("render_special", render_special))
 
     def token_text(self, id: int) -> bytes:
         """The token as stored in the file (GPT-2 byte alphabet / U+2581 for spaces)."""
-        return self._t.token_text(_ids([id])[0])
+        return self._t.token_text(_id(id))
 
     def token_id(self, text: str) -> int:
         """Id of the token stored with exactly this text, -1 if none."""
@@ -89,13 +99,13 @@ class Tokenizer:
 
     def token_type(self, id: int) -> int:
         """1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte."""
-        return self._t.token_type(_ids([id])[0])
+        return self._t.token_type(_id(id))
 
     def is_eog(self, id: int) -> bool:
-        return self._t.is_eog(int(id))
+        return self._t.is_eog(_id(id))
 
     def is_control(self, id: int) -> bool:
-        return self._t.is_control(int(id))
+        return self._t.is_control(_id(id))
 
     def detokenizer(self, render_special: bool = False) -> Detokenizer:
         return Detokenizer(self, render_special)
@@ -125,10 +135,10 @@ class Detokenizer:
     between tokens; flush() returns what is left (a cut-off character as U+FFFD)."""
 
     def __init__(self, tokenizer: Tokenizer, render_special: bool = False):
-        self._d = _core.Detokenizer(tokenizer._t, render_special)
+        self._d = _core.Detokenizer(tokenizer._t, boolean("render_special", render_special))
 
     def push(self, id: int) -> str:
-        return self._d.push(_ids([id])[0])
+        return self._d.push(_id(id))
 
     def flush(self) -> str:
         return self._d.flush()
