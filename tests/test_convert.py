@@ -34,6 +34,9 @@ CONFIGS = {
         "original_max_position_embeddings": 64})),
     "mistral-gqa": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)),
     "qwen2-bias": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=False)),
+    # Qwen3: per-head q/k norms, and a head size of its own (Qwen3-0.6B: 16 heads of 128 in 1024)
+    "qwen3-head-dim": ("Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                                use_sliding_window=False)),
 }
 PROMPTS = [[5, 77, 123, 9, 250, 31], [200, 3, 3, 41]]
 
@@ -140,7 +143,7 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
     out = convert(d, tmp_path / "m.gguf", type="q8_0")
     r = gguf.GGUFReader(out)
     f = {k: v.contents() for k, v in r.fields.items()}
-    arch = "qwen2" if name.startswith("qwen2") else "llama"
+    arch = name.split("-")[0] if name.startswith("qwen") else "llama"
     assert f["general.architecture"] == arch
     assert f["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert f[f"{arch}.block_count"] == 3 and f[f"{arch}.attention.head_count_kv"] == model.config.num_key_value_heads
@@ -197,10 +200,10 @@ def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
     return bad, rel, seq
 
 
-@pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "gemma3"])
+@pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "qwen3-head-dim", "gemma3"])
 def arch_folder(request, tmp_path_factory, tiny_tokenizer):
     """A tiny checkpoint of each architecture the converter writes: llama as SmolLM2 lays it out (tied;
-    such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, and
+    such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, qwen3 and
     gemma3 (7 layers: sliding and global ones)."""
     if request.param == "gemma3":
         from test_gemma3 import make_model as make_gemma3

@@ -26,6 +26,7 @@ const ArchInfo kArchs[] = {
     {"mistral", ROPE_NORM},
     {"qwen2", ROPE_NEOX},
     {"gemma3", ROPE_NEOX},
+    {"qwen3", ROPE_NEOX},  // qwen2 without biases, with RMS norms over each head's q and k
     {"qwen3moe", ROPE_NEOX},  // mixtures of experts (moe.cpp), as is llama with experts (Mixtral)
     {"qwen2moe", ROPE_NEOX},
     {"gpt-oss", ROPE_NEOX},  // experts with biases and a clamped SwiGLU, attention sinks, YaRN (moe.cpp)
@@ -334,7 +335,7 @@ private:
 }  // namespace
 
 const char* supported_architectures() {
-    return "llama, mistral, qwen2, gemma3, qwen3moe, qwen2moe, gpt-oss, llama with experts (Mixtral)";
+    return "llama, mistral, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt-oss, llama with experts (Mixtral)";
 }
 
 const char* ffn_activation_name(FFNActivation act) {
@@ -397,8 +398,9 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
             L.ffn.down_b = b.vector(p + "ffn_down.bias", hp.n_embd, false);
         }
         const bool gemma3 = hp.arch == "gemma3";  // these norms are part of Gemma 3, absent elsewhere
-        L.q_norm = b.vector(p + "attn_q_norm.weight", hp.head_dim, gemma3);
-        L.k_norm = b.vector(p + "attn_k_norm.weight", hp.head_dim, gemma3);
+        const bool qk_norm = gemma3 || hp.arch == "qwen3" || hp.arch == "qwen3moe";
+        L.q_norm = b.vector(p + "attn_q_norm.weight", hp.head_dim, qk_norm);
+        L.k_norm = b.vector(p + "attn_k_norm.weight", hp.head_dim, qk_norm);
         if (!gpt_oss) L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma3);
         L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
     }

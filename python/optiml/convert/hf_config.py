@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", True),
     "MistralForCausalLM": ("llama", True),
     "Qwen2ForCausalLM": ("qwen2", False),
+    "Qwen3ForCausalLM": ("qwen3", False),  # qwen2 with per-head q/k RMS norms, no biases, head_dim its own
     "Gemma3ForCausalLM": ("gemma3", False),  # text-only; NeoX rotation like HF, no permutation
     # mixtures of experts (moe.py): Mixtral is llama with experts, permuted like llama
     "MixtralForCausalLM": ("llama", True),
@@ -131,7 +132,7 @@ def load_config(folder: str) -> ModelConfig:
     if isinstance(n_ctx, float) and n_ctx.is_integer():
         n_ctx = int(n_ctx)
     n_ctx = _get({"max_position_embeddings": n_ctx}, path, "max_position_embeddings", kind=int)
-    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"):
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         n_ctx = _full_attention_context(cfg, path, hf_arch, n_ctx)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
@@ -147,6 +148,8 @@ def load_config(folder: str) -> ModelConfig:
         _get(rope, path, "factor", kind=float)
     if hf_arch in moe.ARCHITECTURES:
         extra = dict(moe.read_config(cfg, path, hf_arch), explicit_head_dim=cfg.get("head_dim") is not None)
+    elif hf_arch == "Qwen3ForCausalLM":  # (llama.cpp writes key_length whenever config.json has head_dim)
+        extra = dict(qk_norm=True, explicit_head_dim=cfg.get("head_dim") is not None)
     elif hf_arch == gpt_oss.GPT_OSS:
         extra = dict(gpt_oss.read_config(cfg, path, rope), explicit_head_dim=cfg.get("head_dim") is not None)
     # (gpt-oss's YaRN is checked by gpt_oss.read_config)
@@ -176,13 +179,13 @@ def _dict_or_none(cfg: dict, path: str, key: str, prefix: str = "") -> dict:
 
 
 def _full_attention_context(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> int:
-    """The context a Mistral, Mixtral or Qwen2 file says. llama.cpp's graphs for them (llama, qwen2: which
+    """The context a Mistral, Mixtral, Qwen2 or Qwen3 file says. llama.cpp's graphs for them (llama, qwen2: which
     OptiML's engine follows) attend to every position, as transformers does within a sliding window's
     length. A Mistral or Mixtral window shorter than max_position_embeddings (Mistral-7B-v0.1: 4096 of 32768)
     becomes the file's context_length, so that both engines compute what transformers does up to their
-    trained context. Qwen2's use_sliding_window windows the layers from max_window_layers on (or those
+    trained context. Qwen2's (and Qwen3's) use_sliding_window windows the layers from max_window_layers on (or those
     layer_types names): refused where that changes anything."""
-    if hf_arch == "Qwen2ForCausalLM":
+    if hf_arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if cfg.get("use_sliding_window") and (cfg.get("sliding_window") or n_ctx) < n_ctx:
             types = cfg.get("layer_types")
             n_layer = cfg.get("num_hidden_layers") or 0
