@@ -59,8 +59,7 @@ class LlamaBatched:
     """llama.cpp with n_seq_max sequences, driven through llama_batch as its batched examples do."""
 
     def __init__(self, path: str, n_seq: int, n_ctx_seq: int, threads: int):
-        import llama_cpp as L
-
+        L = harness.llama_cpp()
         self.L = L
         global _quiet
         _quiet = L.llama_log_callback(lambda level, text, user: None)  # kept alive: llama.cpp holds it
@@ -133,14 +132,16 @@ class LlamaBatched:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default="smollm2-135m-instruct")
-    ap.add_argument("-n", "--n-seq", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps per round")
-    ap.add_argument("--reps", type=int, default=3, help="rounds per engine and N (medians reported)")
-    ap.add_argument("--no-peer", action="store_true", help="OptiML only")
+    ap.add_argument("-m", "--model", default="smollm2-135m-instruct", help="a GGUF file or a known model name")
+    ap.add_argument("-n", "--n-seq", type=harness.positive, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("-t", "--threads", type=harness.positive, default=2)
+    ap.add_argument("--tokens", type=harness.positive, default=32, help="decode steps per round")
+    ap.add_argument("--reps", type=harness.positive, default=3, help="rounds per engine and N (medians reported)")
+    ap.add_argument("--no-peer", action="store_true", help="OptiML only (no llama-cpp-python needed)")
     a, res = harness.parse(ap, "batch", argv)
-    path = harness.model_path(a.model, pull=True)
+    path = harness.model_arg(ap, a.model)
+    if not a.no_peer:
+        harness.llama_cpp(instead="--no-peer: OptiML alone")  # exits with how to install it when missing
     n_ctx_seq = 128
 
     print(f"model: {os.path.basename(path)}; CPU: {harness.cpu_name()}; threads: {a.threads}; "
@@ -170,22 +171,32 @@ def main(argv=None) -> int:
             peer.close()
 
     def med(xs):
-        return statistics.median(xs) if xs else float("nan")
+        return statistics.median(xs) if xs else None
 
-    def paired(runs, n):  # median over reps of (N's round / the same rep's N = 1 round)
-        if 1 not in runs or not runs[1]:
-            return float("nan")
+    def paired(runs, n):  # median over reps of (N's round / the same rep's N = 1 round); None without N = 1
+        if not runs.get(1) or not runs[n]:
+            return None
         return med([x / one for x, one in zip(runs[n], runs[1])])
 
+    def cell(v):  # a scaling cell; "-" where there is none (no N = 1 round)
+        return "-" if v is None else f"{v:.2f}x"
+
+    peer = not a.no_peer
     print()
-    print("| N | optiml tok/s (range) | llama.cpp tok/s | optiml / llama.cpp | optiml scaling vs N=1 | llama.cpp scaling |")
-    print("|---|---|---|---|---|---|")
+    print("| N | optiml tok/s (range) | " + ("llama.cpp tok/s | optiml / llama.cpp | " if peer else "")
+          + "optiml scaling vs N=1 |" + (" llama.cpp scaling |" if peer else ""))
+    print("|---|---|---|" + ("---|---|---|" if peer else ""))
     for n in a.n_seq:
-        o, t = med(ours[n]), med(theirs[n])
-        print(f"| {n} | {o:.1f} ({min(ours[n]):.1f}-{max(ours[n]):.1f}) | {t:.1f} | {o / t:.2f}x | "
-              f"{paired(ours, n):.2f}x | {paired(theirs, n):.2f}x |")
-        res.add(model=os.path.basename(path), n_seq=n, optiml=o, optiml_runs=ours[n], llama_cpp=t,
-                llama_cpp_runs=theirs[n], ratio=o / t, scaling=paired(ours, n), llama_cpp_scaling=paired(theirs, n))
+        o = med(ours[n])
+        row = dict(model=os.path.basename(path), n_seq=n, optiml=o, optiml_runs=ours[n], scaling=paired(ours, n))
+        line = f"| {n} | {o:.1f} ({min(ours[n]):.1f}-{max(ours[n]):.1f}) | "
+        if peer:
+            t = med(theirs[n])
+            row.update(llama_cpp=t, llama_cpp_runs=theirs[n], ratio=o / t, llama_cpp_scaling=paired(theirs, n))
+            line += f"{t:.1f} | {o / t:.2f}x | "
+        line += f"{cell(row['scaling'])} |" + (f" {cell(row['llama_cpp_scaling'])} |" if peer else "")
+        print(line)
+        res.add(**row)
     print("\nscaling: the median over rounds of a round's tok/s against the N = 1 round of the same rep")
     res.write(a.json)
     return 0

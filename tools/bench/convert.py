@@ -25,7 +25,9 @@ import harness
 
 CACHE = harness.internal("models").cache_dir()
 
-# Runs in the child: convert, then report wall time and this process's peak RSS.
+# Runs in the child: convert, then report wall time and this process's peak RSS. VmHWM, not getrusage's
+# ru_maxrss: that one keeps the parent's peak across exec when the parent's was larger, so on a first run
+# (the f32 checkpoint made in this process, 1.1 GiB) every child reported the parent's figure.
 CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
@@ -37,13 +39,22 @@ t1 = time.perf_counter()
 if sys.argv[3] != "none":
     convert(sys.argv[1], sys.argv[2], type=sys.argv[3])
 t2 = time.perf_counter()
-print(json.dumps({"seconds": t2 - t1, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+try:
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+except (OSError, StopIteration):  # no /proc (macOS): ru_maxrss, which may include the parent's peak
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+print(json.dumps({"seconds": t2 - t1, "peak_rss": peak}))
 """
 
 
 def make_checkpoint(hf_dir: Path) -> None:
-    import torch
-    import transformers
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        sys.exit(f"making the f32 checkpoint {hf_dir} needs torch and transformers (and accelerate): "
+                 "pip install torch transformers accelerate")
 
     gguf_file = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf_file.is_file():
@@ -70,11 +81,10 @@ def run_child(hf_dir: Path, out: Path, qtype: str, threads: int) -> dict:
 
 
 def llama_cpp_size(f32_gguf: Path, out: Path, ftype: int, threads: int) -> int | None:
-    try:
-        import ctypes
+    import ctypes
 
-        import llama_cpp
-    except ImportError:
+    llama_cpp = harness.llama_cpp(required=False)  # optional here: without it the column stays empty
+    if llama_cpp is None:
         return None
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.nthread = ftype, threads or 2

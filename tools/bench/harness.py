@@ -9,6 +9,7 @@ python/ (the in-place build).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib
 import importlib.util
@@ -38,6 +39,7 @@ from optiml.util.machine import cpu_name  # noqa: E402  (also harness.cpu_name f
 # this table is the one place to change. internal("models") is `import optiml.hub.registry`.
 INTERNAL = {
     "models": "optiml.hub.registry",  # model names -> cached files (lookup, model_file, resolve, cache_dir)
+    "hub": "optiml.hub.huggingface",  # Hugging Face references (parse): a model argument may be one
     "perplexity": "optiml.evaluate.perplexity",  # perplexity() (`optiml perplexity`), log_softmax, windows, KLD
     "predictor": "optiml.offline.predictors",  # training activation predictors, mask_quality
     "predictor_file": "optiml.formats.predictors",  # the predictor GGUF: write, check_predictors
@@ -74,6 +76,60 @@ def model_path(name: str, pull: bool = False) -> str:
     if pull:
         return models.resolve(name)
     return str(models.model_file(name)) if models.lookup(name) else name
+
+
+def model_arg(ap, name: str, pull: bool = True) -> str:
+    """A model argument as an existing file, checked before any work: a path is itself, a known model name
+    (or a Hugging Face reference) its cached file, pulled first when pull is set. Anything else is a bad
+    argument: ap.error, exit 2, one line."""
+    if os.path.isfile(name):
+        return name
+    models = internal("models")
+    hub_ref = internal("hub").parse(name) is not None
+    if models.lookup(name) is None and not hub_ref:
+        ap.error(f"{name}: no such file, and not a known model name ({', '.join(models.known())})")
+    if not pull and not hub_ref:
+        path = str(models.model_file(name))
+        if not os.path.isfile(path):
+            ap.error(f"{name} is not in the model cache ({path}): python tools/fetch_models.py {name}")
+        return path
+    try:
+        return str(models.resolve(name))
+    except (OSError, KeyError, optiml.OptimlError) as e:
+        sys.exit(f"{name}: could not fetch it: {e}")
+
+
+def at_least(low: int):
+    """An argparse type: an integer of at least `low` (threads, repeats, tokens), so that 0 is refused
+    up front in one line rather than failing later in a division or a median."""
+    def parse_int(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {n}")
+        return n
+
+    return parse_int
+
+
+positive = at_least(1)
+
+
+def check_device(ap, device: str) -> None:
+    """ap.error (exit 2) when `device` names a CUDA device this machine does not have: said before any
+    model is written or any tool runs, not as a child's failure minutes later. cpu and cpu:N always exist."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or index and not index.isdigit():
+        ap.error(f"--device {device}: not a device (cuda, cuda:N, or cpu:N to run without a GPU)")
+    if kind == "cpu":
+        return
+    info = optiml.system_info()
+    if int(index or 0) >= len(info.get("cuda_devices") or []):
+        why = info.get("cuda_note") or ("this optiml was built without CUDA" if not info.get("cuda_compiled")
+                                        else "none found")
+        ap.error(f"--device {device}: no such CUDA device here ({why}); --device cpu:1 runs the pipeline without a GPU")
 
 
 def existing_models(names: list[str]) -> list[str]:
@@ -201,8 +257,10 @@ def synthetic_model(path: str, *args: str) -> str:
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         log(f"writing {path}")
-        subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_model.py"), "-o", path, *args, "--quiet"],
-                       check=True)
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_model.py"), "-o", path, *args,
+                            "--quiet"])
+        if r.returncode != 0:  # its error is on the terminal already: one line more, no traceback
+            sys.exit(f"writing {path} failed (exit {r.returncode}): tools/make_synthetic_model.py's error is above")
     return path
 
 
@@ -216,16 +274,18 @@ def synthetic_7b(model_dir: str, activation: str) -> str:
 _llama_cpp = None
 
 
-def llama_cpp(required: bool = True):
+def llama_cpp(required: bool = True, instead: str | None = None):
     """The llama_cpp module (llama-cpp-python, the CPU peer), imported once; None when it is not installed
-    and not required, else exit with how to install it."""
+    and not required, else exit with how to install it (and `instead`, the benchmark's way to run without
+    it, when it has one). Every benchmark that runs the peer checks through here, before any work."""
     global _llama_cpp
     if _llama_cpp is None:
         try:
             import llama_cpp as mod
         except ImportError:
             if required:
-                sys.exit('llama-cpp-python is not installed: pip install ".[bench]" (builds llama.cpp, ~5 minutes)')
+                sys.exit('llama-cpp-python is not installed: pip install ".[bench]" (builds llama.cpp, ~5 minutes)'
+                         + (f"; or {instead}" if instead else ""))
             return None
         _llama_cpp = mod
     return _llama_cpp
@@ -254,6 +314,22 @@ def memory_gib() -> float | None:
     except OSError:
         pass
     return None
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes: VmHWM from /proc/self/status, which starts afresh at exec, where
+    getrusage's ru_maxrss keeps the parent's peak when that was larger (a child started by a benchmark that
+    had loaded a big model reported the parent's figure); ru_maxrss where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def machine() -> dict:
@@ -335,7 +411,8 @@ class Results:
         self.notes.append(text)
 
     def table(self, rows: list[dict] | None = None, formats: dict | None = None) -> str:
-        """Markdown table of rows (default: all) over the union of their columns; formats: column -> spec."""
+        """Markdown table of rows (default: all) over the union of their columns; formats: column -> a format
+        spec or a function of the value (for the figures, ints and floats)."""
         rows = self.rows if rows is None else rows
         cols = list(dict.fromkeys(k for r in rows for k in r))
         formats = formats or {}
@@ -344,7 +421,10 @@ class Results:
             v = r.get(c)
             if v is None:
                 return "-"
-            return format(v, formats[c]) if c in formats and isinstance(v, (int, float)) else str(v)
+            f = formats.get(c)
+            if f is None or not isinstance(v, (int, float)) or isinstance(v, bool):
+                return str(v)
+            return f(v) if callable(f) else format(v, f)
 
         cells = [[cell(r, c) for c in cols] for r in rows]
         width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
@@ -368,3 +448,8 @@ class Results:
                 internal("jsonout").dump(self.document(), f, indent=1, default=float)  # NaN, inf: null
                 f.write("\n")
             print(f"results: {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    print("tools/bench/harness.py: a library used by the other benchmarks: see tools/bench/run.py", file=sys.stderr)
+    sys.exit(2)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,8 +58,12 @@ PROMPT = "The history of the printing press begins in the fifteenth century"
 
 
 def sh(cmd: list, **kw) -> None:
+    """Runs one step of the pipeline; its own output and error go to the terminal as it runs, so a failure
+    ends this benchmark with one line after it (no traceback), exit 1."""
     print("+ " + " ".join(map(str, cmd)), file=sys.stderr, flush=True)
-    subprocess.run([str(c) for c in cmd], check=True, **kw)
+    r = subprocess.run([str(c) for c in cmd], **kw)
+    if r.returncode != 0:
+        raise SystemExit(f"hybrid.py: the step above failed (exit {r.returncode}); its error is printed above it")
 
 
 def optiml_cmd(*args) -> list:
@@ -210,10 +215,10 @@ def main() -> int:
                     help="planted mean firing rate (default 0.1 for relu, 0.5 for silu: 90%% and 50%% sparse)")
     ap.add_argument("--type", default="q4_0")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="shares of the model's bytes")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("-t", "--threads", type=int, default=optiml._core.physical_core_count())
+    ap.add_argument("--tokens", type=harness.positive, default=64)
+    ap.add_argument("--reps", type=harness.positive, default=3)
+    ap.add_argument("--ctx", type=harness.positive, default=512)
+    ap.add_argument("-t", "--threads", type=harness.positive, default=optiml._core.physical_core_count())
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (CUDA build for --device cuda)")
     ap.add_argument("--workdir", default=str(harness.BUILD / "bench-hybrid"))
     ap.add_argument("--profile-tokens", type=int, default=4000)
@@ -229,6 +234,11 @@ def main() -> int:
     ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
                     "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
     args, res = harness.parse(ap, "hybrid")
+    harness.check_device(ap, args.device)  # before minutes of writing a synthetic model
+    if args.llama_bench and not shutil.which(args.llama_bench):
+        ap.error(f"--llama-bench {args.llama_bench}: no such program (give the path of a llama-bench binary)")
+    if not all(0 < b <= 1 for b in args.budgets):
+        ap.error("--budgets are shares of the model's bytes: each in (0, 1]")
     firing = args.firing if args.firing is not None else (0.1 if args.activation == "relu" else 0.5)
     if args.predictor_samples is None:
         args.predictor_samples = 2048 if args.activation == "relu" else 0

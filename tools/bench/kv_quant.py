@@ -29,7 +29,6 @@ import optiml  # noqa: E402
 from optiml.tokenizer import Tokenizer  # noqa: E402
 
 cpu_name = harness.cpu_name
-resolve = harness.internal("models").resolve
 
 TYPES = ["f16", "q8_0", "q4_0"]
 
@@ -54,8 +53,7 @@ class OptimlRunner:
 
 class LlamaRunner:
     def __init__(self, path, kv, n_ctx, threads):
-        import llama_cpp
-
+        llama_cpp = harness.llama_cpp()
         t = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv]
         self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
                                    type_k=t, type_v=t, flash_attn=True, verbose=False)
@@ -74,17 +72,18 @@ class LlamaRunner:
         self.llm.close()
 
 
-def main():
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default="smollm2-135m-instruct-q4_1")
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--depth", type=int, default=4096, help="positions in the cache when decoding starts")
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps per rep")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-llama", action="store_true", help="OptiML only")
-    args = ap.parse_args()
-
-    path = str(resolve(args.model))
+    ap.add_argument("-m", "--model", default="smollm2-135m-instruct-q4_1", help="a GGUF file or a known model name")
+    ap.add_argument("-t", "--threads", type=harness.positive, default=2)
+    ap.add_argument("--depth", type=harness.positive, default=4096, help="positions in the cache when decoding starts")
+    ap.add_argument("--tokens", type=harness.positive, default=32, help="decode steps per rep")
+    ap.add_argument("--reps", type=harness.positive, default=5)
+    ap.add_argument("--no-llama", action="store_true", help="OptiML only (no llama-cpp-python needed)")
+    args, res = harness.parse(ap, "kv_quant")
+    path = harness.model_arg(ap, args.model)
+    if not args.no_llama:
+        harness.llama_cpp(instead="--no-llama: OptiML alone")  # exits with how to install it when missing
     n_ctx = args.depth + args.tokens
     tok = Tokenizer.from_file(path)
     ids = tok.encode(harness.TEXT.read_text(encoding="utf-8"))
@@ -117,13 +116,18 @@ def main():
             tps = args.tokens / statistics.median(times[name, kv])
             vs_f16 = statistics.median(f / t for f, t in zip(times[name, "f16"], times[name, kv]))
             line = f"{name:10s} {kv:5s} {tps:8.1f} {vs_f16:7.3f}"
+            row = res.add(engine=name, kv=kv, tok_s=tps, runs=[args.tokens / t for t in times[name, kv]],
+                          vs_f16=vs_f16)
             if not args.no_llama:
                 vs_llama = statistics.median(lt / t for lt, t in zip(times["llama.cpp", kv], times[name, kv]))
                 line += f" {vs_llama:13.3f}"
+                row["vs_llama_cpp"] = vs_llama
             print(line)
     for r in runners.values():
         r.close()
+    res.write(args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,9 +2,9 @@
 """Peak resident memory of a model run dense and sparse, against its file size and KV cache.
 
 Each mode runs in a fresh process (so one mode's pages do not count in the other's): load, a prompt of
---prompt tokens, --tokens generated; the child reports its peak RSS (getrusage ru_maxrss). The budget of
-issue 13: dense at most file + KV + 10% of the file, sparse at most file + KV + 25%. Sparse runs twice,
-with each neuron-major down copy (Model(down_copy=...)): "fast" (8-bit rows) and "compact" (the file's
+--prompt tokens, --tokens generated; the child reports its own peak RSS (VmHWM, not inherited from this
+process). The budget of issue 13: dense at most file + KV + 10% of the file, sparse at most file + KV + 25%.
+Sparse runs twice, with each neuron-major down copy (Model(down_copy=...)): "fast" (8-bit rows) and "compact" (the file's
 Q4_0/Q4_1/Q4_K codes regrouped, lossless); the default "auto" picks fast unless memory is short.
 
     python tools/make_synthetic_model.py -o /tmp/llama7b-q4_0.gguf            # 3.6 GiB, ~2 minutes
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -35,17 +34,17 @@ def child(a) -> None:
     for i in range(a.tokens):
         m.eval([2000 + i])
     stats = m.sparsity_stats() if a.mode != "dense" else {"skipped": 0.0}
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    print(json.dumps({"peak_rss": harness.peak_rss(),
                       "kv_bytes": m._session.kv_bytes, "skipped": stats["skipped"]}))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", required=True)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("-m", "--model", required=True, help="a GGUF file or a known model name")
+    ap.add_argument("-t", "--threads", type=harness.positive, default=2)
+    ap.add_argument("--ctx", type=harness.positive, default=512)
+    ap.add_argument("--prompt", type=harness.positive, default=32)
+    ap.add_argument("--tokens", type=harness.at_least(0), default=8)
     ap.add_argument("--threshold", type=float, default=0.0, help="sparse mode's threshold for every layer "
                     "(0: exact zero-skipping, for ReLU models)")
     ap.add_argument("--mode", choices=("dense", "sparse-fast", "sparse-compact"), help=argparse.SUPPRESS)
@@ -54,7 +53,9 @@ def main(argv=None) -> int:
         child(a)
         return 0
 
-    a.model = harness.model_path(a.model, pull=True)
+    a.model = harness.model_arg(ap, a.model)
+    if a.prompt + a.tokens > a.ctx:
+        ap.error(f"--prompt {a.prompt} and --tokens {a.tokens} do not fit in --ctx {a.ctx}")
     size = os.path.getsize(a.model)
     print(f"{os.path.basename(a.model)}: file {size / 2**30:.2f} GiB; ctx {a.ctx}, prompt {a.prompt}, "
           f"{a.tokens} tokens, {a.threads} threads")
@@ -63,10 +64,10 @@ def main(argv=None) -> int:
     for mode, share in (("dense", 0.10), ("sparse-fast", 0.25), ("sparse-compact", 0.25)):
         cmd = [sys.executable, __file__, "-m", a.model, "--mode", mode, "-t", str(a.threads), "--ctx", str(a.ctx),
                "--prompt", str(a.prompt), "--tokens", str(a.tokens), "--threshold", str(a.threshold)]
-        child = subprocess.run(cmd, capture_output=True, text=True)
-        if child.returncode != 0:
-            raise SystemExit(f"the {mode} run failed ({child.returncode}): {' '.join(cmd)}\n{child.stderr[-3000:]}")
-        r = json.loads(child.stdout.strip().splitlines()[-1])
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"the {mode} run failed ({run.returncode}): {' '.join(cmd)}\n{run.stderr[-3000:]}")
+        r = json.loads(run.stdout.strip().splitlines()[-1])
         base = size + r["kv_bytes"]
         over = r["peak_rss"] - base
         res.add(mode=mode, skipped=r.get("skipped"), peak_rss_gib=r["peak_rss"] / 2**30, file_kv_gib=base / 2**30,

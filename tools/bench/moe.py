@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-import harness  # noqa: F401  (tools/bench/: makes optiml importable)
+import harness  # tools/bench/: makes optiml importable; the peer, --json
 
 import optiml
 
@@ -64,7 +64,9 @@ def make_model(path: str, n_layer: int, alpha: float, tokenizer_from: str | None
         cmd += ["--tokenizer-from", tokenizer_from]
     log("writing " + path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    subprocess.run(cmd, check=True)
+    r = subprocess.run(cmd)
+    if r.returncode != 0:  # its error is on the terminal already: one line more, no traceback
+        raise SystemExit(f"writing {path} failed (exit {r.returncode}): tools/make_synthetic_model.py's error is above")
 
 
 def tokens(n: int, n_vocab: int) -> list[int]:
@@ -88,10 +90,8 @@ class LlamaCpp:
     name = "llama.cpp"
 
     def __init__(self, path, n_ctx, threads):
-        import llama_cpp
-
-        self.m = llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                                 n_ubatch=512, verbose=False)
+        self.m = harness.llama_cpp().Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                           n_batch=512, n_ubatch=512, verbose=False)
 
     def reset(self):
         self.m.reset()
@@ -121,14 +121,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="the GGUF to run (written here in --shape when missing; default: "
                     "a file per shape and layer count in the model cache's synthetic/)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    ap.add_argument("--n-layer", type=int, default=2, help="layers of a model written here (Qwen3-30B-A3B has 48)")
+    ap.add_argument("--n-layer", type=harness.positive, default=2,
+                    help="layers of a model written here (Qwen3-30B-A3B has 48)")
     ap.add_argument("--plant-experts", type=float, default=1.0, help="popularity skew of a model written here")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--n-gen", type=int, default=32)
-    ap.add_argument("--n-prompt", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=harness.positive, default=2)
+    ap.add_argument("--n-gen", type=harness.positive, default=32)
+    ap.add_argument("--n-prompt", type=harness.positive, default=512)
+    ap.add_argument("--repeats", type=harness.positive, default=3)
     ap.add_argument("--only", choices=("decode", "prompt"), default=None)
-    a = ap.parse_args(argv)
+    a, res = harness.parse(ap, "moe", argv)
+    harness.llama_cpp()  # the peer is half of every row: exits with how to install it, before writing a model
     if a.model is None:
         a.model = DEFAULT_MODEL if a.shape == "qwen3-30b-a3b" and a.n_layer == 2 else str(
             harness.internal("models").cache_dir() / "synthetic" / f"{a.shape}-shape-{a.n_layer}l.gguf")
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     log(f"{os.path.basename(a.model)}: {hp['arch']}, {hp['n_layer']} layers, {hp['n_expert']} experts of "
         f"{hp['n_ff_exp']} ({hp['n_expert_used']} used), {a.threads} threads")
     ids = tokens(max(a.n_prompt, 16 + a.n_gen), n_vocab)
-    results = {}
+    results, runs_of = {}, {}
     for what in ("decode", "prompt"):
         if a.only and what != a.only:
             continue
@@ -155,12 +157,16 @@ def main(argv=None) -> int:
                 runs[e.name].append(tps)
                 log(f"{what} run {r + 1}: {e.name} {tps:.2f} tokens/s")
         results[what] = {k: statistics.median(v) for k, v in runs.items()}
+        runs_of[what] = runs
 
     print(f"\n{os.path.basename(a.model)}, {a.threads} threads, median of {a.repeats}")
     print(f"{'':8s} {'optiml t/s':>11s} {'llama.cpp t/s':>14s} {'ratio':>7s} {'goal':>6s}")
     for what, r in results.items():
         ratio = r["optiml"] / r["llama.cpp"]
+        res.add(model=os.path.basename(a.model), test=what, optiml=r["optiml"], optiml_runs=runs_of[what]["optiml"],
+                llama_cpp=r["llama.cpp"], llama_cpp_runs=runs_of[what]["llama.cpp"], ratio=ratio, goal=GOALS[what])
         print(f"{what:8s} {r['optiml']:11.2f} {r['llama.cpp']:14.2f} {ratio:6.2f}x {GOALS[what]:5.1f}x")
+    res.write(a.json)
     return 0
 
 

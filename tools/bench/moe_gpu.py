@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,20 +99,25 @@ def llama_bench(binary: str, path: str, n_cpu_moe: int, ngl: int, n_gen: int, n_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda[:N], or cpu:1 to run our side without a GPU")
-    ap.add_argument("--n-layer", type=int, default=8, help="layers of the model (Qwen3-30B-A3B has 48)")
+    ap.add_argument("--n-layer", type=harness.positive, default=8, help="layers of the model (Qwen3-30B-A3B has 48)")
     ap.add_argument("--share", type=float, default=0.25, help="share of the layers whose experts llama.cpp puts "
                     "on the device (the budget follows)")
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps")
-    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("-t", "--threads", type=int, default=optiml._core.physical_core_count())
+    ap.add_argument("--tokens", type=harness.positive, default=32, help="decode steps")
+    ap.add_argument("--prompt", type=harness.positive, default=512, help="prompt tokens")
+    ap.add_argument("--reps", type=harness.positive, default=2)
+    ap.add_argument("--ctx", type=harness.positive, default=1024)
+    ap.add_argument("-t", "--threads", type=harness.positive, default=optiml._core.physical_core_count())
     ap.add_argument("--profile-tokens", type=int, default=2048)
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (its CUDA build for --device cuda)")
     ap.add_argument("--workdir", default=str(harness.BUILD / "bench-moe-gpu"))
     ap.add_argument("--tokenizer-from", default=None, help="donor GGUF for the synthetic model's tokenizer "
                     "(make_synthetic_model.py's default: SmolLM2 in the model cache)")
     args, res = harness.parse(ap, "moe_gpu")
+    harness.check_device(ap, args.device)  # before minutes of writing the synthetic model
+    if args.llama_bench and not shutil.which(args.llama_bench):
+        ap.error(f"--llama-bench {args.llama_bench}: no such program (give the path of a llama-bench binary)")
+    if not 0 <= args.share <= 1:
+        ap.error(f"--share is a share of the layers: in [0, 1], not {args.share}")
     os.makedirs(args.workdir, exist_ok=True)
     model = os.path.join(args.workdir, f"qwen3moe-30b-a3b-shape-{args.n_layer}l-q4_k.gguf")
     if not os.path.exists(model):

@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-import harness  # noqa: E402,F401  (tools/bench/: makes optiml importable, here and in the servers it starts)
+import harness  # noqa: E402  (tools/bench/: makes optiml importable, here and in the servers it starts; --json)
 
 import threading  # noqa: E402
 
@@ -268,24 +268,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None,
                     help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the cache)")
-    ap.add_argument("--parallel", type=int, default=4, help="slots per replica, and clients per replica")
-    ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
-    ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
-    ap.add_argument("--ctx", type=int, default=512, help="context per slot")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--parallel", type=harness.positive, default=4, help="slots per replica, and clients per replica")
+    ap.add_argument("--requests", type=harness.positive, default=4, help="requests per client per round")
+    ap.add_argument("--gen", type=harness.positive, default=64, help="tokens generated per request")
+    ap.add_argument("--ctx", type=harness.positive, default=512, help="context per slot")
+    ap.add_argument("--rounds", type=harness.positive, default=3)
     ap.add_argument("--rate", type=float, default=None,
                     help="open-loop requests a second for ray x1 (x2 gets twice as many); default: 40%% of ray "
                          "x1's closed-loop requests a second in this run; 0 skips the open-loop part")
-    ap.add_argument("--open-requests", type=int, default=150,
+    ap.add_argument("--open-requests", type=harness.positive, default=150,
                     help="open-loop requests per round for ray x1 (x2: twice as many)")
     ap.add_argument("--stream-interval-ms", type=float, default=100,
                     help="the replicas' stream batching (optiml serve --ray's; 0: every piece as it comes)")
-    args = ap.parse_args()
+    args, results = harness.parse(ap, "ray_serve")
+    if args.rate is not None and args.rate < 0:
+        ap.error(f"--rate is requests a second: 0 (skip the open loop) or more, not {args.rate}")
+    model = harness.model_arg(ap, args.model or "smollm2-135m-instruct")
+    try:
+        import ray  # noqa: F401  (checked before any server starts)
+    except ImportError:
+        sys.exit('ray_serve.py needs Ray Serve: pip install ".[ray]"')
 
     import optiml
-    from optiml.hub.registry import resolve
-
-    model = args.model or resolve("smollm2-135m-instruct")
     tok = optiml.tokenizer.load(model)
     body = {"max_tokens": args.gen, "temperature": 0, "stream": True,
             "logit_bias": {str(t): -100 for t in tok.eog_ids}}
@@ -339,6 +343,7 @@ def main() -> int:
         print(f"\nmedians of {args.rounds} rounds")
         print(f"{'server':8} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9}")
         for name, m in med.items():
+            results.add(loop="closed", server=name, clients=servers[name][1], **m)
             print(f"{name:8} {servers[name][1]:7d} {m['tok_s']:8.1f} {m['ttft_p50'] * 1e3:7.0f}ms "
                   f"{m['ttft_p99'] * 1e3:7.0f}ms")
         one, two, pl = med["ray x1"], med["ray x2"], med["plain"]
@@ -374,6 +379,8 @@ def main() -> int:
                           f"{res['ttft_p50'] * 1e3:6.0f} ms  p90 {res['ttft_p90'] * 1e3:6.0f} ms  p99 "
                           f"{res['ttft_p99'] * 1e3:6.0f} ms", flush=True)
             omed = {name: {k: statistics.median(x[k] for x in v) for k in v[0]} for name, v in orows.items()}
+            for name, k in (("ray x1", 1), ("ray x2", 2)):
+                results.add(loop="open", server=name, rate=k * rate, **omed[name])
             o1, o2 = omed["ray x1"], omed["ray x2"]
             print(f"medians of {args.rounds} rounds: p99 TTFT ray x1 {o1['ttft_p99'] * 1e3:.0f} ms, ray x2 at twice the "
                   f"rate {o2['ttft_p99'] * 1e3:.0f} ms: x{o2['ttft_p99'] / o1['ttft_p99']:.2f} (goal <= 1); p50 "
@@ -387,6 +394,8 @@ def main() -> int:
         a, b = statistics.median(lone["plain"]), statistics.median(lone["ray x1"])
         print(f"\n1 client: TTFT p50 plain {a * 1e3:.1f} ms, ray x1 {b * 1e3:.1f} ms: the proxy and ingress hops "
               f"add {(b - a) * 1e3:.1f} ms")
+        results.add(loop="1 client", server="plain", clients=1, ttft_p50=a)
+        results.add(loop="1 client", server="ray x1", clients=1, ttft_p50=b)
         a, b = (statistics.median(chat_ttft(servers[name][0], 4, body["logit_bias"]) for _ in range(3)) for name in ("plain", "ray x1"))
         print(f"1 client, chat streams: time to the first token p50 plain {a * 1e3:.1f} ms, ray x1 {b * 1e3:.1f} ms "
               f"(with {args.stream_interval_ms:g} ms stream pieces)")
@@ -397,6 +406,7 @@ def main() -> int:
             print(f"router: {router_cost(chars, n) * 1e6:.0f} us per request for a {chars}-character prompt and "
                   f"{n} replicas of full history")
         print("\n" + SIZING)
+        results.write(args.json)
     finally:
         stop_server(plain)
         try:

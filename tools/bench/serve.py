@@ -15,6 +15,8 @@ The single-stream reference is optiml.Model.generate in this process.
 from __future__ import annotations
 
 import argparse
+import math
+import shutil
 import statistics
 import sys
 import time
@@ -23,47 +25,67 @@ import harness
 from serving import PROMPT, Connection, free_port, one_request, run_level, start_server, stop_server, wait_ready
 
 
-def stream_times(model, n: int) -> tuple[float, list]:
-    """Model.stream's (start, time of each piece), as a client sees the server's."""
+def stream_times(model, n: int) -> tuple[float, list, int]:
+    """Model.stream's (start, time of each piece, tokens generated), as a client sees the server's."""
     t0 = time.perf_counter()
-    return t0, [time.perf_counter() for _ in model.stream(PROMPT, max_tokens=n, temperature=0)]
+    ts = [time.perf_counter() for _ in model.stream(PROMPT, max_tokens=n, temperature=0)]
+    return t0, ts, model.last_stats["gen_tokens"]
+
+
+def rates(t0: float, ts: list, n: int) -> tuple[float | None, float | None]:
+    """(end to end, generation) tokens/s of one stream of n tokens whose text pieces arrived at ts. Tokens
+    are counted, not pieces: a piece may hold several tokens (held back until a UTF-8 character is whole).
+    The generation rate (first piece to last) needs two pieces apart in time: None otherwise (--gen 1)."""
+    if not ts or n < 1:
+        return None, None
+    e2e = n / (ts[-1] - t0)
+    gen = (n - 1) / (ts[-1] - ts[0]) if n > 1 and ts[-1] > ts[0] else None
+    return e2e, gen
+
+
+def ms(seconds: float) -> str:
+    """A latency for the table; "-" where there was none to measure (no gap between tokens with --gen 1)."""
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.0f}ms"
 
 
 def single_stream(url: str, model, body: dict, reps: int) -> None:
     """One client against optiml generate in this process, alternating, same prompt and length."""
-    e2e = {"serve": [], "generate": []}
-    rate = {"serve": [], "generate": []}
+    runs = []  # per rep: {"serve": (e2e, gen), "generate": (e2e, gen)}
     conn = Connection(url)
     for _ in range(reps):
         out: list = []
         one_request(conn, body, out)
-        runs = {"serve": out[0], "generate": stream_times(model, body["max_tokens"])}
-        for name, (t0, ts) in runs.items():
-            e2e[name].append(len(ts) / (ts[-1] - t0))
-            rate[name].append((len(ts) - 1) / (ts[-1] - ts[0]))
+        runs.append({"serve": rates(*out[0], body["max_tokens"]),  # exactly max_tokens: end of text biased away
+                     "generate": rates(*stream_times(model, body["max_tokens"]))})
     conn.close()
     med = statistics.median
     print(f"\n1 client against optiml generate ({reps} alternating runs of {body['max_tokens']} tokens, medians, "
-          "tokens/s; a streamed piece is a token here, both sides)")
+          "tokens/s; tokens counted, not streamed pieces)")
     # The median of each run's ratio to the generate run beside it, as well: the machine's speed drifts
     # between runs (other work, clocks), much less within a pair.
-    for label, d in (("end to end (from the request)", e2e), ("generation (first to last token)", rate)):
-        pairs = med([a / b for a, b in zip(d["serve"], d["generate"])])
-        print(f"  {label:34} serve {med(d['serve']):7.1f}   generate {med(d['generate']):7.1f}   "
-              f"ratio {med(d['serve']) / med(d['generate']):.3f}   (median of paired ratios {pairs:.3f})")
+    for label, i in (("end to end (from the request)", 0), ("generation (first to last token)", 1)):
+        pairs = [(r["serve"][i], r["generate"][i]) for r in runs if r["serve"][i] and r["generate"][i]]
+        if not pairs:
+            print(f"  {label:34} - (needs at least two tokens arriving apart)")
+            continue
+        serve, gen = med(a for a, _ in pairs), med(b for _, b in pairs)
+        print(f"  {label:34} serve {serve:7.1f}   generate {gen:7.1f}   ratio {serve / gen:.3f}   "
+              f"(median of paired ratios {med(a / b for a, b in pairs):.3f})")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", required=True)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--requests", type=int, default=2, help="requests per client")
-    ap.add_argument("--gen", type=int, default=64, help="tokens generated per request")
-    ap.add_argument("--ctx", type=int, default=512, help="context per slot")
+    ap.add_argument("-m", "--model", required=True, help="a GGUF file or a known model name")
+    ap.add_argument("-t", "--threads", type=harness.positive, default=2)
+    ap.add_argument("--clients", type=harness.positive, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--requests", type=harness.positive, default=2, help="requests per client")
+    ap.add_argument("--gen", type=harness.positive, default=64, help="tokens generated per request")
+    ap.add_argument("--ctx", type=harness.positive, default=512, help="context per slot")
     ap.add_argument("--llama-server", default=None, help="llama-server binary to compare with")
     args, res = harness.parse(ap, "serve")
-    args.model = harness.model_path(args.model, pull=True)
+    if args.llama_server and not shutil.which(args.llama_server):
+        ap.error(f"--llama-server {args.llama_server}: no such program (give the path of a llama-server binary)")
+    args.model = harness.model_arg(ap, args.model)
 
     import optiml
 
@@ -97,8 +119,8 @@ def main() -> int:
                 r = run_level(url, c, args.requests, body)
                 rows[(name, c)] = r
                 res.add(server=name, clients=c, **r)
-                print(f"{name:13} {c:7d} {r['tok_s']:8.1f} {r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms "
-                      f"{r['itl_p99'] * 1e3:6.0f}ms", flush=True)
+                print(f"{name:13} {c:7d} {r['tok_s']:8.1f} {ms(r['ttft_p50']):>9} {ms(r['ttft_p99']):>9} "
+                      f"{ms(r['itl_p99']):>8}", flush=True)
         if "llama-server" in servers:
             print("\nratio optiml / llama-server (tok/s):",
                   ", ".join(f"{c}: {rows[('optiml', c)]['tok_s'] / rows[('llama-server', c)]['tok_s']:.2f}x"

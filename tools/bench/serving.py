@@ -203,3 +203,10 @@ def run_level(url: str, clients: int, requests: int, body: dict) -> dict:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
     return {"tok_s": tokens / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p99": pct(itl, 0.99)}
+
+
+if __name__ == "__main__":
+    import sys
+
+    print("tools/bench/serving.py: a library used by the other benchmarks: see tools/bench/run.py", file=sys.stderr)
+    sys.exit(2)

@@ -9,8 +9,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import harness
+
+
+def figure(v: float) -> str:
+    """A figure in plain fixed-point (never an exponent, which .3g wrote from 1000 up: 1176.6 as 1.18e+03):
+    one decimal from 100 up, two from 1, three significant digits below 1 (0.957, 0.00312)."""
+    if not math.isfinite(v):
+        return "-"
+    a = abs(v)
+    if a >= 100:
+        return f"{v:.1f}"
+    if a >= 1 or a == 0:
+        return f"{v:.2f}"
+    return f"{v:.{min(2 - math.floor(math.log10(a)), 12)}f}"
 
 
 def render(doc: dict, columns: list[str] | None) -> str:
@@ -23,7 +37,7 @@ def render(doc: dict, columns: list[str] | None) -> str:
         rows = [{c: r.get(c) for c in columns} for r in rows]
     # Lists (the single runs behind a median) stay in the JSON; the table shows the figures.
     rows = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]
-    formats = {k: ".3g" for r in rows for k, v in r.items() if isinstance(v, float)}
+    formats = {k: figure for r in rows for k, v in r.items() if isinstance(v, float)}
     res = harness.Results(doc["tool"])
     return "\n".join(head + [res.table(rows, formats)] + [f"\n{n}" for n in doc.get("notes", [])])
 

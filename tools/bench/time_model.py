@@ -2,6 +2,7 @@
 """The solver's time model against the engine, on this machine's CPU (issue #44: a time model that predicts).
 
     python tools/bench/time_model.py -m MODEL.gguf [--stats STATS.npz] [--predictors P.gguf] -t 2 --rounds 5
+    python tools/bench/time_model.py -m smollm2 -t 2          # a known model name, as the other benchmarks take
 
 Each round measures the machine (`optiml hw`'s CPU measurements: read bandwidth, dense and row-sparse
 product rates of the model's weight types) and then, at once, times decode steps op by op (Model.timeline,
@@ -68,15 +69,19 @@ def measured_parts(tl) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-m", "--model", required=True, help="a GGUF file or a known model name (smollm2, gemma3, ...)")
     ap.add_argument("--stats", default=None, help="optiml profile's statistics of the model (default: profiled here)")
     ap.add_argument("--predictors", default=None, help="a predictor file the model runs with (optiml train-predictors)")
-    ap.add_argument("-t", "--threads", type=int, default=optiml._core.physical_core_count())
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=16, help="decode steps timed per round")
-    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("-t", "--threads", type=harness.positive, default=optiml._core.physical_core_count())
+    ap.add_argument("--rounds", type=harness.positive, default=5)
+    ap.add_argument("--tokens", type=harness.positive, default=16, help="decode steps timed per round")
+    ap.add_argument("--ctx", type=harness.positive, default=512)
     ap.add_argument("--workdir", default=str(harness.BUILD / "bench-time-model"))
     args, res = harness.parse(ap, "time_model")
+    for opt, path in (("--stats", args.stats), ("--predictors", args.predictors)):
+        if path and not os.path.isfile(path):
+            ap.error(f"{opt} {path}: no such file")
+    args.model = harness.model_arg(ap, args.model)
     os.makedirs(args.workdir, exist_ok=True)
     stats_path = args.stats or stats_for(args.model, args.workdir, args.threads)
     st = ostats.load(stats_path)

@@ -46,15 +46,15 @@ def bench_model(path: str, args) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", nargs="*", default=None,
+    ap.add_argument("-m", "--model", nargs="+", default=None,
                     help="GGUF files or known model names (default: " + ", ".join(DEFAULT_MODELS) + ")")
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("-p", "--n-prompt", type=int, nargs="*", default=[128, 512])
-    ap.add_argument("-n", "--n-gen", type=int, default=128)
-    ap.add_argument("-r", "--repeats", type=int, default=5)
+    ap.add_argument("-t", "--threads", type=harness.positive, default=2)
+    ap.add_argument("-p", "--n-prompt", type=harness.positive, nargs="+", default=[128, 512])
+    ap.add_argument("-n", "--n-gen", type=harness.positive, default=128)
+    ap.add_argument("-r", "--repeats", type=harness.positive, default=5)
     args, res = harness.parse(ap, "vs_llamacpp")
+    paths = [harness.model_arg(ap, m, pull=False) for m in args.model or DEFAULT_MODELS]
     harness.llama_cpp()  # exits with how to install it when missing
-    paths = harness.existing_models(args.model or DEFAULT_MODELS)
 
     print(harness.machine_line() + f", threads: {args.threads}")
     print(f"median of {args.repeats} runs, tokens/s")

