@@ -486,8 +486,26 @@ def test_info_shows_placement(work, capsys, tmp_path):
     assert re.search(r"^\s+0\s+0 / 1536\s+0\.0%", out, re.M)  # layer 0: all on the CPU
     assert "solver: mip Optimal" in out and "total" in out
     assert "form: neuron_order" in out
+    if "used with --device cuda" in out:  # (a machine without a GPU): cpu:1 runs the split too, say so
+        assert "--device cpu:1" in out
     assert main(["info", str(work["src"])]) == 0
     assert "placement (" not in capsys.readouterr().out
+
+
+def test_info_says_which_layers_attention_a_small_budget_holds(work, capsys, tmp_path):
+    """A budget below the fixed part: info says plainly that only the last layers' attention is on the GPU."""
+    from optiml.cli import main
+
+    from types import SimpleNamespace
+
+    pl = SimpleNamespace(**{**dataclasses.asdict(work["placement"]), "vram_budget": 20 * 2**20,
+                            "fixed_bytes": 160 * 2**20, "gpu_attention": [False] * 27 + [True] * 3})
+    out = tmp_path / "small.gguf"
+    write_placed(work["src"], work["stats"], pl, out, progress=False)
+    assert main(["info", str(out)]) == 0
+    assert ("the budget cannot hold every layer's attention (all of it with the KV cache for ctx 1024, the norms, "
+            "the output and the scratch take 160.0 MiB), so the attention (and KV cache) of 3 of 30 layers is on "
+            "the GPU: layers 27-29" in capsys.readouterr().out)
 
 
 def test_info_plot(work, capsys, tmp_path):

@@ -104,6 +104,8 @@ def test_read_texts_plain_and_jsonl(tmp_path):
         read_texts([tmp_path / "d.jsonl"])
     with pytest.raises(FileNotFoundError):
         read_texts([tmp_path / "missing.txt"])
+    with pytest.raises(optiml.ArgumentError, match="is a folder: give text or JSONL files"):  # not "not found"
+        read_texts([tmp_path])
 
 
 def test_bad_arguments(smollm2_path, tmp_path):
@@ -123,6 +125,15 @@ def test_cli_profile_writes_stats(smollm2_path, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "top 10%" in text and "wrote" in text
     assert stats_mod.load(out).n_tokens == 300
+    # the text runs out before --tokens: a log line says how many were profiled (it was quiet about it)
+    short = tmp_path / "short.txt"
+    short.write_text("The quick brown fox jumps over the lazy dog.")
+    assert main(["profile", "-m", str(smollm2_path), "--data", str(short), "-t", "1", "-o", str(out)]) == 0
+    n = stats_mod.load(out).n_tokens
+    assert 0 < n < 20000
+    assert f"the data has {n} tokens, fewer than --tokens 20000: profiled all {n}" in capsys.readouterr().err
+    assert main(["profile", "-m", str(smollm2_path), "--data", str(tmp_path), "-q", "-o", str(out)]) == 2
+    assert "is a folder" in capsys.readouterr().err
 
 
 def test_offline_commands_refuse_an_input_as_their_output(smollm2_path, tmp_path, capsys):

@@ -22,14 +22,15 @@ from optiml.util.sizes import parse_size
     ("0", 0), ("512", 512), ("1B", 1), ("2 b", 2), ("1KB", 1000), ("1kb", 1000), ("1KiB", 1024),
     ("512MiB", 512 * 2**20), ("6GiB", 6 * 2**30), ("6GB", 6 * 10**9), ("6 gib", 6 * 2**30), ("1TB", 10**12),
     ("2TiB", 2 * 2**40), ("1.5GiB", 3 * 2**29), (" 1.5 GB ", 1_500_000_000), (".5KiB", 512), ("1.", 1),
-    ("0.5B", 0), (4096, 4096),
+    ("0.5B", 0), (4096, 4096), ("1048576TiB", 2**60), (2**60, 2**60),
 ])
 def test_parse_size_good(text, expected):
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "  ", "-1", "-6GiB", "abc", "6 GiBs", "6G", "1e9", "GiB", "1.2.3MB", "inf",
-                                  "nan", "6 Gi B", "0x10", -5, None, 1.5])
+                                  "nan", "6 Gi B", "0x10", -5, None, 1.5,
+                                  "9999999999999999999999", "1048577TiB", 2**60 + 1, 2**64])
 def test_parse_size_bad(text):
     with pytest.raises(ArgumentError):
         parse_size(text)
@@ -360,6 +361,9 @@ def test_smollm2_bytes_exact_and_within_budget(smollm2_path, smollm2_stats, vram
         f = smollm2_stats.freq[l][order[l]].astype(np.float64)
         assert p.coverage[l] == pytest.approx(f[:k].sum() / f.sum())
     assert "ms/token" in format_report(p)
+    u = p.used_parts  # every layer's KV cache for ctx, the rest of the fixed part, the FFN share
+    assert sum(u.values()) == p.vram_used and sum(u.values()) - u["ffn"] == p.fixed_bytes
+    assert u["ffn"] == sum(p.gpu_ffn_bytes) and u["kv_cache"] == 30 * ctx * 3 * 64 * 2 * 2
     # The plan of the placed file (its own count, native) takes the same neurons, within the budget, and puts
     # the output matrix on the device as the solver counted.
     from optiml import plan
@@ -380,10 +384,17 @@ def test_smollm2_budget_below_fixed_part_places_attention_layer_by_layer(smollm2
     p = solve_placement(smollm2_path, smollm2_stats, vram, FAST, ctx=256)
     m = sum(p.gpu_attention)
     assert 0 < m < 30 and p.gpu_attention == [False] * (30 - m) + [True] * m
-    assert f"layers [{30 - m}, 30)" in p.status and p.method in ("mip", "greedy")
+    which = f"layers {30 - m}-29" if m > 1 else "layer 29"
+    assert p.method in ("mip", "greedy") and f"the GPU holds the attention of {which}" in p.status
     assert p.vram_used <= vram and p.fixed_bytes > vram
     assert p.est_token_s < p.cpu_only_token_s
-    assert "attention on the GPU in" in format_report(p)
+    report = format_report(p)
+    assert "the budget cannot hold every layer's attention" in report
+    assert f"of {m} of 30 layers is on the GPU: {which}" in report
+    # the VRAM used, by part: the scratch, the KV cache and attention of the m layers, the FFN share
+    u = p.used_parts
+    assert sum(u.values()) == p.vram_used and u["ffn"] == sum(p.gpu_ffn_bytes) and u["kv_cache"] > 0
+    assert f"FFN neurons {u['ffn'] / 2**20:,.1f} MiB" in report
     from optiml import plan
     from optiml.formats.placement import read_placement, write_placed
 
@@ -398,6 +409,32 @@ def test_smollm2_budget_below_fixed_part_places_attention_layer_by_layer(smollm2
     assert pl.device_bytes["total"] <= vram
     # The engine runs it: layers whose FFN neurons are on the device while their attention is not included.
     check_split_run(out, vram, list(range(200, 216)))
+
+
+def test_search_below_the_fixed_part_shares_the_time_limit_and_warns_once(smollm2_path, smollm2_stats, monkeypatch):
+    """A budget below the fixed part solves up to four programs: together they keep to the time limit (each
+    an even share of what is left), and when any stopped at it the user hears so once (it was silent)."""
+    from optiml.offline import solve as solve_mod
+
+    limits = []
+    real = solve_mod.solve_groups
+
+    def stopped(*a, **k):
+        sol = real(*a, **k)
+        if a[6] != "greedy":  # (time_limit and method are passed in this order)
+            limits.append(a[4])
+            sol.status = "Time limit reached"
+        return sol
+
+    monkeypatch.setattr(solve_mod, "solve_groups", stopped)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = solve_placement(smollm2_path, smollm2_stats, 24 * 2**20, FAST, ctx=256, time_limit=8.0)
+    said = [str(w.message) for w in caught if issubclass(w.category, SolveWarning)]
+    assert len(said) == 1 and said[0].startswith(f"HiGHS stopped at its time limit in {len(limits)} of the "
+                                                 f"{len(limits)} programs")
+    assert len(limits) >= 2 and limits[0] <= 8.0 / len(limits) and all(0 < t <= 8.0 for t in limits)
+    assert p.vram_used <= 24 * 2**20
 
 
 def check_split_run(path, vram: int, ids: list[int]) -> None:
@@ -521,6 +558,9 @@ def test_cli_output_errors_before_any_work(smollm2_path, tmp_path, capsys, monke
     assert "is an input file" in capsys.readouterr().err
     assert cli.main(base[:-4] + ["--vram=-3GiB", "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]) == 2
     assert "negative" in capsys.readouterr().err
+    # a size past any GGUF or memory is refused when read (it was solved, reported, then failed to write)
+    assert cli.main(base[:-4] + ["--vram", "9" * 22, "--hardware", "auto", "-o", str(tmp_path / "o.gguf")]) == 2
+    assert "cannot be more than 2**60 bytes" in capsys.readouterr().err
     assert not (tmp_path / "o.gguf").exists()
 
 
@@ -552,6 +592,21 @@ def test_cli_checks_the_inputs_before_solving(smollm2_path, smollm2_stats, tmp_p
         assert re.search(said, err) and "predictors" not in err, err
 
 
+def test_cli_bad_predictor_files_are_bad_input(smollm2_path, smollm2_stats, tmp_path, capsys):
+    """--predictors naming a file that is not a predictor GGUF, or a folder, is bad input (exit 2) like a bad
+    --stats or --hardware (a non-GGUF once exited 1)."""
+    sp = tmp_path / "s.npz"
+    st.save(smollm2_stats, sp)
+    text = tmp_path / "t.txt"
+    text.write_text("some words")
+    base = ["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "40MiB", "--hardware", "auto",
+            "-o", str(tmp_path / "o.gguf")]
+    for pred, said in [(text, "t.txt: not a predictor file (not a GGUF file"), (tmp_path, "is a folder")]:
+        assert cli.main(base + ["--predictors", str(pred)]) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "o.gguf").exists()
+
+
 def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tmp_path, capsys, monkeypatch):
     from optiml.cli import solve as solve_command
 
@@ -566,10 +621,13 @@ def test_cli_solves_and_hands_over_to_the_writer(smollm2_path, smollm2_stats, tm
 
     monkeypatch.setattr(solve_command, "write_placed", write_placed)
     out = tmp_path / "placed.gguf"
+    # predictors beside an earlier file at the output: a Model of the new one would take them up, so they go
+    (tmp_path / "placed.predictors.gguf").write_bytes(b"an earlier placement's predictors")
     rc = cli.main(["solve", "-m", str(smollm2_path), "--stats", str(sp), "--vram", "74MiB", "--hardware", str(hw),
-                   "--ctx", "256", "-o", str(out)])
+                   "--ctx", "256", "--predictors", "none", "-o", str(out)])
     text = capsys.readouterr()
     assert rc == 0, text.err
+    assert not (tmp_path / "placed.predictors.gguf").exists() and "removed" in text.err
     assert "status Optimal" in text.out and "ms/token" in text.out
     assert seen["out"] == str(out) and seen["placement"].vram_used <= 74 * 2**20
     assert seen["order"] is None  # --order hot: the writer's own hot-first order

@@ -16,6 +16,7 @@ from ..formats import gguf, stats
 from ..formats.placement import coverage_curve, curve_ranks, ffn_layout, layer_bytes, read_placement
 from ..offline import coverage
 from ..offline.coverage import plot
+from ..offline.solve import attention_line
 from ..util.sizes import mib
 from . import common
 
@@ -114,8 +115,11 @@ def _show_companions(c: dict) -> None:
     name = os.path.basename(pred["path"])
     state = "not found" if not pred["found"] else ("used" if pred["used"] else "found, not used")
     print(f"  predictors (auto): {name} {state}: {pred['why']}")
+    why = pl["why"]
+    if pl["in_file"] and not pl["used"] and "--device cuda" in why:  # (a placement runs split on cpu:1 too)
+        why += "; or with --device cpu:1 (device='cpu:1'), a second CPU device, to test the split without a GPU"
     print(f"  placement: {'in the file, ' + ('used' if pl['used'] else 'not used') if pl['in_file'] else 'none'}: "
-          f"{pl['why']}")
+          f"{why}")
     if not c["files"]:
         print("  companion files beside the model: none")
     for f in c["files"]:
@@ -173,6 +177,9 @@ def _show_placement(f) -> dict | None:
     solver = pl.get("solver", {})
     print(f"  budget {mib(pl.get('vram_budget', 0), '.2f')}, used {mib(pl.get('vram_used', 0), '.2f')} "
           f"(fixed {mib(pl.get('fixed_bytes', 0), '.2f')}), ctx {pl.get('ctx')}, group {pl.get('group_size')}")
+    if pl.get("fixed_bytes", 0) > pl.get("vram_budget", 0) and pl.get("gpu_attention"):
+        print("  " + attention_line(pl["gpu_attention"], solver.get("estimate", {}).get("output_on_gpu", False),
+                                    pl["fixed_bytes"], pl.get("ctx"), solver.get("method") == "all-cpu"))
     gap = solver.get("gap")  # null where no program ran (greedy, all-cpu)
     print(f"  solver: {solver.get('method')} {solver.get('status')}, gap {'n/a' if gap is None else format(gap, '.3g')}, "
           f"{solver.get('solve_s', 0):.2f} s; estimated {pl.get('est_token_ms', float('nan')):.2f} ms/token")

@@ -27,6 +27,9 @@ def run(args) -> int:
     st = profile(model, args.data, n_tokens=args.tokens, out=args.output, n_ctx=args.ctx,
                  threshold=args.threshold, active_share=args.active_share, samples=args.samples, field=args.field,
                  n_threads=args.threads, progress=not args.quiet)
+    if st.n_tokens < args.tokens:  # (the data ran out: stats from fewer tokens than asked for are noisier)
+        common.log(f"profile: the data has {st.n_tokens} tokens, fewer than --tokens {args.tokens}: profiled all "
+                   f"{st.n_tokens}")
     print(f"profiled {st.n_tokens} tokens of {st.model} ({st.activation}); a neuron fires when "
           f"|act(gate)*up| > threshold (layer mean {float(st.threshold.mean()):.4g})")
     if st.is_moe:

@@ -17,6 +17,7 @@ from ..offline.hardware import Hardware
 from ..offline.solve import format_report, solve_placement
 from ..offline.coactive import check_stats, placed_order
 from ..offline.solve_experts import solve_expert_placement
+from ..util.atomic import atomic_output
 from ..util.sizes import parse_size
 from . import common
 
@@ -41,7 +42,9 @@ def add_arguments(p) -> None:
                         "is timed as it reads with them (neurons predicted active, not every gate row), and they are "
                         "copied beside the placed file, where a Model finds them. auto (the default): "
                         "MODEL.predictors.gguf beside the model when a Model would use it; none: without")
-    p.add_argument("--time-limit", type=float, default=30.0, help="HiGHS time limit in seconds (default 30)")
+    p.add_argument("--time-limit", type=float, default=30.0,
+                   help="HiGHS time limit in seconds, for all its programs together (a budget below the fixed part "
+                        "solves up to four); default 30")
     p.add_argument("--order", choices=("hot", "coactive"), default="hot",
                    help="the CPU's neurons in each layer: hot (most frequent first, the default) or coactive "
                         "(neurons that fire together side by side, so a sparse step reads longer runs of rows: "
@@ -93,6 +96,7 @@ def run(args) -> int:
     if st.is_moe:
         write_expert_placement(model, st, placement, args.outfile, progress=not args.quiet)
         print(f"wrote {args.outfile}: weights unchanged, each layer's GPU experts in optiml.placement.gpu_experts")
+        _remove_old_predictors(args.outfile, [model, args.stats, hardware])
         return 0
     order = None
     if args.order == "coactive":
@@ -108,8 +112,13 @@ def run(args) -> int:
         how = ("weights kept in their order (quantized down tensors cannot move a neuron's column exactly), "
                "placed order in optiml.placement.neuron_order")
     print(f"wrote {args.outfile}: {how}")
-    if pred:
-        _predictors_beside_output(pred, res["form"], args.outfile)
+    if pred and res["form"] != "permuted":
+        _predictors_beside_output(pred, args.outfile)
+    else:
+        if pred:
+            print(f"optiml solve: warning: the placed file permutes its neurons, so {os.path.basename(pred)} does "
+                  f"not fit it: train predictors for it (optiml train-predictors -m {args.outfile})", file=sys.stderr)
+        _remove_old_predictors(args.outfile, [model, args.stats, hardware, pred])
     return 0
 
 
@@ -128,14 +137,24 @@ def _predictors(choice: str, model: str, activation: str) -> str | None:
     return None
 
 
-def _predictors_beside_output(pred: str, form: str, out: str) -> None:
-    """The predictors the placement was timed with, beside the placed file where a Model looks for them; a
-    file that permutes its neurons needs its own."""
-    if form == "permuted":
-        print(f"optiml solve: warning: the placed file permutes its neurons, so {os.path.basename(pred)} does not "
-              f"fit it: train predictors for it (optiml train-predictors -m {out})", file=sys.stderr)
-        return
+def _predictors_beside_output(pred: str, out: str) -> None:
+    """The predictors the placement was timed with, beside the placed file where a Model looks for them (for a
+    file that keeps its neurons' order: one that permutes them needs its own)."""
     dest = default_predictor_path(out)
     if os.path.abspath(dest) != os.path.abspath(pred):
-        shutil.copyfile(pred, dest)
+        with atomic_output(dest, ".gguf") as tmp:  # (never half a file where a Model would take it up)
+            shutil.copyfile(pred, tmp)
     print(f"predictors: {dest} beside it (a Model of the placed file uses them by itself)")
+
+
+def _remove_old_predictors(out: str, inputs: list) -> None:
+    """Removes OUT.predictors.gguf that the new placed file did not come with (it is in place by now): it
+    belongs to what was at OUT before, and a Model of the new file would take it up by itself. An input of
+    this run is never removed (None: an input not given)."""
+    dest = default_predictor_path(out)
+    if not os.path.isfile(dest) or any(i is not None and os.path.exists(i) and os.path.samefile(dest, i)
+                                       for i in inputs):
+        return
+    os.remove(dest)
+    common.log(f"predictors: removed {dest}: it was beside the file this one replaces, and a Model of the new file "
+               "would take it up by itself (this placement comes without predictors)")

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from .._core import ArgumentError
+from .._core import ArgumentError, GGUFError
 from ..util.atomic import atomic_output
 from . import gguf, quant
 from .stats import model_fingerprint
@@ -40,12 +40,18 @@ def default_predictor_path(model_path: str | os.PathLike) -> str:
 
 def check_predictors(pred_path: str | os.PathLike, model_path: str | os.PathLike, activation: str | None = None) -> dict:
     """The predictor file's metadata, after checking it was trained for this model (PredictorMismatchError
-    otherwise; FileNotFoundError when it is missing)."""
+    otherwise; FileNotFoundError when it is missing, ArgumentError when it is not a predictor file)."""
     pred_path = os.fspath(pred_path)
+    if os.path.isdir(pred_path):
+        raise ArgumentError(f"{pred_path} is a folder: give the predictor file (optiml train-predictors writes one)")
     if not os.path.isfile(pred_path):
         raise FileNotFoundError(f"predictor file not found: {pred_path}")
-    with gguf.open(pred_path) as f:
-        meta = dict(f.metadata)
+    try:
+        with gguf.open(pred_path) as f:
+            meta = dict(f.metadata)
+    except GGUFError as e:  # a file given by name that is not one: bad input, as the check below says
+        raise ArgumentError(f"{pred_path}: not a predictor file ({str(e).removeprefix(pred_path + ': ')}); make one "
+                            "with `optiml train-predictors`") from None
     if "optiml.predictor.model_fingerprint" not in meta:
         raise ArgumentError(f"{pred_path}: not a predictor file (no optiml.predictor.model_fingerprint); "
                             "make one with `optiml train-predictors`")

@@ -42,6 +42,8 @@ def read_texts(paths: Sequence[str | os.PathLike], field: str = "text") -> list[
     docs = []
     for p in paths:
         p = os.fspath(p)
+        if os.path.isdir(p):
+            raise ArgumentError(f"{p} is a folder: give text or JSONL files (the files in it by name)")
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data file not found: {p}")
         with open(p, encoding="utf-8", errors="replace") as f:
@@ -162,7 +164,8 @@ def profile(
             raise ArgumentError(f"{out}: the output folder {folder} does not exist")
     docs = texts if texts is not None else read_texts(data, field)
     own = not isinstance(model, Model)
-    m = Model(model, n_ctx=n_ctx, n_threads=n_threads, sparsity="none") if own else model
+    # Dense and without predictors (not even ones beside the model): the stats are of every neuron's own firing.
+    m = Model(model, n_ctx=n_ctx, n_threads=n_threads, sparsity="none", predictors=None) if own else model
     try:
         hp = m.hparams
         moe = hp["n_expert"] > 0

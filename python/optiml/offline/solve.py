@@ -14,9 +14,11 @@ What is placed
     layer then pays the split cost where its data crosses: attention on the GPU and any FFN neuron on the
     CPU, or attention on the CPU and any neuron on the GPU (layer_times), and the residual stream's crossings
     are counted once each. Every (m, output) that fits is scored with the greedy placement below, and the
-    best and its neighbours are solved by the program. The placed file records the choice
-    (optiml.placement.gpu_attention) and the plan follows it. Only when not even one layer's attention fits
-    (or nothing on the GPU pays for its transfers) does everything stay on the CPU, with a warning.
+    best and its neighbours are solved by the program (those up to four programs share the time limit, so
+    the search as a whole keeps to it; a warning when any of them stopped at it). The placed file records
+    the choice (optiml.placement.gpu_attention) and the plan follows it. Only when not even one layer's
+    attention fits (or nothing on the GPU pays for its transfers) does everything stay on the CPU, with a
+    warning.
 
     The FFN neurons of layer l are taken in hot-first order (optiml.formats.stats.hot_first_order) and cut into
     G_l groups of g neurons; g is the smallest multiple of every ffn_down block size (32, or 256 for K-quants)
@@ -90,7 +92,7 @@ from .time_model import (FixedTimes, dense_down_seconds, ffn_mode, fixed_layout,
                          predictor_costs, predictor_seconds)
 
 __all__ = ["Placement", "GroupSolution", "make_groups", "layer_bytes", "layer_times", "solve_groups",
-           "solve_placement", "format_report", "SolveWarning"]
+           "solve_placement", "format_report", "attention_line", "SolveWarning"]
 
 
 class SolveWarning(UserWarning):
@@ -126,6 +128,9 @@ class Placement:
     predictors: str = ""         # the predictor file the estimate counts (its name), or none
     # cpu_only_token_s by part, seconds: {"attention": all layers', "ffn": all layers', "output": the logits'}
     cpu_only_parts: dict = field(default_factory=dict)
+    # vram_used by part, bytes: {"scratch", "kv_cache", "weights" (attention, norms, output and its logits
+    # rows, and for experts the routers and shared experts), "ffn"}; empty: not known
+    used_parts: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -581,6 +586,8 @@ class _Placed(NamedTuple):
     fixed: int
     times: FixedTimes
     cpu_ffn: float
+    kv: int       # bytes of KV cache placed
+    scratch: int  # bytes of the device's scratch placed
 
     def fields(self, vram, ctx, positions, hardware) -> dict:
         """The Placement fields that neurons and experts share."""
@@ -589,6 +596,9 @@ class _Placed(NamedTuple):
                     hardware=hardware.to_dict(), est_token_s=float(self.est), method=s.method, status=s.status,
                     gap=float(s.gap), solve_s=s.solve_s, gpu_attention=self.attention, output_on_gpu=self.output,
                     positions=int(positions), cpu_only_parts=self.times.cpu_parts(self.cpu_ffn),
+                    used_parts={"scratch": int(self.scratch), "kv_cache": int(self.kv),
+                                "weights": int(self.used) - int(self.scratch) - int(self.kv) - int(s.ffn_bytes),
+                                "ffn": int(s.ffn_bytes)},
                     cpu_only_token_s=self.times.estimate(self.cpu_ffn, [False] * len(self.attention), False))
 
 
@@ -619,16 +629,18 @@ def _place(lay, gbs, cbs, vram, hardware, ffn_hw, ctx, batch, positions, time_li
             sol = GroupSolution(x=[0] * L, objective_s=cpu_ffn, ffn_bytes=0, method="all-cpu",
                                 status=f"all-cpu: {sol} (the whole fixed part takes {fixed:,} bytes)", gap=math.nan,
                                 solve_s=time.perf_counter() - t0)
-            used, est, attention, output = 0, cpu_only, [False] * L, False
+            used, est, attention, output, kv, scratch = 0, cpu_only, [False] * L, False, 0, 0
         else:
             used += scratch
+            kv = lay["kv_per_token"] * int(ctx) // L * sum(attention)  # (as _solve_partial_attention counts it)
     else:
         # Every layer's attention is on the GPU: a layer pays the transfer unless its whole FFN is there too.
         sol = solve_groups(gbs, cbs, vram - fixed, ffn_hw, time_limit, mip_gap, method, attention=["gpu"] * L,
                            **groups)
         used, attention, output = fixed + sol.ffn_bytes, [True] * L, True
+        kv = lay["kv_per_token"] * int(ctx)
         est = times.estimate(sol.objective_s, attention, output)
-    return _Placed(sol, attention, output, used, est, fixed, times, cpu_ffn)
+    return _Placed(sol, attention, output, used, est, fixed, times, cpu_ffn, kv, scratch)
 
 
 def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx, time_limit, mip_gap, method,
@@ -648,11 +660,11 @@ def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx
     def need(m, out):
         return sum(att_b[L - m:]) + (times.output_bytes if out else 0)
 
-    def score(m, out, how):
+    def score(m, out, how, limit=time_limit):
         on = [l >= L - m for l in range(L)]
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # (the search says once, below, what its solves warned of)
             warnings.simplefilter("ignore", SolveWarning)
-            sol = solve_groups(gbs, cbs, vram - need(m, out), ffn_hw, time_limit, mip_gap, how,
+            sol = solve_groups(gbs, cbs, vram - need(m, out), ffn_hw, limit, mip_gap, how,
                                attention=["gpu" if a else "cpu" for a in on], **(groups or {}))
         # The residual crosses to the device before layer L - m, and back for the output when it stays here.
         crossings = (0 < m < L) + (m > 0 and not out)
@@ -660,21 +672,40 @@ def _solve_partial_attention(lay, gbs, cbs, vram, ffn_hw, times: FixedTimes, ctx
 
     if vram <= 0:
         return "it does not hold the device's scratch", None, None, None, None
+    t0 = time.perf_counter()
+    # The whole search keeps to time_limit (what --time-limit promises), not each of its up to four programs:
+    # each gets an even share of what is left, so time one does not use goes to the next.
+    deadline = t0 + time_limit
     fits = [(m, out) for m in range(L + 1) for out in ((False, True) if m else (False,)) if need(m, out) <= vram]
     greedy = {c: score(*c, "greedy") for c in fits}
     best_c = min(greedy, key=lambda c: greedy[c][0])
     best = (best_c, *greedy[best_c])
+    stopped, no_solution = 0, 0
     if method != "greedy":
         m0, out0 = best_c
-        for c in sorted({(m0 - 1, out0), (m0, out0), (m0 + 1, out0), (m0, not out0)} & set(fits)):
-            est, sol = score(*c, method)
+        cands = sorted({(m0 - 1, out0), (m0, out0), (m0 + 1, out0), (m0, not out0)} & set(fits))
+        for i, c in enumerate(cands):
+            limit = max((deadline - time.perf_counter()) / (len(cands) - i), 1e-3)
+            est, sol = score(*c, method, limit)
+            stopped += sol.status == "Time limit reached"
+            no_solution += sol.status.startswith("greedy: HiGHS found no solution")
             if est <= best[1] * (1 + 1e-12):  # the program's answer, also when it only confirms greedy's
                 best = (c, est, sol)
+        if stopped:
+            warnings.warn(f"HiGHS stopped at its time limit in {stopped} of the {len(cands)} programs of the search "
+                          f"over how many layers' attention go to the GPU ({time_limit:g} s for all of them); using "
+                          "the best solution found (at least as good as greedy)", SolveWarning, stacklevel=4)
+        if no_solution:
+            warnings.warn(f"HiGHS found no solution in {no_solution} of the {len(cands)} programs of the search over "
+                          "how many layers' attention go to the GPU; greedy placed those", SolveWarning, stacklevel=4)
     (m, out), est, sol = best
     if est >= all_cpu_s or (m == 0 and sol.ffn_bytes == 0):
         return "nothing that fits beside the scratch pays for its transfers", None, None, None, None
-    sol.status += ((f"; attention and KV on the GPU for layers [{L - m}, {L})" if m else "; no layer's attention on the GPU")
-                   + (" and the output matrix" if out else "") + " (the whole fixed part does not fit)")
+    sol.solve_s = time.perf_counter() - t0  # the whole search's time, not only its chosen program's
+    # (the status is recorded in the placed file, where optiml info shows it)
+    held = _layers(range(L - m, L)) + (" and the output matrix" if out else "")
+    sol.status += (f"; the GPU holds the attention of {held} (not every layer's: the budget is below the fixed part)"
+                   if m else "; the GPU holds no layer's attention (the budget is below the fixed part)")
     return sol, [l >= L - m for l in range(L)], out, need(m, out) + sol.ffn_bytes, est
 
 
@@ -691,9 +722,7 @@ def format_report(p: Placement) -> str:
         f"{(p.hardware['transfer_latency'] + p.hardware['sync_cost']) * 1e6:.1f} us"
         + "".join(f", CPU {t.upper()} rows {v / 1e9:.1f} GB/s" for t, v in p.hardware.get("cpu_sparse", {}).items())
         + (f", down rows {p.hardware['cpu_sparse_down'] / 1e9:.1f} GB/s" if p.hardware.get("cpu_sparse_down") else ""),
-        f"VRAM: {mib(p.vram_used)} used of {mib(p.vram_budget)} "
-        f"(fixed part {mib(p.fixed_bytes)} for ctx {p.ctx}"
-        f"{'' if p.fixed_bytes <= p.vram_budget else ', did not fit'})",
+        f"VRAM: {mib(p.vram_used)} used of {mib(p.vram_budget)}" + _used_parts(p),
         f"{'experts' if p.gpu_experts else 'FFN'}: {mib(gpu_ffn)} on the GPU, {mib(total_ffn - gpu_ffn)} on the CPU "
         f"({gpu_ffn / total_ffn if total_ffn else 0:.1%} of {'expert' if p.gpu_experts else 'FFN'} bytes)"
         + ("" if p.gpu_experts else f", group {p.group} neurons"),
@@ -706,15 +735,45 @@ def format_report(p: Placement) -> str:
         lines.append("experts on the GPU per layer: " + " ".join(str(len(e)) for e in p.gpu_experts))
     else:
         lines.append("k per layer: " + " ".join(str(k) for k in p.gpu_neurons))
-    if any(p.gpu_attention) and not all(p.gpu_attention):
-        lines.append(f"attention on the GPU in {sum(p.gpu_attention)} of {len(p.gpu_attention)} layers, the output "
-                     f"matrix on the {'GPU' if p.output_on_gpu else 'CPU'}")
+    if p.fixed_bytes > p.vram_budget:
+        lines.append(attention_line(p.gpu_attention, p.output_on_gpu, p.fixed_bytes, p.ctx, p.method == "all-cpu",
+                                    "experts" if p.gpu_experts else "FFN neurons"))
     ratio = p.cpu_only_token_s / p.est_token_s if p.est_token_s > 0 else math.nan
     parts = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in p.cpu_only_parts.items())
     lines.append(f"estimated {p.est_token_s * 1e3:.3f} ms/token GPU+CPU vs {p.cpu_only_token_s * 1e3:.3f} ms/token "
                  f"all-CPU ({ratio:.2f}x; all-CPU by part: {parts} ms; decode steps attending to {p.positions} "
                  f"positions{', with ' + p.predictors if p.predictors else ''})")
     return "\n".join(lines)
+
+
+def _used_parts(p: Placement) -> str:
+    """': scratch ..., KV cache ..., ...' for the VRAM line, when the placement knows its parts."""
+    u = p.used_parts
+    if not u or not p.vram_used:
+        return ""
+    return (f": scratch {mib(u['scratch'])}, KV cache (ctx {p.ctx}) {mib(u['kv_cache'])}, "
+            f"{'attention, norms, routers and output' if p.gpu_experts else 'attention, norms and output'} "
+            f"{mib(u['weights'])}, {'experts' if p.gpu_experts else 'FFN neurons'} {mib(u['ffn'])}")
+
+
+def attention_line(gpu_attention: Sequence, output_on_gpu: bool, fixed_bytes: int, ctx: int, all_cpu: bool,
+                   units: str = "FFN neurons") -> str:
+    """What a budget below the fixed part placed, in words (the report's and optiml info's line). units: what
+    else goes to the GPU ("experts" for a mixture of experts)."""
+    on = [l for l, a in enumerate(gpu_attention) if a]
+    head = (f"the budget cannot hold every layer's attention (all of it with the KV cache for ctx {ctx}, the norms, "
+            f"the output and the scratch take {mib(fixed_bytes)}), so ")
+    if all_cpu:
+        return head + "everything stays on the CPU"
+    if not on:
+        return head + f"no layer's attention is on the GPU, only {units}; the output matrix on the CPU"
+    return (head + f"the attention (and KV cache) of {len(on)} of {len(gpu_attention)} layers is on the GPU: "
+            f"{_layers(on)}; the output matrix on the {'GPU' if output_on_gpu else 'CPU'}")
+
+
+def _layers(ids: Sequence[int]) -> str:
+    """Consecutive layers in words: "layer 29", "layers 27-29"."""
+    return f"layer {ids[0]}" if len(ids) == 1 else f"layers {ids[0]}-{ids[-1]}"
 
 
 def _silent_highs(highspy):
