@@ -18,8 +18,9 @@
 #                                # (tools/bench/gpu_kernels.py), the hybrid benchmark (ReLU, 25%) and the
 #                                # mixture-of-experts one
 #                                # (tools/bench/moe_gpu.py: hot experts placed by the solver against llama.cpp
-#                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape), and last
-#                                # Nsight Compute's summary of two decode steps (tools/bench/ncu_decode.py)
+#                                # -ncmoe at the same memory, a 4-layer Qwen3-30B-A3B shape); Nsight Compute's
+#                                # summary of two decode steps (tools/bench/ncu_decode.py) comes right after
+#                                # the whole-model benchmark, so the budget reaches it
 #   tools/checks/gpu_check.sh run       # there (carry build/gpu-carry): builds OptiML with CUDA (and llama.cpp when
 #                                # not carried prebuilt), runs the GPU tests (with the real models when
 #                                # their parts were carried) and compute-sanitizer's memcheck, makes synthetic
@@ -33,11 +34,17 @@
 #                                # KV memory for a quarter of them (and for all), GPU-only vs CPU attention
 #                                # offload vs llama-server CUDA (built without its web UI: no network there)
 #
-# `run` writes its logs and tables to $OUT when set (the device tool brings that folder back), else to
-# build/gpu-check. It goes on past a failed step and ends with a summary and exit status 1 if any failed.
+# The verbs that run there write their logs and tables to build/gpu-check and, when $OUT is set (the device
+# tool brings that folder back, at most 8 files), pack them into $OUT/gpu-check.tgz at exit, with the summary
+# beside it ($OUT/summary.txt) and Nsight Compute's report when it fits. They go on past a failed step and end
+# with a summary and exit status 1 if any failed. Each step runs within what is left of GPU_CHECK_BUDGET_S
+# (default 540 s, under the device tool's 600 s a call) and is skipped, said so, when under 20 s are left;
+# GPU_CHECK_SKIP=hybrid-relu,moe (a comma list of step names) leaves steps out.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 carry=build/gpu-carry
+started=$(date +%s)
+deadline=$((started + ${GPU_CHECK_BUDGET_S:-540}))
 
 prepare() {
     set -e
@@ -67,19 +74,47 @@ prepare() {
     du -sh "$carry"
 }
 
-out=${OUT:-build/gpu-check}
+out=build/gpu-check
 failed=()
-step() {  # step NAME COMMAND...: runs it, logs to $out/NAME.log, records a failure
+step() {  # step NAME COMMAND...: runs it within the time left, logs to $out/NAME.log, records a failure
     local name=$1; shift
-    echo "== $name"
-    if "$@" > "$out/$name.log" 2>&1; then tail -n 5 "$out/$name.log"; else
-        echo "   FAILED (exit $?), last lines:"; tail -n 30 "$out/$name.log"; failed+=("$name"); fi
+    local now left; now=$(date +%s); left=$((deadline - now))
+    if [[ ",${GPU_CHECK_SKIP:-}," == *",$name,"* ]]; then echo "== $name: skipped (GPU_CHECK_SKIP)"; return; fi
+    if [ "$left" -lt 20 ]; then
+        echo "== $name: skipped, ${left} s of the budget left"; failed+=("$name(no time)"); return
+    fi
+    echo "== $name (at $((now - started)) s, ${left} s left)"
+    if timeout --kill-after=5 $((left - 10)) "$@" > "$out/$name.log" 2>&1; then tail -n 5 "$out/$name.log"; else
+        local rc=$?
+        [ $rc -eq 124 ] && echo "   STOPPED at the budget's end (GPU_CHECK_BUDGET_S), last lines:" || \
+            echo "   FAILED (exit $rc), last lines:"
+        tail -n 30 "$out/$name.log"; failed+=("$name"); fi
 }
+
+summary() {
+    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}; $(( $(date +%s) - started )) s"
+    [ ${#failed[@]} -eq 0 ]
+}
+
+pack() {  # at exit: what build/gpu-check holds, back through $OUT in few files
+    [ -n "${OUT:-}" ] && [ -d "$out" ] || return 0
+    local rep
+    for rep in "$out"/*.ncu-rep; do  # Nsight Compute's report on its own (for the GUI), when it fits
+        [ -e "$rep" ] && [ "$(stat -c %s "$rep")" -lt $((15 * 1024 * 1024)) ] && mv "$rep" "$OUT/"
+    done
+    tar -czf "$OUT/gpu-check.tgz" -C build gpu-check
+    [ -e "$out/summary.txt" ] && cp "$out/summary.txt" "$OUT/"
+    return 0
+}
+trap pack EXIT
 
 setup() {  # the carried wheels, OptiML with CUDA (kept when already built)
     mkdir -p "$out"
     py=$(command -v python3)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    # The CPU's features: llama.cpp's carried CPU backend (prepare-llama) assumes AVX-512, BF16 and AMX.
+    echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'); $(grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')" \
+        | tee -a "$out/gpu.txt"
     export PYTHONPATH="$PWD/python:$PWD/build/pydeps"
     step deps "$py" -m pip install --quiet --no-index --no-deps --target build/pydeps "$carry"/wheels/*.whl
     step build bash -c "cmake -S . -B build/gpu -G Ninja -DOPTIML_CUDA=ON -DOPTIML_CUDA_ARCHS=native \
@@ -168,7 +203,7 @@ hybrid() {
             --tokenizer-from "$carry/models/tokenizer-donor.gguf" --workdir build/bench-hybrid
         tail -n 40 "$out/hybrid-$act.log"
     done
-    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    summary | tee "$out/summary.txt"
     [ ${#failed[@]} -eq 0 ]
 }
 
@@ -191,24 +226,24 @@ verify() {
     step bench "$py" tools/bench/gpu.py -m "$models/llama7b-q4_0.gguf" --reps 2 --launches 4 --unfused --untiled --batch-kernels --depth 4096 \
         --llama-bench build/llama-cuda/bin/llama-bench --llama-batched-bench build/llama-cuda/bin/llama-batched-bench \
         --json "$out/bench.json"
-    cat "$out/bench.log"
+    cat "$out/bench.log" 2>/dev/null
+    # Next, before the steps the budget may not reach: Nsight Compute over two decode steps (each kernel's
+    # time, DRAM bytes and share of the peak; the report comes back beside gpu-check.tgz for the GUI).
+    step ncu timeout 180 "$py" tools/bench/ncu_decode.py -m "$models/llama7b-q4_0.gguf" --steps 2 \
+        --report "$out/ncu-decode" --json "$out/ncu.json"
+    cat "$out/ncu.log" 2>/dev/null
     step kernels "$py" tools/bench/gpu_kernels.py --shapes 7b --types q4_0 q4_1 q8_0 q4_k q6_k f16 --reps 10 \
         --json "$out/kernels.json"
-    cat "$out/kernels.log"
+    cat "$out/kernels.log" 2>/dev/null
     step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \
         --tokens 32 --predictor-samples 1024 --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR" \
         --workdir build/bench-hybrid
-    tail -n 40 "$out/hybrid-relu.log"
+    tail -n 40 "$out/hybrid-relu.log" 2>/dev/null
     wait "$moe_maker" || failed+=(make-moe)
     step moe "$py" tools/bench/moe_gpu.py --device cuda --n-layer 4 --share 0.25 --reps 2 --profile-tokens 1024 \
         --workdir "$models/moe" --llama-bench build/llama-cuda/bin/llama-bench --tokenizer-from "$OPTIML_TOKENIZER_DONOR"
-    tail -n 12 "$out/moe.log"
-    # Last, as the call's time may run out: Nsight Compute over two decode steps (each kernel's time, DRAM
-    # bytes and share of the peak; the report comes back in $out for the GUI).
-    step ncu timeout 240 "$py" tools/bench/ncu_decode.py -m "$models/llama7b-q4_0.gguf" --steps 2 \
-        --report "$out/ncu-decode" --json "$out/ncu.json"
-    cat "$out/ncu.log"
-    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    tail -n 12 "$out/moe.log" 2>/dev/null
+    summary | tee "$out/summary.txt"
     [ ${#failed[@]} -eq 0 ]
 }
 
@@ -238,7 +273,7 @@ offload() {
             --offered 16 --kv-share "$share" --ctx 2048 --gen 128 --llama-server build/llama-cuda/bin/llama-server
         cat "$out/offload-$share.log" | tail -n 12
     done
-    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    summary | tee "$out/summary.txt"
     [ ${#failed[@]} -eq 0 ]
 }
 
@@ -264,9 +299,9 @@ run() {
     [ -x build/llama-cuda/bin/llama-bench ] && args+=(--llama-bench build/llama-cuda/bin/llama-bench \
         --llama-batched-bench build/llama-cuda/bin/llama-batched-bench)
     step bench "$py" tools/bench/gpu.py "${args[@]}"
-    cat "$out/bench.log"
+    cat "$out/bench.log" 2>/dev/null
 
-    echo "== summary: ${#failed[@]} step(s) failed${failed:+: ${failed[*]}}"
+    summary | tee "$out/summary.txt"
     [ ${#failed[@]} -eq 0 ]
 }
 
