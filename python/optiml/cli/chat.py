@@ -12,6 +12,7 @@ from .._core import ArgumentError
 from ..engine.chat_template import ChatTemplateError
 from ..engine.generation import make_sampler
 from ..engine.harmony import HarmonySplitter, is_harmony
+from ..engine.reasoning import ThinkSplitter, is_thinking, opened_by
 from ..engine.sparsity import describe
 from ..util import jsonout
 from ..util.atomic import atomic_output
@@ -323,8 +324,14 @@ def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int |
         say(f"[context full: dropped the {dropped} oldest messages]")
     pieces: list[str] = []
     gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
-    # gpt-oss (harmony): its reasoning shown dimmed on a terminal, only the answer kept for the next turn.
-    split = HarmonySplitter() if is_harmony(model.tokenizer) else None
+    # gpt-oss (harmony) and the models that think in <think> tags (Qwen3, DeepSeek-R1): the reasoning shown
+    # dimmed on a terminal, only the answer kept for the next turn (their templates leave it out anyway).
+    if is_harmony(model.tokenizer):
+        split = HarmonySplitter()
+    elif is_thinking(model.tokenizer):
+        split = ThinkSplitter(opened_by(model.chat_template.render(conv.messages, add_generation_prompt=True)))
+    else:
+        split = None
     dim = _can_dim(out)
 
     last = ["content"]
