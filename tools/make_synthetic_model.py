@@ -49,8 +49,8 @@ a time (optiml.convert.writer.write_gguf), so memory stays near the largest tens
 Mixtures of experts (--experts N), in llama.cpp's layout: 3-D ffn_{gate,up,down}_exps of N experts of
 --n-ff-exp neurons, the router ffn_gate_inp (F32, as llama.cpp's quantizer keeps it), and with
 --shared-expert S a shared expert of S neurons with its sigmoid gate ffn_gate_inp_shexp. --arch picks the
-architecture: qwen3moe (per-head q/k norms), qwen2moe (q/k/v biases, a shared expert), llama with
-experts (Mixtral), or gpt-oss (biases on q/k/v/o, the router and every expert; a sink logit per head;
+architecture: qwen3 (dense, per-head q/k norms; no --experts), qwen3moe (per-head q/k norms), qwen2moe
+(q/k/v biases, a shared expert), llama with experts (Mixtral), or gpt-oss (biases on q/k/v/o, the router and every expert; a sink logit per head;
 every other layer a sliding window of --sliding-window positions; YaRN RoPE of factor 32 over 4096
 original positions, base 150000; llama.cpp's tensor names). --plant-experts ALPHA plants skewed expert popularity (as trained MoEs have): the
 router row of the expert of popularity rank r gets a component along the embeddings' common direction u
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=DEFAULT_DONOR, help="GGUF whose tokenizer is copied "
                     "(its vocab size becomes n_vocab; default: $OPTIML_TOKENIZER_DONOR, else SmolLM2's in the cache)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
-    ap.add_argument("--arch", choices=("llama", "qwen3moe", "qwen2moe", "gpt-oss"), default="llama")
+    ap.add_argument("--arch", choices=("llama", "qwen3", "qwen3moe", "qwen2moe", "gpt-oss"), default="llama")
     ap.add_argument("--sliding-window", type=int, default=128, help="gpt-oss: the window of its even layers")
     ap.add_argument("--head-dim", type=int, default=None, help="per-head size (default n_embd / n_head)")
     ap.add_argument("--experts", type=int, default=0, help="experts per layer (0: a dense FFN)")
@@ -174,8 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--router-std", type=float, default=None, help="std of the router's weights (default --std)")
     a = ap.parse_args(argv)
     moe = a.experts > 0
-    if a.arch != "llama" and not moe:
+    if a.arch not in ("llama", "qwen3") and not moe:
         ap.error(f"--arch {a.arch} is a mixture of experts: give --experts")
+    if a.arch == "qwen3" and moe:
+        ap.error("--arch qwen3 is dense (qwen3moe has experts)")
     if moe and not 0 < a.experts_used <= a.experts:
         ap.error("--experts-used must be in 1..--experts")
     if a.plant_experts is not None and not moe:
@@ -337,7 +339,7 @@ def main(argv=None) -> int:
                         (p + "attn_v.bias", (kv,), F32, rand((kv,), s + 13)),
                         (p + "attn_output.bias", (E,), F32, rand((E,), s + 17)),
                         (p + "attn_sinks.weight", (a.n_head,), F32, scaled(rand((a.n_head,), s + 18), 1 / a.std))]
-        if a.arch == "qwen3moe":
+        if a.arch in ("qwen3", "qwen3moe"):
             tensors += [(p + "attn_q_norm.weight", (head_dim,), F32, ones(head_dim)),
                         (p + "attn_k_norm.weight", (head_dim,), F32, ones(head_dim))]
         if a.arch == "qwen2moe":

@@ -17,6 +17,10 @@ std::vector<CudaDevice> cuda_devices(std::string* why_none) {
         cudaGetLastError();  // clear the sticky error so later calls start clean
         return out;
     }
+    // Free memory needs each device's context (cudaMemGetInfo is per current device); the caller's current
+    // device is restored after, so asking does not move later work to the last GPU.
+    int current = 0;
+    const bool had_current = cudaGetDevice(&current) == cudaSuccess;
     for (int i = 0; i < count; i++) {
         cudaDeviceProp prop;
         if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
@@ -33,6 +37,8 @@ std::vector<CudaDevice> cuda_devices(std::string* why_none) {
         d.multiprocessors = prop.multiProcessorCount;
         out.push_back(d);
     }
+    if (count > 0 && had_current) cudaSetDevice(current);
+    cudaGetLastError();  // (a device that failed above leaves no sticky error for the next call)
     if (out.empty() && why_none) *why_none = "CUDA found no GPU";
     return out;
 }

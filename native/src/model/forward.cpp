@@ -146,13 +146,18 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
     } else {
         const bool recording = dev->capture_begin(step_key_);
         const std::vector<int64_t> counted = device_active_;
+        bool ran = true;
         try {
             enqueue();
         } catch (...) {
-            if (recording) dev->capture_end(false);
-            throw;
+            if (!recording) throw;
+            // An op that cannot be recorded (one that waits on the host, such as a mixture's routing on the
+            // host) fails the capture: the key is not recorded again, and the ops run plain, as
+            // device_segment does. A real error then fails them plain too.
+            dev->capture_end(false);
+            ran = false;
         }
-        if (recording && !dev->capture_end(true)) {  // not recorded: the ops did not run
+        if (recording && (!ran || !dev->capture_end(true))) {  // not recorded: the ops did not run
             device_active_ = counted;
             enqueue();
         }
