@@ -151,7 +151,8 @@ def test_llama_cpp_flags(smollm2_path, capfd):
     assert capfd.readouterr().out == want
     with pytest.raises(SystemExit) as e:
         cli.main(base + ["--predictor", "x"])
-    assert e.value.code == 2 and "unrecognized arguments: --predictor" in capfd.readouterr().err
+    err = capfd.readouterr().err  # (the command's usage and name, not optiml's)
+    assert e.value.code == 2 and "optiml run: error: unrecognized arguments: --predictor" in err and "usage: optiml run" in err
     # llama.cpp's -mli and -no-cnv are not ours: refused, not read as -m "li" or -n "o-cnv"
     for word in ("-mli", "-no-cnv"):
         with pytest.raises(SystemExit) as e:

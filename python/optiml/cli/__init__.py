@@ -109,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
         if "-q" not in p._option_string_actions:  # (-q after the command too, where the command has no -q of its own)
             p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
         p.set_defaults(func=module.run)
+    ap.command_parsers = sub.choices  # (main: a command's own errors)
     return ap
 
 
@@ -124,7 +125,10 @@ def _warning_line(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # said by the command's parser: its usage and name, not optiml's
+        ap.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     common.quiet = args.quiet = args.quiet_all or getattr(args, "quiet", False)
     shown = warnings.showwarning
     warnings.showwarning = _warning_line(args.command)
