@@ -71,7 +71,6 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     except ChatTemplateError as e:
         print(f"optiml serve: warning: {e}. /v1/chat/completions answers 500 (code chat_template_error); "
               "/v1/completions works", flush=True)
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     class Announcing(uvicorn.Server):
         # The address is announced once the server listens on it: before, a port in use was announced and
@@ -79,6 +78,10 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
+                # port 0: the system chose one, which clients need to hear (the first socket's, where a host
+                # name bound more than one)
+                bound = self.servers[0].sockets[0].getsockname()[1] if port == 0 and self.servers else port
+                url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
                 print(f"optiml serve: {server.model_id} on {url}/v1; chat page at {url}/", flush=True)
 
     uv = Announcing(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level))

@@ -38,7 +38,8 @@ from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
 from .pipeline import Pipeline
 from .scheduler import Job, QueueFull, TooManySequences
-from .schemas import APIError, GenRequest, bad, chat_request, completion_request, parse_json
+from .schemas import (APIError, GenRequest, bad, chat_request, completion_request, detokenize_request, parse_json,
+                      tokenize_request)
 
 
 # The chat page at / (one static file shipped in the package; it talks to the API below from the browser).
@@ -257,6 +258,28 @@ def _usage(done: dict, n_prompts_counted: set) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _timings(done: dict) -> dict | None:
+    """llama-server's timings of finished jobs: prompt tokens run (prompt_n; cache_n came from the prefix
+    cache) and generated (predicted_n, the first token included), with the time each took: from taking a slot
+    to the first token, and from there to the end. For several sequences (n, a list of prompts) the counts and
+    the times add up over them (each sequence's own time, not the wall clock). None where the times are
+    unknown."""
+    evs = list(done.values())
+    if not evs or any(ev.get("t_start") is None or ev.get("t_first") is None for ev in evs):
+        return None
+    prompt_n = sum(ev["prompt_tokens"] - ev["cached_tokens"] for ev in evs)
+    predicted_n = sum(ev["completion_tokens"] for ev in evs)
+    prompt_ms = sum(ev["t_first"] - ev["t_start"] for ev in evs) * 1e3
+    predicted_ms = sum(ev["t_end"] - ev["t_first"] for ev in evs) * 1e3
+    return {"cache_n": sum(ev["cached_tokens"] for ev in evs),
+            "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else None,
+            "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms > 0 else None,
+            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else None,
+            "predicted_per_second": predicted_n * 1e3 / predicted_ms if predicted_ms > 0 else None}
+
+
 async def _event_lists(q: asyncio.Queue, n_jobs: int):
     """Yields the events waiting in `q` as a list, until every job is done; raises ConnectionError when
     the client goes away. A stream writes each list in one send: a client that falls behind (or n > 1
@@ -349,7 +372,11 @@ async def _answer(server: Server, request: Request, req: GenRequest, jobs: list,
                  "logprobs": server.completion_logprobs(lps[i], 0) if req.logprobs else None}
         c["finish_reason"] = done[i]["finish_reason"]
         choices.append(c)
-    return JSONResponse({**head, "choices": choices, "usage": _usage(done, set())})
+    answer = {**head, "choices": choices, "usage": _usage(done, set())}
+    timings = _timings(done)
+    if timings is not None:  # (llama-server's; OpenAI clients ignore it)
+        answer["timings"] = timings
+    return JSONResponse(answer)
 
 
 async def generate(server: Server, request: Request, req: GenRequest, chat: bool):
@@ -370,10 +397,12 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(choices, usage=None) -> bytes:
+    def chunk(choices, usage=None, timings=None) -> bytes:
         d = {"id": rid, "object": chunk_obj, "created": created, "model": server.model_id, "choices": choices}
         if usage is not None or req.include_usage:
             d["usage"] = usage
+        if timings is not None:
+            d["timings"] = timings
         return _sse(_dumps(d))
 
     templates = {}  # choice index -> the JSON of a plain delta, split where its text goes
@@ -411,7 +440,9 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         rest = _harmony_chunks(chunk, ev["index"], splitters[ev["index"]].flush()) if chat and server.harmony else b""
         c = {"index": ev["index"], "finish_reason": ev["finish_reason"], "logprobs": None}
         c.update({"delta": {}} if chat else {"text": ""})
-        return rest + chunk([c])
+        # llama-server's timings go in the stream's last chunk: this one, unless the usage chunk follows
+        last = len(done) == len(jobs) and not req.include_usage
+        return rest + chunk([c], timings=_timings(done) if last else None)
 
     done = {}
     offsets = {j.index: 0 for j in jobs}
@@ -451,7 +482,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
                     out.append(delta(ev) if ev["type"] == "delta" else finish(ev))
                 yield b"".join(out)
             if req.include_usage:
-                yield chunk([], _usage(done, set()))
+                yield chunk([], _usage(done, set()), _timings(done))
             status = "200"
             yield _sse("[DONE]")
         except Exception:
@@ -565,10 +596,10 @@ def create_app(server: Server) -> Starlette:
     def chat_prepare(raw: bytes) -> GenRequest:
         body = parse_json(raw)
         server.check_model(body)
-        messages, fields = chat_request(body, server.model.n_vocab)
+        messages, variables, fields = chat_request(body, server.model.n_vocab)
         tpl = server.model.chat_template  # ChatTemplateError: see template_error
         try:
-            text = tpl.render(messages, add_generation_prompt=True)
+            text = tpl.render(messages, add_generation_prompt=True, **variables)
         except ChatTemplateError as e:  # past the template's limits because of the messages' own size: theirs
             chars = sum(len(msg["content"]) for msg in messages)
             if e.problem == "limit" and chars > MAX_OUTPUT_CHARS // 2:
@@ -593,6 +624,14 @@ def create_app(server: Server) -> Starlette:
         for i, p in enumerate(ids):
             server.check_prompt(p, "prompt", "the prompt" if len(ids) == 1 else f"prompt {i}")
         return GenRequest(prompts=ids, **fields)
+
+    @endpoint("tokenize")
+    async def tokenize(request: Request):
+        return await _json_route(server, request, _tokenized)
+
+    @endpoint("detokenize")
+    async def detokenize(request: Request):
+        return await _json_route(server, request, _detokenized)
 
     @endpoint("models")
     async def models(request: Request):
@@ -619,7 +658,10 @@ def create_app(server: Server) -> Starlette:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     async def http_error(request: Request, exc: HTTPException):
-        e = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:  # (a client on the wrong path, /v1/v1/... or llama-server's /completion)
+            message += f"; the routes are {_route_list(routes)}"
+        e = APIError(exc.status_code, message,
                      type="invalid_request_error" if exc.status_code < 500 else "server_error")
         return JSONResponse(e.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -640,6 +682,11 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/chat/completions", chat, methods=["POST"]),  # llama-server's paths without /v1
+        Route("/completions", completions, methods=["POST"]),
+        Route("/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
@@ -651,6 +698,50 @@ def create_app(server: Server) -> Starlette:
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server
     return app
+
+
+def _route_list(routes: list) -> str:
+    """The routes as a 404 names them: "GET /, POST /v1/chat/completions, ..."."""
+    return ", ".join(f"{m} {r.path.replace(':path', '')}" for r in routes for m in sorted(r.methods - {"HEAD"}))
+
+
+async def _json_route(server: Server, request: Request, answer) -> JSONResponse:
+    """answer(server, request body) as JSON, off the event loop for a large body (as create_app's prepared)."""
+    raw = await read_body(request, server.max_body)
+
+    def run():
+        body = parse_json(raw)
+        server.check_model(body)
+        return JSONResponse(answer(server, body))
+
+    return await run_in_threadpool(run) if len(raw) > PREPARE_INLINE_BYTES else run()
+
+
+def _tokenized(server: Server, body: dict) -> dict:
+    """llama-server's POST /tokenize: {"content", "add_special"?, "parse_special"?, "with_pieces"?} ->
+    {"tokens": ids, or [{"id", "piece"}] with_pieces}."""
+    content, add_special, parse_special, with_pieces = tokenize_request(body)
+    ids = server.tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
+    if not with_pieces:
+        return {"tokens": ids}
+    return {"tokens": [{"id": t, "piece": _piece_json(server.tokenizer.token_to_piece(t, True))} for t in ids]}
+
+
+def _detokenized(server: Server, body: dict) -> dict:
+    """llama-server's POST /detokenize: {"tokens"} -> {"content"}: each token's text, special ones too, joined
+    (as llama-server does)."""
+    ids = detokenize_request(body, server.model.n_vocab)
+    text = b"".join(server.tokenizer.token_to_piece(t, True) for t in ids)
+    return {"content": text.decode("utf-8", "replace")}
+
+
+def _piece_json(piece: bytes):
+    """A token's piece as llama-server's /tokenize gives it: the text, or its bytes where they are not UTF-8
+    (part of a character)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
 
 
 def _model_card(server: Server) -> dict:

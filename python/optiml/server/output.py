@@ -42,6 +42,8 @@ class OutputStage:
         """Hands one token's result (token, end, text, logprobs) to the job's sink. True when the job has
         ended (its done or error event sent); else its token runs next."""
         tok, end, text, lp = result
+        if j.t_first is None:
+            j.t_first = now
         if self.metrics:
             if j.t_last is None:
                 self.metrics.ttft.observe(now - j.t_arrival)
@@ -73,7 +75,8 @@ class OutputStage:
         if text or lps:
             j.sink({"type": "delta", "index": j.index, "text": text, "logprobs": lps or []})
         j.sink({"type": "done", "index": j.index, "finish_reason": reason, "prompt_tokens": len(j.prompt),
-                "completion_tokens": len(j.generated), "cached_tokens": j.cached})
+                "completion_tokens": len(j.generated), "cached_tokens": j.cached, "t_start": j.t_start,
+                "t_first": j.t_first, "t_end": j.t_last})
 
     @staticmethod
     def fail(j, message: str) -> None:

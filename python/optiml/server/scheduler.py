@@ -46,7 +46,9 @@ class TooManySequences(QueueFull):
 class Job:
     """One sequence to generate. `sink(event)` is called from the pipeline's thread with dicts:
     {"type": "delta", "index", "text", "logprobs": [(tok, logprob, [(tok, logprob), ...]), ...]},
-    {"type": "done", "index", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"},
+    {"type": "done", "index", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+     "t_start", "t_first", "t_end"} (times: time.perf_counter() when the job took its slot, when its first
+    token came, when it ended),
     {"type": "error", "index", "message"}."""
 
     def __init__(self, index: int, prompt: list, max_tokens: int | None, sampler, stops: list, sink,
@@ -67,6 +69,8 @@ class Job:
         self.next_token = None  # sampled, to be run next step
         self.generated: list[int] = []
         self.t_arrival = time.perf_counter()
+        self.t_start = None  # when it took a slot (its prompt's reading starts)
+        self.t_first = None  # when its first token came (its prompt is read)
         self.t_last = None
         self.output = None  # the native output stage (output.py), made at the first token
         # A job without logprobs or a grammar takes the lone step when it runs alone.
@@ -248,6 +252,7 @@ class Scheduler:
         del slot.tokens[keep:]
         slot.job, job.slot = job, slot
         job.n_done = job.cached = keep
+        job.t_start = time.perf_counter()
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(job.prompt))
         return True

@@ -2,7 +2,8 @@
 
 A request becomes a GenRequest (prompt token ids, sampling settings, stops, limits) or an APIError with
 the status, type, param and a message that says what was wrong. Unknown fields are errors, not silently
-ignored: a client that asks for something the server does not do hears so.
+ignored: a client that asks for something the server does not do hears so (llama-server's own fields that
+it does not do are named as llama-server's). Also here: llama-server's /tokenize and /detokenize requests.
 """
 
 from __future__ import annotations
@@ -33,13 +34,33 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 # Fields every OpenAI client may send that change nothing here.
-IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options"}
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options", "prompt_cache_key",
+           "safety_identifier", "verbosity"}
+# llama-server's fields that clients written for it send: n_predict (its max_tokens) and cache_prompt (its
+# prompt cache, which is always on here: true or false, the answer is the same).
+LLAMA_FIELDS = {"n_predict", "cache_prompt"}
 COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-          "stop", "n", "presence_penalty", "frequency_penalty", "repeat_penalty", "logit_bias"} | IGNORED
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+          "stop", "n", "presence_penalty", "frequency_penalty", "repeat_penalty", "logit_bias"} | IGNORED | LLAMA_FIELDS
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                        "modalities", "reasoning_format", "chat_template_kwargs"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
-UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "suffix", "best_of", "audio", "modalities",
-               "prediction", "reasoning_effort", "web_search_options"}
+UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "suffix", "best_of", "audio", "prediction",
+               "reasoning_effort", "web_search_options"}
+# llama-server's own request fields this server does not do: refused as such (a migrating client hears what
+# it asked for is llama-server's), not as unknown.
+LLAMA_SERVER_ONLY = {
+    "grammar", "json_schema", "id_slot", "samplers", "typical_p", "top_n_sigma", "repeat_last_n", "min_keep",
+    "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "xtc_probability",
+    "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+    "dry_sequence_breakers", "ignore_eos", "n_probs", "post_sampling_probs", "n_keep", "n_indent",
+    "n_cache_reuse", "n_cmpl", "t_max_predict_ms", "return_tokens", "return_progress", "timings_per_token",
+    "response_fields", "lora", "reasoning_control", "sse_ping_interval"}
+# llama-server's reasoning_format values: taken and ignored (see chat_request).
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+# Names chat_template_kwargs may not set: the variables the server gives the template, and the functions the
+# template language has (a client's value there would break the template, answered as the server's 500).
+TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "raise_exception",
+                  "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"}
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -100,12 +121,15 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 def _check_fields(body: dict, allowed: set) -> None:
     for k, v in body.items():
-        if k in UNSUPPORTED and v is None:  # (some clients send every field, unset ones as null, as OpenAI allows)
+        if k in allowed:
             continue
+        if v is None and (k in UNSUPPORTED or k in LLAMA_SERVER_ONLY):
+            continue  # (some clients send every field, unset ones as null, as OpenAI allows)
         if k in UNSUPPORTED:
             raise bad(f"'{k}' is not supported by this server", k, code="unsupported_parameter")
-        if k not in allowed:
-            raise bad(f"unknown field '{k}'", k, code="unknown_parameter")
+        if k in LLAMA_SERVER_ONLY:
+            raise bad(f"llama-server's '{k}' is not supported by this server", k, code="unsupported_parameter")
+        raise bad(f"unknown field '{k}'", k, code="unknown_parameter")
 
 
 def _stops(body: dict) -> list:
@@ -119,10 +143,25 @@ def _stops(body: dict) -> list:
     return s
 
 
+def _max_tokens(body: dict, max_name: str):
+    """The most tokens to generate (None: no limit) from max_name, else max_tokens, else llama-server's
+    n_predict (-1: no limit)."""
+    given = max_name if body.get(max_name) is not None else "max_tokens"
+    max_tokens = _number(body, given, None, lo=1, integer=True)
+    n_predict = _number(body, "n_predict", None, lo=-1, integer=True)
+    if n_predict is None:
+        return max_tokens
+    if n_predict == 0:  # (llama-server's "read the prompt into the cache only": no answer to give here)
+        raise bad("'n_predict' must be -1 (no limit) or >= 1, got 0", "n_predict")
+    limit = None if n_predict == -1 else n_predict
+    if max_tokens is not None and max_tokens != limit:
+        raise bad(f"'n_predict' ({n_predict}) and '{given}' ({max_tokens}) disagree: give one of them", "n_predict")
+    return limit
+
+
 def _common(body: dict, n_vocab: int, max_name: str = "max_tokens") -> dict:
-    max_tokens = _number(body, max_name, None, lo=1, integer=True)
-    if max_name != "max_tokens" and max_tokens is None:
-        max_tokens = _number(body, "max_tokens", None, lo=1, integer=True)
+    max_tokens = _max_tokens(body, max_name)
+    _bool(body, "cache_prompt", True)  # checked, then ignored: the prefix cache is always on
     d = SamplingParams()
     params = SamplingParams(
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
@@ -216,17 +255,39 @@ def response_format(body: dict):
     return rf
 
 
+def template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs (llama-server's): extra variables for the chat template (Qwen3's enable_thinking)."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise bad("'chat_template_kwargs' must be an object of variables for the chat template",
+                  "chat_template_kwargs")
+    taken = sorted(TEMPLATE_NAMES & kw.keys())
+    if taken:
+        raise bad(f"'chat_template_kwargs' may not set '{taken[0]}': the template has its own", "chat_template_kwargs")
+    return kw
+
+
 def chat_request(body: dict, n_vocab: int) -> tuple:
-    """(messages, fields for GenRequest without prompts)."""
+    """(messages, chat template variables, fields for GenRequest without prompts)."""
     _check_fields(body, CHAT_FIELDS)
     messages = chat_messages(body)
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("'modalities' must be [\"text\"]: this server answers with text only", "modalities",
+                  code="unsupported_parameter")
+    # llama-server's reasoning_format chooses how it parses reasoning out of the text; here that is fixed
+    # (gpt-oss's analysis channel goes to reasoning_content, other models' text is returned as generated),
+    # so the known values are taken and change nothing.
+    if body.get("reasoning_format") not in (None, *REASONING_FORMATS):
+        raise bad(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
     c = _common(body, n_vocab, "max_completion_tokens")
     c["logprobs"] = _bool(body, "logprobs")
     c["top_logprobs"] = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
     if c["top_logprobs"] and not c["logprobs"]:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     c["response_format"] = response_format(body)
-    return messages, c
+    return messages, template_kwargs(body), c
 
 
 def completion_request(body: dict, n_vocab: int) -> tuple:
@@ -254,3 +315,23 @@ def completion_request(body: dict, n_vocab: int) -> tuple:
     if _bool(body, "echo"):
         raise bad("'echo' is not supported by this server", "echo", code="unsupported_parameter")
     return prompts, c
+
+
+def tokenize_request(body: dict) -> tuple:
+    """llama-server's POST /tokenize: (content, add_special, parse_special, with_pieces), its defaults."""
+    _check_fields(body, {"model", "content", "add_special", "parse_special", "with_pieces"})
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise bad("'content' must be the text to tokenize (a string)", "content")
+    return (content, _bool(body, "add_special", False), _bool(body, "parse_special", True),
+            _bool(body, "with_pieces", False))
+
+
+def detokenize_request(body: dict, n_vocab: int) -> list:
+    """llama-server's POST /detokenize: the token ids."""
+    _check_fields(body, {"model", "tokens"})
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n_vocab
+                                            for t in ids):
+        raise bad(f"'tokens' must be a list of token ids in [0, {n_vocab})", "tokens")
+    return ids
