@@ -33,6 +33,7 @@ from starlette.routing import Route
 from .._core import OptimlError
 from ..engine.chat_template import MAX_OUTPUT_CHARS, ChatTemplateError
 from ..engine.harmony import HarmonySplitter, is_harmony, split as split_harmony
+from ..engine.reasoning import ThinkSplitter, is_thinking, opened_by, split as split_think
 from ..engine.sampling import RANDOM_SEED, Sampler
 from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
@@ -110,6 +111,7 @@ class Server:
         self.max_body = max_body
         self.tokenizer = model.tokenizer
         self.harmony = is_harmony(self.tokenizer)  # gpt-oss: chat answers split into content and reasoning
+        self.thinking = not self.harmony and is_thinking(self.tokenizer)  # Qwen3, DeepSeek-R1: <think> blocks
         self.model_id = model_id or os.path.splitext(os.path.basename(model.path))[0]
         self.model_names = _model_names(self.model_id, model.path)
         self.created = int(os.path.getmtime(model.path))
@@ -315,23 +317,32 @@ async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
             return
 
 
-# Where a harmony piece goes in a chat message or delta (as llama.cpp's server puts gpt-oss's reasoning).
+# Where a reasoning splitter's piece goes in a chat message or delta (as llama.cpp's server puts reasoning).
 _FIELD = {"content": "content", "reasoning": "reasoning_content"}
 
 
-def _assistant_message(text: str, harmony: bool) -> dict:
-    """The assistant's message for its generated text: a harmony model's final channel as the content and its
-    analysis channel as reasoning_content."""
-    if not harmony:
+def _splitter(reasoning: str):
+    """The streaming splitter of a GenRequest's reasoning ("harmony", "think", "think-open")."""
+    return HarmonySplitter() if reasoning == "harmony" else ThinkSplitter(opened=reasoning == "think-open")
+
+
+def _assistant_message(text: str, reasoning: str | None) -> dict:
+    """The assistant's message for its generated text: with reasoning put apart (GenRequest.reasoning), the
+    answer as the content and the reasoning (a harmony model's analysis channel, a <think> block) as
+    reasoning_content."""
+    if not reasoning:
         return {"role": "assistant", "content": text}
-    reasoning, content = split_harmony(text)
+    if reasoning == "harmony":
+        reasoning, content = split_harmony(text)
+    else:
+        reasoning, content = split_think(text, opened=reasoning == "think-open")
     msg = {"role": "assistant", "content": content}
     if reasoning:
         msg["reasoning_content"] = reasoning
     return msg
 
 
-def _harmony_chunks(chunk, i: int, parts: list, logprobs=None) -> bytes:
+def _reasoning_chunks(chunk, i: int, parts: list, logprobs=None) -> bytes:
     """A chunk per harmony piece of choice i (content or reasoning_content), the logprobs with the first (or
     on an empty delta when the token was all frame, so that every token's logprobs arrive once)."""
     if not parts and logprobs is not None:
@@ -365,7 +376,7 @@ async def _answer(server: Server, request: Request, req: GenRequest, jobs: list,
     for j in jobs:
         i, text = j.index, "".join(texts[j.index])
         if chat:
-            c = {"index": i, "message": _assistant_message(text, server.harmony),
+            c = {"index": i, "message": _assistant_message(text, req.reasoning),
                  "logprobs": server.chat_logprobs(lps[i]) if req.logprobs else None}
         else:
             c = {"index": i, "text": text,
@@ -422,9 +433,9 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
         i, text = ev["index"], ev["text"]
         offset = offsets[i]
         offsets[i] += len(text)
-        if chat and server.harmony:  # reasoning and answer apart
+        if chat and req.reasoning:  # reasoning and answer apart
             lp = server.chat_logprobs(ev["logprobs"]) if req.logprobs else None
-            return _harmony_chunks(chunk, i, splitters[i].feed(text), lp)
+            return _reasoning_chunks(chunk, i, splitters[i].feed(text), lp)
         if not req.logprobs:
             return plain_delta(i, text)
         if chat:
@@ -437,7 +448,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
 
     def finish(ev) -> bytes:
         done[ev["index"]] = tag(ev)
-        rest = _harmony_chunks(chunk, ev["index"], splitters[ev["index"]].flush()) if chat and server.harmony else b""
+        rest = _reasoning_chunks(chunk, ev["index"], splitters[ev["index"]].flush()) if chat and req.reasoning else b""
         c = {"index": ev["index"], "finish_reason": ev["finish_reason"], "logprobs": None}
         c.update({"delta": {}} if chat else {"text": ""})
         # llama-server's timings go in the stream's last chunk: this one, unless the usage chunk follows
@@ -446,7 +457,7 @@ async def generate(server: Server, request: Request, req: GenRequest, chat: bool
 
     done = {}
     offsets = {j.index: 0 for j in jobs}
-    splitters = {j.index: HarmonySplitter() for j in jobs}
+    splitters = {j.index: _splitter(req.reasoning) for j in jobs} if chat and req.reasoning else {}
 
     shutdown = anyio.Event()  # set by sse-starlette when the server is told to stop (SIGTERM, Ctrl-C)
 
@@ -609,6 +620,8 @@ def create_app(server: Server) -> Starlette:
         ids = server.chat_ids(text)
         server.check_prompt(ids)
         fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]
+        if body.get("reasoning_format") != "none" and (server.harmony or server.thinking):
+            fields["reasoning"] = "harmony" if server.harmony else "think-open" if opened_by(text) else "think"
         return GenRequest(prompts=[ids], **fields)
 
     @endpoint("completions")

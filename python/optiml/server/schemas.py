@@ -82,6 +82,9 @@ class GenRequest:
     response_format: dict | None = None
     stream: bool = False
     include_usage: bool = False
+    # chat answers' reasoning put apart in reasoning_content: "harmony" (gpt-oss), "think" (<think> tags; "think-open"
+    # when the prompt opened the block), or None (the text as generated)
+    reasoning: str | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -276,9 +279,8 @@ def chat_request(body: dict, n_vocab: int) -> tuple:
     if body.get("modalities") not in (None, ["text"]):
         raise bad("'modalities' must be [\"text\"]: this server answers with text only", "modalities",
                   code="unsupported_parameter")
-    # llama-server's reasoning_format chooses how it parses reasoning out of the text; here that is fixed
-    # (gpt-oss's analysis channel goes to reasoning_content, other models' text is returned as generated),
-    # so the known values are taken and change nothing.
+    # llama-server's reasoning_format: "none" leaves the reasoning in the content as generated; the others put
+    # it in reasoning_content, as its default does (gpt-oss's analysis channel, <think> blocks: app.py).
     if body.get("reasoning_format") not in (None, *REASONING_FORMATS):
         raise bad(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
     c = _common(body, n_vocab, "max_completion_tokens")
