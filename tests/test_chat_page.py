@@ -248,3 +248,25 @@ def test_a_failed_regenerate_or_oversized_turn_keeps_the_conversation(server, br
     assert browser.execute_script("return localStorage.getItem('optiml.first')") == "0"
     assert browser.execute_script("return JSON.parse(localStorage.getItem('optiml.messages'))") == kept
     browser.execute_script("localStorage.clear()")
+
+
+def test_reasoning_is_shown_apart_and_kept(browser):
+    """A model that thinks in <think> tags (a stub replaying Qwen3-style text, tags cut between pieces): the
+    page shows its reasoning_content in a folded box above the answer, as text, and keeps it across a reload."""
+    from test_server_harmony import ANALYSIS, FINAL, StubServer
+
+    with live_server(StubServer("think")) as srv:
+        open_page(browser, srv)
+        browser.execute_script("window.localStorage.clear()")
+        browser.refresh()
+        ask(browser, "Hi")
+        wait_status(browser, lambda s: "pieces" in s, "the answer to finish")
+        assert bubbles(browser)[1][1] == FINAL
+
+        def reasoning(b):
+            return b.execute_script("const d = document.querySelector('#log .assistant details.reasoning');"
+                                    "return d ? [d.open, d.querySelector('div').textContent] : null;")
+        assert reasoning(browser) == [False, ANALYSIS]  # folded once the answer began
+        browser.refresh()
+        until(browser, 10, lambda b: len(bubbles(b)) == 2)
+        assert reasoning(browser) == [False, ANALYSIS] and bubbles(browser)[1][1] == FINAL
