@@ -352,6 +352,26 @@ def test_repl_keeps_the_conversation_when_a_message_cannot_fit(smollm2_path, tmp
     assert [m["role"] for m in saved] == ["system", "user", "assistant"] and saved[1]["content"] == "My name is Ada."
 
 
+def test_chat_template_kwargs(smollm2_path):
+    """Model.chat's chat_template_kwargs reach the template (Qwen3's enable_thinking), the conversation's
+    prompt ids follow them, and names the template has of its own are refused."""
+    tpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined "
+           "and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    msgs = [{"role": "user", "content": "Hi"}]
+    with optiml.Model(smollm2_path, n_ctx=128, n_threads=1) as m:
+        m.chat_template = tpl
+        off = {"enable_thinking": False}
+        assert m.chat_prompt(msgs, chat_template_kwargs=off) == m.tokenize(m.chat_template.render(msgs, **off),
+                                                                            special=True)
+        assert len(m.chat_prompt(msgs, chat_template_kwargs=off)) > len(m.chat_prompt(msgs))
+        m.chat(msgs, max_tokens=2, temperature=0, chat_template_kwargs=off)
+        assert m.last_stats["prompt_tokens"] == len(m.chat_prompt(msgs, chat_template_kwargs=off))
+        for bad in ({"messages": []}, ["enable_thinking"], {1: True}):
+            with pytest.raises(optiml.ArgumentError, match="chat_template_kwargs"):
+                m.chat(msgs, chat_template_kwargs=bad)
+
+
 def test_chat_from_a_pipe_prints_the_answers_only(smollm2_path, tmp_path):
     """stdin from a pipe: stdout holds what the model and the commands say, no greeting or prompts (they
     went to stderr, or nowhere); llama.cpp's -sys and --chat-template-file are taken; -s with a number is

@@ -56,6 +56,8 @@ def error(r, status):
     (["-c", "3", "--parallel", "4"], "less than one token each"),
     (["--ctx-size", "-8"], "-c/--ctx-size must be at least 0"),
     (["--port", "0", "--ray"], "not supported with --ray"),
+    (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["--chat-template-kwargs", "{\"messages\": 1}"], "may not set 'messages'"),
 ])
 def test_bad_settings_are_one_line_before_the_model_loads(capsys, args, message):
     """Checked before the model is even looked for (the file does not exist): one line, exit status 2."""
@@ -163,8 +165,14 @@ def test_chat_template_kwargs_reach_the_template(server):
         assert plain == len(server.chat_ids(tpl.render(MSGS)))
         assert r.json()["usage"]["prompt_tokens"] == len(server.chat_ids(tpl.render(MSGS, enable_thinking=False)))
         assert r.json()["usage"]["prompt_tokens"] > plain
+        # --chat-template-kwargs: the server's variables for every request; a request's own win
+        server.template_variables = {"enable_thinking": False}
+        assert post(server, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+        r = post(server, "/v1/chat/completions", dict(body, chat_template_kwargs={"enable_thinking": True}))
+        assert r.json()["usage"]["prompt_tokens"] == plain
     finally:
         model.chat_template = None
+        server.template_variables = {}
 
 
 # ---- routes -------------------------------------------------------------------------------------------------

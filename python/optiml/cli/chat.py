@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
                                "such as chatml are not known here)")
     template.add_argument("--chat-template-file", default=None, metavar="FILE",
                           help="a chat template (Jinja) from a file instead of the model's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra variables for the chat template, as a JSON object (llama.cpp's; Qwen3: "
+                        "'{\"enable_thinking\": false}' answers without thinking first)")
     p.add_argument("--stop", action="append", default=None, help="stop string besides the template's (repeatable)")
     common.add_device_args(p)
     common.add_batch_arg(p)
@@ -69,12 +72,13 @@ def run(args) -> int:
                             "built-in template names are not known here); or --chat-template-file FILE")
     if args.chat_template_file is not None:
         template = _read_text(args.chat_template_file, "--chat-template-file")
+    variables = common.template_variables(args.chat_template_kwargs)
     m = common.load(args)
     if template is not None:
         m.chat_template = template  # (ChatTemplateError, naming it, when it does not compile)
     interactive = sys.stdin.isatty()
     return repl(m, system=system, max_tokens=max_tokens, sampling=sampling, interactive=interactive,
-                read=None if interactive else (lambda _prompt: input()))
+                read=None if interactive else (lambda _prompt: input()), template_variables=variables)
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -94,8 +98,9 @@ class Conversation:
     """Messages of a chat with a Model; drops the oldest turns (never the system message) when the
     conversation no longer fits the context."""
 
-    def __init__(self, model, system: str | None = None):
+    def __init__(self, model, system: str | None = None, variables: dict | None = None):
         self.model = model
+        self.variables = variables or {}  # the template's extra variables (--chat-template-kwargs)
         self.messages: list[dict] = []
         if system:
             self.messages.append({"role": "system", "content": system})
@@ -111,7 +116,8 @@ class Conversation:
         self.model.reset()
 
     def prompt_tokens(self, messages: list[dict] | None = None) -> int:
-        return len(self.model.chat_prompt(self.messages if messages is None else messages))
+        return len(self.model.chat_prompt(self.messages if messages is None else messages,
+                                          **({"chat_template_kwargs": self.variables} if self.variables else {})))
 
     def last_needs(self) -> int:
         """The prompt tokens of the last message with the system message alone (what fit() can keep at
@@ -200,7 +206,8 @@ def history_path() -> str:
 
 
 def repl(model, system: str | None = None, max_tokens: int | None = None, sampling: dict | None = None,
-         out=None, read: Callable[[str], str] | None = None, reserve: int = 256, interactive: bool = True) -> int:
+         out=None, read: Callable[[str], str] | None = None, reserve: int = 256, interactive: bool = True,
+         template_variables: dict | None = None) -> int:
     """Runs the interactive chat on ``model`` until /exit or end of input. A chat template that fails on a
     turn is reported and the turn dropped; one that does not compile raises ChatTemplateError (optiml
     chat then exits with status 1 and the message). interactive False (input from a pipe): the greeting
@@ -208,7 +215,7 @@ def repl(model, system: str | None = None, max_tokens: int | None = None, sampli
     out = out or sys.stdout
     sampling = dict(sampling or {})
     read = read or _reader(history_path())
-    conv = Conversation(model, system)
+    conv = Conversation(model, system, template_variables)
     reserve = min(max_tokens or reserve, model.n_ctx // 2)
 
     def say(s: str = "") -> None:
@@ -323,13 +330,16 @@ def _answer(model, conv: Conversation, say, out, reserve: int, max_tokens: int |
     if dropped:
         say(f"[context full: dropped the {dropped} oldest messages]")
     pieces: list[str] = []
+    if conv.variables:
+        sampling = dict(sampling, chat_template_kwargs=conv.variables)
     gen = model.chat(conv.messages, stream=True, max_tokens=max_tokens, **sampling)
     # gpt-oss (harmony) and the models that think in <think> tags (Qwen3, DeepSeek-R1): the reasoning shown
     # dimmed on a terminal, only the answer kept for the next turn (their templates leave it out anyway).
     if is_harmony(model.tokenizer):
         split = HarmonySplitter()
     elif is_thinking(model.tokenizer):
-        split = ThinkSplitter(opened_by(model.chat_template.render(conv.messages, add_generation_prompt=True)))
+        split = ThinkSplitter(opened_by(model.chat_template.render(conv.messages, add_generation_prompt=True,
+                                                                   **conv.variables)))
     else:
         split = None
     dim = _can_dim(out)

@@ -127,6 +127,24 @@ def sampling(args) -> dict:
                 seed=seed(args.seed), stop=getattr(args, "stop", None))
 
 
+def template_variables(text: str | None) -> dict:
+    """--chat-template-kwargs: a JSON object of extra chat template variables (llama.cpp's flag)."""
+    if text is None:
+        return {}
+    import json
+
+    from ..engine.chat_template import check_variables
+
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise ArgumentError(f"--chat-template-kwargs is not JSON ({e}): give an object such as "
+                            "'{\"enable_thinking\": false}'") from None
+    if not isinstance(v, dict):
+        raise ArgumentError(f"--chat-template-kwargs must be a JSON object, not {text}")
+    return check_variables(v)
+
+
 def load(args, n_ctx: int | None = None) -> Model:
     """The Model the options ask for (a PredictorWarning, predictors found and left unused, is a log line:
     main's warning hook)."""

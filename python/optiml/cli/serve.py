@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="a web page origin (https://app.example.com) allowed to call the API from a browser; "
                         "repeat for more, '*' for any (default: pages served from this machine only)")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra variables for the chat template in every request, as a JSON object (llama-server's; "
+                        "Qwen3: '{\"enable_thinking\": false}'); a request's own chat_template_kwargs win")
     p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
     common.add_device_args(p)
     p.add_argument("--kv-vram", default=None,
@@ -87,7 +90,8 @@ def run(args) -> int:
     kw = dict(host=args.host, port=args.port, n_parallel=args.parallel, n_ctx=n_ctx, api_key=args.api_key,
               n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
               predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
-              use_mmap=common.use_mmap(args), cors_origins=args.cors_origin, **common.device(args))
+              use_mmap=common.use_mmap(args), cors_origins=args.cors_origin,
+              chat_template_kwargs=common.template_variables(args.chat_template_kwargs) or None, **common.device(args))
     if args.quiet:  # (-q: the access log and uvicorn's lines go; warnings and errors stay)
         kw["log_level"] = "warning"
     ray_only = [f for f, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),

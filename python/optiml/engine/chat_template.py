@@ -42,7 +42,7 @@ from ..formats import gguf
 from .tokenizer import Tokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "CHATML_TEMPLATE", "PLAIN_TEMPLATE", "TemplateLimitError",
-           "read_template"]
+           "check_variables", "read_template"]
 
 MAX_OUTPUT_CHARS = 1 << 20  # a prompt is a few hundred kB at most; a template writing more is broken or hostile
 MAX_RENDER_SECONDS = 2.0  # real templates render in well under 10 ms
@@ -65,6 +65,25 @@ def join_text_parts(parts: list) -> str | None:
     if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
         return None
     return "".join(p["text"] for p in parts)
+
+
+# Names extra template variables may not set: those the renderer gives the template, and the functions of the
+# template language (a value there would break the template).
+RESERVED_NAMES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "raise_exception",
+                  "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"}
+
+
+def check_variables(variables) -> dict:
+    """Extra variables for a template (llama.cpp's chat_template_kwargs: Qwen3's enable_thinking): a dict of
+    names the template does not give itself; ArgumentError otherwise."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping) or not all(isinstance(k, str) for k in variables):
+        raise ArgumentError(f"chat_template_kwargs must be a dict of variable names to values, got {variables!r}")
+    taken = sorted(RESERVED_NAMES & variables.keys())
+    if taken:
+        raise ArgumentError(f"chat_template_kwargs may not set {taken[0]!r}: the template has its own")
+    return dict(variables)
 
 
 def check_messages(messages) -> list:

@@ -31,7 +31,7 @@ from .. import _core
 from .._core import ArgumentError, OptimlError
 from ..formats.predictors import check_predictors, predicted_share
 from . import loading, speed_probe
-from .chat_template import ChatTemplate, read_template
+from .chat_template import ChatTemplate, check_variables, read_template
 from .checks import boolean, non_negative_int, positive_int, token_array
 from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, prompt_ids, stop_strings
 from .plan import Plan, kv_types, plan_args
@@ -576,20 +576,24 @@ class Model(Sequences):
         self._chat_template = tpl
         self._chat.forget()
 
-    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of ``messages`` rendered with the chat template. When the text begins with the last
-        chat prompt and answer, those keep the ids the model saw and generated (only the rest is tokenized),
-        so the context's cached prefix is reused exactly; otherwise the whole text is tokenized."""
+    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids of ``messages`` rendered with the chat template (with chat_template_kwargs' variables,
+        as chat). When the text begins with the last chat prompt and answer, those keep the ids the model saw
+        and generated (only the rest is tokenized), so the context's cached prefix is reused exactly; otherwise
+        the whole text is tokenized."""
         add_generation_prompt = boolean("add_generation_prompt", add_generation_prompt)
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         **check_variables(chat_template_kwargs))
         return self._chat.ids_for(text, self.tokenizer)
 
     def chat(self, messages: Sequence[dict], stream: bool = False, max_tokens: int | None = None,
-             **sampling) -> str | Iterator[str]:
+             chat_template_kwargs: dict | None = None, **sampling) -> str | Iterator[str]:
         """The assistant's answer to ``messages`` ([{"role": "system"|"user"|"assistant", "content": str}, ...])
         rendered with the model's chat template: a str, or with stream=True an iterator of text pieces.
 
-        max_tokens: None = until the model ends its turn or the context is full. Other keywords are
+        max_tokens: None = until the model ends its turn or the context is full. chat_template_kwargs: extra
+        variables for the template, as llama.cpp's (Qwen3: {"enable_thinking": False}). Other keywords are
         :meth:`stream`'s sampling parameters. Calling chat again with the conversation extended (the answer
         appended as an assistant message, then a new user message) reuses the context's cached tokens: only
         the new tokens are run (see :attr:`last_stats`).
@@ -598,7 +602,7 @@ class Model(Sequences):
             raise ArgumentError("messages is empty: give at least one message to answer")
         stream = boolean("stream", stream)
         tpl = self.chat_template
-        text = tpl.render(messages, add_generation_prompt=True)
+        text = tpl.render(messages, add_generation_prompt=True, **check_variables(chat_template_kwargs))
         ids = self._chat.ids_for(text, self.tokenizer)
         stops = stop_strings(sampling.pop("stop", None)) + tpl.stop
         if max_tokens is None:

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from .._core import OptimlError
 from ..engine.chat_template import MAX_OUTPUT_CHARS, ChatTemplateError
+from ..engine.chat_template import check_variables
 from ..engine.harmony import HarmonySplitter, is_harmony, split as split_harmony
 from ..engine.reasoning import ThinkSplitter, is_thinking, opened_by, split as split_think
 from ..engine.sampling import RANDOM_SEED, Sampler
@@ -105,8 +106,11 @@ class Server:
 
     def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
                  max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
-                 max_itl_ms: float | None = None, cors_origins: list | None = None):
+                 max_itl_ms: float | None = None, cors_origins: list | None = None,
+                 chat_template_kwargs: dict | None = None):
         self.model = model
+        # the chat template's extra variables for every request (--chat-template-kwargs); a request's own win
+        self.template_variables = check_variables(chat_template_kwargs)
         self.cors_origins = cors_origin_list(cors_origins)  # None: the browser's local pages; ["*"]: any
         self.max_body = max_body
         self.tokenizer = model.tokenizer
@@ -610,7 +614,7 @@ def create_app(server: Server) -> Starlette:
         messages, variables, fields = chat_request(body, server.model.n_vocab)
         tpl = server.model.chat_template  # ChatTemplateError: see template_error
         try:
-            text = tpl.render(messages, add_generation_prompt=True, **variables)
+            text = tpl.render(messages, add_generation_prompt=True, **{**server.template_variables, **variables})
         except ChatTemplateError as e:  # past the template's limits because of the messages' own size: theirs
             chars = sum(len(msg["content"]) for msg in messages)
             if e.problem == "limit" and chars > MAX_OUTPUT_CHARS // 2:

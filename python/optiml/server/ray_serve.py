@@ -644,7 +644,7 @@ BUILD_ARGS = {
     "parallel": 4, "ctx": None, "threads": None, "queue": 64, "chunk": 256, "alias": None, "api_key": None,
     "predictors": "auto", "device": "auto", "vram": None, "n_gpu_layers": None, "gpu_neurons": None,
     "kv_vram": None, "n_cpu_moe": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None,
-    "stream_interval_ms": 100, "access_log": False, "cors_origins": None,
+    "stream_interval_ms": 100, "access_log": False, "cors_origins": None, "chat_template_kwargs": None,
 }
 
 
@@ -668,13 +668,25 @@ def build_app(args: dict):
     if model_kwargs["predictors"] in ("none", None):
         model_kwargs["predictors"] = None
     server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]) or 256,
-                     "max_itl_ms": num(a["max_itl_ms"], float), "cors_origins": cors_origin_list(a["cors_origins"])}
+                     "max_itl_ms": num(a["max_itl_ms"], float), "cors_origins": cors_origin_list(a["cors_origins"]),
+                     "chat_template_kwargs": _json_object(a["chat_template_kwargs"])}
     return build(str(a["model"]), replicas=num(a["replicas"]), min_replicas=num(a["min_replicas"]),
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
                  n_parallel=num(a["parallel"]), max_queue=num(a["queue"]), max_ongoing=num(a["max_ongoing"]),
                  model_kwargs=model_kwargs, server_kwargs=server_kwargs, router=a["router"],
                  stream_interval_ms=num(a["stream_interval_ms"], float),
                  access_log=str(a["access_log"]).lower() in ("1", "true", "yes"))
+
+
+def _json_object(v):
+    """A setting that is a JSON object: a dict (a YAML config's), its JSON text (`serve run ... key=value`), or
+    None."""
+    if v is None or isinstance(v, dict):
+        return v
+    value = json.loads(v)
+    if not isinstance(value, dict):
+        raise ValueError(f"chat_template_kwargs must be a JSON object, not {v}")
+    return value
 
 
 # ---- a local cluster, or a cluster at an address -------------------------------------------------------
@@ -733,6 +745,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
               predictors="auto", device: str = "auto", vram=None, n_gpu_layers: int | None = None,
               gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None, use_mmap="auto",
               kv_type_k=None, kv_type_v=None, n_cpu_moe=None, cors_origins=None, min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
+              chat_template_kwargs=None,
               stream_interval_ms: float = 100, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
               stop: threading.Event | None = None):
     """optiml serve --ray: the same server as optiml.server.serve (same arguments), as `replicas`
@@ -791,7 +804,8 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
                                   "gpu_neurons": gpu_neurons, "kv_vram": kv_vram, "use_mmap": use_mmap,
                                   "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "n_cpu_moe": n_cpu_moe},
                     server_kwargs={"api_key": api_key, "model_id": model_id, "chunk": chunk,
-                                   "max_itl_ms": max_itl_ms, "cors_origins": cors_origins},
+                                   "max_itl_ms": max_itl_ms, "cors_origins": cors_origins,
+                                   "chat_template_kwargs": chat_template_kwargs},
                     stream_interval_ms=stream_interval_ms, access_log=log_level == "debug")
         try:
             serve.run(app, name=name, route_prefix=route_prefix)
@@ -984,6 +998,8 @@ def parser() -> argparse.ArgumentParser:
                    help="send a stream's pieces at most this often, what came meanwhile together (default 100; 0: "
                         "each piece as it comes, at more CPU per token in Ray Serve's proxy)")
     p.add_argument("--cors-origin", action="append", default=None)
+    p.add_argument("--chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
+                   help="extra variables for the chat template (Qwen3: '{\"enable_thinking\": false}')")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -995,7 +1011,8 @@ def main(argv=None) -> int:
               model_id=a.alias, log_level=a.log_level, predictors=None if a.predictors == "none" else a.predictors,
               device=a.device, vram=a.vram, n_gpu_layers=a.n_gpu_layers, gpu_neurons=a.gpu_neurons,
               kv_vram=a.kv_vram, max_itl_ms=a.max_itl_ms, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-              stream_interval_ms=a.stream_interval_ms, cors_origins=a.cors_origin)
+              stream_interval_ms=a.stream_interval_ms, cors_origins=a.cors_origin,
+              chat_template_kwargs=a.chat_template_kwargs)
     return 0
 
 

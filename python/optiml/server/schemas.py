@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..engine.chat_template import join_text_parts
+from ..engine.chat_template import RESERVED_NAMES, join_text_parts
 from ..engine.sampling import RANDOM_SEED, SamplingParams
 
 
@@ -59,8 +59,7 @@ LLAMA_SERVER_ONLY = {
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 # Names chat_template_kwargs may not set: the variables the server gives the template, and the functions the
 # template language has (a client's value there would break the template, answered as the server's 500).
-TEMPLATE_NAMES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "raise_exception",
-                  "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"}
+TEMPLATE_NAMES = RESERVED_NAMES
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
