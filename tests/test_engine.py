@@ -116,6 +116,24 @@ def test_split_sparse_relu(tiny_relu):
     assert kl(ref, got) < 1e-3
 
 
+@pytest.mark.parametrize("wtype", ["q4_1", "q8_0"])
+def test_split_sparse_share_of_quantized_weights(tmp_path, wtype):
+    """A split layer whose host share runs sparse: the device computes its own neurons' whole FFN, its down
+    columns uploaded as a slice of each row (Backend::upload_cols). Threshold 0 with the gate criterion keeps
+    every SiLU neuron, so the result is the dense model's up to the split's reassociation. (A slice copied
+    from a buffer freed before cpu:1's queue ran it once gave NaN logits.)"""
+    path = synthetic(tmp_path / f"tiny_{wtype}.gguf", "--n-embd", "128", "--n-layer", "2", "--n-ff", "512",
+                     "--n-head", "4", "--n-head-kv", "4", "--type", wtype, "--std", "0.05")
+    ref, _ = run_logits(path, device="cpu", sparsity="none")
+    for k in (128, 256):
+        with optiml.Model(path, n_ctx=64, n_threads=2, device="cpu:1", gpu_neurons=k) as m:
+            m.set_sparsity("threshold", 0.0, criterion="gate")
+            got = np.vstack([m.eval(TEXT_IDS, all_logits=True), m.eval([TEXT_IDS[1]])[None]])
+            assert all(l["ffn_on_device"] == k for l in m.plan.layers)
+        assert np.isfinite(got).all(), k
+        assert kl(ref, got) < 1e-3, k
+
+
 def test_logits_on_the_device(tiny_f32):
     """With the last layer on the device and room for the output matrix, the final norm and the logits run
     there too (in chunks of plan.logits_rows rows); the same logits as the host's."""

@@ -168,10 +168,12 @@ Weight Backend::upload_cols(const Weight& w, int64_t c0, int64_t c1, const char*
     const size_t off = row_size(w.type, c0);
     uint8_t* p = (uint8_t*)alloc(d.row_bytes * (size_t)w.rows, what);
     // Gathered on the host and copied once: a copy per row (4096 for a 7B down matrix) costs a GPU
-    // launch each. The buffer is pageable, so the copy has taken its bytes when copy_from_host returns.
+    // launch each. A device's copy may read its source later (cpu:1's queue, pinned memory on a GPU): the
+    // buffer lives until the device has it.
     std::vector<uint8_t> rows((size_t)d.row_bytes * (size_t)w.rows);
     for (int64_t r = 0; r < w.rows; r++) std::memcpy(rows.data() + (size_t)r * d.row_bytes, w.row(r) + off, d.row_bytes);
     copy_from_host(p, rows.data(), rows.size());
+    synchronize();
     d.data = p;
     return d;
 }
