@@ -105,6 +105,8 @@ std::vector<size_t> f16_fields(int32_t type) {
         case TYPE_Q4_K: return {offsetof(block_q4_K, d), offsetof(block_q4_K, dmin)};
         case TYPE_Q5_K: return {offsetof(block_q5_K, d), offsetof(block_q5_K, dmin)};
         case TYPE_Q6_K: return {offsetof(block_q6_K, d)};
+        case TYPE_IQ4_NL: return {offsetof(block_iq4_nl, d)};
+        case TYPE_IQ4_XS: return {offsetof(block_iq4_xs, d)};
         default: return {};
     }
 }
@@ -162,8 +164,9 @@ double reference_dot(int32_t wtype, const uint8_t* w, const uint8_t* xq, int64_t
     return sum;
 }
 
-const int32_t kWeightTypes[] = {TYPE_F32,  TYPE_F16,  TYPE_BF16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1,
-                                TYPE_Q8_0, TYPE_MXFP4, TYPE_Q2_K, TYPE_Q3_K, TYPE_Q4_K, TYPE_Q5_K, TYPE_Q6_K};
+const int32_t kWeightTypes[] = {TYPE_F32,  TYPE_F16,   TYPE_BF16, TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0,
+                                TYPE_Q5_1, TYPE_Q8_0,  TYPE_MXFP4, TYPE_IQ4_NL, TYPE_Q2_K, TYPE_Q3_K,
+                                TYPE_Q4_K, TYPE_Q5_K,  TYPE_Q6_K, TYPE_IQ4_XS};
 
 std::vector<int64_t> lengths_for(int32_t wtype) {
     const TypeTraits& wt = type_traits(wtype);
@@ -562,7 +565,7 @@ void test_neon_coverage(const KernelTable& t, const KernelTable& ref) {
     };
     for (int32_t wtype : kWeightTypes)
         need((const void*)t.vec_dot[wtype], (const void*)ref.vec_dot[wtype], type_traits(wtype).name);
-    for (int32_t wtype : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_MXFP4}) {
+    for (int32_t wtype : {TYPE_Q4_0, TYPE_Q4_1, TYPE_Q5_0, TYPE_Q5_1, TYPE_Q8_0, TYPE_MXFP4, TYPE_IQ4_NL}) {
         need((const void*)t.vec_dot4[wtype], (const void*)ref.vec_dot4[wtype], "vec_dot4");
         need((const void*)t.vec_dot_rows[wtype], (const void*)ref.vec_dot_rows[wtype], "vec_dot_rows");
     }

@@ -142,6 +142,11 @@ struct block_q8_0 { fp16_t d; int8_t qs[32]; };
 struct block_mxfp4 { uint8_t e; uint8_t qs[16]; };
 // The E2M1 values doubled (ggml's kvalues_mxfp4): codes 8..15 are the negatives of 0..7 (8 is -0).
 inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// IQ4_NL: 32 codes indexing the non-linear table kIq4nlValues, nibbles laid out as Q4_0's (element j in the
+// low nibble of qs[j], j + 16 in the high one); value = kIq4nlValues[code] * d.
+struct block_iq4_nl { fp16_t d; uint8_t qs[16]; };
+// ggml's kvalues_iq4nl: the 16 levels, denser near zero where weights are.
+inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // Activation format paired with Q4_1/Q5_1: s = d * sum(qs).
 struct block_q8_1 { fp16_t d; fp16_t s; int8_t qs[32]; };
 
@@ -150,6 +155,13 @@ struct block_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; fp16_
 struct block_q4_K { fp16_t d; fp16_t dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct block_q5_K { fp16_t d; fp16_t dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; fp16_t d; };
+// IQ4_XS: 256 values as 8 sub-blocks of 32 with IQ4_NL's codes and table, each sub-block ib scaled by
+// d * (ls - 32), ls six bits: the low four in scales_l[ib / 2] (nibble ib % 2), the high two bits 2ib, 2ib+1
+// of scales_h; sub-block ib's codes are qs[16 ib .. 16 ib + 15], nibbles as IQ4_NL's.
+struct block_iq4_xs { fp16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
+inline int iq4_xs_scale(const block_iq4_xs& b, int ib) {
+    return (((b.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF) | (((b.scales_h >> (2 * ib)) & 3) << 4)) - 32;
+}
 // Activation format paired with the k-quants: bsums[j] = sum of qs[16j .. 16j+15].
 struct block_q8_K { float d; int8_t qs[256]; int16_t bsums[16]; };
 
@@ -160,6 +172,8 @@ static_assert(sizeof(block_q5_1) == 24, "block_q5_1 layout");
 static_assert(sizeof(block_q8_0) == 34, "block_q8_0 layout");
 static_assert(sizeof(block_q8_1) == 36, "block_q8_1 layout");
 static_assert(sizeof(block_mxfp4) == 17, "block_mxfp4 layout");
+static_assert(sizeof(block_iq4_nl) == 18, "block_iq4_nl layout");
+static_assert(sizeof(block_iq4_xs) == 136, "block_iq4_xs layout");
 static_assert(sizeof(block_q2_K) == 84, "block_q2_K layout");
 static_assert(sizeof(block_q3_K) == 110, "block_q3_K layout");
 static_assert(sizeof(block_q4_K) == 144, "block_q4_K layout");

@@ -36,15 +36,15 @@ struct TraitsTable {
         set(TYPE_Q6_K, "Q6_K", 256, sizeof(block_q6_K), true, TYPE_Q8_K);
         set(TYPE_Q8_K, "Q8_K", 256, sizeof(block_q8_K), true, TYPE_Q8_K);
         set(TYPE_MXFP4, "MXFP4", 32, sizeof(block_mxfp4), true, TYPE_Q8_0);
+        set(TYPE_IQ4_NL, "IQ4_NL", 32, sizeof(block_iq4_nl), true, TYPE_Q8_0);
+        set(TYPE_IQ4_XS, "IQ4_XS", 256, sizeof(block_iq4_xs), true, TYPE_Q8_K);
         // Types this library reads from files (sizes known) but has no kernels for.
         set(TYPE_IQ2_XXS, "IQ2_XXS", 256, 66, true, TYPE_Q8_K);
         set(TYPE_IQ2_XS, "IQ2_XS", 256, 74, true, TYPE_Q8_K);
         set(TYPE_IQ3_XXS, "IQ3_XXS", 256, 98, true, TYPE_Q8_K);
         set(TYPE_IQ1_S, "IQ1_S", 256, 50, true, TYPE_Q8_K);
-        set(TYPE_IQ4_NL, "IQ4_NL", 32, 18, true, TYPE_Q8_0);
         set(TYPE_IQ3_S, "IQ3_S", 256, 110, true, TYPE_Q8_K);
         set(TYPE_IQ2_S, "IQ2_S", 256, 82, true, TYPE_Q8_K);
-        set(TYPE_IQ4_XS, "IQ4_XS", 256, 136, true, TYPE_Q8_K);
         set(TYPE_IQ1_M, "IQ1_M", 256, 56, true, TYPE_Q8_K);
         set(TYPE_TQ1_0, "TQ1_0", 256, 54, true, TYPE_Q8_K);
         set(TYPE_TQ2_0, "TQ2_0", 256, 66, true, TYPE_Q8_K);

@@ -109,6 +109,42 @@ void vec_dot_q5_1_q8_1(int64_t n, float* s, const void* vw, const void* vx) {
     *s = sumf;
 }
 
+// IQ4_NL: table values against the codes, exact per block, then scaled as Q4_0's blocks are.
+void vec_dot_iq4_nl_q8_0(int64_t n, float* s, const void* vw, const void* vx) {
+    const block_iq4_nl* w = (const block_iq4_nl*)vw;
+    const block_q8_0* x = (const block_q8_0*)vx;
+    float sumf = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int sumi = 0;
+        for (int j = 0; j < 16; j++) {
+            sumi += kIq4nlValues[w[i].qs[j] & 0x0F] * x[i].qs[j];
+            sumi += kIq4nlValues[w[i].qs[j] >> 4] * x[i].qs[j + 16];
+        }
+        sumf += (float)sumi * (fp16_to_fp32(w[i].d) * fp16_to_fp32(x[i].d));
+    }
+    *s = sumf;
+}
+
+// IQ4_XS: per super-block, the sub-blocks' integer dots times their six-bit scales, summed exactly, then
+// times d_w * d_x (the SIMD kernels form the same integer).
+void vec_dot_iq4_xs_q8_K(int64_t n, float* s, const void* vw, const void* vx) {
+    const block_iq4_xs* w = (const block_iq4_xs*)vw;
+    const block_q8_K* x = (const block_q8_K*)vx;
+    float sumf = 0;
+    for (int64_t i = 0; i < n / 256; i++) {
+        int isum = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t* qs = w[i].qs + 16 * ib;
+            const int8_t* q8 = x[i].qs + 32 * ib;
+            int sumi = 0;
+            for (int j = 0; j < 16; j++) sumi += kIq4nlValues[qs[j] & 0x0F] * q8[j] + kIq4nlValues[qs[j] >> 4] * q8[j + 16];
+            isum += iq4_xs_scale(w[i], ib) * sumi;
+        }
+        sumf += (x[i].d * fp16_to_fp32(w[i].d)) * (float)isum;
+    }
+    *s = sumf;
+}
+
 void vec_dot_q8_0_q8_0(int64_t n, float* s, const void* vw, const void* vx) {
     const block_q8_0* w = (const block_q8_0*)vw;
     const block_q8_0* x = (const block_q8_0*)vx;
@@ -274,6 +310,8 @@ void fill_kernels_scalar(KernelTable& t) {
     t.vec_dot[TYPE_Q5_1] = vec_dot_q5_1_q8_1;
     t.vec_dot[TYPE_Q8_0] = vec_dot_q8_0_q8_0;
     t.vec_dot[TYPE_MXFP4] = vec_dot_mxfp4_q8_0;
+    t.vec_dot[TYPE_IQ4_NL] = vec_dot_iq4_nl_q8_0;
+    t.vec_dot[TYPE_IQ4_XS] = vec_dot_iq4_xs_q8_K;
     t.vec_dot[TYPE_Q2_K] = vec_dot_q2_K_q8_K;
     t.vec_dot[TYPE_Q3_K] = vec_dot_q3_K_q8_K;
     t.vec_dot[TYPE_Q4_K] = vec_dot_q4_K_q8_K;

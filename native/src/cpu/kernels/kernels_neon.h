@@ -130,6 +130,13 @@ inline Codes codes(const block_mxfp4& a) {
     return Codes{vqtbl1q_s8(table, vreinterpretq_u8_s8(c.lo)), vqtbl1q_s8(table, vreinterpretq_u8_s8(c.hi))};
 }
 
+// IQ4_NL: each nibble looked up in its table of 16 signed levels.
+inline Codes codes(const block_iq4_nl& a) {
+    const Codes c = nibbles(a.qs);
+    const int8x16_t table = vld1q_s8(kIq4nlValues);
+    return Codes{vqtbl1q_s8(table, vreinterpretq_u8_s8(c.lo)), vqtbl1q_s8(table, vreinterpretq_u8_s8(c.hi))};
+}
+
 // A weight block's scale: its fp16 d, or MXFP4's E8M0 half-scale.
 template <typename WBlock>
 inline float scale_of(const WBlock& a) { return h2f(a.d); }
@@ -237,6 +244,20 @@ void vec_dot_K(int64_t n, float* s, const void* w, const void* x) {
     float sum = 0;
     for (int64_t i = 0; i < n / OPTIML_QK_K; i++) sum += block_dot(a[i], b[i]);
     *s = sum;
+}
+
+// IQ4_XS: each sub-block's codes (IQ4_NL's table) dotted with its 32 activations, times its six-bit scale,
+// summed exactly; then times d_w * d_x (the scalar kernel's integer).
+__attribute__((always_inline)) inline float dot_iq4_xs(const block_iq4_xs& a, const block_q8_K& b) {
+    const int8x16_t table = vld1q_s8(kIq4nlValues);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    int32x4_t sumi = vdupq_n_s32(0);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8x16_t v = vld1q_u8(a.qs + 16 * ib);
+        const int8x16_t lo = vqtbl1q_s8(table, vandq_u8(v, m4)), hi = vqtbl1q_s8(table, vshrq_n_u8(v, 4));
+        sumi = vmlaq_n_s32(sumi, dot32(lo, hi, b.qs + 32 * ib), iq4_xs_scale(a, ib));
+    }
+    return (b.d * h2f(a.d)) * (float)vaddvq_s32(sumi);
 }
 
 __attribute__((always_inline)) inline float dot_q4_K(const block_q4_K& a, const block_q8_K& b) {
@@ -487,24 +508,28 @@ inline void fill_neon_table(KernelTable& t) {
     t.vec_dot[TYPE_Q5_0] = vec_dot_32<block_q5_0, block_q8_0>;
     t.vec_dot[TYPE_Q5_1] = vec_dot_32<block_q5_1, block_q8_1>;
     t.vec_dot[TYPE_MXFP4] = vec_dot_32<block_mxfp4, block_q8_0>;
+    t.vec_dot[TYPE_IQ4_NL] = vec_dot_32<block_iq4_nl, block_q8_0>;
     t.vec_dot4[TYPE_Q8_0] = vec_dot4_32<block_q8_0, block_q8_0>;
     t.vec_dot4[TYPE_Q4_0] = vec_dot4_32<block_q4_0, block_q8_0>;
     t.vec_dot4[TYPE_Q4_1] = vec_dot4_32<block_q4_1, block_q8_1>;
     t.vec_dot4[TYPE_Q5_0] = vec_dot4_32<block_q5_0, block_q8_0>;
     t.vec_dot4[TYPE_Q5_1] = vec_dot4_32<block_q5_1, block_q8_1>;
     t.vec_dot4[TYPE_MXFP4] = vec_dot4_32<block_mxfp4, block_q8_0>;
+    t.vec_dot4[TYPE_IQ4_NL] = vec_dot4_32<block_iq4_nl, block_q8_0>;
     t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_32<block_q4_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1, block_q8_1>;
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0, block_q8_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1, block_q8_1>;
     t.vec_dot_rows[TYPE_MXFP4] = vec_dot_rows_32<block_mxfp4, block_q8_0>;
+    t.vec_dot_rows[TYPE_IQ4_NL] = vec_dot_rows_32<block_iq4_nl, block_q8_0>;
 
     t.vec_dot[TYPE_Q2_K] = vec_dot_K<block_q2_K, dot_q2_K>;
     t.vec_dot[TYPE_Q3_K] = vec_dot_K<block_q3_K, dot_q3_K>;
     t.vec_dot[TYPE_Q4_K] = vec_dot_K<block_q4_K, dot_q4_K>;
     t.vec_dot[TYPE_Q5_K] = vec_dot_K<block_q5_K, dot_q5_K>;
     t.vec_dot[TYPE_Q6_K] = vec_dot_K<block_q6_K, dot_q6_K>;
+    t.vec_dot[TYPE_IQ4_XS] = vec_dot_K<block_iq4_xs, dot_iq4_xs>;
 
     t.from_float[TYPE_Q8_0] = from_float_q8_0;
     t.from_float[TYPE_Q8_1] = from_float_q8_1;

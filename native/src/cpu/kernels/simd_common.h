@@ -8,6 +8,7 @@
 #include "simd_float.h"
 #include "simd_gemm.h"
 #include "simd_gemm_q32.h"
+#include "simd_iq4.h"
 #if defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include "simd_gemm_q32_rows.h"
 #endif
@@ -46,18 +47,23 @@ inline void fill_quant_kernels(KernelTable& t) {
     t.vec_dot[TYPE_Q5_1] = vec_dot_32<block_q5_1>;
     t.vec_dot[TYPE_Q8_0] = vec_dot_32<block_q8_0>;
     t.vec_dot[TYPE_MXFP4] = vec_dot_32<block_mxfp4>;
+    t.vec_dot[TYPE_IQ4_NL] = vec_dot_32<block_iq4_nl>;
+    t.vec_dot[TYPE_IQ4_XS] = vec_dot_iq4_xs;
     t.vec_dot_rows[TYPE_Q4_0] = vec_dot_rows_32<block_q4_0>;
     t.vec_dot_rows[TYPE_Q4_1] = vec_dot_rows_32<block_q4_1>;
     t.vec_dot_rows[TYPE_Q5_0] = vec_dot_rows_32<block_q5_0>;
     t.vec_dot_rows[TYPE_Q5_1] = vec_dot_rows_32<block_q5_1>;
     t.vec_dot_rows[TYPE_Q8_0] = vec_dot_rows_32<block_q8_0>;
     t.vec_dot_rows[TYPE_MXFP4] = vec_dot_rows_32<block_mxfp4>;
+    t.vec_dot_rows[TYPE_IQ4_NL] = vec_dot_rows_32<block_iq4_nl>;
     t.gemm[TYPE_Q4_0] = kGemmQ32<block_q4_0, PR>;
     t.gemm[TYPE_Q4_1] = kGemmQ32<block_q4_1, PR>;
     t.gemm[TYPE_Q5_0] = kGemmQ32<block_q5_0, PR>;
     t.gemm[TYPE_Q5_1] = kGemmQ32<block_q5_1, PR>;
     t.gemm[TYPE_Q8_0] = kGemmQ32<block_q8_0, PR>;
     t.gemm[TYPE_MXFP4] = kGemmQ32<block_mxfp4, PR>;
+    t.gemm[TYPE_IQ4_NL] = kGemmQ32<block_iq4_nl, PR>;
+    t.gemm[TYPE_IQ4_XS] = gemm_iq4_xs;
 
     t.vec_dot[TYPE_Q2_K] = vec_dot_tiled<KTile<block_q2_K>>;
     t.vec_dot[TYPE_Q3_K] = vec_dot_tiled<KTile<block_q3_K>>;

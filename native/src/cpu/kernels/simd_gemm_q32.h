@@ -222,11 +222,16 @@ struct CodeBlock {
     uint8_t q[32];
     float d, m;
 };
-template <int Offset>
+// Signed: the codes are signed values (IQ4_NL's table), met as |w| . (x with w's sign), as Q8_0's bytes.
+template <int Offset, bool Signed = false>
 struct CodeRows {
     static constexpr int offset = Offset;
     static constexpr bool high16 = false;
     static __m256i dot(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+        if constexpr (Signed) {
+            acc = dot_u8s8(acc, _mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+            return dot_u8s8(acc, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
+        }
         return dot_groups2(acc, w0, x0, w1, x1);
     }
     static int group0(int k) { return 2 * k; }
@@ -256,10 +261,11 @@ template <> struct PanelSource<block_q8_0> { typedef ByteRows T; };
 template <> struct PanelSource<block_q5_0> { typedef CodeRows<16> T; };
 template <> struct PanelSource<block_q5_1> { typedef CodeRows<0> T; };
 template <> struct PanelSource<block_mxfp4> { typedef CodeRows<12> T; };
+template <> struct PanelSource<block_iq4_nl> { typedef CodeRows<0, true> T; };
 template <class Src> struct IsCodeRows : std::false_type {};
-template <int O> struct IsCodeRows<CodeRows<O>> : std::true_type {};
+template <int O, bool S> struct IsCodeRows<CodeRows<O, S>> : std::true_type {};
 
-// Q5_0/Q5_1/MXFP4 rows as code bytes and float scales, once per call.
+// Q5_0/Q5_1/MXFP4/IQ4_NL rows as code bytes and float scales, once per call.
 template <class WBlock>
 inline void unpack_code_row(const void* row, int64_t nb, CodeBlock* out) {
     const WBlock* a = (const WBlock*)row;

@@ -71,6 +71,19 @@ template <> struct Q32<block_mxfp4> {
     static __m256i codes(const block_mxfp4& a) { return _mm256_shuffle_epi8(mxfp4_lut(), unpack_nibbles_16(a.qs)); }
 };
 
+// IQ4_NL: each nibble looked up (vpshufb) in the table of its 16 signed levels; the values meet the activation
+// signed, as Q8_0's (|v| <= 127).
+inline __m256i iq4nl_lut() {
+    const __m128i t = _mm_loadu_si128((const __m128i*)kIq4nlValues);
+    return _mm256_setr_m128i(t, t);
+}
+template <> struct Q32<block_iq4_nl> {
+    typedef block_q8_0 X;
+    static constexpr int offset = 0;
+    static constexpr bool has_min = false, is_signed = true;
+    static __m256i codes(const block_iq4_nl& a) { return _mm256_shuffle_epi8(iq4nl_lut(), unpack_nibbles_16(a.qs)); }
+};
+
 // A weight block's scale: its fp16 d, or MXFP4's E8M0 half-scale.
 template <class WBlock> inline float scale_of(const WBlock& a) { return h2f(a.d); }
 inline float scale_of(const block_mxfp4& a) { return e8m0_to_fp32_half(a.e); }
