@@ -320,7 +320,7 @@ struct QType<TYPE_Q6_K> {
     }
 };
 
-// IQ4_NL/IQ4_XS (ggml-common.h; not in ggml_types.h because the CPU library has no code for them):
+// IQ4_NL/IQ4_XS (block_iq4_nl, block_iq4_xs in ggml_types.h; read here from raw bytes as the other types):
 //   block_iq4_nl { fp16 d; uint8 qs[16]; }                                          18 bytes
 //   block_iq4_xs { fp16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]; }    136 bytes
 // Codes index kvalues_iq4nl; nibbles are laid out as in Q4_0, per 32-value sub-block for IQ4_XS.
