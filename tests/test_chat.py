@@ -367,7 +367,7 @@ def test_chat_template_kwargs(smollm2_path):
         assert len(m.chat_prompt(msgs, chat_template_kwargs=off)) > len(m.chat_prompt(msgs))
         m.chat(msgs, max_tokens=2, temperature=0, chat_template_kwargs=off)
         assert m.last_stats["prompt_tokens"] == len(m.chat_prompt(msgs, chat_template_kwargs=off))
-        for bad in ({"messages": []}, ["enable_thinking"], {1: True}):
+        for bad in ({"messages": []}, {"self": 1}, {"loop": 2}, ["enable_thinking"], {1: True}):
             with pytest.raises(optiml.ArgumentError, match="chat_template_kwargs"):
                 m.chat(msgs, chat_template_kwargs=bad)
 

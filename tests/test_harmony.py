@@ -92,10 +92,10 @@ def test_chat_route_gives_reasoning_content(monkeypatch):
     """The server's chat message and stream deltas for a harmony model (the text is what its tokenizer renders)."""
     from optiml.server import app
 
-    msg = app._assistant_message(ANSWER, True)
+    msg = app._assistant_message(ANSWER, "harmony")
     assert msg == {"role": "assistant", "content": "Hello! How can I help?",
                    "reasoning_content": "The user greets. Respond <|kindly|>."}
-    assert app._assistant_message(ANSWER, False) == {"role": "assistant", "content": ANSWER}
+    assert app._assistant_message(ANSWER, None) == {"role": "assistant", "content": ANSWER}
 
 
 def test_served_stream_through_the_splitter(smollm2_path, monkeypatch):

@@ -444,7 +444,7 @@ def test_bad_arguments_raise_argument_error(rng):
     with pytest.raises(optiml.ArgumentError, match="multiple"):
         quant.dequantize(q, "q4_0", n=48)
     with pytest.raises(optiml.ArgumentError):
-        quant.dequantize(q, "iq4_nl")
+        quant.dequantize(q, "iq2_xxs")  # (a type this library has no code for)
     with pytest.raises(optiml.ArgumentError):
         quant.dot(q[0][:-2], "q4_0", x[0])
     with pytest.raises(optiml.ArgumentError):

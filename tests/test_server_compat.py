@@ -114,6 +114,7 @@ def test_n_predict_is_llama_servers_max_tokens():
     assert limit({"n_predict": -1}) is None  # llama-server's "no limit"
     assert limit({"n_predict": 5, "max_tokens": 5}) == 5  # the same limit twice is no conflict
     assert limit({"n_predict": 5, "max_completion_tokens": 5}) == 5
+    assert limit({"n_predict": -1, "max_tokens": 7}) == 7  # -1 is llama-server's default, sent beside max_tokens
 
 
 def test_llama_server_and_newer_openai_fields_are_taken(server):

@@ -88,6 +88,7 @@ class StubServer(Server):
         self.metrics, self.pipeline, self._grammars = Metrics(), StubPipeline(CHUNKS[kind]), None
         self.harmony = harmony.is_harmony(self.tokenizer)
         self.thinking = not self.harmony and reasoning.is_thinking(self.tokenizer)
+        self.template_variables = {}
         self.kind = kind
 
 

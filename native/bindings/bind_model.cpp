@@ -424,7 +424,11 @@ void bind_model(nb::module_& m) {
         .def("sparsity_counts", &sparsity_counts)
         .def("reset_sparsity_counts", [](PySession& s) { s.session->reset_sparsity_counts(); })
         .def("set_recorder", [](PySession& s, std::optional<PyRecorder*> r) {
-            s.session->set_recorder(r && *r ? (*r)->rec : nullptr);
+            std::shared_ptr<ActivationRecorder> rec = r && *r ? (*r)->rec : nullptr;
+            // Without the GIL: placing the weights takes the model's layout lock, which a decode on another
+            // session holds while it checks for Ctrl-C, and that check takes the GIL.
+            nb::gil_scoped_release release;
+            s.session->set_recorder(std::move(rec));
         }, nb::arg("recorder").none());
     bind_predictors(session);
 }

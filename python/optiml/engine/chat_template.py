@@ -70,7 +70,8 @@ def join_text_parts(parts: list) -> str | None:
 # Names extra template variables may not set: those the renderer gives the template, and the functions of the
 # template language (a value there would break the template).
 RESERVED_NAMES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "raise_exception",
-                  "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace"}
+                  "strftime_now", "range", "dict", "lipsum", "cycler", "joiner", "namespace", "self", "loop",
+                  "varargs", "kwargs", "caller"}  # (the last five: Jinja's own names inside a template)
 
 
 def check_variables(variables) -> dict:
@@ -377,7 +378,7 @@ class ChatTemplate:
     def from_gguf(cls, path: str | os.PathLike) -> ChatTemplate:
         return cls.for_tokenizer(read_template(path), Tokenizer.from_file(path), os.path.basename(os.fspath(path)))
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render(self, /, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The conversation as the model's prompt text (what apply_chat_template(tokenize=False) gives).
         Any failure of the template raises ChatTemplateError (see the module doc)."""
         ctx = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}

@@ -279,10 +279,10 @@ def _timings(done: dict) -> dict | None:
     predicted_ms = sum(ev["t_end"] - ev["t_first"] for ev in evs) * 1e3
     return {"cache_n": sum(ev["cached_tokens"] for ev in evs),
             "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else None,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n and prompt_ms > 0 else None,
             "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms > 0 else None,
             "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else None,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n and predicted_ms > 0 else None,
             "predicted_per_second": predicted_n * 1e3 / predicted_ms if predicted_ms > 0 else None}
 
 
@@ -606,27 +606,8 @@ def create_app(server: Server) -> Starlette:
 
     @endpoint("chat")
     async def chat(request: Request):
-        return await generate(server, request, await prepared(request, chat_prepare), chat=True)
-
-    def chat_prepare(raw: bytes) -> GenRequest:
-        body = parse_json(raw)
-        server.check_model(body)
-        messages, variables, fields = chat_request(body, server.model.n_vocab)
-        tpl = server.model.chat_template  # ChatTemplateError: see template_error
-        try:
-            text = tpl.render(messages, add_generation_prompt=True, **{**server.template_variables, **variables})
-        except ChatTemplateError as e:  # past the template's limits because of the messages' own size: theirs
-            chars = sum(len(msg["content"]) for msg in messages)
-            if e.problem == "limit" and chars > MAX_OUTPUT_CHARS // 2:
-                raise bad(f"the messages hold {chars} characters, more than this server renders into a prompt "
-                          f"({MAX_OUTPUT_CHARS} characters)", "messages", code="context_length_exceeded") from None
-            raise
-        ids = server.chat_ids(text)
-        server.check_prompt(ids)
-        fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]
-        if body.get("reasoning_format") != "none" and (server.harmony or server.thinking):
-            fields["reasoning"] = "harmony" if server.harmony else "think-open" if opened_by(text) else "think"
-        return GenRequest(prompts=[ids], **fields)
+        return await generate(server, request, await prepared(request, functools.partial(_chat_prepare, server)),
+                              chat=True)
 
     @endpoint("completions")
     async def completions(request: Request):
@@ -715,6 +696,29 @@ def create_app(server: Server) -> Starlette:
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server
     return app
+
+
+def _chat_prepare(server: Server, raw: bytes) -> GenRequest:
+    """A chat request's body -> GenRequest: the messages rendered with the template (and its variables), the
+    prompt checked, the template's stop strings added, and where the answer's reasoning goes."""
+    body = parse_json(raw)
+    server.check_model(body)
+    messages, variables, fields = chat_request(body, server.model.n_vocab)
+    tpl = server.model.chat_template  # ChatTemplateError: see template_error
+    try:
+        text = tpl.render(messages, add_generation_prompt=True, **{**server.template_variables, **variables})
+    except ChatTemplateError as e:  # past the template's limits because of the messages' own size: theirs
+        chars = sum(len(msg["content"]) for msg in messages)
+        if e.problem == "limit" and chars > MAX_OUTPUT_CHARS // 2:
+            raise bad(f"the messages hold {chars} characters, more than this server renders into a prompt "
+                      f"({MAX_OUTPUT_CHARS} characters)", "messages", code="context_length_exceeded") from None
+        raise
+    ids = server.chat_ids(text)
+    server.check_prompt(ids)
+    fields["stops"] = fields["stops"] + [s for s in tpl.stop if s not in fields["stops"]]
+    if body.get("reasoning_format") != "none" and (server.harmony or server.thinking):
+        fields["reasoning"] = "harmony" if server.harmony else "think-open" if opened_by(text) else "think"
+    return GenRequest(prompts=[ids], **fields)
 
 
 def _route_list(routes: list) -> str:

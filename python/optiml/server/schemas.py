@@ -155,7 +155,9 @@ def _max_tokens(body: dict, max_name: str):
         return max_tokens
     if n_predict == 0:  # (llama-server's "read the prompt into the cache only": no answer to give here)
         raise bad("'n_predict' must be -1 (no limit) or >= 1, got 0", "n_predict")
-    limit = None if n_predict == -1 else n_predict
+    if n_predict == -1:  # (llama-server's default, which clients send beside max_tokens: not a limit of its own)
+        return max_tokens
+    limit = n_predict
     if max_tokens is not None and max_tokens != limit:
         raise bad(f"'n_predict' ({n_predict}) and '{given}' ({max_tokens}) disagree: give one of them", "n_predict")
     return limit
