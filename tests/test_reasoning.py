@@ -1,11 +1,8 @@
 """Reasoning in <think> tags (Qwen3, DeepSeek-R1) split from the answer (optiml.engine.reasoning), whole and as
 text streams in cut anywhere, and optiml chat showing it apart and keeping only the answer."""
 
-import io
-
 import pytest
 
-from optiml.cli.chat import repl
 from optiml.engine.reasoning import ThinkSplitter, opened_by, split
 
 ANSWER = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello! A <think> here is the answer's text."
@@ -80,25 +77,13 @@ class ThinkingModel:
         pass
 
 
-class Terminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
 def test_chat_shows_the_reasoning_apart_and_keeps_the_answer(monkeypatch):
+    from test_chat_harmony import Terminal, run  # (two turns, "Hi" and "Again", on a terminal)
+
     monkeypatch.setenv("TERM", "xterm-256color")
     monkeypatch.delenv("NO_COLOR", raising=False)
-    lines = iter(["Hi", "Again"])
-
-    def read(prompt):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    m, out = ThinkingModel(), Terminal()
-    assert repl(m, out=out, read=read) == 0
-    text = out.getvalue()
+    m = ThinkingModel()
+    text = run(m, Terminal())
     assert "<think>\n" not in text and "</think>" not in text
     joined = text.replace("\x1b[0m\x1b[2m", "")  # (each piece is dimmed on its own)
     assert f"\x1b[2m{WANT[0]}\x1b[0m\n\n{WANT[1]}\n" in joined
