@@ -37,6 +37,10 @@ CONFIGS = {
     # Qwen3: per-head q/k norms, and a head size of its own (Qwen3-0.6B: 16 heads of 128 in 1024)
     "qwen3-head-dim": ("Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
                                                 use_sliding_window=False)),
+    # SmolLM3: llama with no RoPE in every fourth layer (4 layers: the last has none)
+    "smollm3-nope": ("SmolLM3ForCausalLM", dict(num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=True,
+                                                use_sliding_window=False, pad_token_id=None, bos_token_id=1,
+                                                eos_token_id=0)),
 }
 PROMPTS = [[5, 77, 123, 9, 250, 31], [200, 3, 3, 41]]
 
@@ -143,10 +147,11 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
     out = convert(d, tmp_path / "m.gguf", type="q8_0")
     r = gguf.GGUFReader(out)
     f = {k: v.contents() for k, v in r.fields.items()}
-    arch = name.split("-")[0] if name.startswith("qwen") else "llama"
+    arch = name.split("-")[0] if name.startswith(("qwen", "smollm3")) else "llama"
     assert f["general.architecture"] == arch
     assert f["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
-    assert f[f"{arch}.block_count"] == 3 and f[f"{arch}.attention.head_count_kv"] == model.config.num_key_value_heads
+    assert f[f"{arch}.block_count"] == model.config.num_hidden_layers
+    assert f[f"{arch}.attention.head_count_kv"] == model.config.num_key_value_heads
     assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"  # llama.cpp's spelling
     assert f["tokenizer.ggml.eos_token_id"] == 0 and f["tokenizer.ggml.bos_token_id"] == 1
     assert len(f["tokenizer.ggml.tokens"]) == model.config.vocab_size
@@ -200,7 +205,8 @@ def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
     return bad, rel, seq
 
 
-@pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "qwen3-head-dim", "gemma3"])
+@pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "qwen3-head-dim", "smollm3-nope",
+                                        "gemma3"])
 def arch_folder(request, tmp_path_factory, tiny_tokenizer):
     """A tiny checkpoint of each architecture the converter writes: llama as SmolLM2 lays it out (tied;
     such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, qwen3 and

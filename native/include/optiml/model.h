@@ -56,6 +56,9 @@ struct HParams {
     int32_t head_dim = 0;  // per head, for q, k and v
     int32_t n_ff = 0;
     int32_t n_rot = 0;  // rotated dimensions per head (<= head_dim)
+    // Layers il with (il + 1) a multiple of this have no RoPE (SmolLM3's NoPE layers: 4, as llama.cpp fixes it);
+    // 0: every layer has it.
+    int32_t no_rope_step = 0;
     float rms_eps = 1e-5f;
     float rope_freq_base = 10000.0f;
     float rope_freq_scale = 1.0f;  // 1 / linear (or YaRN) scaling factor
@@ -98,6 +101,8 @@ struct HParams {
 
     bool is_swa(int il) const { return !swa_layer.empty() && swa_layer[il]; }
     float rope_base(int il) const { return is_swa(il) ? rope_freq_base_swa : rope_freq_base; }
+    // Layer il's rotated dimensions: n_rot, or 0 on a layer without RoPE.
+    int32_t rot(int il) const { return no_rope_step > 0 && (il + 1) % no_rope_step == 0 ? 0 : n_rot; }
     float rope_scale(int il) const { return is_swa(il) ? rope_freq_scale_swa : rope_freq_scale; }
     // Layer il's YaRN ramp and cos/sin factor (no YaRN: no ramp, factor 1).
     RopeYarnRange rope_yarn(int il) const {

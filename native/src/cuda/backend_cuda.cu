@@ -860,7 +860,7 @@ private:
         a.n_head = hp.n_head;
         a.n_head_kv = hp.n_head_kv;
         a.head_dim = hp.head_dim;
-        a.n_rot = hp.n_rot;
+        a.n_rot = hp.rot(layer);  // (0 on a layer without RoPE)
         a.neox = hp.rope_type == ROPE_NEOX;
         a.rope_base = hp.rope_base(layer);
         a.rope_scale = hp.rope_scale(layer);

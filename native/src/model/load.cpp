@@ -27,6 +27,7 @@ const ArchInfo kArchs[] = {
     {"qwen2", ROPE_NEOX},
     {"gemma3", ROPE_NEOX},
     {"qwen3", ROPE_NEOX},  // qwen2 without biases, with RMS norms over each head's q and k
+    {"smollm3", ROPE_NORM},  // llama with every fourth layer without RoPE
     {"qwen3moe", ROPE_NEOX},  // mixtures of experts (moe.cpp), as is llama with experts (Mixtral)
     {"qwen2moe", ROPE_NEOX},
     {"gpt-oss", ROPE_NEOX},  // experts with biases and a clamped SwiGLU, attention sinks, YaRN (moe.cpp)
@@ -137,6 +138,7 @@ HParams read_hparams(const GGUFFile& f) {
                                            f.path().c_str(), act.c_str()));
 
     read_moe_hparams(f, hp);
+    if (hp.arch == "smollm3") hp.no_rope_step = 4;  // (llama.cpp's graph fixes it; the file says nothing)
 
     hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
     if (gpt_oss) {
@@ -335,7 +337,7 @@ private:
 }  // namespace
 
 const char* supported_architectures() {
-    return "llama, mistral, qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt-oss, llama with experts (Mixtral)";
+    return "llama, mistral, qwen2, qwen3, gemma3, smollm3, qwen3moe, qwen2moe, gpt-oss, llama with experts (Mixtral)";
 }
 
 const char* ffn_activation_name(FFNActivation act) {

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", True),
     "Qwen2ForCausalLM": ("qwen2", False),
     "Qwen3ForCausalLM": ("qwen3", False),  # qwen2 with per-head q/k RMS norms, no biases, head_dim its own
+    "SmolLM3ForCausalLM": ("smollm3", True),  # llama with every fourth layer without RoPE (NoPE)
     "Gemma3ForCausalLM": ("gemma3", False),  # text-only; NeoX rotation like HF, no permutation
     # mixtures of experts (moe.py): Mixtral is llama with experts, permuted like llama
     "MixtralForCausalLM": ("llama", True),
@@ -132,7 +133,8 @@ def load_config(folder: str) -> ModelConfig:
     if isinstance(n_ctx, float) and n_ctx.is_integer():
         n_ctx = int(n_ctx)
     n_ctx = _get({"max_position_embeddings": n_ctx}, path, "max_position_embeddings", kind=int)
-    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "SmolLM3ForCausalLM"):
         n_ctx = _full_attention_context(cfg, path, hf_arch, n_ctx)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
@@ -150,6 +152,8 @@ def load_config(folder: str) -> ModelConfig:
         extra = dict(moe.read_config(cfg, path, hf_arch), explicit_head_dim=cfg.get("head_dim") is not None)
     elif hf_arch == "Qwen3ForCausalLM":  # (llama.cpp writes key_length whenever config.json has head_dim)
         extra = dict(qk_norm=True, explicit_head_dim=cfg.get("head_dim") is not None)
+    elif hf_arch == "SmolLM3ForCausalLM":
+        _check_nope_layers(cfg, path, n_layer)
     elif hf_arch == gpt_oss.GPT_OSS:
         extra = dict(gpt_oss.read_config(cfg, path, rope), explicit_head_dim=cfg.get("head_dim") is not None)
     # (gpt-oss's YaRN is checked by gpt_oss.read_config)
@@ -166,6 +170,18 @@ def load_config(folder: str) -> ModelConfig:
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),
         rope_scaling=rope, activation=act if act in ("relu", "gelu") else "silu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")), raw=cfg, **extra)
+
+
+def _check_nope_layers(cfg: dict, path: str, n_layer: int) -> None:
+    """SmolLM3's layers without RoPE: llama.cpp's smollm3 graph (which our engine follows) leaves it out of every
+    fourth layer and the file does not say which; a checkpoint with another pattern is refused."""
+    want = [int((i + 1) % 4 != 0) for i in range(n_layer)]
+    got = cfg.get("no_rope_layers")
+    if got is None and cfg.get("no_rope_layer_interval", 4) == 4:
+        return
+    if got != want:
+        raise ConvertError(f"{path}: no_rope_layers = {got!r} (interval {cfg.get('no_rope_layer_interval')!r}) is not "
+                           "every fourth layer without RoPE, the only pattern llama.cpp's smollm3 reads")
 
 
 def _dict_or_none(cfg: dict, path: str, key: str, prefix: str = "") -> dict:
@@ -185,7 +201,7 @@ def _full_attention_context(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> i
     becomes the file's context_length, so that both engines compute what transformers does up to their
     trained context. Qwen2's (and Qwen3's) use_sliding_window windows the layers from max_window_layers on (or those
     layer_types names): refused where that changes anything."""
-    if hf_arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if hf_arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
         if cfg.get("use_sliding_window") and (cfg.get("sliding_window") or n_ctx) < n_ctx:
             types = cfg.get("layer_types")
             n_layer = cfg.get("num_hidden_layers") or 0

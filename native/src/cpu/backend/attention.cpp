@@ -65,16 +65,17 @@ void rope_and_store_kv(ThreadPool& pool, const KernelTable& kt, const HParams& h
         float* kt_ = k + t * n_kv;
         float* vt = v + t * n_kv;
         const int32_t seq = b.seq[t], pos = b.pos[t];
-        float* cos = thread_buffer<float>((size_t)hp.n_rot, 0);
-        float* sin = cos + hp.n_rot / 2;
+        const int32_t n_rot = hp.rot(il);  // (0 on a layer without RoPE: nothing turns)
+        float* cos = thread_buffer<float>((size_t)n_rot, 0);
+        float* sin = cos + n_rot / 2;
         // Gemma 3 normalizes every head of q and k before rotating them.
         if (q_norm)
             for (int h = 0; h < hp.n_head; h++) rms_norm(qt + h * hd, q_norm, qt + h * hd, hd, hp.rms_eps);
         if (k_norm)
             for (int h = 0; h < hp.n_head_kv; h++) rms_norm(kt_ + h * hd, k_norm, kt_ + h * hd, hd, hp.rms_eps);
-        rope_cos_sin(pos, hp.n_rot, rope_base, rope_scale, freq_factors, cos, sin, yarn);
-        for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, hp.n_rot, cos, sin, neox);
-        for (int h = 0; h < hp.n_head_kv; h++) rope(kt_ + h * hd, hp.n_rot, cos, sin, neox);
+        rope_cos_sin(pos, n_rot, rope_base, rope_scale, freq_factors, cos, sin, yarn);
+        for (int h = 0; h < hp.n_head; h++) rope(qt + h * hd, n_rot, cos, sin, neox);
+        for (int h = 0; h < hp.n_head_kv; h++) rope(kt_ + h * hd, n_rot, cos, sin, neox);
         if (hp.attn_q_scale != 1.0f)
             for (int64_t i = 0; i < n_q; i++) qt[i] *= hp.attn_q_scale;
         if (rot_k) {
