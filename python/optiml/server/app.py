@@ -598,11 +598,7 @@ def create_app(server: Server) -> Starlette:
 
     endpoint = functools.partial(_endpoint, server)
 
-    async def prepared(request: Request, prepare) -> GenRequest:
-        """prepare(raw body) -> GenRequest, off the event loop for a large body: parsing, rendering and
-        tokenizing megabytes takes seconds, which would stall every other client's stream."""
-        raw = await read_body(request, server.max_body)
-        return await run_in_threadpool(prepare, raw) if len(raw) > PREPARE_INLINE_BYTES else prepare(raw)
+    prepared = functools.partial(_prepared, server)
 
     @endpoint("chat")
     async def chat(request: Request):
@@ -726,16 +722,21 @@ def _route_list(routes: list) -> str:
     return ", ".join(f"{m} {r.path.replace(':path', '')}" for r in routes for m in sorted(r.methods - {"HEAD"}))
 
 
-async def _json_route(server: Server, request: Request, answer) -> JSONResponse:
-    """answer(server, request body) as JSON, off the event loop for a large body (as create_app's prepared)."""
+async def _prepared(server: Server, request: Request, prepare):
+    """prepare(raw body), off the event loop for a large body: parsing, rendering and tokenizing megabytes
+    takes seconds, which would stall every other client's stream."""
     raw = await read_body(request, server.max_body)
+    return await run_in_threadpool(prepare, raw) if len(raw) > PREPARE_INLINE_BYTES else prepare(raw)
 
-    def run():
+
+async def _json_route(server: Server, request: Request, answer) -> JSONResponse:
+    """answer(server, request body) as JSON (_prepared's way)."""
+    def run(raw: bytes) -> JSONResponse:
         body = parse_json(raw)
         server.check_model(body)
         return JSONResponse(answer(server, body))
 
-    return await run_in_threadpool(run) if len(raw) > PREPARE_INLINE_BYTES else run()
+    return await _prepared(server, request, run)
 
 
 def _tokenized(server: Server, body: dict) -> dict:
