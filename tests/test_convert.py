@@ -206,12 +206,17 @@ def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
 
 
 @pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "qwen3-head-dim", "smollm3-nope",
-                                        "gemma3"])
+                                        "gemma2", "gemma3"])
 def arch_folder(request, tmp_path_factory, tiny_tokenizer):
     """A tiny checkpoint of each architecture the converter writes: llama as SmolLM2 lays it out (tied;
     such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, qwen3 and
-    gemma3 (7 layers: sliding and global ones)."""
-    if request.param == "gemma3":
+    gemma2 (soft-capped scores and logits, sliding and global layers alternating) and gemma3 (7 layers: sliding
+    and global ones)."""
+    if request.param == "gemma2":
+        from test_gemma2 import make_model as make_gemma2
+
+        model = make_gemma2("mqa-6-layers")
+    elif request.param == "gemma3":
         from test_gemma3 import make_model as make_gemma3
 
         model = make_gemma3("mqa-untied-7-layers")

@@ -73,12 +73,14 @@ struct HParams {
     int32_t n_ctx_orig_yarn = 0;
     FFNActivation ffn_act = FFN_SILU;
 
-    // Gemma 3 (all neutral for llama): embeddings scaled by embd_scale; q scaled by attn_q_scale after
-    // RoPE and scores by attn_kq_scale; layers with swa_layer[il] attend to the last n_swa positions
-    // only and rotate with their own base and scale; logits soft-capped when final_softcap > 0.
+    // Gemma 2 and 3 (all neutral for llama): embeddings scaled by embd_scale; q scaled by attn_q_scale
+    // after RoPE and scores by attn_kq_scale; scores soft-capped (cap * tanh(s / cap)) when attn_softcap
+    // > 0 (Gemma 2); layers with swa_layer[il] attend to the last n_swa positions only and rotate with
+    // their own base and scale; logits soft-capped when final_softcap > 0.
     float embd_scale = 1.0f;
     float attn_q_scale = 1.0f;
     float attn_kq_scale = 1.0f;
+    float attn_softcap = 0.0f;
     int32_t n_swa = 0;
     std::vector<bool> swa_layer;  // [n_layer]; empty: no sliding-window layers
     float rope_freq_base_swa = 10000.0f;

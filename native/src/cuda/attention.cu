@@ -485,7 +485,8 @@ __global__ void scores_kernel(CudaAttnArgs a, const float* q, const int32_t* seq
         } else {
             for (int d = 0; d < hd; d++) dot += sq[d] * load_kv(a.k_type, kr, d);
         }
-        return dot * a.kq_scale;
+        dot *= a.kq_scale;
+        return a.softcap > 0.0f ? a.softcap * tanhf(dot / a.softcap) : dot;
     };
 
     float m = -INFINITY, l = 0.0f;

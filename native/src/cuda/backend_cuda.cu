@@ -866,6 +866,7 @@ private:
         a.rope_scale = hp.rope_scale(layer);
         a.q_scale = hp.attn_q_scale;
         a.kq_scale = hp.attn_kq_scale;
+        a.softcap = hp.attn_softcap;
         a.rms_eps = hp.rms_eps;
         const RopeYarnRange yarn = hp.rope_yarn(layer);
         a.yarn_ext = yarn.ext_factor;

@@ -238,6 +238,7 @@ struct CudaAttnArgs {
     int32_t n_head, n_head_kv, head_dim, n_rot;
     bool neox;
     float rope_base, rope_scale, q_scale, kq_scale, rms_eps;
+    float softcap = 0.0f;  // > 0: scores soft-capped, softcap * tanh(score / softcap) (Gemma 2)
     // YaRN (optiml/rope_yarn.h; yarn_ext 0: none): the pairs' ramp and the factor on cos and sin (1 without)
     float yarn_ext = 0.0f, yarn_low = 0.0f, yarn_high = 0.0f, rope_mscale = 1.0f;
     int32_t n_swa;  // 0: attend to every earlier position

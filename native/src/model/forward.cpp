@@ -1,5 +1,5 @@
-// The forward pass of a llama-family model (llama, mistral, qwen2, gemma3) for one batch, top to bottom:
-// embed -> per layer (attention, FFN) -> final norm -> logits. Every op goes to the backend the plan
+// The forward pass of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3) for one batch,
+// top to bottom: embed -> per layer (attention, FFN) -> final norm -> logits. Every op goes to the backend the plan
 // names; the residual stream follows the layer's attention, and a layer's FFN may run on two devices
 // at once, each over its share of the neurons, the parts summed where the residual lives.
 #include <algorithm>

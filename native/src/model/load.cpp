@@ -25,6 +25,7 @@ const ArchInfo kArchs[] = {
     {"llama", ROPE_NORM},
     {"mistral", ROPE_NORM},
     {"qwen2", ROPE_NEOX},
+    {"gemma2", ROPE_NEOX},  // Gemma 3 without q/k norms, with soft-capped attention scores
     {"gemma3", ROPE_NEOX},
     {"qwen3", ROPE_NEOX},  // qwen2 without biases, with RMS norms over each head's q and k
     {"smollm3", ROPE_NORM},  // llama with every fourth layer without RoPE
@@ -79,6 +80,70 @@ void read_rope_scaling(const GGUFFile& f, HParams& hp) {
     }
 }
 
+// Every pattern-th layer global, the others sliding-window (llama.cpp's set_swa_pattern).
+void set_swa_pattern(HParams& hp, int pattern) {
+    hp.swa_layer.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; il++) hp.swa_layer[il] = il % pattern < pattern - 1;
+}
+
+// The scalings, soft-caps and sliding windows of the architectures that have them (gpt-oss, Gemma 2 and 3).
+void read_attention_variant(const GGUFFile& f, HParams& hp) {
+    const std::string p = hp.arch + ".";
+    hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
+    if (hp.arch == "gpt-oss") {
+        // As llama.cpp builds gpt-oss: every even layer attends to a window of sliding_window positions, with
+        // the same RoPE (and YaRN) as the others.
+        hp.n_swa = positive_i32(f, p + "attention.sliding_window");
+        set_swa_pattern(hp, 2);
+        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", hp.rope_freq_base);
+        hp.rope_freq_scale_swa = hp.rope_freq_scale;
+        if (!(hp.rope_freq_base_swa > 0))
+            throw GGUFError(format("%s: rope.freq_base_swa must be positive", f.path().c_str()));
+    }
+    if (hp.arch == "gemma2") {
+        // As llama.cpp builds Gemma 2: embeddings times sqrt(n_embd); q scaled by 1/sqrt(head_dim)
+        // (1/sqrt(n_embd/n_head) for the 46-layer 27B) and the scores not scaled again but soft-capped
+        // (50 unless the file says); every other layer, the first included, sliding-window (4096 positions
+        // unless the file says) with the global layers' RoPE; logits soft-capped (30 unless the file says).
+        hp.embd_scale = std::sqrt((float)hp.n_embd);
+        hp.attn_q_scale = hp.n_layer == 46 ? 1.0f / std::sqrt((float)(hp.n_embd / hp.n_head))
+                                           : 1.0f / std::sqrt((float)hp.head_dim);
+        hp.attn_kq_scale = 1.0f;
+        hp.attn_softcap = f.get_f32(p + "attn_logit_softcapping", 50.0f);
+        hp.final_softcap = f.get_f32(p + "final_logit_softcapping", 30.0f);
+        hp.n_swa = f.has(p + "attention.sliding_window") ? positive_i32(f, p + "attention.sliding_window") : 4096;
+        set_swa_pattern(hp, f.has(p + "attention.sliding_window_pattern")
+                                ? positive_i32(f, p + "attention.sliding_window_pattern", 4096)
+                                : 2);
+        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", hp.rope_freq_base);
+        hp.rope_freq_scale_swa = hp.rope_freq_scale;
+        if (!(hp.attn_softcap > 0) || !(hp.final_softcap > 0) || !(hp.rope_freq_base_swa > 0))
+            throw GGUFError(format("%s: attn_logit_softcapping, final_logit_softcapping and rope.freq_base_swa "
+                                   "must be positive", f.path().c_str()));
+    }
+    if (hp.arch == "gemma3") {
+        // As llama.cpp builds Gemma 3: embeddings times sqrt(n_embd); q scaled by 1/sqrt(head_dim)
+        // (1/sqrt(n_embd/n_head) for the 62-layer 27B, whose query_pre_attn_scalar says so) and the
+        // scores not scaled again; every 6th layer global, the others sliding-window with their own
+        // RoPE base (10000 unless the file says) and no RoPE scaling.
+        hp.embd_scale = std::sqrt((float)hp.n_embd);
+        hp.attn_q_scale = hp.n_layer == 62 ? 1.0f / std::sqrt((float)(hp.n_embd / hp.n_head))
+                                           : 1.0f / std::sqrt((float)hp.head_dim);
+        hp.attn_kq_scale = 1.0f;
+        hp.n_swa = f.has(p + "attention.sliding_window") ? positive_i32(f, p + "attention.sliding_window") : 0;
+        if (hp.n_swa > 0)
+            set_swa_pattern(hp, f.has(p + "attention.sliding_window_pattern")
+                                    ? positive_i32(f, p + "attention.sliding_window_pattern", 4096)
+                                    : 6);
+        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", 10000.0f);
+        hp.rope_freq_scale_swa = 1.0f;
+        hp.final_softcap = f.get_f32(p + "final_logit_softcapping", 0.0f);
+        if (!(hp.rope_freq_base_swa > 0) || hp.final_softcap < 0)
+            throw GGUFError(format("%s: rope.freq_base_swa must be positive and final_logit_softcapping not "
+                                   "negative", f.path().c_str()));
+    }
+}
+
 HParams read_hparams(const GGUFFile& f) {
     HParams hp;
     // A split GGUF (llama.cpp's gguf-split: NAME-00001-of-00003.gguf) keeps the metadata in the first part and
@@ -126,8 +191,9 @@ HParams read_hparams(const GGUFFile& f) {
     if (!(hp.rope_freq_base > 0) || !(hp.rope_freq_scale > 0) || !(hp.rms_eps > 0))
         throw GGUFError(format("%s: rope freq base/scale and RMS epsilon must be positive", f.path().c_str()));
 
-    const bool gemma3 = hp.arch == "gemma3", gpt_oss = hp.arch == "gpt-oss";
-    const std::string act = f.get_string("optiml.ffn.activation", gemma3 ? "gelu" : gpt_oss ? "swiglu_oai" : "silu");
+    const bool gemma = hp.arch == "gemma2" || hp.arch == "gemma3";
+    const std::string act = f.get_string("optiml.ffn.activation",
+                                         gemma ? "gelu" : hp.arch == "gpt-oss" ? "swiglu_oai" : "silu");
     if (act == "silu") hp.ffn_act = FFN_SILU;
     else if (act == "relu") hp.ffn_act = FFN_RELU;
     else if (act == "gelu") hp.ffn_act = FFN_GELU;
@@ -140,42 +206,7 @@ HParams read_hparams(const GGUFFile& f) {
     read_moe_hparams(f, hp);
     if (hp.arch == "smollm3") hp.no_rope_step = 4;  // (llama.cpp's graph fixes it; the file says nothing)
 
-    hp.attn_kq_scale = 1.0f / std::sqrt((float)hp.head_dim);
-    if (gpt_oss) {
-        // As llama.cpp builds gpt-oss: every even layer attends to a window of sliding_window positions, with
-        // the same RoPE (and YaRN) as the others.
-        hp.n_swa = positive_i32(f, p + "attention.sliding_window");
-        hp.swa_layer.resize(hp.n_layer);
-        for (int il = 0; il < hp.n_layer; il++) hp.swa_layer[il] = il % 2 == 0;
-        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", hp.rope_freq_base);
-        hp.rope_freq_scale_swa = hp.rope_freq_scale;
-        if (!(hp.rope_freq_base_swa > 0))
-            throw GGUFError(format("%s: rope.freq_base_swa must be positive", f.path().c_str()));
-    }
-    if (gemma3) {
-        // As llama.cpp builds Gemma 3: embeddings times sqrt(n_embd); q scaled by 1/sqrt(head_dim)
-        // (1/sqrt(n_embd/n_head) for the 62-layer 27B, whose query_pre_attn_scalar says so) and the
-        // scores not scaled again; every 6th layer global, the others sliding-window with their own
-        // RoPE base (10000 unless the file says) and no RoPE scaling.
-        hp.embd_scale = std::sqrt((float)hp.n_embd);
-        hp.attn_q_scale = hp.n_layer == 62 ? 1.0f / std::sqrt((float)(hp.n_embd / hp.n_head))
-                                           : 1.0f / std::sqrt((float)hp.head_dim);
-        hp.attn_kq_scale = 1.0f;
-        hp.n_swa = f.has(p + "attention.sliding_window") ? positive_i32(f, p + "attention.sliding_window") : 0;
-        if (hp.n_swa > 0) {
-            const int pattern = f.has(p + "attention.sliding_window_pattern")
-                                    ? positive_i32(f, p + "attention.sliding_window_pattern", 4096)
-                                    : 6;
-            hp.swa_layer.resize(hp.n_layer);
-            for (int il = 0; il < hp.n_layer; il++) hp.swa_layer[il] = il % pattern < pattern - 1;
-        }
-        hp.rope_freq_base_swa = f.get_f32(p + "rope.freq_base_swa", 10000.0f);
-        hp.rope_freq_scale_swa = 1.0f;
-        hp.final_softcap = f.get_f32(p + "final_logit_softcapping", 0.0f);
-        if (!(hp.rope_freq_base_swa > 0) || hp.final_softcap < 0)
-            throw GGUFError(format("%s: rope.freq_base_swa must be positive and final_logit_softcapping not "
-                                   "negative", f.path().c_str()));
-    }
+    read_attention_variant(f, hp);
     return hp;
 }
 
@@ -337,7 +368,8 @@ private:
 }  // namespace
 
 const char* supported_architectures() {
-    return "llama, mistral, qwen2, qwen3, gemma3, smollm3, qwen3moe, qwen2moe, gpt-oss, llama with experts (Mixtral)";
+    return "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, qwen3moe, qwen2moe, gpt-oss, "
+           "llama with experts (Mixtral)";
 }
 
 const char* ffn_activation_name(FFNActivation act) {
@@ -399,12 +431,13 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
             L.ffn.up_b = b.vector(p + "ffn_up.bias", hp.n_ff, false);
             L.ffn.down_b = b.vector(p + "ffn_down.bias", hp.n_embd, false);
         }
-        const bool gemma3 = hp.arch == "gemma3";  // these norms are part of Gemma 3, absent elsewhere
-        const bool qk_norm = gemma3 || hp.arch == "qwen3" || hp.arch == "qwen3moe";
+        // (post-norms are part of Gemma 2 and 3, q/k norms of Gemma 3 and Qwen3; absent elsewhere)
+        const bool gemma = hp.arch == "gemma2" || hp.arch == "gemma3";
+        const bool qk_norm = hp.arch == "gemma3" || hp.arch == "qwen3" || hp.arch == "qwen3moe";
         L.q_norm = b.vector(p + "attn_q_norm.weight", hp.head_dim, qk_norm);
         L.k_norm = b.vector(p + "attn_k_norm.weight", hp.head_dim, qk_norm);
-        if (!gpt_oss) L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma3);
-        L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma3);
+        if (!gpt_oss) L.attn_post_norm = b.vector(p + "post_attention_norm.weight", hp.n_embd, gemma);
+        L.ffn.post_norm = b.vector(p + "post_ffw_norm.weight", hp.n_embd, gemma);
     }
     M.sparsity = read_sparsity(f, hp);
     read_placement(f, hp, M.placement_gpu_neurons, M.placement_gpu_attention, M.placement_order);

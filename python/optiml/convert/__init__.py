@@ -156,7 +156,7 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
         vocab = _checked(f"{hf_dir}: the tokenizer files", lambda: tokenizer.load_vocab(
             hf_dir, cfg.n_vocab, prefer_bpe=cfg.arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "gpt-oss")))
         _special_ids_from_config(vocab, cfg)
-        if cfg.arch == "gemma3":  # as llama.cpp's Gemma 3 converter: BOS added, no space prefix
+        if cfg.arch in ("gemma2", "gemma3"):  # as llama.cpp's Gemma converters: BOS added, no space prefix
             vocab.setdefault("add_bos", True)
             if vocab["model"] == "llama":
                 vocab["add_space_prefix"] = False

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", False),
     "Qwen3ForCausalLM": ("qwen3", False),  # qwen2 with per-head q/k RMS norms, no biases, head_dim its own
     "SmolLM3ForCausalLM": ("smollm3", True),  # llama with every fourth layer without RoPE (NoPE)
+    "Gemma2ForCausalLM": ("gemma2", False),  # NeoX rotation like HF, no permutation; soft-capped scores
     "Gemma3ForCausalLM": ("gemma3", False),  # text-only; NeoX rotation like HF, no permutation
     # mixtures of experts (moe.py): Mixtral is llama with experts, permuted like llama
     "MixtralForCausalLM": ("llama", True),
@@ -57,11 +58,12 @@ class ModelConfig:
     activation: str = "silu"
     tie_embeddings: bool = False
     raw: dict = field(default_factory=dict)
-    # Gemma 3: sliding window, its layer period (every period-th layer global), the local RoPE base,
-    # final logit soft-capping (0 = none). gpt-oss: the window of its even layers.
+    # Gemma 2 and 3: sliding window, its layer period (every period-th layer global), the local RoPE base,
+    # attention score (Gemma 2) and final logit soft-capping (0 = none). gpt-oss: the window of its even layers.
     n_swa: int = 0
     swa_period: int = 6
     rope_theta_swa: float = 10000.0
+    attn_softcap: float = 0.0
     final_softcap: float = 0.0
     # Mixtures of experts: the experts' count, how many each token uses, their width, the shared
     # expert's width (0 = none); per-head q/k RMS norms (Qwen3); head_dim given by config.json
@@ -119,12 +121,12 @@ def load_config(folder: str) -> ModelConfig:
         raise ConvertError(f"{path}: {n_head} attention heads cannot share {n_head_kv} KV heads evenly")
 
     extra = {}  # the architecture's own fields (Gemma 3's window, a mixture's experts)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ConvertError(f"{path}: hidden_activation {act!r} is not supported for Gemma 3 (gelu_pytorch_tanh)")
+            raise ConvertError(f"{path}: hidden_activation {act!r} is not supported for Gemma (gelu_pytorch_tanh)")
         act = "gelu"
-        extra = _gemma3_extra(cfg, path, n_embd, n_head, int(head_dim))
+        extra = (_gemma2_extra if arch == "gemma2" else _gemma3_extra)(cfg, path, n_embd, n_head, int(head_dim))
     else:
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish", "relu"):
@@ -169,7 +171,7 @@ def load_config(folder: str) -> ModelConfig:
         n_ctx=n_ctx, rms_eps=float(_get(cfg, path, "rms_norm_eps", 1e-6, kind=float)),
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),
         rope_scaling=rope, activation=act if act in ("relu", "gelu") else "silu",
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")), raw=cfg, **extra)
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))), raw=cfg, **extra)
 
 
 def _check_nope_layers(cfg: dict, path: str, n_layer: int) -> None:
@@ -224,6 +226,33 @@ def _full_attention_context(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> i
     return window
 
 
+def _gemma2_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int) -> dict:
+    """Gemma 2's scalings, soft-caps and alternating sliding window, refused where llama.cpp's gemma2 graph
+    (which our engine follows) would compute something else than the checkpoint means."""
+    n_layer = _get(cfg, path, "num_hidden_layers", kind=int)
+    scalar = cfg.get("query_pre_attn_scalar", head_dim)
+    expected = n_embd // n_head if n_layer == 46 else head_dim  # llama.cpp's rule (the 27B is 46 layers)
+    if scalar != expected:
+        raise ConvertError(f"{path}: query_pre_attn_scalar {scalar} is not supported (llama.cpp's Gemma 2 "
+                           f"scales q by 1/sqrt({expected}))")
+    out = {}
+    # (null would leave the scores or the logits uncapped, which llama.cpp's gemma2 graph cannot do: refused)
+    out["attn_softcap"] = float(_get(cfg, path, "attn_logit_softcapping", kind=float))
+    out["final_softcap"] = float(_get(cfg, path, "final_logit_softcapping", kind=float))
+    window = _get(cfg, path, "sliding_window", kind=int)
+    types = cfg.get("layer_types")
+    if types is not None and types != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]:
+        raise ConvertError(f"{path}: layer_types is not Gemma 2's alternation of sliding and global layers "
+                           "(sliding first), the only one llama.cpp's gemma2 reads")
+    if not cfg.get("tie_word_embeddings", True):
+        raise ConvertError(f"{path}: tie_word_embeddings = false is not supported for Gemma 2 (llama.cpp's gemma2 "
+                           "reads no output matrix: it would run the file with the embeddings instead)")
+    if (cfg.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
+        raise ConvertError(f"{path}: RoPE scaling is not supported for Gemma 2")
+    out.update(n_swa=window, swa_period=2)
+    return out
+
+
 def _gemma3_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int) -> dict:
     """Gemma 3's sliding-window layout and scalings, refused where llama.cpp's gemma3 graph (which our
     engine follows) would compute something else than the checkpoint means."""
@@ -271,9 +300,9 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
         ("f32", f"{a}.rope.freq_base", c.rope_theta),
         ("f32", f"{a}.attention.layer_norm_rms_epsilon", c.rms_eps),
     ]
-    if a != "gemma3":  # llama.cpp's Gemma 3 converter writes neither
+    if a not in ("gemma2", "gemma3"):  # llama.cpp's Gemma converters write neither
         kv += [("u32", f"{a}.vocab_size", c.n_vocab), ("u32", f"{a}.rope.dimension_count", c.head_dim)]
-    if c.head_dim != c.n_embd // c.n_head or a == "gemma3" or c.explicit_head_dim:
+    if c.head_dim != c.n_embd // c.n_head or a in ("gemma2", "gemma3") or c.explicit_head_dim:
         kv += [("u32", f"{a}.attention.key_length", c.head_dim), ("u32", f"{a}.attention.value_length", c.head_dim)]
     if c.arch == "gpt-oss":
         kv += gpt_oss.yarn_kv(c) + [("u32", f"{a}.attention.sliding_window", c.n_swa)]
@@ -288,6 +317,10 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
             kv.append(("u32", f"{a}.expert_shared_feed_forward_length", c.n_ff_shexp))
     if c.activation == "relu":
         kv.append(("str", "optiml.ffn.activation", "relu"))  # the engine's switch to relu(gate) * up
+    if a == "gemma2":  # gelu is gemma2's own activation; its caps and window as llama.cpp's converter writes them
+        kv += [("f32", f"{a}.attn_logit_softcapping", c.attn_softcap),
+               ("f32", f"{a}.final_logit_softcapping", c.final_softcap),
+               ("u32", f"{a}.attention.sliding_window", c.n_swa)]
     if a == "gemma3":  # gelu is gemma3's own activation; the window, and what differs from llama.cpp's defaults
         if c.n_swa:
             kv.append(("u32", f"{a}.attention.sliding_window", c.n_swa))
@@ -323,8 +356,8 @@ def llama3_rope_factors(c: ModelConfig) -> np.ndarray:
 def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
     """Every tensor of the GGUF in llama.cpp's order, checked against the checkpoint's names."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    if c.arch == "gemma3":
-        return _gemma3_plan(c, available)
+    if c.arch in ("gemma2", "gemma3"):
+        return _gemma_plan(c, available)
     plan = [TensorPlan("token_embd.weight", "model.embed_tokens.weight", (c.n_vocab, c.n_embd))]
     for i in range(c.n_layer):
         p, b = f"model.layers.{i}.", f"blk.{i}."
@@ -366,7 +399,8 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
     return plan
 
 
-def _gemma3_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
+def _gemma_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
+    """Gemma 2 and 3: every norm stored as 1 + w, norms after the attention and the FFN too; q/k norms (Gemma 3)."""
     q, kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     plan = [TensorPlan("token_embd.weight", "model.embed_tokens.weight", (c.n_vocab, c.n_embd))]
     for i in range(c.n_layer):
@@ -376,8 +410,11 @@ def _gemma3_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
             TensorPlan(b + "attn_q.weight", p + "self_attn.q_proj.weight", (q, c.n_embd)),
             TensorPlan(b + "attn_k.weight", p + "self_attn.k_proj.weight", (kv, c.n_embd)),
             TensorPlan(b + "attn_v.weight", p + "self_attn.v_proj.weight", (kv, c.n_embd)),
-            TensorPlan(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", (c.head_dim,), add_one=True),
-            TensorPlan(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", (c.head_dim,), add_one=True),
+        ]
+        if c.arch == "gemma3":
+            plan += [TensorPlan(f"{b}attn_{w}_norm.weight", f"{p}self_attn.{w}_norm.weight", (c.head_dim,),
+                                add_one=True) for w in "qk"]
+        plan += [
             TensorPlan(b + "attn_output.weight", p + "self_attn.o_proj.weight", (c.n_embd, q)),
             TensorPlan(b + "post_attention_norm.weight", p + "post_attention_layernorm.weight", (c.n_embd,),
                        add_one=True),

@@ -132,6 +132,7 @@ struct CausalAttention {
     int64_t rot_v;
     int group;
     float scale;
+    float softcap;  // > 0: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)
     int64_t n_swa;  // a sliding-window layer: position p sees only p - n_swa < s <= p
     const float* sinks;  // [n_head] or null: each head's softmax also counts exp(sink) with a zero value
     // The query in the keys' vec_dot type (F16, F32; Q8_0 for quantized keys, as llama.cpp's flash
@@ -145,7 +146,8 @@ struct CausalAttention {
         : kt(kt_), hp(hp_), kv(kv_), b(b_), q(sc.q), attn(sc.attn), n_q(hp.n_embd_q()), hd(hp.head_dim),
           v_rows(kv.v_row != 0), kv_elem(type_traits(kv.v_type).type_size),
           rot_v(kv_rotation_block(kv.v_type, hd, true)), group(hp.n_head / hp.n_head_kv), scale(hp.attn_kq_scale),
-          n_swa(hp.is_swa(il) ? hp.n_swa : 0), sinks(L.attn_sinks.present() ? (const float*)L.attn_sinks.data : nullptr),
+          softcap(hp.attn_softcap), n_swa(hp.is_swa(il) ? hp.n_swa : 0),
+          sinks(L.attn_sinks.present() ? (const float*)L.attn_sinks.data : nullptr),
           k_quant(kv.type == TYPE_Q8_0 || kv.type == TYPE_Q4_0),
           to_dot(kt.from_float[type_traits(kv.type).vec_dot_type]),
           to_dot_v(kt.from_float[type_traits(kv.v_type).vec_dot_type]), head_bytes(row_size(kv.type, hd)),
@@ -168,12 +170,14 @@ struct CausalAttention {
                 __builtin_prefetch(v + (size_t)d * kv.n_ctx * kv_elem + off, 0, 2);
     }
 
-    // Raw scores in, softmax weights out (scaled, masked outside first..pos, over the whole window); a
-    // head's sink joins the max and the sum as ggml's soft_max counts it.
+    // Raw scores in, softmax weights out (scaled, soft-capped, masked outside first..pos, over the whole
+    // window); a head's sink joins the max and the sum as ggml's soft_max counts it.
     void softmax(int64_t t, int64_t h, float* scores) const {
         const int64_t n_seen = (int64_t)b.pos[t] + 1, nw = n_window(t), f = first(t);
         for (int64_t s = 0; s < f; s++) scores[s] = -INFINITY;
         for (int64_t s = f; s < n_seen; s++) scores[s] *= scale;
+        if (softcap > 0)
+            for (int64_t s = f; s < n_seen; s++) scores[s] = softcap * std::tanh(scores[s] / softcap);
         for (int64_t s = n_seen; s < nw; s++) scores[s] = -INFINITY;
         float max = -INFINITY;
         for (int64_t s = f; s < n_seen; s++) max = scores[s] > max ? scores[s] : max;
