@@ -41,6 +41,13 @@ CONFIGS = {
     "smollm3-nope": ("SmolLM3ForCausalLM", dict(num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=True,
                                                 use_sliding_window=False, pad_token_id=None, bos_token_id=1,
                                                 eos_token_id=0)),
+    # Phi-3: q/k/v and gate/up fused, 3/4 of each head rotated (Phi-4-mini's), LongRoPE past a context of 32
+    "phi3-longrope": ("Phi3ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None,
+                                              pad_token_id=None, bos_token_id=1, eos_token_id=0,
+                                              partial_rotary_factor=0.75, original_max_position_embeddings=32,
+                                              rope_scaling={"rope_type": "longrope",
+                                                            "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                                                            "short_factor": [1.0, 1.0, 1.1, 1.2, 1.3, 1.5]})),
 }
 PROMPTS = [[5, 77, 123, 9, 250, 31], [200, 3, 3, 41]]
 
@@ -147,7 +154,7 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
     out = convert(d, tmp_path / "m.gguf", type="q8_0")
     r = gguf.GGUFReader(out)
     f = {k: v.contents() for k, v in r.fields.items()}
-    arch = name.split("-")[0] if name.startswith(("qwen", "smollm3")) else "llama"
+    arch = name.split("-")[0] if name.startswith(("qwen", "smollm3", "phi3")) else "llama"
     assert f["general.architecture"] == arch
     assert f["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert f[f"{arch}.block_count"] == model.config.num_hidden_layers
@@ -158,7 +165,8 @@ def test_metadata_follows_llama_cpp(tiny, tmp_path):
     assert f["tokenizer.ggml.token_type"][0] == 3 and f["tokenizer.ggml.tokens"][-1] == "[PAD299]"
     assert f.get("optiml.ffn.activation") == ("relu" if name == "llama-relu" else None)
     types = {t.name: t.tensor_type.name for t in r.tensors}
-    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
+    qkv = "attn_qkv" if arch == "phi3" else "attn_q"  # (Phi-3's fused q, k, v: tests/test_phi3.py)
+    assert types[f"blk.0.{qkv}.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
     assert ("output.weight" in types) == (not model.config.tie_word_embeddings)
     assert ("rope_freqs.weight" in types) == (name == "llama3-rope")
 
@@ -206,12 +214,12 @@ def llama_cpp_greedy_agrees(path, prompt, n=24, n_ctx=128):
 
 
 @pytest.fixture(scope="module", params=["llama-gqa-tied", "mistral-gqa", "qwen2-bias", "qwen3-head-dim", "smollm3-nope",
-                                        "gemma2", "gemma3"])
+                                        "phi3-longrope", "gemma2", "gemma3"])
 def arch_folder(request, tmp_path_factory, tiny_tokenizer):
     """A tiny checkpoint of each architecture the converter writes: llama as SmolLM2 lays it out (tied;
-    such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, qwen3 and
-    gemma2 (soft-capped scores and logits, sliding and global layers alternating) and gemma3 (7 layers: sliding
-    and global ones)."""
+    such a random model keeps repeating its last token), mistral (written as llama, untied), qwen2, qwen3, phi3
+    (llama.cpp's context of 128 takes the long LongRoPE factors), gemma2 (soft-capped scores and logits, sliding
+    and global layers alternating) and gemma3 (7 layers: sliding and global ones)."""
     if request.param == "gemma2":
         from test_gemma2 import make_model as make_gemma2
 

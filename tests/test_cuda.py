@@ -140,22 +140,30 @@ def test_synthetic_model_matches_the_cpu(tiny, kind):
     assert mean_kld(ref, got) < 1e-4
 
 
-def test_gemma2_soft_caps_match_the_cpu(tmp_path):
-    """Gemma 2 (tests/test_gemma2.py's tiny model, caps low enough to bind): the scores capped in the attention
-    kernel and the logits capped after the output product, 40 tokens past its sliding window of 8."""
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_converted_architectures_match_the_cpu(tmp_path, arch):
+    """Tiny transformers models converted by optiml convert, 40 tokens: Gemma 2 (tests/test_gemma2.py's, caps
+    low enough to bind: the scores capped in the attention kernel, the logits after the output product, past
+    its sliding window of 8) and Phi-3 (fused q/k/v and gate/up, 3/4 of each head rotated, LongRoPE's long
+    factors uploaded for a context of 128)."""
     tc = pytest.importorskip("test_convert")  # (transformers and torch)
-    from test_gemma2 import make_model
+    if arch == "gemma2":
+        from test_gemma2 import make_model
 
+        model = make_model("mqa-6-layers")
+    else:
+        model = tc.make_model("phi3-longrope")
     tc.transformers.PreTrainedTokenizerFast(tokenizer_object=tc.tiny_bpe(), eos_token="<|endoftext|>",
                                             bos_token="<|im_start|>").save_pretrained(tmp_path / "tok")
-    hf = tc.save_folder(make_model("mqa-6-layers"), tmp_path / "hf", tmp_path / "tok")
-    path = tc.convert(hf, tmp_path / "gemma2.gguf", type="f16")
+    hf = tc.save_folder(model, tmp_path / "hf", tmp_path / "tok")
+    path = tc.convert(hf, tmp_path / f"{arch}.gguf", type="f16")
     ids = [int(t) for t in np.random.default_rng(7).integers(0, 300, 40)]
     ref = logits(path, ids, device="cpu")
     got = logits(path, ids, device="cuda")
-    # (the caps keep this model's logits within 1 of each other, where a KL divergence misses a cap left out:
-    # the largest difference, against their range, moves 4% without the score cap)
+    # (Gemma 2's caps keep its logits within 1 of each other, where a KL divergence misses a cap left out: the
+    # largest difference, against their range, moves 4% without the score cap)
     assert float(np.abs(got - ref).max() / np.ptp(ref)) < 2e-3
+    assert mean_kld(ref, got) < 1e-4
 
 
 @pytest.mark.parametrize("kind, stage", [("q8_0", "norm_quantize"), ("q5_0", "norm_round"), ("q6_k", "norm_round"),

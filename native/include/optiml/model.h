@@ -210,6 +210,15 @@ public:
     Weight output_norm;  // F32 [n_embd]
     Weight output;       // [n_embd -> n_vocab]; tok_embd when the embeddings are tied
     Weight rope_freqs;   // optional F32 [n_rot/2]: per-dimension frequency divisors (Llama 3.1)
+    // optional F32 [n_rot/2] (Phi-3's LongRoPE): the divisors for a context longer than n_ctx_orig_yarn, and
+    // for one within it (a session takes one of them: rope_freqs_for)
+    Weight rope_long, rope_short;
+    // The frequency divisors a session of n_ctx positions per sequence turns q and k with (llama.cpp's
+    // get_rope_factors): rope_freqs, else LongRoPE's long or short list, else none.
+    const Weight& rope_freqs_for(int32_t n_ctx) const {
+        if (rope_freqs.present() || !rope_long.present()) return rope_freqs;
+        return n_ctx > hp.n_ctx_orig_yarn ? rope_long : rope_short;
+    }
     std::vector<LayerWeights> layers;
     std::shared_ptr<GGUFFile> file;
     SparsityConfig sparsity;
@@ -423,6 +432,7 @@ private:
     std::unique_ptr<KVCache> kv_;
     std::vector<LayerExec> exec_;
     std::vector<LayerWeights> device_layers_;  // uploaded attention weights (and norms) of device layers
+    Weight rope_freqs_;  // model_->rope_freqs_for(n_ctx_)
     Weight device_rope_freqs_;
     Weight device_output_norm_, device_output_;  // with plan_.output_on_device
     float* device_logits_ = nullptr;             // [plan_.logits_rows][n_vocab] on the device

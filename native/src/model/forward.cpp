@@ -1,6 +1,6 @@
-// The forward pass of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3) for one batch,
-// top to bottom: embed -> per layer (attention, FFN) -> final norm -> logits. Every op goes to the backend the plan
-// names; the residual stream follows the layer's attention, and a layer's FFN may run on two devices
+// The forward pass of a llama-family model (llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3) for one
+// batch, top to bottom: embed -> per layer (attention, FFN) -> final norm -> logits. Every op goes to the
+// backend the plan names; the residual stream follows the layer's attention, and a layer's FFN may run on two devices
 // at once, each over its share of the neurons, the parts summed where the residual lives.
 #include <algorithm>
 #include <cstring>
@@ -88,7 +88,7 @@ void Session::forward(const int32_t* tokens, const BatchView& b, const int32_t* 
         trace_layer(il);
         move(home, scratch(home).x, E.attn, scratch(E.attn).x, x_floats);
         home = E.attn;
-        const Weight& rope_freqs = home == host_.get() ? M.rope_freqs : device_rope_freqs_;
+        const Weight& rope_freqs = home == host_.get() ? rope_freqs_ : device_rope_freqs_;
         auto attention = [&] {
             home->attention(hp, il, *E.attn_w, rope_freqs, kv_->layer(il), kb, scratch(home).x, scratch(home));
         };

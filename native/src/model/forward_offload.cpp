@@ -104,7 +104,7 @@ void Session::forward_offload(const int32_t* tokens, const BatchView& b, const i
             if (g1 > gd) {
                 const StepScratch dh = scratch_rows(dev, gd), hh = scratch_rows(host, gd);
                 host->wait(sent[g]);
-                host->attention_core(hp, il, HW, M.rope_freqs, kv_->host_layer(il),
+                host->attention_core(hp, il, HW, rope_freqs_, kv_->host_layer(il),
                                      BatchView{g1 - gd, off_seq_.data() + gd, off_pos_.data() + gd}, hh);
                 dev->copy_from_host(dh.attn, hh.attn, q_row * (g1 - gd));
             }

@@ -32,6 +32,7 @@ const ArchInfo kArchs[] = {
     {"qwen3moe", ROPE_NEOX},  // mixtures of experts (moe.cpp), as is llama with experts (Mixtral)
     {"qwen2moe", ROPE_NEOX},
     {"gpt-oss", ROPE_NEOX},  // experts with biases and a clamped SwiGLU, attention sinks, YaRN (moe.cpp)
+    {"phi3", ROPE_NEOX},  // q, k, v in one matrix, gate and up in one; LongRoPE's two factor lists
 };
 
 const ArchInfo* find_arch(const std::string& name) {
@@ -53,6 +54,14 @@ void read_rope_scaling(const GGUFFile& f, HParams& hp) {
     const std::string p = hp.arch + ".";
     const std::string scaling = f.get_string(p + "rope.scaling.type", "none");
     const float factor = f.get_f32(p + "rope.scaling.factor", 0.0f);
+    // (cos and sin grow by attn_factor whatever the scaling: Phi-3's LongRoPE; the original context chooses
+    // between its long and short factors)
+    hp.yarn_attn_factor = f.get_f32(p + "rope.scaling.attn_factor", 1.0f);
+    hp.n_ctx_orig_yarn = f.has(p + "rope.scaling.original_context_length")
+                             ? positive_i32(f, p + "rope.scaling.original_context_length")
+                             : hp.n_ctx_train;
+    if (!(hp.yarn_attn_factor > 0) || !std::isfinite(hp.yarn_attn_factor))
+        throw GGUFError(format("%s: rope.scaling.attn_factor must be positive", f.path().c_str()));
     if (scaling == "linear" && factor > 0) {
         hp.rope_freq_scale = 1.0f / factor;
     } else if (f.has(p + "rope.scale_linear")) {  // older files
@@ -61,13 +70,9 @@ void read_rope_scaling(const GGUFFile& f, HParams& hp) {
         hp.rope_freq_scale = 1.0f / factor;
         hp.yarn_ext_factor = f.get_f32(p + "rope.scaling.yarn_ext_factor", -1.0f);
         if (hp.yarn_ext_factor < 0) hp.yarn_ext_factor = 1.0f;  // llama.cpp: negative means not set
-        hp.yarn_attn_factor = f.get_f32(p + "rope.scaling.yarn_attn_factor", 1.0f) *
-                              f.get_f32(p + "rope.scaling.attn_factor", 1.0f);
+        hp.yarn_attn_factor *= f.get_f32(p + "rope.scaling.yarn_attn_factor", 1.0f);
         hp.yarn_beta_fast = f.get_f32(p + "rope.scaling.yarn_beta_fast", 32.0f);
         hp.yarn_beta_slow = f.get_f32(p + "rope.scaling.yarn_beta_slow", 1.0f);
-        hp.n_ctx_orig_yarn = f.has(p + "rope.scaling.original_context_length")
-                                 ? positive_i32(f, p + "rope.scaling.original_context_length")
-                                 : hp.n_ctx_train;
         if (f.get_f32(p + "rope.scaling.yarn_log_multiplier", 0.0f) != 0.0f)
             throw UnsupportedModelError(format("%s: YaRN with rope.scaling.yarn_log_multiplier (DeepSeek's) is not "
                                                "supported", f.path().c_str()));
@@ -332,6 +337,14 @@ public:
         return w;
     }
 
+    // Rows [r0, r0 + n) of a matrix bound above: the parts of a fused matrix (Phi-3's q, k, v; gate, up).
+    static Weight rows(const Weight& w, int64_t r0, int64_t n) {
+        Weight part = w;
+        part.data = w.data + r0 * w.row_bytes;
+        part.rows = n;
+        return part;
+    }
+
     // An F32 vector of n (norm scales, biases).
     Weight vector(const std::string& name, int64_t n, bool required = true) const {
         Weight w = bind(name, required);
@@ -368,7 +381,7 @@ private:
 }  // namespace
 
 const char* supported_architectures() {
-    return "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, qwen3moe, qwen2moe, gpt-oss, "
+    return "llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, qwen3moe, qwen2moe, gpt-oss, "
            "llama with experts (Mixtral)";
 }
 
@@ -381,6 +394,33 @@ const char* ffn_activation_name(FFNActivation act) {
         case FFN_SWIGLU_OAI: return "swiglu_oai";
     }
     return "?";
+}
+
+// q, k and v: three matrices, or one (attn_qkv, as Phi-3 stores them) whose rows are q's, k's, then v's.
+static void bind_qkv(const Binder& b, const HParams& hp, const std::string& p, LayerWeights& L) {
+    const Weight qkv = b.matrix(p + "attn_qkv.weight", hp.n_embd, hp.n_embd_q() + 2 * hp.n_embd_kv(), false);
+    if (!qkv.present()) {
+        L.wq = b.matrix(p + "attn_q.weight", hp.n_embd, hp.n_embd_q());
+        L.wk = b.matrix(p + "attn_k.weight", hp.n_embd, hp.n_embd_kv());
+        L.wv = b.matrix(p + "attn_v.weight", hp.n_embd, hp.n_embd_kv());
+        return;
+    }
+    L.wq = Binder::rows(qkv, 0, hp.n_embd_q());
+    L.wk = Binder::rows(qkv, hp.n_embd_q(), hp.n_embd_kv());
+    L.wv = Binder::rows(qkv, hp.n_embd_q() + hp.n_embd_kv(), hp.n_embd_kv());
+}
+
+// gate and up: two matrices, or for Phi-3 one ffn_up of 2 n_ff rows, the gate's then the up's (llama.cpp's
+// swiglu on the fused product).
+static void bind_gate_up(const Binder& b, const HParams& hp, const std::string& p, FFNWeights& ffn) {
+    if (hp.arch != "phi3") {
+        ffn.gate = b.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
+        ffn.up = b.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
+        return;
+    }
+    const Weight fused = b.matrix(p + "ffn_up.weight", hp.n_embd, 2 * (int64_t)hp.n_ff);
+    ffn.gate = Binder::rows(fused, 0, hp.n_ff);
+    ffn.up = Binder::rows(fused, hp.n_ff, hp.n_ff);
 }
 
 std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
@@ -403,15 +443,18 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
     M.output = b.matrix("output.weight", hp.n_embd, hp.n_vocab, /*required=*/false);
     if (!M.output.present()) M.output = M.tok_embd;  // tied embeddings
     M.rope_freqs = b.vector("rope_freqs.weight", hp.n_rot / 2, /*required=*/false);
+    M.rope_long = b.vector("rope_factors_long.weight", hp.n_rot / 2, /*required=*/false);
+    M.rope_short = b.vector("rope_factors_short.weight", hp.n_rot / 2, /*required=*/false);
+    if (M.rope_long.present() != M.rope_short.present())
+        throw GGUFError(format("%s: rope_factors_long.weight and rope_factors_short.weight come together",
+                               f.path().c_str()));
 
     M.layers.resize(hp.n_layer);
     for (int i = 0; i < hp.n_layer; i++) {
         LayerWeights& L = M.layers[i];
         const std::string p = "blk." + std::to_string(i) + ".";
         L.attn_norm = b.vector(p + "attn_norm.weight", hp.n_embd);
-        L.wq = b.matrix(p + "attn_q.weight", hp.n_embd, hp.n_embd_q());
-        L.wk = b.matrix(p + "attn_k.weight", hp.n_embd, hp.n_embd_kv());
-        L.wv = b.matrix(p + "attn_v.weight", hp.n_embd, hp.n_embd_kv());
+        bind_qkv(b, hp, p, L);
         L.wo = b.matrix(p + "attn_output.weight", hp.n_embd_q(), hp.n_embd);
         L.bq = b.vector(p + "attn_q.bias", hp.n_embd_q(), false);
         L.bk = b.vector(p + "attn_k.bias", hp.n_embd_kv(), false);
@@ -424,8 +467,7 @@ std::shared_ptr<Model> Model::load(std::shared_ptr<GGUFFile> file) {
         if (hp.is_moe()) {
             bind_moe_layer(f, hp, i, L);
         } else {
-            L.ffn.gate = b.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
-            L.ffn.up = b.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
+            bind_gate_up(b, hp, p, L.ffn);
             L.ffn.down = b.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
             L.ffn.gate_b = b.vector(p + "ffn_gate.bias", hp.n_ff, false);
             L.ffn.up_b = b.vector(p + "ffn_up.bias", hp.n_ff, false);

@@ -483,8 +483,8 @@ Plan make_plan(const Model& m, const PlanOptions& o) {
     p.host_scratch_bytes = scratch_bytes(hp, p.n_batch);
     if (p.uses_device()) place_on_device(m, o, p, kv);
 
-    if (p.uses_device() && p.layers_on_device() > 0 && m.rope_freqs.present())
-        p.device_bytes.attn_weights += weight_bytes(m.rope_freqs);  // one copy on the device
+    if (p.uses_device() && p.layers_on_device() > 0 && m.rope_freqs_for(o.n_ctx).present())
+        p.device_bytes.attn_weights += weight_bytes(m.rope_freqs_for(o.n_ctx));  // one copy on the device
     for (const LayerPlan& l : p.layers)
         if (!l.attn_on_device) p.host_kv_bytes += kv;
     if (p.n_seq_device < p.n_seq) {

@@ -21,6 +21,7 @@ Session::Session(std::shared_ptr<Model> model, int32_t n_ctx, std::shared_ptr<Th
     if (n_batch <= 0) throw ArgumentError(format("n_batch must be positive, got %d", n_batch));
     if (n_seq <= 0) throw ArgumentError(format("n_seq must be positive, got %d", n_seq));
     check_kv_types(model_->hp, kv_type, kv_type_v < 0 ? kv_type : kv_type_v);
+    rope_freqs_ = model_->rope_freqs_for(n_ctx);
     model_->attach_session();
     try {
         PlanOptions o = plan_options ? *plan_options : PlanOptions{};
@@ -177,8 +178,8 @@ void Session::bind_devices() {
     if (dev) {
         dev->pin_host(host_s_.x, scratch_bytes(hp, n_batch_));  // carve_scratch's block starts at x
         device_s_ = carve_scratch(*dev, hp, n_batch_);
-        if (M.rope_freqs.present() && plan_.layers_on_device() > 0)
-            device_rope_freqs_ = dev->upload(M.rope_freqs, "attention weights");
+        if (rope_freqs_.present() && plan_.layers_on_device() > 0)
+            device_rope_freqs_ = dev->upload(rope_freqs_, "attention weights");
     }
 
     const bool ordered = !plan_.neuron_order.empty();

@@ -15,7 +15,7 @@ import warnings
 import gguf
 import numpy as np
 
-from . import hf_config, quant_mix, tokenizer, writer
+from . import hf_config, phi3, quant_mix, tokenizer, writer
 from .errors import ConvertError
 from .hf_config import SUPPORTED as SUPPORTED_ARCHITECTURES
 from .quant_mix import TYPES
@@ -208,6 +208,7 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
         if cfg.rope_scaling["rope_type"] == "llama3":
             factors = hf_config.llama3_rope_factors(cfg)
             tensors.insert(0, ("rope_freqs.weight", factors.shape, gguf.GGMLQuantizationType.F32, lambda: factors))
+        tensors[:0] = [(n, x.shape, gguf.GGMLQuantizationType.F32, lambda x=x: x) for n, x in phi3.extra_tensors(cfg)]
 
         label = name or _model_name(hf_dir)
         writer.write_gguf(out, cfg.arch, lambda w: _add_metadata(w, cfg, ot, vocab, label), tensors, progress)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import gpt_oss, moe
+from . import gpt_oss, moe, phi3
 from .common import TensorPlan
 from .common import get_value as _get
 from .errors import ConvertError
@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2moe", False),
     "Qwen3MoeForCausalLM": ("qwen3moe", False),
     "GptOssForCausalLM": ("gpt-oss", False),  # gpt_oss.py; NeoX rotation
+    "Phi3ForCausalLM": ("phi3", False),  # phi3.py; fused q/k/v and gate/up, NeoX rotation, LongRoPE
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
 # Bounds on config.json's sizes, far above any model's: the layers OptiML's loader accepts (block_count; llama.cpp
@@ -74,6 +75,13 @@ class ModelConfig:
     n_ff_shexp: int = 0
     qk_norm: bool = False
     explicit_head_dim: bool = False
+    # Phi-3 (phi3.py): the rotated values of each head (0: all of them), the original context, and LongRoPE's
+    # divisors (None: no scaling) with its factor on cos and sin.
+    n_rot: int = 0
+    n_ctx_orig: int = 0
+    rope_long: object = None
+    rope_short: object = None
+    rope_attn_factor: float = 1.0
 
     @property
     def n_gqa(self) -> int:
@@ -136,7 +144,7 @@ def load_config(folder: str) -> ModelConfig:
         n_ctx = int(n_ctx)
     n_ctx = _get({"max_position_embeddings": n_ctx}, path, "max_position_embeddings", kind=int)
     if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "SmolLM3ForCausalLM"):
+                   "SmolLM3ForCausalLM", phi3.PHI3):
         n_ctx = _full_attention_context(cfg, path, hf_arch, n_ctx)
 
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters; older configs have both.
@@ -158,8 +166,10 @@ def load_config(folder: str) -> ModelConfig:
         _check_nope_layers(cfg, path, n_layer)
     elif hf_arch == gpt_oss.GPT_OSS:
         extra = dict(gpt_oss.read_config(cfg, path, rope), explicit_head_dim=cfg.get("head_dim") is not None)
-    # (gpt-oss's YaRN is checked by gpt_oss.read_config)
-    if hf_arch != gpt_oss.GPT_OSS and rope_type not in ("default", "linear", "llama3"):
+    elif hf_arch == phi3.PHI3:
+        extra = phi3.read_config(cfg, path, rope, n_embd, n_head)
+    # (gpt-oss's YaRN and Phi-3's LongRoPE are checked by their read_config)
+    if hf_arch not in (gpt_oss.GPT_OSS, phi3.PHI3) and rope_type not in ("default", "linear", "llama3"):
         raise ConvertError(f"{path}: rope scaling {rope_type!r} is not supported (default, linear, llama3; "
                            "yarn for gpt-oss)")
 
@@ -301,9 +311,11 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
         ("f32", f"{a}.attention.layer_norm_rms_epsilon", c.rms_eps),
     ]
     if a not in ("gemma2", "gemma3"):  # llama.cpp's Gemma converters write neither
-        kv += [("u32", f"{a}.vocab_size", c.n_vocab), ("u32", f"{a}.rope.dimension_count", c.head_dim)]
+        kv += [("u32", f"{a}.vocab_size", c.n_vocab), ("u32", f"{a}.rope.dimension_count", c.n_rot or c.head_dim)]
     if c.head_dim != c.n_embd // c.n_head or a in ("gemma2", "gemma3") or c.explicit_head_dim:
         kv += [("u32", f"{a}.attention.key_length", c.head_dim), ("u32", f"{a}.attention.value_length", c.head_dim)]
+    if c.arch == "phi3":
+        kv += phi3.hparams_kv(c)
     if c.arch == "gpt-oss":
         kv += gpt_oss.yarn_kv(c) + [("u32", f"{a}.attention.sliding_window", c.n_swa)]
     if c.rope_scaling["rope_type"] == "linear":
@@ -360,6 +372,9 @@ def tensor_plan(c: ModelConfig, available: set) -> list[TensorPlan]:
         return _gemma_plan(c, available)
     plan = [TensorPlan("token_embd.weight", "model.embed_tokens.weight", (c.n_vocab, c.n_embd))]
     for i in range(c.n_layer):
+        if c.arch == "phi3":
+            plan += phi3.layer_plan(c, i)
+            continue
         p, b = f"model.layers.{i}.", f"blk.{i}."
         perm_q = c.n_head if c.permute_qk else 0
         perm_k = c.n_head_kv if c.permute_qk else 0

@@ -83,6 +83,9 @@ def tensor_type(name: str, shape: tuple, ot: OutType, n_layer: int, has_output: 
             t = T.Q6_K
         if n_expert == 8:  # llama.cpp's rule for Mixtral-8x7B's shape (any model with 8 experts)
             t = T.Q8_0
+    elif kind == "attn_qkv":  # (Phi-3's fused q, k, v)
+        if k_m:
+            t = T.Q5_K if ot.ftype == F.MOSTLY_Q4_K_M else T.Q6_K
     elif kind.startswith("ffn_down"):  # ffn_down, ffn_down_exps, ffn_down_shexp
         if k_m and _more_bits(layer, n_layer):
             t = T.Q6_K

@@ -85,8 +85,8 @@ def _check_host_memory(plan: dict, n_ctx: int, n_seq: int, n_ctx_train: int) -> 
 
 
 class Model(Sequences):
-    """A GGUF model (llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3; the mixture-of-experts qwen2moe,
-    qwen3moe, Mixtral and gpt-oss) with one context.
+    """A GGUF model (llama, mistral, qwen2, qwen3, gemma2, gemma3, smollm3, phi3; the mixture-of-experts
+    qwen2moe, qwen3moe, Mixtral and gpt-oss) with one context.
 
     path: the GGUF file, a known model name or a Hugging Face reference org/repo[:QUANT] (pulled on first use;
     docs/models.md). n_ctx: context length in tokens (default: the model's training context,

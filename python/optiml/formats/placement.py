@@ -75,6 +75,10 @@ def coverage_curve(freq: np.ndarray) -> np.ndarray:
 def ffn_layout(f: _gguf.GGUFFile) -> tuple[int, int, dict[int, dict[str, _gguf.TensorInfo]]]:
     """(n_layer, n_ff, {layer: {suffix: TensorInfo}}) of the FFN tensors; UnsupportedModelError when the
     FFN is not a plain (gated) MLP with the same width in every layer."""
+    if f.metadata.get("general.architecture") == "phi3":
+        raise UnsupportedModelError(f"{f.path}: phi3 keeps each layer's gate and up in one tensor (ffn_up, 2 x n_ff "
+                                    "rows); placing or reordering its neurons is not supported yet: run it whole on "
+                                    "one device, or sparse on the CPU after optiml calibrate")
     layers: dict[int, dict[str, _gguf.TensorInfo]] = {}
     for t in f.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+\.\w+)", t.name)

@@ -261,6 +261,9 @@ def train_predictors(
         if f.metadata.get(f"{arch}.expert_count", 0):
             raise ArgumentError(f"{path}: a mixture of experts; activation predictors do not handle experts yet "
                                 "(each token's experts run whole)")
+        if arch == "phi3":
+            raise ArgumentError(f"{path}: phi3 keeps each layer's gate and up in one tensor; optiml train-predictors "
+                                "does not train predictors for it yet")
     if out is not None:
         out = check_new_output(out, path)
     docs = texts if texts is not None else read_texts(data, field)

@@ -458,6 +458,10 @@ def _model_layout(path, group: int):
         tensors = {t.name: t for t in f.tensors}
     if any(".ffn_up_exps" in n or ".ffn_gate_inp" in n for n in tensors):
         raise ArgumentError(f"{os.path.basename(path)}: mixture-of-experts FFNs are not supported by optiml solve")
+    if arch == "phi3":
+        raise ArgumentError(f"{os.path.basename(path)}: phi3 keeps each layer's gate and up in one tensor; optiml "
+                            "solve does not place its neurons yet (run it whole on one device, or sparse on the CPU "
+                            "after optiml calibrate)")
     layers = []
     for l in range(n_layer):
         up, down = tensors.get(f"blk.{l}.ffn_up.weight"), tensors.get(f"blk.{l}.ffn_down.weight")

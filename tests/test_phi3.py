@@ -1,0 +1,127 @@
+"""Phi-3 (Phi3ForCausalLM: Phi-3, Phi-3.5, Phi-4-mini): tiny random transformers models converted by `optiml
+convert`: fused q/k/v and gate/up, a rotation over 3/4 of each head, LongRoPE's long and short factors chosen
+by the context as llama.cpp chooses them, against transformers in float32. The generic checks (greedy text,
+llama.cpp running the converted files) are tests/test_convert.py's "phi3-longrope"."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml import _core
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import gguf  # noqa: E402
+
+from optiml.convert import ConvertError, convert  # noqa: E402
+from test_convert import make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
+from test_model_hf import rel_err  # noqa: E402
+
+ORIG = 32  # the config's original_max_position_embeddings; max_position_embeddings is 256
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory, tiny_tokenizer):  # noqa: F811
+    model = make_model("phi3-longrope")
+    d = tmp_path_factory.mktemp("phi3")
+    return model, convert(save_folder(model, d / "hf", tiny_tokenizer), d / "phi3.gguf", type="f32")
+
+
+def ours(path, ids, n_ctx):
+    return _core.Session(_core.Model(str(path)), n_ctx, 2, "f32").eval(np.asarray(ids, np.int32), True)
+
+
+def theirs(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].numpy()
+
+
+def test_long_and_short_factors_follow_the_context(phi3):
+    """llama.cpp (and so OptiML) turns q and k with the long factors when a sequence's context is longer than the
+    original one, transformers when the sequence is: both agree where the two coincide (1e-4), and a context of 64
+    gives 20 tokens other logits than transformers' short factors (the choice is the context's, not the tokens';
+    2e-3 apart: a random model's attention hardly depends on positions)."""
+    model, path = phi3
+    rng = np.random.default_rng(1)
+    long_ids, short_ids = rng.integers(0, 300, 48), rng.integers(0, 300, 20)
+    assert rel_err(ours(path, long_ids, 64), theirs(model, long_ids)) < 1e-4  # both long
+    assert rel_err(ours(path, short_ids, ORIG), theirs(model, short_ids)) < 1e-4  # both short
+    assert rel_err(ours(path, short_ids, 64), theirs(model, short_ids)) > 1e-3  # long against short
+
+
+def test_metadata_and_tensors_follow_llama_cpp(phi3, tmp_path):
+    """What llama.cpp's Phi3MiniModel writes: the rotated width, the original context, LongRoPE's cos/sin factor
+    and its two factor lists first; q/k/v and gate/up as the checkpoint fuses them; llama.cpp's Q4_K_M mix
+    (Q5_K for the fused q/k/v)."""
+    model, path = phi3
+    r = gguf.GGUFReader(path)
+    f = {k: v.contents() for k, v in r.fields.items()}
+    assert f["general.architecture"] == "phi3"
+    assert f["phi3.rope.dimension_count"] == 12  # int(0.75 * 64) // 4
+    assert f["phi3.rope.scaling.original_context_length"] == ORIG
+    assert f["phi3.rope.scaling.attn_factor"] == pytest.approx(math.sqrt(1 + math.log(256 / ORIG) / math.log(ORIG)))
+    assert f["phi3.attention.sliding_window"] == 0
+    names = [t.name for t in r.tensors]
+    assert names[:3] == ["rope_factors_long.weight", "rope_factors_short.weight", "token_embd.weight"]
+    t = {t.name: t for t in r.tensors}
+    rope = model.config.rope_parameters
+    np.testing.assert_array_equal(np.array(t["rope_factors_long.weight"].data), np.float32(rope["long_factor"]))
+    np.testing.assert_array_equal(np.array(t["rope_factors_short.weight"].data), np.float32(rope["short_factor"]))
+    assert list(t["blk.0.attn_qkv.weight"].shape) == [64, 64 + 2 * 32]
+    assert list(t["blk.0.ffn_up.weight"].shape) == [64, 2 * 160]
+    assert not any(n.endswith(("attn_q.weight", "ffn_gate.weight")) for n in names)
+    km = gguf.GGUFReader(convert(os.path.join(os.path.dirname(path), "hf"), tmp_path / "m.gguf", type="q4_k_m"))
+    types = {t.name: t.tensor_type.name for t in km.tensors}
+    # (Q5_K and Q4_K, whose 256-value blocks do not fit rows of 64: llama.cpp's fallbacks Q5_1 and Q5_0)
+    assert types["blk.0.attn_qkv.weight"] == "Q5_1" and types["blk.0.ffn_up.weight"] == "Q5_0"
+
+
+def test_sparse_and_split_runs(phi3):
+    """The fused matrices' parts run everywhere the separate ones do: neurons split across cpu:1 give the CPU's
+    logits, whole layers there the CPU's bits."""
+    _, path = phi3
+    ids = list(range(10, 50))
+    with optiml.Model(path, n_ctx=64) as m:
+        ref = m.eval(ids, all_logits=True)
+    with optiml.Model(path, n_ctx=64, device="cpu:1", n_gpu_layers=2) as m:
+        np.testing.assert_array_equal(m.eval(ids, all_logits=True), ref)
+    with optiml.Model(path, n_ctx=64, device="cpu:1", gpu_neurons=96) as m:
+        assert rel_err(m.eval(ids, all_logits=True), ref) < 1e-3
+
+
+@pytest.mark.parametrize("over, why", [
+    (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 5, "short_factor": [1.0] * 6}),
+     "long_factor must be 6 positive numbers"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope scaling 'yarn' is not supported for Phi-3"),
+    (dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 6, "short_factor": [1.0] * 6,
+                        "attention_factor": 2.0}), "attention_factor 2.0 is not supported"),
+    (dict(partial_rotary_factor=0.01), "an even number from 2"),
+])
+def test_what_llama_cpp_would_read_otherwise_is_refused(tmp_path, tiny_tokenizer, over, why):  # noqa: F811
+    import json
+
+    d = save_folder(make_model("phi3-longrope"), tmp_path / "hf", tiny_tokenizer)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("rope_parameters", None)  # (transformers 5 folds rope_scaling and partial_rotary_factor into it)
+    cfg.update({"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 6, "short_factor": [1.0] * 6},
+                "partial_rotary_factor": 0.75, **over})
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError, match=why):
+        convert(d, tmp_path / "m.gguf", type="f32")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_offline_tools_say_what_they_do_not_handle(phi3, tmp_path):
+    from optiml.formats import gguf as ogguf
+    from optiml.formats.placement import ffn_layout
+    from optiml import UnsupportedModelError
+
+    _, path = phi3
+    with ogguf.open(path) as f, pytest.raises(UnsupportedModelError, match="gate and up in one tensor"):
+        ffn_layout(f)
+    with pytest.raises(optiml.OptimlError, match="gate and up in one tensor"):
+        optiml.train_predictors(str(path), texts=["word " * 200], out=tmp_path / "p.gguf")
