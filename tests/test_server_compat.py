@@ -103,6 +103,65 @@ def test_port_0_announces_the_port_taken(smollm2_path):
         proc.wait(60)
 
 
+# The model's load held until the test writes a line ("fail": it raises instead), then serve() on the port given.
+_HELD_LOAD = """
+import sys
+import optiml
+import optiml.server as srv
+real = srv.Model
+def held(*a, **kw):
+    if sys.stdin.readline().strip() == "fail":
+        raise optiml.ArgumentError("the test's load failure")
+    return real(*a, **kw)
+srv.Model = held
+srv.serve(sys.argv[1], port=int(sys.argv[2]), n_threads=1, n_ctx=64, n_parallel=1, log_level="warning")
+"""
+
+
+@pytest.mark.parametrize("outcome", ["loads", "fails"])
+def test_the_port_answers_503_while_the_model_loads(smollm2_path, outcome):
+    """As llama-server's: the port listens from the start and answers 503 "Loading model" (with Retry-After) to
+    health checks and requests until the model is in; then 200 and the address line. A load that fails stops
+    the server, and serve() raises its error."""
+    import socket
+    import time
+
+    from conftest import child_env
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_LOAD, str(smollm2_path), str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        for _ in range(600):
+            try:
+                r = httpx.get(url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.communicate()[1][-2000:]
+                time.sleep(0.1)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["message"] == "Loading model"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading_model"
+        proc.stdin.write("fail\n" if outcome == "fails" else "go\n")
+        proc.stdin.flush()
+        if outcome == "fails":
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode != 0 and "the test's load failure" in err, err[-2000:]
+            assert " on http://" not in out
+            return
+        assert proc.stdout.readline().startswith("optiml serve: SmolLM2-135M-Instruct.Q4_1: ")  # the model's line
+        assert proc.stdout.readline() == f"optiml serve: SmolLM2-135M-Instruct.Q4_1 on {url}/v1; chat page at {url}/\n"
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"  # ready when announced
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+
+
 # ---- request fields -----------------------------------------------------------------------------------------
 def test_n_predict_is_llama_servers_max_tokens():
     def limit(body, chat=True):

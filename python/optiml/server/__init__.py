@@ -47,7 +47,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
           n_gpu_layers: int | None = None, gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None,
           use_mmap="auto", kv_type_k=None, kv_type_v=None, n_cpu_moe=None, cors_origins=None,
           chat_template_kwargs=None) -> None:
-    """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped.
+    """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped (the
+    port answers 503 "Loading model" meanwhile, as llama-server's does).
     predictors, device, vram, n_gpu_layers, gpu_neurons, kv_vram, use_mmap, kv_type_k, kv_type_v, n_cpu_moe: as
     optiml.Model's. With kv_vram holding
     fewer sequences than n_parallel, the others' attention runs on the CPU when the offload policy finds
@@ -58,37 +59,51 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     import uvicorn
 
     from .app import Server, create_app
+    from .loading import LoadingGate
 
-    model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors, device=device,
-                  vram=vram, n_gpu_layers=n_gpu_layers, gpu_neurons=gpu_neurons, kv_vram=kv_vram, use_mmap=use_mmap,
-                  kv_type_k=kv_type_k, kv_type_v=kv_type_v, n_cpu_moe=n_cpu_moe)
-    server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
-                    chunk=chunk, max_itl_ms=max_itl_ms, cors_origins=cors_origins,
-                    chat_template_kwargs=chat_template_kwargs)
-    offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"
-               if model.plan.n_seq_device < n_parallel else "")
-    print(f"optiml serve: {server.model_id}: {n_parallel} slots of {model.n_ctx} tokens, queue {max_queue}{offload}; "
-          f"FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}", flush=True)
-    try:
-        model.chat_template  # compiled now: a broken one is reported before the first request
-    except ChatTemplateError as e:
-        print(f"optiml serve: warning: {e}. /v1/chat/completions answers 500 (code chat_template_error); "
-              "/v1/completions works", flush=True)
+    def load():
+        model = Model(model_path, n_ctx=n_ctx, n_threads=n_threads, n_seq=n_parallel, predictors=predictors,
+                      device=device, vram=vram, n_gpu_layers=n_gpu_layers, gpu_neurons=gpu_neurons, kv_vram=kv_vram,
+                      use_mmap=use_mmap, kv_type_k=kv_type_k, kv_type_v=kv_type_v, n_cpu_moe=n_cpu_moe)
+        server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
+                        chunk=chunk, max_itl_ms=max_itl_ms, cors_origins=cors_origins,
+                        chat_template_kwargs=chat_template_kwargs)
+        offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"
+                   if model.plan.n_seq_device < n_parallel else "")
+        print(f"optiml serve: {server.model_id}: {n_parallel} slots of {model.n_ctx} tokens, queue {max_queue}"
+              f"{offload}; FFN: {describe(model.sparsity, model.predictors, model.sparsity_note)}", flush=True)
+        try:
+            model.chat_template  # compiled now: a broken one is reported before the first request
+        except ChatTemplateError as e:
+            print(f"optiml serve: warning: {e}. /v1/chat/completions answers 500 (code chat_template_error); "
+                  "/v1/completions works", flush=True)
+        uv.model_id = server.model_id
+        return create_app(server)
 
     class Announcing(uvicorn.Server):
-        # The address is announced once the server listens on it: before, a port in use was announced and
-        # then failed (uvicorn's own error line says so, exit status 3).
+        # The port is bound first and answers 503 while the model loads (loading.py); the address is announced
+        # once the model answers there. A port in use loads nothing (uvicorn's own error line, exit status 3).
+        model_id = None
+
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                # port 0: the system chose one, which clients need to hear (the first socket's, where a host
-                # name bound more than one)
-                bound = self.servers[0].sockets[0].getsockname()[1] if port == 0 and self.servers else port
-                url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
-                print(f"optiml serve: {server.model_id} on {url}/v1; chat page at {url}/", flush=True)
+                gate.begin()
 
-    uv = Announcing(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level))
+        def announce(self):
+            # port 0: the system chose one, which clients need to hear (the first socket's, where a host name
+            # bound more than one)
+            bound = self.servers[0].sockets[0].getsockname()[1] if port == 0 and self.servers else port
+            url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+            print(f"optiml serve: {self.model_id} on {url}/v1; chat page at {url}/", flush=True)
+
+    gate = LoadingGate(load)
+    uv = Announcing(uvicorn.Config(gate, host=host, port=port, log_level=log_level))
+    gate.on_ready = uv.announce
+    gate.on_error = lambda: setattr(uv, "should_exit", True)
     uv.run()
+    if gate.error is not None:  # the model did not load: its error, as before the port was bound
+        raise gate.error
     if not uv.started:  # as uvicorn.run ends when the server did not start
         sys.exit(3)
 
