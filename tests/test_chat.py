@@ -448,6 +448,26 @@ def test_repl_pty_greeting_stats_reset(smollm2_path, tmp_path):
         c.close(force=True)
     assert c.exitstatus == 0
     assert (tmp_path / "chat_history").is_file()  # history persists under OPTIML_HOME
+    assert (tmp_path / "chat_history").stat().st_mode & 0o777 == 0o600  # what was typed is the owner's alone
+
+
+def test_history_is_private_and_bounded(tmp_path):
+    """The input history is its owner's only (0600, an old 0644 file too) and cut to its newest entries, at an
+    entry's start, once past its bound."""
+    from optiml.cli.chat import private_history
+
+    h = tmp_path / "chat_history"
+    entries = [f"\n# 2026-11-29 10:00:{i % 60:02d}\n+message {i}\n" for i in range(2000)]
+    h.write_text("".join(entries))
+    os.chmod(h, 0o644)
+    private_history(str(h), max_bytes=20000)
+    text = h.read_text()
+    assert h.stat().st_mode & 0o777 == 0o600
+    assert 5000 < len(text) <= 10000 and text.startswith("# 2026-11-29") and text.endswith("+message 1999\n")
+    private_history(str(h), max_bytes=20000)
+    assert h.read_text() == text  # within the bound: left as it is
+    private_history(str(tmp_path / "new"))
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o600
 
 
 def test_repl_pty_ctrl_c_stops_the_answer_not_the_program(smollm2_path, tmp_path):

@@ -155,6 +155,24 @@ Commands:
 Ctrl-C stops an answer; Ctrl-D at the prompt leaves. Up/Down browse the input history."""
 
 
+def private_history(path: str, max_bytes: int = 1 << 20) -> None:
+    """The input history file, readable by its owner only (what was typed, secrets pasted into prompts among it),
+    cut to its newest entries (about max_bytes / 2) once it grows past max_bytes."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    os.chmod(path, 0o600)
+    if os.path.getsize(path) <= max_bytes:
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    cut = data.find(b"\n# ", len(data) - max_bytes // 2)  # (prompt_toolkit starts each entry with "# <time>")
+    if cut < 0:
+        return
+    tmp = f"{path}.pid{os.getpid()}.tmp"  # (0600 from the start, then over the old file at once)
+    with os.fdopen(os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(data[cut + 1:])
+    os.replace(tmp, path)
+
+
 def _reader(history_file: str | None) -> Callable[[str], str]:
     """A line reader with editing and history: prompt_toolkit on a terminal, else readline/input."""
     if sys.stdin.isatty() and sys.stdout.isatty() and os.environ.get("TERM", "") != "dumb":
@@ -166,6 +184,7 @@ def _reader(history_file: str | None) -> Callable[[str], str]:
             if history_file:
                 try:
                     os.makedirs(os.path.dirname(history_file), exist_ok=True)
+                    private_history(history_file)
                     hist = FileHistory(history_file)
                 except OSError:
                     pass
