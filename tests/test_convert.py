@@ -362,18 +362,19 @@ def test_smollm2_q4_k_m_mix_and_size_match_llama_cpp(smol_hf, tmp_path):
         assert m.generate("The capital of France is", max_tokens=3, temperature=0).startswith(" Paris")
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_quant_mixes_match_llama_quantize(tmp_path, tiny_tokenizer, tied):
+@pytest.mark.parametrize("arch, tied", [("llama-gqa-tied", False), ("llama-gqa-tied", True), ("phi3-longrope", False)])
+def test_quant_mixes_match_llama_quantize(tmp_path, tiny_tokenizer, arch, tied):
     """Per-tensor types of every quantized output type against llama-quantize on the same weights, on a
     model whose rows split into 256-blocks (so the k-quant rules, not the fallbacks, decide) with
-    16 layers (so the "more bits" layers show)."""
+    16 layers (so the "more bits" layers show); Phi-3's fused q/k/v takes attn_v's rules."""
     llama_cpp = pytest.importorskip("llama_cpp")
     import ctypes
 
     from optiml.convert.quant_mix import TYPES
 
-    model = make_model("llama-gqa-tied", hidden_size=256, intermediate_size=512, num_hidden_layers=16,
-                       num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=tied)
+    phi3 = dict(rope_scaling={"rope_type": "longrope", "long_factor": [1.0] * 24, "short_factor": [1.0] * 24})
+    model = make_model(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=16, num_attention_heads=4,
+                       num_key_value_heads=1, tie_word_embeddings=tied, **(phi3 if arch.startswith("phi3") else {}))
     d = save_folder(model, tmp_path / "hf", tiny_tokenizer)
     f32 = convert(d, tmp_path / "f32.gguf", type="f32")
     for name, t in TYPES.items():

@@ -78,14 +78,11 @@ def tensor_type(name: str, shape: tuple, ot: OutType, n_layer: int, has_output: 
     elif name == "output.weight" or (not has_output and name == "token_embd.weight"):
         # Q6_K for the output projection (Q8_0 if its rows do not split into the base type's blocks).
         t = T.Q8_0 if nx % _block(t) else (T.Q6_K if t != T.Q8_0 else t)
-    elif kind in ("attn_v", "attn_k"):
-        if kind == "attn_v" and k_m and _more_bits(layer, n_layer):
+    elif kind in ("attn_v", "attn_k", "attn_qkv"):  # (llama.cpp counts a fused q/k/v, Phi-3's, as attn_v)
+        if kind != "attn_k" and k_m and _more_bits(layer, n_layer):
             t = T.Q6_K
         if n_expert == 8:  # llama.cpp's rule for Mixtral-8x7B's shape (any model with 8 experts)
             t = T.Q8_0
-    elif kind == "attn_qkv":  # (Phi-3's fused q, k, v)
-        if k_m:
-            t = T.Q5_K if ot.ftype == F.MOSTLY_Q4_K_M else T.Q6_K
     elif kind.startswith("ffn_down"):  # ffn_down, ffn_down_exps, ffn_down_shexp
         if k_m and _more_bits(layer, n_layer):
             t = T.Q6_K
