@@ -235,7 +235,7 @@ def arch_folder(request, tmp_path_factory, tiny_tokenizer):
     return request.param, save_folder(model, tmp_path_factory.mktemp(request.param) / "hf", tiny_tokenizer)
 
 
-@pytest.mark.parametrize("qtype", ["f16", "q8_0", "q4_1", "q4_k_m"])
+@pytest.mark.parametrize("qtype", ["f16", "q8_0", "q4_1", "q4_k_m", "iq4_xs"])
 def test_llama_cpp_runs_converted_files(arch_folder, tmp_path, qtype):
     """Every file the converter writes loads in llama.cpp, tokenizes as OptiML does and gives OptiML's
     greedy tokens (near-ties aside)."""

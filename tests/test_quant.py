@@ -471,3 +471,35 @@ def test_smollm2_tensors_dequantize_like_gguf(smollm2_path):
         assert ours.size == int(np.prod(t.shape)), t.name
         assert_same_floats(ours, ref)
     assert "Q4_1" in seen
+
+
+@pytest.mark.parametrize("name, tid", [("IQ4_NL", 20), ("IQ4_XS", 23)])
+def test_iq4_quantization_is_llama_cpps(name, tid, rng):
+    """IQ4_NL and IQ4_XS as llama-quantize writes them without an importance matrix: ggml's own
+    ggml_quantize_chunk (llama-cpp-python's libggml-base, called live) on the same rows, normal and heavy-tailed
+    weights, a row of zeros and one of tiny values among them. Block for block the same bytes (a compiler that
+    fuses ggml's multiply-adds may round a near-tie of the scale search the other way: at most 1% of rows),
+    and the same error."""
+    import ctypes
+    import glob
+    import os
+
+    from conftest import llama_cpp_module
+
+    lib = glob.glob(os.path.join(os.path.dirname(llama_cpp_module().__file__), "lib", "libggml-base.so*"))
+    if not lib:
+        pytest.skip("llama-cpp-python has no libggml-base here")
+    ggml = ctypes.CDLL(lib[0])
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    x = np.concatenate([rng.standard_normal((96, 1024)), rng.standard_t(3, (96, 1024)) * 0.02,
+                        np.zeros((1, 1024)), rng.standard_normal((1, 1024)) * 1e-20]).astype(np.float32)
+    ours = quant.quantize(x, name)
+    theirs = np.zeros_like(ours)
+    ggml.ggml_quantize_chunk(tid, x.ctypes.data, theirs.ctypes.data, 0, x.shape[0], x.shape[1], None)
+    same = (ours == theirs).all(axis=1)
+    assert same.mean() >= 0.99, np.flatnonzero(~same)[:8]
+    assert same[-2:].all()  # zeros and tiny values
+    err = [np.sqrt(((quant.dequantize(q, name, x.shape[1]) - x) ** 2).mean()) for q in (ours, theirs)]
+    assert err[0] == pytest.approx(err[1], rel=1e-3) and err[0] < 0.1

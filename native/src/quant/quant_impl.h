@@ -93,9 +93,11 @@ void dequantize_row_q8_1(const void* x, float* y, int64_t n);
 void quantize_row_mxfp4(const float* x, void* y, int64_t n);
 void dequantize_row_mxfp4(const void* x, float* y, int64_t n);
 
-// ---- IQ4_NL, IQ4_XS (quant_iq4.cpp): read, not written -----------------------------------------
+// ---- IQ4_NL, IQ4_XS (quant_iq4.cpp) ----------------------------------------------------------------------
 void dequantize_row_iq4_nl(const void* x, float* y, int64_t n);
 void dequantize_row_iq4_xs(const void* x, float* y, int64_t n);
+void quantize_row_iq4_nl(const float* x, void* y, int64_t n);
+void quantize_row_iq4_xs(const float* x, void* y, int64_t n);
 
 // ---- 256-element k-quants (quant_kquants.cpp) ----------------------------------------------
 void quantize_row_q2_K(const float* x, void* y, int64_t n);

@@ -48,6 +48,8 @@ quantize_fn quantize_for(int32_t type) {
         case TYPE_Q8_0: return quantize_row_q8_0;
         case TYPE_Q8_1: return quantize_row_q8_1;
         case TYPE_MXFP4: return quantize_row_mxfp4;
+        case TYPE_IQ4_NL: return quantize_row_iq4_nl;
+        case TYPE_IQ4_XS: return quantize_row_iq4_xs;
         case TYPE_Q2_K: return quantize_row_q2_K;
         case TYPE_Q3_K: return quantize_row_q3_K;
         case TYPE_Q4_K: return quantize_row_q4_K;

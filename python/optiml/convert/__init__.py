@@ -139,9 +139,9 @@ def _model_name(hf_dir: str) -> str:
 
 def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | None = None) -> str:
     """Converts the Hugging Face model folder `hf_dir` to the GGUF file `out` of output type `type`
-    (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k, mxfp4_moe). Streams tensor by tensor;
-    `out` appears only when complete. `name` is general.name (by default the folder's name, or for a Hugging
-    Face cache's snapshot its repository's). Raises ConvertError for input it cannot convert
+    (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q6_k, iq4_nl, iq4_xs, mxfp4_moe). Streams
+    tensor by tensor; `out` appears only when complete. `name` is general.name (by default the folder's name, or
+    for a Hugging Face cache's snapshot its repository's). Raises ConvertError for input it cannot convert
     or an output it cannot write. Returns `out`."""
     hf_dir, out = os.fspath(hf_dir), os.fspath(out)
     ot = quant_mix.out_type(type)
@@ -203,7 +203,8 @@ def convert(hf_dir, out, type: str = "f16", progress: bool = False, name: str | 
             return run
 
         tensors = [(p.name, p.gguf_shape, gguf.GGMLQuantizationType(p.raw) if p.raw is not None else
-                    quant_mix.tensor_type(p.name, p.gguf_shape, ot, cfg.n_layer, has_output, cfg.n_expert), compute(p))
+                    quant_mix.tensor_type(p.name, p.gguf_shape, ot, cfg.n_layer, has_output, cfg.n_expert,
+                                          cfg.n_gqa), compute(p))
                    for p in plan]
         if cfg.rope_scaling["rope_type"] == "llama3":
             factors = hf_config.llama3_rope_factors(cfg)

@@ -3,7 +3,8 @@
 Types are named as ggml names them: a string (``"q4_k"`` or ``"Q4_K"``), a ggml type id (int) or a
 ``gguf.GGMLQuantizationType``. Quantized data is ``np.uint8`` with the last axis holding a row's
 bytes; quantize of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, F16 and BF16 gives the same bytes as
-``gguf.quants.quantize``, and k-quants (Q2_K..Q6_K) use llama.cpp's reference search and layouts.
+``gguf.quants.quantize``, k-quants (Q2_K..Q6_K) use llama.cpp's reference search and layouts, and IQ4_NL and
+IQ4_XS give ggml's quantize_iq4_nl / _iq4_xs bytes (no importance matrix).
 """
 
 from __future__ import annotations
