@@ -26,6 +26,9 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_la
 CONFIGS = {
     "gqa-tied": dict(),
     "mqa-6-layers": dict(num_key_value_heads=1, num_hidden_layers=6),
+    # the 27B's rule (llama.cpp knows it by its 46 layers): q scaled by 1/sqrt(n_embd / n_head), not the head size
+    "46-layers": dict(num_hidden_layers=46, hidden_size=64, num_attention_heads=8, head_dim=32,
+                      query_pre_attn_scalar=8),
 }
 
 

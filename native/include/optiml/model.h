@@ -214,7 +214,8 @@ public:
     // for one within it (a session takes one of them: rope_freqs_for)
     Weight rope_long, rope_short;
     // The frequency divisors a session of n_ctx positions per sequence turns q and k with (llama.cpp's
-    // get_rope_factors): rope_freqs, else LongRoPE's long or short list, else none.
+    // get_rope_factors): rope_freqs, else LongRoPE's long or short list, else none. (llama.cpp compares its
+    // context rounded up to 256: the same choice for every released Phi-3, whose original context is 4096.)
     const Weight& rope_freqs_for(int32_t n_ctx) const {
         if (rope_freqs.present() || !rope_long.present()) return rope_freqs;
         return n_ctx > hp.n_ctx_orig_yarn ? rope_long : rope_short;

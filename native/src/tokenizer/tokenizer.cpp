@@ -43,23 +43,25 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, 
     size_t start = 0;
     for (size_t i = 0; i < text.size();) {
         const auto& cands = v.specials_by_byte[(uint8_t)text[i]];
-        int32_t hit = -1;
+        const Impl::Special* hit = nullptr;
         for (const Impl::Special& c : cands) {
             if (!c.always && !parse_special) continue;
             const std::string& t = v.text[c.id];
             if (t.size() <= text.size() - i && std::memcmp(text.data() + i, t.data(), t.size()) == 0) {
-                hit = c.id;
+                hit = &c;
                 break;
             }
         }
-        if (hit < 0) {
+        if (!hit) {
             i++;
             continue;
         }
         plain(text.substr(start, i - start));
-        out.push_back(hit);
+        out.push_back(hit->id);
         after_special = true;
-        i += v.text[hit].size();
+        i += v.text[hit->id].size();
+        if (hit->rstrip)  // (C's isspace, as llama.cpp strips)
+            while (i < text.size() && (text[i] == ' ' || (text[i] >= '\t' && text[i] <= '\r'))) i++;
         start = i;
     }
     plain(text.substr(start));

@@ -47,10 +47,11 @@ struct Tokenizer::Impl {
     bool add_bos = false, add_eos = false, add_space_prefix = false;
     std::vector<uint8_t> eog;  // per id
     // Tokens matched in raw text, by first byte, longest first: control and unknown ones only with
-    // parse_special, user-defined ones always.
+    // parse_special, user-defined ones always; rstrip: the whitespace after the token goes with it.
     struct Special {
         int32_t id;
         bool always;
+        bool rstrip;
     };
     std::vector<Special> specials_by_byte[256];
 

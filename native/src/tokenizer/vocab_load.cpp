@@ -1,6 +1,7 @@
 // Tokenizer::from_gguf: reads and validates tokenizer.ggml.*, decides the special tokens the way
 // llama.cpp does (llama_vocab::load), and precomputes what encoding and decoding look up.
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 
 #include "optiml/gguf.h"
@@ -375,13 +376,20 @@ void read_merges(const GGUFFile& f, Vocab& v, const std::string& where) {
     }
 }
 
-// Special tokens matched in raw text: longest first per first byte.
-void index_specials(Vocab& v) {
+// Special tokens matched in raw text: longest first per first byte. As llama.cpp's vocabulary sets them by the
+// model's name (general.name): a Phi-3's special tokens, but <unk>, <s> and <|endoftext|>, take the whitespace
+// after them (Phi-3's tokenizer_config says rstrip for its chat tokens).
+void index_specials(Vocab& v, const std::string& model_name) {
+    std::string name = model_name;
+    for (char& c : name) c = (char)std::tolower((unsigned char)c);
+    const bool phi3 = name.find("phi-3") != std::string::npos || name.find("phi3") != std::string::npos;
     const int32_t n_vocab = (int32_t)v.text.size();
     for (int32_t id = 0; id < n_vocab; id++) {
         uint8_t t = v.type[id];
         if (t != TOKEN_TYPE_CONTROL && t != TOKEN_TYPE_USER_DEFINED && t != TOKEN_TYPE_UNKNOWN) continue;
-        v.specials_by_byte[(uint8_t)v.text[id][0]].push_back({id, t == TOKEN_TYPE_USER_DEFINED});
+        const std::string& s = v.text[id];
+        const bool rstrip = phi3 && s != "<unk>" && s != "<s>" && s != "<|endoftext|>";
+        v.specials_by_byte[(uint8_t)s[0]].push_back({id, t == TOKEN_TYPE_USER_DEFINED, rstrip});
     }
     for (auto& list : v.specials_by_byte) {
         std::stable_sort(list.begin(), list.end(), [&](const Vocab::Special& a, const Vocab::Special& b) {
@@ -402,7 +410,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GGUFFile& f) {
     mark_end_of_generation(v);
     build_pieces(v);
     if (v.model != Impl::Model::SPM) read_merges(f, v, where);
-    index_specials(v);
+    index_specials(v, f.get_string("general.name", ""));
     return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
 }
 
