@@ -148,6 +148,9 @@ nb::dict hparams(const PyModel& m) {
     d["ffn_act"] = ffn_activation_name(hp.ffn_act);
     d["tied_embeddings"] = m.model->output.data == m.model->tok_embd.data;
     d["weight_bytes"] = m.model->weight_bytes();
+    static const char* const kPooling[] = {"none", "mean", "cls", "last", "rank"};
+    if (hp.pooling_type < 0) d["pooling"] = nb::none();
+    else d["pooling"] = kPooling[hp.pooling_type];
     return d;
 }
 
@@ -271,6 +274,18 @@ nb::ndarray<nb::numpy, float> eval(PySession& s, Tokens1D tokens, bool all_logit
         InterruptScope interruptible(*s.session);
         nb::gil_scoped_release release;
         s.session->eval(tokens.data(), n, all_logits, out.data());
+    }
+    return out;
+}
+
+nb::ndarray<nb::numpy, float> hidden_states(PySession& s, Tokens1D tokens, int32_t seq) {
+    const int32_t n = (int32_t)tokens.shape(0);
+    if (n == 0) throw ArgumentError("hidden_states needs at least one token");
+    auto out = new_array<float>({(size_t)n, (size_t)s.session->model().hp.n_embd});
+    {
+        InterruptScope interruptible(*s.session);
+        nb::gil_scoped_release release;
+        s.session->hidden_states(tokens.data(), n, seq, out.data());
     }
     return out;
 }
@@ -410,6 +425,7 @@ void bind_model(nb::module_& m) {
             return out;
         })
         .def("eval", &eval, nb::arg("tokens"), nb::arg("all_logits") = false)
+        .def("hidden_states", &hidden_states, nb::arg("tokens"), nb::arg("seq") = 0)
         .def_prop_ro("n_past", [](const PySession& s) { return s.session->n_past(); })
         .def_prop_ro("n_ctx", [](const PySession& s) { return s.session->n_ctx(); })
         .def_prop_ro("kv_bytes", [](const PySession& s) { return s.session->kv_bytes(); })

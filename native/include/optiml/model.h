@@ -86,6 +86,9 @@ struct HParams {
     float rope_freq_base_swa = 10000.0f;
     float rope_freq_scale_swa = 1.0f;
     float final_softcap = 0.0f;
+    // `{arch}.pooling_type` (llama.cpp's enum: 0 none, 1 mean, 2 cls, 3 last, 4 rank; -1 not given): how an
+    // embedding model's file says its token states become one embedding.
+    int32_t pooling_type = -1;
 
     // Mixture of experts (native/src/model/moe.cpp); n_expert == 0: a dense FFN. Each token's FFN is
     // the weighted sum of the n_expert_used experts (of n_ff_exp neurons) its router rates highest:
@@ -311,6 +314,10 @@ public:
     int32_t decode(const int32_t* tokens, const int32_t* seq, const int32_t* pos, const uint8_t* want, int32_t n,
                    float* logits);
 
+    // Appends n tokens to sequence `seq` (from its current length on) and writes each token's final hidden
+    // state, the residual stream after the output norm (llama.cpp's embeddings), to hidden ([n][n_embd]).
+    void hidden_states(const int32_t* tokens, int32_t n, int32_t seq, float* hidden);
+
     int32_t n_past() const { return kv_->seq_len(0); }
     int32_t n_ctx() const { return n_ctx_; }
     int32_t n_seq() const { return kv_->n_seq(); }
@@ -390,6 +397,9 @@ private:
     void forward_offload(const int32_t* tokens, const BatchView& b, const int32_t* out_rows, int32_t n_out,
                          float* logits);
     bool forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits);
+    void write_hidden(int32_t n, float* hidden) const;
+    bool hidden_wanted_ = false;  // (hidden_states: every row's residual comes back to the host)
+    float* hidden_out_ = nullptr;
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);
     void ffn_split_exact(int il, int32_t n, int32_t r0, Backend* home, const StepScratch& ds, const StepScratch& ks);

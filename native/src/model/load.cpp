@@ -212,6 +212,9 @@ HParams read_hparams(const GGUFFile& f) {
     if (hp.arch == "smollm3") hp.no_rope_step = 4;  // (llama.cpp's graph fixes it; the file says nothing)
 
     read_attention_variant(f, hp);
+    hp.pooling_type = f.has(p + "pooling_type") ? (int32_t)f.get_i64(p + "pooling_type") : -1;
+    if (hp.pooling_type < -1 || hp.pooling_type > 4)
+        throw GGUFError(format("%s: pooling_type %d is not one of llama.cpp's (0-4)", f.path().c_str(), hp.pooling_type));
     return hp;
 }
 

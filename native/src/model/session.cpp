@@ -582,6 +582,40 @@ void Session::eval(const int32_t* tokens, int32_t n, bool all_logits, float* log
     decode(tokens, seq.data(), pos.data(), want.data(), n, logits);
 }
 
+void Session::hidden_states(const int32_t* tokens, int32_t n, int32_t seq, float* hidden) {
+    if (n <= 0) throw ArgumentError("hidden_states needs at least one token");
+    kv_->check_seq(seq);
+    const int32_t n_past = kv_->seq_len(seq);
+    if ((int64_t)n_past + n > n_ctx_)
+        throw ContextOverflowError(format("%d tokens do not fit: the context holds %d and %d are used (n_ctx=%d)", n,
+                                          n_ctx_, n_past, n_ctx_));
+    std::vector<int32_t> seqs(n, seq), pos(n);
+    for (int32_t i = 0; i < n; i++) pos[i] = n_past + i;
+    const std::vector<uint8_t> want(n, 0);
+    struct Flag {
+        Session& s;
+        ~Flag() { s.hidden_wanted_ = false; }
+    } flag{*this};
+    hidden_wanted_ = true;
+    hidden_out_ = hidden;
+    decode(tokens, seqs.data(), pos.data(), want.data(), n, nullptr);
+}
+
+// The batch's residual stream (on the host after output()) through the output norm, double sums as ggml's.
+void Session::write_hidden(int32_t n, float* hidden) const {
+    const HParams& hp = model_->hp;
+    host_->synchronize();
+    const float* w = (const float*)model_->output_norm.data;
+    for (int32_t t = 0; t < n; t++) {
+        const float* x = host_s_.x + (size_t)t * hp.n_embd;
+        double sum = 0.0;
+        for (int32_t i = 0; i < hp.n_embd; i++) sum += (double)(x[i] * x[i]);
+        const float scale = 1.0f / std::sqrt((float)(sum / hp.n_embd) + hp.rms_eps);
+        float* out = hidden + (size_t)t * hp.n_embd;
+        for (int32_t i = 0; i < hp.n_embd; i++) out[i] = x[i] * scale * w[i];
+    }
+}
+
 int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t* pos, const uint8_t* want, int32_t n,
                         float* logits) {
     const HParams& hp = model_->hp;
@@ -622,6 +656,7 @@ int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t
         for (int32_t t = 0; t < m && !offload; t++) offload = kv_->on_host(seq[done + t]);
         if (offload) forward_offload(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
         else forward(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
+        if (hidden_wanted_) write_hidden(m, hidden_out_ + (size_t)done * hp.n_embd);
         for (int32_t t = 0; t < m; t++) kv_->set_seq_len(seq[done + t], pos[done + t] + 1);
         if (logits) logits += rows.size() * (size_t)hp.n_vocab;
         done += m;

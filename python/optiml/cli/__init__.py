@@ -9,6 +9,7 @@
     optiml perplexity -m BASE.gguf -f text.txt --ctx 256 --kl-divergence-base base.kld    # save the base
     optiml perplexity -m OTHER.gguf --kl-divergence-base base.kld --kl-divergence        # KLD against it
     optiml tokenize -m MODEL.gguf -p "Hello world"
+    optiml embed -m MODEL.gguf -p "first text" -p "second text" --embd-output-format json
     optiml info MODEL.gguf [--plot curves.png] [--stats STATS.npz]
     optiml convert HF_DIR -o OUT.gguf --type q4_k_m
     optiml solve -m MODEL.gguf --stats STATS.npz --vram 6GiB -o PLACED.gguf
@@ -33,8 +34,8 @@ import warnings
 from .._core import ArgumentError, ContextOverflowError, OptimlError
 from .._version import __version__
 from ..engine.sparsity import PredictorWarning
-from . import (bench, calibrate, chat, common, convert, hw, info, perplexity, profile, pull, run, serve, solve, system,
-               tokenize, train_predictors)
+from . import (bench, calibrate, chat, common, convert, embed, hw, info, perplexity, profile, pull, run, serve, solve,
+               system, tokenize, train_predictors)
 
 __all__ = ["COMMANDS", "main"]
 
@@ -47,6 +48,7 @@ COMMANDS = (
     ("perplexity", perplexity, "perplexity of a text file (llama.cpp's convention); KL divergence against a saved "
                                "base model"),
     ("tokenize", tokenize, "show the tokens of a text"),
+    ("embed", embed, "embeddings of texts (each text's final hidden states, pooled)"),
     ("info", info, "summary of a GGUF file"),
     ("convert", convert, "convert a Hugging Face model folder to GGUF"),
     ("profile", profile, "record how often each FFN neuron fires on sample text"),

@@ -30,7 +30,7 @@ import numpy as np
 from .. import _core
 from .._core import ArgumentError, OptimlError
 from ..formats.predictors import check_predictors, predicted_share
-from . import loading, speed_probe
+from . import embeddings, loading, speed_probe
 from .chat_template import ChatTemplate, check_variables, read_template
 from .checks import boolean, non_negative_int, positive_int, token_array
 from .generation import ChatPrefix, cached_prefix, check_prompt, generator, make_sampler, prompt_ids, stop_strings
@@ -451,6 +451,31 @@ class Model(Sequences):
         rows, host, positions = self._greedy_steps(prompt, n_tokens, batch, count_steps)
         return Launches([tuple(r) for r in rows], self.plan.device, n_tokens, batch, host,
                         int(self.hparams["n_layer"]), positions)
+
+    def embed(self, input, pooling: str | None = None, normalize: bool = True):
+        """Embeddings (engine/embeddings.py) of a text or list of token ids: a float32 vector of n_embd; of a list of
+        them: an array [n_inputs, n_embd]. pooling: "mean", "cls", "last" or "none" (each token's vector: an
+        array [n_tokens, n_embd] per input); default the file's pooling_type, else mean. normalize: unit vectors.
+        Each input runs alone from an empty context (BOS/EOS as the tokenizer adds them); the context is
+        empty afterwards. ContextOverflowError for an input longer than n_ctx."""
+        items, single = embeddings.inputs(input)
+        pooling = embeddings.choose_pooling(pooling, self.hparams)
+        normalize = boolean("normalize", normalize)
+        out = []
+        with self._exclusive():
+            try:
+                for item in items:
+                    ids = self.tokenize(item) if isinstance(item, (str, bytes)) else item
+                    if len(ids) == 0:
+                        raise ArgumentError("an input of embed() gives no tokens (an empty text?)")
+                    ids = token_array(ids, self.n_vocab)
+                    self._session.truncate(0)
+                    out.append(embeddings.pool(self._session.hidden_states(ids), pooling, normalize))
+            finally:
+                self._session.truncate(0)
+                self._tokens.clear()
+                self._chat.forget()
+        return out[0] if single else out if pooling == "none" else np.stack(out)
 
     def reset(self) -> None:
         """Empties the context."""

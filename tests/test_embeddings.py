@@ -1,0 +1,126 @@
+"""Model.embed: final hidden states (after the output norm) pooled, against transformers' last_hidden_state on a
+tiny random Qwen3 (float32), and llama.cpp's embeddings (llama-cpp-python, run live) on the real SmolLM2."""
+
+import numpy as np
+import pytest
+
+import optiml
+from optiml import ArgumentError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_convert import make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, tiny_tokenizer):  # noqa: F811
+    from optiml.convert import convert
+
+    model = make_model("qwen3-head-dim")
+    d = tmp_path_factory.mktemp("emb")
+    return model, convert(save_folder(model, d / "hf", tiny_tokenizer), d / "q3.gguf", type="f32")
+
+
+def reference(model, ids, pooling):
+    with torch.no_grad():
+        h = model.model(torch.tensor([ids])).last_hidden_state[0].double().numpy()
+    v = {"mean": h.mean(0), "cls": h[0], "last": h[-1], "none": h}[pooling]
+    return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last", "none"])
+def test_embeddings_are_transformers_hidden_states_pooled(qwen3, pooling):
+    """Inputs longer than a batch (n_batch 8: the states of every chunk), given as token ids and as text."""
+    model, path = qwen3
+    rng = np.random.default_rng(3)
+    inputs = [[int(t) for t in rng.integers(0, 300, n)] for n in (5, 21)]
+    with optiml.Model(path, n_ctx=64, n_batch=8, kv_type="f32") as m:
+        got = m.embed(inputs, pooling=pooling)
+        text = m.embed("The capital of France is", pooling=pooling)
+        ids = m.tokenize("The capital of France is")
+    for g, ids_ in zip(got, inputs):
+        want = reference(model, ids_, pooling)
+        assert g.dtype == np.float32 and g.shape == want.shape
+        np.testing.assert_allclose(g, want, atol=2e-5)
+    np.testing.assert_allclose(text, reference(model, ids, pooling), atol=2e-5)
+
+
+def test_pooling_and_normalization_choices(qwen3, tmp_path):
+    """The file's pooling_type is the default (a Qwen3-Embedding file says last), else mean; normalize=False
+    keeps the length; a reranker's file, an unknown pooling and an empty text are refused with a reason."""
+    from optiml.formats.gguf_edit import GGUFValueType as VT
+    from optiml.formats.gguf_edit import rewrite_gguf
+
+    model, path = qwen3
+    ids = [5, 77, 123, 9]
+    last = tmp_path / "last.gguf"
+    rewrite_gguf(path, last, set_kv={"qwen3.pooling_type": (3, VT.UINT32)}, progress=False)
+    with optiml.Model(last, n_ctx=32, kv_type="f32") as m:
+        assert m.hparams["pooling"] == "last"
+        np.testing.assert_allclose(m.embed(ids), reference(model, ids, "last"), atol=2e-5)
+    with optiml.Model(path, n_ctx=32, kv_type="f32") as m:
+        assert m.hparams["pooling"] is None
+        np.testing.assert_allclose(m.embed(ids), reference(model, ids, "mean"), atol=2e-5)
+        raw = m.embed(ids, normalize=False)
+        assert np.linalg.norm(raw) > 1.5
+        with pytest.raises(ArgumentError, match="pooling must be one of"):
+            m.embed(ids, pooling="max")
+        with pytest.raises(ArgumentError, match="gives no tokens"):
+            m.embed(["fine", ""])
+        with pytest.raises(optiml.ContextOverflowError):
+            m.embed(list(range(40)))
+    rank = tmp_path / "rank.gguf"
+    rewrite_gguf(path, rank, set_kv={"qwen3.pooling_type": (4, VT.UINT32)}, progress=False)
+    with optiml.Model(rank, n_ctx=32) as m, pytest.raises(ArgumentError, match="reranker"):
+        m.embed(ids)
+
+
+def test_the_context_is_empty_after_and_generation_unchanged(smollm2_path):
+    with optiml.Model(smollm2_path, n_ctx=128) as m:
+        before = m.generate("Once upon a time", max_tokens=12, temperature=0)
+        m.eval(m.tokenize("some earlier context"))
+        m.embed(["a", "longer text to embed, twice over"])
+        assert m.n_past == 0
+        assert m.generate("Once upon a time", max_tokens=12, temperature=0) == before
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_smollm2_embeddings_follow_llama_cpp(smollm2_path, pooling):
+    """llama.cpp's embeddings of the same file (its output norm's states, pooled, normalized): the same direction
+    within the two engines' Q4_1 kernel noise."""
+    from conftest import llama_cpp_module
+
+    llama_cpp = llama_cpp_module()
+    texts = ["The capital of France is Paris.", "A quick brown fox jumps over the lazy dog, twice."]
+    with optiml.Model(smollm2_path, n_ctx=128) as m:
+        ours = m.embed(texts, pooling=pooling)
+    kind = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}[pooling]
+    llm = llama_cpp.Llama(str(smollm2_path), embedding=True, pooling_type=kind, n_ctx=128, n_threads=1,
+                          verbose=False)
+    try:
+        theirs = np.array(llm.embed(texts, normalize=True), dtype=np.float32)
+    finally:
+        llm.close()
+    cos = (ours * theirs).sum(1)
+    assert (cos > 0.999).all(), cos
+    assert (ours[0] * ours[1]).sum() < 0.99  # (different texts are not the same vector)
+
+
+def test_cli_prints_the_api_vectors(smollm2_path, tmp_path, capsys):
+    import json
+
+    from optiml import cli
+
+    (tmp_path / "texts.txt").write_text("first text\n\nsecond one\n")
+    assert cli.main(["embed", "-m", str(smollm2_path), "-c", "64", "-f", str(tmp_path / "texts.txt"),
+                     "--embd-output-format", "json", "--pooling", "last"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    with optiml.Model(smollm2_path, n_ctx=64) as m:
+        want = m.embed(["first text", "second one"], pooling="last")
+    assert [d["index"] for d in doc["data"]] == [0, 1]
+    np.testing.assert_allclose(np.array([d["embedding"] for d in doc["data"]]), want, atol=1e-6)
+    assert cli.main(["embed", "-m", str(smollm2_path), "-c", "64", "-p", "x", "-p", "y z"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and len(lines[0].split()) == 576
+    assert cli.main(["embed", "-m", str(smollm2_path), "-f", str(tmp_path / "missing.txt")]) == 2
