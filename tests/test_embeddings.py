@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 from test_convert import make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
 
+MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"  # (the server's id for the reference file: its name)
+
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, tiny_tokenizer):  # noqa: F811
@@ -124,3 +126,42 @@ def test_cli_prints_the_api_vectors(smollm2_path, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and len(lines[0].split()) == 576
     assert cli.main(["embed", "-m", str(smollm2_path), "-f", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_v1_embeddings_with_the_openai_client_beside_generation(smollm2_path):
+    """/v1/embeddings: the official client (base64 by default) and plain JSON give Model.embed's vectors, while a
+    streamed completion runs in another slot and still gives its greedy text; bad requests are 400s."""
+    pytest.importorskip("uvicorn")
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    import threading
+
+    from conftest import live_server
+    from optiml.server import Server
+
+    texts = ["The capital of France is Paris.", "second", "A quick brown fox jumps over the lazy dog."]
+    with optiml.Model(smollm2_path, n_ctx=128) as m:
+        want = m.embed(texts)
+        greedy = m.generate("Once upon a time", max_tokens=24, temperature=0)
+    model = optiml.Model(smollm2_path, n_ctx=128, n_seq=2)
+    with live_server(Server(model, n_parallel=2)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        text = []
+        t = threading.Thread(target=lambda: text.extend(
+            c.choices[0].text for c in client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=24,
+                                                                  temperature=0, stream=True)))
+        t.start()
+        r = client.embeddings.create(model=MODEL_ID, input=texts)
+        t.join(120)
+        assert "".join(text) == greedy
+        assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens == sum(
+            len(model.tokenize(x)) for x in texts)
+        np.testing.assert_allclose(np.array([d.embedding for d in r.data]), want, atol=1e-5)
+        j = httpx.post(srv.url + "/v1/embeddings", json={"input": texts[0], "encoding_format": "float"}).json()
+        np.testing.assert_allclose(j["data"][0]["embedding"], want[0], atol=1e-5)
+        for body, why in (({"input": ""}, "empty string"), ({"input": []}, "'input' must be"),
+                          ({"input": "x", "dimensions": 8}, "'dimensions' is not supported"),
+                          ({"input": "word " * 200}, "the context holds 128")):
+            r = httpx.post(srv.url + "/v1/embeddings", json=body)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)
+    model.close()

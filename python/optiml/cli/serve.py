@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="extra variables for the chat template in every request, as a JSON object (llama-server's; "
                         "Qwen3: '{\"enable_thinking\": false}'); a request's own chat_template_kwargs win")
+    p.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
+                   help="how /v1/embeddings pools a text's token states (llama-server's; default: the file's "
+                        "pooling_type, else mean)")
     p.add_argument("--predictors", default="auto", help=common.PREDICTORS_HELP)
     common.add_device_args(p)
     p.add_argument("--kv-vram", default=None,
@@ -91,7 +94,8 @@ def run(args) -> int:
               n_threads=args.threads, max_queue=args.queue, chunk=args.chunk, model_id=args.alias,
               predictors=common.predictors(args), kv_vram=args.kv_vram, max_itl_ms=args.max_itl_ms,
               use_mmap=common.use_mmap(args), cors_origins=args.cors_origin,
-              chat_template_kwargs=common.template_variables(args.chat_template_kwargs) or None, **common.device(args))
+              chat_template_kwargs=common.template_variables(args.chat_template_kwargs) or None, pooling=args.pooling,
+              **common.device(args))
     if args.quiet:  # (-q: the access log and uvicorn's lines go; warnings and errors stay)
         kw["log_level"] = "warning"
     ray_only = [f for f, v in (("--replicas", args.replicas != 1), ("--min-replicas", args.min_replicas),

@@ -46,7 +46,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
           model_id: str | None = None, log_level: str = "info", predictors="auto", device: str = "auto", vram=None,
           n_gpu_layers: int | None = None, gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None,
           use_mmap="auto", kv_type_k=None, kv_type_v=None, n_cpu_moe=None, cors_origins=None,
-          chat_template_kwargs=None) -> None:
+          chat_template_kwargs=None, pooling=None) -> None:
     """Loads the model with one KV slot of n_ctx positions per parallel sequence and serves until stopped (the
     port answers 503 "Loading model" meanwhile, as llama-server's does).
     predictors, device, vram, n_gpu_layers, gpu_neurons, kv_vram, use_mmap, kv_type_k, kv_type_v, n_cpu_moe: as
@@ -54,7 +54,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
     fewer sequences than n_parallel, the others' attention runs on the CPU when the offload policy finds
     it pays (server/offload.py), within max_itl_ms per step when given. cors_origins: the web pages' origins
     that may call the API from a browser (["*"]: any; None: pages served from this machine). chat_template_kwargs:
-    the chat template's extra variables for every request (a request's own chat_template_kwargs win)."""
+    the chat template's extra variables for every request (a request's own chat_template_kwargs win). pooling:
+    /v1/embeddings' (mean, cls, last; default the file's pooling_type, else mean)."""
     check_server_packages()
     import uvicorn
 
@@ -67,7 +68,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
                       use_mmap=use_mmap, kv_type_k=kv_type_k, kv_type_v=kv_type_v, n_cpu_moe=n_cpu_moe)
         server = Server(model, n_parallel=n_parallel, api_key=api_key, model_id=model_id, max_queue=max_queue,
                         chunk=chunk, max_itl_ms=max_itl_ms, cors_origins=cors_origins,
-                        chat_template_kwargs=chat_template_kwargs)
+                        chat_template_kwargs=chat_template_kwargs, pooling=pooling)
         offload = (f"; KV of {model.plan.n_seq_device} on the device, the rest's attention on the CPU when it pays"
                    if model.plan.n_seq_device < n_parallel else "")
         print(f"optiml serve: {server.model_id}: {n_parallel} slots of {model.n_ctx} tokens, queue {max_queue}"

@@ -7,6 +7,7 @@ come back (through an asyncio queue) into a JSON answer or server-sent events.
 from __future__ import annotations
 
 import asyncio
+import base64
 import codecs
 import contextlib
 import functools
@@ -33,6 +34,7 @@ from starlette.routing import Route
 from .._core import OptimlError
 from ..engine.chat_template import MAX_OUTPUT_CHARS, ChatTemplateError
 from ..engine.chat_template import check_variables
+from ..engine.embeddings import choose_pooling
 from ..engine.harmony import HarmonySplitter, is_harmony, split as split_harmony
 from ..engine.reasoning import ThinkSplitter, is_thinking, opened_by, split as split_think
 from ..engine.sampling import RANDOM_SEED, Sampler
@@ -40,8 +42,8 @@ from ..util import jsonout
 from .metrics import CONTENT_TYPE, Metrics
 from .pipeline import Pipeline
 from .scheduler import Job, QueueFull, TooManySequences
-from .schemas import (APIError, GenRequest, bad, chat_request, completion_request, detokenize_request, parse_json,
-                      tokenize_request)
+from .schemas import (APIError, GenRequest, bad, chat_request, completion_request, detokenize_request,
+                      embedding_request, parse_json, tokenize_request)
 
 
 # The chat page at / (one static file shipped in the package; it talks to the API below from the browser).
@@ -107,8 +109,10 @@ class Server:
     def __init__(self, model, n_parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
                  max_queue: int = 64, chunk: int = 256, max_body: int = MAX_BODY_BYTES,
                  max_itl_ms: float | None = None, cors_origins: list | None = None,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, pooling: str | None = None):
         self.model = model
+        # /v1/embeddings' pooling (--pooling; else the file's pooling_type, else mean): checked now, chosen per request
+        self.pooling = pooling if pooling is None else choose_pooling(pooling, model.hparams)
         # the chat template's extra variables for every request (--chat-template-kwargs); a request's own win
         self.template_variables = check_variables(chat_template_kwargs)
         self.cors_origins = cors_origin_list(cors_origins)  # None: the browser's local pages; ["*"]: any
@@ -619,6 +623,10 @@ def create_app(server: Server) -> Starlette:
             server.check_prompt(p, "prompt", "the prompt" if len(ids) == 1 else f"prompt {i}")
         return GenRequest(prompts=ids, **fields)
 
+    @endpoint("embeddings")
+    async def embeddings(request: Request):
+        return await _embeddings(server, request)
+
     @endpoint("tokenize")
     async def tokenize(request: Request):
         return await _json_route(server, request, _tokenized)
@@ -679,6 +687,8 @@ def create_app(server: Server) -> Starlette:
         Route("/chat/completions", chat, methods=["POST"]),  # llama-server's paths without /v1
         Route("/completions", completions, methods=["POST"]),
         Route("/models", models, methods=["GET"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -720,6 +730,43 @@ def _chat_prepare(server: Server, raw: bytes) -> GenRequest:
 def _route_list(routes: list) -> str:
     """The routes as a 404 names them: "GET /, POST /v1/chat/completions, ..."."""
     return ", ".join(f"{m} {r.path.replace(':path', '')}" for r in routes for m in sorted(r.methods - {"HEAD"}))
+
+
+async def _embeddings(server: Server, request: Request) -> JSONResponse:
+    """POST /v1/embeddings: each input's vector from the pipeline (it runs between generation steps)."""
+    ids, fmt, pooling = await _prepared(server, request, functools.partial(_embeddings_prepare, server))
+    try:
+        fut = server.pipeline.embed(ids, pooling)
+    except QueueFull as e:
+        raise APIError(503, f"the server is busy: {e}", type="server_busy", code="queue_full") from None
+    vectors = await asyncio.wrap_future(fut)
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()}
+            for i, v in enumerate(vectors)]
+    n = sum(len(x) for x in ids)
+    return JSONResponse({"object": "list", "data": data, "model": server.model_id,
+                         "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+def _embeddings_prepare(server: Server, raw: bytes) -> tuple:
+    """The request's inputs as token id lists (checked against the context), the encoding, the pooling."""
+    body = parse_json(raw)
+    server.check_model(body)
+    inputs, fmt = embedding_request(body, server.model.n_vocab)
+    pooling = choose_pooling(server.pooling, server.model.hparams)  # (a reranker's file: refused here)
+    if pooling == "none":
+        raise bad("pooling none gives a vector per token, which /v1/embeddings cannot return: start the server "
+                  "with --pooling mean, cls or last", "input")
+    ids = [server.tokenizer.encode(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
+           for p in inputs]
+    for i, p in enumerate(ids):
+        which = "the input" if len(ids) == 1 else f"input {i}"
+        if not p:
+            raise bad(f"{which} gives no tokens", "input")
+        if len(p) > server.model.n_ctx:
+            raise bad(f"{which} has {len(p)} tokens; the context holds {server.model.n_ctx} (--ctx)", "input",
+                      code="context_length_exceeded")
+    return ids, fmt, pooling
 
 
 async def _prepared(server: Server, request: Request, prepare):

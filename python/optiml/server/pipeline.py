@@ -9,13 +9,20 @@
 A job that generates alone (nothing else running or waiting) with no logprobs and no response_format
 takes each token in one native call (decode and output stage, the GIL released); it goes back to batched
 steps as soon as another job arrives. A step that fails fails its jobs, not the server.
+
+Embedding requests (/v1/embeddings) run between steps, one input at a time, each in a free slot that is
+emptied before and after (its cached prefix is forgotten).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import traceback
+from concurrent.futures import Future
+
+from ..engine.embeddings import pool
 
 from .output import OutputStage
 from .runner import Runner
@@ -31,6 +38,7 @@ class Pipeline:
         self.output = OutputStage(model.tokenizer, model.n_ctx, metrics)
         self.metrics = metrics
         self.steps = 0
+        self._embeds = collections.deque()  # [inputs, pooling, future, vectors so far]
         self.thread = threading.Thread(target=self._run, name="optiml-scheduler", daemon=True)
 
     # ---- called from the server's event loop ----------------------------------------------------------
@@ -47,6 +55,17 @@ class Pipeline:
 
     def cancel(self, jobs: list) -> None:
         self.scheduler.cancel(jobs)
+
+    def embed(self, inputs: list, pooling: str) -> Future:
+        """Queues token id lists to embed (unit vectors, `pooling`); the future's result is their vectors.
+        QueueFull when the server is stopping."""
+        fut = Future()
+        with self.scheduler.cond:
+            if self.scheduler.stopping:
+                raise QueueFull("the server is shutting down")
+            self._embeds.append([list(inputs), pooling, fut, []])
+            self.scheduler.cond.notify_all()
+        return fut
 
     def status(self) -> dict:
         return self.scheduler.status()
@@ -72,19 +91,24 @@ class Pipeline:
                 if s.stopping:
                     for j in s.jobs():
                         self.output.fail(j, "the server is shutting down")
+                    for task in self._embeds:
+                        task[2].set_exception(QueueFull("the server is shutting down"))
                     return
-                if not s.waiting and all(slot.job is None for slot in s.slots):
+                embed = bool(self._embeds) and any(slot.job is None for slot in s.slots)
+                if not embed and not s.waiting and all(slot.job is None for slot in s.slots):
                     if changed:
                         s.gauges()
                     s.cond.wait()
                     continue
+            if embed:  # (this thread alone admits jobs: the slot stays free while it embeds)
+                self._embed_next()
             changed |= s.admit(self._fail)
             if changed:
                 with s.cond:
                     s.gauges()
             step = s.schedule()
             if step is None:
-                if not changed:  # waiting jobs the policy keeps waiting: sleep until something happens
+                if not changed and not embed:  # waiting jobs the policy keeps waiting: sleep until something happens
                     with s.cond:
                         s.cond.wait(timeout=0.1)
                 continue
@@ -97,6 +121,25 @@ class Pipeline:
                 traceback.print_exc()
                 for j in step.active:
                     self._fail(j, f"generation failed: {e}")
+
+    def _embed_next(self) -> None:
+        """Embeds the first queued request's next input in a free slot (there is one: _run checked)."""
+        free = [slot for slot in self.scheduler.slots if slot.job is None]
+        slot = min(free, key=lambda x: (len(x.tokens) > 0, x.last_used))  # an empty one, else the oldest
+        task = self._embeds[0]
+        inputs, pooling, fut, done = task
+        try:
+            slot.tokens = []  # (what its KV holds is no prefix of anything after this)
+            self.runner.kv_truncate(slot.index, 0)
+            done.append(pool(self.runner.hidden_states(inputs[len(done)], slot.index), pooling, True))
+            self.runner.kv_truncate(slot.index, 0)
+        except Exception as e:  # (a bad input fails its request, not the server)
+            self._embeds.popleft()
+            fut.set_exception(e)
+            return
+        if len(done) == len(inputs):
+            self._embeds.popleft()
+            fut.set_result(done)
 
     def _step(self, step: Step) -> None:
         s = self.scheduler

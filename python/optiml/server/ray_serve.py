@@ -645,6 +645,7 @@ BUILD_ARGS = {
     "predictors": "auto", "device": "auto", "vram": None, "n_gpu_layers": None, "gpu_neurons": None,
     "kv_vram": None, "n_cpu_moe": None, "max_itl_ms": None, "mmap": "auto", "max_ongoing": None, "router": None,
     "stream_interval_ms": 100, "access_log": False, "cors_origins": None, "chat_template_kwargs": None,
+    "pooling": None,
 }
 
 
@@ -669,7 +670,7 @@ def build_app(args: dict):
         model_kwargs["predictors"] = None
     server_kwargs = {"api_key": a["api_key"], "model_id": a["alias"], "chunk": num(a["chunk"]) or 256,
                      "max_itl_ms": num(a["max_itl_ms"], float), "cors_origins": cors_origin_list(a["cors_origins"]),
-                     "chat_template_kwargs": _json_object(a["chat_template_kwargs"])}
+                     "chat_template_kwargs": _json_object(a["chat_template_kwargs"]), "pooling": a["pooling"] or None}
     return build(str(a["model"]), replicas=num(a["replicas"]), min_replicas=num(a["min_replicas"]),
                  max_replicas=num(a["max_replicas"]), cpus=num(a["cpus"], float), gpus=num(a["gpus"], float),
                  n_parallel=num(a["parallel"]), max_queue=num(a["queue"]), max_ongoing=num(a["max_ongoing"]),
@@ -745,7 +746,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
               predictors="auto", device: str = "auto", vram=None, n_gpu_layers: int | None = None,
               gpu_neurons=None, kv_vram=None, max_itl_ms: float | None = None, use_mmap="auto",
               kv_type_k=None, kv_type_v=None, n_cpu_moe=None, cors_origins=None, min_replicas: int | None = None, max_replicas: int | None = None, name: str = APP_NAME,
-              chat_template_kwargs=None,
+              chat_template_kwargs=None, pooling=None,
               stream_interval_ms: float = 100, route_prefix: str = "/", temp_dir: str | None = None, ready=None,
               stop: threading.Event | None = None):
     """optiml serve --ray: the same server as optiml.server.serve (same arguments), as `replicas`
@@ -805,7 +806,7 @@ def serve_ray(model: str, host: str = "127.0.0.1", port: int = 8080, replicas: i
                                   "kv_type_k": kv_type_k, "kv_type_v": kv_type_v, "n_cpu_moe": n_cpu_moe},
                     server_kwargs={"api_key": api_key, "model_id": model_id, "chunk": chunk,
                                    "max_itl_ms": max_itl_ms, "cors_origins": cors_origins,
-                                   "chat_template_kwargs": chat_template_kwargs},
+                                   "chat_template_kwargs": chat_template_kwargs, "pooling": pooling},
                     stream_interval_ms=stream_interval_ms, access_log=log_level == "debug")
         try:
             serve.run(app, name=name, route_prefix=route_prefix)

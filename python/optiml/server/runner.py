@@ -37,6 +37,10 @@ class Runner:
     def kv_place(self, seq: int, where: str) -> None:
         self.model.kv_place(seq, where)
 
+    def hidden_states(self, ids: list, seq: int) -> np.ndarray:
+        """[len(ids), n_embd]: the final hidden states of ids run in sequence `seq` (embeddings)."""
+        return self.model._session.hidden_states(np.asarray(ids, np.int32), seq)
+
     # ---- steps --------------------------------------------------------------------------------------------
     def decode(self, batch: Batch) -> np.ndarray:
         """Logits [tokens that want them, n_vocab] of one batched step."""

@@ -320,6 +320,34 @@ def completion_request(body: dict, n_vocab: int) -> tuple:
     return prompts, c
 
 
+def embedding_request(body: dict, n_vocab: int) -> tuple:
+    """POST /v1/embeddings: (inputs: a list of str or token lists, encoding_format "float" or "base64").
+    OpenAI's client asks for base64 unless told otherwise."""
+    _check_fields(body, {"model", "input", "encoding_format", "dimensions", "user", "content"})
+    p = body.get("input", body.get("content"))  # (llama-server's /embedding takes "content")
+    if isinstance(p, str):
+        inputs = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        inputs = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and x and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x)) for x in p):
+        inputs = p
+    else:
+        raise bad("'input' must be a string, a list of strings, token ids, or a list of token id lists", "input")
+    for q in inputs:
+        if isinstance(q, str) and not q:
+            raise bad("'input' holds an empty string: nothing to embed", "input")
+        if not isinstance(q, str) and not all(0 <= t < n_vocab for t in q):
+            raise bad(f"'input' token ids must be in [0, {n_vocab})", "input")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise bad("'dimensions' is not supported: the embeddings have the model's width", "dimensions",
+                  code="unsupported_parameter")
+    return inputs, fmt
+
+
 def tokenize_request(body: dict) -> tuple:
     """llama-server's POST /tokenize: (content, add_special, parse_special, with_pieces), its defaults."""
     _check_fields(body, {"model", "content", "add_special", "parse_special", "with_pieces"})
