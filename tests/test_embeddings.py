@@ -147,9 +147,9 @@ def test_v1_embeddings_with_the_openai_client_beside_generation(smollm2_path):
     with live_server(Server(model, n_parallel=2)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         text = []
-        t = threading.Thread(target=lambda: text.extend(
-            c.choices[0].text for c in client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=24,
-                                                                  temperature=0, stream=True)))
+        stream = dict(model=MODEL_ID, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True)
+        t = threading.Thread(target=lambda: text.extend(c.choices[0].text
+                                                        for c in client.completions.create(**stream)))
         t.start()
         r = client.embeddings.create(model=MODEL_ID, input=texts)
         t.join(120)
