@@ -165,3 +165,47 @@ def test_v1_embeddings_with_the_openai_client_beside_generation(smollm2_path):
             r = httpx.post(srv.url + "/v1/embeddings", json=body)
             assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)
     model.close()
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3Model"])
+def test_an_embedding_model_folder_converts_with_its_pooling(tmp_path, tiny_tokenizer, arch):  # noqa: F811
+    """A sentence-transformers folder as Qwen3-Embedding ships it (the base model's tensors without "model." and
+    no head; modules.json naming a last-token Pooling module): the file says pooling_type last (llama.cpp's
+    converter's key), embed() pools so by default and gives transformers' normalized last hidden state, and
+    llama.cpp's embeddings of the file agree."""
+    import json
+    import os
+
+    import gguf
+
+    from conftest import llama_cpp_module
+    from optiml.convert import convert
+
+    model = make_model("qwen3-head-dim")
+    d = tmp_path / "st"
+    model.model.save_pretrained(d)
+    save_folder(model.model, d, tiny_tokenizer)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch], tie_word_embeddings=True)))
+    (d / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type":
+                                                "sentence_transformers.models.Transformer"},
+                                               {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                                                "sentence_transformers.models.Pooling"}]))
+    os.makedirs(d / "1_Pooling")
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                             "pooling_mode_lasttoken": True}))
+    out = convert(d, tmp_path / "emb.gguf", type="f32")
+    assert gguf.GGUFReader(out).fields["qwen3.pooling_type"].contents() == 3
+    text = "The capital of France is Paris"
+    with optiml.Model(out, n_ctx=32, kv_type="f32") as m:
+        ours = m.embed(text)
+        ids = m.tokenize(text)
+    np.testing.assert_allclose(ours, reference(model, ids, "last"), atol=2e-5)
+    llama_cpp = llama_cpp_module()
+    llm = llama_cpp.Llama(str(out), embedding=True, n_ctx=32, n_threads=1, verbose=False)  # (the file's pooling)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
+        theirs = np.array(llm.embed(text, normalize=True), dtype=np.float32)
+    finally:
+        llm.close()
+    assert float(ours @ theirs) > 0.9999

@@ -33,7 +33,10 @@ ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt-oss", False),  # gpt_oss.py; NeoX rotation
     "Phi3ForCausalLM": ("phi3", False),  # phi3.py; fused q/k/v and gate/up, NeoX rotation, LongRoPE
 }
-SUPPORTED = ", ".join(ARCHITECTURES)
+# Base models without their head, as embedding models are saved (gte-Qwen2, sentence-transformers folders): the
+# causal LM's layout (safetensors.Checkpoint adds the "model." prefix their tensors lack).
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+SUPPORTED = ", ".join([*ARCHITECTURES, *BASE_MODELS])
 # Bounds on config.json's sizes, far above any model's: the layers OptiML's loader accepts (block_count; llama.cpp
 # takes 512), and a vocabulary of 2**30 tokens (the largest tokenizers have about 2**18; token ids are 32-bit).
 MAX_LAYERS = 4096
@@ -82,6 +85,8 @@ class ModelConfig:
     rope_long: object = None
     rope_short: object = None
     rope_attn_factor: float = 1.0
+    # A sentence-transformers folder's pooling (llama.cpp's pooling_type: 1 mean, 2 cls, 3 last; None: none said)
+    pooling: int | None = None
 
     @property
     def n_gqa(self) -> int:
@@ -105,7 +110,7 @@ def load_config(folder: str) -> ModelConfig:
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ConvertError(f"{path}: architectures = {archs!r} is not a list of class names")
-    hf_arch = next((a for a in archs if a in ARCHITECTURES), None)
+    hf_arch = next((BASE_MODELS.get(a, a) for a in archs if a in ARCHITECTURES or a in BASE_MODELS), None)
     if hf_arch is None:
         raise ConvertError(f"{path}: architecture {', '.join(map(str, archs)) or '(none given)'} is not "
                            f"supported; supported: {SUPPORTED}")
@@ -173,6 +178,7 @@ def load_config(folder: str) -> ModelConfig:
         raise ConvertError(f"{path}: rope scaling {rope_type!r} is not supported (default, linear, llama3; "
                            "yarn for gpt-oss)")
 
+    extra["pooling"] = _pooling_type(folder)
     return ModelConfig(
         hf_arch=hf_arch, arch=arch, permute_qk=permute,
         n_vocab=n_vocab, n_embd=n_embd,
@@ -182,6 +188,32 @@ def load_config(folder: str) -> ModelConfig:
         rope_theta=float(_get({"rope_theta": theta}, path, "rope_theta", kind=float)),
         rope_scaling=rope, activation=act if act in ("relu", "gelu") else "silu",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", arch in ("gemma2", "gemma3"))), raw=cfg, **extra)
+
+
+def _pooling_type(folder: str) -> int | None:
+    """The pooling a sentence-transformers folder (an embedding model: modules.json and its Pooling module's
+    config.json) asks for, as llama.cpp's converter reads it: 1 mean, 2 cls, 3 last; None without one."""
+    path = os.path.join(folder, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            modules = json.load(f)
+        sub = next((m["path"] for m in modules if str(m.get("type", "")).endswith("Pooling")), None)
+        if sub is None:
+            return None
+        path = os.path.join(folder, sub, "config.json")
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise ConvertError(f"{path}: cannot read the sentence-transformers pooling: {e}") from None
+    for key, kind in (("pooling_mode_mean_tokens", 1), ("pooling_mode_cls_token", 2), ("pooling_mode_lasttoken", 3)):
+        if cfg.get(key):
+            return kind
+    mode = {"mean": 1, "cls": 2, "lasttoken": 3}.get(cfg.get("pooling_mode"))
+    if mode is None:
+        raise ConvertError(f"{path}: pooling {cfg!r} is not supported (mean, cls, lasttoken)")
+    return mode
 
 
 def _check_nope_layers(cfg: dict, path: str, n_layer: int) -> None:
@@ -327,6 +359,8 @@ def hparams_kv(c: ModelConfig) -> list[tuple[str, str, object]]:
             kv.append(("u32", f"{a}.expert_feed_forward_length", c.n_ff_exp))
         if c.n_ff_shexp:
             kv.append(("u32", f"{a}.expert_shared_feed_forward_length", c.n_ff_shexp))
+    if c.pooling is not None:  # (llama.cpp's converter writes it for Qwen2/3 and a few others; every reader reads it)
+        kv.append(("u32", f"{a}.pooling_type", c.pooling))
     if c.activation == "relu":
         kv.append(("str", "optiml.ffn.activation", "relu"))  # the engine's switch to relu(gate) * up
     if a == "gemma2":  # gelu is gemma2's own activation; its caps and window as llama.cpp's converter writes them

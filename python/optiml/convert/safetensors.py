@@ -157,6 +157,10 @@ class Checkpoint:
         except BaseException:
             self.close()
             raise
+        # A base model saved without its head (Qwen3-Embedding; sentence-transformers' transformer module): the
+        # causal LM's tensors without their "model." prefix.
+        if "embed_tokens.weight" in self.entries and not any(n.startswith("model.") for n in self.entries):
+            self.entries = {"model." + n: e for n, e in self.entries.items()}
 
     def _shard_paths(self) -> list[str]:
         index = os.path.join(self.folder, "model.safetensors.index.json")
