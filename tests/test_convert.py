@@ -96,6 +96,13 @@ def save_folder(model, folder, tok_dir, **kw):
     return folder
 
 
+def converted_tiny(name, tmp_path_factory, tok_dir, type="f32"):
+    """make_model(name) saved and converted by optiml: (the transformers model, the GGUF's path)."""
+    model = make_model(name)
+    d = tmp_path_factory.mktemp(name)
+    return model, convert(save_folder(model, d / "hf", tok_dir), d / f"{name}.gguf", type=type)
+
+
 def greedy_hf(model, prompt, n=16):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)

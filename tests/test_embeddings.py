@@ -10,18 +10,14 @@ from optiml import ArgumentError
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_convert import make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
+from test_convert import converted_tiny, make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a fixture)
 
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"  # (the server's id for the reference file: its name)
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    from optiml.convert import convert
-
-    model = make_model("qwen3-head-dim")
-    d = tmp_path_factory.mktemp("emb")
-    return model, convert(save_folder(model, d / "hf", tiny_tokenizer), d / "q3.gguf", type="f32")
+    return converted_tiny("qwen3-head-dim", tmp_path_factory, tiny_tokenizer)
 
 
 def reference(model, ids, pooling):

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import gguf  # noqa: E402
 
 from optiml.convert import ConvertError, convert  # noqa: E402
-from test_convert import make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a module fixture)
+from test_convert import converted_tiny, make_model, save_folder, tiny_tokenizer  # noqa: E402,F401  (a fixture)
 from test_model_hf import rel_err  # noqa: E402
 
 ORIG = 32  # the config's original_max_position_embeddings; max_position_embeddings is 256
@@ -26,9 +26,7 @@ ORIG = 32  # the config's original_max_position_embeddings; max_position_embeddi
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory, tiny_tokenizer):  # noqa: F811
-    model = make_model("phi3-longrope")
-    d = tmp_path_factory.mktemp("phi3")
-    return model, convert(save_folder(model, d / "hf", tiny_tokenizer), d / "phi3.gguf", type="f32")
+    return converted_tiny("phi3-longrope", tmp_path_factory, tiny_tokenizer)
 
 
 def ours(path, ids, n_ctx):

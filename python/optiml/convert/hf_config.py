@@ -268,15 +268,20 @@ def _full_attention_context(cfg: dict, path: str, hf_arch: str, n_ctx: int) -> i
     return window
 
 
+def _check_query_scalar(cfg: dict, path: str, expected: int, head_dim: int, model: str) -> None:
+    """Gemma's query_pre_attn_scalar (transformers' default: the head size) against the one llama.cpp's graph
+    uses (it knows the 27B by its layers)."""
+    scalar = cfg.get("query_pre_attn_scalar", head_dim)
+    if scalar != expected:
+        raise ConvertError(f"{path}: query_pre_attn_scalar {scalar} is not supported (llama.cpp's {model} scales q "
+                           f"by 1/sqrt({expected}))")
+
+
 def _gemma2_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int) -> dict:
     """Gemma 2's scalings, soft-caps and alternating sliding window, refused where llama.cpp's gemma2 graph
     (which our engine follows) would compute something else than the checkpoint means."""
     n_layer = _get(cfg, path, "num_hidden_layers", kind=int)
-    scalar = cfg.get("query_pre_attn_scalar", head_dim)
-    expected = n_embd // n_head if n_layer == 46 else head_dim  # llama.cpp's rule (the 27B is 46 layers)
-    if scalar != expected:
-        raise ConvertError(f"{path}: query_pre_attn_scalar {scalar} is not supported (llama.cpp's Gemma 2 "
-                           f"scales q by 1/sqrt({expected}))")
+    _check_query_scalar(cfg, path, n_embd // n_head if n_layer == 46 else head_dim, head_dim, "Gemma 2")  # (27B: 46)
     out = {}
     # (null would leave the scores or the logits uncapped, which llama.cpp's gemma2 graph cannot do: refused)
     out["attn_softcap"] = float(_get(cfg, path, "attn_logit_softcapping", kind=float))
@@ -299,11 +304,7 @@ def _gemma3_extra(cfg: dict, path: str, n_embd: int, n_head: int, head_dim: int)
     """Gemma 3's sliding-window layout and scalings, refused where llama.cpp's gemma3 graph (which our
     engine follows) would compute something else than the checkpoint means."""
     n_layer = _get(cfg, path, "num_hidden_layers", kind=int)
-    scalar = cfg.get("query_pre_attn_scalar", head_dim)
-    expected = n_embd // n_head if n_layer == 62 else head_dim  # llama.cpp's rule (the 27B is 62 layers)
-    if scalar != expected:
-        raise ConvertError(f"{path}: query_pre_attn_scalar {scalar} is not supported (llama.cpp's Gemma 3 "
-                           f"scales q by 1/sqrt({expected}))")
+    _check_query_scalar(cfg, path, n_embd // n_head if n_layer == 62 else head_dim, head_dim, "Gemma 3")  # (27B: 62)
     if cfg.get("attn_logit_softcapping"):
         raise ConvertError(f"{path}: attn_logit_softcapping is not supported")
     out = {"final_softcap": float(cfg.get("final_logit_softcapping") or 0.0)}

@@ -736,10 +736,9 @@ async def _embeddings(server: Server, request: Request) -> JSONResponse:
     """POST /v1/embeddings: each input's vector from the pipeline (it runs between generation steps)."""
     ids, fmt, pooling = await _prepared(server, request, functools.partial(_embeddings_prepare, server))
     try:
-        fut = server.pipeline.embed(ids, pooling)
-    except QueueFull as e:
+        vectors = await asyncio.wrap_future(server.pipeline.embed(ids, pooling))
+    except QueueFull as e:  # (stopping: before the request was queued, or while it waited)
         raise APIError(503, f"the server is busy: {e}", type="server_busy", code="queue_full") from None
-    vectors = await asyncio.wrap_future(fut)
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()}
             for i, v in enumerate(vectors)]
