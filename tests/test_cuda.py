@@ -166,6 +166,20 @@ def test_converted_architectures_match_the_cpu(tmp_path, arch):
     assert mean_kld(ref, got) < 1e-4
 
 
+@pytest.mark.parametrize("split", [dict(), dict(gpu_neurons=512)])
+def test_embeddings_match_the_cpu(tiny, split):
+    """Model.embed's hidden states (every token's, after the output norm) come back from the device: whole, in a
+    plain step and in a recorded one (a single token), and split."""
+    ids = list(range(400, 412))
+    with optiml.Model(tiny["q4_0"], n_ctx=64, device="cpu") as m:
+        ref = m.embed(ids, pooling="none", normalize=False)
+    with optiml.Model(tiny["q4_0"], n_ctx=64, device="cuda", **split) as m:
+        got = m.embed(ids, pooling="none", normalize=False)
+        one = m.embed(ids[:1], pooling="none", normalize=False)  # (a step short enough to be recorded)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    np.testing.assert_allclose(one, ref[:1], rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("kind, stage", [("q8_0", "norm_quantize"), ("q5_0", "norm_round"), ("q6_k", "norm_round"),
                                          ("f16", "norm_round"), ("bf16", "norm_round"), ("f32", "rms_norm")])
 def test_every_input_conversion_matches_the_cpu(tiny, tmp_path, kind, stage):

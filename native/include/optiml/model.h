@@ -398,7 +398,8 @@ private:
                          float* logits);
     bool forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits);
     void write_hidden(int32_t n, float* hidden) const;
-    bool hidden_wanted_ = false;  // (hidden_states: every row's residual comes back to the host)
+    // hidden_states: decode writes each piece's final states here (every forward leaves the residual on the host)
+    bool hidden_wanted_ = false;
     float* hidden_out_ = nullptr;
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);

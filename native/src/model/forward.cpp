@@ -120,8 +120,7 @@ bool Session::forward_recorded(const BatchView& kb, const int32_t* out_rows, int
     Backend* dev = device_.get();
     const int32_t n = kb.n;
     // (while tracing every op is timed on its own, in its layer: no recorded steps)
-    if (!whole_on_device_ || host_->tracing() || recorder_ || hidden_wanted_ || n > kMaxRecordedTokens ||
-        n_out > plan_.logits_rows)
+    if (!whole_on_device_ || host_->tracing() || recorder_ || n > kMaxRecordedTokens || n_out > plan_.logits_rows)
         return false;
     // (a longer mixture-of-experts step routes on the host, which a recording cannot hold)
     if (hp.is_moe() && (int64_t)n * hp.n_expert_used > Backend::kMoEPairsOnDevice) return false;
