@@ -43,6 +43,8 @@ def test_the_libraries_say_so_when_run(name):
     ("time_model.py", ["-m", "nosuch"], "nosuch: no such file, and not a known model name"),
     ("hybrid.py", ["--device", "gpu"], "--device gpu: not a device"),
     ("moe.py", ["--n-layer", "0"], "argument --n-layer: must be at least 1, not 0"),
+    ("embeddings.py", ["--texts", "100000"], "the text has"),
+    ("embeddings.py", ["-m", "nosuch"], "nosuch: no such file, and not a known model name"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(tool, args, says):
     r = run_tool(tool, *args)
