@@ -135,12 +135,13 @@ def test_v1_embeddings_with_the_openai_client_beside_generation(smollm2_path):
     from conftest import live_server
     from optiml.server import Server
 
-    texts = ["The capital of France is Paris.", "second", "A quick brown fox jumps over the lazy dog."]
+    texts = ["The capital of France is Paris.", "second", "A quick brown fox jumps over the lazy dog. " * 6]
     with optiml.Model(smollm2_path, n_ctx=128) as m:
         want = m.embed(texts)
         greedy = m.generate("Once upon a time", max_tokens=24, temperature=0)
+        assert len(m.tokenize(texts[2])) > 3 * 16
     model = optiml.Model(smollm2_path, n_ctx=128, n_seq=2)
-    with live_server(Server(model, n_parallel=2)) as srv:
+    with live_server(Server(model, n_parallel=2, chunk=16)) as srv:  # (the long input in pieces of 16 tokens)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         text = []
         stream = dict(model=MODEL_ID, prompt="Once upon a time", max_tokens=24, temperature=0, stream=True)
@@ -156,6 +157,7 @@ def test_v1_embeddings_with_the_openai_client_beside_generation(smollm2_path):
         j = httpx.post(srv.url + "/v1/embeddings", json={"input": texts[0], "encoding_format": "float"}).json()
         np.testing.assert_allclose(j["data"][0]["embedding"], want[0], atol=1e-5)
         for body, why in (({"input": ""}, "empty string"), ({"input": []}, "'input' must be"),
+                          ({"input": ["a"] * 2049}, "at most 2048"),
                           ({"input": "x", "dimensions": 8}, "'dimensions' is not supported"),
                           ({"input": "word " * 200}, "the context holds 128")):
             r = httpx.post(srv.url + "/v1/embeddings", json=body)
@@ -205,3 +207,27 @@ def test_an_embedding_model_folder_converts_with_its_pooling(tmp_path, tiny_toke
     finally:
         llm.close()
     assert float(ours @ theirs) > 0.9999
+
+
+def test_the_pipeline_reserves_a_slot_and_drops_what_is_cancelled(smollm2_path):
+    """An input runs piece by piece in a slot no prompt is admitted to meanwhile; a cancelled request frees it at
+    the next turn; requests beyond --queue are refused."""
+    from optiml.server.pipeline import Pipeline, QueueFull
+
+    with optiml.Model(smollm2_path, n_ctx=128, n_seq=2) as m:
+        p = Pipeline(m, n_parallel=2, max_queue=2, chunk=8)
+        ids = m.tokenize("A quick brown fox jumps over the lazy dog, twice over and more.")
+        a, b = p.embed([ids, ids[:3]], "mean"), p.embed([ids], "mean")
+        with pytest.raises(QueueFull, match="2 embedding requests are already waiting"):
+            p.embed([ids], "mean")
+        p._embed_next()  # a's first input, its first 8 tokens
+        slot = a.slot
+        assert slot.reserved and not slot.free and len(a.states) == 1
+        while len(a.vectors) < 1:
+            p._embed_next()
+        assert not slot.reserved and list(p._embeds) == [b, a]  # b's turn next
+        b.cancelled = True
+        p._embed_next()
+        assert b.fut.cancelled() and list(p._embeds) == [a] and all(x.free for x in p.scheduler.slots)
+        p._embed_next()
+        np.testing.assert_allclose(np.stack(a.fut.result()), m.embed([ids, ids[:3]]), atol=1e-5)

@@ -157,7 +157,10 @@ Ctrl-C stops an answer; Ctrl-D at the prompt leaves. Up/Down browse the input hi
 
 def private_history(path: str, max_bytes: int = 1 << 20) -> None:
     """The input history file, readable by its owner only (what was typed, secrets pasted into prompts among it),
-    cut to its newest entries (about max_bytes / 2) once it grows past max_bytes."""
+    cut to its newest entries (about max_bytes / 2) once it grows past max_bytes. A symlink is the user's own
+    arrangement: left as it is."""
+    if os.path.islink(path):
+        return
     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
     os.chmod(path, 0o600)
     if os.path.getsize(path) <= max_bytes:

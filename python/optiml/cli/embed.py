@@ -14,7 +14,8 @@ def add_arguments(p) -> None:
     common.add_batch_arg(p)
     common.add_device_args(p)
     p.add_argument("-p", "--prompt", action="append", default=None,
-                   help="a text to embed (repeat for more; default: each line of --file, else of stdin)")
+                   help="a text to embed, each of its lines one text as llama-embedding splits them (repeat for more; "
+                   "default: each line of --file, else of stdin)")
     p.add_argument("-f", "--file", help="a file whose non-empty lines are the texts")
     p.add_argument("--pooling", choices=POOLINGS, default=None,
                    help="mean, cls (the first token's), last (the last token's) or none (every token's); default "
@@ -28,7 +29,7 @@ def add_arguments(p) -> None:
 
 def _texts(args) -> list[str]:
     if args.prompt:
-        return args.prompt
+        return [line for p in args.prompt for line in p.split("\n") if line.strip()]
     if args.file:
         with open(args.file, encoding="utf-8") as f:
             lines = f.read().splitlines()

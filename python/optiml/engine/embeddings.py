@@ -46,7 +46,12 @@ def pool(hidden: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
 
 
 def inputs(input) -> tuple[list, bool]:
-    """A text, token ids, or a list of either -> (the list, whether one was given alone)."""
+    """A text, token ids (a list or a 1-D array), or a list of either (or a 2-D array) -> (the list, whether one
+    was given alone)."""
+    if isinstance(input, np.ndarray):
+        if input.ndim == 1:
+            return [input.tolist()], True
+        input = list(input.tolist()) if input.ndim == 2 else input  # (other shapes: refused below)
     if isinstance(input, (str, bytes)):
         return [input], True
     if isinstance(input, Sequence) and input and all(isinstance(t, (int, np.integer)) for t in input):

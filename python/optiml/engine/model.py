@@ -456,8 +456,9 @@ class Model(Sequences):
         """Embeddings (engine/embeddings.py) of a text or list of token ids: a float32 vector of n_embd; of a list of
         them: an array [n_inputs, n_embd]. pooling: "mean", "cls", "last" or "none" (each token's vector: an
         array [n_tokens, n_embd] per input); default the file's pooling_type, else mean. normalize: unit vectors.
-        Each input runs alone from an empty context (BOS/EOS as the tokenizer adds them); the context is
-        empty afterwards. ContextOverflowError for an input longer than n_ctx."""
+        Each input runs alone from an empty context (BOS/EOS as the tokenizer adds them, special-token text such as
+        <|im_start|> as its token, as llama-embedding and /v1/embeddings take it); the context is empty afterwards.
+        ContextOverflowError for an input longer than n_ctx."""
         items, single = embeddings.inputs(input)
         pooling = embeddings.choose_pooling(pooling, self.hparams)
         normalize = boolean("normalize", normalize)
@@ -465,7 +466,7 @@ class Model(Sequences):
         with self._exclusive():
             try:
                 for item in items:
-                    ids = self.tokenize(item) if isinstance(item, (str, bytes)) else item
+                    ids = self.tokenize(item, special=True) if isinstance(item, (str, bytes)) else item
                     if len(ids) == 0:
                         raise ArgumentError("an input of embed() gives no tokens (an empty text?)")
                     ids = token_array(ids, self.n_vocab)
@@ -473,8 +474,7 @@ class Model(Sequences):
                     out.append(embeddings.pool(self._session.hidden_states(ids), pooling, normalize))
             finally:
                 self._session.truncate(0)
-                self._tokens.clear()
-                self._chat.forget()
+                self._forget_seq0()
         return out[0] if single else out if pooling == "none" else np.stack(out)
 
     def reset(self) -> None:

@@ -98,7 +98,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, n_parallel
             url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
             print(f"optiml serve: {self.model_id} on {url}/v1; chat page at {url}/", flush=True)
 
-    gate = LoadingGate(load)
+    gate = LoadingGate(load, stopping=lambda: uv.should_exit)
     uv = Announcing(uvicorn.Config(gate, host=host, port=port, log_level=log_level))
     gate.on_ready = uv.announce
     gate.on_error = lambda: setattr(uv, "should_exit", True)

@@ -20,7 +20,7 @@ import uuid
 
 import anyio
 
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -687,8 +687,7 @@ def create_app(server: Server) -> Starlette:
         Route("/chat/completions", chat, methods=["POST"]),  # llama-server's paths without /v1
         Route("/completions", completions, methods=["POST"]),
         Route("/models", models, methods=["GET"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),  # (llama-server's /embeddings answers otherwise)
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -736,9 +735,25 @@ async def _embeddings(server: Server, request: Request) -> JSONResponse:
     """POST /v1/embeddings: each input's vector from the pipeline (it runs between generation steps)."""
     ids, fmt, pooling = await _prepared(server, request, functools.partial(_embeddings_prepare, server))
     try:
-        vectors = await asyncio.wrap_future(server.pipeline.embed(ids, pooling))
-    except QueueFull as e:  # (stopping: before the request was queued, or while it waited)
-        raise APIError(503, f"the server is busy: {e}", type="server_busy", code="queue_full") from None
+        task = server.pipeline.embed(ids, pooling)
+    except QueueFull as e:
+        server.metrics.rejected.inc()
+        raise APIError(503 if server.pipeline.stopping else 429, f"the server is busy: {e}; retry later",
+                       type="server_busy", code="queue_full", headers={"Retry-After": "1"}) from None
+    result = asyncio.wrap_future(task.fut)
+    while not (await asyncio.wait({result}, timeout=0.25))[0]:
+        # A client that left, or a server told to stop (as its streams are told), cancels what remains.
+        if AppStatus.should_exit:
+            task.cancelled = True
+            raise APIError(503, "the server is shutting down; retry the request", type="server_error",
+                           code="server_shutting_down")
+        if await request.is_disconnected():
+            task.cancelled = True
+            raise APIError(499, "the client closed the connection", type="invalid_request_error")
+    try:
+        vectors = result.result()
+    except QueueFull as e:  # (the server stopped while it waited)
+        raise APIError(503, f"{e}; retry the request", type="server_error", code="server_shutting_down") from None
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()}
             for i, v in enumerate(vectors)]

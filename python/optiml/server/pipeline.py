@@ -10,8 +10,9 @@ A job that generates alone (nothing else running or waiting) with no logprobs an
 takes each token in one native call (decode and output stage, the GIL released); it goes back to batched
 steps as soon as another job arrives. A step that fails fails its jobs, not the server.
 
-Embedding requests (/v1/embeddings) run between steps, one input at a time, each in a free slot that is
-emptied before and after (its cached prefix is forgotten).
+Embedding requests (/v1/embeddings) run between steps, one input at a time in a slot reserved for it (emptied
+before and after: its cached prefix is forgotten), in pieces of at most `chunk` tokens as prompts are, so that a
+long input holds the running streams up no longer than a prompt does; requests take turns input by input.
 """
 
 from __future__ import annotations
@@ -22,13 +23,28 @@ import time
 import traceback
 from concurrent.futures import Future
 
+import numpy as np
+
 from ..engine.embeddings import pool
 
 from .output import OutputStage
 from .runner import Runner
 from .scheduler import QueueFull, Scheduler, Step
 
-__all__ = ["Pipeline", "QueueFull"]
+__all__ = ["Embedding", "Pipeline", "QueueFull"]
+
+
+class Embedding:
+    """One /v1/embeddings request in the pipeline: its token id lists, their vectors so far (fut's result once
+    all are in), the current input's hidden states so far and its slot."""
+
+    def __init__(self, inputs: list, pooling: str):
+        self.inputs, self.pooling = inputs, pooling
+        self.fut = Future()
+        self.vectors: list = []
+        self.states: list = []
+        self.slot = None
+        self.cancelled = False  # (set by the server's thread: the client left, or the server stops)
 
 
 class Pipeline:
@@ -38,7 +54,7 @@ class Pipeline:
         self.output = OutputStage(model.tokenizer, model.n_ctx, metrics)
         self.metrics = metrics
         self.steps = 0
-        self._embeds = collections.deque()  # [inputs, pooling, future, vectors so far]
+        self._embeds: collections.deque[Embedding] = collections.deque()
         self.thread = threading.Thread(target=self._run, name="optiml-scheduler", daemon=True)
 
     # ---- called from the server's event loop ----------------------------------------------------------
@@ -56,16 +72,19 @@ class Pipeline:
     def cancel(self, jobs: list) -> None:
         self.scheduler.cancel(jobs)
 
-    def embed(self, inputs: list, pooling: str) -> Future:
-        """Queues token id lists to embed (unit vectors, `pooling`); the future's result is their vectors.
-        QueueFull when the server is stopping."""
-        fut = Future()
+    def embed(self, inputs: list, pooling: str) -> Embedding:
+        """Queues token id lists to embed (unit vectors, `pooling`); the Embedding's fut gives their vectors.
+        QueueFull when the server is stopping or --queue requests already wait; cancel it with its .cancelled."""
+        task = Embedding([list(x) for x in inputs], pooling)
         with self.scheduler.cond:
             if self.scheduler.stopping:
                 raise QueueFull("the server is shutting down")
-            self._embeds.append([list(inputs), pooling, fut, []])
+            if len(self._embeds) >= max(1, self.scheduler.max_queue):
+                raise QueueFull(f"{len(self._embeds)} embedding requests are already waiting (--queue "
+                                f"{self.scheduler.max_queue})")
+            self._embeds.append(task)
             self.scheduler.cond.notify_all()
-        return fut
+        return task
 
     def status(self) -> dict:
         return self.scheduler.status()
@@ -92,15 +111,16 @@ class Pipeline:
                     for j in s.jobs():
                         self.output.fail(j, "the server is shutting down")
                     for task in self._embeds:
-                        task[2].set_exception(QueueFull("the server is shutting down"))
+                        if not task.fut.done():
+                            task.fut.set_exception(QueueFull("the server is shutting down"))
                     return
-                embed = bool(self._embeds) and any(slot.job is None for slot in s.slots)
+                embed = bool(self._embeds) and (self._embeds[0].slot is not None or any(x.free for x in s.slots))
                 if not embed and not s.waiting and all(slot.job is None for slot in s.slots):
                     if changed:
                         s.gauges()
                     s.cond.wait()
                     continue
-            if embed:  # (this thread alone admits jobs: the slot stays free while it embeds)
+            if embed:  # (this thread alone admits jobs and reserves slots)
                 self._embed_next()
             changed |= s.admit(self._fail)
             if changed:
@@ -123,23 +143,52 @@ class Pipeline:
                     self._fail(j, f"generation failed: {e}")
 
     def _embed_next(self) -> None:
-        """Embeds the first queued request's next input in a free slot (there is one: _run checked)."""
-        free = [slot for slot in self.scheduler.slots if slot.job is None]
-        slot = min(free, key=lambda x: (len(x.tokens) > 0, x.last_used))  # an empty one, else the oldest
+        """The next piece (at most `chunk` tokens) of the first queued request's current input, in its reserved
+        slot (a free one reserved at the input's start: _run checked there is one)."""
         task = self._embeds[0]
-        inputs, pooling, fut, done = task
-        try:
-            slot.tokens = []  # (what its KV holds is no prefix of anything after this)
-            self.runner.kv_truncate(slot.index, 0)
-            done.append(pool(self.runner.hidden_states(inputs[len(done)], slot.index), pooling, True))
-            self.runner.kv_truncate(slot.index, 0)
-        except Exception as e:  # (a bad input fails its request, not the server)
-            self._embeds.popleft()
-            fut.set_exception(e)
+        if task.cancelled:
+            self._embed_done(task)
             return
-        if len(done) == len(inputs):
-            self._embeds.popleft()
-            fut.set_result(done)
+        try:
+            if task.slot is None:
+                task.slot = min((x for x in self.scheduler.slots if x.free),
+                                key=lambda x: (len(x.tokens) > 0, x.last_used))  # an empty one, else the oldest
+                task.slot.reserved = True
+                task.slot.tokens = []  # (what its KV holds is no prefix of anything after this)
+                self.runner.kv_truncate(task.slot.index, 0)
+            ids = task.inputs[len(task.vectors)]
+            ran = sum(len(h) for h in task.states)
+            task.states.append(self.runner.hidden_states(ids[ran:ran + self.scheduler.chunk], task.slot.index))
+            if ran + len(task.states[-1]) < len(ids):
+                return
+            task.vectors.append(pool(np.concatenate(task.states), task.pooling, True))
+            task.states = []
+            self._release(task)
+        except Exception as e:  # (a bad input fails its request, not the server)
+            self._embed_done(task, error=e)
+            return
+        if len(task.vectors) == len(task.inputs):
+            self._embed_done(task)
+        else:
+            self._embeds.rotate(-1)  # the next request's input next
+
+    def _release(self, task: Embedding) -> None:
+        if task.slot is not None:
+            slot, task.slot = task.slot, None
+            slot.reserved = False
+            self.runner.kv_truncate(slot.index, 0)
+
+    def _embed_done(self, task: Embedding, error: Exception | None = None) -> None:
+        self._embeds.remove(task)
+        try:
+            self._release(task)
+        finally:
+            if task.cancelled:
+                task.fut.cancel()
+            elif error is not None:
+                task.fut.set_exception(error)
+            else:
+                task.fut.set_result(task.vectors)
 
     def _step(self, step: Step) -> None:
         s = self.scheduler

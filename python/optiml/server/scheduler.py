@@ -82,7 +82,12 @@ class Slot:
         self.index = index
         self.tokens: list[int] = []  # what this slot's KV cache holds
         self.job: Job | None = None
+        self.reserved = False  # an embedding runs in it (the pipeline's, across steps)
         self.last_used = 0.0
+
+    @property
+    def free(self) -> bool:
+        return self.job is None and not self.reserved
 
 
 @dataclass
@@ -142,7 +147,7 @@ class Scheduler:
                 raise TooManySequences(f"the request makes {len(jobs)} sequences (prompts times n); this server "
                                        f"takes at most {most} at once (--parallel {len(self.slots)} and "
                                        f"--queue {self.max_queue})")
-            free = sum(s.job is None for s in self.slots)
+            free = sum(s.free for s in self.slots)
             if len(self.waiting) + len(jobs) > self.max_queue + free:  # the free slots take the first ones
                 raise QueueFull(f"{len(self.waiting)} sequences are already waiting for {free} free slots and "
                                 f"--queue {self.max_queue}")
@@ -202,7 +207,7 @@ class Scheduler:
         changed = False
         while True:
             with self.cond:
-                if not self.waiting or all(s.job is not None for s in self.slots):
+                if not self.waiting or not any(s.free for s in self.slots):
                     break
                 job = self.waiting[0]  # stays the head: only this thread takes jobs out
             try:
@@ -225,7 +230,7 @@ class Scheduler:
         """Gives `job` a free slot, reusing the longest cached prefix of its prompt. With offload, a slot
         whose KV cache is on the device if there is one; else a host slot if the policy agrees (False:
         the job keeps waiting)."""
-        free = [s for s in self.slots if s.job is None]
+        free = [s for s in self.slots if s.free]
         if self.policy is not None:
             on_device = [s for s in free if self.kv.kv_where(s.index) == "device"]
             if on_device:
@@ -278,7 +283,7 @@ class Scheduler:
         for s in self.slots:
             if s.job is None or where[s.index] != "host":
                 continue
-            idle = next((t for t in self.slots if t.job is None and where[t.index] == "device"), None)
+            idle = next((t for t in self.slots if t.free and where[t.index] == "device"), None)
             if idle is None:
                 break
             try:

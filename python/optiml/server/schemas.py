@@ -320,11 +320,14 @@ def completion_request(body: dict, n_vocab: int) -> tuple:
     return prompts, c
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
+
+
 def embedding_request(body: dict, n_vocab: int) -> tuple:
     """POST /v1/embeddings: (inputs: a list of str or token lists, encoding_format "float" or "base64").
     OpenAI's client asks for base64 unless told otherwise."""
-    _check_fields(body, {"model", "input", "encoding_format", "dimensions", "user", "content"})
-    p = body.get("input", body.get("content"))  # (llama-server's /embedding takes "content")
+    _check_fields(body, {"model", "input", "encoding_format", "dimensions", "user"})
+    p = body.get("input")
     if isinstance(p, str):
         inputs = [p]
     elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
@@ -334,6 +337,8 @@ def embedding_request(body: dict, n_vocab: int) -> tuple:
         inputs = p
     else:
         raise bad("'input' must be a string, a list of strings, token ids, or a list of token id lists", "input")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise bad(f"'input' holds {len(inputs)} inputs; a request takes at most {MAX_EMBEDDING_INPUTS}", "input")
     for q in inputs:
         if isinstance(q, str) and not q:
             raise bad("'input' holds an empty string: nothing to embed", "input")
