@@ -19,8 +19,6 @@ import numpy as np
 import harness
 import optiml
 
-TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "scandal-in-bohemia.txt")
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,7 +31,7 @@ def main() -> int:
     args, res = harness.parse(ap, "embeddings")
     path = harness.model_arg(ap, args.model, pull=False)
     llama_cpp = harness.llama_cpp()
-    with open(TEXT, encoding="utf-8") as f:
+    with open(harness.TEXT, encoding="utf-8") as f:
         words = f.read().split()
     if len(words) < args.texts * args.words:
         ap.error(f"the text has {len(words)} words; --texts x --words asks for {args.texts * args.words}")
