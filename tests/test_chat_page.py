@@ -125,15 +125,21 @@ def test_page_streams_the_greedy_answer_and_keeps_the_conversation(server, brows
 
 
 def test_stop_ends_the_answer(server, browser):
+    """Stop ends a running answer and keeps what came. A sampled answer may end on its own before Stop is
+    clicked (an end-of-text token within 400): then the question is asked again, up to three times."""
     open_page(browser, server)
     set_field(browser, "api_key", KEY)
     set_field(browser, "temperature", 0.8)
     set_field(browser, "max_tokens", 400)
-    browser.find_element(By.ID, "clear").click()
-    ask(browser, "Write a long story about a lighthouse keeper.")
-    until(browser, 60, lambda b: len(bubbles(b)) == 2 and len(bubbles(b)[1][1]) > 20)
-    browser.find_element(By.ID, "stop").click()
-    wait_status(browser, lambda s: s == "stopped", "the stop")
+    for _ in range(3):
+        browser.find_element(By.ID, "clear").click()
+        ask(browser, "Write a long story about a lighthouse keeper.")
+        until(browser, 60, lambda b: len(bubbles(b)) == 2 and len(bubbles(b)[1][1]) > 20)
+        browser.find_element(By.ID, "stop").click()
+        status = wait_status(browser, lambda s: s == "stopped" or " pieces in " in s, "the stop")
+        if status == "stopped":
+            break
+    assert status == "stopped", status
     kept = bubbles(browser)[1][1]
     time.sleep(1.0)
     assert bubbles(browser)[1][1] == kept  # nothing more arrives
