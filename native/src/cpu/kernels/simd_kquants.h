@@ -296,6 +296,73 @@ struct KTile {
     }
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// tile_k over unpacked rows with 512-bit integer steps (AVX-512 VNNI): a zmm holds chunks 2p and 2p+1, its
+// low half summing the even chunks and its high half the odd ones, the halves added at the super-block's
+// end. The integer lanes are exact sums, so they are tile_k's, and so are the float steps after them:
+// the same bits as every other level, at half the multiplier instructions per code.
+template <class WBlock, int NR, int NT>
+inline void tile_k_unpacked512(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x,
+                               size_t x_stride) {
+    typedef KQ<WBlock> K;
+    const KUnpacked* u[NR];
+    const XAligned* b[NT];
+    __m256 acc[NR][NT];
+    for (int r = 0; r < NR; r++) u[r] = (const KUnpacked*)rows[r];
+    for (int t = 0; t < NT; t++) b[t] = (const XAligned*)(x + t * x_stride);
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i sumi[NR][NT], s2[NR];
+        for (int r = 0; r < NR; r++) {
+            const __m256i sc = load256(u[r][i].s16);
+            s2[r] = _mm512_inserti64x4(_mm512_castsi256_si512(sc), sc, 1);
+            for (int t = 0; t < NT; t++) sumi[r][t] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            // chunk_scales of chunks 2p (low half) and 2p + 1 (high half)
+            const short wa = (short)((4 * p) | ((4 * p + 1) << 8)), wb = (short)((4 * p + 2) | ((4 * p + 3) << 8));
+            const __m512i ctl = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(wa)),
+                                                   _mm256_set1_epi16(wb), 1);
+            __m512i xc[NT];
+            for (int t = 0; t < NT; t++) xc[t] = _mm512_loadu_si512(b[t][i].qs + 64 * p);
+            for (int r = 0; r < NR; r++) {
+                const __m512i q = _mm512_loadu_si512(u[r][i].codes[2 * p]);
+                const __m512i sc = _mm512_shuffle_epi8(s2[r], ctl);
+                for (int t = 0; t < NT; t++) {
+                    sumi[r][t] = _mm512_dpwssd_epi32(sumi[r][t], _mm512_maddubs_epi16(q, xc[t]), sc);
+                    __asm__("" : "+v"(sumi[r][t]));  // (keep_chain's: NR x NT independent chains)
+                }
+            }
+        }
+        __m256 dw[NR], dmw[NR];
+        for (int r = 0; r < NR; r++) {
+            dw[r] = _mm256_set1_ps(u[r][i].d);
+            dmw[r] = _mm256_set1_ps(-u[r][i].dmin);
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m256i bs = load256(b[t][i].bsums);
+            const __m256 dx = _mm256_set1_ps(b[t][i].d);
+            for (int r = 0; r < NR; r++) {
+                const __m256i si =
+                    _mm256_add_epi32(_mm512_castsi512_si256(sumi[r][t]), _mm512_extracti64x4_epi64(sumi[r][t], 1));
+                const __m256i corr = _mm256_madd_epi16(load256(u[r][i].c16), bs);
+                const __m256 d = _mm256_mul_ps(dx, dw[r]);
+                if (K::separate_min) {
+                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(si), acc[r][t]);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dmw[r]), _mm256_cvtepi32_ps(corr), acc[r][t]);
+                } else {
+                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(si, corr)), acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int t = 0; t < NT; t++) s[t * s_stride + r] = hsum_ps(acc[r][t]);
+}
+#endif
+
 // The batched product's tile: prepare unpacks the tile's rows once (into a buffer of the calling
 // thread), run reads them from there for every token, with activations in XAligned blocks.
 template <class WBlock>
@@ -314,7 +381,11 @@ struct KUnpackedTile {
     }
     template <int NR, int NT>
     static void run(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x, size_t x_stride) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        tile_k_unpacked512<WBlock, NR, NT>(n / OPTIML_QK_K, s, s_stride, rows, x, x_stride);
+#else
         tile_k<WBlock, KFromUnpacked, NR, NT, XAligned>(n / OPTIML_QK_K, s, s_stride, rows, nullptr, x, x_stride);
+#endif
     }
 };
 
