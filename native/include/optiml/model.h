@@ -399,7 +399,6 @@ private:
     bool forward_recorded(const BatchView& kb, const int32_t* out_rows, int32_t n_out, float* logits);
     void write_hidden(int32_t n, float* hidden) const;
     // hidden_states: decode writes each piece's final states here (every forward leaves the residual on the host)
-    bool hidden_wanted_ = false;
     float* hidden_out_ = nullptr;
     void output(Backend* home, int32_t n, const int32_t* out_rows, int32_t n_out, float* logits);
     void ffn_layer(int il, int32_t n, Backend* home, int32_t r0 = 0);

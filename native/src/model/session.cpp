@@ -594,9 +594,8 @@ void Session::hidden_states(const int32_t* tokens, int32_t n, int32_t seq, float
     const std::vector<uint8_t> want(n, 0);
     struct Flag {
         Session& s;
-        ~Flag() { s.hidden_wanted_ = false; }
+        ~Flag() { s.hidden_out_ = nullptr; }
     } flag{*this};
-    hidden_wanted_ = true;
     hidden_out_ = hidden;
     decode(tokens, seqs.data(), pos.data(), want.data(), n, nullptr);
 }
@@ -656,7 +655,7 @@ int32_t Session::decode(const int32_t* tokens, const int32_t* seq, const int32_t
         for (int32_t t = 0; t < m && !offload; t++) offload = kv_->on_host(seq[done + t]);
         if (offload) forward_offload(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
         else forward(tokens + done, b, rows.data(), (int32_t)rows.size(), logits);
-        if (hidden_wanted_) write_hidden(m, hidden_out_ + (size_t)done * hp.n_embd);
+        if (hidden_out_) write_hidden(m, hidden_out_ + (size_t)done * hp.n_embd);
         for (int32_t t = 0; t < m; t++) kv_->set_seq_len(seq[done + t], pos[done + t] + 1);
         if (logits) logits += rows.size() * (size_t)hp.n_vocab;
         done += m;

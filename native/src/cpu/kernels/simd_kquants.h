@@ -220,6 +220,19 @@ struct alignas(32) XAligned {
 };
 static_assert(sizeof(XAligned) == 320, "XAligned layout");
 
+// A super-block's float step for one (row, token): the exact integer lanes sumi and the correction c16 . bsums
+// scaled by d_x * d_w (and -(d_x * dmin_w) apart, for the formats with mins) into the 8-lane accumulator.
+template <bool kSeparateMin>
+inline __m256 k_block_step(__m256 acc, __m256i sumi, __m256i c16, __m256i bsums, __m256 dx, __m256 dw, __m256 dmw) {
+    const __m256i corr = _mm256_madd_epi16(c16, bsums);
+    const __m256 d = _mm256_mul_ps(dx, dw);
+    if (kSeparateMin) {
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+        return _mm256_fmadd_ps(_mm256_mul_ps(dx, dmw), _mm256_cvtepi32_ps(corr), acc);
+    }
+    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, corr)), acc);
+}
+
 // NR rows x NT tokens over nb super-blocks: s[t * s_stride + r] = dot(row r, x_t), rows read
 // through Src, activation blocks of type XBlock (block_q8_K or XAligned). ahead as in tile_32
 // (simd_q32.h).
@@ -270,16 +283,8 @@ inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* ro
         for (int t = 0; t < NT; t++) {
             const __m256i bs = load256(b[t][i].bsums);
             const __m256 dx = _mm256_set1_ps(b[t][i].d);
-            for (int r = 0; r < NR; r++) {
-                const __m256i corr = _mm256_madd_epi16(k[r].c16, bs);
-                const __m256 d = _mm256_mul_ps(dx, dw[r]);
-                if (K::separate_min) {
-                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[r][t]), acc[r][t]);
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dmw[r]), _mm256_cvtepi32_ps(corr), acc[r][t]);
-                } else {
-                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r][t], corr)), acc[r][t]);
-                }
-            }
+            for (int r = 0; r < NR; r++)
+                acc[r][t] = k_block_step<K::separate_min>(acc[r][t], sumi[r][t], k[r].c16, bs, dx, dw[r], dmw[r]);
         }
     }
     for (int r = 0; r < NR; r++)
@@ -347,14 +352,7 @@ inline void tile_k_unpacked512(int64_t nb, float* s, int64_t s_stride, const voi
             for (int r = 0; r < NR; r++) {
                 const __m256i si =
                     _mm256_add_epi32(_mm512_castsi512_si256(sumi[r][t]), _mm512_extracti64x4_epi64(sumi[r][t], 1));
-                const __m256i corr = _mm256_madd_epi16(load256(u[r][i].c16), bs);
-                const __m256 d = _mm256_mul_ps(dx, dw[r]);
-                if (K::separate_min) {
-                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(si), acc[r][t]);
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dx, dmw[r]), _mm256_cvtepi32_ps(corr), acc[r][t]);
-                } else {
-                    acc[r][t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(si, corr)), acc[r][t]);
-                }
+                acc[r][t] = k_block_step<K::separate_min>(acc[r][t], si, load256(u[r][i].c16), bs, dx, dw[r], dmw[r]);
             }
         }
     }
