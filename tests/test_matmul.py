@@ -95,11 +95,12 @@ def test_batched_product_equals_rowwise_dot(qtype, simd):
     # Batches go through the tiled batch kernel (several rows and tokens per tile, rows unpacked once
     # for all tokens); every (row, token) must still equal that row's own dot product bit for bit:
     # full tiles, the row and token edges of the tile sizes, and the 64-token blocks of matmul.cpp.
-    # From 32 tokens AVX-512VNNI takes the kernel with 16 rows in the lanes: (16, 32), (37, 45) and
-    # (6, 67) cover its full and partial row panels and token tiles.
+    # With AVX-512VNNI the kernels with 16 rows in the lanes take over from 32 tokens (the 32-element
+    # formats) and from 8 (the k-quants): (21, 8), (19, 17), (16, 32), (37, 45) and (6, 67) cover their
+    # full and partial row panels and token tiles.
     cols = 512
     rng = np.random.default_rng(11)
-    for rows, n_tokens in ((1, 2), (5, 3), (17, 4), (8, 2), (9, 7), (19, 17), (16, 32), (37, 45), (6, 67)):
+    for rows, n_tokens in ((1, 2), (5, 3), (17, 4), (8, 2), (9, 7), (21, 8), (19, 17), (16, 32), (37, 45), (6, 67)):
         w = _weights(rows, cols, qtype, seed=rows * 31 + n_tokens)
         x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
         y = quant.matmul(w, qtype, x, n_threads=2, simd=simd)

@@ -4,12 +4,13 @@
 // isum being the block's exact integer dot of the weights' codes (minus their offset) with the activation's
 // 8-bit codes. Here a warp takes a row and a token; lane k computes block k's integer dot of each chunk of
 // 32 blocks, and every lane runs the chain over the chunk's terms passed along the warp in block order.
-// The K-quants (simd_kquants.h) keep 8 float lanes per row instead: per 256-value super-block, lane L's
-// exact integers are the scaled products of bytes 4L..4L+3 of each 32-value chunk (sumi) and its pair of
-// 16-value sums against the mins or offsets (corr), then acc_L = fma(d_x * d_w, sumi, acc_L) and
-// acc_L = fma(d_x * -dmin_w, corr, acc_L) (Q4_K, Q5_K) or acc_L = fma(d_x * d_w, sumi - corr, acc_L) (Q6_K),
-// super-block after super-block; the row is ((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7)) (hsum_ps). Here lane
-// 8g + L computes lane L's integers of super-block g of each group of 4, and lanes 0..7 run the chains.
+// The K-quants (simd_kquants.h) compute per 256-value super-block two exact integer totals, the scaled
+// products of the codes (isum) and the corrections (corr: the mins, or Q6_K's code offset, met with the
+// 16-value sums of the activations), then acc = fma(float(isum), d_w * d_x, acc) and
+// acc = fma(float(corr), -dmin_w * d_x, acc) (Q4_K, Q5_K) or acc = fma(float(isum - corr), d_w * d_x, acc)
+// (Q6_K), super-block after super-block. Here lane 8g + L computes a share of super-block g of each group
+// of 4 (bytes 4L..4L+3 of each 32-value chunk), the 8 lanes' integers are added (exact), and every lane
+// runs the chain over the group's terms in super-block order.
 // The faster decode kernels (matmul.cu) add the lanes' sums at the end instead, which differs from the CPU
 // in the last bits; these run a split's device share, which is small (its hot neurons' gate and up).
 #include "dequant.cuh"
@@ -148,30 +149,28 @@ __global__ void matmul_exact_k_kernel(LaunchMatrices ms, int64_t cols, const int
     const uint8_t* row = m.w + r * m.row_bytes;
     const int8_t* xt = codes + t * cols;
     const CudaQ8Meta* xm = meta + t * (cols / 32);
-    float acc = 0.0f;  // lane L's (every lane L + 8g runs lane L's chain)
+    float acc = 0.0f;  // (every lane runs the row's chain)
     for (int64_t i0 = 0; i0 < nb; i0 += 4) {
         const int64_t i = i0 + g < nb ? i0 + g : nb - 1;
         int sumi, corr;
         float dw, dmin;
         k_lane<TYPE>(row + i * Q::block_bytes, xt + 256 * i, L, sumi, corr, dw, dmin);
+        for (int o = 1; o < 8; o <<= 1) {  // the super-block's totals in each of its 8 lanes
+            sumi += __shfl_xor_sync(0xffffffffu, sumi, o);
+            corr += __shfl_xor_sync(0xffffffffu, corr, o);
+        }
         const float dx = xm[8 * i].d;  // (Q8_K's scale, in each of its 32-value blocks)
-        const float d = dx * dw, dm = dx * -dmin;
+        const float d = dw * dx, dm = -dmin * dx;
         const float a = TYPE == TYPE_Q6_K ? (float)(sumi - corr) : (float)sumi, b = (float)corr;
         const int valid = nb - i0 < 4 ? (int)(nb - i0) : 4;
         for (int k = 0; k < valid; k++) {
-            acc = fmaf(__shfl_sync(0xffffffffu, d, 8 * k + L), __shfl_sync(0xffffffffu, a, 8 * k + L), acc);
+            acc = fmaf(__shfl_sync(0xffffffffu, a, 8 * k), __shfl_sync(0xffffffffu, d, 8 * k), acc);
             if (TYPE != TYPE_Q6_K)  // (a compile-time branch: the whole warp or none)
-                acc = fmaf(__shfl_sync(0xffffffffu, dm, 8 * k + L), __shfl_sync(0xffffffffu, b, 8 * k + L), acc);
+                acc = fmaf(__shfl_sync(0xffffffffu, b, 8 * k), __shfl_sync(0xffffffffu, dm, 8 * k), acc);
         }
     }
-    // hsum_ps: ((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))
-    const float v4 = __shfl_sync(0xffffffffu, acc, (L + 4) % 8);
-    const float h = acc + v4;  // lane L < 4: v_L + v_{L+4}
-    const float h2 = __shfl_sync(0xffffffffu, h, (L + 2) % 8);
-    const float q = h + h2;    // lane 0: (v0+v4)+(v2+v6); lane 1: (v1+v5)+(v3+v7)
-    const float q1 = __shfl_sync(0xffffffffu, q, 1);
     if (lane != 0) return;
-    float s = q + q1;
+    float s = acc;
     if (m.bias) s += m.bias[r];
     float* out = m.y + t * m.rows + r;
     *out = m.accumulate ? *out + s : s;

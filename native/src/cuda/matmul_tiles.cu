@@ -5,7 +5,8 @@
 // codes) and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of
 // the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time, and
 // scales each block's exact integer sums by the weights' and the activations' scales in float, as the CPU
-// does. The per-block values are the CPU's; only the order of the float sum over blocks differs.
+// does. The per-block values are the CPU's; for the 32-value formats the float sum over blocks runs in
+// another order, for the K-quants it is the CPU's chain of fused steps, super-block after super-block.
 //
 // The weights are read once per 64 tokens instead of once per 8 (matmul.cu's decode kernels), and the
 // products run on the tensor cores. Needs compute capability 8.0 (mma.sync with 8-bit operands); the CPU
@@ -382,8 +383,8 @@ __device__ __forceinline__ void q6_sums(const TileSharedK& sh, int wrow, int wto
 
 // The tiles for Q4_K, Q5_K and Q6_K weights with Q8_K codes (kCudaCodesK): per super-block and (row, token),
 // the sub-blocks' integer sums weighted by their scales, and (Q4_K, Q5_K) their mins by the codes' sums, in
-// integers, then the CPU's (x.d * d) * isum - (x.d * dmin) * summs (vec_dot_scalar.cpp's dot_q45_K_block;
-// Q6_K: (x.d * d) * isum, its sub-blocks of 16 multiplied by m16n8k16).
+// integers, then the CPU's float steps (simd_kquants.h): acc = fma(float(isum), d * x.d, acc) and
+// acc = fma(float(summs), -dmin * x.d, acc) (Q6_K: the first, its sub-blocks of 16 multiplied by m16n8k16).
 template <int TYPE>
 __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                       const CudaQ8Meta* __restrict__ meta, int32_t n) {
@@ -456,8 +457,8 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
                 for (int e = 0; e < 4; e++) {
                     const int r = wrow + 16 * i + g + 8 * (e >> 1), tk = wtok + 8 * j + 2 * t + (e & 1);
                     const float xd = sh.xd[tk];
-                    if (TYPE == TYPE_Q6_K) acc[i][j][e] += (xd * sh.d[r]) * (float)isum[i][j][e];
-                    else acc[i][j][e] += (xd * sh.d[r]) * (float)isum[i][j][e] - (xd * sh.dmin[r]) * (float)msum[i][j][e];
+                    acc[i][j][e] = fmaf((float)isum[i][j][e], sh.d[r] * xd, acc[i][j][e]);
+                    if (TYPE != TYPE_Q6_K) acc[i][j][e] = fmaf((float)msum[i][j][e], -sh.dmin[r] * xd, acc[i][j][e]);
                 }
     }
     store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);

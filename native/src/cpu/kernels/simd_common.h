@@ -9,10 +9,11 @@
 #include "simd_gemm.h"
 #include "simd_gemm_q32.h"
 #include "simd_iq4.h"
+#include "simd_kquants.h"
 #if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include "simd_gemm_k_rows.h"
 #include "simd_gemm_q32_rows.h"
 #endif
-#include "simd_kquants.h"
 #include "simd_q32.h"
 
 namespace optiml {
@@ -36,6 +37,14 @@ constexpr int kPanelRows = 4;
 template <class WBlock, int NR> constexpr gemm_fn kGemmQ32 = gemm_q32_vnni<WBlock, NR>;
 #else
 template <class WBlock, int NR> constexpr gemm_fn kGemmQ32 = gemm_panels_32<WBlock, NR>;
+#endif
+
+// The k-quants' batched product over laid-out activations: with AVX-512VNNI rows in the lanes from
+// kKRowLaneTokens tokens (simd_gemm_k_rows.h), else tile_k.
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+template <class WBlock> constexpr gemm_pre_fn kGemmPreK = gemm_pre_k_vnni<WBlock, kKRows, kKTokens>;
+#else
+template <class WBlock> constexpr gemm_pre_fn kGemmPreK = gemm_pre_k<WBlock, kKRows, kKTokens>;
 #endif
 
 // The quant kernels: vec_dot, the matrix-vector product (vec_dot_rows) and the batched product (gemm).
@@ -75,16 +84,16 @@ inline void fill_quant_kernels(KernelTable& t) {
     t.vec_dot_rows[TYPE_Q4_K] = vec_dot_rows_k<block_q4_K>;
     t.vec_dot_rows[TYPE_Q5_K] = vec_dot_rows_k<block_q5_K>;
     t.vec_dot_rows[TYPE_Q6_K] = vec_dot_rows_k<block_q6_K>;
-    t.gemm[TYPE_Q2_K] = gemm_k<block_q2_K, KR, KT>;
-    t.gemm[TYPE_Q3_K] = gemm_k<block_q3_K, KR, KT>;
-    t.gemm[TYPE_Q4_K] = gemm_k<block_q4_K, KR, KT>;
-    t.gemm[TYPE_Q5_K] = gemm_k<block_q5_K, KR, KT>;
-    t.gemm[TYPE_Q6_K] = gemm_k<block_q6_K, KR, KT>;
-    t.gemm_pre[TYPE_Q2_K] = gemm_pre_k<block_q2_K, KR, KT>;
-    t.gemm_pre[TYPE_Q3_K] = gemm_pre_k<block_q3_K, KR, KT>;
-    t.gemm_pre[TYPE_Q4_K] = gemm_pre_k<block_q4_K, KR, KT>;
-    t.gemm_pre[TYPE_Q5_K] = gemm_pre_k<block_q5_K, KR, KT>;
-    t.gemm_pre[TYPE_Q6_K] = gemm_pre_k<block_q6_K, KR, KT>;
+    t.gemm[TYPE_Q2_K] = gemm_k<block_q2_K, KR, KT, kGemmPreK<block_q2_K>>;
+    t.gemm[TYPE_Q3_K] = gemm_k<block_q3_K, KR, KT, kGemmPreK<block_q3_K>>;
+    t.gemm[TYPE_Q4_K] = gemm_k<block_q4_K, KR, KT, kGemmPreK<block_q4_K>>;
+    t.gemm[TYPE_Q5_K] = gemm_k<block_q5_K, KR, KT, kGemmPreK<block_q5_K>>;
+    t.gemm[TYPE_Q6_K] = gemm_k<block_q6_K, KR, KT, kGemmPreK<block_q6_K>>;
+    t.gemm_pre[TYPE_Q2_K] = kGemmPreK<block_q2_K>;
+    t.gemm_pre[TYPE_Q3_K] = kGemmPreK<block_q3_K>;
+    t.gemm_pre[TYPE_Q4_K] = kGemmPreK<block_q4_K>;
+    t.gemm_pre[TYPE_Q5_K] = kGemmPreK<block_q5_K>;
+    t.gemm_pre[TYPE_Q6_K] = kGemmPreK<block_q6_K>;
     t.gemm_x = gemm_x_k;
 }
 

@@ -7,12 +7,15 @@
 //   * 16 int16 correction coefficients (c16), met with the activation's 16 group sums (bsums): the
 //     mins of Q2_K/Q4_K/Q5_K (scaled by dmin), or the code offset times the scale for Q3_K (4 * sc)
 //     and Q6_K (32 * sc), taken out of the integer sum.
-// Per (row, token) and super-block, the integer lanes are
-//     sumi = sum_c (scale16 of chunk c) * (u8*s8 pair sums of chunk c),   corr = c16 . bsums (pairwise),
-// all exact int32; then acc += d * float(sumi - corr) (Q3_K, Q6_K) or acc += d * float(sumi) and
-// acc += -dmin * float(corr) (the others), with d = d_x * d_w, dmin = d_x * dmin_w, lane by lane in an
-// 8-lane float vector; the value is the horizontal sum of acc. Every x86 level forms the same
-// integer lanes (simd_x86.h), so every level gives the same bits.
+// Arithmetic, per (row, token), super-block after super-block: the super-block's exact integer totals
+//     isum = sum_e scale(e) * code_e * x_e   and   corr = c16 . bsums,
+// then one float chain:
+//     acc = fma(float(isum - corr), d_w * d_x, acc)                                  (Q3_K, Q6_K)
+//     acc = fma(float(isum), d_w * d_x, acc); acc = fma(float(corr), -dmin_w * d_x, acc)   (the others).
+// The totals are exact whatever the order of their terms, so a kernel may form them in any lanes: this
+// file's tiles in 8 int32 lanes per (row, token) added at the super-block's end, simd_gemm_k_rows.h with
+// 16 rows in the lanes of a zmm, CUDA's exact product (matmul_exact.cu) across a warp. All give the same
+// bits for every (row, token), alone or in any batch, on every x86 level.
 #pragma once
 
 #include <cstddef>
@@ -220,17 +223,91 @@ struct alignas(32) XAligned {
 };
 static_assert(sizeof(XAligned) == 320, "XAligned layout");
 
-// A super-block's float step for one (row, token): the exact integer lanes sumi and the correction c16 . bsums
-// scaled by d_x * d_w (and -(d_x * dmin_w) apart, for the formats with mins) into the 8-lane accumulator.
+// A super-block's float step for one (row, token) from its exact integer totals (the top of this file).
 template <bool kSeparateMin>
-inline __m256 k_block_step(__m256 acc, __m256i sumi, __m256i c16, __m256i bsums, __m256 dx, __m256 dw, __m256 dmw) {
-    const __m256i corr = _mm256_madd_epi16(c16, bsums);
-    const __m256 d = _mm256_mul_ps(dx, dw);
+inline float k_step(float acc, int32_t isum, int32_t corr, float dx, float dw, float dmin) {
     if (kSeparateMin) {
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
-        return _mm256_fmadd_ps(_mm256_mul_ps(dx, dmw), _mm256_cvtepi32_ps(corr), acc);
+        acc = __builtin_fmaf((float)isum, dw * dx, acc);
+        return __builtin_fmaf((float)corr, -dmin * dx, acc);
     }
-    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, corr)), acc);
+    return __builtin_fmaf((float)(isum - corr), dw * dx, acc);
+}
+
+// The totals of N pairs of vectors of 8 int32 lanes (exact: any order of the terms gives them): oa[j] the
+// sum of a[j]'s lanes, ob[j] of b[j]'s (b null: a alone). Four at a time through one tree of horizontal
+// adds, else each pair through one.
+template <int N>
+inline void hsum_epi32_pairs(const __m256i* a, const __m256i* b, int32_t* oa, int32_t* ob) {
+    auto fold4 = [](const __m256i* v, int32_t* out) {
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        _mm_storeu_si128((__m128i*)out, _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    };
+    int j = 0;
+    for (; j + 4 <= N; j += 4) {
+        fold4(a + j, oa + j);
+        if (b) fold4(b + j, ob + j);
+    }
+    for (; j < N; j++) {
+        if (!b) {
+            oa[j] = hsum_epi32(a[j]);
+            continue;
+        }
+        const __m256i h = _mm256_hadd_epi32(a[j], b[j]);  // a's pair sums, then b's, in each half
+        __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        q = _mm_hadd_epi32(q, q);  // a's total, b's total, again
+        oa[j] = _mm_cvtsi128_si32(q);
+        ob[j] = _mm_extract_epi32(q, 1);
+    }
+}
+
+// The float steps of an NR x NT tile's super-block: its integer lanes sumi (scaled codes) and, met with
+// each token's bsums, the correction coefficients c16 of each row, into the tile's accumulators.
+template <bool kSeparateMin, int NR, int NT, class XBlock>
+inline void k_tile_steps(float (&acc)[NR][NT], const __m256i (&sumi)[NR][NT], const __m256i* c16, const float* dw,
+                         const float* dmin, const XBlock* const* b, int64_t i) {
+    __m256i corr[NR][NT];
+    for (int t = 0; t < NT; t++) {
+        const __m256i bs = load256(b[t][i].bsums);
+        for (int r = 0; r < NR; r++) corr[r][t] = _mm256_madd_epi16(c16[r], bs);
+    }
+    int32_t is[NR * NT], cs[NR * NT] = {};
+    if (kSeparateMin) {
+        hsum_epi32_pairs<NR * NT>(&sumi[0][0], &corr[0][0], is, cs);
+    } else {  // isum - corr in the lanes, then one total
+        __m256i v[NR][NT];
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < NT; t++) v[r][t] = _mm256_sub_epi32(sumi[r][t], corr[r][t]);
+        hsum_epi32_pairs<NR * NT>(&v[0][0], nullptr, is, cs);
+    }
+    if constexpr ((NR * NT) % 4 == 0) {
+        // k_step four (row, token) pairs at a time, lane by lane the same operations: the float steps cost
+        // as much as the integer totals' tree otherwise.
+        alignas(16) float dwp[NR * NT], dxp[NR * NT], dmp[NR * NT];
+        for (int t = 0; t < NT; t++) {
+            const float dx = b[t][i].d;
+            for (int r = 0; r < NR; r++) dwp[r * NT + t] = dw[r], dmp[r * NT + t] = -dmin[r], dxp[r * NT + t] = dx;
+        }
+        float* a = &acc[0][0];
+        for (int j = 0; j < NR * NT; j += 4) {
+            const __m128 dx = _mm_load_ps(dxp + j);
+            __m128 v = _mm_loadu_ps(a + j);
+            const __m128i isum = _mm_loadu_si128((const __m128i*)(is + j));
+            if (kSeparateMin) {
+                v = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_mul_ps(_mm_load_ps(dwp + j), dx), v);
+                const __m128i corr4 = _mm_loadu_si128((const __m128i*)(cs + j));
+                v = _mm_fmadd_ps(_mm_cvtepi32_ps(corr4), _mm_mul_ps(_mm_load_ps(dmp + j), dx), v);
+            } else {
+                v = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_mul_ps(_mm_load_ps(dwp + j), dx), v);
+            }
+            _mm_storeu_ps(a + j, v);
+        }
+    } else {
+        for (int t = 0; t < NT; t++) {
+            const float dx = b[t][i].d;
+            for (int r = 0; r < NR; r++)
+                acc[r][t] = k_step<kSeparateMin>(acc[r][t], is[r * NT + t], cs[r * NT + t], dx, dw[r], dmin[r]);
+        }
+    }
 }
 
 // NR rows x NT tokens over nb super-blocks: s[t * s_stride + r] = dot(row r, x_t), rows read
@@ -243,11 +320,9 @@ inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* ro
     const Src* src[NR];
     alignas(Src) unsigned char src_mem[NR][sizeof(Src)];
     const XBlock* b[NT];
-    __m256 acc[NR][NT];
+    float acc[NR][NT] = {};
     for (int r = 0; r < NR; r++) src[r] = new (src_mem[r]) Src(rows[r]);
     for (int t = 0; t < NT; t++) b[t] = (const XBlock*)(x + t * x_stride);
-    for (int r = 0; r < NR; r++)
-        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         KRow k[NR];
         for (int r = 0; r < NR; r++) {
@@ -273,22 +348,13 @@ inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* ro
                 }
             }
         }
-        // The float steps d_x * d_w and -(d_x * dmin_w) as vector products of broadcasts: the same
-        // floats as the scalar products, a third of the instructions.
-        __m256 dw[NR], dmw[NR];
-        for (int r = 0; r < NR; r++) {
-            dw[r] = _mm256_set1_ps(k[r].d);
-            dmw[r] = _mm256_set1_ps(-k[r].dmin);
-        }
-        for (int t = 0; t < NT; t++) {
-            const __m256i bs = load256(b[t][i].bsums);
-            const __m256 dx = _mm256_set1_ps(b[t][i].d);
-            for (int r = 0; r < NR; r++)
-                acc[r][t] = k_block_step<K::separate_min>(acc[r][t], sumi[r][t], k[r].c16, bs, dx, dw[r], dmw[r]);
-        }
+        __m256i c16[NR];
+        float dw[NR], dmin[NR];
+        for (int r = 0; r < NR; r++) c16[r] = k[r].c16, dw[r] = k[r].d, dmin[r] = k[r].dmin;
+        k_tile_steps<K::separate_min>(acc, sumi, c16, dw, dmin, b, i);
     }
     for (int r = 0; r < NR; r++)
-        for (int t = 0; t < NT; t++) s[t * s_stride + r] = hsum_ps(acc[r][t]);
+        for (int t = 0; t < NT; t++) s[t * s_stride + r] = acc[r][t];
 }
 
 // vec_dot's tile: rows read straight from their super-blocks.
@@ -304,19 +370,17 @@ struct KTile {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // tile_k over unpacked rows with 512-bit integer steps (AVX-512 VNNI): a zmm holds chunks 2p and 2p+1, its
 // low half summing the even chunks and its high half the odd ones, the halves added at the super-block's
-// end. The integer lanes are exact sums, so they are tile_k's, and so are the float steps after them:
-// the same bits as every other level, at half the multiplier instructions per code.
+// end. The integer totals are exact, so they are tile_k's, and so are the float steps after them: the
+// same bits as every other level, at half the multiplier instructions per code.
 template <class WBlock, int NR, int NT>
 inline void tile_k_unpacked512(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x,
                                size_t x_stride) {
     typedef KQ<WBlock> K;
     const KUnpacked* u[NR];
     const XAligned* b[NT];
-    __m256 acc[NR][NT];
+    float acc[NR][NT] = {};
     for (int r = 0; r < NR; r++) u[r] = (const KUnpacked*)rows[r];
     for (int t = 0; t < NT; t++) b[t] = (const XAligned*)(x + t * x_stride);
-    for (int r = 0; r < NR; r++)
-        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         __m512i sumi[NR][NT], s2[NR];
         for (int r = 0; r < NR; r++) {
@@ -341,23 +405,17 @@ inline void tile_k_unpacked512(int64_t nb, float* s, int64_t s_stride, const voi
                 }
             }
         }
-        __m256 dw[NR], dmw[NR];
+        __m256i si[NR][NT], c16[NR];
+        float dw[NR], dmin[NR];
         for (int r = 0; r < NR; r++) {
-            dw[r] = _mm256_set1_ps(u[r][i].d);
-            dmw[r] = _mm256_set1_ps(-u[r][i].dmin);
+            c16[r] = load256(u[r][i].c16), dw[r] = u[r][i].d, dmin[r] = u[r][i].dmin;
+            for (int t = 0; t < NT; t++)
+                si[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r][t]), _mm512_extracti64x4_epi64(sumi[r][t], 1));
         }
-        for (int t = 0; t < NT; t++) {
-            const __m256i bs = load256(b[t][i].bsums);
-            const __m256 dx = _mm256_set1_ps(b[t][i].d);
-            for (int r = 0; r < NR; r++) {
-                const __m256i si =
-                    _mm256_add_epi32(_mm512_castsi512_si256(sumi[r][t]), _mm512_extracti64x4_epi64(sumi[r][t], 1));
-                acc[r][t] = k_block_step<K::separate_min>(acc[r][t], si, load256(u[r][i].c16), bs, dx, dw[r], dmw[r]);
-            }
-        }
+        k_tile_steps<K::separate_min>(acc, si, c16, dw, dmin, b, i);
     }
     for (int r = 0; r < NR; r++)
-        for (int t = 0; t < NT; t++) s[t * s_stride + r] = hsum_ps(acc[r][t]);
+        for (int t = 0; t < NT; t++) s[t * s_stride + r] = acc[r][t];
 }
 #endif
 
@@ -422,15 +480,15 @@ void gemm_pre_k(int64_t n, float* s, int64_t ldo, const void* const* rows, int64
 }
 
 // The batched product (gemm_fn): the activations copied into XAligned blocks (a buffer of the calling
-// thread; a copy per call, read by every row of it), then gemm_pre_k over them.
-template <class WBlock, int NR, int NT>
+// thread; a copy per call, read by every row of it), then the level's gemm_pre over them.
+template <class WBlock, int NR, int NT, gemm_pre_fn kPre = gemm_pre_k<WBlock, NR, NT>>
 void gemm_k(int64_t n, float* s, const void* const* rows, int64_t n_rows, const void* x, size_t x_stride,
             int64_t n_tok) {
     static thread_local std::vector<XAligned> xa;
     const int64_t nb = n / OPTIML_QK_K;
     if ((int64_t)xa.size() < n_tok * nb) xa.resize(n_tok * nb);
     gemm_x_k(n, x, x_stride, n_tok, xa.data());
-    gemm_pre_k<WBlock, NR, NT>(n, s, n_rows, rows, n_rows, xa.data(), n_tok);
+    kPre(n, s, n_rows, rows, n_rows, xa.data(), n_tok);
 }
 
 // Matrix-vector product (vec_dot_rows_fn); every row's value is its vec_dot, bit for bit. Rows of

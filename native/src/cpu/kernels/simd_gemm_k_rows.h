@@ -1,0 +1,181 @@
+// The k-quants' batched product with 16 weight rows in the lanes of a zmm (AVX-512VL with VNNI), from
+// kKRowLaneTokens tokens.
+//
+// tile_k (simd_kquants.h) gives each (row, token) 8 int32 lanes of its own: per super-block 8 integer
+// dots of 64 bytes (vpmaddubsw by the codes, vpdpwssd by the scales), then the lanes added up and the
+// float steps, about 17 vector operations per (row, token, super-block). Here 16 rows' codes are laid
+// out once per call as dword groups in the lanes (KRowPanel), and each token meets them with its
+// activation dwords broadcast (vpdpbusd's memory operand): per (16 rows, token, super-block) 64 dots,
+// one multiply and add per scale group, 8 vpdpwssd for the corrections and 3 or 6 float steps, about 6
+// operations per (row, token, super-block). The panel costs about as much as 8 tokens, so the kernel
+// takes over from kKRowLaneTokens tokens (tools/bench/kernels.py --tokens N, 2 threads, Zen 4 with
+// AVX-512 VNNI, against tile_k: 4 tokens 0.8-1.2x, 8: 1.0-1.3x, 16: 1.1-1.6x, 128: 1.5-2.0x).
+//
+// Arithmetic: the super-block's exact integer totals isum and corr per (row, token), then simd_kquants.h's
+// float steps (k_step) lane by lane: the same bits as vec_dot for every (row, token).
+#pragma once
+
+#include <type_traits>
+#include <vector>
+
+#include "simd_gemm_q32.h"
+#include "simd_kquants.h"
+
+namespace optiml {
+namespace {
+
+constexpr int64_t kKRowLaneTokens = 8;
+
+// Q4_K and Q5_K have one scale per 32 elements; the others one per 16.
+template <class WBlock>
+constexpr int k_group_dwords() {
+    return std::is_same<WBlock, block_q4_K>::value || std::is_same<WBlock, block_q5_K>::value ? 8 : 4;
+}
+
+// Super-block i of 16 rows, row r in int32 lane r of every vector.
+struct alignas(64) KRowPanel {
+    __m512i g[64];      // codes 4k..4k+3 (unsigned) of row r in g[k]
+    __m512i scale[16];  // the scale of the row's group j (16 or 32 elements, k_group_dwords)
+    __m512i c16[8];     // the row's correction coefficients 2j, 2j+1 (int16 pair), negated for Q3_K/Q6_K
+    __m512 d, dmin;     // d_w and -dmin_w
+};
+
+// Rows u[0..15] (unpacked, KUnpacked), super-block i, into p.
+template <class WBlock>
+inline void build_k_panel(const KUnpacked* const u[16], int64_t i, KRowPanel& p) {
+    constexpr int G = k_group_dwords<WBlock>();
+    __m256i lo[8], hi[8];
+    for (int c = 0; c < 8; c++) {
+        for (int r = 0; r < 8; r++) lo[r] = load256(u[r][i].codes[c]), hi[r] = load256(u[r + 8][i].codes[c]);
+        transpose8_epi32(lo);
+        transpose8_epi32(hi);
+        for (int k = 0; k < 8; k++) p.g[8 * c + k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[k]), hi[k], 1);
+    }
+    for (int r = 0; r < 8; r++) lo[r] = load256(u[r][i].c16), hi[r] = load256(u[r + 8][i].c16);
+    transpose8_epi32(lo);
+    transpose8_epi32(hi);
+    for (int j = 0; j < 8; j++) {
+        const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
+        // Q3_K and Q6_K take the corrections out of isum: isum + (-c16) . bsums.
+        p.c16[j] = KQ<WBlock>::separate_min ? c : _mm512_sub_epi16(_mm512_setzero_si512(), c);
+    }
+    alignas(64) int32_t sc[16][16];
+    alignas(64) float d[16], dmin[16];
+    for (int r = 0; r < 16; r++) {
+        // s16's words: G == 8, word c the scale of chunk c; else the even groups' scales, then the odd ones'.
+        for (int j = 0; j < 64 / G; j++) sc[j][r] = G == 8 ? u[r][i].s16[j] : u[r][i].s16[(j % 2) * 8 + j / 2];
+        d[r] = u[r][i].d;
+        dmin[r] = -u[r][i].dmin;
+    }
+    for (int j = 0; j < 64 / G; j++) p.scale[j] = _mm512_load_si512(sc[j]);
+    p.d = _mm512_load_ps(d);
+    p.dmin = _mm512_load_ps(dmin);
+}
+
+// One super-block of a panel against T tokens, whose blocks (XAligned) lie x_row bytes apart from x: the
+// integer totals, then the float steps into acc[t] (lane r: row r . token t).
+template <class WBlock, int T>
+inline void k_rows_block(const KRowPanel& p, const uint8_t* x, size_t x_row, __m512* __restrict acc) {
+    constexpr int G = k_group_dwords<WBlock>();
+    constexpr bool kSeparateMin = KQ<WBlock>::separate_min;
+    __m512i tot[T], corr[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) tot[t] = _mm512_setzero_si512(), corr[t] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int j = 0; j < 64 / G; j++) {
+        __m512i gs[T];
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) gs[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int k = 0; k < G; k++) {
+            const __m512i w = p.g[G * j + k];
+#pragma GCC unroll 8
+            for (int t = 0; t < T; t++) {
+                int32_t xk;
+                std::memcpy(&xk, x + t * x_row + offsetof(XAligned, qs) + 4 * (G * j + k), 4);
+                gs[t] = _mm512_dpbusd_epi32(gs[t], w, _mm512_set1_epi32(xk));
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) tot[t] = _mm512_add_epi32(tot[t], _mm512_mullo_epi32(gs[t], p.scale[j]));
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            int32_t bs;
+            std::memcpy(&bs, x + t * x_row + offsetof(XAligned, bsums) + 4 * j, 4);
+            if (kSeparateMin) corr[t] = _mm512_dpwssd_epi32(corr[t], p.c16[j], _mm512_set1_epi32(bs));
+            else tot[t] = _mm512_dpwssd_epi32(tot[t], p.c16[j], _mm512_set1_epi32(bs));
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        float dxs;
+        std::memcpy(&dxs, x + t * x_row + offsetof(XAligned, d), 4);
+        const __m512 dx = _mm512_set1_ps(dxs);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), _mm512_mul_ps(p.d, dx), acc[t]);
+        if (kSeparateMin) acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(corr[t]), _mm512_mul_ps(p.dmin, dx), acc[t]);
+    }
+}
+
+// T tokens (from xa, x_row bytes apart) against a panel's nb super-blocks, into s + t * ldo (the nr live rows).
+template <class WBlock, int T>
+inline void k_rows_tile(int64_t nb, const KRowPanel* p, const uint8_t* xa, size_t x_row, float* s, int64_t ldo,
+                        int64_t nr) {
+    __m512 acc[T];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) k_rows_block<WBlock, T>(p[i], xa + i * sizeof(XAligned), x_row, acc);
+    const __mmask16 live = (__mmask16)((1u << nr) - 1);
+    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(s + t * ldo, live, acc[t]);
+}
+
+template <class WBlock, int T>
+inline void k_rows_rest(int64_t n_rest, int64_t nb, const KRowPanel* p, const uint8_t* xa, size_t x_row, float* s,
+                        int64_t ldo, int64_t nr) {
+    if constexpr (T > 0) {
+        if (n_rest == T) k_rows_tile<WBlock, T>(nb, p, xa, x_row, s, ldo, nr);
+        else k_rows_rest<WBlock, T - 1>(n_rest, nb, p, xa, x_row, s, ldo, nr);
+    }
+}
+
+// gemm_pre_fn with rows in the lanes: per 16 rows their panel, then every token, kKRowTokens at a time.
+template <class WBlock>
+void gemm_rows_k(int64_t n, float* s, int64_t ldo, const void* const* rows, int64_t n_rows, const void* xa,
+                 int64_t n_tok) {
+    // Tokens per tile: the formats with mins keep a third accumulator per token.
+    constexpr int T = KQ<WBlock>::separate_min ? 5 : 6;
+    const int64_t nb = n / OPTIML_QK_K;
+    const size_t x_row = gemm_x_row(n);
+    static thread_local std::vector<KRowPanel> panel;
+    static thread_local std::vector<KUnpacked> unpacked;
+    if ((int64_t)panel.size() < nb) panel.resize(nb);
+    if ((int64_t)unpacked.size() < 16 * nb) unpacked.resize(16 * nb);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += 16) {
+        const int64_t nr = n_rows - r0 < 16 ? n_rows - r0 : 16;
+        const KUnpacked* u[16];
+        for (int r = 0; r < 16; r++) {
+            u[r] = unpacked.data() + r * nb;
+            // past the last row, the last row again (its lanes are not stored)
+            if (r < nr) unpack_row_k<WBlock>(rows[r0 + r], nb, unpacked.data() + r * nb);
+            else u[r] = u[nr - 1];
+        }
+        for (int64_t i = 0; i < nb; i++) build_k_panel<WBlock>(u, i, panel[i]);
+        int64_t t = 0;
+        for (; t + T <= n_tok; t += T)
+            k_rows_tile<WBlock, T>(nb, panel.data(), (const uint8_t*)xa + t * x_row, x_row, s + t * ldo + r0, ldo, nr);
+        k_rows_rest<WBlock, T - 1>(n_tok - t, nb, panel.data(), (const uint8_t*)xa + t * x_row, x_row,
+                                   s + t * ldo + r0, ldo, nr);
+    }
+}
+
+// gemm_pre_fn of the VNNI kernel set: rows in the lanes from kKRowLaneTokens tokens, tile_k under it.
+template <class WBlock, int NR, int NT>
+void gemm_pre_k_vnni(int64_t n, float* s, int64_t ldo, const void* const* rows, int64_t n_rows, const void* xa,
+                     int64_t n_tok) {
+    if (n_tok >= kKRowLaneTokens) gemm_rows_k<WBlock>(n, s, ldo, rows, n_rows, xa, n_tok);
+    else gemm_pre_k<WBlock, NR, NT>(n, s, ldo, rows, n_rows, xa, n_tok);
+}
+
+}  // namespace
+}  // namespace optiml
