@@ -115,8 +115,8 @@ KQUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 @pytest.mark.parametrize("simd", [lv for lv in optiml._core.simd_levels()])
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_kquant_matvec_kernel_equals_rowwise_dot(qtype, simd):
-    # The k-quant matrix-vector kernel takes rows under 512 bytes four at a time (remainders one by one)
-    # and longer rows one at a time: both paths, at every row count, give each row its vec_dot's bits.
+    # The k-quant matrix-vector kernel takes rows four at a time (the remainder one by one), short and
+    # long: both paths, at every row count and length, give each row its vec_dot's bits.
     for rows in (1, 3, 4, 5, 9, 31):
         for cols in (256, 768, 1024, 4096):
             w = _weights(rows, cols, qtype, seed=rows + cols)
