@@ -193,9 +193,6 @@ struct KFromUnpacked {
     }
     __m256i codes(int64_t i, const KRow&, int c) const { return load256(u[i].codes[c]); }
     __m256i scales(int64_t, const KRow& k, int c) const { return chunk_scales(k.s16, c); }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512i codes2(int64_t i, int p) const { return _mm512_loadu_si512(u[i].codes[2 * p]); }
-#endif
 };
 
 template <class WBlock>
@@ -353,31 +350,25 @@ inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* ro
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// tile_k with 512-bit integer steps (AVX-512 VNNI): a zmm holds chunks 2p and 2p+1, its low half summing
-// the even chunks and its high half the odd ones, the halves added at the super-block's end. The integer
-// totals are exact, so they are tile_k's, and so are the float steps after them: the same bits as every
-// other level, at half the multiplier instructions per code. For unpacked rows (KFromUnpacked): with the
-// codes of packed blocks (KBlocks) joined two chunks at a time, vec_dot ran a third slower than tile_k.
-template <class WBlock, class Src, int NR, int NT, class XBlock = block_q8_K>
-inline void tile_k512(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const void* const* ahead,
-                      const uint8_t* x, size_t x_stride) {
+// tile_k over unpacked rows with 512-bit integer steps (AVX-512 VNNI): a zmm holds chunks 2p and 2p+1, its
+// low half summing the even chunks and its high half the odd ones, the halves added at the super-block's
+// end. The integer totals are exact, so they are tile_k's, and so are the float steps after them: the
+// same bits as every other level, at half the multiplier instructions per code. (Over packed blocks, their
+// codes joined two chunks at a time, vec_dot ran a third slower than tile_k.)
+template <class WBlock, int NR, int NT>
+inline void tile_k_unpacked512(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x,
+                               size_t x_stride) {
     typedef KQ<WBlock> K;
-    const Src* src[NR];
-    alignas(Src) unsigned char src_mem[NR][sizeof(Src)];
-    const XBlock* b[NT];
+    const KUnpacked* u[NR];
+    const XAligned* b[NT];
     float acc[NR][NT] = {};
-    for (int r = 0; r < NR; r++) src[r] = new (src_mem[r]) Src(rows[r]);
-    for (int t = 0; t < NT; t++) b[t] = (const XBlock*)(x + t * x_stride);
+    for (int r = 0; r < NR; r++) u[r] = (const KUnpacked*)rows[r];
+    for (int t = 0; t < NT; t++) b[t] = (const XAligned*)(x + t * x_stride);
     for (int64_t i = 0; i < nb; i++) {
-        KRow k[NR];
         __m512i sumi[NR][NT], s2[NR];
         for (int r = 0; r < NR; r++) {
-            if (ahead) {
-                const char* pf = (const char*)&((const WBlock*)ahead[r])[i];
-                for (size_t o = 0; o < sizeof(WBlock); o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
-            }
-            src[r]->prepare(i, k[r]);
-            s2[r] = _mm512_broadcast_i64x4(k[r].s16);
+            const __m256i sc = load256(u[r][i].s16);
+            s2[r] = _mm512_inserti64x4(_mm512_castsi256_si512(sc), sc, 1);
             for (int t = 0; t < NT; t++) sumi[r][t] = _mm512_setzero_si512();
         }
 #pragma GCC unroll 4
@@ -389,7 +380,7 @@ inline void tile_k512(int64_t nb, float* s, int64_t s_stride, const void* const*
             __m512i xc[NT];
             for (int t = 0; t < NT; t++) xc[t] = _mm512_loadu_si512(b[t][i].qs + 64 * p);
             for (int r = 0; r < NR; r++) {
-                const __m512i q = src[r]->codes2(i, p);
+                const __m512i q = _mm512_loadu_si512(u[r][i].codes[2 * p]);
                 const __m512i sc = _mm512_shuffle_epi8(s2[r], ctl);
                 for (int t = 0; t < NT; t++) {
                     sumi[r][t] = _mm512_dpwssd_epi32(sumi[r][t], _mm512_maddubs_epi16(q, xc[t]), sc);
@@ -400,7 +391,7 @@ inline void tile_k512(int64_t nb, float* s, int64_t s_stride, const void* const*
         __m256i si[NR][NT], c16[NR];
         float dw[NR], dmin[NR];
         for (int r = 0; r < NR; r++) {
-            c16[r] = k[r].c16, dw[r] = k[r].d, dmin[r] = k[r].dmin;
+            c16[r] = load256(u[r][i].c16), dw[r] = u[r][i].d, dmin[r] = u[r][i].dmin;
             for (int t = 0; t < NT; t++)
                 si[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r][t]), _mm512_extracti64x4_epi64(sumi[r][t], 1));
         }
@@ -441,7 +432,7 @@ struct KUnpackedTile {
     template <int NR, int NT>
     static void run(int64_t n, float* s, int64_t s_stride, const void* const* rows, const uint8_t* x, size_t x_stride) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        tile_k512<WBlock, KFromUnpacked, NR, NT, XAligned>(n / OPTIML_QK_K, s, s_stride, rows, nullptr, x, x_stride);
+        tile_k_unpacked512<WBlock, NR, NT>(n / OPTIML_QK_K, s, s_stride, rows, x, x_stride);
 #else
         tile_k<WBlock, KFromUnpacked, NR, NT, XAligned>(n / OPTIML_QK_K, s, s_stride, rows, nullptr, x, x_stride);
 #endif
