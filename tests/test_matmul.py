@@ -95,9 +95,10 @@ def test_batched_product_equals_rowwise_dot(qtype, simd):
     # Batches go through the tiled batch kernel (several rows and tokens per tile, rows unpacked once
     # for all tokens); every (row, token) must still equal that row's own dot product bit for bit:
     # full tiles, the row and token edges of the tile sizes, and the 64-token blocks of matmul.cpp.
-    # With AVX-512VNNI the kernels with 16 rows in the lanes take over from 32 tokens (the 32-element
-    # formats) and from 8 (the k-quants): (21, 8), (19, 17), (16, 32), (37, 45) and (6, 67) cover their
-    # full and partial row panels and token tiles.
+    # The kernels with rows in the lanes take over from 32 tokens (the 32-element formats with AVX-512VNNI;
+    # the k-quants with 8 rows in a ymm, every other x86 level) and from 8 (the k-quants with 16 rows in a
+    # zmm, AVX-512VNNI): (21, 8), (19, 17), (16, 32), (37, 45) and (6, 67) cover their full and partial row
+    # panels and token tiles.
     cols = 512
     rng = np.random.default_rng(11)
     for rows, n_tokens in ((1, 2), (5, 3), (17, 4), (8, 2), (9, 7), (21, 8), (19, 17), (16, 32), (37, 45), (6, 67)):

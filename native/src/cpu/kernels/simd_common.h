@@ -13,6 +13,8 @@
 #if defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include "simd_gemm_k_rows.h"
 #include "simd_gemm_q32_rows.h"
+#else
+#include "simd_gemm_k_rows8.h"
 #endif
 #include "simd_q32.h"
 
@@ -39,12 +41,12 @@ template <class WBlock, int NR> constexpr gemm_fn kGemmQ32 = gemm_q32_vnni<WBloc
 template <class WBlock, int NR> constexpr gemm_fn kGemmQ32 = gemm_panels_32<WBlock, NR>;
 #endif
 
-// The k-quants' batched product over laid-out activations: with AVX-512VNNI rows in the lanes from
-// kKRowLaneTokens tokens (simd_gemm_k_rows.h), else tile_k.
+// The k-quants' batched product over laid-out activations: rows in the lanes, 16 in a zmm with AVX-512VNNI
+// (from 8 tokens, simd_gemm_k_rows.h), else 8 in a ymm (from 32, simd_gemm_k_rows8.h); tile_k under that.
 #if defined(__AVX512VL__) && defined(__AVX512VNNI__)
 template <class WBlock> constexpr gemm_pre_fn kGemmPreK = gemm_pre_k_vnni<WBlock, kKRows, kKTokens>;
 #else
-template <class WBlock> constexpr gemm_pre_fn kGemmPreK = gemm_pre_k<WBlock, kKRows, kKTokens>;
+template <class WBlock> constexpr gemm_pre_fn kGemmPreK = gemm_pre_k_rows8<WBlock, kKRows, kKTokens>;
 #endif
 
 // The quant kernels: vec_dot, the matrix-vector product (vec_dot_rows) and the batched product (gemm).

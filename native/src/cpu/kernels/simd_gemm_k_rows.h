@@ -16,10 +16,9 @@
 #pragma once
 
 #include <type_traits>
-#include <vector>
 
+#include "simd_gemm_k_panels.h"
 #include "simd_gemm_q32.h"
-#include "simd_kquants.h"
 
 namespace optiml {
 namespace {
@@ -42,7 +41,7 @@ struct alignas(64) KRowPanel {
 
 // Rows u[0..15] (unpacked, KUnpacked), super-block i, into p.
 template <class WBlock>
-inline void build_k_panel(const KUnpacked* const u[16], int64_t i, KRowPanel& p) {
+inline void build_k_panel(const KUnpacked* const* u, int64_t i, KRowPanel& p) {
     constexpr int G = k_group_dwords<WBlock>();
     __m256i lo[8], hi[8];
     for (int c = 0; c < 8; c++) {
@@ -119,54 +118,27 @@ inline void k_rows_block(const KRowPanel& p, const uint8_t* x, size_t x_row, __m
     }
 }
 
-// T tokens (from xa, x_row bytes apart) against a panel's nb super-blocks, into s + t * ldo (the nr live rows).
-template <class WBlock, int T>
-inline void k_rows_tile(int64_t nb, const KRowPanel* p, const uint8_t* xa, size_t x_row, float* s, int64_t ldo,
-                        int64_t nr) {
-    __m512 acc[T];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) k_rows_block<WBlock, T>(p[i], xa + i * sizeof(XAligned), x_row, acc);
-    const __mmask16 live = (__mmask16)((1u << nr) - 1);
-    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(s + t * ldo, live, acc[t]);
-}
-
-template <class WBlock, int T>
-inline void k_rows_rest(int64_t n_rest, int64_t nb, const KRowPanel* p, const uint8_t* xa, size_t x_row, float* s,
-                        int64_t ldo, int64_t nr) {
-    if constexpr (T > 0) {
-        if (n_rest == T) k_rows_tile<WBlock, T>(nb, p, xa, x_row, s, ldo, nr);
-        else k_rows_rest<WBlock, T - 1>(n_rest, nb, p, xa, x_row, s, ldo, nr);
+// The panels of 16 rows for gemm_k_panels (simd_gemm_k_panels.h).
+struct KRows16 {
+    typedef KRowPanel Panel;
+    typedef __m512 Acc;
+    static constexpr int kRows = 16;
+    template <class WBlock>
+    static void build(const KUnpacked* const* u, int64_t i, Panel& p) { build_k_panel<WBlock>(u, i, p); }
+    template <class WBlock, int T>
+    static void block(const Panel& p, const uint8_t* x, size_t x_row, Acc* __restrict acc) {
+        k_rows_block<WBlock, T>(p, x, x_row, acc);
     }
-}
+    static Acc zero() { return _mm512_setzero_ps(); }
+    static void store(float* s, Acc v, int64_t nr) { _mm512_mask_storeu_ps(s, (__mmask16)((1u << nr) - 1), v); }
+};
 
-// gemm_pre_fn with rows in the lanes: per 16 rows their panel, then every token, kKRowTokens at a time.
+// gemm_pre_fn with 16 rows in the lanes. Tokens per tile: the formats with mins keep a third accumulator per
+// token.
 template <class WBlock>
 void gemm_rows_k(int64_t n, float* s, int64_t ldo, const void* const* rows, int64_t n_rows, const void* xa,
                  int64_t n_tok) {
-    // Tokens per tile: the formats with mins keep a third accumulator per token.
-    constexpr int T = KQ<WBlock>::separate_min ? 5 : 6;
-    const int64_t nb = n / OPTIML_QK_K;
-    const size_t x_row = gemm_x_row(n);
-    static thread_local std::vector<KRowPanel> panel;
-    static thread_local std::vector<KUnpacked> unpacked;
-    if ((int64_t)panel.size() < nb) panel.resize(nb);
-    if ((int64_t)unpacked.size() < 16 * nb) unpacked.resize(16 * nb);
-    for (int64_t r0 = 0; r0 < n_rows; r0 += 16) {
-        const int64_t nr = n_rows - r0 < 16 ? n_rows - r0 : 16;
-        const KUnpacked* u[16];
-        for (int r = 0; r < 16; r++) {
-            u[r] = unpacked.data() + r * nb;
-            // past the last row, the last row again (its lanes are not stored)
-            if (r < nr) unpack_row_k<WBlock>(rows[r0 + r], nb, unpacked.data() + r * nb);
-            else u[r] = u[nr - 1];
-        }
-        for (int64_t i = 0; i < nb; i++) build_k_panel<WBlock>(u, i, panel[i]);
-        int64_t t = 0;
-        for (; t + T <= n_tok; t += T)
-            k_rows_tile<WBlock, T>(nb, panel.data(), (const uint8_t*)xa + t * x_row, x_row, s + t * ldo + r0, ldo, nr);
-        k_rows_rest<WBlock, T - 1>(n_tok - t, nb, panel.data(), (const uint8_t*)xa + t * x_row, x_row,
-                                   s + t * ldo + r0, ldo, nr);
-    }
+    gemm_k_panels<KRows16, WBlock, KQ<WBlock>::separate_min ? 5 : 6>(n, s, ldo, rows, n_rows, xa, n_tok);
 }
 
 // gemm_pre_fn of the VNNI kernel set: rows in the lanes from kKRowLaneTokens tokens, tile_k under it.

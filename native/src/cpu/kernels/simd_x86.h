@@ -78,6 +78,17 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// acc + (a16[2k] * b16[2k] + a16[2k+1] * b16[2k+1]) in int32 lane k: vpdpwssd, or vpmaddwd + vpaddd.
+inline __m256i madd_acc(__m256i acc, __m256i a16, __m256i b16) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a16, b16);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a16, b16);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a16, b16));
+#endif
+}
+
 // acc + scale16 * (u8*s8 pair sums), pairs of int16 lanes summed into int32 lanes: lane k gets
 // scale16[2k] * (u[4k]s[4k] + u[4k+1]s[4k+1]) + scale16[2k+1] * (u[4k+2]s[4k+2] + u[4k+3]s[4k+3]).
 // Exact for pair sums that fit int16 (u <= 63, s in [-127, 127]).
