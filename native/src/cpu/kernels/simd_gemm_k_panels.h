@@ -7,12 +7,46 @@
 // T tokens' XAligned blocks, x_row bytes apart), zero() and store(s, acc, nr) (the nr live lanes).
 #pragma once
 
+#include <cstddef>
+#include <type_traits>
 #include <vector>
 
+#include "simd_gemm_q32.h"
 #include "simd_kquants.h"
 
 namespace optiml {
 namespace {
+
+// Dwords per scale group: Q4_K and Q5_K have one scale per 32 elements, the others one per 16.
+template <class WBlock>
+constexpr int k_group_dwords() {
+    return std::is_same<WBlock, block_q4_K>::value || std::is_same<WBlock, block_q5_K>::value ? 8 : 4;
+}
+
+// The scale of group j (k_group_dwords) of an unpacked super-block. s16's words: with groups of 32, word c
+// the scale of chunk c; with groups of 16, the even groups' scales, then the odd ones'.
+template <class WBlock>
+inline int16_t k_group_scale(const KUnpacked& u, int j) {
+    return k_group_dwords<WBlock>() == 8 ? u.s16[j] : u.s16[(j % 2) * 8 + j / 2];
+}
+
+// Rows u[0..7]'s super-block i with row r in int32 lane r: g[stride * k] codes 4k..4k+3, c16[stride * j] the
+// correction coefficients 2j, 2j+1 (int16 pair), negated for Q3_K and Q6_K, which take the corrections out of
+// isum (isum + (-c16) . bsums). stride 2 writes the low or high halves of zmm vectors.
+template <class WBlock>
+inline void k_lanes8(const KUnpacked* const* u, int64_t i, __m256i* g, __m256i* c16, ptrdiff_t stride) {
+    __m256i v[8];
+    for (int c = 0; c < 8; c++) {
+        for (int r = 0; r < 8; r++) v[r] = load256(u[r][i].codes[c]);
+        transpose8_epi32(v);
+        for (int k = 0; k < 8; k++) _mm256_store_si256(g + stride * (8 * c + k), v[k]);
+    }
+    for (int r = 0; r < 8; r++) v[r] = load256(u[r][i].c16);
+    transpose8_epi32(v);
+    for (int j = 0; j < 8; j++)
+        _mm256_store_si256(c16 + stride * j,
+                           KQ<WBlock>::separate_min ? v[j] : _mm256_sub_epi16(_mm256_setzero_si256(), v[j]));
+}
 
 // T tokens (from xa, x_row bytes apart) against a panel's nb super-blocks, into s + t * ldo.
 template <class Kernel, class WBlock, int T>

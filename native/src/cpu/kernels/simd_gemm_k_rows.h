@@ -15,21 +15,12 @@
 // float steps (k_step) lane by lane: the same bits as vec_dot for every (row, token).
 #pragma once
 
-#include <type_traits>
-
 #include "simd_gemm_k_panels.h"
-#include "simd_gemm_q32.h"
 
 namespace optiml {
 namespace {
 
 constexpr int64_t kKRowLaneTokens = 8;
-
-// Q4_K and Q5_K have one scale per 32 elements; the others one per 16.
-template <class WBlock>
-constexpr int k_group_dwords() {
-    return std::is_same<WBlock, block_q4_K>::value || std::is_same<WBlock, block_q5_K>::value ? 8 : 4;
-}
 
 // Super-block i of 16 rows, row r in int32 lane r of every vector.
 struct alignas(64) KRowPanel {
@@ -43,26 +34,12 @@ struct alignas(64) KRowPanel {
 template <class WBlock>
 inline void build_k_panel(const KUnpacked* const* u, int64_t i, KRowPanel& p) {
     constexpr int G = k_group_dwords<WBlock>();
-    __m256i lo[8], hi[8];
-    for (int c = 0; c < 8; c++) {
-        for (int r = 0; r < 8; r++) lo[r] = load256(u[r][i].codes[c]), hi[r] = load256(u[r + 8][i].codes[c]);
-        transpose8_epi32(lo);
-        transpose8_epi32(hi);
-        for (int k = 0; k < 8; k++) p.g[8 * c + k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[k]), hi[k], 1);
-    }
-    for (int r = 0; r < 8; r++) lo[r] = load256(u[r][i].c16), hi[r] = load256(u[r + 8][i].c16);
-    transpose8_epi32(lo);
-    transpose8_epi32(hi);
-    for (int j = 0; j < 8; j++) {
-        const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
-        // Q3_K and Q6_K take the corrections out of isum: isum + (-c16) . bsums.
-        p.c16[j] = KQ<WBlock>::separate_min ? c : _mm512_sub_epi16(_mm512_setzero_si512(), c);
-    }
+    k_lanes8<WBlock>(u, i, (__m256i*)p.g, (__m256i*)p.c16, 2);  // rows 0..7: the low halves
+    k_lanes8<WBlock>(u + 8, i, (__m256i*)p.g + 1, (__m256i*)p.c16 + 1, 2);
     alignas(64) int32_t sc[16][16];
     alignas(64) float d[16], dmin[16];
     for (int r = 0; r < 16; r++) {
-        // s16's words: G == 8, word c the scale of chunk c; else the even groups' scales, then the odd ones'.
-        for (int j = 0; j < 64 / G; j++) sc[j][r] = G == 8 ? u[r][i].s16[j] : u[r][i].s16[(j % 2) * 8 + j / 2];
+        for (int j = 0; j < 64 / G; j++) sc[j][r] = k_group_scale<WBlock>(u[r][i], j);
         d[r] = u[r][i].d;
         dmin[r] = -u[r][i].dmin;
     }

@@ -18,18 +18,11 @@
 #include <type_traits>
 
 #include "simd_gemm_k_panels.h"
-#include "simd_gemm_q32.h"
 
 namespace optiml {
 namespace {
 
 constexpr int64_t kKRows8Tokens = 32;
-
-// Dwords per scale group: Q4_K and Q5_K have one scale per 32 elements, the others one per 16.
-template <class WBlock>
-constexpr int k_group_dwords8() {
-    return std::is_same<WBlock, block_q4_K>::value || std::is_same<WBlock, block_q5_K>::value ? 8 : 4;
-}
 
 // Dwords whose vpmaddubsw pair sums may be added in int16: a pair sum is at most 2 * max code * 128.
 template <class WBlock>
@@ -40,7 +33,7 @@ constexpr int k_int16_depth() {
                              : std::is_same<WBlock, block_q5_K>::value ? 31
                                                                        : 63;
     constexpr int depth = 32767 / (2 * max_code * 128);
-    return depth < k_group_dwords8<WBlock>() ? depth : k_group_dwords8<WBlock>();
+    return depth < k_group_dwords<WBlock>() ? depth : k_group_dwords<WBlock>();
 }
 
 // Super-block i of 8 rows, row r in int32 lane r of every vector.
@@ -54,23 +47,13 @@ struct alignas(32) KRowPanel8 {
 // Rows u[0..7] (unpacked, KUnpacked), super-block i, into p.
 template <class WBlock>
 inline void build_k_panel8(const KUnpacked* const* u, int64_t i, KRowPanel8& p) {
-    constexpr int G = k_group_dwords8<WBlock>();
-    __m256i v[8];
-    for (int c = 0; c < 8; c++) {
-        for (int r = 0; r < 8; r++) v[r] = load256(u[r][i].codes[c]);
-        transpose8_epi32(v);
-        for (int k = 0; k < 8; k++) p.g[8 * c + k] = v[k];
-    }
-    for (int r = 0; r < 8; r++) v[r] = load256(u[r][i].c16);
-    transpose8_epi32(v);
-    for (int j = 0; j < 8; j++)
-        p.c16[j] = KQ<WBlock>::separate_min ? v[j] : _mm256_sub_epi16(_mm256_setzero_si256(), v[j]);
+    constexpr int G = k_group_dwords<WBlock>();
+    k_lanes8<WBlock>(u, i, p.g, p.c16, 1);
     alignas(32) int32_t sc[16][8];
     alignas(32) float d[8], dmin[8];
     for (int r = 0; r < 8; r++) {
-        // s16's words: G == 8, word c the scale of chunk c; else the even groups' scales, then the odd ones'.
         for (int j = 0; j < 64 / G; j++) {
-            const int16_t s = G == 8 ? u[r][i].s16[j] : u[r][i].s16[(j % 2) * 8 + j / 2];
+            const int16_t s = k_group_scale<WBlock>(u[r][i], j);
             sc[j][r] = (int32_t)(((uint32_t)(uint16_t)s << 16) | (uint16_t)s);
         }
         d[r] = u[r][i].d;
@@ -85,7 +68,7 @@ inline void build_k_panel8(const KUnpacked* const* u, int64_t i, KRowPanel8& p) 
 // integer totals, then the float steps into acc[t] (lane r: row r . token t).
 template <class WBlock, int T>
 inline void k_rows8_block(const KRowPanel8& p, const uint8_t* x, size_t x_row, __m256* __restrict acc) {
-    constexpr int G = k_group_dwords8<WBlock>(), D = k_int16_depth<WBlock>();
+    constexpr int G = k_group_dwords<WBlock>(), D = k_int16_depth<WBlock>();
     constexpr bool kSeparateMin = KQ<WBlock>::separate_min;
     auto xdword = [&](int t, size_t offset) {
         int32_t v;

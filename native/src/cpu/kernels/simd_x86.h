@@ -93,14 +93,7 @@ inline __m256i madd_acc(__m256i acc, __m256i a16, __m256i b16) {
 // scale16[2k] * (u[4k]s[4k] + u[4k+1]s[4k+1]) + scale16[2k+1] * (u[4k+2]s[4k+2] + u[4k+3]s[4k+3]).
 // Exact for pair sums that fit int16 (u <= 63, s in [-127, 127]).
 inline __m256i dot_u8s8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale16) {
-    const __m256i p16 = _mm256_maddubs_epi16(u, s);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, p16, scale16);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, p16, scale16);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, scale16));
-#endif
+    return madd_acc(acc, _mm256_maddubs_epi16(u, s), scale16);
 }
 
 // 16 packed bytes -> 32 nibbles: low nibbles first (elements 0..15), then high (16..31).
