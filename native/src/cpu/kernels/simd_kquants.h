@@ -295,9 +295,9 @@ inline void k_tile_steps(float (&acc)[NR][NT], const __m256i (&sumi)[NR][NT], co
 }
 
 // NR rows x NT tokens over nb super-blocks: s[t * s_stride + r] = dot(row r, x_t), rows read
-// through Src, activation blocks of type XBlock (block_q8_K or XAligned). ahead as in tile_32
-// (simd_q32.h).
-template <class WBlock, class Src, int NR, int NT, class XBlock = block_q8_K>
+// through Src, activation blocks of type XBlock (block_q8_K or XAligned). ahead[r] is prefetched in step,
+// and with FAR so is ahead[r + 12] (as dot_rows8_32 in simd_q32.h).
+template <class WBlock, class Src, int NR, int NT, class XBlock = block_q8_K, bool FAR = false>
 inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* rows, const void* const* ahead,
                    const uint8_t* x, size_t x_stride) {
     typedef KQ<WBlock> K;
@@ -313,6 +313,10 @@ inline void tile_k(int64_t nb, float* s, int64_t s_stride, const void* const* ro
             if (ahead) {
                 const char* p = (const char*)&((const WBlock*)ahead[r])[i];
                 for (size_t o = 0; o < sizeof(WBlock); o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+                if (FAR) {
+                    const char* f = (const char*)&((const WBlock*)ahead[r + 12])[i];
+                    for (size_t o = 0; o < sizeof(WBlock); o += 64) _mm_prefetch(f + o, _MM_HINT_T1);
+                }
             }
             src[r]->prepare(i, k[r]);
         }
@@ -490,13 +494,19 @@ void gemm_k(int64_t n, float* s, const void* const* rows, int64_t n_rows, const 
 // ones one by one. Four rows' float steps run as one vector (k_tile_steps), which one row's cannot:
 // measured against one row at a time (tools/bench/kernels.py, 2 threads, Zen 4 with AVX-512), 2048x2048
 // in cache 1.2x (Q4_K), 1.0x (Q6_K), 1.4x (Q3_K); streamed from memory (4096x11008, 5632x2048) the same
-// speed, where with the former float steps one row at a time had streamed faster.
+// speed, where with the former float steps one row at a time had streamed faster. Rows of up to 2 KiB
+// also fetch the rows four tiles ahead: one tile is too little lead for the memory latency (Q4_K
+// streamed, 2 threads: 768 columns 22 -> 30-36 GB/s, 2048 columns 26-33 -> 37; Q6_K 768 columns 24 ->
+// 29-35; rows of 2.3 and 6 KiB gained nothing).
 template <class WBlock>
 void vec_dot_rows_k(int64_t n, float* s, const void* const* rows, const void* x, int64_t n_rows) {
     const uint8_t* xb = (const uint8_t*)x;
     const int64_t nb = n / OPTIML_QK_K;
     int64_t r = 0;
     typedef KBlocks<WBlock> Src;
+    if ((size_t)nb * sizeof(WBlock) <= 2048)
+        for (; r + 4 <= n_rows; r += 4)
+            tile_k<WBlock, Src, 4, 1, block_q8_K, true>(nb, s + r, 1, rows + r, rows + r + 4, xb, 0);
     for (; r + 4 <= n_rows; r += 4) tile_k<WBlock, Src, 4, 1>(nb, s + r, 1, rows + r, rows + r + 4, xb, 0);
     for (; r < n_rows; r++) tile_k<WBlock, Src, 1, 1>(nb, s + r, 1, rows + r, rows + r + 4, xb, 0);
 }
