@@ -17,7 +17,7 @@ from optiml import ArgumentError
 from optiml.formats.gguf_edit import GGUFValueType as VT
 from optiml.formats.gguf_edit import rewrite_gguf
 
-from conftest import ROOT
+from conftest import ROOT, shared_eval_text
 
 
 def synthetic(path, *args):
@@ -273,6 +273,21 @@ def test_batch_equals_alone(smollm2_path, kv):
             nxt = [int(r.argmax()) for r in step]
             pos = [q + 1 for q in pos]
         assert [m.seq_len(s) for s in range(4)] == pos
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_context_decode_equals_the_batch(which, threads, request):
+    """Decoding one token at a time over 700 positions (attention split over positions and value rows,
+    attention.cpp's attend_split) gives the bits of the same positions in one 700-token batch (a task per
+    token and KV head); Gemma 3's sliding-window layers (512) see only part of the context."""
+    path = request.getfixturevalue(which + "_path")
+    with optiml.Model(path, n_ctx=1024, n_threads=threads) as m:
+        ids = m.tokenize(shared_eval_text())[:700]
+        want = m.decode(optiml.Batch().add_sequence(ids, seq=0, logits="all"))[-4:]
+        m.kv_truncate(0, 696)
+        got = np.vstack([m.decode(optiml.Batch().add(ids[p], 0, p, logits=True)) for p in range(696, 700)])
+        assert np.array_equal(got, want)
 
 
 def test_kv_copy_reuses_a_prefix(smollm2_path):
