@@ -199,6 +199,17 @@ def time_tg(engine, token: int, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def time_tg_at_depth(engine, context: list[int], token: int, n: int) -> float:
+    """llama-bench's tgN @ dD in tokens/s: n single-token steps after a context of D tokens (evaluated as one
+    batch first, not timed): decoding as a long conversation does, where attention reads the whole cache."""
+    engine.reset()
+    engine.eval(context)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.eval([token])
+    return n / (time.perf_counter() - t0)
+
+
 def time_tg_text(engine, ids: list[int], n_prompt: int, n_gen: int) -> float:
     """tgN on real text, in tokens/s: after a prompt of n_prompt text tokens, n_gen further text tokens fed
     one at a time (teacher forcing: both engines do the same work and see realistic activations)."""
