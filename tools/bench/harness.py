@@ -192,18 +192,15 @@ def time_pp(engine, prompt: list[int]) -> float:
 
 def time_tg(engine, token: int, n: int) -> float:
     """llama-bench's tgN in tokens/s: n single-token steps from an empty context."""
-    engine.reset()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        engine.eval([token])
-    return n / (time.perf_counter() - t0)
+    return time_tg_at_depth(engine, [], token, n)
 
 
 def time_tg_at_depth(engine, context: list[int], token: int, n: int) -> float:
     """llama-bench's tgN @ dD in tokens/s: n single-token steps after a context of D tokens (evaluated as one
     batch first, not timed): decoding as a long conversation does, where attention reads the whole cache."""
     engine.reset()
-    engine.eval(context)
+    if context:
+        engine.eval(context)
     t0 = time.perf_counter()
     for _ in range(n):
         engine.eval([token])

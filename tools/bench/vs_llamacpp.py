@@ -4,8 +4,8 @@
 For each model both engines run llama-bench's tests through their Python APIs: ppN (one batch of N
 prompt tokens from an empty context) for every --n-prompt, tgN (N single-token steps from an empty
 context) and, for every --depth D, tgN@dD (N steps after a context of D tokens, as llama-bench -d: what
-decoding costs once attention reads a long cache). Runs alternate between the engines (and which goes first), so drift on a shared machine hits
-both alike. Prints the median tokens/s of --repeats runs of each test, OptiML's ratio, the CPU name
+decoding costs once attention reads a long cache). Runs alternate between the engines (and which goes
+first), so drift on a shared machine hits both alike. Prints the median tokens/s of --repeats runs of each test, OptiML's ratio, the CPU name
 and the machine's load average (a busy machine makes every number noisy, llama.cpp's spinning
 OpenMP threads more than most).
 
