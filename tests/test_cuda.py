@@ -675,9 +675,9 @@ def odd_shapes(tiny, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
 def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, kind):
-    """From 32 tokens on, Q4_0/Q4_1/Q8_0 (with 32-value codes) and Q4_K/Q5_K/Q6_K products (Q8_K's codes) run as
+    """From 32 tokens on, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (with 32-value codes) and Q2_K-Q6_K products (Q8_K's codes) run as
     64 x 64 tiles on the tensor cores (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment
     layouts): a prompt of 70 tokens (two token tiles, the second partial; its last position attends to both)
     and two decode steps after it match the CPU; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, rows that are not
@@ -738,13 +738,13 @@ def test_kernel_benchmark_runs_and_rejects_bad_products(tmp_path):
     rows = {row["type"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["q4_0"]["kernel_1"] == "matmul_q8x" and rows["q5_0"]["kernel_1"] == "matmul"
     assert all(rows["q4_0"][k] > 0 for k in ("gbs_1", "gbs_8", "tflops_tiles", "tflops_decode_kernels"))
-    assert rows["q5_0"]["gbs_1"] > 0 and rows["q5_0"]["tflops_tiles"] is None  # (no tiles for Q5_0)
+    assert rows["q5_0"]["gbs_1"] > 0 and rows["q5_0"]["tflops_tiles"] > 0
     assert rows["q4_0"]["gbs_exact_1"] > 0 and rows["q5_0"]["gbs_exact_1"] > 0  # a split share's exact products
     assert rows["q4_0"]["gbs_1_batch_kernels"] > 0 and rows["q5_0"]["gbs_1_batch_kernels"] > 0
     from optiml import _core, quant
     q4k = quant.type_info("q4_k").id
     with pytest.raises(optiml.OptimlError, match="tiled products read"):
-        _core._cuda_time_product(0, quant.type_info("q5_0").id, 64, 256, 32, "tiles", 1, 1 << 20)
+        _core._cuda_time_product(0, quant.type_info("iq4_nl").id, 64, 256, 32, "tiles", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="exact products .* not 256 F16 values"):
         _core._cuda_time_product(0, quant.type_info("f16").id, 64, 256, 1, "exact", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="choose decode, decode-batch, tiles or exact"):

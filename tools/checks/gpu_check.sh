@@ -234,7 +234,7 @@ verify() {
     step ncu timeout 180 "$py" tools/bench/ncu_decode.py -m "$models/llama7b-q4_0.gguf" --steps 2 \
         --report "$out/ncu-decode" --json "$out/ncu.json"
     cat "$out/ncu.log" 2>/dev/null
-    step kernels "$py" tools/bench/gpu_kernels.py --shapes 7b --types q4_0 q4_1 q8_0 q4_k q6_k f16 --reps 10 \
+    step kernels "$py" tools/bench/gpu_kernels.py --shapes 7b --types q4_0 q4_1 q8_0 q3_k q4_k q6_k f16 --reps 10 \
         --json "$out/kernels.json"
     cat "$out/kernels.log" 2>/dev/null
     step hybrid-relu "$py" tools/bench/hybrid.py --device cuda --shape 7b --activation relu --budgets 0.25 --reps 2 \

@@ -1,12 +1,13 @@
-// Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q8_0 weights with the
-// activations' 8-bit codes, as the CPU's block dot products; and Q4_K, Q5_K, Q6_K with Q8_K's codes, as the
-// CPU's K-quant dot products) for 32 tokens and more, as tiles of 64 weight
+// Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+// weights with the activations' 8-bit codes, as the CPU's block dot products; and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+// with Q8_K's codes, as the CPU's K-quant dot products) for 32 tokens and more, as tiles of 64 weight
 // rows by 64 tokens. A thread block stages a stretch of 256 values of its rows (decoded to signed 8-bit
 // codes) and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of
-// the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time, and
-// scales each block's exact integer sums by the weights' and the activations' scales in float, as the CPU
-// does. The per-block values are the CPU's; for the 32-value formats the float sum over blocks runs in
-// another order, for the K-quants it is the CPU's chain of fused steps, super-block after super-block.
+// the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time (the
+// K-quants with sub-blocks of 16, Q2_K, Q3_K and Q6_K: m16n8k16, a sub-block at a time), and scales each
+// block's exact integer sums by the weights' and the activations' scales in float, as the CPU does. The
+// per-block values are the CPU's; for the 32-value formats the float sum over blocks runs in another order,
+// for the K-quants it is the CPU's chain of fused steps, super-block after super-block.
 //
 // The weights are read once per 64 tokens instead of once per 8 (matmul.cu's decode kernels), and the
 // products run on the tensor cores. Needs compute capability 8.0 (mma.sync with 8-bit operands); the CPU
@@ -37,16 +38,16 @@ struct alignas(16) TileShared {
 };
 
 // The same for the K-quants: a stage is one super-block of 256 values per row, whose sub-blocks (Q4_K,
-// Q5_K: 8 of 32 values, with a 6-bit scale and min; Q6_K: 16 of 16, with a signed 8-bit scale) each have
-// their scale, and the codes' Q8_K scale is one per 256 values.
+// Q5_K: 8 of 32 values, with a 6-bit scale and min; Q6_K, Q3_K: 16 of 16, with a signed scale; Q2_K: 16 of
+// 16, with a 4-bit scale and min) each have their scale, and the codes' Q8_K scale is one per 256 values.
 struct alignas(16) TileSharedK {
     int8_t w[kTileRows][kStride];
     int8_t x[kTileTokens][kStride];
     float d[kTileRows], dmin[kTileRows];
     int8_t sc[kTileRows][16];
-    uint8_t mn[kTileRows][kStageBlocks];
+    uint8_t mn[kTileRows][16];
     float xd[kTileTokens];
-    int32_t xsum[kTileTokens][kStageBlocks + 1];  // the codes' sum per 32 values
+    int32_t xsum[kTileTokens][17];  // the codes' sum per sub-block with a min: 32 values (Q4_K, Q5_K), 16 (Q2_K)
 };
 
 struct alignas(16) Bytes16 {
@@ -100,8 +101,24 @@ __device__ __forceinline__ uint32_t load_u32_a2(const uint8_t* p) {
     return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
 }
 
+// Four codes 0..127 (one per byte) as the signed bytes q - OFFSET: each byte is first raised by 128, so that
+// none borrows from the next.
+template <uint32_t OFFSET>
+__device__ __forceinline__ uint32_t codes_minus(uint32_t q) {
+    return ((q | 0x80808080u) - OFFSET * 0x01010101u) ^ 0x80808080u;
+}
+
+// Bits 0-3 of b as bit 0 of bytes 0-3.
+__device__ __forceinline__ uint32_t bits_to_bytes(uint32_t b) {
+    return (b & 1u) | ((b & 2u) << 7) | ((b & 4u) << 14) | ((b & 8u) << 21);
+}
+
+// The 32-value formats with a min (value d q + m), whose blocks add m times the codes' sum.
+template <int TYPE>
+constexpr bool kWithMin = TYPE == TYPE_Q4_1 || TYPE == TYPE_Q5_1;
+
 // Block kb of staged row `row` from one quantized block (nullptr: past the matrix, zeros): its 32 codes
-// as signed bytes in x's order, its scale and its min (Q4_1).
+// as signed bytes in x's order, its scale and its min (Q4_1, Q5_1).
 template <int TYPE>
 __device__ __forceinline__ void stage_weight_block(TileShared& sh, int row, int kb, const uint8_t* blk) {
     uint32_t* out = (uint32_t*)&sh.w[row][kb * 32];
@@ -119,14 +136,20 @@ __device__ __forceinline__ void stage_weight_block(TileShared& sh, int row, int 
         sh.wm[row][kb] = 0.0f;
         return;
     }
-    const int qs_at = TYPE == TYPE_Q4_1 ? 4 : 2;
-    sh.wm[row][kb] = TYPE == TYPE_Q4_1 ? cudaq::half_to_float(cudaq::load_u16(blk + 2)) : 0.0f;
+    constexpr bool with_min = TYPE == TYPE_Q4_1 || TYPE == TYPE_Q5_1, q5 = TYPE == TYPE_Q5_0 || TYPE == TYPE_Q5_1;
+    const int qh_at = with_min ? 4 : 2, qs_at = qh_at + (q5 ? 4 : 0);
+    sh.wm[row][kb] = with_min ? cudaq::half_to_float(cudaq::load_u16(blk + 2)) : 0.0f;
+    const uint32_t qh = q5 ? load_u32_a2(blk + qh_at) : 0;  // bit v: the fifth bit of value v
 #pragma unroll
     for (int j = 0; j < 4; j++) {  // low nibbles are values 0-15, high nibbles 16-31
         const uint32_t q = load_u32_a2(blk + qs_at + 4 * j);
-        const uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
-        out[j] = TYPE == TYPE_Q4_0 ? nibbles_minus_8(lo) : lo;
-        out[4 + j] = TYPE == TYPE_Q4_0 ? nibbles_minus_8(hi) : hi;
+        uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+        if (q5) {
+            lo |= bits_to_bytes(qh >> (4 * j)) << 4;
+            hi |= bits_to_bytes(qh >> (16 + 4 * j)) << 4;
+        }
+        out[j] = TYPE == TYPE_Q4_0 ? nibbles_minus_8(lo) : TYPE == TYPE_Q5_0 ? codes_minus<16>(lo) : lo;
+        out[4 + j] = TYPE == TYPE_Q4_0 ? nibbles_minus_8(hi) : TYPE == TYPE_Q5_0 ? codes_minus<16>(hi) : hi;
     }
 }
 
@@ -239,14 +262,14 @@ __global__ void matmul_tiles_kernel(LaunchMatrices ms, int64_t cols, const int8_
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     wd[i][h] = sh.wd[wrow + 16 * i + g + 8 * h][kb];
-                    if (TYPE == TYPE_Q4_1) wm[i][h] = sh.wm[wrow + 16 * i + g + 8 * h][kb];
+                    if (kWithMin<TYPE>) wm[i][h] = sh.wm[wrow + 16 * i + g + 8 * h][kb];
                 }
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     xd[j][h] = sh.xd[wtok + 8 * j + 2 * t + h][kb];
-                    if (TYPE == TYPE_Q4_1) xs[j][h] = sh.xs[wtok + 8 * j + 2 * t + h][kb];
+                    if (kWithMin<TYPE>) xs[j][h] = sh.xs[wtok + 8 * j + 2 * t + h][kb];
                 }
 #pragma unroll
             for (int i = 0; i < 2; i++)
@@ -257,7 +280,7 @@ __global__ void matmul_tiles_kernel(LaunchMatrices ms, int64_t cols, const int8_
 #pragma unroll
                     for (int e = 0; e < 4; e++) {  // the CPU's scaling of one block's integer sum
                         float v = (float)sum[e] * (wd[i][e >> 1] * xd[j][e & 1]);
-                        if (TYPE == TYPE_Q4_1) v += wm[i][e >> 1] * xs[j][e & 1];
+                        if (kWithMin<TYPE>) v += wm[i][e >> 1] * xs[j][e & 1];
                         acc[i][j][e] += v;
                     }
                 }
@@ -322,10 +345,6 @@ __device__ __forceinline__ void stage_superblock(TileSharedK& sh, int row, int h
     }
 }
 
-// Four 6-bit codes 0..63 (one per byte) as the signed bytes q - 32 (no byte borrows from the next: each is
-// first raised by 128).
-__device__ __forceinline__ uint32_t codes6_minus_32(uint32_t q) { return ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
-
 // Half `half` of a Q6_K super-block (values 128 half ..) into staged row `row`, as the CPU unpacks it: value
 // 128 h + l of the four quarters from ql[64 h + l] and ql[64 h + 32 + l] (low, then high nibbles) and two bits
 // of qh[32 h + l] each, minus 32; the 8 scales of those values' sub-blocks of 16, and d.
@@ -343,18 +362,60 @@ __device__ __forceinline__ void stage_superblock_q6(TileSharedK& sh, int row, in
 #pragma unroll
     for (int w = 0; w < 8; w++) {
         const uint32_t l0 = load_u32_a2(ql + 4 * w), l1 = load_u32_a2(ql + 32 + 4 * w), h = load_u32_a2(qh + 4 * w);
-        out[w] = codes6_minus_32((l0 & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4));
-        out[8 + w] = codes6_minus_32((l1 & 0x0F0F0F0Fu) | (((h >> 2) & 0x03030303u) << 4));
-        out[16 + w] = codes6_minus_32(((l0 >> 4) & 0x0F0F0F0Fu) | (((h >> 4) & 0x03030303u) << 4));
-        out[24 + w] = codes6_minus_32(((l1 >> 4) & 0x0F0F0F0Fu) | (((h >> 6) & 0x03030303u) << 4));
+        out[w] = codes_minus<32>((l0 & 0x0F0F0F0Fu) | ((h & 0x03030303u) << 4));
+        out[8 + w] = codes_minus<32>((l1 & 0x0F0F0F0Fu) | (((h >> 2) & 0x03030303u) << 4));
+        out[16 + w] = codes_minus<32>(((l0 >> 4) & 0x0F0F0F0Fu) | (((h >> 4) & 0x03030303u) << 4));
+        out[24 + w] = codes_minus<32>(((l1 >> 4) & 0x0F0F0F0Fu) | (((h >> 6) & 0x03030303u) << 4));
     }
     for (int k = 0; k < 8; k++) sh.sc[row][8 * half + k] = (int8_t)blk[192 + 8 * half + k];
     if (half == 0) sh.d[row] = cudaq::half_to_float(cudaq::load_u16(blk + 208));
 }
 
-// Q6_K's integer sums of one staged super-block: its 16 sub-blocks of 16 values, each multiplied by m16n8k16
-// and weighted by its scale.
-__device__ __forceinline__ void q6_sums(const TileSharedK& sh, int wrow, int wtok, int g, int t, int (&isum)[2][4][4]) {
+// Half `half` of a Q2_K or Q3_K super-block (values 128 half ..) into staged row `row`, as the CPU unpacks it:
+// value 128 h + 32 j + l is bits 2j, 2j + 1 of qs[32 h + l] (Q3_K: with bit 4h + j of hmask[l] as its third bit,
+// minus 4); the 8 sub-blocks' scales (Q3_K: signed 6 bits; Q2_K: the low nibble, the min the high one), d and
+// dmin.
+template <int TYPE>
+__device__ __forceinline__ void stage_superblock_2bit(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
+    if (!blk) {
+#pragma unroll
+        for (int w = 0; w < 32; w++) out[w] = 0;
+        for (int k = 0; k < 8; k++) sh.sc[row][8 * half + k] = sh.mn[row][8 * half + k] = 0;
+        if (half == 0) sh.d[row] = sh.dmin[row] = 0.0f;
+        return;
+    }
+    constexpr bool q3 = TYPE == TYPE_Q3_K;
+    const uint8_t* qs = blk + (q3 ? offsetof(block_q3_K, qs) : offsetof(block_q2_K, qs)) + 32 * half;
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        const uint32_t q = load_u32_a2(qs + 4 * w);
+        const uint32_t hm = q3 ? load_u32_a2(blk + offsetof(block_q3_K, hmask) + 4 * w) : 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t lo = (q >> (2 * j)) & 0x03030303u;
+            out[8 * j + w] = q3 ? codes_minus<4>(lo | (((hm >> (4 * half + j)) & 0x01010101u) << 2)) : lo;
+        }
+    }
+    for (int k = 0; k < 8; k++) {
+        const int sb = 8 * half + k;
+        if (q3) {
+            sh.sc[row][sb] = (int8_t)cudaq::q3_K_scale(sb, blk + offsetof(block_q3_K, scales));
+        } else {
+            const uint8_t b = blk[offsetof(block_q2_K, scales) + sb];
+            sh.sc[row][sb] = (int8_t)(b & 0xF);
+            sh.mn[row][sb] = b >> 4;
+        }
+    }
+    if (half == 0) {
+        sh.d[row] = cudaq::half_to_float(cudaq::load_u16(blk + (q3 ? offsetof(block_q3_K, d) : offsetof(block_q2_K, d))));
+        sh.dmin[row] = q3 ? 0.0f : cudaq::half_to_float(cudaq::load_u16(blk + offsetof(block_q2_K, dmin)));
+    }
+}
+
+// The integer sums of one staged super-block of 16-value sub-blocks (Q2_K, Q3_K, Q6_K): each sub-block
+// multiplied by m16n8k16 and weighted by its scale.
+__device__ __forceinline__ void sums16(const TileSharedK& sh, int wrow, int wtok, int g, int t, int (&isum)[2][4][4]) {
     for (int kb = 0; kb < 16; kb++) {
         const int c = 16 * kb + 4 * t;
         uint32_t a[2][2], b[4];
@@ -381,10 +442,17 @@ __device__ __forceinline__ void q6_sums(const TileSharedK& sh, int wrow, int wto
     }
 }
 
-// The tiles for Q4_K, Q5_K and Q6_K weights with Q8_K codes (kCudaCodesK): per super-block and (row, token),
-// the sub-blocks' integer sums weighted by their scales, and (Q4_K, Q5_K) their mins by the codes' sums, in
-// integers, then the CPU's float steps (simd_kquants.h): acc = fma(float(isum), d * x.d, acc) and
-// acc = fma(float(summs), -dmin * x.d, acc) (Q6_K: the first, its sub-blocks of 16 multiplied by m16n8k16).
+// The K-quants whose sub-blocks are 16 values (multiplied by m16n8k16), and those with mins.
+template <int TYPE>
+constexpr bool kSub16 = TYPE == TYPE_Q2_K || TYPE == TYPE_Q3_K || TYPE == TYPE_Q6_K;
+template <int TYPE>
+constexpr bool kKMin = TYPE == TYPE_Q2_K || TYPE == TYPE_Q4_K || TYPE == TYPE_Q5_K;
+
+// The tiles for the K-quants (Q2_K-Q6_K) with Q8_K codes (kCudaCodesK): per super-block and (row, token),
+// the sub-blocks' integer sums weighted by their scales, and (Q2_K, Q4_K, Q5_K) their mins by the codes'
+// sums, in integers, then the CPU's float steps (simd_kquants.h): acc = fma(float(isum), d * x.d, acc) and
+// acc = fma(float(summs), -dmin * x.d, acc) (Q3_K and Q6_K: the first, with the codes' offsets taken out
+// of isum, which is the CPU's isum - corr).
 template <int TYPE>
 __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                       const CudaQ8Meta* __restrict__ meta, int32_t n) {
@@ -405,6 +473,7 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
         const int64_t r = row0 + tid / 2;
         const uint8_t* blk = r < m.rows ? m.w + (size_t)r * m.row_bytes + (b0 / kStageBlocks) * Q::block_bytes : nullptr;
         if (TYPE == TYPE_Q6_K) stage_superblock_q6(sh, tid / 2, tid % 2, blk);
+        else if (TYPE == TYPE_Q2_K || TYPE == TYPE_Q3_K) stage_superblock_2bit<TYPE>(sh, tid / 2, tid % 2, blk);
         else stage_superblock<TYPE>(sh, tid / 2, tid % 2, blk);
         stage_codes(sh.x, codes, cols, n, tok0, b0, tid);
         for (int j = tid; j < kTileTokens * kStageBlocks; j += kThreads) {
@@ -412,13 +481,41 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
             CudaQ8Meta q{};
             if (tok0 + tok < n) q = meta[(size_t)(tok0 + tok) * n_blocks + b0 + kb];
             if (kb == 0) sh.xd[tok] = q.d;
-            sh.xsum[tok][kb] = q.sum;
+            if (TYPE != TYPE_Q2_K) sh.xsum[tok][kb] = q.sum;
         }
+        if (TYPE == TYPE_Q2_K)  // its mins are per 16 values: the codes' sums per 16, from the codes
+            for (int j = tid; j < kTileTokens * 16; j += kThreads) {
+                const int tok = j / 16, sb = j % 16;
+                int sum = 0;
+                if (tok0 + tok < n) {
+                    const int8_t* c = codes + (size_t)(tok0 + tok) * cols + b0 * 32 + 16 * sb;
+                    for (int i = 0; i < 16; i++) sum += c[i];
+                }
+                sh.xsum[tok][sb] = sum;
+            }
         __syncthreads();
 
         int isum[2][4][4] = {}, msum[2][4][4] = {};
-        if (TYPE == TYPE_Q6_K) {
-            q6_sums(sh, wrow, wtok, g, t, isum);
+        if (kSub16<TYPE>) {
+            sums16(sh, wrow, wtok, g, t, isum);
+            if (TYPE == TYPE_Q2_K)
+                for (int sb = 0; sb < 16; sb++) {  // the mins by the codes' sums, per sub-block
+                    int mn[2][2], xs[4][2];
+#pragma unroll
+                    for (int i = 0; i < 2; i++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) mn[i][h] = sh.mn[wrow + 16 * i + g + 8 * h][sb];
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) xs[j][h] = sh.xsum[wtok + 8 * j + 2 * t + h][sb];
+#pragma unroll
+                    for (int i = 0; i < 2; i++)
+#pragma unroll
+                        for (int j = 0; j < 4; j++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++) msum[i][j][e] += mn[i][e >> 1] * xs[j][e & 1];
+                }
         } else {
         for (int kb = 0; kb < kStageBlocks; kb++) {
             uint32_t a[2][4], b[4][2];
@@ -458,7 +555,7 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
                     const int r = wrow + 16 * i + g + 8 * (e >> 1), tk = wtok + 8 * j + 2 * t + (e & 1);
                     const float xd = sh.xd[tk];
                     acc[i][j][e] = fmaf((float)isum[i][j][e], sh.d[r] * xd, acc[i][j][e]);
-                    if (TYPE != TYPE_Q6_K) acc[i][j][e] = fmaf((float)msum[i][j][e], -sh.dmin[r] * xd, acc[i][j][e]);
+                    if (kKMin<TYPE>) acc[i][j][e] = fmaf((float)msum[i][j][e], -sh.dmin[r] * xd, acc[i][j][e]);
                 }
     }
     store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);
@@ -467,12 +564,17 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
 }  // namespace
 
 bool cuda_matmul_tiles_reads(int32_t type) {
-    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0 || type == TYPE_Q4_K || type == TYPE_Q5_K ||
-           type == TYPE_Q6_K;
+    switch (type) {
+        case TYPE_Q4_0: case TYPE_Q4_1: case TYPE_Q5_0: case TYPE_Q5_1: case TYPE_Q8_0:
+        case TYPE_Q2_K: case TYPE_Q3_K: case TYPE_Q4_K: case TYPE_Q5_K: case TYPE_Q6_K: return true;
+        default: return false;
+    }
 }
 
 int32_t cuda_tile_codes(int32_t type) {
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ? kCudaCodesK : kCudaCodes;
+    return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K
+               ? kCudaCodesK
+               : kCudaCodes;
 }
 
 void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
@@ -495,11 +597,15 @@ void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, in
     switch (type) {
         case TYPE_Q4_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q4_1: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_1>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q5_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q5_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q5_1: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q5_1>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q8_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q8_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q2_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q2_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_Q3_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q3_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q4_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q4_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q5_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q5_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q6_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q6_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
-        default: throw Error("internal: the tiled products read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights only");
+        default: throw Error("internal: the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K weights only");
     }
     cuda_check(cudaSuccess, "matmul (tiles)");
     // (the codes are read once per row tile; the L2 cache serves most of it, counted once)

@@ -93,7 +93,7 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
         throw ArgumentError(format("the exact products (a split's share) read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
                                    "and Q6_K rows of whole blocks, not %lld %s values", (long long)cols, tt.name));
     if (tiles && !cuda_matmul_tiles_reads(type))
-        throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, not %s", tt.name));
+        throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K weights, not %s", tt.name));
     if (tiles) {
         cudaDeviceProp prop{};
         cuda_check(cudaGetDeviceProperties(&prop, device), "reading the device's properties");
