@@ -675,13 +675,15 @@ def odd_shapes(tiny, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16",
+                                  "bf16"])
 def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, kind):
     """From 32 tokens on, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (with 32-value codes) and Q2_K-Q6_K products (Q8_K's codes) run as
-    64 x 64 tiles on the tensor cores (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment
-    layouts): a prompt of 70 tokens (two token tiles, the second partial; its last position attends to both)
-    and two decode steps after it match the CPU; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, rows that are not
-    16-byte aligned) and agrees as closely."""
+    64 x 64 tiles on the tensor cores, and F16/BF16 ones (16-bit operands, float sums, the activations as the CPU
+    rounds them) (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment layouts): a prompt of 70
+    tokens (two token tiles, the second partial; its last position attends to both) and two decode steps after
+    it match the CPU; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, the float
+    types, rows that are not 16-byte aligned) and agrees as closely."""
     ids = [(37 * i + 11) % 40000 + 100 for i in range(70)]
 
     def run(device, tiles="1"):  # the prompt's last logits and two decode steps' (every layer's products tiled)

@@ -182,6 +182,11 @@ bool cuda_matmul_tiles_reads(int32_t type);
 int32_t cuda_tile_codes(int32_t type);
 void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                            const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
+// F16 and BF16 weights as the same tiles (m16n8k16 with float sums), over x's rows already rounded to the
+// weights' type (the float path's input); every matrix over all n rows. Needs compute capability 8.0.
+bool cuda_matmul_tiles_f_reads(int32_t type);
+void cuda_matmul_f_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols, const float* x,
+                         int32_t n);
 
 // y[t][d] = dim_scale[d] * sum_j h[t][j] * down[j][d]: a share's down product over its neuron-major Q8_0
 // rows (optiml/sparse.h's NeuronMajor: row j is neuron j's down column), for n_neurons neurons and dim

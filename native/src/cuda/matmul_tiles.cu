@@ -12,6 +12,10 @@
 // The weights are read once per 64 tokens instead of once per 8 (matmul.cu's decode kernels), and the
 // products run on the tensor cores. Needs compute capability 8.0 (mma.sync with 8-bit operands); the CPU
 // emulator runs the same code with the instruction emulated in the PTX ISA's fragment layouts.
+#include <cuda_fp16.h>
+
+#include <cstring>
+
 #include "dequant.cuh"
 #include "kernels.cuh"
 #include "launch_matrices.cuh"
@@ -86,6 +90,31 @@ __device__ __forceinline__ void mma_s8_k16(int c[4], const uint32_t a[2], uint32
 #endif
 #elif !defined(__CUDACC__)
     optiml_emu::mma_m16n8k16_s8(c, a, b);
+#endif
+}
+
+// D = A B + C for one m16n8k16 tile of F16 or BF16 operands with float sums (lane l = 4 g + t holds A's rows g
+// and g + 8 at columns 2t, 2t + 1 and 2t + 8, 2t + 9, two values a register; B's column g at rows 2t, 2t + 1
+// and 2t + 8, 2t + 9; C as mma_s8's).
+template <int TYPE>
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__)
+#if __CUDA_ARCH__ >= 800
+    if (TYPE == TYPE_F16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+#elif !defined(__CUDACC__)
+    optiml_emu::mma_m16n8k16_f16(c, a, b, TYPE == TYPE_BF16);
 #endif
 }
 
@@ -561,7 +590,117 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
     store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);
 }
 
+// F16 and BF16 weights: a stage is 128 values of the 64 rows (their 16-bit values as they are stored) and of
+// the 64 tokens' activations, which the CPU's path has already rounded to the weights' type (so converting
+// them to its 16 bits is exact); each warp's 32 x 32 corner as m16n8k16 tiles with float sums.
+constexpr int kStageHalves = 128;
+constexpr int kStrideHalves = kStageHalves + 8;  // 272 bytes a staged row: a warp's fragment loads hit 32 banks
+
+struct alignas(16) TileSharedF {
+    uint16_t w[kTileRows][kStrideHalves];
+    uint16_t x[kTileTokens][kStrideHalves];
+};
+
+template <int TYPE>
+__device__ __forceinline__ uint32_t bits16(float v) {
+    if (TYPE == TYPE_BF16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        return u >> 16;  // (v is a BF16 value: its low half is zero)
+    }
+    const __half h = __float2half_rn(v);
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+
+template <int TYPE>
+__global__ void matmul_tiles_f_kernel(LaunchMatrices ms, int64_t cols, const float* __restrict__ x, int32_t n) {
+    __shared__ TileSharedF sh;
+    int64_t row0;
+    const CudaMatrix m = tile_matrix(ms, row0);
+    const int32_t tok0 = (int32_t)blockIdx.x * kTileTokens;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int wrow = (warp & 1) * 32, wtok = (warp >> 1) * 32;
+    constexpr int kPairs = kStageHalves / 2;
+
+    float acc[2][4][4] = {};
+    for (int64_t c0 = 0; c0 < cols; c0 += kStageHalves) {
+        __syncthreads();
+        for (int j = tid; j < kTileRows * kPairs; j += kThreads) {  // two values at a time (rows 2-byte aligned)
+            const int row = j / kPairs, p = j % kPairs;
+            const int64_t r = row0 + row, c = c0 + 2 * p;
+            *(uint32_t*)&sh.w[row][2 * p] = r < m.rows && c < cols ? load_u32_a2(m.w + (size_t)r * m.row_bytes + 2 * c) : 0;
+        }
+        for (int j = tid; j < kTileTokens * kPairs; j += kThreads) {
+            const int tok = j / kPairs, p = j % kPairs;
+            const int64_t c = c0 + 2 * p;
+            uint32_t v = 0;
+            if (tok0 + tok < n && c < cols) {
+                const float* xp = x + (size_t)(tok0 + tok) * cols + c;
+                v = bits16<TYPE>(xp[0]) | (bits16<TYPE>(xp[1]) << 16);
+            }
+            *(uint32_t*)&sh.x[tok][2 * p] = v;
+        }
+        __syncthreads();
+
+        const int steps = (int)(((cols - c0 < kStageHalves ? cols - c0 : kStageHalves) + 15) / 16);
+        for (int ks = 0; ks < steps; ks++) {
+            const int k = 16 * ks + 2 * t;
+            uint32_t a[2][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int r = wrow + 16 * i + g;
+                a[i][0] = *(const uint32_t*)&sh.w[r][k];
+                a[i][1] = *(const uint32_t*)&sh.w[r + 8][k];
+                a[i][2] = *(const uint32_t*)&sh.w[r][k + 8];
+                a[i][3] = *(const uint32_t*)&sh.w[r + 8][k + 8];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int tk = wtok + 8 * j + g;
+                b[j][0] = *(const uint32_t*)&sh.x[tk][k];
+                b[j][1] = *(const uint32_t*)&sh.x[tk][k + 8];
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) mma_f16<TYPE>(acc[i][j], a[i], b[j]);
+        }
+    }
+    store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);
+}
+
 }  // namespace
+
+bool cuda_matmul_tiles_f_reads(int32_t type) { return type == TYPE_F16 || type == TYPE_BF16; }
+
+void cuda_matmul_f_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols, const float* x,
+                         int32_t n) {
+    if (n <= 0) return;
+    if (cols % 2 != 0) throw Error("internal: the F16/BF16 tiles take rows of an even number of values");
+    const LaunchMatrices ms = launch_matrices(m, count, kTileRows);
+    CudaTraffic traffic;
+    const int64_t token_tiles = (n + kTileTokens - 1) / kTileTokens;
+    for (int k = 0; k < count; k++) {
+        if (m[k].ids || m[k].n >= 0 || m[k].x_row != 0)
+            throw Error("internal: the tiled products take every row of their input");
+        traffic.weights += m[k].rows * (int64_t)m[k].row_bytes * token_tiles + (m[k].bias ? 4 * m[k].rows : 0);
+        traffic.activations += (m[k].accumulate ? 8 : 4) * (int64_t)n * m[k].rows;
+    }
+    if (ms.units == 0) return;
+    if (ms.units > 65535) throw ArgumentError(format("cuda tiled product: %u row tiles is more than one launch holds", ms.units));
+    const dim3 grid((unsigned)token_tiles, ms.units);
+    switch (type) {
+        case TYPE_F16: OPTIML_LAUNCH(matmul_tiles_f_kernel<TYPE_F16>, grid, kThreads, s, ms, cols, x, n); break;
+        case TYPE_BF16: OPTIML_LAUNCH(matmul_tiles_f_kernel<TYPE_BF16>, grid, kThreads, s, ms, cols, x, n); break;
+        default: throw Error("internal: the float tiles read F16 and BF16 weights only");
+    }
+    cuda_check(cudaSuccess, "matmul (tiles)");
+    // (the activations are read once per row tile; the L2 cache serves most of it, counted once)
+    traffic.activations += 4 * (int64_t)n * cols;
+    cuda_count(CudaKernel::MatmulTiles, traffic);
+}
 
 bool cuda_matmul_tiles_reads(int32_t type) {
     switch (type) {

@@ -92,8 +92,10 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     if (exact && !cuda_matmul_exact_reads(type, cols))
         throw ArgumentError(format("the exact products (a split's share) read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K "
                                    "and Q6_K rows of whole blocks, not %lld %s values", (long long)cols, tt.name));
-    if (tiles && !cuda_matmul_tiles_reads(type))
-        throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K weights, not %s", tt.name));
+    const bool ftiles = tiles && cuda_matmul_tiles_f_reads(type);  // F16/BF16: the float path's tiles
+    if (tiles && !ftiles && !cuda_matmul_tiles_reads(type))
+        throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16 and BF16 "
+                                   "weights, not %s", tt.name));
     if (tiles) {
         cudaDeviceProp prop{};
         cuda_check(cudaGetDeviceProperties(&prop, device), "reading the device's properties");
@@ -133,7 +135,7 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     const bool aligned = cuda_matmul_q8x_reads(type, cols, row_bytes, w);
     CudaProductTiming out;
     out.weight_bytes = (int64_t)matrix_bytes;
-    if (tiles || aligned || exact) {  // the integer path: the activations as 8-bit codes
+    if ((tiles && !ftiles) || aligned || exact) {  // the integer path: the activations as 8-bit codes
         int8_t* codes = (int8_t*)ts.alloc((size_t)n * (size_t)cols);
         CudaQ8Meta* meta = (CudaQ8Meta*)ts.alloc(sizeof(CudaQ8Meta) * (size_t)n * (size_t)(cols / 32));
         float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
@@ -157,10 +159,12 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
         });
     } else {  // the float path (the activations as the CPU rounds them; their values do not change the time)
         float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
-        out.kernel = "matmul";
+        cuda_check(cudaMemsetAsync(x, 0, sizeof(float) * (size_t)n * (size_t)cols, ts.stream), "clearing x");
+        out.kernel = ftiles ? "matmul_tiles" : "matmul";
         out.seconds = ts.time(reps, [&](int i) {
             m.w = w + (size_t)(i % copies) * matrix_bytes;
-            cuda_matmul_many(ts.stream, type, &m, 1, cols, x, n);
+            if (ftiles) cuda_matmul_f_tiles(ts.stream, type, &m, 1, cols, x, n);
+            else cuda_matmul_many(ts.stream, type, &m, 1, cols, x, n);
         });
     }
     return out;

@@ -45,6 +45,9 @@ const uint64_t* shuffle_get(int me, int src);
 void mma_m16n8k32_s8(int c[4], const uint32_t a[4], const uint32_t b[2]);
 // The same for mma.sync.m16n8k16 with 8-bit operands (A: 2 registers, B: 1).
 void mma_m16n8k16_s8(int c[4], const uint32_t a[2], uint32_t b);
+// mma.sync.m16n8k16.row.col.f32 with F16 (bf16 false) or BF16 operands, two a register: c[0..3] += this lane's
+// elements of A B.
+void mma_m16n8k16_f16(float c[4], const uint32_t a[4], const uint32_t b[2], bool bf16);
 
 // The value v of lane source(my lane) of this thread's warp: every shuffle. The source must be a live thread
 // of the block, as on a GPU, where reading an exited or missing lane gives an undefined value.

@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <cuda_runtime.h>
+#include "optiml/ggml_types.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -313,6 +314,34 @@ void mma_m16n8k16_s8(int c[4], const uint32_t a[2], uint32_t b) {
         int sum = 0;
         for (int k = 0; k < 16; k++)
             sum += byte(blk.fragments[base + 4 * (row % 8) + k / 4][row >= 8], k) * byte(blk.fragments[base + 4 * col + k / 4][4], k);
+        c[e] += sum;
+    }
+    warp_barrier();
+}
+
+void mma_m16n8k16_f16(float c[4], const uint32_t a[4], const uint32_t b[2], bool bf16) {
+    Block& blk = *g_block;
+    const int me = blk.current, base = me & ~31, lane = me & 31;
+    blk.fragments[me] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    warp_barrier();
+    // A's (row, k) is half k % 2 of register (row >= 8) + 2 (k >= 8) of lane 4 (row % 8) + (k % 8) / 2; B's (k,
+    // col) half k % 2 of register k >= 8 of lane 4 col + (k % 8) / 2. The products are exact in float.
+    auto value = [bf16](uint32_t w, int k) {
+        const uint16_t h = (uint16_t)(w >> (16 * (k % 2)));
+        if (!bf16) return optiml::fp16_to_fp32(h);
+        const uint32_t u = (uint32_t)h << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    };
+    for (int e = 0; e < 4; e++) {
+        const int row = lane / 4 + 8 * (e / 2), col = 2 * (lane % 4) + e % 2;
+        float sum = 0.0f;
+        for (int k = 0; k < 16; k++) {
+            const auto& fa = blk.fragments[base + 4 * (row % 8) + (k % 8) / 2];
+            const auto& fb = blk.fragments[base + 4 * col + (k % 8) / 2];
+            sum += value(fa[(row >= 8) + 2 * (k >= 8)], k) * value(fb[4 + (k >= 8)], k);
+        }
         c[e] += sum;
     }
     warp_barrier();
