@@ -330,20 +330,23 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t* q, uint8_t& s
     }
 }
 
+// A staged half super-block past the matrix's rows: zero codes, scales, mins (its n_sub sub-blocks) and d.
+__device__ __forceinline__ void clear_staged_half(TileSharedK& sh, int row, int half, int n_sub) {
+    uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
+#pragma unroll
+    for (int w = 0; w < 32; w++) out[w] = 0;
+    for (int k = 0; k < n_sub; k++) sh.sc[row][n_sub * half + k] = sh.mn[row][n_sub * half + k] = 0;
+    if (half == 0) sh.d[row] = sh.dmin[row] = 0.0f;
+}
+
 // Half `half` (values 128 half .. 128 half + 127, sub-blocks 4 half ..) of a Q4_K/Q5_K super-block into
 // staged row `row` (blk nullptr: past the matrix, zeros): codes 0..31 as bytes in x's order (the CPU's
 // unpacking: value 64 j + l is the low nibble of qs[32 j + l], value 64 j + 32 + l its high nibble, and
 // Q5_K's fifth bits from qh[l]), with the sub-blocks' scales and mins and the block's d and dmin.
 template <int TYPE>
 __device__ __forceinline__ void stage_superblock(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    if (!blk) return clear_staged_half(sh, row, half, 4);
     uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
-    if (!blk) {
-#pragma unroll
-        for (int w = 0; w < 32; w++) out[w] = 0;
-        for (int k = 0; k < 4; k++) sh.sc[row][4 * half + k] = sh.mn[row][4 * half + k] = 0;
-        if (half == 0) sh.d[row] = sh.dmin[row] = 0.0f;
-        return;
-    }
     if (half == 0) {
         sh.d[row] = cudaq::half_to_float(cudaq::load_u16(blk));
         sh.dmin[row] = cudaq::half_to_float(cudaq::load_u16(blk + 2));
@@ -378,14 +381,8 @@ __device__ __forceinline__ void stage_superblock(TileSharedK& sh, int row, int h
 // 128 h + l of the four quarters from ql[64 h + l] and ql[64 h + 32 + l] (low, then high nibbles) and two bits
 // of qh[32 h + l] each, minus 32; the 8 scales of those values' sub-blocks of 16, and d.
 __device__ __forceinline__ void stage_superblock_q6(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    if (!blk) return clear_staged_half(sh, row, half, 8);
     uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
-    if (!blk) {
-#pragma unroll
-        for (int w = 0; w < 32; w++) out[w] = 0;
-        for (int k = 0; k < 8; k++) sh.sc[row][8 * half + k] = 0;
-        if (half == 0) sh.d[row] = 0.0f;
-        return;
-    }
     const uint8_t* ql = blk + 64 * half;
     const uint8_t* qh = blk + 128 + 32 * half;
 #pragma unroll
@@ -406,14 +403,8 @@ __device__ __forceinline__ void stage_superblock_q6(TileSharedK& sh, int row, in
 // dmin.
 template <int TYPE>
 __device__ __forceinline__ void stage_superblock_2bit(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    if (!blk) return clear_staged_half(sh, row, half, 8);
     uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
-    if (!blk) {
-#pragma unroll
-        for (int w = 0; w < 32; w++) out[w] = 0;
-        for (int k = 0; k < 8; k++) sh.sc[row][8 * half + k] = sh.mn[row][8 * half + k] = 0;
-        if (half == 0) sh.d[row] = sh.dmin[row] = 0.0f;
-        return;
-    }
     constexpr bool q3 = TYPE == TYPE_Q3_K;
     const uint8_t* qs = blk + (q3 ? offsetof(block_q3_K, qs) : offsetof(block_q2_K, qs)) + 32 * half;
 #pragma unroll
@@ -469,6 +460,27 @@ __device__ __forceinline__ void sums16(const TileSharedK& sh, int wrow, int wtok
                 for (int e = 0; e < 4; e++) isum[i][j][e] += sc[i][e >> 1] * sum[e];
             }
     }
+}
+
+// Sub-block sb's min (of this lane's rows) times the codes' sum over it (of its tokens), into msum: exact
+// integers, in any order.
+__device__ __forceinline__ void add_mins(const TileSharedK& sh, int sb, int wrow, int wtok, int g, int t,
+                                         int (&msum)[2][4][4]) {
+    int mn[2][2], xs[4][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) mn[i][h] = sh.mn[wrow + 16 * i + g + 8 * h][sb];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) xs[j][h] = sh.xsum[wtok + 8 * j + 2 * t + h][sb];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) msum[i][j][e] += mn[i][e >> 1] * xs[j][e & 1];
 }
 
 // The K-quants whose sub-blocks are 16 values (multiplied by m16n8k16), and those with mins.
@@ -528,39 +540,16 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
         if (kSub16<TYPE>) {
             sums16(sh, wrow, wtok, g, t, isum);
             if (TYPE == TYPE_Q2_K)
-                for (int sb = 0; sb < 16; sb++) {  // the mins by the codes' sums, per sub-block
-                    int mn[2][2], xs[4][2];
-#pragma unroll
-                    for (int i = 0; i < 2; i++)
-#pragma unroll
-                        for (int h = 0; h < 2; h++) mn[i][h] = sh.mn[wrow + 16 * i + g + 8 * h][sb];
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-#pragma unroll
-                        for (int h = 0; h < 2; h++) xs[j][h] = sh.xsum[wtok + 8 * j + 2 * t + h][sb];
-#pragma unroll
-                    for (int i = 0; i < 2; i++)
-#pragma unroll
-                        for (int j = 0; j < 4; j++)
-#pragma unroll
-                            for (int e = 0; e < 4; e++) msum[i][j][e] += mn[i][e >> 1] * xs[j][e & 1];
-                }
+                for (int sb = 0; sb < 16; sb++) add_mins(sh, sb, wrow, wtok, g, t, msum);
         } else {
         for (int kb = 0; kb < kStageBlocks; kb++) {
             uint32_t a[2][4], b[4][2];
             load_fragments(sh.w, sh.x, kb, wrow, wtok, g, t, a, b);
-            int sc[2][2], mn[2][2], xs[4][2];
+            int sc[2][2];
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    sc[i][h] = sh.sc[wrow + 16 * i + g + 8 * h][kb];
-                    mn[i][h] = sh.mn[wrow + 16 * i + g + 8 * h][kb];
-                }
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) xs[j][h] = sh.xsum[wtok + 8 * j + 2 * t + h][kb];
+                for (int h = 0; h < 2; h++) sc[i][h] = sh.sc[wrow + 16 * i + g + 8 * h][kb];
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -568,11 +557,9 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
                     int sum[4] = {0, 0, 0, 0};
                     mma_s8(sum, a[i], b[j]);
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        isum[i][j][e] += sc[i][e >> 1] * sum[e];
-                        msum[i][j][e] += mn[i][e >> 1] * xs[j][e & 1];
-                    }
+                    for (int e = 0; e < 4; e++) isum[i][j][e] += sc[i][e >> 1] * sum[e];
                 }
+            add_mins(sh, kb, wrow, wtok, g, t, msum);
         }
         }
 #pragma unroll
