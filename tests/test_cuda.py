@@ -653,15 +653,15 @@ def test_one_token_kernels_equal_the_batch_kernels(tiny, monkeypatch, name):
 def odd_shapes(tiny, tmp_path_factory):
     """Two-layer models of each type the tiled products read, shaped to hit the edges of a tile: for the
     32-value blocks rows of 320 values (a stage of 256 and a part, rows not 16-byte aligned), k and v of 160
-    rows (a part of a row tile), an FFN of 864 neurons (27 blocks); for the K-quants (rows of whole 256-value
-    super-blocks) rows of 512, an FFN of 768, k and v of 128 rows. (The output matrix, Q8_0, reads one row of
+    rows (a part of a row tile), an FFN of 864 neurons (27 blocks); for the K-quants and IQ4_XS (rows of whole
+    256-value super-blocks) rows of 512, an FFN of 768, k and v of 128 rows. (The output matrix, Q8_0, reads one row of
     a prompt: it takes the decode kernels.) Each is made when a test first asks for it: a worker of the suite
     makes only its own tests' models."""
     made = {}
 
     def get(kind):
         if kind not in made:
-            shape = (["--n-embd", "512", "--n-ff", "768", "--n-head", "8"] if kind.endswith("_k") else
+            shape = (["--n-embd", "512", "--n-ff", "768", "--n-head", "8"] if kind.endswith(("_k", "_xs")) else
                      ["--n-embd", "320", "--n-ff", "864", "--n-head", "4"])
             path = tmp_path_factory.mktemp("tiles") / f"odd_{kind}.gguf"
             subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools",
@@ -675,15 +675,15 @@ def odd_shapes(tiny, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16",
-                                  "bf16"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                                  "iq4_xs", "f16", "bf16"])
 def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, kind):
-    """From 32 tokens on, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (with 32-value codes) and Q2_K-Q6_K products (Q8_K's codes) run as
-    64 x 64 tiles on the tensor cores, and F16/BF16 ones (16-bit operands, float sums, the activations as the CPU
-    rounds them) (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment layouts): a prompt of 70
-    tokens (two token tiles, the second partial; its last position attends to both) and two decode steps after
-    it match the CPU; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float path: the K-quants, the float
-    types, rows that are not 16-byte aligned) and agrees as closely."""
+    """From 32 tokens on, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL (with 32-value codes) and Q2_K-Q6_K/IQ4_XS products (Q8_K's
+    codes) run as 64 x 64 tiles on the tensor cores, and F16/BF16 ones (16-bit operands, float sums, the
+    activations as the CPU rounds them) (matmul_tiles.cu; on the emulator, mma.sync in the PTX ISA's fragment
+    layouts): a prompt of 70 tokens (two token tiles, the second partial; its last position attends to both)
+    and two decode steps after it match the CPU; OPTIML_CUDA_TILES=0 takes the decode kernels (or the float
+    path: the K-quants, the float types, rows that are not 16-byte aligned) and agrees as closely."""
     ids = [(37 * i + 11) % 40000 + 100 for i in range(70)]
 
     def run(device, tiles="1"):  # the prompt's last logits and two decode steps' (every layer's products tiled)
@@ -746,7 +746,7 @@ def test_kernel_benchmark_runs_and_rejects_bad_products(tmp_path):
     from optiml import _core, quant
     q4k = quant.type_info("q4_k").id
     with pytest.raises(optiml.OptimlError, match="tiled products read"):
-        _core._cuda_time_product(0, quant.type_info("iq4_nl").id, 64, 256, 32, "tiles", 1, 1 << 20)
+        _core._cuda_time_product(0, quant.type_info("mxfp4").id, 64, 256, 32, "tiles", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="exact products .* not 256 F16 values"):
         _core._cuda_time_product(0, quant.type_info("f16").id, 64, 256, 1, "exact", 1, 1 << 20)
     with pytest.raises(optiml.OptimlError, match="choose decode, decode-batch, tiles or exact"):

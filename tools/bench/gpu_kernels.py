@@ -8,8 +8,8 @@ For every type and shape: one token (the decode kernels built for one token: GB/
 over the copy bandwidth; a copy reads and writes, so a product that only reads can exceed 100%; and the
 kernels built for batches at one token, as decode ran before the one-token kernels), 8 tokens (one pass of the
 decode kernels over the weights for all of them: effective GB/s) and a prompt of --prompt tokens (TFLOP/s,
-2 * rows * cols * tokens per launch: the tensor-core tiles for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16 and
-BF16, and the decode kernels, 8 tokens a pass, for every type as the baseline the tiles replace). "exact 1 token": the kernels of a
+2 * rows * cols * tokens per launch: the tensor-core tiles for every type but F32 and MXFP4, and the decode
+kernels, 8 tokens a pass, for every type as the baseline the tiles replace). "exact 1 token": the kernels of a
 split's device share, which sum in the CPU's order (matmul_exact.cu), at one token. The weights are random values
 quantized on the host and copied until the copies span --span MiB, well past the GPU's L2 cache, so each
 launch streams its weights from memory (native/src/cuda/product_timing.cu). Needs a CUDA build and device;
@@ -31,7 +31,8 @@ SHAPES = {  # rows x cols of the products of one layer: q/k/v/o, gate/up, down
     "13b": [(5120, 5120), (13824, 5120), (5120, 13824)],
     "tiny": [(128, 256)],
 }
-TILE_TYPES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16"}
+TILE_TYPES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
+              "f16", "bf16"}
 EXACT_TYPES = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
 
 

@@ -775,7 +775,7 @@ private:
         }
         bool whole = true;  // (as the integer tiles: every matrix over all rows of the input)
         for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids && m[k].x_row == 0;
-        if (whole && mma_ && n >= kTileMinTokens && cuda_matmul_tiles_f_reads(type))
+        if (whole && mma_ && n >= kTileMinTokens && cuda_matmul_tiles_f_reads(type) && in.cols % 2 == 0)
             cuda_matmul_f_tiles(stream_, type, m, count, in.cols, x, n);
         else
             cuda_matmul_many(stream_, type, m, count, in.cols, x, n);

@@ -174,7 +174,7 @@ int32_t cuda_matmul_exact_codes(int32_t type);
 void cuda_matmul_exact_many(cudaStream_t s, int32_t type, const CudaMatrix* m, int count, int64_t cols,
                             const int8_t* codes, const CudaQ8Meta* meta, int32_t n);
 // The same products for a prompt or a batch (32 tokens and more: matmul_tiles.cu; Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0, and Q2_K-Q6_K with codes converted as kCudaCodesK), as 64 x 64 tiles of
+// Q8_0, IQ4_NL, and Q2_K-Q6_K, IQ4_XS with codes converted as kCudaCodesK), as 64 x 64 tiles of
 // rows and tokens on the tensor cores, each weight read once per 64 tokens. Every matrix reads all n
 // rows of the codes (no experts' slots or parts of the input). Needs compute capability 8.0.
 bool cuda_matmul_tiles_reads(int32_t type);

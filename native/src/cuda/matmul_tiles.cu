@@ -1,17 +1,18 @@
-// Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-// weights with the activations' 8-bit codes, as the CPU's block dot products; and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
-// with Q8_K's codes, as the CPU's K-quant dot products) for 32 tokens and more, as tiles of 64 weight
-// rows by 64 tokens. A thread block stages a stretch of 256 values of its rows (decoded to signed 8-bit
-// codes) and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of
-// the tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time (the
+// Prompts and batches on tensor cores: the integer products of matmul.cu (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// IQ4_NL weights with the activations' 8-bit codes, as the CPU's block dot products; and Q2_K-Q6_K, IQ4_XS
+// with Q8_K's codes, as the CPU's K-quant dot products) for 32 tokens and more, as tiles of 64 weight rows
+// by 64 tokens. A thread block stages a stretch of 256 values of its rows (decoded to signed 8-bit codes)
+// and of its tokens' codes in shared memory; each of its four warps multiplies a 32 x 32 corner of the
+// tile with mma.sync m16n8k32 (int8 in, int32 out), one quantization block of 32 values at a time (the
 // K-quants with sub-blocks of 16, Q2_K, Q3_K and Q6_K: m16n8k16, a sub-block at a time), and scales each
 // block's exact integer sums by the weights' and the activations' scales in float, as the CPU does. The
 // per-block values are the CPU's; for the 32-value formats the float sum over blocks runs in another order,
-// for the K-quants it is the CPU's chain of fused steps, super-block after super-block.
+// for the K-quants it is the CPU's chain of fused steps, super-block after super-block. F16 and BF16
+// weights take the same tiles with 16-bit operands and float sums (matmul_tiles_f_kernel).
 //
 // The weights are read once per 64 tokens instead of once per 8 (matmul.cu's decode kernels), and the
-// products run on the tensor cores. Needs compute capability 8.0 (mma.sync with 8-bit operands); the CPU
-// emulator runs the same code with the instruction emulated in the PTX ISA's fragment layouts.
+// products run on the tensor cores. Needs compute capability 8.0 (mma.sync with 8-bit and 16-bit operands);
+// the CPU emulator runs the same code with the instruction emulated in the PTX ISA's fragment layouts.
 #include <cuda_fp16.h>
 
 #include <cstring>
@@ -76,8 +77,8 @@ __device__ __forceinline__ void mma_s8(int c[4], const uint32_t a[4], const uint
 #endif
 }
 
-// The same for m16n8k16 (Q6_K's sub-blocks of 16): A's rows g and g + 8 at columns 4t..4t+3 (a[0], a[1]),
-// B's column g at rows 4t.. (b).
+// The same for m16n8k16 (the sub-blocks of 16 of Q2_K, Q3_K and Q6_K): A's rows g and g + 8 at columns
+// 4t..4t+3 (a[0], a[1]), B's column g at rows 4t.. (b).
 __device__ __forceinline__ void mma_s8_k16(int c[4], const uint32_t a[2], uint32_t b) {
 #if defined(__CUDA_ARCH__)
 #if __CUDA_ARCH__ >= 800
@@ -137,6 +138,14 @@ __device__ __forceinline__ uint32_t codes_minus(uint32_t q) {
     return ((q | 0x80808080u) - OFFSET * 0x01010101u) ^ 0x80808080u;
 }
 
+// Four codes 0..15 (one per byte) as their IQ4_NL table values (signed bytes).
+__device__ __forceinline__ uint32_t iq4nl_bytes(uint32_t q) {
+    uint32_t out = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) out |= (uint32_t)(uint8_t)cudaq::iq4nl_value((q >> (8 * k)) & 0xF) << (8 * k);
+    return out;
+}
+
 // Bits 0-3 of b as bit 0 of bytes 0-3.
 __device__ __forceinline__ uint32_t bits_to_bytes(uint32_t b) {
     return (b & 1u) | ((b & 2u) << 7) | ((b & 4u) << 14) | ((b & 8u) << 21);
@@ -162,6 +171,16 @@ __device__ __forceinline__ void stage_weight_block(TileShared& sh, int row, int 
     if (TYPE == TYPE_Q8_0) {
 #pragma unroll
         for (int j = 0; j < 8; j++) out[j] = load_u32_a2(blk + 2 + 4 * j);
+        sh.wm[row][kb] = 0.0f;
+        return;
+    }
+    if (TYPE == TYPE_IQ4_NL) {  // nibbles as Q4_0's, each a value of the table
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t q = load_u32_a2(blk + 2 + 4 * j);
+            out[j] = iq4nl_bytes(q & 0x0F0F0F0Fu);
+            out[4 + j] = iq4nl_bytes((q >> 4) & 0x0F0F0F0Fu);
+        }
         sh.wm[row][kb] = 0.0f;
         return;
     }
@@ -377,6 +396,31 @@ __device__ __forceinline__ void stage_superblock(TileSharedK& sh, int row, int h
     }
 }
 
+// Half `half` of an IQ4_XS super-block (sub-blocks 4 half .. 4 half + 3 of 32 values): sub-block ib's values 0-15
+// from the low nibbles of qs[16 ib ..], 16-31 from the high ones, each its table value; the sub-blocks' scales
+// (six bits, less 32) and d.
+__device__ __forceinline__ void stage_superblock_iq4xs(TileSharedK& sh, int row, int half, const uint8_t* blk) {
+    if (!blk) return clear_staged_half(sh, row, half, 4);
+    uint32_t* out = (uint32_t*)&sh.w[row][128 * half];
+    const int scales_h = cudaq::load_u16(blk + 2);
+    for (int k = 0; k < 4; k++) {
+        const int ib = 4 * half + k;
+        const int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4);
+        sh.sc[row][ib] = (int8_t)(ls - 32);
+        sh.mn[row][ib] = 0;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const uint32_t q = load_u32_a2(blk + 8 + 16 * ib + 4 * w);
+            out[8 * k + w] = iq4nl_bytes(q & 0x0F0F0F0Fu);
+            out[8 * k + 4 + w] = iq4nl_bytes((q >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+    if (half == 0) {
+        sh.d[row] = cudaq::half_to_float(cudaq::load_u16(blk));
+        sh.dmin[row] = 0.0f;
+    }
+}
+
 // Half `half` of a Q6_K super-block (values 128 half ..) into staged row `row`, as the CPU unpacks it: value
 // 128 h + l of the four quarters from ql[64 h + l] and ql[64 h + 32 + l] (low, then high nibbles) and two bits
 // of qh[32 h + l] each, minus 32; the 8 scales of those values' sub-blocks of 16, and d.
@@ -489,11 +533,12 @@ constexpr bool kSub16 = TYPE == TYPE_Q2_K || TYPE == TYPE_Q3_K || TYPE == TYPE_Q
 template <int TYPE>
 constexpr bool kKMin = TYPE == TYPE_Q2_K || TYPE == TYPE_Q4_K || TYPE == TYPE_Q5_K;
 
-// The tiles for the K-quants (Q2_K-Q6_K) with Q8_K codes (kCudaCodesK): per super-block and (row, token),
+// The tiles for the K-quants (Q2_K-Q6_K, IQ4_XS) with Q8_K codes (kCudaCodesK): per super-block and (row, token),
 // the sub-blocks' integer sums weighted by their scales, and (Q2_K, Q4_K, Q5_K) their mins by the codes'
 // sums, in integers, then the CPU's float steps (simd_kquants.h): acc = fma(float(isum), d * x.d, acc) and
 // acc = fma(float(summs), -dmin * x.d, acc) (Q3_K and Q6_K: the first, with the codes' offsets taken out
-// of isum, which is the CPU's isum - corr).
+// of isum, which is the CPU's isum - corr; IQ4_XS: the first too, its codes the table's values and its scales
+// six bits less 32, where the CPU multiplies, then adds).
 template <int TYPE>
 __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int8_t* __restrict__ codes,
                                       const CudaQ8Meta* __restrict__ meta, int32_t n) {
@@ -515,6 +560,7 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
         const uint8_t* blk = r < m.rows ? m.w + (size_t)r * m.row_bytes + (b0 / kStageBlocks) * Q::block_bytes : nullptr;
         if (TYPE == TYPE_Q6_K) stage_superblock_q6(sh, tid / 2, tid % 2, blk);
         else if (TYPE == TYPE_Q2_K || TYPE == TYPE_Q3_K) stage_superblock_2bit<TYPE>(sh, tid / 2, tid % 2, blk);
+        else if (TYPE == TYPE_IQ4_XS) stage_superblock_iq4xs(sh, tid / 2, tid % 2, blk);
         else stage_superblock<TYPE>(sh, tid / 2, tid % 2, blk);
         stage_codes(sh.x, codes, cols, n, tok0, b0, tid);
         for (int j = tid; j < kTileTokens * kStageBlocks; j += kThreads) {
@@ -528,9 +574,10 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
             for (int j = tid; j < kTileTokens * 16; j += kThreads) {
                 const int tok = j / 16, sb = j % 16;
                 int sum = 0;
-                if (tok0 + tok < n) {
-                    const int8_t* c = codes + (size_t)(tok0 + tok) * cols + b0 * 32 + 16 * sb;
-                    for (int i = 0; i < 16; i++) sum += c[i];
+                if (tok0 + tok < n) {  // (16 codes at a multiple of 16 bytes: the rows are whole super-blocks)
+                    const Bytes16 c = *(const Bytes16*)(codes + (size_t)(tok0 + tok) * cols + b0 * 32 + 16 * sb);
+#pragma unroll
+                    for (int i = 0; i < 16; i++) sum += (int8_t)(c.w[i / 4] >> (8 * (i % 4)));
                 }
                 sh.xsum[tok][sb] = sum;
             }
@@ -559,7 +606,7 @@ __global__ void matmul_tiles_k_kernel(LaunchMatrices ms, int64_t cols, const int
 #pragma unroll
                     for (int e = 0; e < 4; e++) isum[i][j][e] += sc[i][e >> 1] * sum[e];
                 }
-            add_mins(sh, kb, wrow, wtok, g, t, msum);
+            if (kKMin<TYPE>) add_mins(sh, kb, wrow, wtok, g, t, msum);
         }
         }
 #pragma unroll
@@ -692,13 +739,15 @@ void cuda_matmul_f_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int 
 bool cuda_matmul_tiles_reads(int32_t type) {
     switch (type) {
         case TYPE_Q4_0: case TYPE_Q4_1: case TYPE_Q5_0: case TYPE_Q5_1: case TYPE_Q8_0:
-        case TYPE_Q2_K: case TYPE_Q3_K: case TYPE_Q4_K: case TYPE_Q5_K: case TYPE_Q6_K: return true;
+        case TYPE_Q2_K: case TYPE_Q3_K: case TYPE_Q4_K: case TYPE_Q5_K: case TYPE_Q6_K:
+        case TYPE_IQ4_NL: case TYPE_IQ4_XS: return true;
         default: return false;
     }
 }
 
 int32_t cuda_tile_codes(int32_t type) {
-    return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K
+    return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ||
+                   type == TYPE_IQ4_XS
                ? kCudaCodesK
                : kCudaCodes;
 }
@@ -728,10 +777,13 @@ void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, in
         case TYPE_Q8_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q8_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q2_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q2_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q3_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q3_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_IQ4_NL: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_IQ4_NL>, grid, kThreads, s, ms, cols, codes, meta, n); break;
+        case TYPE_IQ4_XS: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_IQ4_XS>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q4_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q4_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q5_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q5_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q6_K: OPTIML_LAUNCH(matmul_tiles_k_kernel<TYPE_Q6_K>, grid, kThreads, s, ms, cols, codes, meta, n); break;
-        default: throw Error("internal: the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K weights only");
+        default: throw Error("internal: the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS "
+                             "weights only");
     }
     cuda_check(cudaSuccess, "matmul (tiles)");
     // (the codes are read once per row tile; the L2 cache serves most of it, counted once)

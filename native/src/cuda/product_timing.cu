@@ -94,13 +94,14 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
                                    "and Q6_K rows of whole blocks, not %lld %s values", (long long)cols, tt.name));
     const bool ftiles = tiles && cuda_matmul_tiles_f_reads(type);  // F16/BF16: the float path's tiles
     if (tiles && !ftiles && !cuda_matmul_tiles_reads(type))
-        throw ArgumentError(format("the tiled products read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, F16 and BF16 "
-                                   "weights, not %s", tt.name));
+        throw ArgumentError(format("the tiled products read every weight type but F32 and MXFP4, not %s", tt.name));
+    if (ftiles && cols % 2 != 0)
+        throw ArgumentError(format("the tiled products read %s rows of an even length, not %lld", tt.name, (long long)cols));
     if (tiles) {
         cudaDeviceProp prop{};
         cuda_check(cudaGetDeviceProperties(&prop, device), "reading the device's properties");
         if (prop.major < 8)
-            throw ArgumentError(format("the tiled products need compute capability 8.0 (mma.sync with 8-bit operands); "
+            throw ArgumentError(format("the tiled products need compute capability 8.0 (mma.sync); "
                                        "this device has %d.%d", prop.major, prop.minor));
     }
 
@@ -135,15 +136,18 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
     const bool aligned = cuda_matmul_q8x_reads(type, cols, row_bytes, w);
     CudaProductTiming out;
     out.weight_bytes = (int64_t)matrix_bytes;
-    if ((tiles && !ftiles) || aligned || exact) {  // the integer path: the activations as 8-bit codes
-        int8_t* codes = (int8_t*)ts.alloc((size_t)n * (size_t)cols);
-        CudaQ8Meta* meta = (CudaQ8Meta*)ts.alloc(sizeof(CudaQ8Meta) * (size_t)n * (size_t)(cols / 32));
-        float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
+    // The activations: random values (zeros would spare the tensor cores some power, and so some time).
+    float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
+    {
         std::vector<float> xv((size_t)n * (size_t)cols);
         std::mt19937 rng(99);
         std::normal_distribution<float> normal(0.0f, 1.0f);
         for (float& v : xv) v = normal(rng);
         cuda_check(cudaMemcpyAsync(x, xv.data(), sizeof(float) * xv.size(), cudaMemcpyHostToDevice, ts.stream), "copying x");
+    }
+    if ((tiles && !ftiles) || aligned || exact) {  // the integer path: the activations as 8-bit codes
+        int8_t* codes = (int8_t*)ts.alloc((size_t)n * (size_t)cols);
+        CudaQ8Meta* meta = (CudaQ8Meta*)ts.alloc(sizeof(CudaQ8Meta) * (size_t)n * (size_t)(cols / 32));
         CudaInputStage st;
         st.x = x;
         st.convert = tiles ? cuda_tile_codes(type) : exact ? cuda_matmul_exact_codes(type) : kCudaCodes;
@@ -157,9 +161,7 @@ CudaProductTiming cuda_time_product(int device, int32_t type, int64_t rows, int6
             else if (exact) cuda_matmul_exact_many(ts.stream, type, &m, 1, cols, codes, meta, n);
             else cuda_matmul_q8x_many(ts.stream, type, &m, 1, cols, codes, meta, n);
         });
-    } else {  // the float path (the activations as the CPU rounds them; their values do not change the time)
-        float* x = (float*)ts.alloc(sizeof(float) * (size_t)n * (size_t)cols);
-        cuda_check(cudaMemsetAsync(x, 0, sizeof(float) * (size_t)n * (size_t)cols, ts.stream), "clearing x");
+    } else {  // the float path (unrounded activations: their rounding does not change the time)
         out.kernel = ftiles ? "matmul_tiles" : "matmul";
         out.seconds = ts.time(reps, [&](int i) {
             m.w = w + (size_t)(i % copies) * matrix_bytes;
