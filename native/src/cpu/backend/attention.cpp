@@ -220,14 +220,10 @@ struct CausalAttention {
     }
 
     // The nh query heads h0.. of token t that share a KV head, each key and value row converted once
-    // for all of them; the same bits as head() for each. Dots shorter than kHeadsMinLen go head by head:
-    // the heads kernel's fixed cost per row (four partial sums stored, then reduced) outweighs the
-    // conversions it saves there (8 SmolLM2 sequences, head_dim 64, decoded 5% slower through it).
-    static constexpr int64_t kHeadsMinLen = 128;
+    // for all of them (or short rows head by head, as the kernel decides); the same bits as head() for each.
     void dots(int64_t n, float* s, int64_t s_stride, const uint8_t* rows, size_t stride, const uint8_t* ys,
               size_t y_stride, int64_t n_rows, int nh) const {
-        if (n >= kHeadsMinLen) return kt.attn_dot_heads[TYPE_F16](n, s, s_stride, rows, stride, ys, y_stride, n_rows, nh);
-        for (int i = 0; i < nh; i++) attn_dots(kt, TYPE_F16, n, s + i * s_stride, rows, stride, ys + i * y_stride, n_rows);
+        kt.attn_dot_heads[TYPE_F16](n, s, s_stride, rows, stride, ys, y_stride, n_rows, nh);
     }
     void heads(int64_t t, int64_t h0, int nh) const {
         const int64_t kvh = h0 / group, n_seen = (int64_t)b.pos[t] + 1, nw = n_window(t), f = first(t);

@@ -147,6 +147,20 @@ inline void dot_f16_rows(int64_t n, float* s, const fp16_t* const* x, const fp16
     }
 }
 
+// attn_dot_heads for F16: rows shorter than kHeadsMinLen go head by head unless the short-row kernel takes
+// them (attn_dot_heads.h); the bits are the same either way.
+template <class O>
+void attn_dot_heads_simd(int64_t n, float* s, int64_t s_stride, const void* rows, size_t stride, const void* ys,
+                         size_t y_stride, int64_t n_rows, int n_y) {
+    if (n < kHeadsMinLen && !short_heads<O>(n, n_y)) {
+        for (int q = 0; q < n_y; q++)
+            attn_dot_rows_by<fp16_t, O::kF16Rows, dot_f16_rows<O, O::kF16Rows>, dot_f16_rows<O, 1>>(
+                n, s + q * s_stride, rows, stride, (const uint8_t*)ys + q * y_stride, n_rows);
+        return;
+    }
+    attn_dot_heads_f16<O>(n, s, s_stride, rows, stride, ys, y_stride, n_rows, n_y);
+}
+
 template <class O>
 void attn_dot_f32_simd(int64_t n, float* s, const void* a, const void* b) {
     const float* x = (const float*)a;
@@ -166,7 +180,7 @@ inline void fill_ops(KernelTable& t) {
     t.attn_dot[TYPE_F16] = attn_dot_f16_simd<O>;
     t.attn_dot_rows[TYPE_F32] = attn_dot_rows_by<float, O::kF32Rows, dot_f32_rows<O, O::kF32Rows>, dot_f32_rows<O, 1>>;
     t.attn_dot_rows[TYPE_F16] = attn_dot_rows_by<fp16_t, O::kF16Rows, dot_f16_rows<O, O::kF16Rows>, dot_f16_rows<O, 1>>;
-    t.attn_dot_heads[TYPE_F16] = attn_dot_heads_f16<O>;
+    t.attn_dot_heads[TYPE_F16] = attn_dot_heads_simd<O>;
     t.softmax_exp = softmax_exp_simd<O>;
     t.silu_mul = silu_mul_simd<O>;
     t.relu_mul = relu_mul_simd<O>;

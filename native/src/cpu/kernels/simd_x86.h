@@ -230,9 +230,33 @@ struct F32x16 {
     static M le(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
     static V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
     static float hsum(V v) { return _mm512_reduce_add_ps(v); }
-    static float hsum_ggml(V v) { return _mm512_reduce_add_ps(v); }  // GGML_F32x16_REDUCE
+    // GGML_F32x16_REDUCE's last step, _mm512_reduce_add_ps, written out: lane i takes lane i + 8, then
+    // i + 4, i + 2 and i + 1 (the tree GCC's and Clang's intrinsic both form), so that hsum_ggml8 forms
+    // the same sums for eight vectors at once whatever the compiler.
+    static float hsum_ggml(V v) {
+        const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
+        const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+        return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
+    }
+    // hsum_ggml of 8 vectors at once, each sum formed from the same additions: the tree's steps over two
+    // vectors' halves (+8), four vectors' quarters (+4), then eight vectors' lanes (+2, +1).
     static void hsum_ggml8(const V* v, float* out) {
-        for (int i = 0; i < 8; i++) out[i] = hsum_ggml(v[i]);
+        __m512 a[4];
+        for (int k = 0; k < 4; k++)  // [v2k: lanes 0-7 + 8-15 | v2k+1: the same]
+            a[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                                 _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+        __m512 b[2];
+        for (int k = 0; k < 2; k++)  // [v4k .. v4k+3: lanes 0-3 + 4-7]
+            b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x88),
+                                 _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xDD));
+        // quarter k: [vk: 0 + 2, 1 + 3 | vk+4: the same], then each pair's sum
+        const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b[0], b[1], 0x44), _mm512_shuffle_ps(b[0], b[1], 0xEE));
+        const __m512 d = _mm512_add_ps(c, _mm512_shuffle_ps(c, c, 0xB1));
+        alignas(64) float r[16];
+        _mm512_store_ps(r, d);
+        for (int k = 0; k < 4; k++) out[k] = r[4 * k], out[k + 4] = r[4 * k + 2];
     }
     static void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
     static void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
