@@ -696,12 +696,14 @@ def test_prompt_products_on_tensor_cores_match_the_cpu(odd_shapes, monkeypatch, 
 
     ref, _ = run("cpu")
     got, tiled = run("cuda")
-    plain, untiled = run("cuda", "0")
-    assert tiled == 2 * 4 and untiled == 0, (tiled, untiled)  # q/k/v, o, gate/up and down in each layer
+    assert tiled == 2 * 4, tiled  # q/k/v, o, gate/up and down in each layer
     assert np.isfinite(got).all()
     # (a wrong fragment, scale or code gives a KLD of 0.01 and more; three rows of logits vary by a few 1e-5)
     assert mean_kld(ref, got) < 3e-4
-    assert mean_kld(plain, got) < 4e-4
+    if kind in ("q4_0", "q4_k", "q6_k", "f16"):  # one of each kernel (the emulator's time is CI's longest job)
+        plain, untiled = run("cuda", "0")
+        assert untiled == 0, untiled
+        assert mean_kld(plain, got) < 4e-4
 
 
 @pytest.mark.parametrize("kv, splits", [("f16", "3"), ("q4_0", "5")])
