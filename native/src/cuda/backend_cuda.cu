@@ -729,9 +729,9 @@ private:
 
     void launch_products(Input& in, int32_t type, bool ints, CudaMatrix* m, int count) {
         const int32_t n = in.n;
+        bool whole = true;  // every matrix over all rows of the input (not a mixture's slots or parts): tiles may run
+        for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids && m[k].x_row == 0;
         if (ints) {
-            bool whole = true;  // every matrix over all rows of the input (not a mixture's slots or parts)
-            for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids;
             const bool exact = exact_for(type, in.cols);
             const bool tiled = whole && tiles(type, n) && !exact;
             const int32_t kind = tiled ? cuda_tile_codes(type) : exact ? cuda_matmul_exact_codes(type) : kCudaCodes;
@@ -773,8 +773,6 @@ private:
             }
             x = in.buf;
         }
-        bool whole = true;  // (as the integer tiles: every matrix over all rows of the input)
-        for (int k = 0; k < count; k++) whole = whole && m[k].n < 0 && !m[k].ids && m[k].x_row == 0;
         if (whole && mma_ && n >= kTileMinTokens && cuda_matmul_tiles_f_reads(type) && in.cols % 2 == 0)
             cuda_matmul_f_tiles(stream_, type, m, count, in.cols, x, n);
         else

@@ -184,9 +184,9 @@ __device__ __forceinline__ void stage_weight_block(TileShared& sh, int row, int 
         sh.wm[row][kb] = 0.0f;
         return;
     }
-    constexpr bool with_min = TYPE == TYPE_Q4_1 || TYPE == TYPE_Q5_1, q5 = TYPE == TYPE_Q5_0 || TYPE == TYPE_Q5_1;
-    const int qh_at = with_min ? 4 : 2, qs_at = qh_at + (q5 ? 4 : 0);
-    sh.wm[row][kb] = with_min ? cudaq::half_to_float(cudaq::load_u16(blk + 2)) : 0.0f;
+    constexpr bool q5 = TYPE == TYPE_Q5_0 || TYPE == TYPE_Q5_1;
+    const int qh_at = kWithMin<TYPE> ? 4 : 2, qs_at = qh_at + (q5 ? 4 : 0);
+    sh.wm[row][kb] = kWithMin<TYPE> ? cudaq::half_to_float(cudaq::load_u16(blk + 2)) : 0.0f;
     const uint32_t qh = q5 ? load_u32_a2(blk + qh_at) : 0;  // bit v: the fifth bit of value v
 #pragma unroll
     for (int j = 0; j < 4; j++) {  // low nibbles are values 0-15, high nibbles 16-31
@@ -705,6 +705,21 @@ __global__ void matmul_tiles_f_kernel(LaunchMatrices ms, int64_t cols, const flo
     store_tile(m, acc, row0, tok0, wrow, wtok, g, t, n);
 }
 
+// The grid of a tiled launch (token tiles by row tiles), with the traffic of its weights and outputs; every
+// matrix reads all n rows of its input.
+dim3 tile_grid(const LaunchMatrices& ms, const CudaMatrix* m, int count, int32_t n, CudaTraffic& traffic) {
+    const int64_t token_tiles = (n + kTileTokens - 1) / kTileTokens;
+    for (int k = 0; k < count; k++) {
+        if (m[k].ids || m[k].n >= 0 || m[k].x_row != 0)
+            throw Error("internal: the tiled products take every row of their input");
+        traffic.weights += m[k].rows * (int64_t)m[k].row_bytes * token_tiles + (m[k].bias ? 4 * m[k].rows : 0);
+        traffic.activations += (m[k].accumulate ? 8 : 4) * (int64_t)n * m[k].rows;
+    }
+    if (ms.units > 65535)
+        throw ArgumentError(format("cuda tiled product: %u row tiles is more than one launch holds", ms.units));
+    return dim3((unsigned)token_tiles, ms.units);
+}
+
 }  // namespace
 
 bool cuda_matmul_tiles_f_reads(int32_t type) { return type == TYPE_F16 || type == TYPE_BF16; }
@@ -715,16 +730,8 @@ void cuda_matmul_f_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, int 
     if (cols % 2 != 0) throw Error("internal: the F16/BF16 tiles take rows of an even number of values");
     const LaunchMatrices ms = launch_matrices(m, count, kTileRows);
     CudaTraffic traffic;
-    const int64_t token_tiles = (n + kTileTokens - 1) / kTileTokens;
-    for (int k = 0; k < count; k++) {
-        if (m[k].ids || m[k].n >= 0 || m[k].x_row != 0)
-            throw Error("internal: the tiled products take every row of their input");
-        traffic.weights += m[k].rows * (int64_t)m[k].row_bytes * token_tiles + (m[k].bias ? 4 * m[k].rows : 0);
-        traffic.activations += (m[k].accumulate ? 8 : 4) * (int64_t)n * m[k].rows;
-    }
+    const dim3 grid = tile_grid(ms, m, count, n, traffic);
     if (ms.units == 0) return;
-    if (ms.units > 65535) throw ArgumentError(format("cuda tiled product: %u row tiles is more than one launch holds", ms.units));
-    const dim3 grid((unsigned)token_tiles, ms.units);
     switch (type) {
         case TYPE_F16: OPTIML_LAUNCH(matmul_tiles_f_kernel<TYPE_F16>, grid, kThreads, s, ms, cols, x, n); break;
         case TYPE_BF16: OPTIML_LAUNCH(matmul_tiles_f_kernel<TYPE_BF16>, grid, kThreads, s, ms, cols, x, n); break;
@@ -758,17 +765,9 @@ void cuda_matmul_q8x_tiles(cudaStream_t s, int32_t type, const CudaMatrix* m, in
     if (cols % (cuda_tile_codes(type) == kCudaCodesK ? 256 : 32) != 0)
         throw Error("internal: the tiled products take rows of whole blocks");
     const LaunchMatrices ms = launch_matrices(m, count, kTileRows);
-    const unsigned tiles = ms.units;
     CudaTraffic traffic;
-    const int64_t token_tiles = (n + kTileTokens - 1) / kTileTokens;
-    for (int k = 0; k < count; k++) {
-        if (m[k].ids || m[k].n >= 0) throw Error("internal: the tiled products take every row of their input");
-        traffic.weights += m[k].rows * (int64_t)m[k].row_bytes * token_tiles + (m[k].bias ? 4 * m[k].rows : 0);
-        traffic.activations += (m[k].accumulate ? 8 : 4) * (int64_t)n * m[k].rows;
-    }
-    if (tiles == 0) return;
-    if (tiles > 65535) throw ArgumentError(format("cuda tiled product: %u row tiles is more than one launch holds", tiles));
-    const dim3 grid((unsigned)token_tiles, tiles);
+    const dim3 grid = tile_grid(ms, m, count, n, traffic);
+    if (ms.units == 0) return;
     switch (type) {
         case TYPE_Q4_0: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_0>, grid, kThreads, s, ms, cols, codes, meta, n); break;
         case TYPE_Q4_1: OPTIML_LAUNCH(matmul_tiles_kernel<TYPE_Q4_1>, grid, kThreads, s, ms, cols, codes, meta, n); break;

@@ -88,8 +88,8 @@ inline void dot_f16_heads_q(int64_t n, float* s, int64_t s_stride, const uint8_t
 // arithmetic on such rows. Here two rows at a time meet the Q heads with their accumulators in registers,
 // 8 rows at a time, and each head's 8 sums are reduced together (hsum_ggml8). Every (row, head) sums as
 // dot_f16_rows sums it alone. Measured (2 threads, against head by head): SmolLM2 (3 heads a KV head)
-// decode at 2048 positions 10% faster, prompts of 512-1024 tokens 10-12%; one row at a time, or 4 heads with
-// rows of 128 values (one row at a time: their accumulators fill the registers), ran slower than before.
+// decode at 2048 positions 3-10% faster, prompts of 512-1024 tokens 10-12%; one row at a time, or 4 heads
+// with rows of 128 values (one row at a time: their accumulators fill the registers), ran slower than before.
 template <class O>
 constexpr bool short_heads(int64_t n, int n_y) {
     return O::N == 16 && n <= 4 * O::N && n_y <= 3;
@@ -126,15 +126,14 @@ inline void dot_f16_short_q(int64_t n, float* s, int64_t s_stride, const uint8_t
             for (int i = 0; i < R; i++)
                 for (int j = 0; j < 4; j++)
                     for (int q = 0; q < Q; q++) acc[i][j][q] = O::zero();
-            for (int64_t m0 = 0; m0 < chunks; m0 += 4)
-                for (int j = 0; j < 4 && m0 + j < chunks; j++) {  // (j a constant once unrolled: registers)
-                    V xv[R];
-                    for (int i = 0; i < R; i++) xv[i] = O::load_f16(x[i] + (m0 + j) * N);
-                    for (int q = 0; q < Q; q++) {
-                        const V yv = O::load_f32(y[q] + (m0 + j) * N);
-                        for (int i = 0; i < R; i++) acc[i][j][q] = O::fma(xv[i], yv, acc[i][j][q]);
-                    }
+            for (int j = 0; j < 4 && j < chunks; j++) {  // (chunk j is partial sum j's only one: short_heads)
+                V xv[R];
+                for (int i = 0; i < R; i++) xv[i] = O::load_f16(x[i] + j * N);
+                for (int q = 0; q < Q; q++) {
+                    const V yv = O::load_f32(y[q] + j * N);
+                    for (int i = 0; i < R; i++) acc[i][j][q] = O::fma(xv[i], yv, acc[i][j][q]);
                 }
+            }
             for (int i = 0; i < R; i++)
                 for (int q = 0; q < Q; q++)
                     folded[q][k + i] = O::add(O::add(acc[i][0][q], acc[i][2][q]), O::add(acc[i][1][q], acc[i][3][q]));
